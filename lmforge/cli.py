@@ -1,0 +1,154 @@
+"""The `lmforge` command: prepare data, train, generate.
+
+Every subcommand that takes a config accepts `--config FILE.yaml`, `--model PRESET` and trailing
+`section.key=value` overrides. User errors print one line and exit with status 2.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from lmforge.config import DEFAULT_PRESET, MODEL_PRESETS, load_config, make_config, parse_override, set_value, validate
+from lmforge.errors import LmforgeError
+
+EXAMPLES = """\
+examples:
+  lmforge train                                      # default model on the embedded corpus, ~10 min on CPU
+  lmforge train --model tiny train.max_steps=50      # presets: {presets}
+  lmforge train --config my.yaml model.n_layers=8 train.max_steps=2000
+  lmforge train --resume runs/<name>                 # continue where the run stopped
+  lmforge generate --run runs/<name> --prompt "def fib(" --max-new-tokens 100
+""".format(presets=", ".join(MODEL_PRESETS))
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML file with model/data/optim/train sections")
+    parser.add_argument("--model", metavar="PRESET", default=None,
+                        help=f"model preset (default {DEFAULT_PRESET}): {', '.join(MODEL_PRESETS)}")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="config overrides, e.g. model.n_layers=8 train.max_steps=2000 optim.lr=1e-3")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmforge", description="Build language models from scratch and know what every step costs.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    prepare = commands.add_parser("prepare", help="train the tokenizer and write train.bin/val.bin",
+                                  description="Gather the corpus, split it by document, train a byte-level "
+                                              "BPE tokenizer and write token files to data.dir.")
+    _add_config_args(prepare)
+
+    train = commands.add_parser("train", help="train a model (prepares the data first if needed)",
+                                description="Train a model; writes checkpoints, metrics.jsonl, loss.png, "
+                                            "summary.json and sample.txt into the run folder.",
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(train)
+    train.add_argument("--name", help="run name: the run folder is runs/NAME (default: preset and time)")
+    train.add_argument("--out", metavar="DIR", help="run folder (instead of runs/NAME)")
+    train.add_argument("--resume", metavar="RUN", help="continue the run in folder RUN from its latest checkpoint; "
+                                                       "only train.* and optim.* may be overridden")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+
+    gen = commands.add_parser("generate", help="sample text from a trained run",
+                              description="Continue a prompt with the latest checkpoint of a run.")
+    gen.add_argument("--run", required=True, metavar="RUN", help="run folder, e.g. runs/small-20261130-120000")
+    gen.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    gen.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1 disables)")
+    gen.add_argument("--num-samples", type=int, default=1)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")
+    gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return {"prepare": cmd_prepare, "train": cmd_train, "generate": cmd_generate}[args.command](args)
+    except LmforgeError as err:
+        print(f"lmforge: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nlmforge: interrupted; a training run continues from its last checkpoint with --resume RUN",
+              file=sys.stderr)
+        return 130
+
+
+def cmd_prepare(args) -> int:
+    from lmforge.data.prepare import prepare_data
+
+    cfg = make_config(args.model or DEFAULT_PRESET, args.config, args.overrides)
+    data = prepare_data(cfg)
+    meta = data.meta
+    print(f"{data.dir}: tokenizer.json ({meta['tokenizer_vocab_size']} tokens), "
+          f"train.bin ({meta['splits']['train']['tokens']:,} tokens), val.bin ({meta['splits']['val']['tokens']:,} tokens)")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from lmforge.train.trainer import Trainer
+
+    if args.resume:
+        if args.config or args.model or args.name or args.out:
+            raise LmforgeError("--resume takes its config from the run; only train.* and optim.* overrides may be added")
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise LmforgeError(f"{run_dir} is not a run folder (no config.yaml)")
+        cfg = load_config(run_dir / "config.yaml")
+        for item in args.overrides:
+            key, value = parse_override(item)
+            if not key.startswith(("train.", "optim.")):
+                raise LmforgeError(f"cannot change {key} when resuming: only train.* and optim.* settings may change")
+            set_value(cfg, key, value, origin="command line")
+        validate(cfg)
+    else:
+        preset = args.model or DEFAULT_PRESET
+        cfg = make_config(preset, args.config, args.overrides)
+        if args.out:
+            run_dir = Path(args.out)
+        else:
+            run_dir = Path("runs") / (args.name or f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress).run()
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from lmforge.data.tokenizer import END_OF_TEXT, load_tokenizer
+    from lmforge.generate.sampling import generate
+    from lmforge.model.transformer import Transformer
+    from lmforge.train import checkpoint as ckpt
+    from lmforge.train.trainer import resolve_device
+
+    if args.max_new_tokens < 1 or args.temperature < 0 or args.num_samples < 1:
+        raise LmforgeError("--max-new-tokens and --num-samples must be >= 1 and --temperature >= 0")
+    if args.top_k is not None and args.top_k < 1 or not 0 < args.top_p <= 1:
+        raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
+    path = ckpt.latest_checkpoint(args.run)
+    ckpt.verify_checkpoint(path)
+    cfg = load_config(path / "config.yaml")
+    tokenizer = load_tokenizer(path / "tokenizer.json")
+    device = resolve_device(args.device)
+    model = Transformer(cfg.model)
+    ckpt.load_model_weights(model, path)
+    model.to(device)
+    end = tokenizer.token_to_id(END_OF_TEXT)
+    prompt_ids = tokenizer.encode(args.prompt).ids if args.prompt else [end]
+    for index in range(args.num_samples):
+        ids = generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, stop_token=end, seed=args.seed + index, use_cache=not args.no_cache)
+        if args.num_samples > 1:
+            print(f"--- sample {index + 1} ---")
+        print(args.prompt + tokenizer.decode(ids))
+    return 0

@@ -1,0 +1,304 @@
+"""Configuration: dataclasses with defaults, named model presets, YAML files and `key=value` overrides.
+
+A config is built in layers, each overriding the last:
+    defaults  ->  model preset (`--model NAME`)  ->  YAML file (`--config F`)  ->  `section.key=value`
+and then validated, so every bad value stops with one line that names it and what is allowed.
+"""
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from lmforge.errors import LmforgeError
+from lmforge.model.attention import BACKENDS
+
+FAMILIES = ("llama", "gpt")
+
+
+@dataclass
+class ModelConfig:
+    family: str = "llama"  # llama: RMSNorm, RoPE, SwiGLU, GQA, no biases | gpt: LayerNorm, learned positions, GELU, biases
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 6
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: as many as n_heads (plain multi-head attention)
+    d_ff: int | None = None  # None: 4*d_model (gpt) or 8/3*d_model rounded up to a multiple of 64 (llama)
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    attention: str = "sdpa"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.family == "gpt":
+            return 4 * self.d_model
+        # SwiGLU has three matrices instead of two; 2/3 of 4d keeps the parameter count of a
+        # 4d GELU MLP (Shazeer 2020, section 2), rounded up for matmul-friendly shapes.
+        return -(-(8 * self.d_model // 3) // 64) * 64
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # "stdlib" (this Python's standard library) or comma-separated .txt/.jsonl files/folders
+    dir: str | None = None  # where prepared token files live; None: data/<source>-bpe<vocab_size>
+    val_fraction: float = 0.05  # fraction of documents held out for validation
+    prefetch: int = 4  # batches prepared ahead by the loader thread
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-3  # peak learning rate
+    min_lr: float = 2e-4  # end of the cosine decay
+    warmup_steps: int = 30
+    weight_decay: float = 0.1  # decoupled (Loshchilov & Hutter 2019); matrices and embeddings only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 16  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seq_len: int | None = None  # None: model.max_seq_len
+    max_steps: int = 600
+    eval_interval: int = 100  # 0: evaluate only at the end
+    eval_batches: int = 8
+    checkpoint_interval: int = 200  # 0: checkpoint only at the end
+    keep_checkpoints: int = 2
+    log_interval: int = 10
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    sample_tokens: int = 200  # tokens generated at the end of training; 0 disables
+    sample_prompt: str = "def "
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def seq_len(self) -> int:
+        return self.train.seq_len or self.model.max_seq_len
+
+
+# Published shapes. The large ones are for planning; training them here is not the point.
+MODEL_PRESETS: dict[str, dict] = {
+    # For tests: trains in seconds.
+    "tiny": dict(family="llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                 max_seq_len=64),
+    # The default of `lmforge train`: about 8 minutes on a 2-core CPU (bench/RESULTS.md).
+    "small": dict(family="llama", vocab_size=4096, d_model=256, n_layers=6, n_heads=4, n_kv_heads=2,
+                  d_ff=704, max_seq_len=256),
+    # Radford et al. 2019 (GPT-2), table 2; context 1024, vocabulary 50257, tied embeddings.
+    "gpt2-124m": dict(family="gpt", vocab_size=50257, d_model=768, n_layers=12, n_heads=12,
+                      max_seq_len=1024),
+    "gpt2-350m": dict(family="gpt", vocab_size=50257, d_model=1024, n_layers=24, n_heads=16,
+                      max_seq_len=1024),
+    # Brown et al. 2020 (GPT-3), table 2.1: 96 layers, d_model 12288, 96 heads, context 2048.
+    "gpt3-175b": dict(family="gpt", vocab_size=50257, d_model=12288, n_layers=96, n_heads=96,
+                      max_seq_len=2048),
+    # Llama 3.2 1B (Meta model card / released config): tied embeddings, rope_theta 5e5.
+    "llama3-1b": dict(family="llama", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
+                      n_kv_heads=8, d_ff=8192, max_seq_len=8192, rope_theta=500000.0),
+    # Touvron et al. 2023 (Llama 2), table 1 and released config.
+    "llama2-7b": dict(family="llama", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                      n_kv_heads=32, d_ff=11008, max_seq_len=4096, tie_embeddings=False),
+    # Dubey et al. 2024 (The Llama 3 Herd of Models), table 3.
+    "llama3-8b": dict(family="llama", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
+                      n_kv_heads=8, d_ff=14336, max_seq_len=8192, rope_theta=500000.0,
+                      tie_embeddings=False),
+    "llama3-70b": dict(family="llama", vocab_size=128256, d_model=8192, n_layers=80, n_heads=64,
+                       n_kv_heads=8, d_ff=28672, max_seq_len=8192, rope_theta=500000.0,
+                       tie_embeddings=False),
+}
+DEFAULT_PRESET = "small"
+SECTIONS = ("model", "data", "optim", "train")
+
+
+def make_config(preset: str | None = DEFAULT_PRESET, path: str | Path | None = None,
+                overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults, then the preset, then the YAML file, then `section.key=value` overrides; validated."""
+    cfg = Config()
+    if preset is not None:
+        if preset not in MODEL_PRESETS:
+            raise LmforgeError(f"unknown model preset {preset!r}{_did_you_mean(preset, MODEL_PRESETS)}; "
+                               f"presets: {', '.join(MODEL_PRESETS)}")
+        cfg.model = ModelConfig(**MODEL_PRESETS[preset])
+    if path is not None:
+        apply_dict(cfg, read_yaml(path), origin=str(path))
+    for item in overrides:
+        key, value = parse_override(item)
+        set_value(cfg, key, value, origin="command line")
+    validate(cfg)
+    return cfg
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise LmforgeError(f"config file {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise LmforgeError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise LmforgeError(f"config file {path} must hold a mapping of sections (model, data, optim, train)")
+    return data
+
+
+def apply_dict(cfg: Config, data: dict, origin: str) -> None:
+    """Apply a nested {section: {key: value}} mapping, as read from YAML."""
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise LmforgeError(f"{origin}: {section!r} must be a section holding key: value pairs")
+        for key, value in values.items():
+            set_value(cfg, f"{section}.{key}", value, origin=origin)
+
+
+def parse_override(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise LmforgeError(f"cannot read {item!r}: overrides look like section.key=value, e.g. train.max_steps=100")
+    key, value = item.split("=", 1)
+    return key.strip(), value.strip()
+
+
+def set_value(cfg: Config, key: str, value, origin: str) -> None:
+    """Set `section.key` on cfg, converting `value` to the field's type."""
+    all_keys = [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(getattr(cfg, s))]
+    if key not in all_keys:
+        raise LmforgeError(f"{origin}: unknown config key {key!r}{_did_you_mean(key, all_keys)}")
+    section, name = key.split(".")
+    target = getattr(cfg, section)
+    hint = typing.get_type_hints(type(target))[name]
+    setattr(target, name, _coerce(value, hint, key))
+
+
+def _coerce(value, hint, key: str):
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    text = value.strip().lower() if isinstance(value, str) else None
+    if type(None) in allowed and (value is None or text in ("none", "null", "~")):
+        return None
+    if bool in allowed:
+        if isinstance(value, bool):
+            return value
+        if text in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return text in ("true", "yes", "on", "1")
+    if int in allowed:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            pass
+    if float in allowed:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        try:
+            return float(str(value))
+        except ValueError:
+            pass
+    if str in allowed and not isinstance(value, (dict, list, bool)):
+        return str(value)
+    if str in allowed and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)  # a YAML list of paths for data.source
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    raise LmforgeError(f"{key} must be {names}, got {value!r}")
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def validate(cfg: Config) -> None:
+    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+
+    def require(ok: bool, message: str) -> None:
+        if not ok:
+            raise LmforgeError(message)
+
+    def choose(key: str, value, choices) -> None:
+        require(value in choices, f"{key} must be one of {', '.join(choices)}, got {value!r}"
+                                  f"{_did_you_mean(str(value), choices)}")
+
+    def positive(key: str, value) -> None:
+        require(value is None or value > 0, f"{key} must be positive, got {value}")
+
+    choose("model.family", m.family, FAMILIES)
+    choose("model.attention", m.attention, BACKENDS)
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
+                "rope_theta", "norm_eps"):
+        positive(f"model.{key}", getattr(m, key))
+    require(257 <= m.vocab_size <= 2**32, f"model.vocab_size must be between 257 (256 bytes + end token) "
+                                          f"and 2**32, got {m.vocab_size}")
+    require(m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    require(m.n_heads % m.kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
+    require(m.family != "llama" or m.head_dim % 2 == 0, f"rotary embeddings need an even head dimension, "
+                                                        f"got d_model/n_heads = {m.head_dim}")
+    require(m.family != "gpt" or m.kv_heads == m.n_heads, "model.n_kv_heads applies to the llama family only")
+    require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
+
+    require(d.source.strip() != "", "data.source is empty: use 'stdlib' or paths to .txt/.jsonl files")
+    require(0.0 < d.val_fraction <= 0.5, f"data.val_fraction must be in (0, 0.5], got {d.val_fraction}")
+    positive("data.prefetch", d.prefetch)
+
+    positive("optim.lr", o.lr)
+    require(0.0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr={o.lr}], got {o.min_lr}")
+    require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    for key in ("beta1", "beta2"):
+        require(0.0 <= getattr(o, key) < 1.0, f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
+    positive("optim.eps", o.eps)
+    require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
+
+    for key in ("batch_size", "grad_accum", "seq_len", "max_steps", "eval_batches", "keep_checkpoints",
+                "log_interval"):
+        positive(f"train.{key}", getattr(t, key))
+    for key in ("eval_interval", "checkpoint_interval", "sample_tokens"):
+        require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
+    require(cfg.seq_len <= m.max_seq_len, f"train.seq_len ({cfg.seq_len}) must not exceed model.max_seq_len "
+                                          f"({m.max_seq_len})")
+    require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
+            f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: dict, origin: str) -> Config:
+    cfg = Config()
+    apply_dict(cfg, data, origin=origin)
+    validate(cfg)
+    return cfg
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def load_config(path: str | Path) -> Config:
+    return config_from_dict(read_yaml(path), origin=str(path))

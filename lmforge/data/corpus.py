@@ -1,0 +1,128 @@
+"""Text corpora as lists of documents: the embedded default, or the user's own files.
+
+The default corpus is the standard library of the running Python: about 30 MB of real code and
+docstrings on every machine, with no download. `site-packages` (which differs per machine),
+caches and the few files that are not valid UTF-8 are left out; files are read in sorted order so
+that the corpus, and everything derived from it, is the same on every run.
+"""
+
+import hashlib
+import json
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmforge.errors import LmforgeError
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")  # read from folders; explicit files may be any text
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str  # stable identifier (relative path, or path:line for .jsonl records)
+    text: str
+
+
+def stdlib_documents() -> list[Document]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if {"site-packages", "dist-packages", "__pycache__"} & set(relative.parts):
+            continue
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            docs.append(Document(relative.as_posix(), text))
+    return docs
+
+
+def stdlib_name() -> str:
+    return f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def file_documents(paths: list[str]) -> list[Document]:
+    """Documents from .txt/.jsonl files and folders: a text file is one document, a .jsonl file
+    holds one document per line as {"text": ...}."""
+    docs = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise LmforgeError(f"data source {raw} does not exist: give .txt/.jsonl files or folders, or 'stdlib'")
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + (".jsonl",))
+            if not files:
+                raise LmforgeError(f"data folder {raw} holds no {', '.join(TEXT_SUFFIXES)} or .jsonl files")
+        else:
+            files = [path]
+        for file in files:
+            docs.extend(_read_file(file))
+    return docs
+
+
+def _read_file(path: Path) -> list[Document]:
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise LmforgeError(f"{path} is not UTF-8 text") from None
+    if path.suffix != ".jsonl":
+        return [Document(str(path), text)] if text.strip() else []
+    docs = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise LmforgeError(f"{path}:{number} is not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise LmforgeError(f'{path}:{number} must be an object with a "text" string')
+        if record["text"].strip():
+            docs.append(Document(f"{path}:{number}", record["text"]))
+    return docs
+
+
+def load_documents(source: str) -> list[Document]:
+    docs = stdlib_documents() if source == "stdlib" else file_documents(
+        [p.strip() for p in source.split(",") if p.strip()])
+    if not docs:
+        raise LmforgeError(f"data source {source!r} holds no text")
+    return docs
+
+
+def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
+    """Train/validation split by document, decided by a hash of each document's name: stable when
+    documents are added or removed, and no document leaks across the split. A single document is
+    cut at the line nearest to (1 - val_fraction) of its length."""
+    if len(docs) == 1:
+        text = docs[0].text
+        cut = text.rfind("\n", 0, int(len(text) * (1 - val_fraction))) + 1 or int(len(text) * (1 - val_fraction))
+        if not 0 < cut < len(text):
+            raise LmforgeError("the corpus is a single document too short to split into train and validation")
+        return [Document(docs[0].name + "#train", text[:cut])], [Document(docs[0].name + "#val", text[cut:])]
+
+    def position(doc: Document) -> float:
+        return int(hashlib.sha1(doc.name.encode()).hexdigest()[:12], 16) / 16**12
+
+    val = [d for d in docs if position(d) < val_fraction]
+    if not val:  # tiny corpora: hold out the one document nearest the threshold
+        val = [min(docs, key=position)]
+    val_names = {d.name for d in val}
+    train = [d for d in docs if d.name not in val_names]
+    if not train:
+        raise LmforgeError("every document fell into the validation split: lower data.val_fraction")
+    return train, val
+
+
+def fingerprint(docs: list[Document]) -> str:
+    """sha256 over names and texts: whether prepared token files still match their source."""
+    digest = hashlib.sha256()
+    for doc in docs:
+        digest.update(doc.name.encode())
+        digest.update(b"\0")
+        digest.update(doc.text.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()

@@ -1,0 +1,74 @@
+"""Batches of random windows from a token file, prepared ahead by a background thread.
+
+Batch number i holds `batch_size` windows whose start offsets are drawn from a generator seeded
+with (seed, i): any batch can be rebuilt from its number alone. The loader's whole state is
+therefore the number of batches handed out, which the checkpoint stores, and a resumed run sees
+exactly the batches an uninterrupted run would have seen.
+
+    x = tokens[s : s + seq_len],   y = tokens[s + 1 : s + seq_len + 1]   (next-token targets)
+"""
+
+import queue
+import threading
+import time
+
+import numpy as np
+import torch
+
+
+def window_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, index: int,
+                 pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch number `index` of the stream seeded with `seed`: the same on every call and machine."""
+    rng = np.random.default_rng([seed, index])
+    starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
+    windows = torch.from_numpy(np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64))
+    if pin_memory:
+        windows = windows.pin_memory()
+    return windows[:, :-1], windows[:, 1:]
+
+
+class BatchLoader:
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
+                 start: int = 0, prefetch: int = 4, device: str | torch.device = "cpu"):
+        if len(tokens) < seq_len + 1:
+            raise ValueError(f"{len(tokens)} tokens cannot fill one window of {seq_len} + 1")
+        self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
+        self.device = torch.device(device)
+        self.position = start  # number of batches handed out so far
+        self.wait_seconds = 0.0  # time the consumer spent blocked on an empty queue
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(start,), daemon=True)
+        self._thread.start()
+
+    def _produce(self, index: int) -> None:
+        while not self._stop.is_set():
+            batch = window_batch(self.tokens, self.batch_size, self.seq_len, self.seed, index,
+                                 pin_memory=self.device.type == "cuda")
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(batch, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            index += 1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        started = time.perf_counter()
+        x, y = self._queue.get()
+        self.wait_seconds += time.perf_counter() - started
+        self.position += 1
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,105 @@
+"""`lmforge prepare`: corpus -> train/val split -> BPE tokenizer -> token files, in one folder.
+
+The folder (data.dir, default data/<source>-bpe<vocab_size>) holds tokenizer.json, train.bin,
+val.bin and meta.json. It is built in a temporary folder and renamed into place when complete, so
+an interrupted run leaves nothing half-written; a later run with the same source and settings
+reuses it, and a folder prepared with other settings is never overwritten.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from lmforge.config import Config
+from lmforge.data.corpus import fingerprint, load_documents, split_documents, stdlib_name
+from lmforge.data.tokenizer import encode_documents, load_tokenizer, tokenizer_hash, train_tokenizer
+from lmforge.data.tokens import META_FORMAT, open_tokens, read_meta, token_dtype, unigram_entropy, write_tokens
+from lmforge.errors import LmforgeError
+
+
+@dataclass
+class PreparedData:
+    dir: Path
+    meta: dict
+    tokenizer: Tokenizer
+    train: np.memmap
+    val: np.memmap
+
+
+def default_data_dir(cfg: Config) -> Path:
+    source = cfg.data.source
+    if source == "stdlib":
+        name = stdlib_name()
+    else:
+        first = Path(source.split(",")[0].strip()).name or "data"
+        name = f"{Path(first).stem}-{hashlib.sha1(source.encode()).hexdigest()[:8]}"
+    return Path("data") / f"{name}-bpe{cfg.model.vocab_size}"
+
+
+def prepare_data(cfg: Config, log: Callable[[str], None] = print) -> PreparedData:
+    """Prepared data for cfg, reused when it exists with the same settings, else built."""
+    data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir(cfg)
+    docs = load_documents(cfg.data.source)
+    settings = {"source": cfg.data.source, "source_sha256": fingerprint(docs),
+                "vocab_size": cfg.model.vocab_size, "val_fraction": cfg.data.val_fraction}
+    if data_dir.exists():
+        meta = read_meta(data_dir)
+        changed = [k for k, v in settings.items() if meta.get(k) != v]
+        if changed:
+            raise LmforgeError(f"{data_dir} holds data prepared with a different {', '.join(changed)}: "
+                               f"set data.dir to a new folder, or delete {data_dir}")
+        return open_prepared(data_dir)
+
+    started = time.perf_counter()
+    train_docs, val_docs = split_documents(docs, cfg.data.val_fraction)
+    log(f"preparing {data_dir}: {len(docs)} documents ({sum(len(d.text) for d in docs) / 1e6:.1f} MB), "
+        f"{len(train_docs)} train / {len(val_docs)} val")
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = data_dir.parent / f".{data_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        tokenizer = train_tokenizer((d.text for d in train_docs), cfg.model.vocab_size)
+        tokenizer.save(str(staging / "tokenizer.json"))
+        log(f"  tokenizer: byte-level BPE, {tokenizer.get_vocab_size()} tokens "
+            f"({time.perf_counter() - started:.1f}s)")
+        dtype = token_dtype(tokenizer.get_vocab_size())
+        splits = {}
+        for split, split_docs in (("train", train_docs), ("val", val_docs)):
+            count = write_tokens(staging / f"{split}.bin",
+                                 encode_documents(tokenizer, (d.text for d in split_docs)), dtype)
+            splits[split] = {"tokens": count, "documents": len(split_docs),
+                             "bytes": sum(len(d.text.encode()) for d in split_docs)}
+        meta = {"format": META_FORMAT, **settings, "tokenizer_sha256": tokenizer_hash(tokenizer),
+                "tokenizer_vocab_size": tokenizer.get_vocab_size(), "dtype": dtype.name, "splits": splits}
+        meta["unigram_entropy_nats"] = unigram_entropy(open_tokens(staging, "train", meta),
+                                                       tokenizer.get_vocab_size())
+        (staging / "meta.json").write_text(json.dumps(meta, indent=2))
+        os.rename(staging, data_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log(f"  tokens: {splits['train']['tokens']:,} train, {splits['val']['tokens']:,} val ({dtype.name}), "
+        f"{splits['train']['bytes'] / splits['train']['tokens']:.2f} bytes/token, "
+        f"unigram entropy {meta['unigram_entropy_nats']:.3f} nats ({time.perf_counter() - started:.1f}s)")
+    return open_prepared(data_dir)
+
+
+def open_prepared(data_dir: str | Path) -> PreparedData:
+    """Open a prepared folder, checking that its tokenizer and token files belong together."""
+    data_dir = Path(data_dir)
+    meta = read_meta(data_dir)
+    tokenizer = load_tokenizer(data_dir / "tokenizer.json")
+    if tokenizer_hash(tokenizer) != meta["tokenizer_sha256"]:
+        raise LmforgeError(f"{data_dir}/tokenizer.json does not match the tokenizer its token files were "
+                           f"written with: delete {data_dir} and prepare the data again")
+    return PreparedData(data_dir, meta, tokenizer, open_tokens(data_dir, "train", meta),
+                        open_tokens(data_dir, "val", meta))

@@ -1,0 +1,1 @@
+"""Sampling with a KV cache (sampling.py)."""

@@ -1,0 +1,89 @@
+"""Autoregressive generation: temperature, top-k and nucleus (top-p) sampling, with a KV cache.
+
+Without a cache, every new token runs the model over the whole context: O(T^2) work for T tokens.
+The cache keeps each layer's keys and values for the positions already seen, so each step feeds
+only the newest token (attention to the cached positions is unchanged, because keys and values of
+earlier positions do not depend on later tokens in a causal model).
+
+When the context fills the model's max_seq_len, both paths restart from the most recent
+max_seq_len // 2 tokens, so cached and uncached generation always see the same context.
+"""
+
+import torch
+
+from lmforge.model.transformer import Transformer
+
+
+class KVCache:
+    """Keys and values of every layer for positions [0, length), preallocated to max_len."""
+
+    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (n_layers, batch, kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
+        """Store k, v (batch, kv_heads, new, head_dim) at start_pos; return all keys/values so far."""
+        end = start_pos + k.shape[2]
+        self.keys[layer, :, :, start_pos:end] = k
+        self.values[layer, :, :, start_pos:end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row of `logits` (batch, vocab). temperature 0 means greedy."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        # Holtzman et al. 2020: keep the smallest set of tokens whose probability mass reaches top_p.
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, stop_token: int | None = None,
+             seed: int = 0, use_cache: bool = True, on_logits=None) -> list[int]:
+    """New token ids continuing `prompt` (the stop token, if sampled, ends generation and is not
+    returned). `on_logits`, if given, is called with each step's next-token logits."""
+    if not prompt:
+        raise ValueError("generation needs a prompt of at least one token")
+    model.eval()
+    cfg = model.cfg
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    generator = torch.Generator(device=device).manual_seed(seed)
+    max_len = cfg.max_seq_len
+    tokens = list(prompt)
+    start = max(0, len(tokens) - max_len)  # first position of the current context window
+    cached = 0  # positions of the window already in the cache
+    cache = KVCache(cfg.n_layers, 1, cfg.kv_heads, max_len, cfg.head_dim, dtype, device) if use_cache else None
+    new_tokens: list[int] = []
+    for _ in range(max_new_tokens):
+        if len(tokens) - start > max_len:
+            start, cached = len(tokens) - max_len // 2, 0
+        if use_cache:
+            feed = torch.tensor([tokens[start + cached:]], device=device)
+            logits = model(feed, kv_cache=cache, start_pos=cached)[:, -1]
+            cached = len(tokens) - start
+        else:
+            logits = model(torch.tensor([tokens[start:]], device=device))[:, -1]
+        if on_logits is not None:
+            on_logits(logits)
+        token = int(sample_next(logits, temperature, top_k, top_p, generator))
+        if token == stop_token:
+            break
+        tokens.append(token)
+        new_tokens.append(token)
+    return new_tokens

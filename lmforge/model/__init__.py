@@ -1,0 +1,1 @@
+"""The transformer (transformer.py), its attention backends (attention.py) and initialisation (init.py)."""

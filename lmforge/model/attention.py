@@ -1,0 +1,77 @@
+"""Scaled dot-product attention behind one function, with interchangeable backends.
+
+    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_head) + mask) V        (Vaswani et al. 2017, eq. 1)
+
+Shapes: q is (batch, heads, q_len, d_head); k and v are (batch, kv_heads, kv_len, d_head) with
+`heads` a multiple of `kv_heads` (grouped-query attention, Ainslie et al. 2023: query head j reads
+key/value head j // (heads / kv_heads)).
+
+The causal mask is aligned to the *end* of the keys: query i sits at absolute position
+kv_len - q_len + i and sees every key at or before it. With q_len == kv_len this is the usual
+lower-triangular mask; with a KV cache (q_len < kv_len) the new queries see all cached keys.
+
+Backends:
+  naive  materialises the (q_len x kv_len) score matrix and its softmax: the reference.
+  sdpa   torch.nn.functional.scaled_dot_product_attention (fused kernels where available).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import einsum, repeat
+
+BACKENDS = ("naive", "sdpa")
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    backend: str = "sdpa",
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Attention output of shape (batch, heads, q_len, d_head); see the module docstring."""
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    if backend == "naive":
+        return naive_attention(q, k, v, causal=causal, dropout_p=dropout_p)
+    if backend == "sdpa":
+        return sdpa_attention(q, k, v, causal=causal, dropout_p=dropout_p)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def causal_mask(q_len: int, kv_len: int, device=None) -> torch.Tensor:
+    """Boolean (q_len, kv_len) mask, True where a query may attend (end-aligned, see above)."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
+
+
+def naive_attention(q, k, v, *, causal=True, dropout_p=0.0):
+    group = q.shape[1] // k.shape[1]
+    k = repeat(k, "b g t d -> b (g r) t d", r=group)
+    v = repeat(v, "b g t d -> b (g r) t d", r=group)
+    scores = einsum(q, k, "b h i d, b h j d -> b h i j") / math.sqrt(q.shape[-1])
+    if causal:
+        mask = causal_mask(q.shape[2], k.shape[2], device=q.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    # Softmax in fp32 whatever the input dtype: exp() of low-precision scores loses the tail.
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return einsum(probs, v, "b h i j, b h j d -> b h i d")
+
+
+def sdpa_attention(q, k, v, *, causal=True, dropout_p=0.0):
+    q_len, kv_len = q.shape[2], k.shape[2]
+    attn_mask, is_causal = None, False
+    if causal and q_len == kv_len:
+        is_causal = True  # lets SDPA pick a fused causal kernel
+    elif causal and q_len > 1:
+        attn_mask = causal_mask(q_len, kv_len, device=q.device)
+    # (causal with a single query: it sees every key, no mask needed)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )

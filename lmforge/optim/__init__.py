@@ -1,0 +1,1 @@
+"""AdamW (adamw.py), the learning-rate schedule (schedule.py) and gradient clipping (clip.py)."""

@@ -1,0 +1,19 @@
+"""Gradient clipping by global norm (Pascanu et al. 2013, Algorithm 1): if ||g|| > c, g <- g * c / ||g||,
+with ||g|| the L2 norm of all gradients taken together, so the update keeps its direction."""
+
+import torch
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Scale gradients in place so that their global L2 norm is at most `max_norm` (0: no
+    clipping); returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    total_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.device, g.dtype))
+    return total_norm

@@ -1,0 +1,1 @@
+"""The training loop (trainer.py), checkpoints (checkpoint.py) and run reports (report.py)."""

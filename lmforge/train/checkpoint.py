@@ -1,0 +1,197 @@
+"""Checkpoints: everything needed to continue a run bit for bit, written atomically.
+
+A checkpoint is a folder runs/<name>/checkpoints/step_NNNNNNN/ holding
+    model.safetensors       weights (tied tensors stored once)
+    optimizer.safetensors   per-parameter optimizer state (AdamW moments and step counts)
+    rng.safetensors         random generator states (CPU, and CUDA where used)
+    state.json              step, data-loader position, optimizer hyper-parameters, metrics so far
+    config.yaml, tokenizer.json
+    manifest.json           size and sha256 of every file above, written last
+It is written to a hidden '.partial' folder, synced to disk, then renamed into place, and only
+then does `checkpoints/latest` (itself replaced atomically) point to it: a kill at any moment
+leaves the previous checkpoint whole and `latest` naming a complete one.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file, save_model
+
+from lmforge.errors import LmforgeError
+
+CHECKPOINT_DIR = "checkpoints"
+STEP_PATTERN = re.compile(r"^step_(\d+)$")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomically(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The optimizer's state as flat named tensors plus its param groups (JSON-ready)."""
+    state = optimizer.state_dict()
+    tensors = {f"{index}.{key}": value.detach().contiguous().cpu()
+               for index, per_param in state["state"].items() for key, value in per_param.items()}
+    return tensors, state["param_groups"]
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict, extra_files: dict[str, Path], keep: int) -> Path:
+    """Write the checkpoint for `step` under run_dir/checkpoints and point `latest` at it."""
+    root = run_dir / CHECKPOINT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:07d}"
+    partial = root / f".{final.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+
+    save_model(model, str(partial / "model.safetensors"))
+    tensors, param_groups = optimizer_tensors(optimizer)
+    save_file(tensors, str(partial / "optimizer.safetensors"))
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(rng, str(partial / "rng.safetensors"))
+    (partial / "state.json").write_text(json.dumps({**state, "step": step, "param_groups": param_groups}, indent=2))
+    for name, source in extra_files.items():
+        shutil.copyfile(source, partial / name)
+    manifest = {}
+    for file in sorted(partial.iterdir()):
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+        manifest[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+    _write_json_atomically(partial / "manifest.json", manifest)
+    _fsync_dir(partial)
+
+    if final.exists():  # the same step saved again (e.g. the last step after a resume)
+        stale = root / f".{final.name}.stale"
+        shutil.rmtree(stale, ignore_errors=True)
+        os.rename(final, stale)
+        os.rename(partial, final)
+        shutil.rmtree(stale)
+    else:
+        os.rename(partial, final)
+    _fsync_dir(root)
+    _write_json_atomically(root / "latest.json", {"checkpoint": final.name})
+    for old in list_checkpoints(run_dir)[:-keep]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoint folders of a run, oldest first."""
+    root = run_dir / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_PATTERN.match(p.name) and (p / "manifest.json").is_file()]
+    return sorted(found, key=lambda p: int(STEP_PATTERN.match(p.name).group(1)))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise LmforgeError(f"run folder {run_dir} does not exist")
+    pointer = run_dir / CHECKPOINT_DIR / "latest.json"
+    if pointer.is_file():
+        try:
+            path = run_dir / CHECKPOINT_DIR / json.loads(pointer.read_text())["checkpoint"]
+            if (path / "manifest.json").is_file():
+                return path
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # fall back to scanning the folder
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise LmforgeError(f"{run_dir} has no checkpoint: it was stopped before its first save")
+    return found[-1]
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Check every file against the manifest; a corrupt or incomplete checkpoint stops here."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raise LmforgeError(f"checkpoint {path} is corrupt: manifest.json unreadable") from None
+    for name, expected in manifest.items():
+        file = path / name
+        if not file.is_file():
+            raise LmforgeError(f"checkpoint {path} is incomplete: {name} is missing")
+        if file.stat().st_size != expected["bytes"] or _sha256(file) != expected["sha256"]:
+            raise LmforgeError(f"checkpoint {path} is corrupt: {name} does not match its checksum; "
+                               f"resume from an earlier checkpoint or start a new run")
+
+
+def load_model_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load model.safetensors into `model`, naming the first tensor whose shape differs."""
+    file = path / "model.safetensors"
+    expected = model.state_dict()
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            names = set(f.keys())
+            for name in names:
+                if name not in expected:
+                    raise LmforgeError(f"checkpoint {path} holds {name!r}, which this model does not have: "
+                                       f"it was saved from a different model")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(expected[name].shape):
+                    raise LmforgeError(f"checkpoint {path} was saved from a model of a different shape: "
+                                       f"{name} is {shape} there, {tuple(expected[name].shape)} here")
+            tensors = {name: f.get_tensor(name) for name in names}
+    except SafetensorError as err:
+        raise LmforgeError(f"checkpoint {path} is corrupt: {err}") from None
+    missing = [n for n in expected if n not in tensors and not _is_tied_alias(model, n, tensors)]
+    if missing:
+        raise LmforgeError(f"checkpoint {path} lacks {missing[0]!r}: it was saved from a different model")
+    model.load_state_dict(tensors, strict=False)
+
+
+def _is_tied_alias(model: torch.nn.Module, name: str, tensors: dict) -> bool:
+    """True if parameter `name` shares storage with a parameter that the file does hold."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if name not in params:
+        return False
+    return any(other in tensors and params[other] is params[name] for other in params if other != name)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, path: Path, param_groups: list[dict]) -> None:
+    tensors = load_file(str(path / "optimizer.safetensors"))
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def load_rng_states(path: Path) -> None:
+    rng = load_file(str(path / "rng.safetensors"))
+    torch.set_rng_state(rng["cpu"])
+    cuda = [rng[k] for k in sorted((k for k in rng if k.startswith("cuda.")), key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)

@@ -1,0 +1,260 @@
+"""The training loop: data -> model -> AdamW, with evaluation, checkpoints, logs and a summary.
+
+One optimizer step = `grad_accum` micro-batches of `batch_size` windows of `seq_len` tokens; each
+micro-batch loss is divided by grad_accum so that the summed gradient equals the gradient of the
+mean loss over the whole batch. Then: clip the global gradient norm, set the scheduled learning
+rate, AdamW step. Cost figures (FLOPs per token, peak FLOP/s, MFU) come from `accounting/`.
+"""
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from tqdm import tqdm
+
+from lmforge.accounting.flops import training_flops_per_token
+from lmforge.accounting.hardware import device_name, matmul_peak
+from lmforge.config import Config, save_config
+from lmforge.data.loader import BatchLoader, window_batch
+from lmforge.data.prepare import PreparedData, prepare_data
+from lmforge.data.tokenizer import END_OF_TEXT
+from lmforge.errors import LmforgeError
+from lmforge.generate.sampling import generate
+from lmforge.model.transformer import Transformer
+from lmforge.optim.adamw import AdamW
+from lmforge.optim.clip import clip_grad_norm
+from lmforge.optim.schedule import learning_rate
+from lmforge.train import checkpoint as ckpt
+from lmforge.train.report import MetricsLog, plot_losses, print_table
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise LmforgeError(f"train.device={name} but no CUDA device is available: use train.device=cpu")
+    return torch.device(name)
+
+
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices and embeddings; leave gains and biases alone (decaying a norm's gain toward
+    zero only fights the normalisation). Tied tensors appear once."""
+    params = list(dict.fromkeys(model.parameters()))
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, tokens, batch_size: int, seq_len: int, seed: int, batches: int,
+             device: torch.device) -> float:
+    """Mean loss over a fixed set of `batches` windows (the same ones at every evaluation)."""
+    was_training = model.training
+    model.eval()
+    losses = []
+    for index in range(batches):
+        x, y = window_batch(tokens, batch_size, seq_len, seed, index)
+        losses.append(model(x.to(device), y.to(device)).item())
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
+                 progress: bool = True):
+        self.cfg, self.run_dir, self.console, self.progress = cfg, Path(run_dir), console or Console(), progress
+        self.device = resolve_device(cfg.train.device)
+        torch.manual_seed(cfg.train.seed)
+        self.data: PreparedData = prepare_data(cfg, log=self.console.print)
+        tokenizer_vocab = self.data.meta["tokenizer_vocab_size"]
+        if tokenizer_vocab > cfg.model.vocab_size:
+            raise LmforgeError(f"the tokenizer in {self.data.dir} has {tokenizer_vocab} tokens but "
+                               f"model.vocab_size is {cfg.model.vocab_size}: they must match")
+        if len(self.data.val) < cfg.seq_len + 1 or len(self.data.train) < cfg.seq_len + 1:
+            raise LmforgeError(f"the corpus is too small for windows of {cfg.seq_len} tokens "
+                               f"({len(self.data.train)} train, {len(self.data.val)} val tokens): "
+                               f"add text or lower train.seq_len")
+        self.model = Transformer(cfg.model).to(self.device)
+        self.optimizer = AdamW(weight_decay_groups(self.model, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                               betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+        self.step, self.history = 0, {}
+        loader_position = 0
+        if resume:
+            loader_position = self._restore()
+        else:
+            self._create_run_dir()
+        self.loader = BatchLoader(self.data.train, cfg.train.batch_size, cfg.seq_len, seed=cfg.train.seed,
+                                  start=loader_position, prefetch=cfg.data.prefetch, device=self.device)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resume else None)
+        self.tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.seq_len
+        self.flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
+        self.peak_flops = matmul_peak(torch.float32, self.device)
+
+    # -- run folder and checkpoints ---------------------------------------------------------------
+
+    def _create_run_dir(self) -> None:
+        if self.run_dir.exists() and any(self.run_dir.iterdir()):
+            raise LmforgeError(f"run folder {self.run_dir} already exists: continue it with "
+                               f"--resume {self.run_dir}, or pick another --name")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.run_dir / "config.yaml")
+        shutil.copyfile(self.data.dir / "tokenizer.json", self.run_dir / "tokenizer.json")
+
+    def _restore(self) -> int:
+        path = ckpt.latest_checkpoint(self.run_dir)
+        ckpt.verify_checkpoint(path)
+        state = json.loads((path / "state.json").read_text())
+        if state["tokenizer_sha256"] != self.data.meta["tokenizer_sha256"]:
+            raise LmforgeError(f"checkpoint {path} was trained with another tokenizer than the one in "
+                               f"{self.data.dir}: point data.dir at the run's original data")
+        ckpt.load_model_weights(self.model, path)
+        ckpt.load_optimizer_state(self.optimizer, path, state["param_groups"])
+        ckpt.load_rng_states(path)
+        self.step, self.history = state["step"], state["history"]
+        if self.step >= self.cfg.train.max_steps:
+            raise LmforgeError(f"{self.run_dir} already reached step {self.step} of train.max_steps="
+                               f"{self.cfg.train.max_steps}: pass a larger train.max_steps to continue")
+        save_config(self.cfg, self.run_dir / "config.yaml")  # may carry new train.* settings
+        self.console.print(f"resuming {self.run_dir} from {path.name}")
+        return state["loader_position"]
+
+    def save(self) -> Path:
+        state = {"loader_position": self.loader.position, "history": self.history,
+                 "tokenizer_sha256": self.data.meta["tokenizer_sha256"]}
+        return ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state,
+                                    {"config.yaml": self.run_dir / "config.yaml",
+                                     "tokenizer.json": self.run_dir / "tokenizer.json"},
+                                    keep=self.cfg.train.keep_checkpoints)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (mean loss over the batch, gradient norm before clipping)."""
+        cfg = self.cfg
+        lr = learning_rate(self.step, peak=cfg.optim.lr, floor=cfg.optim.min_lr,
+                           warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(cfg.train.grad_accum):
+            x, y = next(self.loader)
+            loss = self.model(x, y) / cfg.train.grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm(self.model.parameters(), cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss_sum, grad_norm
+
+    def evaluate(self) -> float:
+        t = self.cfg.train
+        return evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, t.seed + 1,
+                        t.eval_batches, self.device)
+
+    def run(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        self.model.train()
+        start_step = self.step
+        bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not self.progress)
+        train_seconds, window_seconds, window_steps = 0.0, 0.0, 0
+        loss = None
+        try:
+            while self.step < t.max_steps:
+                started = time.perf_counter()
+                loss_sum, grad_norm = self.train_step()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - started
+                train_seconds += elapsed
+                window_seconds += elapsed
+                window_steps += 1
+                bar.update(1)
+                last = self.step == t.max_steps
+                if self.step % t.log_interval == 0 or last:
+                    loss = loss_sum.item()
+                    if not math.isfinite(loss):
+                        raise LmforgeError(f"the loss became {loss} at step {self.step}; the last good "
+                                           f"checkpoint is kept: lower optim.lr or raise optim.warmup_steps")
+                    tokens_per_s = window_steps * self.tokens_per_step / window_seconds
+                    mfu = tokens_per_s * self.flops_per_token / self.peak_flops
+                    self.metrics.write({"step": self.step, "train_loss": loss, "grad_norm": grad_norm.item(),
+                                        "lr": self.optimizer.param_groups[0]["lr"],
+                                        "tokens_per_s": tokens_per_s, "mfu": mfu})
+                    bar.set_postfix_str(f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {mfu:.0%}")
+                    window_seconds, window_steps = 0.0, 0
+                if (t.eval_interval and self.step % t.eval_interval == 0) or last:
+                    val_loss = self.evaluate()
+                    self.history["val_loss"] = val_loss
+                    self.metrics.write({"step": self.step, "val_loss": val_loss})
+                    bar.write(f"step {self.step}: val loss {val_loss:.4f}")
+                if (t.checkpoint_interval and self.step % t.checkpoint_interval == 0) or last:
+                    self.save()
+        finally:
+            bar.close()
+            self.loader.close()
+            self.metrics.close()
+        self.history["train_loss"] = loss
+        return self._finish(start_step, train_seconds)
+
+    # -- after training -----------------------------------------------------------------------------
+
+    def sample(self, prompt: str, max_new_tokens: int, seed: int = 0) -> str:
+        tokenizer = self.data.tokenizer
+        ids = generate(self.model, tokenizer.encode(prompt).ids, max_new_tokens, temperature=0.8, top_p=0.95,
+                       stop_token=tokenizer.token_to_id(END_OF_TEXT), seed=seed)
+        return prompt + tokenizer.decode(ids)
+
+    def _finish(self, start_step: int, train_seconds: float) -> dict:
+        cfg = self.cfg
+        steps = self.step - start_step
+        tokens_per_s = steps * self.tokens_per_step / train_seconds if train_seconds else 0.0
+        meta = self.data.meta
+        val_split = meta["splits"]["val"]
+        val_loss = self.history["val_loss"]
+        summary = {
+            "run_dir": str(self.run_dir),
+            "device": device_name(self.device),
+            "parameters": self.model.num_params(),
+            "steps": self.step,
+            "tokens_trained": self.step * self.tokens_per_step,
+            "train_seconds_this_session": train_seconds,
+            "tokens_per_s": tokens_per_s,
+            "flops_per_token": self.flops_per_token,
+            "peak_flops_measured": self.peak_flops,
+            "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
+            "data_wait_fraction": self.loader.wait_seconds / train_seconds if train_seconds else 0.0,
+            "train_loss": self.history["train_loss"],
+            "val_loss": val_loss,
+            "val_perplexity": math.exp(val_loss),
+            "val_bits_per_byte": val_loss * val_split["tokens"] / val_split["bytes"] / math.log(2),
+            "unigram_entropy_nats": meta["unigram_entropy_nats"],
+        }
+        plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
+                    title=f"{self.run_dir.name}: {summary['parameters'] / 1e6:.1f}M parameters",
+                    unigram_entropy=meta["unigram_entropy_nats"])
+        if cfg.train.sample_tokens:
+            summary["sample"] = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
+            (self.run_dir / "sample.txt").write_text(summary["sample"])
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print_table(self.console, [
+            ("parameters", f"{summary['parameters'] / 1e6:.2f} M"),
+            ("steps", f"{self.step:,} ({summary['tokens_trained']:,} tokens)"),
+            ("time training (this session)", f"{train_seconds:.0f} s"),
+            ("throughput", f"{tokens_per_s:,.0f} tokens/s"),
+            ("MFU", f"{summary['mfu']:.1%} of {self.peak_flops / 1e9:.0f} GFLOP/s measured ({summary['device']})"),
+            ("data loader waiting", f"{summary['data_wait_fraction']:.2%} of step time"),
+            ("train loss", f"{summary['train_loss']:.4f} nats/token"),
+            ("validation loss", f"{val_loss:.4f} nats/token (perplexity {summary['val_perplexity']:.1f}, "
+                                f"{summary['val_bits_per_byte']:.3f} bits/byte)"),
+            ("unigram entropy of the corpus", f"{meta['unigram_entropy_nats']:.4f} nats/token"),
+            ("run folder", str(self.run_dir)),
+        ], title="lmforge train: summary")
+        if cfg.train.sample_tokens:
+            self.console.rule("sample")
+            self.console.print(summary["sample"], markup=False, highlight=False)
+        return summary
