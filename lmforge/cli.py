@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lmforge: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\nlmforge: interrupted; a training run continues from its last checkpoint with --resume RUN",
-              file=sys.stderr)
+        print("\nlmforge: interrupted", file=sys.stderr)
         return 130
 
 
@@ -118,7 +117,13 @@ def cmd_train(args) -> int:
             run_dir = Path(args.out)
         else:
             run_dir = Path("runs") / (args.name or f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress).run()
+    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
+    try:
+        trainer.run()
+    except KeyboardInterrupt:
+        print(f"\nlmforge: interrupted at step {trainer.step}; continue from the last checkpoint with: "
+              f"lmforge train --resume {run_dir}", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -135,8 +140,7 @@ def cmd_generate(args) -> int:
         raise LmforgeError("--max-new-tokens and --num-samples must be >= 1 and --temperature >= 0")
     if args.top_k is not None and args.top_k < 1 or not 0 < args.top_p <= 1:
         raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
-    path = ckpt.latest_checkpoint(args.run)
-    ckpt.verify_checkpoint(path)
+    path = ckpt.find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
     cfg = load_config(path / "config.yaml")
     tokenizer = load_tokenizer(path / "tokenizer.json")
     device = resolve_device(args.device)

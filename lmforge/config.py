@@ -65,9 +65,9 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 2e-3  # peak learning rate
-    min_lr: float = 2e-4  # end of the cosine decay
-    warmup_steps: int = 30
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # the cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 50
     weight_decay: float = 0.1  # decoupled (Loshchilov & Hutter 2019); matrices and embeddings only
     beta1: float = 0.9
     beta2: float = 0.95
@@ -77,13 +77,13 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    batch_size: int = 16  # sequences per micro-batch
+    batch_size: int = 8  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     seq_len: int | None = None  # None: model.max_seq_len
-    max_steps: int = 600
+    max_steps: int = 900
     eval_interval: int = 100  # 0: evaluate only at the end
     eval_batches: int = 8
-    checkpoint_interval: int = 200  # 0: checkpoint only at the end
+    checkpoint_interval: int = 300  # 0: checkpoint only at the end
     keep_checkpoints: int = 2
     log_interval: int = 10
     seed: int = 1337
@@ -266,7 +266,7 @@ def validate(cfg: Config) -> None:
     positive("data.prefetch", d.prefetch)
 
     positive("optim.lr", o.lr)
-    require(0.0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr={o.lr}], got {o.min_lr}")
+    require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
     for key in ("beta1", "beta2"):

@@ -37,9 +37,10 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.
     """Best achieved FLOP/s over square matmuls of the given sizes."""
     device = torch.device(device)
     best = 0.0
+    generator = torch.Generator(device).manual_seed(0)  # leave the global RNG to the training run
     for n in sizes:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
+        a = torch.randn(n, n, device=device, generator=generator).to(dtype)
+        b = torch.randn(n, n, device=device, generator=generator).to(dtype)
         a @ b  # warm-up: allocation, kernel selection
         _sync(device)
         reps, elapsed = 0, 0.0

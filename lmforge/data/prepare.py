@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
+from tqdm import tqdm
 
 from lmforge.config import Config
 from lmforge.data.corpus import fingerprint, load_documents, split_documents, stdlib_name
@@ -44,7 +45,7 @@ def default_data_dir(cfg: Config) -> Path:
     return Path("data") / f"{name}-bpe{cfg.model.vocab_size}"
 
 
-def prepare_data(cfg: Config, log: Callable[[str], None] = print) -> PreparedData:
+def prepare_data(cfg: Config, log: Callable[[str], None] = print, progress: bool = True) -> PreparedData:
     """Prepared data for cfg, reused when it exists with the same settings, else built."""
     data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir(cfg)
     docs = load_documents(cfg.data.source)
@@ -73,11 +74,13 @@ def prepare_data(cfg: Config, log: Callable[[str], None] = print) -> PreparedDat
             f"({time.perf_counter() - started:.1f}s)")
         dtype = token_dtype(tokenizer.get_vocab_size())
         splits = {}
-        for split, split_docs in (("train", train_docs), ("val", val_docs)):
-            count = write_tokens(staging / f"{split}.bin",
-                                 encode_documents(tokenizer, (d.text for d in split_docs)), dtype)
-            splits[split] = {"tokens": count, "documents": len(split_docs),
-                             "bytes": sum(len(d.text.encode()) for d in split_docs)}
+        with tqdm(total=sum(len(d.text) for d in docs), unit="char", unit_scale=True, desc="  encoding",
+                  disable=not progress, leave=False) as bar:
+            for split, split_docs in (("train", train_docs), ("val", val_docs)):
+                count = write_tokens(staging / f"{split}.bin",
+                                     encode_documents(tokenizer, _counted(split_docs, bar)), dtype)
+                splits[split] = {"tokens": count, "documents": len(split_docs),
+                                 "bytes": sum(len(d.text.encode()) for d in split_docs)}
         meta = {"format": META_FORMAT, **settings, "tokenizer_sha256": tokenizer_hash(tokenizer),
                 "tokenizer_vocab_size": tokenizer.get_vocab_size(), "dtype": dtype.name, "splits": splits}
         meta["unigram_entropy_nats"] = unigram_entropy(open_tokens(staging, "train", meta),
@@ -91,6 +94,12 @@ def prepare_data(cfg: Config, log: Callable[[str], None] = print) -> PreparedDat
         f"{splits['train']['bytes'] / splits['train']['tokens']:.2f} bytes/token, "
         f"unigram entropy {meta['unigram_entropy_nats']:.3f} nats ({time.perf_counter() - started:.1f}s)")
     return open_prepared(data_dir)
+
+
+def _counted(docs, bar: tqdm):
+    for doc in docs:
+        bar.update(len(doc.text))
+        yield doc.text
 
 
 def open_prepared(data_dir: str | Path) -> PreparedData:

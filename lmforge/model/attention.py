@@ -56,8 +56,8 @@ def naive_attention(q, k, v, *, causal=True, dropout_p=0.0):
     if causal:
         mask = causal_mask(q.shape[2], k.shape[2], device=q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
-    # Softmax in fp32 whatever the input dtype: exp() of low-precision scores loses the tail.
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    # Softmax in at least fp32 whatever the input dtype: exp() of low-precision scores loses the tail.
+    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
     return einsum(probs, v, "b h i j, b h j d -> b h i d")

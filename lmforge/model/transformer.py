@@ -33,8 +33,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()  # the mean of squares in low precision loses small components
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        # at least fp32: the mean of squares in low precision loses small components
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (normed * self.weight).to(x.dtype)
 
 
@@ -172,7 +173,8 @@ class Transformer(nn.Module):
             return logits
         # Cross-entropy in fp32 whatever the compute dtype: log-softmax over a large vocabulary
         # is where low precision hurts most.
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                               targets.flatten())
 
     def num_params(self, embeddings: bool = True) -> int:
         """Parameter count (shared tensors once); embeddings=False leaves out the token and

@@ -11,7 +11,9 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    total_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+    # each norm in at least fp32: squares of bf16/fp16 gradients overflow or lose the small ones
+    norms = [torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads]
+    total_norm = torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
         scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for g in grads:

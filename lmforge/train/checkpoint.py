@@ -7,9 +7,10 @@ A checkpoint is a folder runs/<name>/checkpoints/step_NNNNNNN/ holding
     state.json              step, data-loader position, optimizer hyper-parameters, metrics so far
     config.yaml, tokenizer.json
     manifest.json           size and sha256 of every file above, written last
-It is written to a hidden '.partial' folder, synced to disk, then renamed into place, and only
-then does `checkpoints/latest` (itself replaced atomically) point to it: a kill at any moment
-leaves the previous checkpoint whole and `latest` naming a complete one.
+It is written to a hidden '.partial' folder, synced to disk, then renamed into place: a kill at any
+moment leaves the previous checkpoints whole, and a folder named step_NNNNNNN is always complete.
+Resuming takes the newest checkpoint whose files match their manifest, reporting any newer one
+that does not (a disk error, a bad copy) instead of failing outright.
 """
 
 import hashlib
@@ -17,6 +18,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,13 +47,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json_atomically(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
+def _write_json_synced(path: Path, data) -> None:
+    with open(path, "w") as f:
         json.dump(data, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -64,7 +64,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     state: dict, extra_files: dict[str, Path], keep: int) -> Path:
-    """Write the checkpoint for `step` under run_dir/checkpoints and point `latest` at it."""
+    """Write the checkpoint for `step` under run_dir/checkpoints; keep the newest `keep`."""
     root = run_dir / CHECKPOINT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
@@ -87,7 +87,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         with open(file, "rb") as f:
             os.fsync(f.fileno())
         manifest[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
-    _write_json_atomically(partial / "manifest.json", manifest)
+    _write_json_synced(partial / "manifest.json", manifest)
     _fsync_dir(partial)
 
     if final.exists():  # the same step saved again (e.g. the last step after a resume)
@@ -99,7 +99,6 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     else:
         os.rename(partial, final)
     _fsync_dir(root)
-    _write_json_atomically(root / "latest.json", {"checkpoint": final.name})
     for old in list_checkpoints(run_dir)[:-keep]:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
@@ -115,22 +114,25 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_PATTERN.match(p.name).group(1)))
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path:
+def find_checkpoint(run_dir: str | Path, warn: Callable[[str], None] | None = None) -> Path:
+    """The newest checkpoint of the run that passes `verify_checkpoint`; newer corrupt ones are
+    reported through `warn` and skipped."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise LmforgeError(f"run folder {run_dir} does not exist")
-    pointer = run_dir / CHECKPOINT_DIR / "latest.json"
-    if pointer.is_file():
-        try:
-            path = run_dir / CHECKPOINT_DIR / json.loads(pointer.read_text())["checkpoint"]
-            if (path / "manifest.json").is_file():
-                return path
-        except (json.JSONDecodeError, KeyError, TypeError):
-            pass  # fall back to scanning the folder
     found = list_checkpoints(run_dir)
     if not found:
         raise LmforgeError(f"{run_dir} has no checkpoint: it was stopped before its first save")
-    return found[-1]
+    problems = []
+    for path in reversed(found):
+        try:
+            verify_checkpoint(path)
+            return path
+        except LmforgeError as err:
+            problems.append(str(err))
+            if warn is not None:
+                warn(f"skipping {err}")
+    raise LmforgeError(problems[0] if len(problems) == 1 else f"{problems[0]} (and no earlier checkpoint is intact)")
 
 
 def verify_checkpoint(path: Path) -> None:
@@ -155,10 +157,10 @@ def load_model_weights(model: torch.nn.Module, path: Path) -> None:
     try:
         with safe_open(str(file), framework="pt") as f:
             names = set(f.keys())
-            for name in names:
-                if name not in expected:
-                    raise LmforgeError(f"checkpoint {path} holds {name!r}, which this model does not have: "
-                                       f"it was saved from a different model")
+            for name in sorted(names - expected.keys()):
+                raise LmforgeError(f"checkpoint {path} holds {name!r}, which this model does not have: "
+                                   f"it was saved from a different model")
+            for name in (n for n in expected if n in names):  # model order: the first layer named first
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != tuple(expected[name].shape):
                     raise LmforgeError(f"checkpoint {path} was saved from a model of a different shape: "

@@ -68,7 +68,7 @@ class Trainer:
         self.cfg, self.run_dir, self.console, self.progress = cfg, Path(run_dir), console or Console(), progress
         self.device = resolve_device(cfg.train.device)
         torch.manual_seed(cfg.train.seed)
-        self.data: PreparedData = prepare_data(cfg, log=self.console.print)
+        self.data: PreparedData = prepare_data(cfg, log=self.console.print, progress=progress)
         tokenizer_vocab = self.data.meta["tokenizer_vocab_size"]
         if tokenizer_vocab > cfg.model.vocab_size:
             raise LmforgeError(f"the tokenizer in {self.data.dir} has {tokenizer_vocab} tokens but "
@@ -104,8 +104,7 @@ class Trainer:
         shutil.copyfile(self.data.dir / "tokenizer.json", self.run_dir / "tokenizer.json")
 
     def _restore(self) -> int:
-        path = ckpt.latest_checkpoint(self.run_dir)
-        ckpt.verify_checkpoint(path)
+        path = ckpt.find_checkpoint(self.run_dir, warn=lambda msg: self.console.print(f"warning: {msg}"))
         state = json.loads((path / "state.json").read_text())
         if state["tokenizer_sha256"] != self.data.meta["tokenizer_sha256"]:
             raise LmforgeError(f"checkpoint {path} was trained with another tokenizer than the one in "
@@ -134,7 +133,7 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (mean loss over the batch, gradient norm before clipping)."""
         cfg = self.cfg
-        lr = learning_rate(self.step, peak=cfg.optim.lr, floor=cfg.optim.min_lr,
+        lr = learning_rate(self.step, peak=cfg.optim.lr, floor=cfg.optim.lr * cfg.optim.min_lr_ratio,
                            warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -162,6 +161,7 @@ class Trainer:
         bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not self.progress)
         train_seconds, window_seconds, window_steps = 0.0, 0.0, 0
+        window_loss = torch.zeros((), device=self.device)  # summed over the steps since the last log
         loss = None
         try:
             while self.step < t.max_steps:
@@ -173,10 +173,11 @@ class Trainer:
                 train_seconds += elapsed
                 window_seconds += elapsed
                 window_steps += 1
+                window_loss += loss_sum
                 bar.update(1)
                 last = self.step == t.max_steps
                 if self.step % t.log_interval == 0 or last:
-                    loss = loss_sum.item()
+                    loss = window_loss.item() / window_steps  # mean over the window: less noisy
                     if not math.isfinite(loss):
                         raise LmforgeError(f"the loss became {loss} at step {self.step}; the last good "
                                            f"checkpoint is kept: lower optim.lr or raise optim.warmup_steps")
@@ -187,6 +188,7 @@ class Trainer:
                                         "tokens_per_s": tokens_per_s, "mfu": mfu})
                     bar.set_postfix_str(f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {mfu:.0%}")
                     window_seconds, window_steps = 0.0, 0
+                    window_loss.zero_()
                 if (t.eval_interval and self.step % t.eval_interval == 0) or last:
                     val_loss = self.evaluate()
                     self.history["val_loss"] = val_loss

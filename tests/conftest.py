@@ -1,0 +1,48 @@
+import os
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from lmforge.config import make_config
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Measured matmul peaks go to a per-session cache, not the user's home."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    """About 600 KB of real Python: the first modules of this interpreter's standard library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    folder = tmp_path_factory.mktemp("corpus")
+    total = 0
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="strict")
+        (folder / path.name).write_text(text)
+        total += len(text)
+        if total > 600_000:
+            break
+    return folder
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("prepared") / "tiny-bpe512"
+
+
+def tiny_overrides(corpus_dir: Path, data_dir: Path, **train) -> list[str]:
+    settings = {"max_steps": 8, "batch_size": 4, "eval_interval": 4, "eval_batches": 2,
+                "checkpoint_interval": 4, "log_interval": 2, "sample_tokens": 0, **train}
+    return [f"data.source={corpus_dir}", f"data.dir={data_dir}", "optim.warmup_steps=2",
+            *(f"train.{k}={v}" for k, v in settings.items())]
+
+
+@pytest.fixture
+def tiny_config(corpus_dir, data_dir):
+    def build(*extra: str, **train):
+        return make_config("tiny", overrides=[*tiny_overrides(corpus_dir, data_dir, **train), *extra])
+
+    return build
