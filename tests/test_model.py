@@ -7,16 +7,29 @@ import torch.nn.functional as F
 from lmforge.config import make_config
 from lmforge.model.attention import attention, causal_mask
 from lmforge.model.init import expected_std
-from lmforge.model.transformer import RMSNorm, Transformer, apply_rope, rope_tables
+from lmforge.model.transformer import RMSNorm, Transformer, apply_rope, rms_norm_reference, rope_tables
 
 
-def test_rmsnorm_matches_torch():
-    x = torch.randn(3, 5, 48)
-    ours = RMSNorm(48, eps=1e-5)
-    ours.weight.data = torch.randn(48)
-    reference = torch.nn.RMSNorm(48, eps=1e-5)
+def test_rmsnorm_matches_the_formula_and_torch():
+    x = torch.randn(3, 5, 48, dtype=torch.float64, requires_grad=True)
+    ours = RMSNorm(48, eps=1e-5).double()
+    ours.weight.data = torch.randn(48, dtype=torch.float64)
+    formula = rms_norm_reference(x, ours.weight, 1e-5)
+    torch.testing.assert_close(ours(x), formula)
+    grad_out = torch.randn_like(formula)
+    expected = torch.autograd.grad(formula, (x, ours.weight), grad_out)
+    torch.testing.assert_close(torch.autograd.grad(ours(x), (x, ours.weight), grad_out), expected)
+    reference = torch.nn.RMSNorm(48, eps=1e-5).double()
     reference.weight.data = ours.weight.data.clone()
     torch.testing.assert_close(ours(x), reference(x))
+
+
+def test_rmsnorm_computes_low_precision_inputs_in_fp32():
+    x = torch.randn(4, 64) * 1e3
+    out = RMSNorm(64, eps=1e-5)(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), rms_norm_reference(x.bfloat16().float(), torch.ones(64), 1e-5),
+                               atol=0, rtol=8e-3)  # one bf16 rounding of the output, nothing more
 
 
 def test_rope_preserves_norms_and_encodes_relative_position():
