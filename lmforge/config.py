@@ -111,7 +111,7 @@ MODEL_PRESETS: dict[str, dict] = {
                  max_seq_len=64),
     # The default of `lmforge train`: about 8 minutes on a 2-core CPU (bench/RESULTS.md).
     "small": dict(family="llama", vocab_size=4096, d_model=256, n_layers=6, n_heads=4, n_kv_heads=2,
-                  d_ff=704, max_seq_len=256),
+                  max_seq_len=256),
     # Radford et al. 2019 (GPT-2), table 2; context 1024, vocabulary 50257, tied embeddings.
     "gpt2-124m": dict(family="gpt", vocab_size=50257, d_model=768, n_layers=12, n_heads=12,
                       max_seq_len=1024),

@@ -27,6 +27,13 @@ def test_gpt3_preset_is_175b():
     assert abs(param_count("gpt3-175b") / 175e9 - 1) < 0.005
 
 
+def test_feed_forward_width_is_derived_from_the_model_width():
+    assert make_config("small").model.ffn_dim == 704  # 8/3 * 256 = 682.7, rounded up to a multiple of 64
+    assert make_config("small", overrides=["model.d_model=384", "model.n_heads=6"]).model.ffn_dim == 1024
+    assert make_config("gpt2-124m").model.ffn_dim == 3072  # 4 * d_model
+    assert make_config("llama3-8b").model.ffn_dim == 14336  # published, not derived
+
+
 def test_every_preset_validates():
     for preset in MODEL_PRESETS:
         make_config(preset)

@@ -68,8 +68,9 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     root = run_dir / CHECKPOINT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
+    for leftover in root.glob(".step_*.partial"):  # from a save that was killed half way
+        shutil.rmtree(leftover, ignore_errors=True)
     partial = root / f".{final.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
 
     save_model(model, str(partial / "model.safetensors"))

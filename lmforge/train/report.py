@@ -65,14 +65,10 @@ def plot_losses(metrics_path: Path, png_path: Path, title: str, unigram_entropy:
     plt.close(fig)
 
 
-def summary_table(rows: list[tuple[str, str]], title: str) -> Table:
+def print_table(console: Console, rows: list[tuple[str, str]], title: str) -> None:
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value", justify="right")
     for name, value in rows:
         table.add_row(name, value)
-    return table
-
-
-def print_table(console: Console, rows: list[tuple[str, str]], title: str) -> None:
-    console.print(summary_table(rows, title))
+    console.print(table)

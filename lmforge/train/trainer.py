@@ -246,13 +246,15 @@ class Trainer:
         print_table(self.console, [
             ("parameters", f"{summary['parameters'] / 1e6:.2f} M"),
             ("steps", f"{self.step:,} ({summary['tokens_trained']:,} tokens)"),
-            ("time training (this session)", f"{train_seconds:.0f} s"),
+            ("training time (this session)", f"{train_seconds:.0f} s"),
             ("throughput", f"{tokens_per_s:,.0f} tokens/s"),
-            ("MFU", f"{summary['mfu']:.1%} of {self.peak_flops / 1e9:.0f} GFLOP/s measured ({summary['device']})"),
+            ("MFU", f"{summary['mfu']:.1%}"),
+            ("peak, measured (fp32 matmul)", f"{self.peak_flops / 1e9:,.0f} GFLOP/s"),
+            ("device", summary["device"]),
             ("data loader waiting", f"{summary['data_wait_fraction']:.2%} of step time"),
             ("train loss", f"{summary['train_loss']:.4f} nats/token"),
-            ("validation loss", f"{val_loss:.4f} nats/token (perplexity {summary['val_perplexity']:.1f}, "
-                                f"{summary['val_bits_per_byte']:.3f} bits/byte)"),
+            ("validation loss", f"{val_loss:.4f} nats/token"),
+            ("validation perplexity", f"{summary['val_perplexity']:.1f} ({summary['val_bits_per_byte']:.3f} bits/byte)"),
             ("unigram entropy of the corpus", f"{meta['unigram_entropy_nats']:.4f} nats/token"),
             ("run folder", str(self.run_dir)),
         ], title="lmforge train: summary")
