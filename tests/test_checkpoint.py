@@ -184,3 +184,18 @@ def test_run_without_any_checkpoint(tmp_path):
         ckpt.find_checkpoint(tmp_path / "run")
     with pytest.raises(LmforgeError, match="does not exist"):
         ckpt.find_checkpoint(tmp_path / "missing")
+
+
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_config, tmp_path, monkeypatch):
+    cfg = tiny_config(max_steps=8, checkpoint_interval=2, log_interval=1)
+    trainer = quiet_trainer(cfg, tmp_path / "run")
+    real_step = trainer.train_step
+
+    def diverging_step():
+        loss, norm = real_step()
+        return (loss * float("nan"), norm) if trainer.step == 3 else (loss, norm)
+
+    monkeypatch.setattr(trainer, "train_step", diverging_step)
+    with pytest.raises(LmforgeError, match="the loss became nan at step 3; the last good checkpoint is kept"):
+        trainer.run()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step_0000002"]
