@@ -1,19 +1,24 @@
 """Training throughput of lmforge beside the same model in plain PyTorch, in one run.
 
-    python bench/throughput.py [--steps 30] [--warmup 3] [--repeats 2] [--model small] [key=value ...]
+    python bench/throughput.py [--steps 30] [--warmup 3] [--repeats 3] [--model small] [key=value ...]
 
-Each side trains the default config (preset `small`, fp32) for the same number of steps on the
-same prepared data, in its own subprocess so that peak memory (max RSS) is measured separately:
-  ours       lmforge's Transformer, hand-written AdamW, clipping, schedule, prefetching loader
-  reference  bench/reference_llama.py (torch.nn layers, nn.RMSNorm, SDPA), torch.optim.AdamW,
-             batches drawn in the loop
-It prints tokens/s, the fraction of this machine's measured fp32 matmul peak (model FLOPs from
-lmforge.accounting), peak memory, the ratio ours/reference and the data loader's waiting time.
+Each side trains the default config (preset `small`, fp32) on the same prepared data, in a
+process of its own, as a user would run it:
+  ours            `lmforge train`'s Trainer: Transformer, hand-written AdamW, clipping, schedule,
+                  prefetching loader, and glibc malloc told to keep freed memory (train/host_memory.py)
+  ours, default malloc   the same with glibc's default malloc settings, to show what that part is worth
+  reference       bench/reference_llama.py (torch.nn layers, nn.RMSNorm, SDPA), torch.optim.AdamW,
+                  batches drawn in the loop
+Sides run in turns, `--repeats` times each (the order rotating, so that drift of the machine hits
+all alike); each run reports its median step time, and a side's best run counts. Also printed:
+the fraction of this machine's measured fp32 matmul peak (analytic FLOPs per token from
+lmforge.accounting.flops), peak resident memory, minor page faults per step, and the loader wait.
 """
 
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -21,116 +26,130 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+SIDES = ("ours", "ours, default malloc", "reference")
 
-def run_side(side: str, args) -> dict:
+
+def build_step(side: str, args):
+    """A callable running one optimizer step of `side`, and the data loader (ours) or None."""
     import numpy as np
     import torch
+    from rich.console import Console
 
-    from lmforge.accounting.flops import training_flops_per_token
     from lmforge.config import make_config
     from lmforge.data.prepare import prepare_data
     from lmforge.optim.clip import clip_grad_norm
-    from lmforge.train.trainer import Trainer
 
     cfg = make_config(args.model, overrides=args.overrides + ["train.sample_tokens=0"])
+    if side.startswith("ours"):
+        import lmforge.train.trainer as trainer_module
+
+        if side == "ours, default malloc":
+            trainer_module.retain_freed_memory = lambda: False
+        trainer = trainer_module.Trainer(cfg, Path(args.scratch) / f"ours-{time.time_ns()}",
+                                         console=Console(quiet=True), progress=False)
+        return trainer.train_step, trainer.loader
+
+    from reference_llama import ReferenceLlama
+
     t, m = cfg.train, cfg.model
-    tokens_per_step = t.batch_size * t.grad_accum * cfg.seq_len
-    total = args.warmup + args.steps
-    if side == "ours":
-        from rich.console import Console
+    torch.manual_seed(t.seed)
+    data = prepare_data(cfg, log=lambda _: None)
+    model = ReferenceLlama(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.ffn_dim,
+                           m.max_seq_len, m.rope_theta, m.norm_eps)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
+                             {"params": other, "weight_decay": 0.0}], lr=cfg.optim.lr,
+                            betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+    rng = np.random.default_rng(0)
 
-        cfg.train.max_steps = total
-        trainer = Trainer(cfg, Path(args.scratch) / f"ours-{time.time_ns()}", console=Console(quiet=True),
-                          progress=False)
-        for _ in range(args.warmup):
-            trainer.train_step()
-        wait_before = trainer.loader.wait_seconds
+    def step():
+        for _ in range(t.grad_accum):
+            starts = rng.integers(0, len(data.train) - cfg.seq_len, size=t.batch_size)
+            w = torch.from_numpy(np.stack([data.train[s:s + cfg.seq_len + 1] for s in starts]).astype(np.int64))
+            (model(w[:, :-1], w[:, 1:]) / t.grad_accum).backward()
+        clip_grad_norm(model.parameters(), cfg.optim.grad_clip)  # the same clipping cost on both sides
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, None
+
+
+def measure(side: str, args) -> dict:
+    """Run in the side's own process: warm up, then time `args.steps` steps."""
+    step, loader = build_step(side, args)
+    for _ in range(args.warmup):
+        step()
+    wait_before = loader.wait_seconds if loader else 0.0
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    seconds = []
+    for _ in range(args.steps):
         started = time.perf_counter()
-        for _ in range(args.steps):
-            trainer.train_step()
-        elapsed = time.perf_counter() - started
-        wait = trainer.loader.wait_seconds - wait_before
-        trainer.loader.close()
-        loss = None
-    else:
-        from reference_llama import ReferenceLlama
-
-        torch.manual_seed(t.seed)
-        data = prepare_data(cfg, log=lambda _: None)
-        model = ReferenceLlama(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.ffn_dim,
-                               m.max_seq_len, m.rope_theta, m.norm_eps)
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        other = [p for p in model.parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
-                                 {"params": other, "weight_decay": 0.0}], lr=cfg.optim.lr,
-                                betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
-        rng = np.random.default_rng(0)
-
-        def step():
-            for _ in range(t.grad_accum):
-                starts = rng.integers(0, len(data.train) - cfg.seq_len, size=t.batch_size)
-                w = torch.from_numpy(np.stack([data.train[s:s + cfg.seq_len + 1] for s in starts]).astype(np.int64))
-                (model(w[:, :-1], w[:, 1:]) / t.grad_accum).backward()
-            clip_grad_norm(model.parameters(), cfg.optim.grad_clip)  # same clipping cost on both sides
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        for _ in range(args.warmup):
-            step()
-        started = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        elapsed = time.perf_counter() - started
-        wait = 0.0
-    tokens_per_s = args.steps * tokens_per_step / elapsed
-    return {"side": side, "tokens_per_s": tokens_per_s, "step_seconds": elapsed / args.steps,
-            "flops_per_token": training_flops_per_token(m, cfg.seq_len), "data_wait_fraction": wait / elapsed,
-            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        step()
+        seconds.append(time.perf_counter() - started)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    if loader:
+        loader.close()
+    return {"median_step_seconds": statistics.median(seconds),
+            "faults_per_step": (usage.ru_minflt - faults_before) / args.steps,
+            "loader_wait_fraction": ((loader.wait_seconds - wait_before) / sum(seconds)) if loader else None,
+            "max_rss_bytes": usage.ru_maxrss * 1024}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating; the best counts")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side, in rotating order; the best counts")
     parser.add_argument("--model", default="small")
     parser.add_argument("--scratch", default="bench/out")
-    parser.add_argument("--side", choices=["ours", "reference"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    Path(args.scratch).mkdir(parents=True, exist_ok=True)
     if args.side:
-        print(json.dumps(run_side(args.side, args)))
+        print(json.dumps(measure(args.side, args)))
         return
 
     import torch
 
+    from lmforge.accounting.flops import training_flops_per_token
     from lmforge.accounting.hardware import device_name, matmul_peak
     from lmforge.config import make_config
     from lmforge.data.prepare import prepare_data
 
-    Path(args.scratch).mkdir(parents=True, exist_ok=True)
-    prepare_data(make_config(args.model, overrides=args.overrides))  # once, outside the timing
+    cfg = make_config(args.model, overrides=args.overrides)
+    prepare_data(cfg)  # once, outside any timing
     peak = matmul_peak(torch.float32)
-    results = {}
-    for repeat in range(args.repeats):  # alternate the order; keep each side's fastest run
-        for side in ("ours", "reference") if repeat % 2 == 0 else ("reference", "ours"):
+    flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
+    tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.seq_len
+
+    best: dict[str, dict] = {}
+    for repeat in range(args.repeats):
+        order = SIDES[repeat % len(SIDES):] + SIDES[:repeat % len(SIDES)]
+        for side in order:
             cmd = [sys.executable, __file__, "--side", side, "--steps", str(args.steps), "--warmup",
                    str(args.warmup), "--model", args.model, "--scratch", args.scratch, *args.overrides]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            result = json.loads(out.strip().splitlines()[-1])
-            if side not in results or result["tokens_per_s"] > results[side]["tokens_per_s"]:
-                results[side] = result
+            result = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+            if side not in best or result["median_step_seconds"] < best[side]["median_step_seconds"]:
+                best[side] = result
+
     print(f"machine: {device_name(torch.device('cpu'))}, torch {torch.__version__}, "
           f"measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
-    print(f"model: preset {args.model} {' '.join(args.overrides)}, {args.steps} timed steps after {args.warmup} "
-          f"warm-up, best of {args.repeats} alternating runs per side")
-    print(f"{'':10} {'tokens/s':>10} {'s/step':>8} {'of peak':>8} {'max RSS':>9} {'loader wait':>12}")
-    for side, r in results.items():
-        print(f"{side:10} {r['tokens_per_s']:>10,.0f} {r['step_seconds']:>8.3f} "
-              f"{r['tokens_per_s'] * r['flops_per_token'] / peak:>8.1%} {r['max_rss_bytes'] / 2**20:>7,.0f}MB "
-              f"{r['data_wait_fraction']:>12.2%}")
-    ratio = results["ours"]["tokens_per_s"] / results["reference"]["tokens_per_s"]
-    print(f"ratio ours/reference: {ratio:.3f}")
+    print(f"model: preset {args.model} {' '.join(args.overrides)}, {tokens_per_step} tokens/step; "
+          f"{args.steps} timed steps per run after {args.warmup} warm-up, best of {args.repeats} runs per side")
+    print(f"{'':22} {'tokens/s':>9} {'s/step':>7} {'of peak':>8} {'max RSS':>8} {'faults/step':>12} {'loader wait':>12}")
+    tokens_per_s = {}
+    for side in SIDES:
+        r = best[side]
+        tokens_per_s[side] = tokens_per_step / r["median_step_seconds"]
+        wait = "inline" if r["loader_wait_fraction"] is None else f"{r['loader_wait_fraction']:.2%}"
+        print(f"{side:22} {tokens_per_s[side]:>9,.0f} {r['median_step_seconds']:>7.3f} "
+              f"{tokens_per_s[side] * flops_per_token / peak:>8.1%} {r['max_rss_bytes'] / 2**20:>6,.0f}MB "
+              f"{r['faults_per_step']:>12,.0f} {wait:>12}")
+    print(f"ratio ours/reference: {tokens_per_s['ours'] / tokens_per_s['reference']:.3f}   "
+          f"(ours with default malloc / reference: "
+          f"{tokens_per_s['ours, default malloc'] / tokens_per_s['reference']:.3f})")
 
 
 if __name__ == "__main__":

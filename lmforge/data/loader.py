@@ -45,12 +45,7 @@ class BatchLoader:
         while not self._stop.is_set():
             batch = window_batch(self.tokens, self.batch_size, self.seq_len, self.seed, index,
                                  pin_memory=self.device.type == "cuda")
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(batch, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+            self._queue.put(batch)  # sleeps until the consumer takes one: no polling
             index += 1
 
     def __iter__(self):
@@ -65,7 +60,12 @@ class BatchLoader:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        while self._thread.is_alive():  # free a slot so that a producer blocked in put() sees the flag
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.01)
 
     def __enter__(self):
         return self

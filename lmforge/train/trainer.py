@@ -29,6 +29,7 @@ from lmforge.optim.adamw import AdamW
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.optim.schedule import learning_rate
 from lmforge.train import checkpoint as ckpt
+from lmforge.train.host_memory import retain_freed_memory
 from lmforge.train.report import MetricsLog, plot_losses, print_table
 
 
@@ -67,6 +68,8 @@ class Trainer:
                  progress: bool = True):
         self.cfg, self.run_dir, self.console, self.progress = cfg, Path(run_dir), console or Console(), progress
         self.device = resolve_device(cfg.train.device)
+        if self.device.type == "cpu":
+            retain_freed_memory()
         torch.manual_seed(cfg.train.seed)
         self.data: PreparedData = prepare_data(cfg, log=self.console.print, progress=progress)
         tokenizer_vocab = self.data.meta["tokenizer_vocab_size"]
