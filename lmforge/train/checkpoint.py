@@ -123,7 +123,8 @@ def find_checkpoint(run_dir: str | Path, warn: Callable[[str], None] | None = No
         raise LmforgeError(f"run folder {run_dir} does not exist")
     found = list_checkpoints(run_dir)
     if not found:
-        raise LmforgeError(f"{run_dir} has no checkpoint: it was stopped before its first save")
+        raise LmforgeError(f"{run_dir} has no checkpoint: it was stopped before its first save "
+                           f"(train.checkpoint_interval); delete the folder and start the run again")
     problems = []
     for path in reversed(found):
         try:
