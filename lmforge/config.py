@@ -18,6 +18,12 @@ from lmforge.errors import LmforgeError
 from lmforge.model.attention import BACKENDS
 
 FAMILIES = ("llama", "gpt")
+# Numeric policies for training (lmforge/precision/): what parameters, optimizer states and matmuls
+# are stored and computed in. accounting/memory.py knows the bytes each one costs.
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8")
+# Activation recomputation (Korthikanti et al. 2022): none, selective (recompute the attention
+# core: scores, softmax, dropout), full (recompute each block from its input).
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass
@@ -88,6 +94,8 @@ class TrainConfig:
     log_interval: int = 10
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: str = "fp32"  # fp32 | bf16-mixed | fp16-mixed | bf16-pure | fp8
+    recompute: str = "none"  # none | selective | full: activation recomputation in backward
     sample_tokens: int = 200  # tokens generated at the end of training; 0 disables
     sample_prompt: str = "def "
 
@@ -281,6 +289,8 @@ def validate(cfg: Config) -> None:
         require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
     require(cfg.seq_len <= m.max_seq_len, f"train.seq_len ({cfg.seq_len}) must not exceed model.max_seq_len "
                                           f"({m.max_seq_len})")
+    choose("train.precision", t.precision, PRECISIONS)
+    choose("train.recompute", t.recompute, RECOMPUTE)
     require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
             f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
 
