@@ -1,16 +1,99 @@
-"""The machine's measured matmul peak: the denominator of MFU on hardware with no datasheet entry.
+"""Peak FLOP/s, the denominator of MFU: from vendor datasheets, or measured on the machine at hand.
 
-The peak is the best FLOP/s of large square matmuls (2*n^3 FLOPs each) in the given dtype,
-measured once per machine, torch version and thread count and cached in the user's cache dir.
+MFU = achieved model FLOP/s / peak FLOP/s (Chowdhery et al. 2022, appendix B), where model FLOP/s
+counts the analytical training FLOPs (accounting/flops.py) and not recomputation; HFU counts the
+FLOPs the hardware really ran, recomputation included.
+
+Datasheet peaks are dense (no 2:4 sparsity), in FLOP/s, for the dtype of the matmul inputs with
+fp32 accumulation where the vendor lists both. The measured peak is the best FLOP/s of large
+square matmuls (2*n^3 FLOPs each) in the given dtype, measured once per machine, torch version
+and thread count and cached in the user's cache dir.
 """
 
 import json
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+TERA = 1e12
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    memory_bytes: int
+    peak_flops: dict[str, float]  # keyed by "float32" (non-tensor-core), "tf32", "bfloat16", "float16", "float8"
+    source: str
+
+
+# Each entry cites the vendor document its numbers come from.
+ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
+    # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM column: FP32 19.5, TF32 156, BF16/FP16 312 TFLOPS.
+    Accelerator("a100", 80 * 10**9, {"float32": 19.5 * TERA, "tf32": 156 * TERA, "bfloat16": 312 * TERA,
+                                     "float16": 312 * TERA}, "NVIDIA A100 datasheet, SXM 80GB"),
+    # NVIDIA H100 Tensor Core GPU datasheet (2023), SXM column; the datasheet's tensor figures are
+    # "with sparsity", halved here: TF32 494.7, BF16/FP16 989.4, FP8 1978.9 TFLOPS dense; FP32 67.
+    Accelerator("h100-sxm", 80 * 10**9, {"float32": 67 * TERA, "tf32": 494.7 * TERA, "bfloat16": 989.4 * TERA,
+                                         "float16": 989.4 * TERA, "float8": 1978.9 * TERA},
+                "NVIDIA H100 datasheet, SXM"),
+    # Same datasheet, PCIe column: FP32 51, TF32 378, BF16/FP16 756, FP8 1513 TFLOPS dense.
+    Accelerator("h100-pcie", 80 * 10**9, {"float32": 51 * TERA, "tf32": 378 * TERA, "bfloat16": 756 * TERA,
+                                          "float16": 756 * TERA, "float8": 1513 * TERA},
+                "NVIDIA H100 datasheet, PCIe"),
+    # NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: the H100 SXM's compute with 141 GB HBM3e.
+    Accelerator("h200", 141 * 10**9, {"float32": 67 * TERA, "tf32": 494.7 * TERA, "bfloat16": 989.4 * TERA,
+                                      "float16": 989.4 * TERA, "float8": 1978.9 * TERA},
+                "NVIDIA H200 datasheet, SXM"),
+    # NVIDIA HGX B200 datasheet (2024), per GPU, dense: FP32 75, TF32 1100, BF16/FP16 2250, FP8 4500 TFLOPS.
+    Accelerator("b200", 180 * 10**9, {"float32": 75 * TERA, "tf32": 1100 * TERA, "bfloat16": 2250 * TERA,
+                                      "float16": 2250 * TERA, "float8": 4500 * TERA},
+                "NVIDIA HGX B200 datasheet, per GPU"),
+    # NVIDIA L4 datasheet (2023): FP32 30.3; tensor figures with sparsity halved: TF32 60,
+    # BF16/FP16 121, FP8 242.5 TFLOPS dense.
+    Accelerator("l4", 24 * 10**9, {"float32": 30.3 * TERA, "tf32": 60 * TERA, "bfloat16": 121 * TERA,
+                                   "float16": 121 * TERA, "float8": 242.5 * TERA}, "NVIDIA L4 datasheet"),
+    # NVIDIA Ada Lovelace architecture whitepaper, GeForce RTX 4090 column: FP32 82.6; with FP32
+    # accumulate, dense: TF32 82.6, BF16/FP16 165.2, FP8 330.3 TFLOPS.
+    Accelerator("rtx4090", 24 * 10**9, {"float32": 82.6 * TERA, "tf32": 82.6 * TERA, "bfloat16": 165.2 * TERA,
+                                        "float16": 165.2 * TERA, "float8": 330.3 * TERA},
+                "NVIDIA Ada Lovelace whitepaper, RTX 4090"),
+    # AMD Instinct MI300X datasheet (2023), dense: FP32 163.4, TF32 653.7, BF16/FP16 1307.4, FP8 2614.9 TFLOPS.
+    Accelerator("mi300x", 192 * 10**9, {"float32": 163.4 * TERA, "tf32": 653.7 * TERA, "bfloat16": 1307.4 * TERA,
+                                        "float16": 1307.4 * TERA, "float8": 2614.9 * TERA},
+                "AMD Instinct MI300X datasheet"),
+]}
+
+
+def accelerator_peak(name: str, dtype: str) -> float:
+    """Datasheet peak FLOP/s of `name` for matmuls in `dtype`."""
+    if name not in ACCELERATORS:
+        raise ValueError(f"unknown hardware {name!r}; known: {', '.join(ACCELERATORS)} or 'this'")
+    peaks = ACCELERATORS[name].peak_flops
+    if dtype not in peaks:
+        raise ValueError(f"{name} has no {dtype} matmul peak on its datasheet (it has: {', '.join(peaks)})")
+    return peaks[dtype]
+
+
+def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation (Chowdhery et al. 2022, appendix B); with hardware FLOPs per token
+    (recomputation counted) the same ratio is HFU."""
+    return tokens_per_second * flops_per_token / peak_flops
+
+
+def host_memory_bytes() -> int:
+    """Total RAM of this machine (the 'memory' of a CPU device)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def cache_path() -> Path:

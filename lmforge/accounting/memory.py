@@ -1,0 +1,236 @@
+"""Memory per device, in bytes, from the config alone: model states, activations, KV cache.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", section 3.1): parameters, gradients and optimizer
+states. In the paper's mixed-precision Adam a parameter costs 2 + 2 + K bytes (fp16 weight, fp16
+gradient, K = 12 bytes of fp32 master weight, momentum and variance); ZeRO stage 1 shards the K
+bytes over the N_d data-parallel ranks, stage 2 also the gradients, stage 3 also the weights
+(section 5.1-5.3). `zero_paper_model_state_bytes` is that formula; `model_state_bytes` is what
+lmforge's own precision policies store (lmforge/precision/), each split the same way.
+
+Activations: what autograd saves for backward. Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", section 4) count s*b*h*(34 + 5*a*s/h) bytes per
+layer for GPT-3 in 16-bit with dropout; `korthikanti_activation_bytes` is that count with its
+variants. `activation_breakdown` counts, tensor by tensor, what lmforge's model saves, in the
+dtypes each precision policy gives those tensors; tests/test_memory.py checks it against the
+bytes autograd really saves (accounting/measure.py).
+"""
+
+from dataclasses import dataclass
+
+from lmforge.config import ModelConfig
+
+OPTIMIZER_STATES = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}  # fp32-sized state tensors per parameter
+ATTENTION_KINDS = ("naive", "sdpa", "flash_torch", "flash_triton")  # naive keeps the s x s scores
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per element of each kind of tensor a precision policy stores."""
+    parameter: int  # the parameters the model holds
+    gradient: int
+    master: int  # a separate fp32 master copy of the weights (0: the parameters are the master)
+    optimizer_state: int  # each optimizer state element (AdamW has two per parameter)
+    weight_copy: int  # a cast of each matmul weight made in forward and kept for backward (0: none)
+    compute: int  # matmul inputs and outputs, attention tensors
+    linear_input: int  # what a linear layer keeps of its input for the weight gradient
+    autocast: bool  # low precision by torch.autocast around fp32 parameters and residual stream
+
+
+PRECISION_BYTES: dict[str, PrecisionBytes] = {
+    "fp32": PrecisionBytes(4, 4, 0, 4, 0, 4, 4, False),
+    # torch.autocast keeps fp32 parameters (they are the master weights, Micikevicius et al. 2018)
+    # and casts each weight and each linear input to 16 bits per use; the casts live until backward.
+    "bf16-mixed": PrecisionBytes(4, 4, 0, 4, 2, 2, 2, True),
+    "fp16-mixed": PrecisionBytes(4, 4, 0, 4, 2, 2, 2, True),
+    # Everything in bfloat16, optimizer states included: half the model-state bytes of fp32.
+    "bf16-pure": PrecisionBytes(2, 2, 0, 2, 0, 2, 2, False),
+    # bf16-mixed, with each linear layer's weight and input kept as 1-byte fp8 for backward.
+    "fp8": PrecisionBytes(4, 4, 0, 4, 1, 2, 1, True),
+}
+PRECISION_ALIASES = {"fp16": "fp16-mixed", "bf16": "bf16-mixed"}
+
+
+def precision_bytes(precision: str) -> PrecisionBytes:
+    name = PRECISION_ALIASES.get(precision, precision)
+    if name not in PRECISION_BYTES:
+        raise ValueError(f"unknown precision {precision!r}; known: {', '.join([*PRECISION_BYTES, *PRECISION_ALIASES])}")
+    return PRECISION_BYTES[name]
+
+
+# -- parameters ----------------------------------------------------------------------------------
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of lmforge's Transformer for cfg (tied embeddings counted once)."""
+    d, q, f, L, V = cfg.d_model, cfg.head_dim, cfg.ffn_dim, cfg.n_layers, cfg.vocab_size
+    attention = d * q * (2 * cfg.n_heads + 2 * cfg.kv_heads)
+    if cfg.family == "llama":
+        per_layer = attention + 3 * d * f + 2 * d  # q,k,v,o; gate, up, down; two RMSNorm gains
+        return L * per_layer + V * d * (1 if cfg.tie_embeddings else 2) + d
+    biases = q * (2 * cfg.n_heads + 2 * cfg.kv_heads) // 2 + d + f + d  # q,k,v + o, up, down
+    per_layer = attention + 2 * d * f + biases + 2 * 2 * d  # two LayerNorms with gain and bias
+    return L * per_layer + V * d * (1 if cfg.tie_embeddings else 2) + cfg.max_seq_len * d + 2 * d
+
+
+def matmul_weight_count(cfg: ModelConfig) -> int:
+    """Weights of the linear layers (what autocast and fp8 cast per step), LM head included."""
+    d, q = cfg.d_model, cfg.head_dim
+    mlp = d * cfg.ffn_dim * (3 if cfg.family == "llama" else 2)
+    return cfg.n_layers * (d * q * (2 * cfg.n_heads + 2 * cfg.kv_heads) + mlp) + d * cfg.vocab_size
+
+
+# -- model states --------------------------------------------------------------------------------
+
+def zero_paper_model_state_bytes(n_params: int, stage: int, dp: int, k: int = 12) -> float:
+    """Rajbhandari et al. 2020, figure 1 and section 5: (2 + 2 + K) * Psi bytes on one device,
+    with the K optimizer bytes (stage >= 1), the gradients (>= 2) and the weights (3) split N_d ways."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    weights, grads, optimizer = 2 * n_params, 2 * n_params, k * n_params
+    return (weights / (dp if stage >= 3 else 1) + grads / (dp if stage >= 2 else 1)
+            + optimizer / (dp if stage >= 1 else 1))
+
+
+def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str = "adamw", zero_stage: int = 0,
+                      dp: int = 1, tp: int = 1, pp: int = 1) -> dict[str, float]:
+    """Bytes per device of parameters, gradients, master weights and optimizer states.
+
+    Tensor (tp) and pipeline (pp) parallelism split the weights themselves, so every term is
+    divided by tp*pp (an even split: embeddings and norms are assumed spread like the rest).
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATES)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage}")
+    p = precision_bytes(precision)
+    n = parameter_count(cfg) / (tp * pp)
+    return {
+        "parameters": n * p.parameter / (dp if zero_stage >= 3 else 1),
+        "gradients": n * p.gradient / (dp if zero_stage >= 2 else 1),
+        "master_weights": n * p.master / (dp if zero_stage >= 1 else 1),
+        "optimizer_states": n * OPTIMIZER_STATES[optimizer] * p.optimizer_state / (dp if zero_stage >= 1 else 1),
+    }
+
+
+# -- activations ---------------------------------------------------------------------------------
+
+def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, layers: int, recompute: str = "none",
+                                 tp: int = 1, sequence_parallel: bool = True, flash: bool = False) -> float:
+    """Activation bytes for a GPT-3-style model in 16-bit (Korthikanti et al. 2022, section 4).
+
+    Per layer: s*b*h*(34 + 5*a*s/h) (eq. 1); with tensor parallelism t and sequence parallelism
+    s*b*h*(34/t + 5*a*s/(h*t)) (eq. 5), without sequence parallelism s*b*h*(10 + 24/t + 5*a*s/(h*t))
+    (eq. 4); selective recomputation drops the 5*a*s/h term of the attention core (section 4.2:
+    34*s*b*h/t), as FlashAttention does by never storing the s x s matrices; full recomputation
+    keeps only each layer's input, 2*s*b*h (section 4.1). Pipeline parallelism does not change the
+    first stage's total (L/p layers, p micro-batches in flight, section 4.2.3).
+    """
+    sbh = s * b * h
+    if recompute == "full":
+        per_layer = 2 * sbh / (tp if sequence_parallel else 1)
+    else:
+        attention_core = 0 if (recompute == "selective" or flash) else 5 * a * s / h
+        if recompute not in ("none", "selective"):
+            raise ValueError(f"unknown recompute mode {recompute!r}")
+        if sequence_parallel:
+            per_layer = sbh * (34 / tp + attention_core / tp)
+        else:
+            per_layer = sbh * (10 + 24 / tp + attention_core / tp)
+    return layers * per_layer
+
+
+def _attention_core_bytes(cfg: ModelConfig, b: int, s: int, p: PrecisionBytes, attention: str,
+                          recompute: str) -> int:
+    """What the attention core (q, k, v -> output) saves for backward."""
+    bsq = b * s * cfg.n_heads * cfg.head_dim
+    bskv = b * s * cfg.kv_heads * cfg.head_dim
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention kind {attention!r}; known: {', '.join(ATTENTION_KINDS)}")
+    if recompute == "selective":  # rerun in backward from its inputs, which are all it keeps
+        return (bsq + 2 * bskv) * p.compute
+    if attention == "naive":
+        # q, and k and v repeated to every query head; the causal mask; the fp32 softmax output
+        # and (below fp32) its cast back: the 5*a*s/h term of Korthikanti et al.
+        probs = b * cfg.n_heads * s * s * (4 + (p.compute if p.compute < 4 else 0))
+        return 3 * bsq * p.compute + probs + s * s
+    # Fused kernels keep q, k, v, the output and one fp32 log-sum-exp per row (Dao 2023,
+    # algorithm 1, line 12): no s x s term.
+    return (2 * bsq + 2 * bskv) * p.compute + b * cfg.n_heads * s * 4
+
+
+def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp32",
+                               attention: str = "sdpa", recompute: str = "none") -> dict[str, int]:
+    """Bytes one transformer block saves for backward, by part, counted tensor by tensor from
+    model/transformer.py (and checked against autograd in tests/test_memory.py)."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"unknown recompute mode {recompute!r}")
+    p = precision_bytes(precision)
+    d, f = cfg.d_model, cfg.ffn_dim
+    bsd, bs, bsq = b * s * d, b * s, b * s * cfg.n_heads * cfg.head_dim
+    if recompute == "full":  # torch.utils.checkpoint keeps only the block's input
+        return {"block_input": bsd * (2 if precision == "bf16-pure" else 4)}
+    if cfg.family == "llama":
+        # RMSNorm runs in fp32 (F.rms_norm decomposes under autograd): the input, 1/rms per row
+        # and the normalised x (for the gain's gradient).
+        norms = 2 * (2 * bsd * 4 + bs * 4)
+        mlp = 4 * b * s * f * p.compute  # SwiGLU: gate and up outputs, silu(gate), their product
+        readers = 5  # q, k, v, gate and up read a normalised input
+    else:
+        # LayerNorm (fp32 under autocast): the input, mean and 1/std per row; GELU its input.
+        norms = 2 * (bsd * 4 + 2 * bs * 4)
+        mlp = b * s * f * p.compute + b * s * f * p.linear_input
+        readers = 4  # q, k, v and up
+    # Without autocast a normalised input is one tensor shared by its readers; autocast casts it
+    # once per linear layer, and each cast is kept.
+    linear_inputs = (readers if p.autocast else 2) * bsd * p.linear_input
+    # The output projection reads the attention output. A fused kernel's output is already laid
+    # out (b, s, h*d) and is the tensor the kernel keeps; naive attention's output is copied out
+    # of (b, h, s, d); a recomputed core keeps no output of its own.
+    shares_kernel_output = attention != "naive" and recompute == "none" and p.linear_input == p.compute
+    out_proj_input = 0 if shares_kernel_output else bsq * p.linear_input
+    return {
+        "norms": norms,
+        "linear_inputs": linear_inputs + out_proj_input,
+        "attention": _attention_core_bytes(cfg, b, s, p, attention, recompute),
+        "mlp": mlp,
+    }
+
+
+def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", attention: str = "sdpa",
+                         recompute: str = "none", tp: int = 1, pp: int = 1) -> dict[str, float]:
+    """Bytes saved for backward over one micro-batch of b sequences of s tokens, per device.
+
+    Layers: tensor parallelism with sequence parallelism divides each layer's activations by tp
+    (Korthikanti et al. 2022, eq. 5); a 1F1B pipeline's first stage holds L/pp layers for pp
+    micro-batches in flight, the same total as no pipeline (section 4.2.3).
+    """
+    p = precision_bytes(precision)
+    layer = layer_activation_breakdown(cfg, b, s, precision, attention, recompute)
+    layers = cfg.n_layers * sum(layer.values()) / tp
+    bs, bsd = b * s, b * s * cfg.d_model
+    head_norm = bsd * 4 * (2 if cfg.family == "llama" else 1) + bs * 4 * (1 if cfg.family == "llama" else 2)
+    result = {
+        "layers": layers,
+        "embedding": bs * 8,  # the token ids the embedding gathers (int64)
+        # final norm, the LM head's input, the fp32 log-probabilities and the int64 targets
+        "head_and_loss": head_norm + bsd * p.linear_input + bs * cfg.vocab_size * 4 + bs * 8,
+        # RoPE's cos and sin tables, kept once for all layers (not inside recomputed blocks)
+        "rope_tables": 2 * cfg.max_seq_len * cfg.head_dim * 4 if cfg.family == "llama" and recompute != "full" else 0,
+        # the per-use weight casts; inside fully recomputed blocks they are recast in backward
+        "weight_copies": (cfg.d_model * cfg.vocab_size if recompute == "full" else matmul_weight_count(cfg))
+                         * p.weight_copy / (tp * pp),
+    }
+    if recompute == "full":  # backward reruns one block at a time: its activations come back
+        result["recomputed_layer"] = sum(layer_activation_breakdown(cfg, b, s, precision, attention).values()) / tp
+    return result
+
+
+def logits_bytes(cfg: ModelConfig, b: int, s: int, precision: str = "fp32") -> float:
+    """The LM head's logits and their fp32 copy for the loss: alive at the end of the forward
+    pass beside everything saved; for small models with large vocabularies the largest tensor."""
+    p = precision_bytes(precision)
+    return b * s * cfg.vocab_size * (p.compute + (4 if p.compute < 4 else 0))
+
+
+def kv_cache_bytes(cfg: ModelConfig, b: int, s: int, dtype_bytes: int = 2) -> int:
+    """Inference KV cache: keys and values for every layer and kv head, 2*b*s*L*g*d_head*bytes."""
+    return 2 * b * s * cfg.n_layers * cfg.kv_heads * cfg.head_dim * dtype_bytes
