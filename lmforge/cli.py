@@ -1,4 +1,4 @@
-"""The `lmforge` command: prepare data, train, generate.
+"""The `lmforge` command: prepare data, train, generate, plan.
 
 Every subcommand that takes a config accepts `--config FILE.yaml`, `--model PRESET` and trailing
 `section.key=value` overrides. User errors print one line and exit with status 2.
@@ -19,6 +19,7 @@ examples:
   lmforge train --config my.yaml model.n_layers=8 train.max_steps=2000
   lmforge train --resume runs/<name>                 # continue where the run stopped
   lmforge generate --run runs/<name> --prompt "def fib(" --max-new-tokens 100
+  lmforge plan --model llama3-8b --batch-size 1 --seq-len 8192 --precision bf16-mixed --hardware h100-sxm
 """.format(presets=", ".join(MODEL_PRESETS))
 
 
@@ -64,6 +65,39 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+
+    plan = commands.add_parser(
+        "plan", help="predict FLOPs, memory per device and time for a setup, before running it",
+        description="Print what a training setup costs: parameters, FLOPs per token and per step, memory per "
+                    "device with its breakdown (and whether it fits), and time per step at an assumed MFU. "
+                    "Batch, sequence, precision, recompute and attention default to the config's values.",
+        epilog="examples:\n"
+               "  lmforge plan                                   # the default model on this machine\n"
+               "  lmforge plan --model gpt3-175b --batch-size 128 --seq-len 2048 --precision fp16 --recompute none --json\n"
+               "  lmforge plan --model llama3-70b --batch-size 1 --seq-len 8192 --precision bf16-mixed \\\n"
+               "      --zero-stage 3 --dp 64 --recompute full --hardware h100-sxm --tokens 15e12 --plot plan.png\n"
+               "  lmforge plan --dtypes",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(plan)
+    plan.add_argument("--batch-size", type=int, help="sequences per micro-batch per data-parallel rank")
+    plan.add_argument("--seq-len", type=int, help="tokens per sequence")
+    plan.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
+    plan.add_argument("--precision", help="fp32, bf16-mixed, fp16-mixed, bf16-pure, fp8 (fp16/bf16 = *-mixed)")
+    plan.add_argument("--optimizer", default="adamw", help="adamw, sgd-momentum or sgd (default adamw)")
+    plan.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage 0-3 (shards over --dp)")
+    plan.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (with sequence parallelism)")
+    plan.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (1F1B)")
+    plan.add_argument("--recompute", help="none, selective or full activation recomputation")
+    plan.add_argument("--attention", help="naive (keeps s x s scores), sdpa, flash_torch or flash_triton")
+    plan.add_argument("--hardware", default="this",
+                      help="this (measure this machine) or one of: a100, h100-sxm, h100-pcie, h200, b200, l4, "
+                           "rtx4090, mi300x")
+    plan.add_argument("--mfu", type=float, default=0.5, help="MFU assumed for the time estimate (default 0.5)")
+    plan.add_argument("--tokens", type=float, help="token budget to estimate the total training time for")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--plot", metavar="PNG", help="save a bar chart of the memory breakdown")
+    plan.add_argument("--dtypes", action="store_true", help="print the table of floating-point formats and exit")
     return parser
 
 
@@ -74,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return {"prepare": cmd_prepare, "train": cmd_train, "generate": cmd_generate}[args.command](args)
+        commands = {"prepare": cmd_prepare, "train": cmd_train, "generate": cmd_generate, "plan": cmd_plan}
+        return commands[args.command](args)
     except LmforgeError as err:
         print(f"lmforge: error: {err}", file=sys.stderr)
         return 2
@@ -155,4 +190,54 @@ def cmd_generate(args) -> int:
         if args.num_samples > 1:
             print(f"--- sample {index + 1} ---")
         print(args.prompt + tokenizer.decode(ids))
+    return 0
+
+
+def this_machine(dtype_name: str) -> tuple[str, float, float]:
+    """(name, measured matmul peak FLOP/s, memory bytes) of the device `lmforge train` would use."""
+    import torch
+
+    from lmforge.accounting.hardware import device_name, host_memory_bytes, matmul_peak
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float8": torch.bfloat16}[dtype_name]  # no fp8 matmul to time here: its bf16 peak stands in
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory_bytes()
+    return f"this machine: {device_name(device)}", matmul_peak(dtype, device), memory
+
+
+def cmd_plan(args) -> int:
+    import json
+
+    from rich.console import Console
+
+    from lmforge.accounting.memory import PRECISION_ALIASES
+    from lmforge.accounting.plan import MATMUL_DTYPE, Setup, make_plan
+    from lmforge.planning import plot_memory, print_dtypes, print_plan
+
+    console = Console()
+    if args.dtypes:
+        print_dtypes(console)
+        return 0
+    cfg = make_config(args.model or DEFAULT_PRESET, args.config, args.overrides)
+    setup = Setup.from_config(cfg, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
+                              precision=args.precision, optimizer=args.optimizer, zero_stage=args.zero_stage,
+                              dp=args.dp, tp=args.tp, pp=args.pp, recompute=args.recompute, attention=args.attention,
+                              hardware=args.hardware, mfu=args.mfu, tokens=args.tokens)
+    try:
+        setup.validate()
+        machine = None
+        if setup.hardware == "this":
+            machine = this_machine(MATMUL_DTYPE[PRECISION_ALIASES.get(setup.precision, setup.precision)])
+        plan = make_plan(cfg.model, setup, machine)
+    except ValueError as err:
+        raise LmforgeError(str(err)) from None
+    if args.plot:
+        plot_memory(plan, args.plot)
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        print_plan(console, plan, title=f"lmforge plan: {args.model or DEFAULT_PRESET}")
+        if args.plot:
+            console.print(f"memory chart: {args.plot}")
     return 0

@@ -92,3 +92,17 @@ def _register_cpu_sdpa_formulas() -> None:
     @flop_counter.register_flop_formula(backward_op)
     def _backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
         return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def model_state_bytes_measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of the parameters, their gradients (those that exist) and the optimizer's
+    per-parameter state tensors, read off the live tensors (shared parameters once; scalar step
+    counters left out: a few bytes per tensor, not per parameter)."""
+    params = list(dict.fromkeys(model.parameters()))
+    states = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            states += sum(t.nbytes for t in state.values() if isinstance(t, torch.Tensor) and t.ndim > 0)
+    return {"parameters": sum(p.nbytes for p in params),
+            "gradients": sum(p.grad.nbytes for p in params if p.grad is not None),
+            "optimizer_states": states}

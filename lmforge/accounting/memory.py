@@ -66,7 +66,7 @@ def parameter_count(cfg: ModelConfig) -> int:
     if cfg.family == "llama":
         per_layer = attention + 3 * d * f + 2 * d  # q,k,v,o; gate, up, down; two RMSNorm gains
         return L * per_layer + V * d * (1 if cfg.tie_embeddings else 2) + d
-    biases = q * (2 * cfg.n_heads + 2 * cfg.kv_heads) // 2 + d + f + d  # q,k,v + o, up, down
+    biases = q * (cfg.n_heads + 2 * cfg.kv_heads) + d + f + d  # q, k, v; o; up; down
     per_layer = attention + 2 * d * f + biases + 2 * 2 * d  # two LayerNorms with gain and bias
     return L * per_layer + V * d * (1 if cfg.tie_embeddings else 2) + cfg.max_seq_len * d + 2 * d
 

@@ -16,8 +16,10 @@ import torch
 from rich.console import Console
 from tqdm import tqdm
 
-from lmforge.accounting.flops import training_flops_per_token
-from lmforge.accounting.hardware import device_name, matmul_peak
+from lmforge.accounting.flops import hardware_flops_per_token, training_flops_per_token
+from lmforge.accounting.hardware import device_name, host_memory_bytes, matmul_peak
+from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
+from lmforge.accounting.plan import MATMUL_DTYPE, Setup, make_plan
 from lmforge.config import Config, save_config
 from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.data.prepare import PreparedData, prepare_data
@@ -29,8 +31,13 @@ from lmforge.optim.adamw import AdamW
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.optim.schedule import learning_rate
 from lmforge.train import checkpoint as ckpt
+from lmforge.planning import human_bytes, print_plan
 from lmforge.train.host_memory import retain_freed_memory
+from lmforge.train.recompute import apply_recompute
 from lmforge.train.report import MetricsLog, plot_losses, print_table
+
+PEAK_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "float8": torch.bfloat16}  # fp8 matmuls are not timed here: the bf16 peak stands in
 
 
 def resolve_device(name: str) -> torch.device:
@@ -80,7 +87,7 @@ class Trainer:
             raise LmforgeError(f"the corpus is too small for windows of {cfg.seq_len} tokens "
                                f"({len(self.data.train)} train, {len(self.data.val)} val tokens): "
                                f"add text or lower train.seq_len")
-        self.model = Transformer(cfg.model).to(self.device)
+        self.model = apply_recompute(Transformer(cfg.model).to(self.device), cfg.train.recompute)
         self.optimizer = AdamW(weight_decay_groups(self.model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                                betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
         self.step, self.history = 0, {}
@@ -94,7 +101,16 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resume else None)
         self.tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.seq_len
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
-        self.peak_flops = matmul_peak(torch.float32, self.device)
+        self.hardware_flops_per_token = hardware_flops_per_token(cfg.model, cfg.seq_len, cfg.train.recompute)
+        self.peak_dtype = MATMUL_DTYPE[cfg.train.precision]
+        self.peak_flops = matmul_peak(PEAK_DTYPE[self.peak_dtype], self.device)
+        # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
+        memory = (torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda"
+                  else host_memory_bytes())
+        self.plan = make_plan(cfg.model, Setup.from_config(cfg, mfu=1.0),
+                              (device_name(self.device), self.peak_flops, memory))
+        self.measured_memory: dict = {}  # filled in by the first step of the session
+        print_plan(self.console, self.plan, title="lmforge train: plan")
 
     # -- run folder and checkpoints ---------------------------------------------------------------
 
@@ -141,13 +157,25 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(cfg.train.grad_accum):
+        measure = not self.measured_memory  # the first step of a session measures memory
+        if measure and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        for micro_batch in range(cfg.train.grad_accum):
             x, y = next(self.loader)
-            loss = self.model(x, y) / cfg.train.grad_accum
+            if measure and micro_batch == 0:
+                with measure_saved_bytes(self.model.parameters()) as saved:
+                    loss = self.model(x, y) / cfg.train.grad_accum
+                self.measured_memory["activations"] = saved.activations
+            else:
+                loss = self.model(x, y) / cfg.train.grad_accum
             loss.backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), cfg.optim.grad_clip)
         self.optimizer.step()
+        if measure:
+            self.measured_memory.update(model_state_bytes_measured(self.model, self.optimizer))
+            if self.device.type == "cuda":
+                self.measured_memory["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return loss_sum, grad_norm
@@ -186,10 +214,14 @@ class Trainer:
                                            f"checkpoint is kept: lower optim.lr or raise optim.warmup_steps")
                     tokens_per_s = window_steps * self.tokens_per_step / window_seconds
                     mfu = tokens_per_s * self.flops_per_token / self.peak_flops
-                    self.metrics.write({"step": self.step, "train_loss": loss, "grad_norm": grad_norm.item(),
-                                        "lr": self.optimizer.param_groups[0]["lr"],
-                                        "tokens_per_s": tokens_per_s, "mfu": mfu})
-                    bar.set_postfix_str(f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {mfu:.0%}")
+                    record = {"step": self.step, "train_loss": loss, "grad_norm": grad_norm.item(),
+                              "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_s": tokens_per_s, "mfu": mfu}
+                    postfix = f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {mfu:.0%}"
+                    if cfg.train.recompute != "none":  # hardware FLOPs include the recomputed forward
+                        record["hfu"] = tokens_per_s * self.hardware_flops_per_token / self.peak_flops
+                        postfix += f" | HFU {record['hfu']:.0%}"
+                    self.metrics.write(record)
+                    bar.set_postfix_str(postfix)
                     window_seconds, window_steps = 0.0, 0
                     window_loss.zero_()
                 if (t.eval_interval and self.step % t.eval_interval == 0) or last:
@@ -239,6 +271,7 @@ class Trainer:
             "val_bits_per_byte": val_loss * val_split["tokens"] / val_split["bytes"] / math.log(2),
             "unigram_entropy_nats": meta["unigram_entropy_nats"],
         }
+        summary["predicted_vs_measured"] = comparison = self._predicted_vs_measured(tokens_per_s)
         plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
                     title=f"{self.run_dir.name}: {summary['parameters'] / 1e6:.1f}M parameters",
                     unigram_entropy=meta["unigram_entropy_nats"])
@@ -252,7 +285,7 @@ class Trainer:
             ("training time (this session)", f"{train_seconds:.0f} s"),
             ("throughput", f"{tokens_per_s:,.0f} tokens/s"),
             ("MFU", f"{summary['mfu']:.1%}"),
-            ("peak, measured (fp32 matmul)", f"{self.peak_flops / 1e9:,.0f} GFLOP/s"),
+            ("peak, measured", f"{self.peak_flops / 1e9:,.0f} GFLOP/s ({self.peak_dtype} matmul)"),
             ("device", summary["device"]),
             ("data loader waiting", f"{summary['data_wait_fraction']:.2%} of step time"),
             ("train loss", f"{summary['train_loss']:.4f} nats/token"),
@@ -261,7 +294,50 @@ class Trainer:
             ("unigram entropy of the corpus", f"{meta['unigram_entropy_nats']:.4f} nats/token"),
             ("run folder", str(self.run_dir)),
         ], title="lmforge train: summary")
+        self._print_comparison(comparison)
         if cfg.train.sample_tokens:
             self.console.rule("sample")
             self.console.print(summary["sample"], markup=False, highlight=False)
         return summary
+
+    def _predicted_vs_measured(self, tokens_per_s: float) -> dict:
+        """The plan printed at the start beside what this session measured."""
+        plan, measured = self.plan, self.measured_memory
+        breakdown = plan["memory"]["breakdown_bytes"]
+        activations = plan["memory"]["activation_breakdown_bytes"]
+        rows = {
+            "tokens_per_s": (plan["time"]["tokens_per_second"], tokens_per_s),
+            "mfu": (1.0, tokens_per_s * self.flops_per_token / self.peak_flops),
+        }
+        if self.cfg.train.recompute != "none":
+            rows["hfu"] = (1.0, tokens_per_s * self.hardware_flops_per_token / self.peak_flops)
+        for key in ("parameters", "gradients", "optimizer_states"):
+            rows[f"{key}_bytes"] = (breakdown[key], measured.get(key))
+        # what one micro-batch saves for backward: the layers, embedding, head and the weight casts
+        rows["activations_bytes"] = (sum(activations.values()) - activations.get("recomputed_layer", 0)
+                                     + breakdown["weight_copies"], measured.get("activations"))
+        if "peak_allocated" in measured:
+            rows["peak_memory_bytes"] = (plan["memory"]["per_device_bytes"], measured["peak_allocated"])
+        return {key: {"predicted": p, "measured": m} for key, (p, m) in rows.items()}
+
+    def _print_comparison(self, comparison: dict) -> None:
+        from rich.table import Table
+
+        table = Table(title="predicted (plan) vs measured", title_justify="left")
+        for column in ("", "predicted", "measured", "measured / predicted"):
+            table.add_column(column, justify="right" if column else "left")
+        labels = {"tokens_per_s": "tokens/s (predicted at 100% MFU)", "mfu": "MFU", "hfu": "HFU (with recomputation)",
+                  "parameters_bytes": "parameters", "gradients_bytes": "gradients",
+                  "optimizer_states_bytes": "optimizer states",
+                  "activations_bytes": "saved for backward, one micro-batch", "peak_memory_bytes": "peak memory (CUDA)"}
+        for key, row in comparison.items():
+            predicted, measured = row["predicted"], row["measured"]
+            if key.endswith("_bytes"):
+                shown = (human_bytes(predicted), human_bytes(measured) if measured is not None else "-")
+            elif key == "tokens_per_s":
+                shown = (f"{predicted:,.0f}", f"{measured:,.0f}")
+            else:
+                shown = (f"{predicted:.0%}", f"{measured:.1%}")
+            ratio = f"{measured / predicted:.3f}" if measured is not None and predicted else "-"
+            table.add_row(labels[key], *shown, ratio)
+        self.console.print(table)

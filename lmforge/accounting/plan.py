@@ -1,0 +1,141 @@
+"""A plan: what a training setup will cost before it runs. FLOPs, memory per device, time.
+
+Everything here is arithmetic on a ModelConfig and a few numbers (batch, sequence, precision,
+parallel degrees); it imports no training code. `lmforge plan` prints it, and the trainer prints
+the same plan before it starts and sets its measurements beside it at the end.
+"""
+
+from dataclasses import asdict, dataclass
+
+from lmforge.accounting import flops, memory
+from lmforge.accounting.hardware import ACCELERATORS, accelerator_peak
+from lmforge.config import RECOMPUTE, ModelConfig
+
+# Which peak a policy's matmuls run at.
+MATMUL_DTYPE = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16-pure": "bfloat16",
+                "fp8": "float8"}
+
+
+@dataclass
+class Setup:
+    batch_size: int = 8  # sequences per micro-batch, per data-parallel rank
+    seq_len: int = 256
+    grad_accum: int = 1
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    zero_stage: int = 0
+    dp: int = 1  # data-parallel degree
+    tp: int = 1  # tensor-parallel degree
+    pp: int = 1  # pipeline-parallel degree
+    recompute: str = "none"
+    attention: str = "sdpa"  # naive keeps the s x s scores; sdpa / flash_* do not
+    hardware: str = "this"  # a name in hardware.ACCELERATORS, or "this" (peak and memory given below)
+    mfu: float = 0.5  # the model FLOPs utilisation assumed for time estimates
+    tokens: float | None = None  # a token budget to estimate the total time for
+
+    @classmethod
+    def from_config(cls, cfg, **changes) -> "Setup":
+        """The setup a Config trains with (one device), with `changes` applied."""
+        attention = cfg.model.attention
+        values = dict(batch_size=cfg.train.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.train.grad_accum,
+                      precision=cfg.train.precision, recompute=cfg.train.recompute,
+                      attention="sdpa" if attention == "auto" else attention)
+        values.update({k: v for k, v in changes.items() if v is not None})
+        return cls(**values)
+
+    def validate(self) -> None:
+        def require(ok, message):
+            if not ok:
+                raise ValueError(message)
+        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp"):
+            require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
+        memory.precision_bytes(self.precision)
+        require(self.optimizer in memory.OPTIMIZER_STATES,
+                f"optimizer must be one of {', '.join(memory.OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        require(self.zero_stage in (0, 1, 2, 3), f"zero stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        require(self.recompute in RECOMPUTE, f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        require(self.attention in memory.ATTENTION_KINDS,
+                f"attention must be one of {', '.join(memory.ATTENTION_KINDS)}, got {self.attention!r}")
+        require(self.hardware == "this" or self.hardware in ACCELERATORS,
+                f"unknown hardware {self.hardware!r}; known: this, {', '.join(ACCELERATORS)}")
+        require(0 < self.mfu <= 1, f"mfu must be in (0, 1], got {self.mfu}")
+        require(self.tokens is None or self.tokens > 0, f"tokens must be positive, got {self.tokens}")
+
+
+def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, float] | None = None) -> dict:
+    """The plan as a JSON-ready dict. `this_machine` = (name, peak FLOP/s, memory bytes) is needed
+    when setup.hardware is "this" (the caller measures it; accounting stays pure)."""
+    setup.validate()
+    precision = memory.PRECISION_ALIASES.get(setup.precision, setup.precision)
+    b, s = setup.batch_size, setup.seq_len
+    devices = setup.dp * setup.tp * setup.pp
+    tokens_per_step = b * s * setup.grad_accum * setup.dp
+
+    model_flops = flops.training_flops_per_token(cfg, s)
+    hardware_flops = flops.hardware_flops_per_token(cfg, s, setup.recompute)
+    n_params = memory.parameter_count(cfg)
+
+    states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp)
+    activations = memory.activation_breakdown(cfg, b, s, precision, setup.attention, setup.recompute,
+                                              setup.tp, setup.pp)
+    breakdown = {**states,
+                 "weight_copies": activations.pop("weight_copies"),
+                 "activations": sum(activations.values()),
+                 "logits": memory.logits_bytes(cfg, b, s, precision) / setup.tp}
+    total = sum(breakdown.values())
+
+    if setup.hardware == "this":
+        if this_machine is None:
+            raise ValueError("hardware 'this' needs the measured (name, peak FLOP/s, memory bytes)")
+        hardware_name, peak, device_memory = this_machine
+    else:
+        hardware_name = setup.hardware
+        peak = accelerator_peak(setup.hardware, MATMUL_DTYPE[precision])
+        device_memory = ACCELERATORS[setup.hardware].memory_bytes
+
+    step_flops = tokens_per_step * model_flops
+    step_seconds = step_flops / (peak * setup.mfu * devices)
+    # The paper's reference figure (standard attention, 16-bit), and its FlashAttention variant.
+    korthikanti = memory.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_heads, cfg.n_layers,
+                                                      setup.recompute, setup.tp)
+    korthikanti_flash = memory.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_heads, cfg.n_layers,
+                                                            setup.recompute, setup.tp, flash=True)
+    plan = {
+        "model": {"family": cfg.family, "parameters": n_params, "matmul_parameters": flops.matmul_parameters(cfg),
+                  "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads,
+                  "ffn_dim": cfg.ffn_dim, "vocab_size": cfg.vocab_size},
+        "setup": {**asdict(setup), "precision": precision, "devices": devices, "tokens_per_step": tokens_per_step},
+        "flops": {
+            "forward_per_token_by_component": flops.forward_flops_breakdown(cfg, s),
+            "training_per_token": model_flops,
+            "training_per_token_causal_halved": flops.training_flops_per_token(cfg, s, causal=True),
+            "hardware_per_token": hardware_flops,
+            "six_n_per_token": flops.six_n_flops_per_token(cfg),
+            "palm_per_token": flops.palm_flops_per_token(cfg, s),
+            "training_per_step": step_flops,
+        },
+        "memory": {
+            "per_device_bytes": total,
+            "breakdown_bytes": breakdown,
+            "activation_breakdown_bytes": activations,
+            "device_memory_bytes": device_memory,
+            "fits": total <= device_memory,
+            "kv_cache_inference_bytes": memory.kv_cache_bytes(cfg, b, s, memory.precision_bytes(precision).compute),
+            "zero_paper_model_state_bytes": memory.zero_paper_model_state_bytes(n_params, setup.zero_stage, setup.dp),
+            "activations_korthikanti_bytes": korthikanti,
+            "activations_korthikanti_flash_bytes": korthikanti_flash,
+            "parameters_16bit_bytes": 2 * n_params,
+            "activations_to_16bit_parameters_ratio": korthikanti / (2 * n_params),
+        },
+        "time": {
+            "hardware": hardware_name,
+            "peak_flops_per_device": peak,
+            "matmul_dtype": MATMUL_DTYPE[precision],
+            "assumed_mfu": setup.mfu,
+            "seconds_per_step": step_seconds,
+            "tokens_per_second": tokens_per_step / step_seconds,
+            "tokens": setup.tokens,
+            "seconds_for_tokens": setup.tokens / tokens_per_step * step_seconds if setup.tokens else None,
+        },
+    }
+    return plan

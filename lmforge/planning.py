@@ -1,0 +1,134 @@
+"""Showing a plan (accounting/plan.py) to people: tables in the terminal and a memory bar chart."""
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from lmforge.accounting.dtypes import dtype_table
+
+MEMORY_LABELS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "master_weights": "fp32 master weights",
+    "optimizer_states": "optimizer states",
+    "weight_copies": "low-precision weight copies",
+    "activations": "activations (saved for backward)",
+    "logits": "logits + fp32 loss copy",
+}
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def human_count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f}"
+
+
+def human_seconds(s: float) -> str:
+    if s >= 86400:
+        return f"{s / 86400:,.1f} days"
+    if s >= 3600:
+        return f"{s / 3600:,.1f} h"
+    if s >= 60:
+        return f"{s / 60:,.1f} min"
+    if s >= 1:
+        return f"{s:,.2f} s"
+    return f"{s * 1e3:,.1f} ms"
+
+
+def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> None:
+    m, st, f, mem, t = plan["model"], plan["setup"], plan["flops"], plan["memory"], plan["time"]
+    parallel = f"dp {st['dp']} x tp {st['tp']} x pp {st['pp']} = {st['devices']} device(s)"
+    head = Table(title=title, show_header=False, title_justify="left")
+    head.add_column("what", style="bold")
+    head.add_column("value", justify="right")
+    for name, value in [
+        ("model", f"{m['family']}: {m['layers']} layers, d_model {m['d_model']}, {m['heads']} heads "
+                  f"({m['kv_heads']} kv), ffn {m['ffn_dim']}, vocab {m['vocab_size']:,}"),
+        ("parameters", f"{human_count(m['parameters'])} ({m['parameters']:,})"),
+        ("setup", f"batch {st['batch_size']} x seq {st['seq_len']} x accum {st['grad_accum']}, {st['precision']}, "
+                  f"{st['optimizer']}, ZeRO {st['zero_stage']}, recompute {st['recompute']}, {st['attention']}"),
+        ("parallelism", parallel),
+        ("tokens per step", f"{st['tokens_per_step']:,}"),
+        ("training FLOPs per token", f"{human_count(f['training_per_token'])} (6N: {human_count(f['six_n_per_token'])}, "
+                                     f"PaLM 6N+12LHQT: {human_count(f['palm_per_token'])})"),
+        ("hardware FLOPs per token", f"{human_count(f['hardware_per_token'])} (with recomputation)"),
+        ("training FLOPs per step", human_count(f["training_per_step"])),
+    ]:
+        head.add_row(name, value)
+    console.print(head)
+
+    table = Table(title="memory per device", title_justify="left")
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    total = mem["per_device_bytes"]
+    for key, value in mem["breakdown_bytes"].items():
+        if value:
+            table.add_row(MEMORY_LABELS.get(key, key), human_bytes(value), f"{value / total:.1%}")
+    table.add_row("total", human_bytes(total), "", style="bold")
+    verdict = "fits" if mem["fits"] else "does NOT fit"
+    table.add_row(f"device memory ({t['hardware']})", human_bytes(mem["device_memory_bytes"]),
+                  f"{verdict} ({total / mem['device_memory_bytes']:.0%})", style="green" if mem["fits"] else "red")
+    table.add_row("activations, Korthikanti et al. 16-bit", human_bytes(mem["activations_korthikanti_bytes"]),
+                  f"{mem['activations_to_16bit_parameters_ratio']:.1f}x 16-bit params", style="dim")
+    table.add_row("KV cache for inference at this batch x seq", human_bytes(mem["kv_cache_inference_bytes"]), "",
+                  style="dim")
+    console.print(table)
+
+    timing = Table(title=f"time on {t['hardware']} at {t['assumed_mfu']:.0%} MFU", show_header=False,
+                   title_justify="left")
+    timing.add_column("what", style="bold")
+    timing.add_column("value", justify="right")
+    timing.add_row("peak per device", f"{human_count(t['peak_flops_per_device'])}FLOP/s ({t['matmul_dtype']})")
+    timing.add_row("time per step", human_seconds(t["seconds_per_step"]))
+    timing.add_row("throughput", f"{t['tokens_per_second']:,.0f} tokens/s")
+    if t["tokens"]:
+        timing.add_row(f"time for {human_count(t['tokens'])} tokens", human_seconds(t["seconds_for_tokens"]))
+    console.print(timing)
+
+
+def print_dtypes(console: Console) -> None:
+    table = Table(title="floating-point formats (from torch.finfo)", title_justify="left")
+    for column in ("dtype", "bits", "bytes", "exponent", "mantissa", "max", "smallest normal", "eps"):
+        table.add_column(column, justify="right" if column != "dtype" else "left")
+    for d in dtype_table():
+        table.add_row(d.name, str(d.bits), str(d.bytes), str(d.exponent_bits), str(d.mantissa_bits),
+                      f"{d.max:.4g}", f"{d.smallest_normal:.4g}", f"{d.eps:.4g}")
+    console.print(table)
+
+
+def plot_memory(plan: dict, png_path: str | Path, title: str | None = None) -> None:
+    """A stacked bar of memory per device by part, beside the device's capacity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mem = plan["memory"]
+    parts = [(MEMORY_LABELS.get(k, k), v) for k, v in mem["breakdown_bytes"].items() if v]
+    scale, unit = (2**30, "GiB") if mem["per_device_bytes"] >= 2**30 else (2**20, "MiB")
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    left = 0.0
+    colors = plt.get_cmap("tab10").colors
+    for index, (label, value) in enumerate(parts):
+        ax.barh(["per device"], [value / scale], left=left, color=colors[index % 10],
+                label=f"{label}: {human_bytes(value)}")
+        left += value / scale
+    ax.axvline(mem["device_memory_bytes"] / scale, color="black", linestyle="--",
+               label=f"device memory: {human_bytes(mem['device_memory_bytes'])}")
+    ax.set_xlabel(unit)
+    ax.set_title(title or f"memory per device: {human_bytes(mem['per_device_bytes'])} "
+                          f"({'fits' if mem['fits'] else 'does not fit'})")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
