@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -97,12 +98,13 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
 
 
 def print_dtypes(console: Console) -> None:
-    table = Table(title="floating-point formats (from torch.finfo)", title_justify="left")
-    for column in ("dtype", "bits", "bytes", "exponent", "mantissa", "max", "smallest normal", "eps"):
-        table.add_column(column, justify="right" if column != "dtype" else "left")
+    table = Table(title="floating-point formats (from torch.finfo)", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    for column in ("dtype", "bits", "bytes", "exp", "mant", "max", "min normal", "eps"):
+        table.add_column(column, justify="right" if column != "dtype" else "left", no_wrap=True)
     for d in dtype_table():
         table.add_row(d.name, str(d.bits), str(d.bytes), str(d.exponent_bits), str(d.mantissa_bits),
-                      f"{d.max:.4g}", f"{d.smallest_normal:.4g}", f"{d.eps:.4g}")
+                      f"{d.max:.4g}".replace("e+", "e"), f"{d.smallest_normal:.3g}", f"{d.eps:.3g}")
     console.print(table)
 
 

@@ -2,9 +2,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lmforge.accounting.flops import forward_flops_per_token, training_flops_per_token
+from lmforge.accounting.flops import (forward_flops_breakdown, forward_flops_per_token, hardware_flops_per_token,
+                                      palm_flops_per_token, six_n_flops_per_token, training_flops_per_token)
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
+from lmforge.train.recompute import apply_recompute
 
 
 @pytest.mark.parametrize("overrides, seq_len", [
@@ -38,3 +40,47 @@ def test_palm_formula_for_a_published_shape():
     n_matrices = n - cfg.n_layers * 2 * cfg.d_model - cfg.d_model  # norm gains are not matmul weights
     palm = 6 * n_matrices + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
     assert training_flops_per_token(cfg, seq_len) == palm
+
+
+def _measured_flops_per_token(model, batch, seq):
+    from lmforge.accounting.measure import count_flops
+
+    inputs, targets = torch.randint(0, model.cfg.vocab_size, (2, batch, seq))
+    return count_flops(lambda: model(inputs, targets).backward()) / (batch * seq)
+
+
+def test_fused_cpu_sdpa_is_counted_not_missed():
+    """FlopCounterMode has no formula for the fused CPU kernel; count_flops registers PyTorch's
+    own, whose backward also recomputes QK^T (hardware FLOPs): model FLOPs + one QK^T."""
+    cfg = make_config("tiny", overrides=["model.d_model=128", "model.n_heads=2", "model.max_seq_len=256"]).model
+    measured = _measured_flops_per_token(Transformer(cfg), 2, 256)
+    predicted = training_flops_per_token(cfg, 256) + forward_flops_breakdown(cfg, 256)["attention_scores_qk"]
+    assert measured == pytest.approx(predicted, rel=1e-6)
+    with FlopCounterMode(display=False) as plain:  # without the registration attention counts zero
+        pass
+    assert plain.get_total_flops() == 0
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_hardware_flops_count_the_recomputed_forward(recompute):
+    cfg = make_config("tiny", overrides=["model.attention=naive"]).model
+    model = apply_recompute(Transformer(cfg), recompute)
+    measured = _measured_flops_per_token(model, 2, 64)
+    assert measured == pytest.approx(hardware_flops_per_token(cfg, 64, recompute), rel=0.02)
+    assert hardware_flops_per_token(cfg, 64, recompute) > training_flops_per_token(cfg, 64)
+
+
+def test_breakdown_components_and_the_causal_option():
+    cfg = make_config("llama3-8b").model
+    parts = forward_flops_breakdown(cfg, 8192)
+    assert set(parts) == {"qkv_projections", "output_projection", "attention_scores_qk", "attention_values_av",
+                          "mlp", "lm_head"}
+    assert parts["mlp"] == 32 * 3 * 2 * 4096 * 14336
+    assert parts["qkv_projections"] == 32 * 2 * 4096 * 128 * (32 + 2 * 8)
+    halved = forward_flops_breakdown(cfg, 8192, causal=True)
+    assert halved["attention_scores_qk"] * 2 == parts["attention_scores_qk"]
+    assert halved["mlp"] == parts["mlp"]
+    # 6N misses the attention matmuls, which at 8k context are a visible share
+    assert six_n_flops_per_token(cfg) < training_flops_per_token(cfg, 8192) == palm_flops_per_token(cfg, 8192)
+    with pytest.raises(ValueError, match="unknown recompute mode"):
+        hardware_flops_per_token(cfg, 128, "sometimes")

@@ -73,7 +73,7 @@ def test_naive_attention_grows_quadratically_and_sdpa_linearly():
     per_layer = {a: [activation_breakdown(cfg, 1, s, "fp32", a)["layers"] for s in (1024, 2048, 4096)]
                  for a in ("naive", "sdpa")}
     assert per_layer["sdpa"][2] / per_layer["sdpa"][1] == 2.0  # every term is linear in s
-    assert per_layer["naive"][2] / per_layer["naive"][1] > 3.8
+    assert per_layer["naive"][2] / per_layer["naive"][1] > 3.5  # dominated by s^2: tends to 4
 
 
 @pytest.mark.parametrize("name", ["tiny-gqa", "mqa-odd-ffn", "gpt"])

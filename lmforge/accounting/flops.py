@@ -48,12 +48,15 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = Fals
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> float:
     """FLOPs the hardware executes per token, counting recomputation (the numerator of HFU,
-    Chowdhery et al. 2022, appendix B). Full recomputation runs each block's forward twice;
-    selective recomputation (Korthikanti et al. 2022, section 4.2) reruns only QK^T and AV."""
+    Chowdhery et al. 2022, appendix B). Full recomputation runs each block's forward twice, except
+    its last matmul: torch.utils.checkpoint stops recomputing once every tensor backward needs is
+    back, and the MLP's down projection output is needed by no one. Selective recomputation
+    (Korthikanti et al. 2022, section 4.2) reruns only QK^T and AV."""
     parts = forward_flops_breakdown(cfg, seq_len)
     extra = 0.0
     if recompute == "full":
-        extra = sum(v for k, v in parts.items() if k != "lm_head")
+        down_projection = cfg.n_layers * 2 * cfg.d_model * cfg.ffn_dim
+        extra = sum(v for k, v in parts.items() if k != "lm_head") - down_projection
     elif recompute == "selective":
         extra = parts["attention_scores_qk"] + parts["attention_values_av"]
     elif recompute != "none":

@@ -1,0 +1,132 @@
+"""Dtypes, hardware peaks, MFU, `lmforge plan` and the trainer's predicted-vs-measured report."""
+
+import json
+
+import pytest
+import torch
+
+from lmforge.accounting.dtypes import DTYPES, dtype_info
+from lmforge.accounting.hardware import ACCELERATORS, accelerator_peak, mfu
+from lmforge.accounting.plan import Setup, make_plan
+from lmforge.cli import main
+from lmforge.config import make_config
+
+# (exponent bits, mantissa bits, max) from the IEEE 754 and Micikevicius et al. 2022 tables
+KNOWN_FORMATS = {"float32": (8, 23, 3.4028234663852886e38), "float16": (5, 10, 65504.0),
+                 "bfloat16": (8, 7, 3.3895313892515355e38), "float8_e4m3fn": (4, 3, 448.0),
+                 "float8_e5m2": (5, 2, 57344.0)}
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_dtype_table_agrees_with_finfo_and_the_format_definitions(name):
+    info, finfo = dtype_info(name), torch.finfo(DTYPES[name])
+    assert (info.bits, info.max, info.smallest_normal, info.eps) == (finfo.bits, finfo.max, finfo.smallest_normal,
+                                                                     finfo.eps)
+    assert (info.exponent_bits, info.mantissa_bits, info.max) == KNOWN_FORMATS[name]
+    assert info.bytes * 8 == info.bits == 1 + info.exponent_bits + info.mantissa_bits
+    assert torch.empty(3, dtype=DTYPES[name]).nbytes == 3 * info.bytes
+    # eps is the gap above 1.0: 1 + eps is representable, 1 + eps/2 rounds back to 1
+    one = torch.tensor(1.0, dtype=torch.float64)
+    assert (one + info.eps).to(DTYPES[name]).double().item() == 1 + info.eps
+    assert (one + info.eps / 4).to(DTYPES[name]).double().item() == 1.0
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="unknown dtype 'float4'"):
+        dtype_info("float4")
+
+
+def test_datasheet_peaks_and_mfu():
+    assert accelerator_peak("h100-sxm", "bfloat16") == 989.4e12
+    assert accelerator_peak("a100", "bfloat16") == 312e12
+    for accelerator in ACCELERATORS.values():  # tensor-core formats are at least as fast as fp32
+        assert accelerator.peak_flops["bfloat16"] >= accelerator.peak_flops["float32"]
+        assert accelerator.peak_flops.get("float8", accelerator.peak_flops["bfloat16"]) >= accelerator.peak_flops["bfloat16"]
+    with pytest.raises(ValueError, match="a100 has no float8"):
+        accelerator_peak("a100", "float8")
+    with pytest.raises(ValueError, match="unknown hardware 'tpu'"):
+        accelerator_peak("tpu", "bfloat16")
+    # PaLM 540B, Chowdhery et al. 2022 table 3: 238.3k tokens/s on 6144 TPU v4 chips (275 TFLOP/s
+    # bf16 each), 6N + 12LHQT = 2.0e12*... here simply: MFU is achieved over peak FLOP/s
+    assert mfu(1000.0, 1e9, 4e12) == 0.25
+
+
+def test_plan_for_the_default_model_adds_up():
+    cfg = make_config().model
+    plan = make_plan(cfg, Setup(batch_size=8, seq_len=256, hardware="h100-sxm", mfu=0.5, tokens=1e9))
+    mem = plan["memory"]
+    assert mem["per_device_bytes"] == sum(mem["breakdown_bytes"].values())
+    assert mem["fits"]
+    t = plan["time"]
+    assert t["seconds_per_step"] == pytest.approx(plan["flops"]["training_per_step"] / (67e12 * 0.5))
+    assert t["seconds_for_tokens"] == pytest.approx(1e9 / 2048 * t["seconds_per_step"])
+
+
+def test_plan_sharding_and_recompute_shrink_memory():
+    cfg = make_config("llama3-70b").model
+    base = make_plan(cfg, Setup(batch_size=1, seq_len=8192, precision="bf16-mixed", hardware="h100-sxm"))
+    sharded = make_plan(cfg, Setup(batch_size=1, seq_len=8192, precision="bf16-mixed", hardware="h100-sxm",
+                                   zero_stage=3, dp=64, recompute="full"))
+    assert not base["memory"]["fits"] and sharded["memory"]["fits"]
+    assert sharded["memory"]["breakdown_bytes"]["optimizer_states"] * 64 == base["memory"]["breakdown_bytes"]["optimizer_states"]
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(zero_stage=4), "zero stage must be 0, 1, 2 or 3"),
+    (dict(precision="int8"), "unknown precision 'int8'"),
+    (dict(hardware="tpu-v9"), "unknown hardware 'tpu-v9'"),
+    (dict(mfu=1.5), "mfu must be in (0, 1]"),
+    (dict(batch_size=0), "batch_size must be >= 1"),
+])
+def test_plan_refuses_bad_setups(changes, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make_plan(make_config("tiny").model, Setup(**{"hardware": "a100", **changes}))
+
+
+def test_gpt3_175b_example_from_the_command_line(capsys):
+    code = main(["plan", "--model", "gpt3-175b", "--batch-size", "128", "--seq-len", "2048", "--precision", "fp16",
+                 "--recompute", "none", "--json", "--hardware", "a100"])
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["memory"]["activations_korthikanti_bytes"] == 35_253_091_565_568
+    assert round(plan["memory"]["activations_to_16bit_parameters_ratio"]) == 101
+    assert plan["setup"]["precision"] == "fp16-mixed"
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama3-1b", "llama3-70b"])
+def test_plan_command_table_and_plot(preset, tmp_path, capsys):
+    png = tmp_path / "memory.png"
+    assert main(["plan", "--model", preset, "--hardware", "h100-sxm", "--precision", "bf16-mixed",
+                 "--tokens", "1e9", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    for phrase in ("memory per device", "optimizer states", "time per step", "time for 1.00 G tokens"):
+        assert phrase in out
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_on_this_machine_and_dtypes(capsys):
+    assert main(["plan", "--model", "tiny", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["time"]["hardware"].startswith("this machine") and plan["time"]["peak_flops_per_device"] > 1e9
+    assert main(["plan", "--dtypes"]) == 0
+    out = capsys.readouterr().out
+    assert "float8_e4m3fn" in out and "448" in out
+
+
+def test_plan_command_bad_input_is_one_line(capsys):
+    assert main(["plan", "--model", "tiny", "--zero-stage", "5", "--hardware", "a100"]) == 2
+    assert capsys.readouterr().err.strip() == "lmforge: error: zero stage must be 0, 1, 2 or 3, got 5"
+
+
+def test_trainer_reports_predicted_beside_measured(tiny_config, tmp_path):
+    from lmforge.train.trainer import Trainer
+
+    cfg = tiny_config(max_steps=4, eval_interval=4, checkpoint_interval=4, recompute="selective")
+    summary = Trainer(cfg, tmp_path / "run", progress=False).run()
+    rows = summary["predicted_vs_measured"]
+    for key in ("parameters_bytes", "gradients_bytes", "optimizer_states_bytes"):
+        assert rows[key]["measured"] == rows[key]["predicted"]
+    assert rows["activations_bytes"]["measured"] == pytest.approx(rows["activations_bytes"]["predicted"], rel=0.05)
+    assert 0 < rows["mfu"]["measured"] < rows["hfu"]["measured"] < 1
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("hfu" in r and "mfu" in r for r in records if "train_loss" in r)
