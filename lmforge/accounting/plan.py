@@ -78,8 +78,11 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
     states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp)
     activations = memory.activation_breakdown(cfg, b, s, precision, setup.attention, setup.recompute,
                                               setup.tp, setup.pp)
+    # A ZeRO-3 implementation gathers each layer's weights when it needs them and frees them
+    # after: it keeps its shard of the casts, not all of them.
+    weight_copies = activations.pop("weight_copies") / (setup.dp if setup.zero_stage == 3 else 1)
     breakdown = {**states,
-                 "weight_copies": activations.pop("weight_copies"),
+                 "weight_copies": weight_copies,
                  "activations": sum(activations.values()),
                  "logits": memory.logits_bytes(cfg, b, s, precision) / setup.tp}
     total = sum(breakdown.values())
