@@ -77,6 +77,7 @@ def flash_attention_triton(q, k, v, *, causal=True, block_q=DEFAULT_BLOCK_Q, blo
 def _launch_settings(q, causal, block_q, block_k):
     d_head = q.shape[-1]
     return dict(CAUSAL=causal, UPCAST_TILES=interpreting() and q.dtype != torch.float32,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=_head_block(d_head))
 
 

@@ -16,6 +16,8 @@ head), dK/dV (one program per key block and kv head, looping over the query head
 and their query blocks: no atomics) and dQ (one program per query block and head).
 UPCAST_TILES casts loaded tiles to fp32 before `tl.dot`: the interpreter's bf16 dot returns garbage,
 so the wrapper sets it there; on a GPU bf16 tiles go to the tensor cores as they are.
+DOT_PRECISION is "ieee" for fp32 inputs (tl.dot would otherwise round fp32 operands to tf32, 10
+mantissa bits, on the tensor cores, and fp32 attention would no longer match fp32 matmuls).
 """
 
 import triton
@@ -54,7 +56,7 @@ def _visible(row_start, key_start, q_len, kv_len, CAUSAL: tl.constexpr,
 @triton.jit
 def flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale,
                          heads, kv_heads, q_len, kv_len, d_head,
-                         CAUSAL: tl.constexpr, UPCAST_TILES: tl.constexpr,
+                         CAUSAL: tl.constexpr, UPCAST_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     row_start = tl.program_id(0) * BLOCK_M  # Algorithm 1, line 3: this program's query block i
     batch_head = tl.program_id(1)
@@ -79,7 +81,7 @@ def flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale,
         v_tile = _load_tile(v_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)
         if UPCAST_TILES:
             k_tile, v_tile = k_tile.to(tl.float32), v_tile.to(tl.float32)
-        scores = tl.dot(q_tile, tl.trans(k_tile)) * scale  # line 8
+        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale  # line 8
         visible = _visible(row_start, key_start, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
         scores = tl.where(visible, scores, float("-inf"))
         # Line 9: online softmax. Every row sees key 0, so new_max is finite after the first block.
@@ -88,7 +90,7 @@ def flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale,
         correction = tl.exp(row_max - new_max)
         row_sum = correction * row_sum + tl.sum(probs, axis=1)
         # Line 10: P~ goes to the second matmul in the input dtype, as FA2 does on tensor cores.
-        acc = correction[:, None] * acc + tl.dot(probs.to(v_tile.dtype), v_tile)
+        acc = correction[:, None] * acc + tl.dot(probs.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
         row_max = new_max
     _store_tile(out_ptr + batch_head.to(tl.int64) * q_len * d_head, acc / row_sum[:, None],
                 row_start, q_len, d_head, BLOCK_M, BLOCK_D)  # lines 12 and 14
@@ -101,7 +103,7 @@ def flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale,
 def flash_backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr,
                                grad_k_ptr, grad_v_ptr, scale,
                                heads, kv_heads, q_len, kv_len, d_head,
-                               CAUSAL: tl.constexpr, UPCAST_TILES: tl.constexpr,
+                               CAUSAL: tl.constexpr, UPCAST_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     key_start = tl.program_id(0) * BLOCK_N  # Algorithm 2, line 5: this program's key block j
     batch_kv_head = tl.program_id(1)
@@ -130,15 +132,15 @@ def flash_backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta
             rows = row_start + tl.arange(0, BLOCK_M)
             lse = tl.load(lse_ptr + batch_head.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
             delta = tl.load(delta_ptr + batch_head.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
-            scores = tl.dot(q_tile, tl.trans(k_tile)) * scale  # line 10
+            scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale  # line 10
             visible = _visible(row_start, key_start, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
             # Line 11: P = exp(S - L), already normalised. Padded rows have zero dO and Q, so they
             # add nothing below; masked keys get P = 0.
             probs = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)
-            grad_v += tl.dot(tl.trans(probs.to(grad_out.dtype)), grad_out)  # line 12
-            grad_probs = tl.dot(grad_out, tl.trans(v_tile))  # line 13
+            grad_v += tl.dot(tl.trans(probs.to(grad_out.dtype)), grad_out, input_precision=DOT_PRECISION)  # line 12
+            grad_probs = tl.dot(grad_out, tl.trans(v_tile), input_precision=DOT_PRECISION)  # line 13
             grad_scores = probs * (grad_probs - delta[:, None])  # line 14
-            grad_k += tl.dot(tl.trans(grad_scores.to(q_tile.dtype)), q_tile)  # line 16
+            grad_k += tl.dot(tl.trans(grad_scores.to(q_tile.dtype)), q_tile, input_precision=DOT_PRECISION)  # line 16
     _store_tile(grad_k_ptr + kv_base, grad_k * scale, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)  # line 18
     _store_tile(grad_v_ptr + kv_base, grad_v, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)
 
@@ -146,7 +148,7 @@ def flash_backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta
 @triton.jit
 def flash_backward_dq_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_q_ptr, scale,
                              heads, kv_heads, q_len, kv_len, d_head,
-                             CAUSAL: tl.constexpr, UPCAST_TILES: tl.constexpr,
+                             CAUSAL: tl.constexpr, UPCAST_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # Algorithm 2, line 15 accumulates dQ_i with atomic adds across key blocks; like FA2's own
     # implementation we instead give each query block its own program that walks the key blocks.
@@ -172,10 +174,10 @@ def flash_backward_dq_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_p
         v_tile = _load_tile(v_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)
         if UPCAST_TILES:
             k_tile, v_tile = k_tile.to(tl.float32), v_tile.to(tl.float32)
-        scores = tl.dot(q_tile, tl.trans(k_tile)) * scale
+        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale
         visible = _visible(row_start, key_start, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
         probs = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)
-        grad_probs = tl.dot(grad_out, tl.trans(v_tile))
+        grad_probs = tl.dot(grad_out, tl.trans(v_tile), input_precision=DOT_PRECISION)
         grad_scores = probs * (grad_probs - delta[:, None])
-        grad_q += tl.dot(grad_scores.to(k_tile.dtype), k_tile)
+        grad_q += tl.dot(grad_scores.to(k_tile.dtype), k_tile, input_precision=DOT_PRECISION)
     _store_tile(grad_q_ptr + q_base, grad_q * scale, row_start, q_len, d_head, BLOCK_M, BLOCK_D)
