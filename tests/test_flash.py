@@ -115,6 +115,15 @@ def test_flash_torch_keeps_bf16_outputs_in_bf16():
     assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("backend", ["flash_torch", pytest.param("flash_triton", marks=needs_triton)])
+def test_flash_output_is_laid_out_like_sdpa(backend):
+    # (batch, heads, T, d) as a view of (batch, T, heads, d) memory: the model's rearrange to
+    # (batch, T, heads * d) is then free, and the output projection saves this storage, not a copy.
+    q, k, v, _ = random_qkv(4, 2, 20, 20)
+    out = attention(q.float(), k.float(), v.float(), backend=backend)
+    assert out.transpose(1, 2).is_contiguous()
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["flash_torch", "flash_triton"])

@@ -129,7 +129,10 @@ class FlashAttentionTorch(torch.autograd.Function):
             # Line 13: L_i = m_i + log(l_i), all backward needs to rebuild P.
             lse[:, :, :, row_start:row_end] = row_max + torch.log(row_sum)
 
-        out = out.view(batch, heads, q_len, d_head).to(q.dtype)
+        # Returned as a (batch, heads, q_len, d_head) view of (batch, q_len, heads, d_head) memory, the
+        # layout sdpa returns too: the model's "b h t d -> b t (h d)" before the output projection is
+        # then free, and that projection saves this same storage instead of a copy of it.
+        out = out.view(batch, heads, q_len, d_head).transpose(1, 2).contiguous().to(q.dtype).transpose(1, 2)
         lse = lse.view(batch, heads, q_len)
         # Saved for backward: the inputs, O (input dtype) and L (fp32): O(N), never an N x N tensor.
         ctx.save_for_backward(q, k, v, out, lse)

@@ -87,7 +87,8 @@ class FlashAttentionTriton(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         batch, heads, q_len, d_head = q.shape
         kv_heads, kv_len = k.shape[1], k.shape[2]
-        out = torch.empty_like(q)
+        # (batch, heads, q_len, d_head) view of (batch, q_len, heads, d_head) memory, as sdpa returns.
+        out = torch.empty(batch, q_len, heads, d_head, dtype=q.dtype, device=q.device).transpose(1, 2)
         lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
         grid = (triton_cdiv(q_len, block_q), batch * heads)
         _kernels().flash_forward_kernel[grid](

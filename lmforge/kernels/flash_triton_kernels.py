@@ -34,11 +34,12 @@ def _load_tile(base, row_start, length, d_head, BLOCK_ROWS: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _store_tile(base, tile, row_start, length, d_head, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_tile(base, tile, row_start, length, d_head, row_stride,
+                BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = row_start + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < length) & (cols[None, :] < d_head)
-    tl.store(base + rows[:, None] * d_head + cols[None, :], tile.to(base.dtype.element_ty), mask=mask)
+    tl.store(base + rows[:, None] * row_stride + cols[None, :], tile.to(base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -92,8 +93,10 @@ def flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale,
         # Line 10: P~ goes to the second matmul in the input dtype, as FA2 does on tensor cores.
         acc = correction[:, None] * acc + tl.dot(probs.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
         row_max = new_max
-    _store_tile(out_ptr + batch_head.to(tl.int64) * q_len * d_head, acc / row_sum[:, None],
-                row_start, q_len, d_head, BLOCK_M, BLOCK_D)  # lines 12 and 14
+    # Lines 12 and 14. The output is laid out (batch, q_len, heads, d_head), as sdpa returns it, so
+    # that the model's output projection reads it without a transposing copy.
+    out_base = out_ptr + (batch.to(tl.int64) * q_len * heads + head) * d_head
+    _store_tile(out_base, acc / row_sum[:, None], row_start, q_len, d_head, heads * d_head, BLOCK_M, BLOCK_D)
     rows = row_start + tl.arange(0, BLOCK_M)
     tl.store(lse_ptr + batch_head.to(tl.int64) * q_len + rows, row_max + tl.log(row_sum),
              mask=rows < q_len)  # lines 13 and 15: L_i
@@ -141,8 +144,8 @@ def flash_backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta
             grad_probs = tl.dot(grad_out, tl.trans(v_tile), input_precision=DOT_PRECISION)  # line 13
             grad_scores = probs * (grad_probs - delta[:, None])  # line 14
             grad_k += tl.dot(tl.trans(grad_scores.to(q_tile.dtype)), q_tile, input_precision=DOT_PRECISION)  # line 16
-    _store_tile(grad_k_ptr + kv_base, grad_k * scale, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)  # line 18
-    _store_tile(grad_v_ptr + kv_base, grad_v, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)
+    _store_tile(grad_k_ptr + kv_base, grad_k * scale, key_start, kv_len, d_head, d_head, BLOCK_N, BLOCK_D)  # line 18
+    _store_tile(grad_v_ptr + kv_base, grad_v, key_start, kv_len, d_head, d_head, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -180,4 +183,4 @@ def flash_backward_dq_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_p
         grad_probs = tl.dot(grad_out, tl.trans(v_tile), input_precision=DOT_PRECISION)
         grad_scores = probs * (grad_probs - delta[:, None])
         grad_q += tl.dot(grad_scores.to(k_tile.dtype), k_tile, input_precision=DOT_PRECISION)
-    _store_tile(grad_q_ptr + q_base, grad_q * scale, row_start, q_len, d_head, BLOCK_M, BLOCK_D)
+    _store_tile(grad_q_ptr + q_base, grad_q * scale, row_start, q_len, d_head, d_head, BLOCK_M, BLOCK_D)
