@@ -251,3 +251,17 @@ def test_training_with_flash_torch_follows_the_sdpa_loss_curve(tiny_config, tmp_
         curves[backend] = torch.stack([trainer.train_step()[0] for _ in range(5)])
     assert len(calls) == 5 * 2  # five steps through both layers
     torch.testing.assert_close(curves["flash_torch"], curves["sdpa"], atol=1e-4, rtol=1e-5)
+
+
+def test_kv_cache_generation_with_flash_torch_matches_sdpa():
+    # Decoding feeds one query against all cached keys: the end-aligned causal mask with q_len < kv_len.
+    from lmforge.config import make_config
+    from lmforge.generate.sampling import generate
+    from lmforge.model.transformer import Transformer
+
+    continuations = {}
+    for backend in ("sdpa", "flash_torch"):
+        torch.manual_seed(0)
+        model = Transformer(make_config("tiny", overrides=[f"model.attention={backend}"]).model).eval()
+        continuations[backend] = generate(model, [5, 9, 2, 7, 11, 3], 16, temperature=0)
+    assert continuations["flash_torch"] == continuations["sdpa"]
