@@ -72,7 +72,8 @@ def test_config_round_trips_through_yaml(tmp_path):
     ("model.dropout=1.5", "model.dropout must be in [0, 1), got 1.5"),
     ("model.n_heads=3", "model.d_model (64) must be divisible by model.n_heads (3)"),
     ("model.n_kv_heads=3", "model.n_heads (4) must be a multiple of model.n_kv_heads (3)"),
-    ("model.attention=flash", "model.attention must be one of naive, sdpa, got 'flash'"),
+    ("model.attention=flash", "model.attention must be one of naive, sdpa, flash_torch, flash_triton, auto, "
+                               "got 'flash' (did you mean 'flash_torch'?)"),
     ("model.vocab_size=100", "model.vocab_size must be between 257"),
     ("train.seq_len=128", "train.seq_len (128) must not exceed model.max_seq_len (64)"),
     ("optim.min_lr_ratio=2", "optim.min_lr_ratio must be in [0, 1], got 2.0"),

@@ -11,8 +11,13 @@ kv_len - q_len + i and sees every key at or before it. With q_len == kv_len this
 lower-triangular mask; with a KV cache (q_len < kv_len) the new queries see all cached keys.
 
 Backends:
-  naive  materialises the (q_len x kv_len) score matrix and its softmax: the reference.
-  sdpa   torch.nn.functional.scaled_dot_product_attention (fused kernels where available).
+  naive         materialises the (q_len x kv_len) score matrix and its softmax: the reference.
+  sdpa          torch.nn.functional.scaled_dot_product_attention (fused kernels where available).
+  flash_torch   FlashAttention-2 (Dao 2023) tile by tile in PyTorch: saves O(N) for backward,
+                not the N x N probabilities (lmforge/kernels/flash_torch.py). No dropout.
+  flash_triton  the same as Triton kernels, on CUDA, or on CPU under TRITON_INTERPRET=1 for
+                tests (lmforge/kernels/flash_triton.py). Needs the optional triton. No dropout.
+  auto          the fastest available on the tensors' device, see `resolve_backend`.
 """
 
 import math
@@ -21,7 +26,12 @@ import torch
 import torch.nn.functional as F
 from einops import einsum, repeat
 
-BACKENDS = ("naive", "sdpa")
+from lmforge.errors import LmforgeError
+from lmforge.kernels import flash_triton
+from lmforge.kernels.flash_torch import flash_attention_torch
+
+BACKENDS = ("naive", "sdpa", "flash_torch", "flash_triton", "auto")
+FLASH_BACKENDS = ("flash_torch", "flash_triton")
 
 
 def attention(
@@ -36,11 +46,39 @@ def attention(
     """Attention output of shape (batch, heads, q_len, d_head); see the module docstring."""
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    if backend == "auto":
+        backend = resolve_backend(q.device, dropout_p=dropout_p)
+    if backend in FLASH_BACKENDS and dropout_p > 0.0:
+        # The flash kernels would have to regenerate the same dropout mask in backward from a saved
+        # RNG state; they do not implement that.
+        raise LmforgeError(f"attention backend {backend!r} does not support attention dropout "
+                           f"(dropout_p={dropout_p}): set model.dropout=0 or use sdpa or naive")
+    if backend == "flash_torch":
+        return flash_attention_torch(q, k, v, causal=causal)
+    if backend == "flash_triton":
+        return flash_triton.flash_attention_triton(q, k, v, causal=causal)
     if backend == "naive":
         return naive_attention(q, k, v, causal=causal, dropout_p=dropout_p)
     if backend == "sdpa":
         return sdpa_attention(q, k, v, causal=causal, dropout_p=dropout_p)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def resolve_backend(device: torch.device, *, dropout_p: float = 0.0) -> str:
+    """The backend `auto` stands for on `device`.
+
+    CPU: sdpa. In bench/RESULTS.md ("Attention backends") its fused C++ kernel was the fastest
+    for forward+backward at every length from 128 to 4096 (flash_torch 1.2-9.6x slower, naive up
+    to 3.8x), within the noise of a shared machine, and it saves the same O(T) bytes as
+    flash_torch. The Triton interpreter is for tests only.
+    CUDA: flash_triton when triton is installed and no dropout is asked for, so that the kernels
+    written here are the ones used (issue: "used automatically on CUDA"); sdpa otherwise. Its
+    speed against sdpa's own FlashAttention-2 kernel has not been measured yet (no GPU here): run
+    bench/attention.py on a GPU and revisit this choice with the ratio.
+    """
+    if device.type == "cuda" and dropout_p == 0.0 and flash_triton.unavailable_reason(device) is None:
+        return "flash_triton"
+    return "sdpa"
 
 
 def causal_mask(q_len: int, kv_len: int, device=None) -> torch.Tensor:

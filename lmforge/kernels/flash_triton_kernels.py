@@ -1,0 +1,186 @@
+"""The Triton kernels of FlashAttention-2 (Dao 2023, Algorithms 1 and 2). Imported only on demand.
+
+Importing this module imports triton, and `@triton.jit` decides at import time whether the kernels
+compile for the GPU or run in Triton's CPU interpreter (TRITON_INTERPRET=1): set that variable
+before the first import. lmforge.kernels.flash_triton is the entry point; it checks all this.
+
+Layout: q, out, grad_out (batch, heads, q_len, d_head) and k, v (batch, kv_heads, kv_len, d_head),
+contiguous, so element (b, h, t, d) of a tensor with `heads` heads and `length` rows lies at
+((b * heads + h) * length + t) * d_head + d. Lengths need not be multiples of the block sizes, nor
+d_head a power of two: tiles are padded up to BLOCK_M x BLOCK_D (BLOCK_N x BLOCK_D) and the padding
+masked on load and store. Query head h reads key/value head h // group (grouped-query attention):
+the kernels index K and V with it, nothing is repeated in memory.
+
+Three kernels, as in FA2's backward split (sec. 3.2): forward (one program per query block and
+head), dK/dV (one program per key block and kv head, looping over the query heads of its group
+and their query blocks: no atomics) and dQ (one program per query block and head).
+UPCAST_TILES casts loaded tiles to fp32 before `tl.dot`: the interpreter's bf16 dot returns garbage,
+so the wrapper sets it there; on a GPU bf16 tiles go to the tensor cores as they are.
+DOT_PRECISION is "ieee" for fp32 inputs (tl.dot would otherwise round fp32 operands to tf32, 10
+mantissa bits, on the tensor cores, and fp32 attention would no longer match fp32 matmuls).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_tile(base, row_start, length, d_head, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows row_start .. row_start + BLOCK_ROWS of a (length, d_head) matrix, zeros past its edges."""
+    rows = row_start + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < length) & (cols[None, :] < d_head)
+    return tl.load(base + rows[:, None] * d_head + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_tile(base, tile, row_start, length, d_head, row_stride,
+                BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = row_start + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < length) & (cols[None, :] < d_head)
+    tl.store(base + rows[:, None] * row_stride + cols[None, :], tile.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _visible(row_start, key_start, q_len, kv_len, CAUSAL: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) mask of the tile: the key exists and, if causal, is not in the future."""
+    rows = row_start + tl.arange(0, BLOCK_M)
+    keys = key_start + tl.arange(0, BLOCK_N)
+    ok = keys[None, :] < kv_len
+    if CAUSAL:
+        ok = ok & (keys[None, :] <= rows[:, None] + (kv_len - q_len))  # end-aligned mask
+    return ok
+
+
+@triton.jit
+def flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale,
+                         heads, kv_heads, q_len, kv_len, d_head,
+                         CAUSAL: tl.constexpr, UPCAST_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    row_start = tl.program_id(0) * BLOCK_M  # Algorithm 1, line 3: this program's query block i
+    batch_head = tl.program_id(1)
+    batch, head = batch_head // heads, batch_head % heads
+    kv_head = head // (heads // kv_heads)
+    q_base = q_ptr + batch_head.to(tl.int64) * q_len * d_head
+    kv_base = (batch * kv_heads + kv_head).to(tl.int64) * kv_len * d_head
+
+    q_tile = _load_tile(q_base, row_start, q_len, d_head, BLOCK_M, BLOCK_D)  # line 4
+    if UPCAST_TILES:
+        q_tile = q_tile.to(tl.float32)
+    # Line 5, statistics and accumulator in fp32 on chip.
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # Line 6: key blocks up to the last one this query block can see (causal: skip the rest).
+    key_end = kv_len
+    if CAUSAL:
+        key_end = tl.minimum(kv_len, row_start + BLOCK_M + kv_len - q_len)
+    for key_start in range(0, key_end, BLOCK_N):
+        k_tile = _load_tile(k_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)  # line 7
+        v_tile = _load_tile(v_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)
+        if UPCAST_TILES:
+            k_tile, v_tile = k_tile.to(tl.float32), v_tile.to(tl.float32)
+        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale  # line 8
+        visible = _visible(row_start, key_start, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+        scores = tl.where(visible, scores, float("-inf"))
+        # Line 9: online softmax. Every row sees key 0, so new_max is finite after the first block.
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        probs = tl.exp(scores - new_max[:, None])
+        correction = tl.exp(row_max - new_max)
+        row_sum = correction * row_sum + tl.sum(probs, axis=1)
+        # Line 10: P~ goes to the second matmul in the input dtype, as FA2 does on tensor cores.
+        acc = correction[:, None] * acc + tl.dot(probs.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
+        row_max = new_max
+    # Lines 12 and 14. The output is laid out (batch, q_len, heads, d_head), as sdpa returns it, so
+    # that the model's output projection reads it without a transposing copy.
+    out_base = out_ptr + (batch.to(tl.int64) * q_len * heads + head) * d_head
+    _store_tile(out_base, acc / row_sum[:, None], row_start, q_len, d_head, heads * d_head, BLOCK_M, BLOCK_D)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    tl.store(lse_ptr + batch_head.to(tl.int64) * q_len + rows, row_max + tl.log(row_sum),
+             mask=rows < q_len)  # lines 13 and 15: L_i
+
+
+@triton.jit
+def flash_backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr,
+                               grad_k_ptr, grad_v_ptr, scale,
+                               heads, kv_heads, q_len, kv_len, d_head,
+                               CAUSAL: tl.constexpr, UPCAST_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    key_start = tl.program_id(0) * BLOCK_N  # Algorithm 2, line 5: this program's key block j
+    batch_kv_head = tl.program_id(1)
+    batch, kv_head = batch_kv_head // kv_heads, batch_kv_head % kv_heads
+    group = heads // kv_heads
+    kv_base = batch_kv_head.to(tl.int64) * kv_len * d_head
+    k_tile = _load_tile(k_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)  # line 6
+    v_tile = _load_tile(v_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)
+    if UPCAST_TILES:
+        k_tile, v_tile = k_tile.to(tl.float32), v_tile.to(tl.float32)
+    grad_k = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # line 7
+    grad_v = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # Causal: query rows before key_start - (kv_len - q_len) see none of these keys.
+    first_row = 0
+    if CAUSAL:
+        first_row = tl.maximum(key_start - (kv_len - q_len), 0) // BLOCK_M * BLOCK_M
+    # Every query head of the group reads this kv head, so its gradient sums over all of them.
+    for member in range(0, group):
+        batch_head = batch * heads + kv_head * group + member
+        q_base = batch_head.to(tl.int64) * q_len * d_head
+        for row_start in range(first_row, q_len, BLOCK_M):  # line 8
+            q_tile = _load_tile(q_ptr + q_base, row_start, q_len, d_head, BLOCK_M, BLOCK_D)  # line 9
+            grad_out = _load_tile(grad_out_ptr + q_base, row_start, q_len, d_head, BLOCK_M, BLOCK_D)
+            if UPCAST_TILES:
+                q_tile, grad_out = q_tile.to(tl.float32), grad_out.to(tl.float32)
+            rows = row_start + tl.arange(0, BLOCK_M)
+            lse = tl.load(lse_ptr + batch_head.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
+            delta = tl.load(delta_ptr + batch_head.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
+            scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale  # line 10
+            visible = _visible(row_start, key_start, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+            # Line 11: P = exp(S - L), already normalised. Padded rows have zero dO and Q, so they
+            # add nothing below; masked keys get P = 0.
+            probs = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)
+            grad_v += tl.dot(tl.trans(probs.to(grad_out.dtype)), grad_out, input_precision=DOT_PRECISION)  # line 12
+            grad_probs = tl.dot(grad_out, tl.trans(v_tile), input_precision=DOT_PRECISION)  # line 13
+            grad_scores = probs * (grad_probs - delta[:, None])  # line 14
+            grad_k += tl.dot(tl.trans(grad_scores.to(q_tile.dtype)), q_tile, input_precision=DOT_PRECISION)  # line 16
+    _store_tile(grad_k_ptr + kv_base, grad_k * scale, key_start, kv_len, d_head, d_head, BLOCK_N, BLOCK_D)  # line 18
+    _store_tile(grad_v_ptr + kv_base, grad_v, key_start, kv_len, d_head, d_head, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def flash_backward_dq_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_q_ptr, scale,
+                             heads, kv_heads, q_len, kv_len, d_head,
+                             CAUSAL: tl.constexpr, UPCAST_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Algorithm 2, line 15 accumulates dQ_i with atomic adds across key blocks; like FA2's own
+    # implementation we instead give each query block its own program that walks the key blocks.
+    row_start = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch, head = batch_head // heads, batch_head % heads
+    kv_head = head // (heads // kv_heads)
+    q_base = batch_head.to(tl.int64) * q_len * d_head
+    kv_base = (batch * kv_heads + kv_head).to(tl.int64) * kv_len * d_head
+    q_tile = _load_tile(q_ptr + q_base, row_start, q_len, d_head, BLOCK_M, BLOCK_D)
+    grad_out = _load_tile(grad_out_ptr + q_base, row_start, q_len, d_head, BLOCK_M, BLOCK_D)
+    if UPCAST_TILES:
+        q_tile, grad_out = q_tile.to(tl.float32), grad_out.to(tl.float32)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    lse = tl.load(lse_ptr + batch_head.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
+    delta = tl.load(delta_ptr + batch_head.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
+    grad_q = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    key_end = kv_len
+    if CAUSAL:
+        key_end = tl.minimum(kv_len, row_start + BLOCK_M + kv_len - q_len)
+    for key_start in range(0, key_end, BLOCK_N):
+        k_tile = _load_tile(k_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)
+        v_tile = _load_tile(v_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)
+        if UPCAST_TILES:
+            k_tile, v_tile = k_tile.to(tl.float32), v_tile.to(tl.float32)
+        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale
+        visible = _visible(row_start, key_start, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+        probs = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)
+        grad_probs = tl.dot(grad_out, tl.trans(v_tile), input_precision=DOT_PRECISION)
+        grad_scores = probs * (grad_probs - delta[:, None])
+        grad_q += tl.dot(grad_scores.to(k_tile.dtype), k_tile, input_precision=DOT_PRECISION)
+    _store_tile(grad_q_ptr + q_base, grad_q * scale, row_start, q_len, d_head, d_head, BLOCK_M, BLOCK_D)
