@@ -32,7 +32,7 @@ def saved_activation_bytes(model, batch, seq, precision):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+@pytest.mark.parametrize("attention", ["naive", "sdpa", "flash_torch"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_activation_bytes_match_what_autograd_saves(name, attention, precision):
     cfg = make_config("tiny", overrides=[*CONFIGS[name], f"model.attention={attention}"]).model

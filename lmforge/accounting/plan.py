@@ -36,11 +36,11 @@ class Setup:
     @classmethod
     def from_config(cls, cfg, **changes) -> "Setup":
         """The setup a Config trains with (one device), with `changes` applied."""
-        attention = cfg.model.attention
         values = dict(batch_size=cfg.train.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.train.grad_accum,
-                      precision=cfg.train.precision, recompute=cfg.train.recompute,
-                      attention="sdpa" if attention == "auto" else attention)
+                      precision=cfg.train.precision, recompute=cfg.train.recompute, attention=cfg.model.attention)
         values.update({k: v for k, v in changes.items() if v is not None})
+        if values["attention"] == "auto":  # every backend auto picks keeps O(s) bytes, like sdpa
+            values["attention"] = "sdpa"
         return cls(**values)
 
     def validate(self) -> None:
