@@ -113,10 +113,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
     higher-precision x: this is where fp8 saves activation memory."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: "Fp8Linear", out_dtype: torch.dtype):
+    def forward(ctx, x, weight, bias, layer: "Fp8Linear", out_dtype: torch.dtype, record: bool):
         hardware = hardware_fp8(x.device)
         x2 = x.reshape(-1, x.shape[-1])
-        record = layer.training and torch.is_grad_enabled()
         sx, sw = layer.amax_x.scale(x2, record), layer.amax_w.scale(weight, record)
         x_fp8, w_fp8 = quantize(x2, sx, E4M3), quantize(weight, sw, E4M3)
         y = fp8_matmul(x_fp8, sx, w_fp8.t(), sw, out_dtype, hardware)
@@ -140,7 +139,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_w = fp8_matmul(g_fp8.t(), sg, x_fp8, sx, ctx.weight_dtype, ctx.hardware)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.float().sum(0).to(ctx.weight_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -166,8 +165,9 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        record = self.training and torch.is_grad_enabled()  # amax histories learn from training steps only
         with torch.autocast(device, enabled=False):  # the Function picks its own dtypes
-            return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype)
+            return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, record)
 
     def scale_state(self) -> dict[str, list[float]]:
         return {"x": self.amax_x.history, "w": self.amax_w.history, "grad": self.amax_grad.history}
