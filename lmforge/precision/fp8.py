@@ -57,7 +57,10 @@ def scale_for(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x * scale cast to the fp8 `dtype`, saturating at +-max (section 4.3 of the paper)."""
     limit = fp8_max(dtype)
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+    # bf16 and fp32 have the range to hold x * scale, and a power-of-two scale multiplies exactly;
+    # fp16 could overflow (max 65504), so it goes through fp32
+    wide = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+    return (x.to(wide) * scale.to(wide)).clamp_(-limit, limit).to(dtype)
 
 
 def dequantize(x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -79,11 +82,14 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
         # cuBLASLt wants the second operand column-major; the scales it takes are the dequantising ones
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=inv_a, scale_b=inv_b,
                                 out_dtype=out_dtype)
-    # Simulation. bf16 holds every fp8 value exactly and the CPU's bf16 matmul accumulates in fp32,
-    # so for a bf16 result it is as faithful as fp32 and several times faster; otherwise use fp32.
+    # Simulation, the hardware's arithmetic step by step: multiply the fp8 values (every fp8 value,
+    # and every product of two, is exact in bf16/fp32), accumulate in fp32, scale the accumulator.
+    # The CPU's bf16 matmul accumulates in fp32, so for a bf16 result it is as faithful as fp32
+    # and several times faster; scaling after the rounding to bf16 instead of before changes
+    # nothing, the scales being powers of two.
     wide = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-    out = (a.to(wide) * inv_a.to(wide)) @ (b.to(wide) * inv_b.to(wide))
-    return out.to(out_dtype)
+    out = a.to(wide) @ b.to(wide)
+    return out.mul_((inv_a * inv_b).to(wide)).to(out_dtype)
 
 
 class AmaxHistory:
@@ -96,7 +102,7 @@ class AmaxHistory:
         self.history: list[float] = []  # the last `length` amax values, newest last
 
     def scale(self, x: torch.Tensor, record: bool) -> torch.Tensor:
-        amax = x.detach().abs().amax().float()
+        amax = torch.linalg.vector_norm(x.detach(), ord=float("inf")).float()  # max |x|, one pass
         if self.scaling == "delayed" and self.history:
             scale = scale_for(torch.tensor(max(self.history), device=x.device), self.dtype)
         else:  # current scaling, or the first step of delayed scaling (no history yet)
