@@ -1,6 +1,6 @@
 """What each precision policy costs and risks: the same model, seed, data and steps under each.
 
-    python bench/precision.py [--steps 80] [--model small] [--policies fp32,bf16-mixed,...] [key=value ...]
+    python bench/precision.py [--steps 60] [--model small] [--policies fp32,bf16-mixed,...] [key=value ...]
 
 Each policy trains `lmforge train`'s Trainer from the same seed on the same batches of the
 embedded corpus, then the script prints, per policy: final train and validation loss, the ratio of
@@ -16,7 +16,8 @@ about bf16 speed for the forward, fp32 for the weight gradient), so its tokens/s
 about fp8 hardware.
 
 Each policy runs once, in this process, one after the other; the machine may be shared, so
-tokens/s carry that noise (the losses do not: training is deterministic here).
+tokens/s carry that noise (the losses do not: training is deterministic here). tokens/s is the
+median over windows of 5 steps, the first window (kernel set-up) left out.
 """
 
 import argparse
@@ -24,6 +25,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -71,7 +73,7 @@ def state_bytes(trainer) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--model", default="small")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--scratch", default="bench/out/precision")
@@ -102,7 +104,7 @@ def main() -> None:
     scratch.mkdir(parents=True)
     results = {}
     for policy in policies:
-        overrides = [*REDUCED, f"train.max_steps={args.steps}", "train.eval_interval=0", "train.eval_batches=16",
+        overrides = [*REDUCED, f"train.max_steps={args.steps}", "train.eval_interval=0", "train.eval_batches=8",
                      f"train.checkpoint_interval={args.steps}", "train.log_interval=5", "train.sample_tokens=0",
                      f"train.device={device}", *args.overrides, f"train.precision={policy}"]
         cfg = make_config(args.model, overrides=overrides)
@@ -111,9 +113,12 @@ def main() -> None:
         summary = trainer.run()
         records = read_metrics(scratch / policy / "metrics.jsonl")
         lost = [r["lost_update_fraction"] for r in records if "lost_update_fraction" in r]
+        # tokens/s: median over the logged windows of 5 steps, leaving out the first (kernel set-up)
+        windows = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
         results[policy] = {
             "train_loss": summary["train_loss"], "val_loss": summary["val_loss"],
-            "tokens_per_s": summary["tokens_per_s"], "state_bytes": state_bytes(trainer),
+            "tokens_per_s": statistics.median(windows) if windows else summary["tokens_per_s"],
+            "state_bytes": state_bytes(trainer),
             "skipped_steps": summary["skipped_steps"], "wall_s": time.perf_counter() - started,
             "lost_update_fraction": sum(lost) / len(lost) if lost else None,
             "curve": [(r["step"], r["train_loss"]) for r in records if "train_loss" in r],

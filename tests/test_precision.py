@@ -316,6 +316,9 @@ def test_each_policy_trains_and_stays_near_fp32(tiny_config, tmp_path, precision
         assert all(r["loss_scale"] == 2.0**16 for r in train_records)
     if precision == "bf16-pure":  # the known cost: some updates round to nothing
         assert all(0 < r["lost_update_fraction"] < 1 for r in train_records)
+        assert 0 < ours["lost_update_fraction"] < 1
+    else:
+        assert ours["lost_update_fraction"] is None
 
 
 def poison_steps(trainer, steps: set[int], value=float("inf")):

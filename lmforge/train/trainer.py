@@ -104,6 +104,7 @@ class Trainer:
         self.bad_in_a_row = 0
         self.step_skipped = False  # whether the last train_step skipped its optimizer step
         self.lost_updates = [0, 0]  # since the last log: elements whose update rounded away, elements updated
+        self.lost_updates_total = [0, 0]  # the same over this session
         self.step, self.history = 0, {}
         loader_position = 0
         if resume:
@@ -196,8 +197,9 @@ class Trainer:
         if not self.step_skipped:
             self.optimizer.step()
             if self.optimizer.count_lost_updates:
-                self.lost_updates[0] += self.optimizer.lost_updates
-                self.lost_updates[1] += self.optimizer.updated_elements
+                for counts in (self.lost_updates, self.lost_updates_total):
+                    counts[0] += self.optimizer.lost_updates
+                    counts[1] += self.optimizer.updated_elements
         else:
             self.skipped_steps += 1
         self.scaler.update(self.step_skipped)
@@ -314,6 +316,8 @@ class Trainer:
             "data_wait_fraction": self.loader.wait_seconds / train_seconds if train_seconds else 0.0,
             "precision": self.policy.name,
             "skipped_steps": self.skipped_steps,
+            "lost_update_fraction": (self.lost_updates_total[0] / self.lost_updates_total[1]
+                                     if self.lost_updates_total[1] else None),
             "train_loss": self.history["train_loss"],
             "val_loss": val_loss,
             "val_perplexity": math.exp(val_loss),
@@ -338,6 +342,8 @@ class Trainer:
             ("precision", self.policy.name + (", attention in fp32" if cfg.train.fp32_attention else "")),
             ("skipped steps (non-finite)", f"{self.skipped_steps:,}" + (
                 f", loss scale now {self.scaler.scale_value:g}" if self.scaler.enabled else "")),
+            *([("updates rounded to zero (bf16 weights)", f"{summary['lost_update_fraction']:.2%}")]
+              if summary["lost_update_fraction"] is not None else []),
             ("data loader waiting", f"{summary['data_wait_fraction']:.2%} of step time"),
             ("train loss", f"{summary['train_loss']:.4f} nats/token"),
             ("validation loss", f"{val_loss:.4f} nats/token"),
