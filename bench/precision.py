@@ -1,6 +1,6 @@
 """What each precision policy costs and risks: the same model, seed, data and steps under each.
 
-    python bench/precision.py [--steps 60] [--model small] [--policies fp32,bf16-mixed,...] [key=value ...]
+    python bench/precision.py [--steps 150] [--model small] [--policies fp32,bf16-mixed,...] [key=value ...]
 
 Each policy trains `lmforge train`'s Trainer from the same seed on the same batches of the
 embedded corpus, then the script prints, per policy: final train and validation loss, the ratio of
@@ -15,8 +15,10 @@ fp8 runs simulated on CPU (lmforge/precision/fp8.py: the same numbers as `torch.
 about bf16 speed for the forward, fp32 for the weight gradient), so its tokens/s here say nothing
 about fp8 hardware.
 
-Each policy runs once, in this process, one after the other; the machine may be shared, so
-tokens/s carry that noise (the losses do not: training is deterministic here). tokens/s is the
+Each policy runs once, in this process, one after the other, on one thread by default: on a
+machine shared with other jobs, two OpenMP threads on two busy cores stall in barriers (steps 20x
+slower at random moments), one thread does not. The machine may still be shared, so tokens/s
+carry that noise (the losses do not: training is deterministic here). tokens/s is the
 median over windows of 5 steps, the first window (kernel set-up) left out.
 """
 
@@ -73,13 +75,18 @@ def state_bytes(trainer) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--model", default="small")
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: on a shared machine, 2 threads stall in OpenMP barriers)")
     parser.add_argument("--scratch", default="bench/out/precision")
     parser.add_argument("--png", default="bench/precision_loss.png")
+    parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the runs in --scratch")
     parser.add_argument("overrides", nargs="*", help="config overrides after the reduced model's")
     args = parser.parse_args()
+    if args.replot:
+        return replot(Path(args.scratch), args.png)
 
     from rich.console import Console
 
@@ -89,8 +96,9 @@ def main() -> None:
     from lmforge.train.trainer import Trainer
 
     policies = args.policies.split(",")
+    torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"machine: {device_name(torch.device(device))}, {torch.get_num_threads()} threads, "
+    print(f"machine: {device_name(torch.device(device))} (torch threads), "
           f"torch {torch.__version__}, Python {platform.python_version()}")
     if device == "cpu":
         fp32 = matmul_seconds(torch.float32)
@@ -143,26 +151,51 @@ def main() -> None:
         print("note: fp16-mixed is slow here because this CPU has no fp16 matmul (see the matmul line above); "
               "fp8 is simulated on CPU, its speed is not that of fp8 hardware")
 
+    (scratch / "results.json").write_text(json.dumps(results, indent=2))
+    plot(results, args.png, f"{trainer.model.num_params() / 1e6:.2f}M-parameter Llama, same seed and batches")
+    print(f"loss curves: {args.png}")
+
+
+def replot(scratch: Path, png: str) -> None:
+    from lmforge.train.report import read_metrics
+
+    results = {}
+    for policy in POLICIES:
+        if (scratch / policy / "summary.json").is_file():
+            summary = json.loads((scratch / policy / "summary.json").read_text())
+            records = read_metrics(scratch / policy / "metrics.jsonl")
+            results[policy] = {"val_loss": summary["val_loss"], "parameters": summary["parameters"],
+                               "curve": [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]}
+    parameters = next(iter(results.values()))["parameters"]
+    plot(results, png, f"{parameters / 1e6:.2f}M-parameter Llama, same seed and batches")
+    print(f"loss curves: {png}")
+
+
+def plot(results: dict, png: str, title: str) -> None:
+    """Loss curves overlaid (top) and each policy's difference from fp32 (bottom, where they show)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), dpi=120, sharex=True, height_ratios=(3, 2))
+    base = dict(map(tuple, results["fp32"]["curve"])) if "fp32" in results else None
     for policy, r in results.items():
-        ax.plot(*zip(*r["curve"]), label=f"{policy} (val {r['val_loss']:.3f})", linewidth=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss (nats/token, mean of 5 steps)")
-    ax.set_title(f"precision policies: {trainer.model.num_params() / 1e6:.2f}M-parameter Llama, same seed")
-    ax.legend()
-    ax.grid(alpha=0.3)
+        steps, losses = zip(*r["curve"])
+        top.plot(steps, losses, label=f"{policy} (val {r['val_loss']:.3f})", linewidth=1.2)
+        if base is not None:
+            bottom.plot(steps, [loss - base[step] for step, loss in r["curve"]], linewidth=1.2)
+    top.set_ylabel("train loss (nats/token,\nmean of 5 steps)")
+    top.set_title(f"precision policies: {title}")
+    top.legend()
+    bottom.set_ylabel("minus fp32's loss")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(args.png)
-    print(f"loss curves: {args.png}")
-    (scratch / "results.json").write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "curve"}
-                                                      for k, v in results.items()}, indent=2))
+    fig.savefig(png)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONHASHSEED", "0")
     main()
