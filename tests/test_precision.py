@@ -279,6 +279,17 @@ def test_bf16_cuda_without_bf16_support_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     with pytest.raises(LmforgeError, match="needs bfloat16"):
         device_notes(get_policy("bf16-pure"), torch.device("cuda"))
+    assert device_notes(get_policy("fp16-mixed"), torch.device("cuda")) == []  # fp16 needs no bf16
+
+
+def test_fp8_on_a_gpu_without_fp8_matmul_is_simulated_with_a_note(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    notes = device_notes(get_policy("fp8"), torch.device("cuda"))
+    assert len(notes) == 1 and "no fp8 matmul (needs compute capability 8.9+): fp8 is simulated" in notes[0]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
+    assert device_notes(get_policy("fp8"), torch.device("cuda")) == []
 
 
 def test_adamw_counts_updates_rounded_away_in_bf16():
