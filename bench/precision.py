@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 POLICIES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8")
+COLORS = dict(zip(POLICIES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
 REDUCED = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
            "model.max_seq_len=128", "train.batch_size=8", "optim.warmup_steps=10"]
 
@@ -182,9 +183,9 @@ def plot(results: dict, png: str, title: str) -> None:
     base = dict(map(tuple, results["fp32"]["curve"])) if "fp32" in results else None
     for policy, r in results.items():
         steps, losses = zip(*r["curve"])
-        top.plot(steps, losses, label=f"{policy} (val {r['val_loss']:.3f})", linewidth=1.2)
+        top.plot(steps, losses, label=f"{policy} (val {r['val_loss']:.3f})", linewidth=1.2, color=COLORS[policy])
         if base is not None:
-            bottom.plot(steps, [loss - base[step] for step, loss in r["curve"]], linewidth=1.2)
+            bottom.plot(steps, [loss - base[step] for step, loss in r["curve"]], linewidth=1.2, color=COLORS[policy])
     top.set_ylabel("train loss (nats/token,\nmean of 5 steps)")
     top.set_title(f"precision policies: {title}")
     top.legend()
