@@ -406,3 +406,22 @@ def test_fp8_delayed_scaling_resumes_bit_for_bit(tiny_config, tmp_path, monkeypa
     resumed.run()
     expected, actual = parameters(straight), parameters(resumed)
     assert all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
+def test_the_cli_trains_under_a_policy_and_refuses_bad_precision_settings(tmp_path, corpus_dir, data_dir, capsys,
+                                                                          monkeypatch):
+    from lmforge.cli import main
+    from tests.conftest import tiny_overrides
+
+    monkeypatch.chdir(tmp_path)
+    overrides = tiny_overrides(corpus_dir, data_dir, max_steps=4, batch_size=2, eval_interval=0)
+    assert main(["train", "--model", "tiny", "--name", "p", "--no-progress", "train.precision=bf16-pure",
+                 "train.fp32_attention=true", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "bf16-pure, attention in fp32" in out and "updates rounded to zero" in out
+    assert json.loads((tmp_path / "runs" / "p" / "summary.json").read_text())["precision"] == "bf16-pure"
+    for setting, message in (("train.fp8_scaling=late", "train.fp8_scaling must be one of current, delayed"),
+                             ("train.max_bad_steps=0", "train.max_bad_steps must be positive"),
+                             ("train.precision=fp4", "train.precision must be one of fp32, bf16-mixed")):
+        assert main(["train", "--model", "tiny", "--name", "q", *overrides, setting]) == 2
+        assert message in capsys.readouterr().err
