@@ -1,26 +1,28 @@
 """FP8 linear layers with per-tensor scaling (Micikevicius et al. 2022, "FP8 Formats for Deep Learning").
 
-Two 8-bit formats (paper, section 3 and table 1):
+Two 8-bit formats, as the paper defines them:
     E4M3  4 exponent bits, 3 mantissa bits, max 448, no infinities: weights and activations (forward),
           which need precision more than range;
     E5M2  5 exponent bits, 2 mantissa bits, max 57344: gradients (backward), which need range.
 Their dynamic range is far smaller than that of fp32 or bf16, so each tensor is multiplied by a
 scale before the cast, chosen so that its largest magnitude (amax) lands near the format's max
-(section 4.3, per-tensor scaling), and the matmul result is divided by the scales again:
+(per-tensor scaling, as the paper recommends), and the matmul result is divided by the scales again:
 
     x_fp8 = saturate(x * s_x),   w_fp8 = saturate(w * s_w),   y = (x_fp8 @ w_fp8^T) / (s_x * s_w)
 
-Values beyond the max saturate (clamp to +-max) instead of overflowing: the paper's choice for
-E4M3, which has no infinity. Scales here are powers of two (floor of log2(max / amax)): a power of
+Values beyond the max saturate (clamp to +-max) instead of overflowing: the usual choice, and the
+only sensible one for E4M3, which has no infinity. Scales here are powers of two (floor of log2(max / amax)): a power of
 two multiplies exactly, so the only rounding is the cast itself, and an fp8 matmul simulated with
 dequantised values gives the same numbers as a hardware fp8 matmul (checked against
 `torch._scaled_mm` in tests/test_precision.py).
 
 Scaling recipes:
-    current  the scale comes from this tensor's own amax (one extra pass over it, exact);
+    current  the scale comes from this tensor's own amax (a pass over it before the cast, exact);
     delayed  the scale comes from the largest amax recorded over the last `history` steps, and
-             this step's amax is recorded afterwards (what NVIDIA Transformer Engine does by
-             default: no extra pass before the cast, but a sudden growth saturates for one step).
+             this step's amax is recorded for later (NVIDIA Transformer Engine's default: a fused
+             kernel gets the amax out of the cast itself, no pass before it; a sudden growth
+             saturates for a step). Here the amax is a separate pass either way: the point is the
+             numerics, which are the same.
 
 Where the hardware has fp8 matmul (CUDA compute capability 8.9 or newer: Ada, Hopper, Blackwell)
 the matmul runs in `torch._scaled_mm`; elsewhere it is simulated: the fp8 values are converted
@@ -55,7 +57,7 @@ def scale_for(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x * scale cast to the fp8 `dtype`, saturating at +-max (section 4.3 of the paper)."""
+    """x * scale cast to the fp8 `dtype`, saturating at +-max (not overflowing to NaN)."""
     limit = fp8_max(dtype)
     # bf16 and fp32 have the range to hold x * scale, and a power-of-two scale multiplies exactly;
     # fp16 could overflow (max 65504), so it goes through fp32
