@@ -24,6 +24,7 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8")
 # Activation recomputation (Korthikanti et al. 2022): none, selective (recompute the attention
 # core: scores, softmax, dropout), full (recompute each block from its input).
 RECOMPUTE = ("none", "selective", "full")
+FP8_SCALINGS = ("current", "delayed")  # lmforge/precision/fp8.py
 
 
 @dataclass
@@ -95,6 +96,9 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "fp32"  # fp32 | bf16-mixed | fp16-mixed | bf16-pure | fp8
+    fp32_attention: bool = False  # keep the attention core (scores, softmax, P V) in fp32 under low precision
+    fp8_scaling: str = "current"  # fp8 per-tensor scales: current (this tensor's amax) | delayed (amax history)
+    max_bad_steps: int = 1  # stop after this many non-finite steps in a row (all policies but fp16-mixed)
     recompute: str = "none"  # none | selective | full: activation recomputation in backward
     sample_tokens: int = 200  # tokens generated at the end of training; 0 disables
     sample_prompt: str = "def "
@@ -283,13 +287,14 @@ def validate(cfg: Config) -> None:
     require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
 
     for key in ("batch_size", "grad_accum", "seq_len", "max_steps", "eval_batches", "keep_checkpoints",
-                "log_interval"):
+                "log_interval", "max_bad_steps"):
         positive(f"train.{key}", getattr(t, key))
     for key in ("eval_interval", "checkpoint_interval", "sample_tokens"):
         require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
     require(cfg.seq_len <= m.max_seq_len, f"train.seq_len ({cfg.seq_len}) must not exceed model.max_seq_len "
                                           f"({m.max_seq_len})")
     choose("train.precision", t.precision, PRECISIONS)
+    choose("train.fp8_scaling", t.fp8_scaling, FP8_SCALINGS)
     choose("train.recompute", t.recompute, RECOMPUTE)
     require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
             f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")

@@ -121,7 +121,7 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.
     device = torch.device(device)
     best = 0.0
     generator = torch.Generator(device).manual_seed(0)  # leave the global RNG to the training run
-    for n in sizes:
+    for n in sorted(sizes):
         a = torch.randn(n, n, device=device, generator=generator).to(dtype)
         b = torch.randn(n, n, device=device, generator=generator).to(dtype)
         a @ b  # warm-up: allocation, kernel selection
@@ -134,6 +134,9 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.
             reps += 1
             elapsed = time.perf_counter() - started
         best = max(best, 2 * n**3 * reps / elapsed)
+        if elapsed / reps * 8 > seconds:
+            break  # one matmul of twice the size would outlast the budget: a dtype with no fast
+            # path here (fp16 on most CPUs), where larger sizes only add waiting
     return best
 
 

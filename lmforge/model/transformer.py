@@ -77,6 +77,9 @@ class Attention(nn.Module):
         # The attention core as a replaceable function, so that wrappers from outside (selective
         # recomputation, train/recompute.py) can change how it runs without touching this file.
         self.attention_core = attention
+        # dtype the attention core (scores, softmax, weighted sum) runs in; None: that of q, k, v.
+        # Set from outside (lmforge/precision) to keep attention in fp32 under low-precision training.
+        self.core_dtype: torch.dtype | None = None
 
     def forward(self, x, rope=None, kv_cache=None, layer=0, start_pos=0):
         q = rearrange(self.q_proj(x), "b t (h d) -> b h t d", h=self.n_heads)
@@ -87,8 +90,14 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:  # keys and values of earlier positions, plus these
             k, v = kv_cache.update(layer, k, v, start_pos)
-        out = self.attention_core(q, k, v, causal=True, backend=self.backend,
-                        dropout_p=self.dropout if self.training else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.core_dtype is None:
+            out = self.attention_core(q, k, v, causal=True, backend=self.backend, dropout_p=dropout_p)
+        else:
+            with torch.autocast(q.device.type, enabled=False):  # autocast would cast back down
+                wide = (t.to(self.core_dtype) for t in (q, k, v))
+                out = self.attention_core(*wide, causal=True, backend=self.backend,
+                                          dropout_p=dropout_p).to(q.dtype)
         return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
 
 

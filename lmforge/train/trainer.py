@@ -30,6 +30,8 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.optim.schedule import learning_rate
+from lmforge.precision import LossScaler, autocast, device_notes, get_policy, prepare_model
+from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
 from lmforge.train import checkpoint as ckpt
 from lmforge.planning import human_bytes, print_plan
 from lmforge.train.host_memory import retain_freed_memory
@@ -38,6 +40,10 @@ from lmforge.train.report import MetricsLog, plot_losses, print_table
 
 PEAK_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "float8": torch.bfloat16}  # fp8 matmuls are not timed here: the bf16 peak stands in
+# Under fp16-mixed a step with inf/NaN gradients is skipped and the loss scale halved: normal at
+# the start of a run and now and then later. This many skips in a row (the scale fell 2**64-fold)
+# mean no scale helps: the forward pass itself overflows fp16.
+FP16_MAX_SKIPS_IN_A_ROW = 64
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,14 +64,16 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
 
 @torch.no_grad()
 def evaluate(model: Transformer, tokens, batch_size: int, seq_len: int, seed: int, batches: int,
-             device: torch.device) -> float:
-    """Mean loss over a fixed set of `batches` windows (the same ones at every evaluation)."""
+             device: torch.device, precision: str = "fp32") -> float:
+    """Mean loss over a fixed set of `batches` windows (the same ones at every evaluation),
+    computed as training computes it (under the forward autocast of `precision`)."""
     was_training = model.training
     model.eval()
     losses = []
     for index in range(batches):
         x, y = window_batch(tokens, batch_size, seq_len, seed, index)
-        losses.append(model(x.to(device), y.to(device)).item())
+        with autocast(get_policy(precision), device):
+            losses.append(model(x.to(device), y.to(device)).item())
     model.train(was_training)
     return sum(losses) / len(losses)
 
@@ -87,9 +95,23 @@ class Trainer:
             raise LmforgeError(f"the corpus is too small for windows of {cfg.seq_len} tokens "
                                f"({len(self.data.train)} train, {len(self.data.val)} val tokens): "
                                f"add text or lower train.seq_len")
-        self.model = apply_recompute(Transformer(cfg.model).to(self.device), cfg.train.recompute)
+        self.model = Transformer(cfg.model).to(self.device)
+        # precision and recomputation wrap the model from outside, before the optimizer sees its parameters
+        self.policy = get_policy(cfg.train.precision)
+        for note in device_notes(self.policy, self.device):
+            self.console.print(f"note: {note}")
+        prepare_model(self.model, self.policy, fp32_attention=cfg.train.fp32_attention,
+                      fp8_scaling=cfg.train.fp8_scaling)
+        apply_recompute(self.model, cfg.train.recompute)
         self.optimizer = AdamW(weight_decay_groups(self.model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                               betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+                               betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+                               count_lost_updates=self.policy.lossy_updates)
+        self.scaler = LossScaler(enabled=self.policy.loss_scaling)
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient
+        self.bad_in_a_row = 0
+        self.step_skipped = False  # whether the last train_step skipped its optimizer step
+        self.lost_updates = [0, 0]  # since the last log: elements whose update rounded away, elements updated
+        self.lost_updates_total = [0, 0]  # the same over this session
         self.step, self.history = 0, {}
         loader_position = 0
         if resume:
@@ -128,8 +150,17 @@ class Trainer:
         if state["tokenizer_sha256"] != self.data.meta["tokenizer_sha256"]:
             raise LmforgeError(f"checkpoint {path} was trained with another tokenizer than the one in "
                                f"{self.data.dir}: point data.dir at the run's original data")
+        precision = state.get("precision", {"policy": "fp32"})  # checkpoints from before policies: fp32
+        if precision["policy"] != self.policy.name:
+            raise LmforgeError(f"checkpoint {path} was trained with train.precision={precision['policy']}, not "
+                               f"{self.policy.name}: resume with the same precision (its optimizer state, "
+                               f"loss scale and fp8 scales belong to it), or start a new run")
         ckpt.load_model_weights(self.model, path)
         ckpt.load_optimizer_state(self.optimizer, path, state["param_groups"])
+        if "loss_scaler" in precision:
+            self.scaler.load_state_dict(precision["loss_scaler"])
+        load_fp8_scale_state(self.model, precision.get("fp8_scales", {}))
+        self.skipped_steps = precision.get("skipped_steps", 0)
         ckpt.load_rng_states(path)
         self.step, self.history = state["step"], state["history"]
         if self.step >= self.cfg.train.max_steps:
@@ -140,8 +171,13 @@ class Trainer:
         return state["loader_position"]
 
     def save(self) -> Path:
+        precision = {"policy": self.policy.name, "skipped_steps": self.skipped_steps}
+        if self.scaler.enabled:
+            precision["loss_scaler"] = self.scaler.state_dict()
+        if self.policy.fp8:
+            precision["fp8_scales"] = fp8_scale_state(self.model)
         state = {"loader_position": self.loader.position, "history": self.history,
-                 "tokenizer_sha256": self.data.meta["tokenizer_sha256"]}
+                 "tokenizer_sha256": self.data.meta["tokenizer_sha256"], "precision": precision}
         return ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state,
                                     {"config.yaml": self.run_dir / "config.yaml",
                                      "tokenizer.json": self.run_dir / "tokenizer.json"},
@@ -150,32 +186,51 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (mean loss over the batch, gradient norm before clipping)."""
+        """One optimizer step; returns (mean loss over the batch, gradient norm before clipping).
+
+        A step whose loss or gradients are not finite is skipped (no update) and `step_skipped`
+        set: under fp16-mixed the loss scaler also lowers the scale; the caller decides when too
+        many bad steps stop the run."""
         cfg = self.cfg
         lr = learning_rate(self.step, peak=cfg.optim.lr, floor=cfg.optim.lr * cfg.optim.min_lr_ratio,
                            warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
-        measure = not self.measured_memory  # the first step of a session measures memory
+        measure = "activations" not in self.measured_memory  # the first step of a session measures memory
         if measure and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         for micro_batch in range(cfg.train.grad_accum):
             x, y = next(self.loader)
-            if measure and micro_batch == 0:
-                with measure_saved_bytes(self.model.parameters()) as saved:
+            with autocast(self.policy, self.device):
+                if measure and micro_batch == 0:
+                    with measure_saved_bytes(self.model.parameters()) as saved:
+                        loss = self.model(x, y) / cfg.train.grad_accum
+                    self.measured_memory["activations"] = saved.activations
+                else:
                     loss = self.model(x, y) / cfg.train.grad_accum
-                self.measured_memory["activations"] = saved.activations
-            else:
-                loss = self.model(x, y) / cfg.train.grad_accum
-            loss.backward()
+            self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm(self.model.parameters(), cfg.optim.grad_clip)
-        self.optimizer.step()
-        if measure:
-            self.measured_memory.update(model_state_bytes_measured(self.model, self.optimizer))
-            if self.device.type == "cuda":
-                self.measured_memory["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        # unscale before clipping, so that the clip threshold applies to the true gradient norm
+        found_inf = self.scaler.unscale_(self.model.parameters()) if self.scaler.enabled else False
+        if found_inf:
+            grad_norm = torch.tensor(float("inf"))
+        else:
+            grad_norm = clip_grad_norm(self.model.parameters(), cfg.optim.grad_clip)
+        self.step_skipped = found_inf or not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+        if not self.step_skipped:
+            self.optimizer.step()
+            if self.optimizer.count_lost_updates:
+                for counts in (self.lost_updates, self.lost_updates_total):
+                    counts[0] += self.optimizer.lost_updates
+                    counts[1] += self.optimizer.updated_elements
+            if "parameters" not in self.measured_memory:  # the first applied step: states exist now
+                self.measured_memory.update(model_state_bytes_measured(self.model, self.optimizer))
+        else:
+            self.skipped_steps += 1
+        self.scaler.update(self.step_skipped)
+        if measure and self.device.type == "cuda":
+            self.measured_memory["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return loss_sum, grad_norm
@@ -183,7 +238,7 @@ class Trainer:
     def evaluate(self) -> float:
         t = self.cfg.train
         return evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, t.seed + 1,
-                        t.eval_batches, self.device)
+                        t.eval_batches, self.device, t.precision)
 
     def run(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -192,7 +247,8 @@ class Trainer:
         bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not self.progress)
         train_seconds, window_seconds, window_steps = 0.0, 0.0, 0
-        window_loss = torch.zeros((), device=self.device)  # summed over the steps since the last log
+        window_loss = torch.zeros((), device=self.device)  # summed over the good steps since the last log
+        window_good = 0
         loss = None
         try:
             while self.step < t.max_steps:
@@ -204,25 +260,33 @@ class Trainer:
                 train_seconds += elapsed
                 window_seconds += elapsed
                 window_steps += 1
-                window_loss += loss_sum
                 bar.update(1)
+                self._guard(loss_sum.item(), grad_norm.item())
+                if not self.step_skipped:
+                    window_loss += loss_sum
+                    window_good += 1
                 last = self.step == t.max_steps
                 if self.step % t.log_interval == 0 or last:
-                    loss = window_loss.item() / window_steps  # mean over the window: less noisy
-                    if not math.isfinite(loss):
-                        raise LmforgeError(f"the loss became {loss} at step {self.step}; the last good "
-                                           f"checkpoint is kept: lower optim.lr or raise optim.warmup_steps")
+                    # mean over the window's good steps: less noisy
+                    loss = window_loss.item() / window_good if window_good else loss
                     tokens_per_s = window_steps * self.tokens_per_step / window_seconds
                     mfu = tokens_per_s * self.flops_per_token / self.peak_flops
                     record = {"step": self.step, "train_loss": loss, "grad_norm": grad_norm.item(),
-                              "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_s": tokens_per_s, "mfu": mfu}
+                              "lr": self.optimizer.param_groups[0]["lr"],
+                              "tokens_per_s": tokens_per_s, "mfu": mfu, "skipped_steps": self.skipped_steps}
                     postfix = f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {mfu:.0%}"
                     if cfg.train.recompute != "none":  # hardware FLOPs include the recomputed forward
                         record["hfu"] = tokens_per_s * self.hardware_flops_per_token / self.peak_flops
                         postfix += f" | HFU {record['hfu']:.0%}"
+                    if self.scaler.enabled:
+                        record["loss_scale"] = self.scaler.scale_value
+                    if self.optimizer.count_lost_updates:
+                        lost, updated = self.lost_updates
+                        record["lost_update_fraction"] = lost / updated if updated else 0.0
+                        self.lost_updates = [0, 0]
                     self.metrics.write(record)
                     bar.set_postfix_str(postfix)
-                    window_seconds, window_steps = 0.0, 0
+                    window_seconds, window_steps, window_good = 0.0, 0, 0
                     window_loss.zero_()
                 if (t.eval_interval and self.step % t.eval_interval == 0) or last:
                     val_loss = self.evaluate()
@@ -237,6 +301,23 @@ class Trainer:
             self.metrics.close()
         self.history["train_loss"] = loss
         return self._finish(start_step, train_seconds)
+
+    def _guard(self, loss: float, grad_norm: float) -> None:
+        """Stop the run when bad (skipped) steps keep coming; before this step is checkpointed, so
+        the last checkpoint on disk is a good one."""
+        bad = self.step_skipped or not math.isfinite(loss)
+        self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
+        if self.scaler.enabled:
+            if self.bad_in_a_row >= FP16_MAX_SKIPS_IN_A_ROW:
+                raise LmforgeError(f"{self.bad_in_a_row} steps in a row had inf/NaN gradients up to step "
+                                   f"{self.step} (loss scale now {self.scaler.scale_value:g}): fp16 overflows in "
+                                   f"the forward pass; the last good checkpoint is kept: use bf16-mixed or "
+                                   f"lower optim.lr")
+        elif self.bad_in_a_row >= self.cfg.train.max_bad_steps:
+            what = f"the loss became {loss}" if not math.isfinite(loss) else f"the gradient norm became {grad_norm}"
+            raise LmforgeError(f"{what} at step {self.step}; the last good checkpoint is kept: lower optim.lr "
+                               f"or raise optim.warmup_steps (train.max_bad_steps={self.cfg.train.max_bad_steps} "
+                               f"bad steps in a row allowed)")
 
     # -- after training -----------------------------------------------------------------------------
 
@@ -265,6 +346,10 @@ class Trainer:
             "peak_flops_measured": self.peak_flops,
             "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
             "data_wait_fraction": self.loader.wait_seconds / train_seconds if train_seconds else 0.0,
+            "precision": self.policy.name,
+            "skipped_steps": self.skipped_steps,
+            "lost_update_fraction": (self.lost_updates_total[0] / self.lost_updates_total[1]
+                                     if self.lost_updates_total[1] else None),
             "train_loss": self.history["train_loss"],
             "val_loss": val_loss,
             "val_perplexity": math.exp(val_loss),
@@ -287,6 +372,11 @@ class Trainer:
             ("MFU", f"{summary['mfu']:.1%}"),
             ("peak, measured", f"{self.peak_flops / 1e9:,.0f} GFLOP/s ({self.peak_dtype} matmul)"),
             ("device", summary["device"]),
+            ("precision", self.policy.name + (", attention in fp32" if cfg.train.fp32_attention else "")),
+            ("skipped steps (non-finite)", f"{self.skipped_steps:,}" + (
+                f", loss scale now {self.scaler.scale_value:g}" if self.scaler.enabled else "")),
+            *([("updates rounded to zero (bf16 weights)", f"{summary['lost_update_fraction']:.2%}")]
+              if summary["lost_update_fraction"] is not None else []),
             ("data loader waiting", f"{summary['data_wait_fraction']:.2%} of step time"),
             ("train loss", f"{summary['train_loss']:.4f} nats/token"),
             ("validation loss", f"{val_loss:.4f} nats/token"),
