@@ -10,6 +10,7 @@ from lmforge.config import MODEL_PRESETS, make_config
 from lmforge.generate.sampling import KVCache
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
+from lmforge.precision.policy import autocast, get_policy, prepare_model
 from lmforge.train.recompute import apply_recompute
 
 CONFIGS = {
@@ -18,13 +19,18 @@ CONFIGS = {
     "mqa-odd-ffn": ["model.n_kv_heads=1", "model.d_ff=200", "model.vocab_size=300", "model.tie_embeddings=false"],
     "gpt": ["model.family=gpt", "model.n_kv_heads=null"],
 }
-AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+PRECISIONS = ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8"]
+
+
+def build(cfg, precision="fp32", recompute="none"):
+    model = Transformer(cfg)
+    prepare_model(model, get_policy(precision))
+    return apply_recompute(model, recompute)
 
 
 def saved_activation_bytes(model, batch, seq, precision):
     inputs, targets = torch.randint(0, model.cfg.vocab_size, (2, batch, seq))
-    dtype = AUTOCAST[precision]
-    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+    with autocast(get_policy(precision), torch.device("cpu")):
         with measure_saved_bytes(model.parameters()) as saved:
             loss = model(inputs, targets)
     loss.backward()  # the graph must really be usable
@@ -37,12 +43,42 @@ def saved_activation_bytes(model, batch, seq, precision):
 def test_activation_bytes_match_what_autograd_saves(name, attention, precision):
     cfg = make_config("tiny", overrides=[*CONFIGS[name], f"model.attention={attention}"]).model
     batch, seq = 3, 48
-    measured = saved_activation_bytes(Transformer(cfg), batch, seq, precision)
+    measured = saved_activation_bytes(build(cfg, precision), batch, seq, precision)
     predicted = activation_breakdown(cfg, batch, seq, precision, attention)
     predicted.pop("recomputed_layer", None)
     assert sum(predicted.values()) == pytest.approx(measured, rel=0.05)
-    if cfg.family == "llama":  # counted tensor by tensor, so exact up to the loss's scalar weight
+    assert abs(sum(predicted.values()) - measured) <= 8  # counted tensor by tensor: exact but the loss's scalar
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_precision_policy_saves_what_the_formula_says(family, recompute, precision):
+    """Issue "mixed precision", part 4: each policy's bytes per activation, against autograd."""
+    cfg = make_config("tiny", overrides=[f"model.family={family}"] + (["model.n_kv_heads=null"] if family == "gpt" else [])).model
+    measured = saved_activation_bytes(build(cfg, precision, recompute), 3, 48, precision)
+    predicted = activation_breakdown(cfg, 3, 48, precision, "sdpa", recompute)
+    predicted.pop("recomputed_layer", None)
+    assert sum(predicted.values()) == pytest.approx(measured, rel=0.05)
+    if family == "llama":
         assert abs(sum(predicted.values()) - measured) <= 8
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_precision_policy_stores_the_predicted_model_states(precision):
+    cfg = make_config("tiny").model
+    model = build(cfg, precision)
+    optimizer = AdamW(model.parameters(), lr=1e-3)
+    with autocast(get_policy(precision), torch.device("cpu")):
+        loss = model(*torch.randint(0, cfg.vocab_size, (2, 2, 16)))
+    loss.backward()
+    optimizer.step()
+    predicted = model_state_bytes(cfg, precision, "adamw")
+    assert model_state_bytes_measured(model, optimizer) == {
+        "parameters": predicted["parameters"], "gradients": predicted["gradients"],
+        "optimizer_states": predicted["optimizer_states"]}
+    fp32 = model_state_bytes(cfg, "fp32", "adamw")
+    assert sum(predicted.values()) == sum(fp32.values()) * (0.5 if precision == "bf16-pure" else 1)
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])

@@ -25,27 +25,35 @@ ATTENTION_KINDS = ("naive", "sdpa", "flash_torch", "flash_triton")  # naive keep
 
 @dataclass(frozen=True)
 class PrecisionBytes:
-    """Bytes per element of each kind of tensor a precision policy stores."""
+    """Bytes per element of each kind of tensor a precision policy (lmforge/precision/) stores."""
     parameter: int  # the parameters the model holds
     gradient: int
     master: int  # a separate fp32 master copy of the weights (0: the parameters are the master)
     optimizer_state: int  # each optimizer state element (AdamW has two per parameter)
-    weight_copy: int  # a cast of each matmul weight made in forward and kept for backward (0: none)
-    compute: int  # matmul inputs and outputs, attention tensors
-    linear_input: int  # what a linear layer keeps of its input for the weight gradient
+    compute: int  # matmul outputs and the attention tensors
+    linear_input: int  # what a block's linear layer keeps of its input for the weight gradient
+    weight_copy: int  # a cast of each block linear weight made in forward, kept for backward (0: none)
+    head_weight_copy: int  # the same for the LM head's weight
     autocast: bool  # low precision by torch.autocast around fp32 parameters and residual stream
+    fp8_scales: int = 0  # bytes of per-tensor scales each block linear keeps (fp8: input and weight)
 
 
 PRECISION_BYTES: dict[str, PrecisionBytes] = {
-    "fp32": PrecisionBytes(4, 4, 0, 4, 0, 4, 4, False),
+    "fp32": PrecisionBytes(4, 4, 0, 4, compute=4, linear_input=4, weight_copy=0, head_weight_copy=0,
+                           autocast=False),
     # torch.autocast keeps fp32 parameters (they are the master weights, Micikevicius et al. 2018)
     # and casts each weight and each linear input to 16 bits per use; the casts live until backward.
-    "bf16-mixed": PrecisionBytes(4, 4, 0, 4, 2, 2, 2, True),
-    "fp16-mixed": PrecisionBytes(4, 4, 0, 4, 2, 2, 2, True),
+    "bf16-mixed": PrecisionBytes(4, 4, 0, 4, compute=2, linear_input=2, weight_copy=2, head_weight_copy=2,
+                                 autocast=True),
+    "fp16-mixed": PrecisionBytes(4, 4, 0, 4, compute=2, linear_input=2, weight_copy=2, head_weight_copy=2,
+                                 autocast=True),
     # Everything in bfloat16, optimizer states included: half the model-state bytes of fp32.
-    "bf16-pure": PrecisionBytes(2, 2, 0, 2, 0, 2, 2, False),
-    # bf16-mixed, with each linear layer's weight and input kept as 1-byte fp8 for backward.
-    "fp8": PrecisionBytes(4, 4, 0, 4, 1, 2, 1, True),
+    "bf16-pure": PrecisionBytes(2, 2, 0, 2, compute=2, linear_input=2, weight_copy=0, head_weight_copy=0,
+                                autocast=False),
+    # bf16-mixed, but each block linear keeps its weight and its input as 1-byte e4m3 with two fp32
+    # scales (Micikevicius et al. 2022); the LM head stays in bf16 (precision/policy.py says why).
+    "fp8": PrecisionBytes(4, 4, 0, 4, compute=2, linear_input=1, weight_copy=1, head_weight_copy=2,
+                          autocast=True, fp8_scales=8),
 }
 PRECISION_ALIASES = {"fp16": "fp16-mixed", "bf16": "bf16-mixed"}
 
@@ -172,16 +180,23 @@ def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str 
         # RMSNorm runs in fp32 (F.rms_norm decomposes under autograd): the input, 1/rms per row
         # and the normalised x (for the gain's gradient).
         norms = 2 * (2 * bsd * 4 + bs * 4)
-        mlp = 4 * b * s * f * p.compute  # SwiGLU: gate and up outputs, silu(gate), their product
+        # SwiGLU: gate and up outputs and silu(gate); their product is the down projection's input
+        mlp = 3 * b * s * f * p.compute + b * s * f * p.linear_input
         readers = 5  # q, k, v, gate and up read a normalised input
     else:
-        # LayerNorm (fp32 under autocast): the input, mean and 1/std per row; GELU its input.
-        norms = 2 * (bsd * 4 + 2 * bs * 4)
+        # LayerNorm (fp32 under autocast, in the parameters' dtype otherwise): the input, mean
+        # and 1/std per row; GELU keeps its input.
+        norm_bytes = 4 if p.autocast else p.parameter
+        norms = 2 * (bsd + 2 * bs) * norm_bytes
         mlp = b * s * f * p.compute + b * s * f * p.linear_input
         readers = 4  # q, k, v and up
+    if p.parameter < 4:  # the norms' gains are cast up to fp32 with their input, and kept
+        norms += 2 * d * 4
     # Without autocast a normalised input is one tensor shared by its readers; autocast casts it
     # once per linear layer, and each cast is kept.
     linear_inputs = (readers if p.autocast else 2) * bsd * p.linear_input
+    linears = readers + 2  # and the output and down projections
+    linear_inputs += linears * p.fp8_scales
     # The output projection reads the attention output. A fused kernel's output is already laid
     # out (b, s, h*d) and is the tensor the kernel keeps; naive attention's output is copied out
     # of (b, h, s, d); a recomputed core keeps no output of its own.
@@ -207,17 +222,23 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp3
     layer = layer_activation_breakdown(cfg, b, s, precision, attention, recompute)
     layers = cfg.n_layers * sum(layer.values()) / tp
     bs, bsd = b * s, b * s * cfg.d_model
-    head_norm = bsd * 4 * (2 if cfg.family == "llama" else 1) + bs * 4 * (1 if cfg.family == "llama" else 2)
+    if cfg.family == "llama":  # RMSNorm in fp32: input, normalised x, 1/rms per row
+        head_norm = 2 * bsd * 4 + bs * 4 + (cfg.d_model * 4 if p.parameter < 4 else 0)
+    else:  # LayerNorm: input, mean, 1/std
+        head_norm = (bsd + 2 * bs) * (4 if p.autocast else p.parameter)
+    head_input = p.compute if p.autocast else p.linear_input  # the LM head is never fp8
+    block_weights = matmul_weight_count(cfg) - cfg.d_model * cfg.vocab_size
     result = {
         "layers": layers,
-        "embedding": bs * 8,  # the token ids the embedding gathers (int64)
+        # the token ids the embedding gathers (int64), and the position ids of learned positions
+        "embedding": bs * 8 + (s * 8 if cfg.family == "gpt" else 0),
         # final norm, the LM head's input, the fp32 log-probabilities and the int64 targets
-        "head_and_loss": head_norm + bsd * p.linear_input + bs * cfg.vocab_size * 4 + bs * 8,
+        "head_and_loss": head_norm + bsd * head_input + bs * cfg.vocab_size * 4 + bs * 8,
         # RoPE's cos and sin tables, kept once for all layers (not inside recomputed blocks)
         "rope_tables": 2 * cfg.max_seq_len * cfg.head_dim * 4 if cfg.family == "llama" and recompute != "full" else 0,
         # the per-use weight casts; inside fully recomputed blocks they are recast in backward
-        "weight_copies": (cfg.d_model * cfg.vocab_size if recompute == "full" else matmul_weight_count(cfg))
-                         * p.weight_copy / (tp * pp),
+        "weight_copies": ((0 if recompute == "full" else block_weights * p.weight_copy)
+                          + cfg.d_model * cfg.vocab_size * p.head_weight_copy) / (tp * pp),
     }
     if recompute == "full":  # backward reruns one block at a time: its activations come back
         result["recomputed_layer"] = sum(layer_activation_breakdown(cfg, b, s, precision, attention).values()) / tp
