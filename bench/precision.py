@@ -15,10 +15,10 @@ fp8 runs simulated on CPU (lmforge/precision/fp8.py: the same numbers as `torch.
 about bf16 speed for the forward, fp32 for the weight gradient), so its tokens/s here say nothing
 about fp8 hardware.
 
-Each policy runs once, in this process, one after the other, on one thread by default: on a
-machine shared with other jobs, two OpenMP threads on two busy cores stall in barriers (steps 20x
-slower at random moments), one thread does not. The machine may still be shared, so tokens/s
-carry that noise (the losses do not: training is deterministic here). tokens/s is the
+Each policy runs once, in this process, one after the other, with torch's default threads. On a
+machine shared with other jobs pass `--threads 1`: two OpenMP threads on two busy cores stall in
+barriers (steps 20x slower at random moments), one thread does not. tokens/s carry the machine's
+noise (the losses do not: training is deterministic here). tokens/s is the
 median over windows of 5 steps, the first window (kernel set-up) left out.
 """
 
@@ -79,8 +79,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--model", default="small")
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: on a shared machine, 2 threads stall in OpenMP barriers)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's; 1 on a shared machine, where more stall in "
+                             "OpenMP barriers)")
     parser.add_argument("--scratch", default="bench/out/precision")
     parser.add_argument("--png", default="bench/precision_loss.png")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the runs in --scratch")
@@ -97,7 +98,8 @@ def main() -> None:
     from lmforge.train.trainer import Trainer
 
     policies = args.policies.split(",")
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"machine: {device_name(torch.device(device))} (torch threads), "
           f"torch {torch.__version__}, Python {platform.python_version()}")
