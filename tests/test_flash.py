@@ -14,6 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from lmforge.accounting.memory import attention_saved_bytes  # noqa: E402
 from lmforge.accounting.measure import measure_saved_bytes  # noqa: E402
 from lmforge.errors import LmforgeError  # noqa: E402
 from lmforge.kernels import flash_triton  # noqa: E402
@@ -200,11 +201,10 @@ def saved_bytes(backend, seq_len, batch=1, heads=4, kv_heads=2, d_head=16):
     return saved.activations
 
 
-def flash_saved_bytes_formula(seq_len, batch=1, heads=4, kv_heads=2, d_head=16, bytes_per_element=4):
-    """Q and O (batch, heads, T, d) and K, V (batch, kv_heads, T, d) in the input dtype, plus the
-    fp32 log-sum-exp L (batch, heads, T)."""
-    return (2 * batch * heads * seq_len * d_head + 2 * batch * kv_heads * seq_len * d_head) * bytes_per_element \
-        + 4 * batch * heads * seq_len
+def attention_saved_bytes_formula(seq_len, backend="flash_torch", batch=1, heads=4, kv_heads=2, d_head=16):
+    """The count accounting/memory.py uses for the model: Q and O (batch, heads, T, d) and K, V
+    (batch, kv_heads, T, d) in the input dtype plus the fp32 log-sum-exp for the flash kernels."""
+    return attention_saved_bytes(batch, seq_len, heads, kv_heads, d_head, 4, backend)
 
 
 LENGTHS = [64, 128, 256, 512]
@@ -213,7 +213,8 @@ LENGTHS = [64, 128, 256, 512]
 def test_naive_saves_quadratic_and_flash_linear_memory():
     naive = [saved_bytes("naive", t) for t in LENGTHS]
     flash = [saved_bytes("flash_torch", t) for t in LENGTHS]
-    assert flash == [flash_saved_bytes_formula(t) for t in LENGTHS]
+    assert flash == [attention_saved_bytes_formula(t) for t in LENGTHS]
+    assert naive == [attention_saved_bytes_formula(t, "naive") for t in LENGTHS]
     # Doubling T doubles flash's bytes and nearly quadruples naive's (its T x T scores and
     # probabilities dominate; the linear Q, K, V part makes the ratio a little under 4).
     assert all(b == 2 * a for a, b in zip(flash, flash[1:]))
@@ -225,7 +226,7 @@ def test_naive_saves_quadratic_and_flash_linear_memory():
 
 @needs_triton
 def test_flash_triton_saves_the_same_linear_memory():
-    assert [saved_bytes("flash_triton", t) for t in (32, 64)] == [flash_saved_bytes_formula(t) for t in (32, 64)]
+    assert [saved_bytes("flash_triton", t) for t in (32, 64)] == [attention_saved_bytes_formula(t) for t in (32, 64)]
 
 
 # ---- the model: same training whichever attention runs -------------------------------------------

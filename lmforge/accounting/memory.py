@@ -146,23 +146,23 @@ def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, layers: int, re
     return layers * per_layer
 
 
-def _attention_core_bytes(cfg: ModelConfig, b: int, s: int, p: PrecisionBytes, attention: str,
-                          recompute: str) -> int:
-    """What the attention core (q, k, v -> output) saves for backward."""
-    bsq = b * s * cfg.n_heads * cfg.head_dim
-    bskv = b * s * cfg.kv_heads * cfg.head_dim
+def attention_saved_bytes(b: int, s: int, heads: int, kv_heads: int, head_dim: int, element_bytes: int,
+                          attention: str = "sdpa", recompute: str = "none") -> int:
+    """Bytes one attention core (q, k, v -> output; model/attention.py) saves for backward, for
+    b sequences of s tokens with q, k, v of `element_bytes` per element."""
+    bsq, bskv = b * s * heads * head_dim, b * s * kv_heads * head_dim
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention kind {attention!r}; known: {', '.join(ATTENTION_KINDS)}")
     if recompute == "selective":  # rerun in backward from its inputs, which are all it keeps
-        return (bsq + 2 * bskv) * p.compute
+        return (bsq + 2 * bskv) * element_bytes
     if attention == "naive":
         # q, and k and v repeated to every query head; the causal mask; the fp32 softmax output
         # and (below fp32) its cast back: the 5*a*s/h term of Korthikanti et al.
-        probs = b * cfg.n_heads * s * s * (4 + (p.compute if p.compute < 4 else 0))
-        return 3 * bsq * p.compute + probs + s * s
+        probs = b * heads * s * s * (4 + (element_bytes if element_bytes < 4 else 0))
+        return 3 * bsq * element_bytes + probs + s * s
     # Fused kernels keep q, k, v, the output and one fp32 log-sum-exp per row (Dao 2023,
     # algorithm 1, line 12): no s x s term.
-    return (2 * bsq + 2 * bskv) * p.compute + b * cfg.n_heads * s * 4
+    return (2 * bsq + 2 * bskv) * element_bytes + b * heads * s * 4
 
 
 def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp32",
@@ -205,7 +205,8 @@ def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str 
     return {
         "norms": norms,
         "linear_inputs": linear_inputs + out_proj_input,
-        "attention": _attention_core_bytes(cfg, b, s, p, attention, recompute),
+        "attention": attention_saved_bytes(b, s, cfg.n_heads, cfg.kv_heads, cfg.head_dim, p.compute, attention,
+                                           recompute),
         "mlp": mlp,
     }
 
