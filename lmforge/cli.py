@@ -193,24 +193,14 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def this_machine(dtype_name: str) -> tuple[str, float, float]:
-    """(name, measured matmul peak FLOP/s, memory bytes) of the device `lmforge train` would use."""
-    import torch
-
-    from lmforge.accounting.hardware import device_name, host_memory_bytes, matmul_peak
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-             "float8": torch.bfloat16}[dtype_name]  # no fp8 matmul to time here: its bf16 peak stands in
-    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory_bytes()
-    return f"this machine: {device_name(device)}", matmul_peak(dtype, device), memory
-
-
 def cmd_plan(args) -> int:
     import json
 
     from rich.console import Console
 
+    import torch
+
+    from lmforge.accounting.hardware import this_device
     from lmforge.accounting.memory import PRECISION_ALIASES
     from lmforge.accounting.plan import MATMUL_DTYPE, Setup, make_plan
     from lmforge.planning import plot_memory, print_dtypes, print_plan
@@ -228,7 +218,10 @@ def cmd_plan(args) -> int:
         setup.validate()
         machine = None
         if setup.hardware == "this":
-            machine = this_machine(MATMUL_DTYPE[PRECISION_ALIASES.get(setup.precision, setup.precision)])
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            name, peak, memory = this_device(MATMUL_DTYPE[PRECISION_ALIASES.get(setup.precision, setup.precision)],
+                                             device)
+            machine = (f"this machine: {name}", peak, memory)
         plan = make_plan(cfg.model, setup, machine)
     except ValueError as err:
         raise LmforgeError(str(err)) from None

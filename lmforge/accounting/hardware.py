@@ -161,6 +161,22 @@ def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device =
     return cache[key]
 
 
+# The matmul timed for a matmul dtype's peak on this machine. fp8 matmuls (`torch._scaled_mm`)
+# need scales and run on few devices, so they are not timed: the bf16 peak stands in for them.
+TIMED_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+               "float8": torch.bfloat16}
+
+
+def this_device(matmul_dtype: str, device: torch.device) -> tuple[str, float, int]:
+    """(name, measured peak FLOP/s for `matmul_dtype`, memory bytes) of `device`, as a plan wants it."""
+    timed = TIMED_DTYPE[matmul_dtype]
+    name = device_name(device)
+    if str(timed).removeprefix("torch.") != matmul_dtype:
+        name += f" ({str(timed).removeprefix('torch.')} peak standing in for {matmul_dtype})"
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory_bytes()
+    return name, matmul_peak(timed, device), memory
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

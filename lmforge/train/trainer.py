@@ -17,7 +17,7 @@ from rich.console import Console
 from tqdm import tqdm
 
 from lmforge.accounting.flops import hardware_flops_per_token, training_flops_per_token
-from lmforge.accounting.hardware import device_name, host_memory_bytes, matmul_peak
+from lmforge.accounting.hardware import TIMED_DTYPE, device_name, this_device
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
 from lmforge.accounting.plan import MATMUL_DTYPE, Setup, make_plan
 from lmforge.config import Config, save_config
@@ -38,8 +38,6 @@ from lmforge.train.host_memory import retain_freed_memory
 from lmforge.train.recompute import apply_recompute
 from lmforge.train.report import MetricsLog, plot_losses, print_table
 
-PEAK_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-              "float8": torch.bfloat16}  # fp8 matmuls are not timed here: the bf16 peak stands in
 # Under fp16-mixed a step with inf/NaN gradients is skipped and the loss scale halved: normal at
 # the start of a run and now and then later. This many skips in a row (the scale fell 2**64-fold)
 # mean no scale helps: the forward pass itself overflows fp16.
@@ -125,12 +123,9 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
         self.hardware_flops_per_token = hardware_flops_per_token(cfg.model, cfg.seq_len, cfg.train.recompute)
         self.peak_dtype = MATMUL_DTYPE[cfg.train.precision]
-        self.peak_flops = matmul_peak(PEAK_DTYPE[self.peak_dtype], self.device)
+        self.device_label, self.peak_flops, memory = this_device(self.peak_dtype, self.device)
         # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
-        memory = (torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda"
-                  else host_memory_bytes())
-        self.plan = make_plan(cfg.model, Setup.from_config(cfg, mfu=1.0),
-                              (device_name(self.device), self.peak_flops, memory))
+        self.plan = make_plan(cfg.model, Setup.from_config(cfg, mfu=1.0), (self.device_label, self.peak_flops, memory))
         self.measured_memory: dict = {}  # filled in by the first step of the session
         print_plan(self.console, self.plan, title="lmforge train: plan")
 
@@ -370,7 +365,7 @@ class Trainer:
             ("training time (this session)", f"{train_seconds:.0f} s"),
             ("throughput", f"{tokens_per_s:,.0f} tokens/s"),
             ("MFU", f"{summary['mfu']:.1%}"),
-            ("peak, measured", f"{self.peak_flops / 1e9:,.0f} GFLOP/s ({self.peak_dtype} matmul)"),
+            ("peak, measured", f"{self.peak_flops / 1e9:,.0f} GFLOP/s ({self._timed_dtype()} matmul)"),
             ("device", summary["device"]),
             ("precision", self.policy.name + (", attention in fp32" if cfg.train.fp32_attention else "")),
             ("skipped steps (non-finite)", f"{self.skipped_steps:,}" + (
@@ -389,6 +384,10 @@ class Trainer:
             self.console.rule("sample")
             self.console.print(summary["sample"], markup=False, highlight=False)
         return summary
+
+    def _timed_dtype(self) -> str:
+        timed = str(TIMED_DTYPE[self.peak_dtype]).removeprefix("torch.")
+        return timed if timed == self.peak_dtype else f"{timed}, standing in for {self.peak_dtype}"
 
     def _predicted_vs_measured(self, tokens_per_s: float) -> dict:
         """The plan printed at the start beside what this session measured."""
