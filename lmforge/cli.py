@@ -201,8 +201,7 @@ def cmd_plan(args) -> int:
     import torch
 
     from lmforge.accounting.hardware import this_device
-    from lmforge.accounting.memory import PRECISION_ALIASES
-    from lmforge.accounting.plan import MATMUL_DTYPE, Setup, make_plan
+    from lmforge.accounting.plan import Setup, make_plan, matmul_dtype
     from lmforge.planning import plot_memory, print_dtypes, print_plan
 
     console = Console()
@@ -219,8 +218,7 @@ def cmd_plan(args) -> int:
         machine = None
         if setup.hardware == "this":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            name, peak, memory = this_device(MATMUL_DTYPE[PRECISION_ALIASES.get(setup.precision, setup.precision)],
-                                             device)
+            name, peak, memory = this_device(matmul_dtype(setup.precision), device)
             machine = (f"this machine: {name}", peak, memory)
         plan = make_plan(cfg.model, setup, machine)
     except ValueError as err:

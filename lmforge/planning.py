@@ -97,6 +97,28 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
     console.print(timing)
 
 
+def print_comparison(console: Console, comparison: dict) -> None:
+    """The trainer's end-of-run table: each {"predicted", "measured"} pair and their ratio."""
+    table = Table(title="predicted (plan) vs measured", title_justify="left")
+    for column in ("", "predicted", "measured", "measured / predicted"):
+        table.add_column(column, justify="right" if column else "left")
+    labels = {"tokens_per_s": "tokens/s (predicted at 100% MFU)", "mfu": "MFU", "hfu": "HFU (with recomputation)",
+              "parameters_bytes": "parameters", "gradients_bytes": "gradients",
+              "optimizer_states_bytes": "optimizer states",
+              "activations_bytes": "saved for backward, one micro-batch", "peak_memory_bytes": "peak memory (CUDA)"}
+    for key, row in comparison.items():
+        predicted, measured = row["predicted"], row["measured"]
+        if key.endswith("_bytes"):
+            shown = (human_bytes(predicted), human_bytes(measured) if measured is not None else "-")
+        elif key == "tokens_per_s":
+            shown = (f"{predicted:,.0f}", f"{measured:,.0f}")
+        else:
+            shown = (f"{predicted:.0%}", f"{measured:.1%}")
+        ratio = f"{measured / predicted:.3f}" if measured is not None and predicted else "-"
+        table.add_row(labels[key], *shown, ratio)
+    console.print(table)
+
+
 def print_dtypes(console: Console) -> None:
     table = Table(title="floating-point formats (from torch.finfo)", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False)

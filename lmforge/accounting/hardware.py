@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 TERA = 1e12
-GIB = 2**30
 
 
 @dataclass(frozen=True)

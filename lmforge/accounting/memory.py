@@ -37,6 +37,12 @@ class PrecisionBytes:
     autocast: bool  # low precision by torch.autocast around fp32 parameters and residual stream
     fp8_scales: int = 0  # bytes of per-tensor scales each block linear keeps (fp8: input and weight)
 
+    @property
+    def residual(self) -> int:
+        """The residual stream: fp32 around autocast (the embedding output is fp32), else the
+        parameters' dtype."""
+        return 4 if self.autocast else self.parameter
+
 
 PRECISION_BYTES: dict[str, PrecisionBytes] = {
     "fp32": PrecisionBytes(4, 4, 0, 4, compute=4, linear_input=4, weight_copy=0, head_weight_copy=0,
@@ -58,11 +64,16 @@ PRECISION_BYTES: dict[str, PrecisionBytes] = {
 PRECISION_ALIASES = {"fp16": "fp16-mixed", "bf16": "bf16-mixed"}
 
 
-def precision_bytes(precision: str) -> PrecisionBytes:
+def policy_name(precision: str) -> str:
+    """The policy a precision name stands for (aliases resolved); ValueError if unknown."""
     name = PRECISION_ALIASES.get(precision, precision)
     if name not in PRECISION_BYTES:
         raise ValueError(f"unknown precision {precision!r}; known: {', '.join([*PRECISION_BYTES, *PRECISION_ALIASES])}")
-    return PRECISION_BYTES[name]
+    return name
+
+
+def precision_bytes(precision: str) -> PrecisionBytes:
+    return PRECISION_BYTES[policy_name(precision)]
 
 
 # -- parameters ----------------------------------------------------------------------------------
@@ -175,23 +186,21 @@ def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str 
     d, f = cfg.d_model, cfg.ffn_dim
     bsd, bs, bsq = b * s * d, b * s, b * s * cfg.n_heads * cfg.head_dim
     if recompute == "full":  # torch.utils.checkpoint keeps only the block's input
-        return {"block_input": bsd * (2 if precision == "bf16-pure" else 4)}
+        return {"block_input": bsd * p.residual}
     if cfg.family == "llama":
         # RMSNorm runs in fp32 (F.rms_norm decomposes under autograd): the input, 1/rms per row
-        # and the normalised x (for the gain's gradient).
-        norms = 2 * (2 * bsd * 4 + bs * 4)
+        # and the normalised x (for the gain's gradient); a gain stored below fp32 is cast up
+        # with the input, and the cast is kept too.
+        norms = 2 * (2 * bsd * 4 + bs * 4 + (d * 4 if p.parameter < 4 else 0))
         # SwiGLU: gate and up outputs and silu(gate); their product is the down projection's input
         mlp = 3 * b * s * f * p.compute + b * s * f * p.linear_input
         readers = 5  # q, k, v, gate and up read a normalised input
     else:
-        # LayerNorm (fp32 under autocast, in the parameters' dtype otherwise): the input, mean
-        # and 1/std per row; GELU keeps its input.
-        norm_bytes = 4 if p.autocast else p.parameter
-        norms = 2 * (bsd + 2 * bs) * norm_bytes
+        # LayerNorm, in the residual stream's dtype: the input, mean and 1/std per row; GELU
+        # keeps its input.
+        norms = 2 * (bsd + 2 * bs) * p.residual
         mlp = b * s * f * p.compute + b * s * f * p.linear_input
         readers = 4  # q, k, v and up
-    if p.parameter < 4:  # the norms' gains are cast up to fp32 with their input, and kept
-        norms += 2 * d * 4
     # Without autocast a normalised input is one tensor shared by its readers; autocast casts it
     # once per linear layer, and each cast is kept.
     linear_inputs = (readers if p.autocast else 2) * bsd * p.linear_input
@@ -223,10 +232,10 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp3
     layer = layer_activation_breakdown(cfg, b, s, precision, attention, recompute)
     layers = cfg.n_layers * sum(layer.values()) / tp
     bs, bsd = b * s, b * s * cfg.d_model
-    if cfg.family == "llama":  # RMSNorm in fp32: input, normalised x, 1/rms per row
+    if cfg.family == "llama":  # RMSNorm in fp32: input, normalised x, 1/rms per row (and the gain's cast)
         head_norm = 2 * bsd * 4 + bs * 4 + (cfg.d_model * 4 if p.parameter < 4 else 0)
     else:  # LayerNorm: input, mean, 1/std
-        head_norm = (bsd + 2 * bs) * (4 if p.autocast else p.parameter)
+        head_norm = (bsd + 2 * bs) * p.residual
     head_input = p.compute if p.autocast else p.linear_input  # the LM head is never fp8
     block_weights = matmul_weight_count(cfg) - cfg.d_model * cfg.vocab_size
     result = {

@@ -16,6 +16,11 @@ MATMUL_DTYPE = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "floa
                 "fp8": "float8"}
 
 
+def matmul_dtype(precision: str) -> str:
+    """The dtype whose peak FLOP/s a precision's matmuls are measured against (aliases allowed)."""
+    return MATMUL_DTYPE[memory.policy_name(precision)]
+
+
 @dataclass
 class Setup:
     batch_size: int = 8  # sequences per micro-batch, per data-parallel rank
@@ -66,7 +71,7 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
     """The plan as a JSON-ready dict. `this_machine` = (name, peak FLOP/s, memory bytes) is needed
     when setup.hardware is "this" (the caller measures it; accounting stays pure)."""
     setup.validate()
-    precision = memory.PRECISION_ALIASES.get(setup.precision, setup.precision)
+    precision = memory.policy_name(setup.precision)
     b, s = setup.batch_size, setup.seq_len
     devices = setup.dp * setup.tp * setup.pp
     tokens_per_step = b * s * setup.grad_accum * setup.dp

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from lmforge.accounting.flops import hardware_flops_per_token, training_flops_per_token
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name, this_device
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
-from lmforge.accounting.plan import MATMUL_DTYPE, Setup, make_plan
+from lmforge.accounting.plan import Setup, make_plan, matmul_dtype
 from lmforge.config import Config, save_config
 from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.data.prepare import PreparedData, prepare_data
@@ -30,10 +30,10 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.optim.schedule import learning_rate
+from lmforge.planning import print_comparison, print_plan
 from lmforge.precision import LossScaler, autocast, device_notes, get_policy, prepare_model
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
 from lmforge.train import checkpoint as ckpt
-from lmforge.planning import human_bytes, print_plan
 from lmforge.train.host_memory import retain_freed_memory
 from lmforge.train.recompute import apply_recompute
 from lmforge.train.report import MetricsLog, plot_losses, print_table
@@ -122,7 +122,7 @@ class Trainer:
         self.tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.seq_len
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
         self.hardware_flops_per_token = hardware_flops_per_token(cfg.model, cfg.seq_len, cfg.train.recompute)
-        self.peak_dtype = MATMUL_DTYPE[cfg.train.precision]
+        self.peak_dtype = matmul_dtype(cfg.train.precision)
         self.device_label, self.peak_flops, memory = this_device(self.peak_dtype, self.device)
         # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
         self.plan = make_plan(cfg.model, Setup.from_config(cfg, mfu=1.0), (self.device_label, self.peak_flops, memory))
@@ -242,8 +242,7 @@ class Trainer:
         bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not self.progress)
         train_seconds, window_seconds, window_steps = 0.0, 0.0, 0
-        window_loss = torch.zeros((), device=self.device)  # summed over the good steps since the last log
-        window_good = 0
+        window_loss, window_good = 0.0, 0  # loss summed over the good steps since the last log
         loss = None
         try:
             while self.step < t.max_steps:
@@ -256,14 +255,15 @@ class Trainer:
                 window_seconds += elapsed
                 window_steps += 1
                 bar.update(1)
-                self._guard(loss_sum.item(), grad_norm.item())
+                step_loss = loss_sum.item()
+                self._guard(step_loss, grad_norm.item())
                 if not self.step_skipped:
-                    window_loss += loss_sum
+                    window_loss += step_loss
                     window_good += 1
                 last = self.step == t.max_steps
                 if self.step % t.log_interval == 0 or last:
                     # mean over the window's good steps: less noisy
-                    loss = window_loss.item() / window_good if window_good else loss
+                    loss = window_loss / window_good if window_good else loss
                     tokens_per_s = window_steps * self.tokens_per_step / window_seconds
                     mfu = tokens_per_s * self.flops_per_token / self.peak_flops
                     record = {"step": self.step, "train_loss": loss, "grad_norm": grad_norm.item(),
@@ -281,8 +281,7 @@ class Trainer:
                         self.lost_updates = [0, 0]
                     self.metrics.write(record)
                     bar.set_postfix_str(postfix)
-                    window_seconds, window_steps, window_good = 0.0, 0, 0
-                    window_loss.zero_()
+                    window_seconds, window_steps, window_loss, window_good = 0.0, 0, 0.0, 0
                 if (t.eval_interval and self.step % t.eval_interval == 0) or last:
                     val_loss = self.evaluate()
                     self.history["val_loss"] = val_loss
@@ -379,7 +378,7 @@ class Trainer:
             ("unigram entropy of the corpus", f"{meta['unigram_entropy_nats']:.4f} nats/token"),
             ("run folder", str(self.run_dir)),
         ], title="lmforge train: summary")
-        self._print_comparison(comparison)
+        print_comparison(self.console, comparison)
         if cfg.train.sample_tokens:
             self.console.rule("sample")
             self.console.print(summary["sample"], markup=False, highlight=False)
@@ -408,25 +407,3 @@ class Trainer:
         if "peak_allocated" in measured:
             rows["peak_memory_bytes"] = (plan["memory"]["per_device_bytes"], measured["peak_allocated"])
         return {key: {"predicted": p, "measured": m} for key, (p, m) in rows.items()}
-
-    def _print_comparison(self, comparison: dict) -> None:
-        from rich.table import Table
-
-        table = Table(title="predicted (plan) vs measured", title_justify="left")
-        for column in ("", "predicted", "measured", "measured / predicted"):
-            table.add_column(column, justify="right" if column else "left")
-        labels = {"tokens_per_s": "tokens/s (predicted at 100% MFU)", "mfu": "MFU", "hfu": "HFU (with recomputation)",
-                  "parameters_bytes": "parameters", "gradients_bytes": "gradients",
-                  "optimizer_states_bytes": "optimizer states",
-                  "activations_bytes": "saved for backward, one micro-batch", "peak_memory_bytes": "peak memory (CUDA)"}
-        for key, row in comparison.items():
-            predicted, measured = row["predicted"], row["measured"]
-            if key.endswith("_bytes"):
-                shown = (human_bytes(predicted), human_bytes(measured) if measured is not None else "-")
-            elif key == "tokens_per_s":
-                shown = (f"{predicted:,.0f}", f"{measured:,.0f}")
-            else:
-                shown = (f"{predicted:.0%}", f"{measured:.1%}")
-            ratio = f"{measured / predicted:.3f}" if measured is not None and predicted else "-"
-            table.add_row(labels[key], *shown, ratio)
-        self.console.print(table)
