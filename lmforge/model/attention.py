@@ -68,9 +68,9 @@ def resolve_backend(device: torch.device, *, dropout_p: float = 0.0) -> str:
     """The backend `auto` stands for on `device`.
 
     CPU: sdpa. In bench/RESULTS.md ("Attention backends") its fused C++ kernel was the fastest
-    for forward+backward at every length from 128 to 4096 (flash_torch 1.2-9.6x slower, naive up
-    to 3.8x), within the noise of a shared machine, and it saves the same O(T) bytes as
-    flash_torch. The Triton interpreter is for tests only.
+    for forward+backward at every length from 128 to 4096 (flash_torch 1.04-1.98x its time, naive
+    up to 4.2x), and it saves the same O(T) bytes as flash_torch. The Triton interpreter is for
+    tests only.
     CUDA: flash_triton when triton is installed and no dropout is asked for, so that the kernels
     written here are the ones used (issue: "used automatically on CUDA"); sdpa otherwise. Its
     speed against sdpa's own FlashAttention-2 kernel has not been measured yet (no GPU here): run

@@ -75,11 +75,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
         # The attention core as a replaceable function, so that wrappers from outside (selective
-        # recomputation, train/recompute.py) can change how it runs without touching this file.
+        # recomputation in train/recompute.py, fp32 attention in precision/policy.py) can change
+        # how it runs without touching this file.
         self.attention_core = attention
-        # dtype the attention core (scores, softmax, weighted sum) runs in; None: that of q, k, v.
-        # Set from outside (lmforge/precision) to keep attention in fp32 under low-precision training.
-        self.core_dtype: torch.dtype | None = None
 
     def forward(self, x, rope=None, kv_cache=None, layer=0, start_pos=0):
         q = rearrange(self.q_proj(x), "b t (h d) -> b h t d", h=self.n_heads)
@@ -90,14 +88,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:  # keys and values of earlier positions, plus these
             k, v = kv_cache.update(layer, k, v, start_pos)
-        dropout_p = self.dropout if self.training else 0.0
-        if self.core_dtype is None:
-            out = self.attention_core(q, k, v, causal=True, backend=self.backend, dropout_p=dropout_p)
-        else:
-            with torch.autocast(q.device.type, enabled=False):  # autocast would cast back down
-                wide = (t.to(self.core_dtype) for t in (q, k, v))
-                out = self.attention_core(*wide, causal=True, backend=self.backend,
-                                          dropout_p=dropout_p).to(q.dtype)
+        out = self.attention_core(q, k, v, causal=True, backend=self.backend,
+                                  dropout_p=self.dropout if self.training else 0.0)
         return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
 
 

@@ -24,10 +24,11 @@ softmax over the whole vocabulary exponentiates (where a 3-bit mantissa costs mo
 matmul of 7 * n_layers + 1, so keeping it wider costs little. Common fp8 recipes do the same.
 
 Policies wrap the model from outside (`prepare_model`, `autocast`); the model code knows nothing
-of them, except a generic `Attention.core_dtype` hook.
+of them; fp32 attention replaces each `Attention.attention_core` with a wrapper.
 """
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -103,9 +104,16 @@ def prepare_model(model: nn.Module, policy: Policy, fp32_attention: bool = False
                     setattr(parent, name, Fp8Linear.from_linear(child, scaling=fp8_scaling))
     if fp32_attention:
         for module in model.modules():
-            if hasattr(module, "core_dtype"):
-                module.core_dtype = torch.float32
+            if hasattr(module, "attention_core"):
+                module.attention_core = functools.partial(attention_in_fp32, module.attention_core)
     return model
+
+
+def attention_in_fp32(core, q, k, v, **kwargs):
+    """Run the attention core `core` on fp32 copies of q, k, v, outside autocast (which would cast
+    them back down), and return its output in q's dtype."""
+    with torch.autocast(q.device.type, enabled=False):
+        return core(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
 
 
 def autocast(policy: Policy, device: torch.device):
