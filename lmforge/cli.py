@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (1F1B)")
     plan.add_argument("--recompute", help="none, selective or full activation recomputation")
     plan.add_argument("--attention", help="naive (keeps s x s scores), sdpa, flash_torch or flash_triton")
+    plan.add_argument("--fp32-attention", action="store_true", default=None,
+                      help="attention core in fp32 under a low-precision policy (train.fp32_attention)")
     plan.add_argument("--hardware", default="this",
                       help="this (measure this machine) or one of: a100, h100-sxm, h100-pcie, h200, b200, l4, "
                            "rtx4090, mi300x")
@@ -212,6 +214,7 @@ def cmd_plan(args) -> int:
     setup = Setup.from_config(cfg, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                               precision=args.precision, optimizer=args.optimizer, zero_stage=args.zero_stage,
                               dp=args.dp, tp=args.tp, pp=args.pp, recompute=args.recompute, attention=args.attention,
+                              fp32_attention=args.fp32_attention,
                               hardware=args.hardware, mfu=args.mfu, tokens=args.tokens)
     try:
         setup.validate()

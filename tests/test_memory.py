@@ -63,6 +63,21 @@ def test_every_precision_policy_saves_what_the_formula_says(family, recompute, p
     assert abs(sum(predicted.values()) - measured) <= 8  # counted tensor by tensor, for both families
 
 
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16-pure"])
+def test_fp32_attention_saves_what_the_formula_says(attention, recompute, precision):
+    cfg = make_config("tiny", overrides=[f"model.attention={attention}"]).model
+    model = Transformer(cfg)
+    prepare_model(model, get_policy(precision), fp32_attention=True)
+    apply_recompute(model, recompute)
+    measured = saved_activation_bytes(model, 3, 48, precision)
+    predicted = activation_breakdown(cfg, 3, 48, precision, attention, recompute, fp32_attention=True)
+    assert abs(sum(predicted.values()) - measured) <= 8
+    if precision != "fp32" and recompute == "none":  # the fp32 copies cost bytes
+        assert measured > sum(activation_breakdown(cfg, 3, 48, precision, attention, recompute).values())
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_every_precision_policy_stores_the_predicted_model_states(precision):
     cfg = make_config("tiny").model

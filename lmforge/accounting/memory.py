@@ -177,9 +177,11 @@ def attention_saved_bytes(b: int, s: int, heads: int, kv_heads: int, head_dim: i
 
 
 def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp32",
-                               attention: str = "sdpa", recompute: str = "none") -> dict[str, int]:
+                               attention: str = "sdpa", recompute: str = "none",
+                               fp32_attention: bool = False) -> dict[str, int]:
     """Bytes one transformer block saves for backward, by part, counted tensor by tensor from
-    model/transformer.py (and checked against autograd in tests/test_memory.py)."""
+    model/transformer.py (and checked against autograd in tests/test_memory.py). fp32_attention:
+    the attention core runs on fp32 copies of q, k, v (train.fp32_attention)."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"unknown recompute mode {recompute!r}")
     p = precision_bytes(precision)
@@ -206,22 +208,28 @@ def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str 
     linear_inputs = (readers if p.autocast else 2) * bsd * p.linear_input
     linears = readers + 2  # and the output and down projections
     linear_inputs += linears * p.fp8_scales
+    # fp32 attention below fp32 casts q, k, v up and the output back down: the core keeps fp32
+    # tensors (unless recomputed: then it keeps its inputs, cast inside), the output is a new tensor.
+    widened = fp32_attention and p.compute < 4
+    core_bytes = 4 if widened and recompute != "selective" else p.compute
     # The output projection reads the attention output. A fused kernel's output is already laid
     # out (b, s, h*d) and is the tensor the kernel keeps; naive attention's output is copied out
     # of (b, h, s, d); a recomputed core keeps no output of its own.
-    shares_kernel_output = attention != "naive" and recompute == "none" and p.linear_input == p.compute
+    shares_kernel_output = (attention != "naive" and recompute == "none" and p.linear_input == p.compute
+                            and not widened)
     out_proj_input = 0 if shares_kernel_output else bsq * p.linear_input
     return {
         "norms": norms,
         "linear_inputs": linear_inputs + out_proj_input,
-        "attention": attention_saved_bytes(b, s, cfg.n_heads, cfg.kv_heads, cfg.head_dim, p.compute, attention,
+        "attention": attention_saved_bytes(b, s, cfg.n_heads, cfg.kv_heads, cfg.head_dim, core_bytes, attention,
                                            recompute),
         "mlp": mlp,
     }
 
 
 def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", attention: str = "sdpa",
-                         recompute: str = "none", tp: int = 1, pp: int = 1) -> dict[str, float]:
+                         recompute: str = "none", tp: int = 1, pp: int = 1,
+                         fp32_attention: bool = False) -> dict[str, float]:
     """Bytes saved for backward over one micro-batch of b sequences of s tokens, per device.
 
     Layers: tensor parallelism with sequence parallelism divides each layer's activations by tp
@@ -229,7 +237,7 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp3
     micro-batches in flight, the same total as no pipeline (section 4.2.3).
     """
     p = precision_bytes(precision)
-    layer = layer_activation_breakdown(cfg, b, s, precision, attention, recompute)
+    layer = layer_activation_breakdown(cfg, b, s, precision, attention, recompute, fp32_attention)
     layers = cfg.n_layers * sum(layer.values()) / tp
     bs, bsd = b * s, b * s * cfg.d_model
     if cfg.family == "llama":  # RMSNorm in fp32: input, normalised x, 1/rms per row (and the gain's cast)
@@ -251,7 +259,8 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp3
                           + cfg.d_model * cfg.vocab_size * p.head_weight_copy) / (tp * pp),
     }
     if recompute == "full":  # backward reruns one block at a time: its activations come back
-        result["recomputed_layer"] = sum(layer_activation_breakdown(cfg, b, s, precision, attention).values()) / tp
+        recomputed = layer_activation_breakdown(cfg, b, s, precision, attention, fp32_attention=fp32_attention)
+        result["recomputed_layer"] = sum(recomputed.values()) / tp
     return result
 
 

@@ -34,6 +34,7 @@ class Setup:
     pp: int = 1  # pipeline-parallel degree
     recompute: str = "none"
     attention: str = "sdpa"  # naive keeps the s x s scores; sdpa / flash_* do not
+    fp32_attention: bool = False  # the attention core in fp32 under a low-precision policy
     hardware: str = "this"  # a name in hardware.ACCELERATORS, or "this" (peak and memory given below)
     mfu: float = 0.5  # the model FLOPs utilisation assumed for time estimates
     tokens: float | None = None  # a token budget to estimate the total time for
@@ -42,7 +43,8 @@ class Setup:
     def from_config(cls, cfg, **changes) -> "Setup":
         """The setup a Config trains with (one device), with `changes` applied."""
         values = dict(batch_size=cfg.train.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.train.grad_accum,
-                      precision=cfg.train.precision, recompute=cfg.train.recompute, attention=cfg.model.attention)
+                      precision=cfg.train.precision, recompute=cfg.train.recompute, attention=cfg.model.attention,
+                      fp32_attention=cfg.train.fp32_attention)
         values.update({k: v for k, v in changes.items() if v is not None})
         if values["attention"] == "auto":  # every backend auto picks keeps O(s) bytes, like sdpa
             values["attention"] = "sdpa"
@@ -82,7 +84,7 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
 
     states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp)
     activations = memory.activation_breakdown(cfg, b, s, precision, setup.attention, setup.recompute,
-                                              setup.tp, setup.pp)
+                                              setup.tp, setup.pp, setup.fp32_attention)
     # A ZeRO-3 implementation gathers each layer's weights when it needs them and frees them
     # after: it keeps its shard of the casts, not all of them.
     weight_copies = activations.pop("weight_copies") / (setup.dp if setup.zero_stage == 3 else 1)
