@@ -1,7 +1,8 @@
-"""The `lmforge` command: prepare data, train, generate, plan.
+"""The `lmforge` command: prepare data, train, generate, plan, compare runs.
 
-Every subcommand that takes a config accepts `--config FILE.yaml`, `--model PRESET` and trailing
-`section.key=value` overrides. User errors print one line and exit with status 2.
+Every subcommand that takes a config accepts `--config FILE.yaml`, `--model PRESET` and
+`section.key=value` overrides, in any order. User errors print one line and exit with status 2.
+Building the parser imports no torch, so that `lmforge --help` answers at once.
 """
 
 import argparse
@@ -9,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from lmforge.config import DEFAULT_PRESET, MODEL_PRESETS, load_config, make_config, parse_override, set_value, validate
+from lmforge.config import (DEFAULT_PRESET, MODEL_PRESETS, _did_you_mean, load_config, make_config, parse_override,
+                            set_value, validate)
 from lmforge.errors import LmforgeError
 
 EXAMPLES = """\
@@ -100,17 +102,53 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--plot", metavar="PNG", help="save a bar chart of the memory breakdown")
     plan.add_argument("--dtypes", action="store_true", help="print the table of floating-point formats and exit")
+
+    runs = commands.add_parser(
+        "runs", help="compare the runs in a folder: settings, progress, loss, speed, status",
+        description="List the runs in DIR (default runs) with their model, precision, batch, steps done, final "
+                    "validation loss, tokens/s, MFU and status (running, finished or stopped); with --plot, draw "
+                    "their loss curves on one figure.",
+        epilog="examples:\n"
+               "  lmforge runs                                   # every run in runs/\n"
+               "  lmforge runs --plot small-a small-b --out cmp.png\n"
+               "  lmforge runs experiments/ --plot                # every run in experiments/ on one figure",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    runs.add_argument("dir", nargs="?", default="runs", metavar="DIR", help="folder holding run folders (default runs)")
+    runs.add_argument("--plot", nargs="*", metavar="RUN",
+                      help="draw the loss curves of these runs (names in DIR or paths; none: all of DIR)")
+    runs.add_argument("--out", metavar="PNG", default="runs.png", help="where --plot saves its figure (default runs.png)")
+    # main() looks up the subcommand's parser to say which of its options a misspelt one resembles
+    parser.subcommands = commands.choices
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse options and `section.key=value` overrides given in any order.
+
+    argparse fills a nargs="*" positional from one run of bare words only, so in
+    `train a.b=1 --model tiny c.d=2` it hands `c.d=2` back as unknown; those words join the overrides
+    here, in the order typed (a later override wins). An unknown --option is still an error."""
+    args, extras = parser.parse_known_args(argv)
+    unknown = [word for word in extras if word.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        subcommand = parser.subcommands.get(args.command, parser)
+        options = [option for action in subcommand._actions for option in action.option_strings]
+        hint = _did_you_mean(unknown[0], options) if unknown[0].startswith("-") else ""
+        subcommand.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if extras:
+        args.overrides = [*args.overrides, *extras]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.command is None:
         parser.print_help()
         return 0
     try:
-        commands = {"prepare": cmd_prepare, "train": cmd_train, "generate": cmd_generate, "plan": cmd_plan}
+        commands = {"prepare": cmd_prepare, "train": cmd_train, "generate": cmd_generate, "plan": cmd_plan,
+                    "runs": cmd_runs}
         return commands[args.command](args)
     except LmforgeError as err:
         print(f"lmforge: error: {err}", file=sys.stderr)
@@ -234,4 +272,15 @@ def cmd_plan(args) -> int:
         print_plan(console, plan, title=f"lmforge plan: {args.model or DEFAULT_PRESET}")
         if args.plot:
             console.print(f"memory chart: {args.plot}")
+    return 0
+
+
+def cmd_runs(args) -> int:
+    from lmforge.runs import find_runs, plot_runs, print_runs
+
+    if args.plot is None:
+        print_runs(find_runs(args.dir), args.dir)
+        return 0
+    plot_runs(args.dir, args.plot, args.out)
+    print(f"loss curves: {args.out}")
     return 0

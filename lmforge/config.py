@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from lmforge.errors import LmforgeError
-from lmforge.model.attention import BACKENDS
+from lmforge.model.backends import BACKENDS
 
 FAMILIES = ("llama", "gpt")
 # Numeric policies for training (lmforge/precision/): what parameters, optimizer states and matmuls
@@ -101,7 +101,7 @@ class TrainConfig:
     max_bad_steps: int = 1  # stop after this many non-finite steps in a row (all policies but fp16-mixed)
     recompute: str = "none"  # none | selective | full: activation recomputation in backward
     sample_tokens: int = 200  # tokens generated at the end of training; 0 disables
-    sample_prompt: str = "def "
+    sample_prompt: str = ""  # "": the start of a validation document (a prompt in the corpus's language)
 
 
 @dataclass

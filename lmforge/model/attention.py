@@ -29,9 +29,7 @@ from einops import einsum, repeat
 from lmforge.errors import LmforgeError
 from lmforge.kernels import flash_triton
 from lmforge.kernels.flash_torch import flash_attention_torch
-
-BACKENDS = ("naive", "sdpa", "flash_torch", "flash_triton", "auto")
-FLASH_BACKENDS = ("flash_torch", "flash_triton")
+from lmforge.model.backends import BACKENDS, FLASH_BACKENDS
 
 
 def attention(

@@ -36,12 +36,14 @@ from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.host_memory import retain_freed_memory
 from lmforge.train.recompute import apply_recompute
-from lmforge.train.report import MetricsLog, plot_losses, print_table
+from lmforge.train.report import MetricsLog, plot_losses, print_table, run_title
 
 # Under fp16-mixed a step with inf/NaN gradients is skipped and the loss scale halved: normal at
 # the start of a run and now and then later. This many skips in a row (the scale fell 2**64-fold)
 # mean no scale helps: the forward pass itself overflows fp16.
 FP16_MAX_SKIPS_IN_A_ROW = 64
+# train.sample_prompt="" starts the end-of-run sample with this many tokens of a validation document.
+SAMPLE_PROMPT_TOKENS = 8
 
 
 def resolve_device(name: str) -> torch.device:
@@ -316,9 +318,15 @@ class Trainer:
     # -- after training -----------------------------------------------------------------------------
 
     def sample(self, prompt: str, max_new_tokens: int, seed: int = 0) -> str:
+        """Continue `prompt`; an empty one is the start of the first validation document, so that the
+        sample begins in the corpus's own language."""
         tokenizer = self.data.tokenizer
-        ids = generate(self.model, tokenizer.encode(prompt).ids, max_new_tokens, temperature=0.8, top_p=0.95,
-                       stop_token=tokenizer.token_to_id(END_OF_TEXT), seed=seed)
+        end = tokenizer.token_to_id(END_OF_TEXT)
+        if not prompt:
+            start = self.data.val[:SAMPLE_PROMPT_TOKENS].tolist()
+            prompt = tokenizer.decode(start[:start.index(end)] if end in start else start)
+        ids = generate(self.model, tokenizer.encode(prompt).ids or [end], max_new_tokens, temperature=0.8,
+                       top_p=0.95, stop_token=end, seed=seed)
         return prompt + tokenizer.decode(ids)
 
     def _finish(self, start_step: int, train_seconds: float) -> dict:
@@ -352,8 +360,8 @@ class Trainer:
         }
         summary["predicted_vs_measured"] = comparison = self._predicted_vs_measured(tokens_per_s)
         plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
-                    title=f"{self.run_dir.name}: {summary['parameters'] / 1e6:.1f}M parameters",
-                    unigram_entropy=meta["unigram_entropy_nats"])
+                    title=run_title(self.run_dir.name, cfg, summary["parameters"]),
+                    unigram_entropy=meta["unigram_entropy_nats"], tokens_per_step=self.tokens_per_step)
         if cfg.train.sample_tokens:
             summary["sample"] = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             (self.run_dir / "sample.txt").write_text(summary["sample"])
