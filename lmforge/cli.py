@@ -255,7 +255,7 @@ def cmd_plan(args) -> int:
                               fp32_attention=args.fp32_attention,
                               hardware=args.hardware, mfu=args.mfu, tokens=args.tokens)
     try:
-        setup.validate()
+        setup.validate(cfg.model)
         machine = None
         if setup.hardware == "this":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -265,7 +265,7 @@ def cmd_plan(args) -> int:
     except ValueError as err:
         raise LmforgeError(str(err)) from None
     if args.plot:
-        plot_memory(plan, args.plot)
+        plot_memory(plan, args.plot, name=args.model or DEFAULT_PRESET)
     if args.json:
         print(json.dumps(plan, indent=2))
     else:

@@ -61,10 +61,12 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
         ("tokens per step", f"{st['tokens_per_step']:,}"),
         ("training FLOPs per token", f"{human_count(f['training_per_token'])} (6N: {human_count(f['six_n_per_token'])}, "
                                      f"PaLM 6N+12LHQT: {human_count(f['palm_per_token'])})"),
-        ("hardware FLOPs per token", f"{human_count(f['hardware_per_token'])} (with recomputation)"),
         ("training FLOPs per step", human_count(f["training_per_step"])),
     ]:
         head.add_row(name, value)
+    if st["recompute"] != "none":  # without recomputation the hardware does exactly the model's FLOPs
+        head.add_row("hardware FLOPs per token", f"{human_count(f['hardware_per_token'])} "
+                                                 f"(with {st['recompute']} recomputation)")
     console.print(head)
 
     table = Table(title="memory per device", title_justify="left")
@@ -130,8 +132,17 @@ def print_dtypes(console: Console) -> None:
     console.print(table)
 
 
-def plot_memory(plan: dict, png_path: str | Path, title: str | None = None) -> None:
-    """A stacked bar of memory per device by part, beside the device's capacity."""
+def setup_label(plan: dict) -> str:
+    """The model and setup of a plan in two lines, for a figure's title."""
+    m, st = plan["model"], plan["setup"]
+    return (f"{m['family']}, {m['layers']} layers, d_model {m['d_model']}, {human_count(m['parameters'])} parameters\n"
+            f"batch {st['batch_size']} x seq {st['seq_len']}, {st['precision']}, {st['optimizer']}, "
+            f"ZeRO {st['zero_stage']}, recompute {st['recompute']}, {st['attention']} attention")
+
+
+def plot_memory(plan: dict, png_path: str | Path, name: str = "") -> None:
+    """A stacked bar of memory per device by part, beside the device's capacity; the title names
+    the model (`name`, e.g. its preset) and the setup."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,8 +161,11 @@ def plot_memory(plan: dict, png_path: str | Path, title: str | None = None) -> N
     ax.axvline(mem["device_memory_bytes"] / scale, color="black", linestyle="--",
                label=f"device memory: {human_bytes(mem['device_memory_bytes'])}")
     ax.set_xlabel(unit)
-    ax.set_title(title or f"memory per device: {human_bytes(mem['per_device_bytes'])} "
-                          f"({'fits' if mem['fits'] else 'does not fit'})")
+    verdict = "fits" if mem["fits"] else "does NOT fit"
+    st = plan["setup"]
+    ax.set_title(f"{name + ': ' if name else ''}{setup_label(plan)}\ndp {st['dp']} x tp {st['tp']} x pp {st['pp']} "
+                 f"on {plan['time']['hardware']}: {human_bytes(mem['per_device_bytes'])} per device ({verdict})",
+                 fontsize=9)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8)
     fig.tight_layout()
     fig.savefig(png_path)

@@ -50,7 +50,8 @@ class Setup:
             values["attention"] = "sdpa"
         return cls(**values)
 
-    def validate(self) -> None:
+    def validate(self, model: ModelConfig | None = None) -> None:
+        """ValueError naming the first bad setting; with `model`, also what the setup needs of it."""
         def require(ok, message):
             if not ok:
                 raise ValueError(message)
@@ -67,12 +68,17 @@ class Setup:
                 f"unknown hardware {self.hardware!r}; known: this, {', '.join(ACCELERATORS)}")
         require(0 < self.mfu <= 1, f"mfu must be in (0, 1], got {self.mfu}")
         require(self.tokens is None or self.tokens > 0, f"tokens must be positive, got {self.tokens}")
+        if model is not None:  # tensor parallelism splits attention by whole heads (Shoeybi et al. 2019, section 3)
+            fitting = [tp for tp in range(1, model.kv_heads + 1) if model.n_heads % tp == 0 and model.kv_heads % tp == 0]
+            require(self.tp in fitting, f"tp {self.tp} must divide the {model.n_heads} attention heads and "
+                                        f"{model.kv_heads} KV heads (each rank holds whole heads): use one of "
+                                        f"{', '.join(map(str, fitting))}")
 
 
 def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, float] | None = None) -> dict:
     """The plan as a JSON-ready dict. `this_machine` = (name, peak FLOP/s, memory bytes) is needed
     when setup.hardware is "this" (the caller measures it; accounting stays pure)."""
-    setup.validate()
+    setup.validate(cfg)
     precision = memory.policy_name(setup.precision)
     b, s = setup.batch_size, setup.seq_len
     devices = setup.dp * setup.tp * setup.pp
