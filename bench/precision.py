@@ -5,7 +5,8 @@
 Each policy trains `lmforge train`'s Trainer from the same seed on the same batches of the
 embedded corpus, then the script prints, per policy: final train and validation loss, the ratio of
 the validation loss to fp32's, tokens/s relative to fp32, and the measured bytes of parameters plus
-optimizer state relative to fp32; and it writes the loss curves overlaid (bench/precision_loss.png).
+optimizer state relative to fp32; and it writes the loss curves overlaid (bench/out/precision_loss.png;
+`--update-docs` replaces bench/precision_loss.png, the figure the README shows).
 
 The model is a reduced `small` (d_model 128, 4 layers, context 128; the defaults below) because
 fp16 has no hardware matmul on CPUs: PyTorch emulates each fp16 matmul, tens of times slower than
@@ -36,6 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# Results go to bench/out/ (untracked); DOCS_PNG is the committed figure, replaced with --update-docs.
+OUT = Path(__file__).resolve().parent / "out"
+DOCS_PNG = Path(__file__).resolve().parent / "precision_loss.png"
 POLICIES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8")
 COLORS = dict(zip(POLICIES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
 REDUCED = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
@@ -82,11 +86,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's; 1 on a shared machine, where more stall in "
                              "OpenMP barriers)")
-    parser.add_argument("--scratch", default="bench/out/precision")
-    parser.add_argument("--png", default="bench/precision_loss.png")
+    parser.add_argument("--scratch", default=str(OUT / "precision"))
+    parser.add_argument("--png", help="where the loss curves go (default bench/out/precision_loss.png)")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the curves to bench/precision_loss.png, the figure README and RESULTS.md show")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the runs in --scratch")
     parser.add_argument("overrides", nargs="*", help="config overrides after the reduced model's")
     args = parser.parse_args()
+    # the tracked figure changes only when asked to
+    args.png = args.png or str(DOCS_PNG if args.update_docs else OUT / "precision_loss.png")
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     if args.replot:
         return replot(Path(args.scratch), args.png)
 

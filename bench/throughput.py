@@ -102,7 +102,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, in rotating order; the best counts")
     parser.add_argument("--model", default="small")
-    parser.add_argument("--scratch", default="bench/out")
+    parser.add_argument("--scratch", default=str(Path(__file__).resolve().parent / "out"),
+                        help="where runs write their files (default bench/out, untracked)")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
