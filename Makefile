@@ -1,28 +1,34 @@
 # `make train` and `make test` work on a fresh clone: they create .venv, install the CPU build of
 # torch (pinned, so that pip does not pull a multi-GB CUDA build) and lmforge, then run.
-# The triton extra lets the tests run the flash_triton kernels in Triton's CPU interpreter.
+# `make train` installs only what training needs; `make test` adds pytest and the triton extra
+# (its CPU interpreter runs the flash_triton kernels in the tests, ~700 MB).
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup train test test-all bench bench-attention clean
+.PHONY: setup setup-test train test test-all bench bench-attention clean
 
 setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[test,triton]"
 	touch $@
 
 train: setup
 	$(BIN)/lmforge train
 
-test: setup
+test: setup-test
 	$(BIN)/python -m pytest -q
 
-test-all: setup
+test-all: setup-test
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
 bench: setup
