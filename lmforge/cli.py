@@ -22,6 +22,7 @@ examples:
   lmforge train --resume runs/<name>                 # continue where the run stopped
   lmforge generate --run runs/<name> --prompt "def fib(" --max-new-tokens 100
   lmforge plan --model llama3-8b --batch-size 1 --seq-len 8192 --precision bf16-mixed --hardware h100-sxm
+  lmforge runs                                       # the runs in runs/ side by side
 """.format(presets=", ".join(MODEL_PRESETS))
 
 
