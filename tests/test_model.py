@@ -158,8 +158,8 @@ def test_initialisation_statistics():
         assert abs(param.mean().item()) < 4 * std / math.sqrt(param.numel()), name
         assert abs(param.std().item() / std - 1) < 0.02, (name, param.std().item(), std)
     # residual projections are scaled down by sqrt(2 * n_layers)
-    o = model.blocks[0].attn.o_proj.weight
-    q = model.blocks[0].attn.q_proj.weight
+    o = model.blocks["0"].attn.o_proj.weight
+    q = model.blocks["0"].attn.q_proj.weight
     assert abs(q.std() / o.std() / math.sqrt(2 * cfg.n_layers) - 1) < 0.03
 
 
@@ -173,6 +173,6 @@ def test_initial_loss_is_that_of_a_uniform_guess():
     assert abs(loss - math.log(cfg.vocab_size)) < 0.6
     # and the residual stream does not blow up with depth
     hidden = model.tok_embeddings(tokens[:, :-1])
-    for block in model.blocks:
-        hidden = block(hidden, (model.rope_cos[:128], model.rope_sin[:128]))
+    for block in model.blocks.values():
+        hidden = block(hidden, model.rope(0, 128))
     assert hidden.pow(2).mean().sqrt() < 3 * model.tok_embeddings.weight.pow(2).mean().sqrt() + 1

@@ -8,7 +8,7 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.optim.schedule import learning_rate
-from lmforge.train.trainer import weight_decay_groups
+from lmforge.train.setup import weight_decay_groups
 
 
 def test_adamw_matches_torch_over_many_steps():

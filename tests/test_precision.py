@@ -233,7 +233,7 @@ def tiny_model() -> Transformer:
 def test_bf16_pure_casts_parameters_but_not_buffers_and_keeps_tying():
     model = prepare_model(tiny_model(), get_policy("bf16-pure"))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert model.rope_cos.dtype == torch.float32
+    assert model.rope.cos.dtype == torch.float32
     assert model.lm_head.weight is model.tok_embeddings.weight
 
 
@@ -252,11 +252,11 @@ def test_fp8_policy_swaps_the_block_linears_and_keeps_the_head_and_the_names():
 
 
 def test_fp32_attention_runs_the_attention_core_in_fp32_under_bf16(monkeypatch):
-    import lmforge.model.transformer as transformer
+    import lmforge.model.attention as attention_module
 
     seen = []
-    real = transformer.attention
-    monkeypatch.setattr(transformer, "attention", lambda q, k, v, **kw: seen.append(q.dtype) or real(q, k, v, **kw))
+    real = attention_module.attention
+    monkeypatch.setattr(attention_module, "attention", lambda q, k, v, **kw: seen.append(q.dtype) or real(q, k, v, **kw))
     for fp32_attention, expected in ((False, torch.bfloat16), (True, torch.float32)):
         seen.clear()
         model = prepare_model(tiny_model(), get_policy("bf16-mixed"), fp32_attention=fp32_attention)
@@ -401,7 +401,7 @@ def test_fp8_delayed_scaling_resumes_bit_for_bit(tiny_config, tmp_path, monkeypa
     run_until_killed(cfg, tmp_path / "resumed", kill_at_step=5, monkeypatch=monkeypatch)
     resumed = quiet_trainer(cfg, tmp_path / "resumed", resume=True)
     assert resumed.step == 3
-    layer = resumed.model.blocks[0].attn.q_proj
+    layer = resumed.model.blocks["0"].attn.q_proj
     assert len(layer.amax_x.history) == 3 and len(layer.amax_grad.history) == 3
     resumed.run()
     expected, actual = parameters(straight), parameters(resumed)

@@ -23,12 +23,23 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
+    def layer(self, index: int) -> "LayerCache":
+        """The cache of one layer, handed to that layer's attention alone."""
+        return LayerCache(self.keys[index], self.values[index])
+
+
+class LayerCache:
+    """One layer's slice of a KVCache: (batch, kv_heads, max_len, head_dim) keys and values."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int):
         """Store k, v (batch, kv_heads, new, head_dim) at start_pos; return all keys/values so far."""
         end = start_pos + k.shape[2]
-        self.keys[layer, :, :, start_pos:end] = k
-        self.values[layer, :, :, start_pos:end] = v
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        self.keys[:, :, start_pos:end] = k
+        self.values[:, :, start_pos:end] = v
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,

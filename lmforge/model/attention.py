@@ -23,6 +23,7 @@ Backends:
 import math
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from einops import einsum, repeat
 
@@ -60,6 +61,21 @@ def attention(
     if backend == "sdpa":
         return sdpa_attention(q, k, v, causal=causal, dropout_p=dropout_p)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+class AttentionCore(nn.Module):
+    """`attention` as a module: a child of each attention layer that wrappers from outside
+    (fp32 attention, selective recomputation) can wrap. Dropout applies only in training."""
+
+    def __init__(self, backend: str = "sdpa", dropout: float = 0.0):
+        super().__init__()
+        self.backend, self.dropout = backend, dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, causal=True, backend=self.backend, dropout_p=self.dropout if self.training else 0.0)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}, dropout={self.dropout}"
 
 
 def resolve_backend(device: torch.device, *, dropout_p: float = 0.0) -> str:

@@ -8,11 +8,20 @@ gpt, after Radford et al. 2019 (GPT-2, section 2.3) and Brown et al. 2020 (GPT-3
     pre-normalisation with LayerNorm, learned absolute positions, a GELU MLP of width 4d,
     biases everywhere, dropout.
 
-Every block computes (pre-norm residual form)
+The family picks its parts once, when the model is built (`FAMILIES` below, as litgpt's config
+does); no forward pass asks which family it is in. Every block computes (pre-norm residual form)
     h = x + Attention(Norm(x))
     y = h + MLP(Norm(h))
-and the model is   logits = Norm(blocks(embed(tokens))) @ W_head.
+and the model is the composition of four pieces,
+    x = embed(tokens);   x = blocks(x);   logits = head(x) = Norm(x) @ W_head;   loss(logits, targets)
+A pipeline stage is the same model with pieces removed (torchtitan's convention): set
+`tok_embeddings`, `norm` or `lm_head` to None, or delete blocks, and forward skips what is missing.
+Blocks live in a ModuleDict keyed by layer index, so a stage holding layers 8-15 names their
+parameters exactly as the whole model does (`blocks.8.attn.q_proj.weight`).
 """
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -20,7 +29,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from lmforge.config import ModelConfig
-from lmforge.model.attention import attention
+from lmforge.model.attention import AttentionCore
 from lmforge.model.init import init_weights
 
 
@@ -64,33 +73,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated_half * sin).to(x.dtype)
 
 
-class Attention(nn.Module):
+class RotaryTables(nn.Module):
+    """The cos/sin tables of rotary embeddings, computed once (fp32 buffers, not parameters: a
+    precision policy that casts parameters leaves them alone). Every pipeline stage keeps one."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        bias = cfg.family == "gpt"
-        self.n_heads, self.n_kv_heads, self.backend = cfg.n_heads, cfg.kv_heads, cfg.attention
-        self.dropout = cfg.dropout
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, start_pos: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = slice(start_pos, start_pos + seq_len)
+        return self.cos[window], self.sin[window]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, bias: bool):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
+        # softmax(Q K^T / sqrt(d)) V as a child module: wrappers (fp32 attention, selective
+        # recomputation) wrap it from outside, visibly in print(model).
+        self.core = AttentionCore(cfg.attention, cfg.dropout)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
-        # The attention core as a replaceable function, so that wrappers from outside (selective
-        # recomputation in train/recompute.py, fp32 attention in precision/policy.py) can change
-        # how it runs without touching this file.
-        self.attention_core = attention
 
-    def forward(self, x, rope=None, kv_cache=None, layer=0, start_pos=0):
+    def forward(self, x, rope=None, cache=None, start_pos=0):
         q = rearrange(self.q_proj(x), "b t (h d) -> b h t d", h=self.n_heads)
         k = rearrange(self.k_proj(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
         v = rearrange(self.v_proj(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
-        if rope is not None:
+        if rope is not None:  # rotary families rotate queries and keys by position
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:  # keys and values of earlier positions, plus these
-            k, v = kv_cache.update(layer, k, v, start_pos)
-        out = self.attention_core(q, k, v, causal=True, backend=self.backend,
-                                  dropout_p=self.dropout if self.training else 0.0)
-        return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
+        if cache is not None:  # keys and values of earlier positions, plus these
+            k, v = cache.update(k, v, start_pos)
+        return self.o_proj(rearrange(self.core(q, k, v), "b h t d -> b t (h d)"))
 
 
 class SwiGLU(nn.Module):
@@ -118,79 +137,112 @@ class GeluMLP(nn.Module):
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.family == "llama":
-        return RMSNorm(cfg.d_model, cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+@dataclass(frozen=True)
+class Family:
+    """What distinguishes a family, decided once at build time."""
+    norm: Callable[[ModelConfig], nn.Module]
+    mlp: Callable[[ModelConfig], nn.Module]
+    bias: bool  # biases in the attention projections (the MLP classes carry their own)
+    rotary: bool  # rotary embeddings in attention (Su et al. 2021) ...
+    learned_positions: bool  # ... or a learned position table added to the token embeddings
+
+
+FAMILIES = {
+    "llama": Family(norm=lambda cfg: RMSNorm(cfg.d_model, cfg.norm_eps), mlp=SwiGLU, bias=False,
+                    rotary=True, learned_positions=False),
+    "gpt": Family(norm=lambda cfg: nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps), mlp=GeluMLP, bias=True,
+                  rotary=False, learned_positions=True),
+}
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
-        self.mlp_norm = make_norm(cfg)
-        self.mlp = SwiGLU(cfg) if cfg.family == "llama" else GeluMLP(cfg)
+        family = FAMILIES[cfg.family]
+        self.attn_norm = family.norm(cfg)
+        self.attn = Attention(cfg, bias=family.bias)
+        self.mlp_norm = family.norm(cfg)
+        self.mlp = family.mlp(cfg)
         self.residual_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, rope=None, kv_cache=None, layer=0, start_pos=0):
-        x = x + self.residual_dropout(self.attn(self.attn_norm(x), rope, kv_cache, layer, start_pos))
+    def forward(self, x, rope=None, cache=None, start_pos=0):
+        x = x + self.residual_dropout(self.attn(self.attn_norm(x), rope, cache, start_pos))
         return x + self.residual_dropout(self.mlp(self.mlp_norm(x)))
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, in fp32 whatever the compute dtype: log-softmax over a large
+    vocabulary is where low precision hurts most."""
+    return F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                           targets.flatten())
 
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        family = FAMILIES[cfg.family]
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        if cfg.family == "gpt":
-            self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model) if family.learned_positions else None
         self.embed_dropout = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = make_norm(cfg)
+        self.rope = RotaryTables(cfg) if family.rotary else None
+        self.blocks = nn.ModuleDict({str(layer): Block(cfg) for layer in range(cfg.n_layers)})
+        self.norm = family.norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:  # Press & Wolf 2017: one matrix embeds tokens and scores them
             self.lm_head.weight = self.tok_embeddings.weight
-        if cfg.family == "llama":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
         init_weights(self, cfg)
+
+    # -- the pieces, in the order a token goes through them ------------------------------------------
+
+    def embed(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """Token embeddings (plus learned positions where the family has them): (batch, seq, d)."""
+        x = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            x = x + self.pos_embeddings(torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device))
+        return self.embed_dropout(x)
+
+    def run_blocks(self, x: torch.Tensor, kv_cache=None, start_pos: int = 0) -> torch.Tensor:
+        """Every block this model holds, in layer order; `kv_cache` holds past keys and values."""
+        rope = self.rope(start_pos, x.shape[1]) if self.rope is not None else None
+        for layer, block in self.blocks.items():
+            cache = kv_cache.layer(int(layer)) if kv_cache is not None else None
+            x = block(x, rope, cache, start_pos)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and the LM head: logits (batch, seq, vocab)."""
+        return self.lm_head(self.norm(x))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 kv_cache=None, start_pos: int = 0) -> torch.Tensor:
         """Logits (batch, seq, vocab) for `tokens`; with `targets`, the mean cross-entropy instead.
 
         With a `kv_cache`, `tokens` continue a sequence whose first `start_pos` positions are cached.
+        A model cut into a pipeline stage takes hidden states instead of tokens where it has no
+        embedding, and returns them where it has no head.
         """
         seq_len = tokens.shape[1]
         if start_pos + seq_len > self.cfg.max_seq_len:
             raise ValueError(f"positions up to {start_pos + seq_len} exceed max_seq_len {self.cfg.max_seq_len}")
-        x = self.tok_embeddings(tokens)
-        rope = None
-        if self.cfg.family == "gpt":
-            positions = torch.arange(start_pos, start_pos + seq_len, device=tokens.device)
-            x = x + self.pos_embeddings(positions)
-        else:
-            window = slice(start_pos, start_pos + seq_len)
-            rope = (self.rope_cos[window], self.rope_sin[window])
-        x = self.embed_dropout(x)
-        for layer, block in enumerate(self.blocks):
-            x = block(x, rope, kv_cache, layer, start_pos)
-        logits = self.lm_head(self.norm(x))
-        if targets is None:
-            return logits
-        # Cross-entropy in fp32 whatever the compute dtype: log-softmax over a large vocabulary
-        # is where low precision hurts most.
-        return F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
-                               targets.flatten())
+        x = self.embed(tokens, start_pos) if self.tok_embeddings is not None else tokens
+        x = self.run_blocks(x, kv_cache, start_pos)
+        if self.lm_head is None:
+            return x
+        logits = self.head(x)
+        return logits if targets is None else cross_entropy_loss(logits, targets)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """Whether the LM head is the token-embedding matrix (a stage holding only one of the two
+        still knows, from the config, that their gradients must be summed)."""
+        return self.cfg.tie_embeddings
 
     def num_params(self, embeddings: bool = True) -> int:
         """Parameter count (shared tensors once); embeddings=False leaves out the token and
         position tables, as the 'non-embedding' N of Kaplan et al. 2020 does."""
         total = sum(p.numel() for p in self.parameters())
         if not embeddings:
-            total -= self.tok_embeddings.weight.numel()
-            if self.cfg.family == "gpt":
-                total -= self.pos_embeddings.weight.numel()
+            for table in (self.tok_embeddings, self.pos_embeddings):
+                total -= table.weight.numel() if table is not None else 0
         return total

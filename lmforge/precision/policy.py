@@ -24,17 +24,17 @@ softmax over the whole vocabulary exponentiates (where a 3-bit mantissa costs mo
 matmul of 7 * n_layers + 1, so keeping it wider costs little. Common fp8 recipes do the same.
 
 Policies wrap the model from outside (`prepare_model`, `autocast`); the model code knows nothing
-of them; fp32 attention replaces each `Attention.attention_core` with a wrapper.
+of them; fp32 attention wraps each attention core in an `Fp32Attention` module.
 """
 
 import contextlib
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from lmforge.errors import LmforgeError
+from lmforge.model.transformer import Attention
 from lmforge.precision.fp8 import SCALINGS, Fp8Linear, hardware_fp8
 
 
@@ -89,9 +89,13 @@ def device_notes(policy: Policy, device: torch.device) -> list[str]:
 
 def prepare_model(model: nn.Module, policy: Policy, fp32_attention: bool = False,
                   fp8_scaling: str = "current") -> nn.Module:
-    """Apply `policy` to a freshly built model, in place, before the optimizer is created."""
+    """Apply `policy` to a freshly built model, in place, before the optimizer is created:
+    parameter dtype, then fp8 linears (a module swap), then fp32 attention (a wrapper module)."""
     if fp8_scaling not in SCALINGS:
         raise LmforgeError(f"fp8 scaling must be one of {', '.join(SCALINGS)}, got {fp8_scaling!r}")
+    if any(isinstance(m, (Fp8Linear, Fp32Attention)) for m in model.modules()) or any(
+            p.dtype != torch.float32 for p in model.parameters()):
+        raise ValueError("a precision policy is already applied to this model")
     if policy.param_dtype != torch.float32:
         # parameters only: buffers (the rotary tables) stay fp32, or positions lose precision
         for param in dict.fromkeys(model.parameters()):  # tied parameters once
@@ -100,20 +104,26 @@ def prepare_model(model: nn.Module, policy: Policy, fp32_attention: bool = False
         head = getattr(model, "lm_head", None)
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
+                # exactly nn.Linear: a wrapper of a linear (an adapter) is looked into, not replaced
                 if type(child) is nn.Linear and child is not head:
                     setattr(parent, name, Fp8Linear.from_linear(child, scaling=fp8_scaling))
     if fp32_attention:
-        for module in model.modules():
-            if hasattr(module, "attention_core"):
-                module.attention_core = functools.partial(attention_in_fp32, module.attention_core)
+        for attention in [m for m in model.modules() if isinstance(m, Attention)]:
+            attention.core = Fp32Attention(attention.core)
     return model
 
 
-def attention_in_fp32(core, q, k, v, **kwargs):
-    """Run the attention core `core` on fp32 copies of q, k, v, outside autocast (which would cast
-    them back down), and return its output in q's dtype."""
-    with torch.autocast(q.device.type, enabled=False):
-        return core(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
+class Fp32Attention(nn.Module):
+    """Runs the wrapped attention core on fp32 copies of q, k, v, outside autocast (which would
+    cast them back down), and returns its output in q's dtype."""
+
+    def __init__(self, core: nn.Module):
+        super().__init__()
+        self.core = core
+
+    def forward(self, q, k, v):
+        with torch.autocast(q.device.type, enabled=False):
+            return self.core(q.float(), k.float(), v.float()).to(q.dtype)
 
 
 def autocast(policy: Policy, device: torch.device):

@@ -6,30 +6,66 @@ of it): trade FLOPs in backward for activation memory (Chen et al. 2016; Korthik
              s x s terms that dominate memory at long sequence length, for a small share of
              the FLOPs (Korthikanti et al. 2022, section 4.2).
 
-Both use torch.utils.checkpoint in its non-reentrant form, which works with keyword arguments
-and with inputs that do not require grad. accounting/memory.py counts what each mode keeps and
-accounting/flops.py the FLOPs it adds (HFU).
+Both wrap a module in `Recompute`, which runs it under torch.utils.checkpoint in its non-reentrant
+form (works with keyword arguments and with inputs that do not require grad). accounting/memory.py
+counts what each mode keeps and accounting/flops.py the FLOPs it adds (HFU).
 """
 
-import functools
-
 import torch
+import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.config import RECOMPUTE
 
+# The wrapped module's attribute name: the one torch's own checkpoint wrapper uses, which
+# torch.distributed.checkpoint and FSDP remove from parameter names. State dicts here drop it too,
+# so a block's parameters have the same names with and without recomputation.
+WRAPPED = "_checkpoint_wrapped_module"
 
-def apply_recompute(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """Make `model` recompute activations in backward according to `mode`; returns the model."""
+
+class Recompute(nn.Module):
+    """Runs the wrapped module without keeping its intermediate activations; backward reruns it."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.add_module(WRAPPED, module)
+        self._register_state_dict_hook(_drop_wrapper_prefix)
+        self._register_load_state_dict_pre_hook(_add_wrapper_prefix)
+
+    @property
+    def wrapped(self) -> nn.Module:
+        return getattr(self, WRAPPED)
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.wrapped, *args, use_reentrant=False, **kwargs)
+
+
+def _drop_wrapper_prefix(module, state_dict, prefix, local_metadata):
+    for key in [k for k in state_dict if k.startswith(f"{prefix}{WRAPPED}.")]:
+        state_dict[prefix + key[len(f"{prefix}{WRAPPED}."):]] = state_dict.pop(key)
+    return state_dict
+
+
+def _add_wrapper_prefix(state_dict, prefix, *args):
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(f"{prefix}{WRAPPED}.")]:
+        state_dict[f"{prefix}{WRAPPED}.{key[len(prefix):]}"] = state_dict.pop(key)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name as in the unwrapped model (what checkpoints store)."""
+    return name.replace(f"{WRAPPED}.", "")
+
+
+def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+    """Wrap the blocks (full) or their attention cores (selective) of `model` in `Recompute`."""
     if mode not in RECOMPUTE:
         raise ValueError(f"unknown recompute mode {mode!r}; choose one of {', '.join(RECOMPUTE)}")
-    if mode == "none":
-        return model
-    for block in model.blocks:
-        if mode == "full":
-            # An instance attribute shadows the class's forward; nn.Module.__call__ runs it.
-            block.forward = functools.partial(checkpoint, type(block).forward.__get__(block), use_reentrant=False)
-        else:
-            block.attn.attention_core = functools.partial(checkpoint, block.attn.attention_core,
-                                                          use_reentrant=False)
+    if any(isinstance(m, Recompute) for m in model.modules()):
+        raise ValueError("recomputation is already applied to this model")
+    if mode == "full":
+        for name, block in model.blocks.items():
+            model.blocks[name] = Recompute(block)
+    elif mode == "selective":
+        for block in model.blocks.values():
+            block.attn.core = Recompute(block.attn.core)
     return model

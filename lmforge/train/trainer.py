@@ -27,16 +27,15 @@ from lmforge.data.tokenizer import END_OF_TEXT
 from lmforge.errors import LmforgeError
 from lmforge.generate.sampling import generate
 from lmforge.model.transformer import Transformer
-from lmforge.optim.adamw import AdamW
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.optim.schedule import learning_rate
 from lmforge.planning import print_comparison, print_plan
-from lmforge.precision import LossScaler, autocast, device_notes, get_policy, prepare_model
+from lmforge.precision import LossScaler, autocast, device_notes, get_policy
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.host_memory import retain_freed_memory
-from lmforge.train.recompute import apply_recompute
 from lmforge.train.report import MetricsLog, plot_losses, print_table, run_title
+from lmforge.train.setup import build
 
 # Under fp16-mixed a step with inf/NaN gradients is skipped and the loss scale halved: normal at
 # the start of a run and now and then later. This many skips in a row (the scale fell 2**64-fold)
@@ -52,14 +51,6 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise LmforgeError(f"train.device={name} but no CUDA device is available: use train.device=cpu")
     return torch.device(name)
-
-
-def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings; leave gains and biases alone (decaying a norm's gain toward
-    zero only fights the normalisation). Tied tensors appear once."""
-    params = list(dict.fromkeys(model.parameters()))
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
 @torch.no_grad()
@@ -95,17 +86,11 @@ class Trainer:
             raise LmforgeError(f"the corpus is too small for windows of {cfg.seq_len} tokens "
                                f"({len(self.data.train)} train, {len(self.data.val)} val tokens): "
                                f"add text or lower train.seq_len")
-        self.model = Transformer(cfg.model).to(self.device)
-        # precision and recomputation wrap the model from outside, before the optimizer sees its parameters
         self.policy = get_policy(cfg.train.precision)
         for note in device_notes(self.policy, self.device):
             self.console.print(f"note: {note}")
-        prepare_model(self.model, self.policy, fp32_attention=cfg.train.fp32_attention,
-                      fp8_scaling=cfg.train.fp8_scaling)
-        apply_recompute(self.model, cfg.train.recompute)
-        self.optimizer = AdamW(weight_decay_groups(self.model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                               betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
-                               count_lost_updates=self.policy.lossy_updates)
+        # the model and everything that wraps it (precision, recomputation), then the optimizer
+        self.model, self.optimizer = build(cfg, self.device)
         self.scaler = LossScaler(enabled=self.policy.loss_scaling)
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient
         self.bad_in_a_row = 0

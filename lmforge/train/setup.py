@@ -1,0 +1,60 @@
+"""One place where a training setup is built: the model for one device, then everything that wraps
+it from outside, in a fixed order, then the optimizer over what is trainable.
+
+    1. build      Transformer(cfg) on `device` (or on the meta device: shapes only, no memory)
+    2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
+                  (precision/policy.py)
+    3. recompute  selective: each attention core in a Recompute wrapper; full: each block
+                  (train/recompute.py)
+    4. (LoRA adapters and data/pipeline parallelism come here, in that order, as they arrive)
+    5. optimizer  AdamW over the parameters, decay on matrices and embeddings only
+
+The order matters: recomputation wraps what precision produced (an fp32-attention core is
+recomputed as a whole, casts included), and the optimizer sees the final parameters. Each step is a
+module swap or an nn.Module wrapper, visible in print(model), and refuses to run twice.
+"""
+
+import torch
+import torch.nn as nn
+
+from lmforge.config import Config
+from lmforge.model.transformer import Transformer
+from lmforge.optim.adamw import AdamW
+from lmforge.precision import get_policy, prepare_model
+from lmforge.train.recompute import apply_recompute
+
+
+def build_model(cfg: Config, device: torch.device | str = "cpu") -> nn.Module:
+    """The model of `cfg` on `device`, wrapped for training (steps 1-3 above). On the meta device
+    nothing is allocated: parameter shapes and the module tree only, in milliseconds even for 70B.
+    Elsewhere the weights are initialised on the CPU and moved, so that a seed gives the same
+    initial model on every device."""
+    if torch.device(device).type == "meta":
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+    else:
+        model = Transformer(cfg.model).to(device)
+    prepare_model(model, get_policy(cfg.train.precision), fp32_attention=cfg.train.fp32_attention,
+                  fp8_scaling=cfg.train.fp8_scaling)
+    apply_recompute(model, cfg.train.recompute)
+    return model
+
+
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices and embeddings; leave gains and biases alone (decaying a norm's gain toward
+    zero only fights the normalisation). Tied tensors appear once; frozen ones not at all."""
+    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> AdamW:
+    o = cfg.optim
+    return AdamW(weight_decay_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                 count_lost_updates=get_policy(cfg.train.precision).lossy_updates)
+
+
+def build(cfg: Config, device: torch.device | str = "cpu") -> tuple[nn.Module, AdamW]:
+    """Model and optimizer of a training run, built and wrapped in the documented order."""
+    model = build_model(cfg, device)
+    return model, build_optimizer(cfg, model)
