@@ -13,13 +13,16 @@ The decay multiplies by the scheduled lr, as torch.optim.AdamW does, so that the
 Two paths compute the same thing with the same operations in the same order:
 - the loop (`foreach=False`), one parameter at a time: the reference, to read;
 - the foreach path (the default), each operation applied to a whole list of tensors at once with
-  `torch._foreach_*` (one fused kernel launch per list on CUDA, one C++ loop on CPU), so a step
-  costs a fixed number of Python calls however many parameters there are. The lists are grouped
-  by device and dtype, as the ops require. The bias corrections are host scalars, one per group:
-  every parameter of a group is stepped together, so their step counts agree; a group where they
-  do not (a parameter that had no gradient at some step) is stepped by the loop instead.
+  `torch._foreach_*` (fused kernels over many tensors on CUDA, one C++ loop on CPU), so a step
+  costs a fixed number of Python calls however many parameters there are. Each param group is
+  split into lists by device and dtype, as the ops require. The bias corrections are host
+  scalars, one per list: its parameters are stepped together, so their step counts agree (one
+  read of them all per list checks it); a list where they do not (a parameter that had no
+  gradient at some step) is stepped by the loop instead.
 On CPU the two paths are bit-identical (tested); the state is the same either way: per parameter
 `step` (a float32 CPU scalar tensor, as torch's), `exp_avg` and `exp_avg_sq` (the parameter's dtype).
+The price of the foreach path is memory: it holds the denominators sqrt(v_hat) + eps of a whole
+list at once, one parameter-sized temporary at the step's peak where the loop holds one tensor's.
 
 With `count_lost_updates=True` the optimizer also counts, per step, the parameter elements whose
 update was not zero but which did not change: the update was smaller than half a unit in the last
