@@ -145,7 +145,7 @@ def optimizer_step_seconds(args) -> tuple[dict[str, float], list]:
 
 def print_optimizer_steps(args) -> None:
     seconds, params = optimizer_step_seconds(args)
-    print(f"optimizer step on preset {args.model} {' '.join(args.overrides)} ({sum(p.numel() for p in params) / 1e6:.2f}M "
+    print(f"optimizer step on preset {' '.join([args.model, *args.overrides])} ({sum(p.numel() for p in params) / 1e6:.2f}M "
           f"parameters in {len(params)} tensors, {params[0].device}): median of {args.steps} after "
           f"{args.warmup} warm-up, optimizers in turns")
     for name in OPTIMIZERS:
