@@ -1,6 +1,7 @@
 """Training throughput of lmforge beside the same model in plain PyTorch, in one run.
 
     python bench/throughput.py [--steps 30] [--warmup 3] [--repeats 3] [--model small] [key=value ...]
+    python bench/throughput.py --optimizer-only [--steps 30] [--warmup 3]   # only the last table below
 
 Each side trains the default config (preset `small`, fp32) on the same prepared data, in a
 process of its own, as a user would run it:
@@ -13,6 +14,10 @@ Sides run in turns, `--repeats` times each (the order rotating, so that drift of
 all alike); each run reports its median step time, and a side's best run counts. Also printed:
 the fraction of this machine's measured fp32 matmul peak (analytic FLOPs per token from
 lmforge.accounting.flops), peak resident memory, minor page faults per step, and the loader wait.
+
+Then, in the same run (or alone with `--optimizer-only`), the time of one optimizer step on the
+model's parameters with random gradients: lmforge's AdamW on its per-parameter loop and on its
+foreach path, and torch.optim.AdamW(foreach=True), taking steps in turns; medians of `--steps`.
 """
 
 import argparse
@@ -96,6 +101,58 @@ def measure(side: str, args) -> dict:
             "max_rss_bytes": usage.ru_maxrss * 1024}
 
 
+OPTIMIZERS = ("lmforge loop", "lmforge foreach", "torch foreach")
+
+
+def optimizer_step_seconds(args) -> tuple[dict[str, float], list]:
+    """Median seconds of one step of each optimizer over its own copy of the model's parameters,
+    and the parameters of one copy."""
+    import torch
+
+    from lmforge.config import make_config
+    from lmforge.model.transformer import Transformer
+    from lmforge.optim.adamw import AdamW
+    from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.train.trainer import resolve_device, weight_decay_groups
+
+    cfg = make_config(args.model, overrides=args.overrides)
+    device = resolve_device(cfg.train.device)
+    if device.type == "cpu":
+        retain_freed_memory()  # as the Trainer does
+    o = cfg.optim
+    hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    build = {"lmforge loop": lambda groups: AdamW(groups, foreach=False, **hyper),
+             "lmforge foreach": lambda groups: AdamW(groups, foreach=True, **hyper),
+             "torch foreach": lambda groups: torch.optim.AdamW(groups, foreach=True, **hyper)}
+    optimizers = {}
+    for name in OPTIMIZERS:
+        torch.manual_seed(0)
+        model = Transformer(cfg.model).to(device)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizers[name] = build[name](weight_decay_groups(model, o.weight_decay))
+    seconds = {name: [] for name in OPTIMIZERS}
+    for index in range(args.warmup + args.steps):
+        for name, optimizer in optimizers.items():  # in turns, so that drift of the machine hits all alike
+            started = time.perf_counter()
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if index >= args.warmup:
+                seconds[name].append(time.perf_counter() - started)
+    return {name: statistics.median(times) for name, times in seconds.items()}, list(model.parameters())
+
+
+def print_optimizer_steps(args) -> None:
+    seconds, params = optimizer_step_seconds(args)
+    print(f"optimizer step on preset {' '.join([args.model, *args.overrides])} ({sum(p.numel() for p in params) / 1e6:.2f}M "
+          f"parameters in {len(params)} tensors, {params[0].device}): median of {args.steps} after "
+          f"{args.warmup} warm-up, optimizers in turns")
+    for name in OPTIMIZERS:
+        print(f"{name:22} {seconds[name] * 1e3:>9.1f} ms  {seconds[name] / seconds['lmforge loop']:>6.3f} of the loop")
+    print(f"ratio lmforge foreach/torch foreach: {seconds['lmforge foreach'] / seconds['torch foreach']:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
@@ -104,12 +161,16 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--scratch", default=str(Path(__file__).resolve().parent / "out"),
                         help="where runs write their files (default bench/out, untracked)")
+    parser.add_argument("--optimizer-only", action="store_true", help="time only the optimizer step")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
     if args.side:
         print(json.dumps(measure(args.side, args)))
+        return
+    if args.optimizer_only:
+        print_optimizer_steps(args)
         return
 
     import torch
@@ -151,6 +212,7 @@ def main() -> None:
     print(f"ratio ours/reference: {tokens_per_s['ours'] / tokens_per_s['reference']:.3f}   "
           f"(ours with default malloc / reference: "
           f"{tokens_per_s['ours, default malloc'] / tokens_per_s['reference']:.3f})")
+    print_optimizer_steps(args)
 
 
 if __name__ == "__main__":
