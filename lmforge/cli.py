@@ -199,10 +199,10 @@ def cmd_generate(args) -> int:
         raise LmforgeError("--max-new-tokens and --num-samples must be >= 1 and --temperature >= 0")
     if args.top_k is not None and args.top_k < 1 or not 0 < args.top_p <= 1:
         raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
+    device = resolve_device(args.device, setting="--device")
     path = ckpt.find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
     cfg = load_config(path / "config.yaml")
     tokenizer = load_tokenizer(path / "tokenizer.json")
-    device = resolve_device(args.device, setting="--device")
     model = Transformer(cfg.model)
     ckpt.load_model_weights(model, path)
     model.to(device)

@@ -118,6 +118,11 @@ class Trainer:
         self.data: PreparedData = prepare_data(cfg, log=self.console.print, progress=progress)
         self._check_data()
         check_attention(cfg.model, self.device)
+        # AdamW's first update is lr / (1 - beta1) times a unit-sized step (bias correction); beyond
+        # float32's range torch cannot even form that factor, and no smaller rate would be sane either.
+        if not cfg.optim.lr / (1 - cfg.optim.beta1) < torch.finfo(torch.float32).max:
+            raise LmforgeError(f"optim.lr={cfg.optim.lr:g} makes AdamW's first update (lr / (1 - beta1) = "
+                               f"{cfg.optim.lr / (1 - cfg.optim.beta1):g}) overflow float32: use a rate below 1")
         # what checkpoints hold besides tensors: from memory, not re-read from the run folder
         self.config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
         self.tokenizer_json = self.data.tokenizer.to_str(pretty=True)
@@ -157,9 +162,9 @@ class Trainer:
             self.measured_memory: dict = {}  # filled in by the first step of the session
             # every check has passed: only now is anything in the run folder written
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(self.config_yaml)  # on resume: may carry new train.*
-            if not resume:
-                (self.run_dir / "tokenizer.json").write_text(self.tokenizer_json)
+            # on resume: config.yaml may carry new train.* settings, and a damaged copy is repaired
+            (self.run_dir / "config.yaml").write_text(self.config_yaml)
+            (self.run_dir / "tokenizer.json").write_text(self.tokenizer_json)
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep=metrics_kept)
         except BaseException:
             if hasattr(self, "loader"):
