@@ -146,6 +146,9 @@ class Trainer:
         # so that a run resumed between two records logs what an uninterrupted one would.
         self.window = {"loss_sum": 0.0, "good_steps": 0, "lost_updates": [0, 0], "last_loss": None}
         self.step, self.history = 0, {}
+        for path in (self.run_dir, *self.run_dir.parents):
+            if path.exists() and not path.is_dir():
+                raise LmforgeError(f"{path} is a file, not a folder: pick another --out or --name")
         self.lock = FolderLock(self.run_dir, "training")
         try:
             loader_position, metrics_kept = self._restore() if resume else self._check_new_run_dir()
@@ -194,8 +197,6 @@ class Trainer:
     # -- run folder and checkpoints ---------------------------------------------------------------
 
     def _check_new_run_dir(self) -> tuple[int, list[str]]:
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise LmforgeError(f"{self.run_dir} is a file, not a folder: pick another --out or --name")
         if self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise LmforgeError(f"run folder {self.run_dir} already exists: continue it with "
                                f"--resume {self.run_dir}, or pick another --name")
