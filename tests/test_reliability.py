@@ -195,10 +195,10 @@ def test_os_errors_are_one_line(tmp_path, corpus_dir, data_dir, capsys, monkeypa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("")
     overrides = tiny_overrides(corpus_dir, data_dir)
-    assert main(["train", "--model", "tiny", "--out", "a-file/run", *overrides]) == 2
+    assert main(["train", "--model", "tiny", "--out", "a-file/run", "--no-progress", *overrides]) == 2
     assert one_line(capsys.readouterr().err) == ("lmforge: error: a-file is a file, not a folder: pick another "
                                                  "--out or --name")
-    assert main(["train", "--model", "tiny", "--out", "a-file", *overrides]) == 2
+    assert main(["train", "--model", "tiny", "--out", "a-file", "--no-progress", *overrides]) == 2
     assert one_line(capsys.readouterr().err) == ("lmforge: error: a-file is a file, not a folder: pick another "
                                                  "--out or --name")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

@@ -313,9 +313,10 @@ class Trainer:
     def run(self) -> dict:
         """Train to train.max_steps, then write the summary. SIGTERM or Ctrl-C: finish the step,
         save a checkpoint and raise `Stopped`. The run folder's lock is released on return."""
+        start_step = self.step
         try:
             with StopRequests() as stop:
-                start_step, train_seconds = self.step, self._loop(stop)
+                train_seconds = self._loop(stop)
             return self._finish(start_step, train_seconds)
         finally:
             self.lock.release()
