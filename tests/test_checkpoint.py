@@ -216,8 +216,8 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny
         return (loss * float("nan"), norm) if trainer.step == 3 else (loss, norm)
 
     monkeypatch.setattr(trainer, "train_step", diverging_step)
-    with pytest.raises(LmforgeError, match=r"the loss became nan at step 3 \(.*\); the last good checkpoint "
-                                           r"is kept: \S*step_0000002;"):
+    with pytest.raises(LmforgeError, match=r"the loss became nan at step 3; the last good checkpoint is kept: "
+                                           r"\S*step_0000002;"):
         trainer.run()
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step_0000002"]
 

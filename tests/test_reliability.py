@@ -114,9 +114,15 @@ def test_kill_9_leaves_no_stale_lock_and_ctrl_c_saves(tmp_path, corpus_dir, data
     finish(proc)
     assert lock_path(run).exists()  # the file stays behind; its lock died with the process
 
-    proc = start("train", "--resume", str(run), "--no-progress")
     first = int(ckpt.find_checkpoint(run).name.removeprefix("step_"))
-    wait_until(proc, lambda: any(s > first for s in logged_steps(run)), "a step after the resume")
+    killed_metrics = (run / "metrics.jsonl").stat().st_ino  # it may log steps past `first`: not ours
+
+    def resumed_a_step():  # the resume replaces metrics.jsonl (a new file) with the records up to `first`
+        metrics = run / "metrics.jsonl"
+        return metrics.stat().st_ino != killed_metrics and any(s > first for s in logged_steps(run))
+
+    proc = start("train", "--resume", str(run), "--no-progress")
+    wait_until(proc, resumed_a_step, "a step after the resume")
     os.kill(proc.pid, signal.SIGINT)
     status, _, err = finish(proc)
     assert status == 130, err

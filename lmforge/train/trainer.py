@@ -398,9 +398,9 @@ class Trainer:
                                        self.run_dir, "use bf16-mixed or lower optim.lr"))
         elif self.bad_in_a_row >= self.cfg.train.max_bad_steps:
             what = f"the loss became {loss}" if not math.isfinite(loss) else f"the gradient norm became {grad_norm}"
-            raise LmforgeError(f"{what} at step {self.step} (train.max_bad_steps={self.cfg.train.max_bad_steps} "
-                               f"bad steps in a row allowed); " + ckpt.kept_checkpoint(
-                                   self.run_dir, "lower optim.lr or raise optim.warmup_steps"))
+            raise LmforgeError(f"{what} at step {self.step}; " + ckpt.kept_checkpoint(
+                self.run_dir, f"lower optim.lr or raise optim.warmup_steps (train.max_bad_steps="
+                              f"{self.cfg.train.max_bad_steps} bad steps in a row allowed)"))
 
     # -- after training -----------------------------------------------------------------------------
 
