@@ -6,13 +6,15 @@ Building the parser imports no torch, so that `lmforge --help` answers at once.
 """
 
 import argparse
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 from lmforge.config import (DEFAULT_PRESET, MODEL_PRESETS, _did_you_mean, load_config, make_config, parse_override,
                             set_value, validate)
-from lmforge.errors import LmforgeError
+from lmforge.errors import LmforgeError, os_error_message
 
 EXAMPLES = """\
 examples:
@@ -150,9 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"prepare": cmd_prepare, "train": cmd_train, "generate": cmd_generate, "plan": cmd_plan,
                     "runs": cmd_runs}
-        return commands[args.command](args)
+        status = commands[args.command](args)
+        sys.stdout.flush()  # here, where a closed pipe can still be handled below
+        return status
     except LmforgeError as err:
         print(f"lmforge: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # Whoever read our output stopped (`lmforge plan --json | head`): stop quietly, as cat does,
+        # with the status of a process killed by SIGPIPE. Python's exit flush must not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except OSError as err:  # a full disk, a read-only folder: the machine's state, not a bug
+        print(f"lmforge: error: {os_error_message(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nlmforge: interrupted", file=sys.stderr)
@@ -171,6 +183,8 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from lmforge.train.checkpoint import list_checkpoints
+    from lmforge.train.signals import Stopped
     from lmforge.train.trainer import Trainer
 
     if args.resume:
@@ -194,12 +208,20 @@ def cmd_train(args) -> int:
         else:
             run_dir = Path("runs") / (args.name or f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
+    resume = f"lmforge train --resume {run_dir}"
     try:
         trainer.run()
-    except KeyboardInterrupt:
+    except Stopped as stop:  # SIGTERM or a first Ctrl-C: the step finished and was saved
+        print(f"\nlmforge: {stop}; saved {stop.checkpoint}; continue with: {resume}", file=sys.stderr)
+        return stop.exit_status
+    except KeyboardInterrupt:  # a second Ctrl-C: no save
         print(f"\nlmforge: interrupted at step {trainer.step}; continue from the last checkpoint with: "
-              f"lmforge train --resume {run_dir}", file=sys.stderr)
+              f"{resume}", file=sys.stderr)
         return 130
+    except OSError as err:
+        if not list_checkpoints(run_dir):
+            raise
+        raise LmforgeError(f"{os_error_message(err)}; then continue from the last checkpoint with: {resume}") from None
     return 0
 
 
@@ -216,10 +238,10 @@ def cmd_generate(args) -> int:
         raise LmforgeError("--max-new-tokens and --num-samples must be >= 1 and --temperature >= 0")
     if args.top_k is not None and args.top_k < 1 or not 0 < args.top_p <= 1:
         raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
+    device = resolve_device(args.device, setting="--device")
     path = ckpt.find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
     cfg = load_config(path / "config.yaml")
     tokenizer = load_tokenizer(path / "tokenizer.json")
-    device = resolve_device(args.device)
     model = Transformer(cfg.model)
     ckpt.load_model_weights(model, path)
     model.to(device)
@@ -250,6 +272,12 @@ def cmd_plan(args) -> int:
         print_dtypes(console)
         return 0
     cfg = make_config(args.model or DEFAULT_PRESET, args.config, args.overrides)
+    if args.seq_len is not None and args.seq_len > cfg.model.max_seq_len:
+        raise LmforgeError(f"--seq-len {args.seq_len} is beyond the model's {cfg.model.max_seq_len} positions: "
+                           f"lower it, or add model.max_seq_len={args.seq_len}")
+    if args.plot and not Path(args.plot).parent.is_dir():
+        raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
+                           f"or pick another path")
     setup = Setup.from_config(cfg, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                               precision=args.precision, optimizer=args.optimizer, zero_stage=args.zero_stage,
                               dp=args.dp, tp=args.tp, pp=args.pp, recompute=args.recompute, attention=args.attention,

@@ -2,9 +2,28 @@
 
 Anything the user can fix (a bad config key, a missing file, a corrupt checkpoint) is raised as
 `LmforgeError` with one line that names the problem and what to do. The CLI prints that line and
-exits with status 2; any other exception is a bug and keeps its traceback.
+exits with status 2; so does an `OSError` (a full disk, a read-only folder: the machine, not the
+program), through `os_error_message`. Any other exception is a bug and keeps its traceback.
 """
+
+import errno
 
 
 class LmforgeError(Exception):
     """An error caused by user input, reported as one line without a traceback."""
+
+
+def os_error_message(err: OSError) -> str:
+    """One line for a failed file operation: the path, the system's reason, and what to do."""
+    advice = {
+        errno.ENOSPC: "free some space, or use a folder on another disk, and run again",
+        errno.EDQUOT: "free some space (disk quota), or use a folder on another disk, and run again",
+        errno.EROFS: "the file system is read-only: use a folder on a writable disk",
+        errno.EACCES: "check the folder's permissions, or use another folder",
+        errno.EPERM: "check the folder's permissions, or use another folder",
+        errno.ENOTDIR: "a file stands where a folder is needed: use another path",
+        errno.EISDIR: "a folder stands where a file is needed: use another path",
+        errno.EEXIST: "something already exists at that path: use another path",
+    }.get(err.errno, "check the path and run again")
+    where = f"{err.filename}: " if err.filename else ""
+    return f"{where}{err.strerror or err} ({advice})"

@@ -1,13 +1,12 @@
 """`lmforge runs`: the runs in a folder side by side, read from what each one leaves on disk.
 
 A run folder holds config.yaml (its settings), metrics.jsonl (one record per log or evaluation)
-and, once a session ends normally, summary.json. A training process holds an OS lock on
-`<run>/.lock` while it runs; the lock dies with the process, so a run whose lock can be taken is
-not running, however it ended. Imports no torch: listing runs answers at once.
+and, once a session ends normally, summary.json. A training process holds an OS lock on the
+run folder while it runs (lmforge/folder_lock.py); the lock dies with the process, so a run whose
+lock can be taken is not running, however it ended. Imports no torch: listing runs answers at once.
 """
 
 import dataclasses
-import fcntl
 import json
 import sys
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from rich.table import Table
 from lmforge.accounting.memory import parameter_count
 from lmforge.config import SECTIONS, Config
 from lmforge.errors import LmforgeError
+from lmforge.folder_lock import is_locked
 from lmforge.train.report import batch_label, model_label, read_metrics
 
 
@@ -39,21 +39,6 @@ class Run:
 
 def is_run(path: Path) -> bool:
     return (path / "config.yaml").is_file()
-
-
-def is_running(path: Path) -> bool:
-    """Whether a process holds the run's lock (it takes it exclusively for as long as it trains)."""
-    try:
-        file = open(path / ".lock", "rb")
-    except FileNotFoundError:
-        return False
-    with file:
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(file, fcntl.LOCK_UN)
-        return False
 
 
 def read_config(path: Path) -> Config:
@@ -90,7 +75,7 @@ def read_run(path: Path) -> Run:
         speed = [r for r in records if r.get("tokens_per_s") is not None]
         tokens_per_s, mfu = (speed[-1]["tokens_per_s"], speed[-1].get("mfu")) if speed else (None, None)
     val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
-    status = "running" if is_running(path) else "finished" if finished else "stopped"
+    status = "running" if is_locked(path) else "finished" if finished else "stopped"
     return Run(path=path, cfg=cfg, parameters=parameter_count(cfg.model), step=step,
                val_loss=val[-1] if val else None, tokens_per_s=tokens_per_s, mfu=mfu, status=status, curves=records)
 

@@ -21,9 +21,28 @@ def parameters(trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
 
-def losses(run_dir):
-    return [(r["step"], r.get("train_loss"), r.get("val_loss"))
-            for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+def logged(run_dir):
+    """Every metrics record without its timing fields (those differ between any two runs)."""
+    timing = {"tokens_per_s", "mfu", "hfu"}
+    return [{k: v for k, v in record.items() if k not in timing}
+            for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def assert_same_state_dict(a, b, where=""):
+    """Equal structure, types and values; tensors bit for bit."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state_dict(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state_dict(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
 
 
 class Killed(Exception):
@@ -46,26 +65,27 @@ def run_until_killed(cfg, run_dir, kill_at_step, monkeypatch):
 
 
 def test_resume_gives_the_same_parameters_as_an_uninterrupted_run(tiny_config, tmp_path, monkeypatch):
-    # dropout makes the RNG state part of what must be restored; grad_accum exercises the loader
-    cfg = tiny_config("model.dropout=0.1", max_steps=12, checkpoint_interval=4, grad_accum=2)
+    # dropout makes the RNG state part of what must be restored; grad_accum exercises the loader;
+    # checkpoints every 5 steps and logs every 2: the resume (step 5) falls inside a logging window
+    cfg = tiny_config("model.dropout=0.1", max_steps=12, checkpoint_interval=5, log_interval=2, grad_accum=2)
     straight = quiet_trainer(cfg, tmp_path / "straight")
     straight.run()
 
-    run_until_killed(cfg, tmp_path / "resumed", kill_at_step=7, monkeypatch=monkeypatch)
-    assert ckpt.find_checkpoint(tmp_path / "resumed").name == "step_0000004"
+    run_until_killed(cfg, tmp_path / "resumed", kill_at_step=8, monkeypatch=monkeypatch)
+    assert ckpt.find_checkpoint(tmp_path / "resumed").name == "step_0000005"
     resumed = quiet_trainer(cfg, tmp_path / "resumed", resume=True)
-    assert resumed.step == 4
+    assert resumed.step == 5
     resumed.run()
 
     expected, actual = parameters(straight), parameters(resumed)
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
-    assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
+    assert logged(tmp_path / "straight") == logged(tmp_path / "resumed")
+    # the restored optimizer is the saved one, types included (JSON has no tuples: AdamW's betas)
+    assert_same_state_dict(straight.optimizer.state_dict(), resumed.optimizer.state_dict(), "optimizer")
     for p_straight, p_resumed in zip(straight.model.parameters(), resumed.model.parameters()):
-        a, b = straight.optimizer.state[p_straight], resumed.optimizer.state[p_resumed]
-        assert a.keys() == b.keys() == {"step", "exp_avg", "exp_avg_sq"}
-        assert all(torch.equal(a[key], b[key]) for key in a)
+        assert straight.optimizer.state[p_straight].keys() == {"step", "exp_avg", "exp_avg_sq"}
 
 
 def test_a_kill_during_a_save_keeps_the_previous_checkpoint(tiny_config, tmp_path, monkeypatch):
@@ -196,6 +216,116 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny
         return (loss * float("nan"), norm) if trainer.step == 3 else (loss, norm)
 
     monkeypatch.setattr(trainer, "train_step", diverging_step)
-    with pytest.raises(LmforgeError, match="the loss became nan at step 3; the last good checkpoint is kept"):
+    with pytest.raises(LmforgeError, match=r"the loss became nan at step 3; the last good checkpoint is kept: "
+                                           r"\S*step_0000002;"):
         trainer.run()
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step_0000002"]
+
+
+@pytest.mark.parametrize("bad_step, poison, kept", [
+    (1, "parameter", "there is no checkpoint yet"),
+    (3, "moment", r"the last good checkpoint is kept: \S*step_0000002;"),
+])
+def test_a_checkpoint_never_holds_inf_or_nan(tiny_config, tmp_path, monkeypatch, bad_step, poison, kept):
+    # the loss of the poisoned step is finite (computed before its update): only the save can notice
+    cfg = tiny_config(max_steps=8, checkpoint_interval=1, log_interval=1)
+    trainer = quiet_trainer(cfg, tmp_path / "run")
+    real_step = trainer.optimizer.step
+    weight = trainer.model.tok_embeddings.weight
+
+    def step_then_poison(*args, **kwargs):
+        real_step(*args, **kwargs)
+        if trainer.step + 1 == bad_step:
+            target = weight if poison == "parameter" else trainer.optimizer.state[weight]["exp_avg"]
+            target.data[0, 0] = float("nan") if poison == "moment" else float("inf")
+
+    monkeypatch.setattr(trainer.optimizer, "step", step_then_poison)
+    what = "tok_embeddings.weight" if poison == "parameter" else "optimizer state exp_avg of tok_embeddings.weight"
+    with pytest.raises(LmforgeError, match=rf"step {bad_step} left inf/NaN in {what}, so it was not saved; {kept}"):
+        trainer.run()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == [f"step_{s:07d}" for s in range(1, bad_step)]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*"))
+
+
+def test_a_save_that_does_not_fit_keeps_the_previous_checkpoint_and_no_partial(tiny_config, tmp_path, monkeypatch):
+    import errno
+
+    cfg = tiny_config(max_steps=8, checkpoint_interval=2)
+    run_dir = tmp_path / "run"
+    trainer = quiet_trainer(cfg, run_dir)
+    real_save_file = ckpt.save_file
+
+    def save_file_or_full(tensors, path, *args, **kwargs):
+        if "step_0000004" in str(path) and path.endswith("optimizer.safetensors"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save_file(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_file", save_file_or_full)
+    with pytest.raises(LmforgeError, match=r"checkpoint \S*step_0000004 could not be written \(No space left on "
+                                           r"device .*\); its partial folder is removed and the last good "
+                                           r"checkpoint is kept: \S*step_0000002;"):
+        trainer.run()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_0000002"]
+    ckpt.verify_checkpoint(run_dir / "checkpoints" / "step_0000002")
+
+
+def test_a_run_killed_between_its_last_checkpoint_and_its_summary_can_be_finished(tiny_config, tmp_path, monkeypatch):
+    cfg = tiny_config(max_steps=4, checkpoint_interval=4)
+    trainer = quiet_trainer(cfg, tmp_path / "run")
+
+    def killed(*args):
+        raise Killed
+
+    monkeypatch.setattr(trainer, "_finish", killed)
+    with pytest.raises(Killed):
+        trainer.run()
+    assert not (tmp_path / "run" / "summary.json").exists()
+    records = logged(tmp_path / "run")
+    summary = quiet_trainer(cfg, tmp_path / "run", resume=True).run()
+    assert summary["steps"] == 4 and summary["train_loss"] == [r for r in records if "train_loss" in r][-1]["train_loss"]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
+    assert (tmp_path / "run" / "loss.png").is_file()
+    assert logged(tmp_path / "run") == records  # nothing trained or logged twice
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_a_damaged_one_stops_before_any_write(
+        tiny_config, tmp_path, monkeypatch):
+    cfg = tiny_config(max_steps=8, checkpoint_interval=4, log_interval=1)
+    quiet_trainer(cfg, tmp_path / "straight").run()
+    run_dir = tmp_path / "run"
+    run_until_killed(cfg, run_dir, kill_at_step=7, monkeypatch=monkeypatch)
+    metrics, config = run_dir / "metrics.jsonl", run_dir / "config.yaml"
+    good = metrics.read_text()
+
+    # a damaged line inside the file: refused, and the resume (which would raise max_steps) writes nothing
+    lines = good.splitlines()
+    metrics.write_text("\n".join([*lines[:2], '{"step": 2, "train_l', *lines[2:]]) + "\n")
+    before = {path: path.read_bytes() for path in run_dir.iterdir() if path.is_file()}
+    with pytest.raises(LmforgeError, match=r"metrics.jsonl line 3 is not JSON"):
+        quiet_trainer(tiny_config(max_steps=9, checkpoint_interval=4, log_interval=1), run_dir, resume=True)
+    assert {path: path.read_bytes() for path in run_dir.iterdir() if path.is_file()} == before
+    assert b"max_steps: 8" in config.read_bytes()
+
+    # a cut-off last line (a full disk mid-write): dropped with a warning
+    metrics.write_text(good + '{"step": 7, "train_lo')
+    from rich.console import Console
+
+    console = Console(record=True, width=400)
+    resumed = Trainer(cfg, run_dir, resume=True, console=console, progress=False)
+    assert "ends in a cut-off line" in console.export_text()
+    resumed.run()
+    assert logged(run_dir) == logged(tmp_path / "straight")
+
+
+def test_checkpoints_take_config_and_tokenizer_from_memory_not_the_run_folder(tiny_config, tmp_path):
+    from lmforge.config import load_config
+    from lmforge.data.tokenizer import load_tokenizer, tokenizer_hash
+
+    cfg = tiny_config(max_steps=2, checkpoint_interval=2)
+    trainer = quiet_trainer(cfg, tmp_path / "run")
+    (tmp_path / "run" / "tokenizer.json").write_text("{ damaged")
+    (tmp_path / "run" / "config.yaml").write_text("model: {n_layers: 99}\n")
+    trainer.run()
+    path = ckpt.find_checkpoint(tmp_path / "run")
+    assert tokenizer_hash(load_tokenizer(path / "tokenizer.json")) == trainer.data.meta["tokenizer_sha256"]
+    assert load_config(path / "config.yaml") == cfg

@@ -38,9 +38,9 @@ def runs_dir(tmp_path_factory, corpus_dir, data_dir):
 
 def test_runs_lists_settings_progress_loss_and_status(runs_dir):
     holder = subprocess.Popen([sys.executable, "-c", f"""
-import fcntl, sys, time
-lock = open({str(runs_dir / 'busy' / '.lock')!r}, "w")
-fcntl.flock(lock, fcntl.LOCK_EX)
+import time
+from lmforge.folder_lock import FolderLock
+lock = FolderLock({str(runs_dir / 'busy')!r}, "training")
 print("locked", flush=True)
 time.sleep(600)
 """], stdout=subprocess.PIPE, text=True)

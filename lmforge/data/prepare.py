@@ -2,8 +2,10 @@
 
 The folder (data.dir, default data/<source>-bpe<vocab_size>) holds tokenizer.json, train.bin,
 val.bin and meta.json. It is built in a temporary folder and renamed into place when complete, so
-an interrupted run leaves nothing half-written; a later run with the same source and settings
-reuses it, and a folder prepared with other settings is never overwritten.
+an interrupted run leaves nothing half-written (and a staging folder left by a kill is removed by
+the next prepare); a later run with the same source and settings reuses it, and a folder
+prepared with other settings is never overwritten. One process at a time prepares a folder: a
+second is refused, naming the first one's PID.
 """
 
 import hashlib
@@ -24,6 +26,7 @@ from lmforge.data.corpus import fingerprint, load_documents, split_documents, st
 from lmforge.data.tokenizer import encode_documents, load_tokenizer, tokenizer_hash, train_tokenizer
 from lmforge.data.tokens import META_FORMAT, open_tokens, read_meta, token_dtype, unigram_entropy, write_tokens
 from lmforge.errors import LmforgeError
+from lmforge.folder_lock import FolderLock
 
 
 @dataclass
@@ -52,20 +55,35 @@ def prepare_data(cfg: Config, log: Callable[[str], None] = print, progress: bool
     settings = {"source": cfg.data.source, "source_sha256": fingerprint(docs),
                 "vocab_size": cfg.model.vocab_size, "val_fraction": cfg.data.val_fraction}
     if data_dir.exists():
-        meta = read_meta(data_dir)
-        changed = [k for k, v in settings.items() if meta.get(k) != v]
-        if changed:
-            raise LmforgeError(f"{data_dir} holds data prepared with a different {', '.join(changed)}: "
-                               f"set data.dir to a new folder, or delete {data_dir}")
-        return open_prepared(data_dir)
+        return _reuse(data_dir, settings)
+    # One process prepares a folder; the lock also covers the check above's "not there yet".
+    with FolderLock(data_dir, "preparing data"):
+        if data_dir.exists():  # prepared by another process while we gathered the documents
+            return _reuse(data_dir, settings)
+        for leftover in data_dir.parent.glob(f".{data_dir.name}.partial-*"):  # from a killed prepare
+            shutil.rmtree(leftover, ignore_errors=True)
+        _build(data_dir, docs, settings, cfg, log, progress)
+    return open_prepared(data_dir)
 
+
+def _reuse(data_dir: Path, settings: dict) -> PreparedData:
+    meta = read_meta(data_dir)
+    changed = [k for k, v in settings.items() if meta.get(k) != v]
+    if changed:
+        raise LmforgeError(f"{data_dir} holds data prepared with a different {', '.join(changed)}: "
+                           f"set data.dir to a new folder, or delete {data_dir}")
+    return open_prepared(data_dir)
+
+
+def _build(data_dir: Path, docs: list, settings: dict, cfg: Config, log: Callable[[str], None],
+           progress: bool) -> None:
+    """Split, train the tokenizer and write the token files in a staging folder, renamed into
+    place when complete."""
     started = time.perf_counter()
     train_docs, val_docs = split_documents(docs, cfg.data.val_fraction)
     log(f"preparing {data_dir}: {len(docs)} documents ({sum(len(d.text) for d in docs) / 1e6:.1f} MB), "
         f"{len(train_docs)} train / {len(val_docs)} val")
-    data_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = data_dir.parent / f".{data_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
         tokenizer = train_tokenizer((d.text for d in train_docs), cfg.model.vocab_size)
@@ -93,7 +111,6 @@ def prepare_data(cfg: Config, log: Callable[[str], None] = print, progress: bool
     log(f"  tokens: {splits['train']['tokens']:,} train, {splits['val']['tokens']:,} val ({dtype.name}), "
         f"{splits['train']['bytes'] / splits['train']['tokens']:.2f} bytes/token, "
         f"unigram entropy {meta['unigram_entropy_nats']:.3f} nats ({time.perf_counter() - started:.1f}s)")
-    return open_prepared(data_dir)
 
 
 def _counted(docs, bar: tqdm):
@@ -110,5 +127,11 @@ def open_prepared(data_dir: str | Path) -> PreparedData:
     if tokenizer_hash(tokenizer) != meta["tokenizer_sha256"]:
         raise LmforgeError(f"{data_dir}/tokenizer.json does not match the tokenizer its token files were "
                            f"written with: delete {data_dir} and prepare the data again")
-    return PreparedData(data_dir, meta, tokenizer, open_tokens(data_dir, "train", meta),
-                        open_tokens(data_dir, "val", meta))
+    splits = {split: open_tokens(data_dir, split, meta) for split in ("train", "val")}
+    vocab = meta["tokenizer_vocab_size"]
+    for split, tokens in splits.items():
+        largest = int(tokens.max())  # one pass over the memmap: cheap next to training on it
+        if largest >= vocab:
+            raise LmforgeError(f"{data_dir}/{split}.bin holds token id {largest}, but its tokenizer has "
+                               f"{vocab} tokens: the file is corrupt; delete {data_dir} and prepare the data again")
+    return PreparedData(data_dir, meta, tokenizer, splits["train"], splits["val"])

@@ -16,6 +16,10 @@ import numpy as np
 from lmforge.errors import LmforgeError
 
 META_FORMAT = 1
+# what the rest of lmforge reads from meta.json; a file without one of them is refused when read
+META_KEYS = ("source", "source_sha256", "vocab_size", "val_fraction", "tokenizer_sha256",
+             "tokenizer_vocab_size", "dtype", "splits", "unigram_entropy_nats")
+SPLIT_KEYS = ("tokens", "documents", "bytes")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -44,8 +48,17 @@ def read_meta(data_dir: Path) -> dict:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError:
         raise LmforgeError(f"{path} is corrupt: delete {data_dir} and prepare the data again") from None
-    if meta.get("format") != META_FORMAT:
-        raise LmforgeError(f"{path} has format {meta.get('format')}, this lmforge reads {META_FORMAT}: prepare again")
+    if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise LmforgeError(f"{path} has format {found}, this lmforge reads {META_FORMAT}: prepare again")
+    missing = [key for key in META_KEYS if key not in meta]
+    splits = meta["splits"] if isinstance(meta.get("splits"), dict) else {}
+    if not missing:
+        missing = [f"splits.{split}.{key}" for split in ("train", "val") for key in SPLIT_KEYS
+                   if not isinstance(splits.get(split), dict) or key not in splits[split]]
+    if missing:
+        raise LmforgeError(f"{path} lacks {missing[0]!r}: it is incomplete or from another program; "
+                           f"delete {data_dir} and prepare the data again")
     return meta
 
 

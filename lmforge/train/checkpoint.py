@@ -5,10 +5,12 @@ A checkpoint is a folder runs/<name>/checkpoints/step_NNNNNNN/ holding
     optimizer.safetensors   per-parameter optimizer state (AdamW moments and step counts)
     rng.safetensors         random generator states (CPU, and CUDA where used)
     state.json              step, data-loader position, optimizer hyper-parameters, metrics so far
-    config.yaml, tokenizer.json
+    config.yaml, tokenizer.json   as the trainer holds them in memory
     manifest.json           size and sha256 of every file above, written last
 It is written to a hidden '.partial' folder, synced to disk, then renamed into place: a kill at any
 moment leaves the previous checkpoints whole, and a folder named step_NNNNNNN is always complete.
+A model or optimizer state holding inf or NaN is refused before anything is written, and a save
+that fails (a full disk) removes its '.partial' and names the checkpoint that is kept.
 Resuming takes the newest checkpoint whose files match their manifest, reporting any newer one
 that does not (a disk error, a bad copy) instead of failing outright.
 """
@@ -25,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file, save_model
 
-from lmforge.errors import LmforgeError
+from lmforge.errors import LmforgeError, os_error_message
 
 CHECKPOINT_DIR = "checkpoints"
 STEP_PATTERN = re.compile(r"^step_(\d+)$")
@@ -62,34 +64,45 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch
     return tensors, state["param_groups"]
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict, extra_files: dict[str, Path], keep: int) -> Path:
-    """Write the checkpoint for `step` under run_dir/checkpoints; keep the newest `keep`."""
-    root = run_dir / CHECKPOINT_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:07d}"
-    for leftover in root.glob(".step_*.partial"):  # from a save that was killed half way
-        shutil.rmtree(leftover, ignore_errors=True)
-    partial = root / f".{final.name}.partial"
-    partial.mkdir()
+def non_finite_tensor(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """The name of the first parameter or optimizer state tensor holding inf or NaN, or None.
 
-    save_model(model, str(partial / "model.safetensors"))
-    tensors, param_groups = optimizer_tensors(optimizer)
-    save_file(tensors, str(partial / "optimizer.safetensors"))
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    save_file(rng, str(partial / "rng.safetensors"))
-    (partial / "state.json").write_text(json.dumps({**state, "step": step, "param_groups": param_groups}, indent=2))
-    for name, source in extra_files.items():
-        shutil.copyfile(source, partial / name)
-    manifest = {}
-    for file in sorted(partial.iterdir()):
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
-        manifest[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
-    _write_json_synced(partial / "manifest.json", manifest)
-    _fsync_dir(partial)
+    One max-of-|x| reduction per tensor (inf and NaN propagate through it) and one sync for all."""
+    named = [(name, p) for name, p in model.named_parameters()]
+    named += [(f"optimizer state {key} of {name}", value) for name, p in model.named_parameters()
+              for key, value in optimizer.state.get(p, {}).items()
+              if torch.is_tensor(value) and value.is_floating_point()]
+    if not named:
+        return None
+    peaks = torch.stack([torch.linalg.vector_norm(t.detach(), float("inf")).float().cpu() for _, t in named])
+    finite = torch.isfinite(peaks).tolist()
+    return next((name for (name, _), ok in zip(named, finite) if not ok), None)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict, extra_files: dict[str, bytes], keep: int) -> Path:
+    """Write the checkpoint for `step` under run_dir/checkpoints; keep the newest `keep`.
+
+    `extra_files` are written as given (config.yaml, tokenizer.json from the trainer's memory,
+    not copied from the run folder, where a damaged file would be sealed into every checkpoint).
+    A model or optimizer state holding inf or NaN is never saved; a save that fails for lack of
+    space (or any OSError) leaves no partial folder and the previous checkpoints untouched."""
+    root = run_dir / CHECKPOINT_DIR
+    final = root / f"step_{step:07d}"
+    bad = non_finite_tensor(model, optimizer)
+    if bad is not None:
+        raise LmforgeError(f"step {step} left inf/NaN in {bad}, so it was not saved; "
+                           + kept_checkpoint(run_dir, "lower optim.lr or raise optim.warmup_steps"))
+    root.mkdir(parents=True, exist_ok=True)
+    remove_partials(run_dir)  # from a save that was killed half way
+    partial = root / f".{final.name}.partial"
+    try:
+        _write_checkpoint(partial, model, optimizer, state, step, extra_files)
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        reason = os_error_message(err) if isinstance(err, OSError) else str(err)
+        raise LmforgeError(f"checkpoint {final} could not be written ({reason}); its partial folder is "
+                           f"removed and " + kept_checkpoint(run_dir, "make room")) from None
 
     if final.exists():  # the same step saved again (e.g. the last step after a resume)
         stale = root / f".{final.name}.stale"
@@ -104,6 +117,47 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_checkpoint(partial: Path, model, optimizer, state: dict, step: int, extra_files: dict[str, bytes]) -> None:
+    partial.mkdir()
+    save_model(model, str(partial / "model.safetensors"))
+    tensors, param_groups = optimizer_tensors(optimizer)
+    save_file(tensors, str(partial / "optimizer.safetensors"))
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(rng, str(partial / "rng.safetensors"))
+    (partial / "state.json").write_text(json.dumps({**state, "step": step, "param_groups": param_groups}, indent=2))
+    for name, content in extra_files.items():
+        (partial / name).write_bytes(content)
+    manifest = {}
+    for file in sorted(partial.iterdir()):
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+        manifest[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+    _write_json_synced(partial / "manifest.json", manifest)
+    _fsync_dir(partial)
+
+
+def remove_partials(run_dir: Path) -> None:
+    """Remove the staging folders of saves that were killed or failed half way."""
+    root = run_dir / CHECKPOINT_DIR
+    if root.is_dir():
+        for leftover in [*root.glob(".step_*.partial"), *root.glob(".step_*.stale")]:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def kept_checkpoint(run_dir: Path, advice: str) -> str:
+    """The end of the message of a run stopped by a bad or failed step: which checkpoint is
+    good, then `advice` (what to change)."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        return f"there is no checkpoint yet: {advice}, and start again in a new run folder"
+    return (f"the last good checkpoint is kept: {found[-1]}; {advice}, and continue with lmforge train "
+            f"--resume {run_dir}. An update that grew huge without turning into inf/NaN cannot be told "
+            f"apart afterwards: if that checkpoint's loss looks wrong, delete it to resume from an "
+            f"earlier one with a lower optim.lr")
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -185,6 +239,12 @@ def _is_tied_alias(model: torch.nn.Module, name: str, tensors: dict) -> bool:
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, path: Path, param_groups: list[dict]) -> None:
+    """Restore the state saved by `save_checkpoint`, so that `optimizer.state_dict()` equals the
+    saved one. JSON turned tuples (AdamW's betas) into lists: they are tuples again where the
+    freshly built optimizer holds a tuple."""
+    param_groups = [{key: tuple(value) if isinstance(live.get(key), tuple) else value
+                     for key, value in saved.items()}
+                    for saved, live in zip(param_groups, optimizer.param_groups)]
     tensors = load_file(str(path / "optimizer.safetensors"))
     state: dict[int, dict] = {}
     for key, value in tensors.items():

@@ -8,11 +8,11 @@ rate, AdamW step. Cost figures (FLOPs per token, peak FLOP/s, MFU) come from `ac
 
 import json
 import math
-import shutil
 import time
 from pathlib import Path
 
 import torch
+import yaml
 from rich.console import Console
 from tqdm import tqdm
 
@@ -20,12 +20,15 @@ from lmforge.accounting.flops import hardware_flops_per_token, training_flops_pe
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name, this_device
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
 from lmforge.accounting.plan import Setup, make_plan, matmul_dtype
-from lmforge.config import Config, save_config
+from lmforge.config import Config, config_to_dict
 from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.data.prepare import PreparedData, prepare_data
 from lmforge.data.tokenizer import END_OF_TEXT
 from lmforge.errors import LmforgeError
+from lmforge.folder_lock import FolderLock
 from lmforge.generate.sampling import generate
+from lmforge.kernels import flash_triton
+from lmforge.model.attention import FLASH_BACKENDS
 from lmforge.model.transformer import Transformer
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.optim.schedule import learning_rate
@@ -36,6 +39,7 @@ from lmforge.train import checkpoint as ckpt
 from lmforge.train.host_memory import retain_freed_memory
 from lmforge.train.report import MetricsLog, plot_losses, print_table, run_title
 from lmforge.train.setup import build
+from lmforge.train.signals import StopRequests, Stopped
 
 # Under fp16-mixed a step with inf/NaN gradients is skipped and the loss scale halved: normal at
 # the start of a run and now and then later. This many skips in a row (the scale fell 2**64-fold)
@@ -45,12 +49,36 @@ FP16_MAX_SKIPS_IN_A_ROW = 64
 SAMPLE_PROMPT_TOKENS = 8
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, setting: str = "train.device") -> torch.device:
+    """The torch device for `name` (auto, cpu, cuda, cuda:N), checked; `setting` names the option
+    that gave it, for the message."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise LmforgeError(f"train.device={name} but no CUDA device is available: use train.device=cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise LmforgeError(f"{setting}={name} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise LmforgeError(f"{setting}={name}: lmforge runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LmforgeError(f"{setting}={name} but no CUDA device is available: use cpu (or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise LmforgeError(f"{setting}={name} but this machine has {torch.cuda.device_count()} CUDA "
+                               f"device(s): use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
+def check_attention(model_cfg, device: torch.device) -> None:
+    """What the first forward pass would refuse, refused before the run folder is written."""
+    backend = model_cfg.attention
+    if backend in FLASH_BACKENDS and model_cfg.dropout > 0:
+        raise LmforgeError(f"model.attention={backend} does not support attention dropout "
+                           f"(model.dropout={model_cfg.dropout}): set model.dropout=0 or use sdpa or naive")
+    if backend == "flash_triton":
+        reason = flash_triton.unavailable_reason(device)
+        if reason:
+            raise LmforgeError(reason)
 
 
 @torch.no_grad()
@@ -70,6 +98,9 @@ def evaluate(model: Transformer, tokens, batch_size: int, seq_len: int, seed: in
 
 
 class Trainer:
+    """One training run in its folder. Setup checks everything (data, model, checkpoint, metrics)
+    before it writes anything; from then until `run()` returns the run folder is locked."""
+
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
                  progress: bool = True):
         self.cfg, self.run_dir, self.console, self.progress = cfg, Path(run_dir), console or Console(), progress
@@ -78,14 +109,16 @@ class Trainer:
             retain_freed_memory()
         torch.manual_seed(cfg.train.seed)
         self.data: PreparedData = prepare_data(cfg, log=self.console.print, progress=progress)
-        tokenizer_vocab = self.data.meta["tokenizer_vocab_size"]
-        if tokenizer_vocab > cfg.model.vocab_size:
-            raise LmforgeError(f"the tokenizer in {self.data.dir} has {tokenizer_vocab} tokens but "
-                               f"model.vocab_size is {cfg.model.vocab_size}: they must match")
-        if len(self.data.val) < cfg.seq_len + 1 or len(self.data.train) < cfg.seq_len + 1:
-            raise LmforgeError(f"the corpus is too small for windows of {cfg.seq_len} tokens "
-                               f"({len(self.data.train)} train, {len(self.data.val)} val tokens): "
-                               f"add text or lower train.seq_len")
+        self._check_data()
+        check_attention(cfg.model, self.device)
+        # AdamW's first update is lr / (1 - beta1) times a unit-sized step (bias correction); beyond
+        # float32's range torch cannot even form that factor, and no smaller rate would be sane either.
+        if not cfg.optim.lr / (1 - cfg.optim.beta1) < torch.finfo(torch.float32).max:
+            raise LmforgeError(f"optim.lr={cfg.optim.lr:g} makes AdamW's first update (lr / (1 - beta1) = "
+                               f"{cfg.optim.lr / (1 - cfg.optim.beta1):g}) overflow float32: use a rate below 1")
+        # what checkpoints hold besides tensors: from memory, not re-read from the run folder
+        self.config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+        self.tokenizer_json = self.data.tokenizer.to_str(pretty=True)
         self.policy = get_policy(cfg.train.precision)
         for note in device_notes(self.policy, self.device):
             self.console.print(f"note: {note}")
@@ -95,38 +128,71 @@ class Trainer:
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient
         self.bad_in_a_row = 0
         self.step_skipped = False  # whether the last train_step skipped its optimizer step
-        self.lost_updates = [0, 0]  # since the last log: elements whose update rounded away, elements updated
-        self.lost_updates_total = [0, 0]  # the same over this session
+        self.lost_updates_total = [0, 0]  # this session: elements whose update rounded away, elements updated
+        # The logging window: what the next metrics record averages. It is part of the checkpoint,
+        # so that a run resumed between two records logs what an uninterrupted one would.
+        self.window = {"loss_sum": 0.0, "good_steps": 0, "lost_updates": [0, 0], "last_loss": None}
         self.step, self.history = 0, {}
-        loader_position = 0
-        if resume:
-            loader_position = self._restore()
-        else:
-            self._create_run_dir()
-        self.loader = BatchLoader(self.data.train, cfg.train.batch_size, cfg.seq_len, seed=cfg.train.seed,
-                                  start=loader_position, prefetch=cfg.data.prefetch, device=self.device)
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resume else None)
-        self.tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.seq_len
-        self.flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
-        self.hardware_flops_per_token = hardware_flops_per_token(cfg.model, cfg.seq_len, cfg.train.recompute)
-        self.peak_dtype = matmul_dtype(cfg.train.precision)
-        self.device_label, self.peak_flops, memory = this_device(self.peak_dtype, self.device)
-        # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
-        self.plan = make_plan(cfg.model, Setup.from_config(cfg, mfu=1.0), (self.device_label, self.peak_flops, memory))
-        self.measured_memory: dict = {}  # filled in by the first step of the session
+        for path in (self.run_dir, *self.run_dir.parents):
+            if path.exists() and not path.is_dir():
+                raise LmforgeError(f"{path} is a file, not a folder: pick another --out or --name")
+        self.lock = FolderLock(self.run_dir, "training")
+        try:
+            loader_position, metrics_kept = self._restore() if resume else self._check_new_run_dir()
+            self.loader = BatchLoader(self.data.train, cfg.train.batch_size, cfg.seq_len, seed=cfg.train.seed,
+                                      start=loader_position, prefetch=cfg.data.prefetch, device=self.device)
+            self.tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.seq_len
+            self.flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
+            self.hardware_flops_per_token = hardware_flops_per_token(cfg.model, cfg.seq_len, cfg.train.recompute)
+            self.peak_dtype = matmul_dtype(cfg.train.precision)
+            self.device_label, self.peak_flops, memory = this_device(self.peak_dtype, self.device)
+            # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
+            self.plan = make_plan(cfg.model, Setup.from_config(cfg, mfu=1.0),
+                                  (self.device_label, self.peak_flops, memory))
+            self.measured_memory: dict = {}  # filled in by the first step of the session
+            # every check has passed: only now is anything in the run folder written
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            # on resume: config.yaml may carry new train.* settings, and a damaged copy is repaired
+            (self.run_dir / "config.yaml").write_text(self.config_yaml)
+            (self.run_dir / "tokenizer.json").write_text(self.tokenizer_json)
+            self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep=metrics_kept)
+        except BaseException:
+            if hasattr(self, "loader"):
+                self.loader.close()
+            self.lock.release()
+            raise
         print_plan(self.console, self.plan, title="lmforge train: plan")
+
+    def _check_data(self) -> None:
+        cfg, data = self.cfg, self.data
+        tokenizer_vocab = data.meta["tokenizer_vocab_size"]
+        if tokenizer_vocab > cfg.model.vocab_size:
+            raise LmforgeError(f"the tokenizer in {data.dir} has {tokenizer_vocab} tokens but "
+                               f"model.vocab_size is {cfg.model.vocab_size}: they must match")
+        if tokenizer_vocab < cfg.model.vocab_size:
+            # Allowed, since padding the vocabulary (e.g. to a multiple of 64) is a real speed trick;
+            # but usually the corpus was too small for the BPE trainer to learn that many tokens.
+            self.console.print(f"warning: the tokenizer in {data.dir} has {tokenizer_vocab} tokens, "
+                               f"model.vocab_size is {cfg.model.vocab_size}: the other "
+                               f"{cfg.model.vocab_size - tokenizer_vocab} embedding rows are never "
+                               f"used (set model.vocab_size={tokenizer_vocab} unless that padding is on purpose)")
+        if len(data.val) < cfg.seq_len + 1 or len(data.train) < cfg.seq_len + 1:
+            raise LmforgeError(f"the corpus is too small for windows of {cfg.seq_len} tokens "
+                               f"({len(data.train)} train, {len(data.val)} val tokens): "
+                               f"add text or lower train.seq_len")
 
     # -- run folder and checkpoints ---------------------------------------------------------------
 
-    def _create_run_dir(self) -> None:
+    def _check_new_run_dir(self) -> tuple[int, list[str]]:
         if self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise LmforgeError(f"run folder {self.run_dir} already exists: continue it with "
                                f"--resume {self.run_dir}, or pick another --name")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, self.run_dir / "config.yaml")
-        shutil.copyfile(self.data.dir / "tokenizer.json", self.run_dir / "tokenizer.json")
+        return 0, []
 
-    def _restore(self) -> int:
+    def _restore(self) -> tuple[int, list[str]]:
+        """Load the newest good checkpoint; returns the loader position and the metrics lines to
+        keep. Reads only: the caller writes once every check has passed."""
+        ckpt.remove_partials(self.run_dir)  # a save killed half way: ours to clean now that we hold the lock
         path = ckpt.find_checkpoint(self.run_dir, warn=lambda msg: self.console.print(f"warning: {msg}"))
         state = json.loads((path / "state.json").read_text())
         if state["tokenizer_sha256"] != self.data.meta["tokenizer_sha256"]:
@@ -137,6 +203,13 @@ class Trainer:
             raise LmforgeError(f"checkpoint {path} was trained with train.precision={precision['policy']}, not "
                                f"{self.policy.name}: resume with the same precision (its optimizer state, "
                                f"loss scale and fp8 scales belong to it), or start a new run")
+        step = state["step"]
+        finished = (self.run_dir / "summary.json").is_file()
+        if step > self.cfg.train.max_steps or (step == self.cfg.train.max_steps and finished):
+            raise LmforgeError(f"{self.run_dir} already reached step {step} of train.max_steps="
+                               f"{self.cfg.train.max_steps}: pass a larger train.max_steps to continue")
+        metrics_kept = MetricsLog.lines_to_keep(self.run_dir / "metrics.jsonl", step,
+                                                warn=lambda msg: self.console.print(f"warning: {msg}"))
         ckpt.load_model_weights(self.model, path)
         ckpt.load_optimizer_state(self.optimizer, path, state["param_groups"])
         if "loss_scaler" in precision:
@@ -144,13 +217,14 @@ class Trainer:
         load_fp8_scale_state(self.model, precision.get("fp8_scales", {}))
         self.skipped_steps = precision.get("skipped_steps", 0)
         ckpt.load_rng_states(path)
-        self.step, self.history = state["step"], state["history"]
-        if self.step >= self.cfg.train.max_steps:
-            raise LmforgeError(f"{self.run_dir} already reached step {self.step} of train.max_steps="
-                               f"{self.cfg.train.max_steps}: pass a larger train.max_steps to continue")
-        save_config(self.cfg, self.run_dir / "config.yaml")  # may carry new train.* settings
-        self.console.print(f"resuming {self.run_dir} from {path.name}")
-        return state["loader_position"]
+        self.step, self.history = step, state["history"]
+        self.window = state.get("window", self.window)
+        self.bad_in_a_row = state.get("bad_in_a_row", 0)
+        if step == self.cfg.train.max_steps:
+            self.console.print(f"{self.run_dir} reached step {step} but stopped before its summary: writing it")
+        else:
+            self.console.print(f"resuming {self.run_dir} from {path.name}")
+        return state["loader_position"], metrics_kept
 
     def save(self) -> Path:
         precision = {"policy": self.policy.name, "skipped_steps": self.skipped_steps}
@@ -159,10 +233,11 @@ class Trainer:
         if self.policy.fp8:
             precision["fp8_scales"] = fp8_scale_state(self.model)
         state = {"loader_position": self.loader.position, "history": self.history,
-                 "tokenizer_sha256": self.data.meta["tokenizer_sha256"], "precision": precision}
+                 "tokenizer_sha256": self.data.meta["tokenizer_sha256"], "precision": precision,
+                 "window": self.window, "bad_in_a_row": self.bad_in_a_row}
         return ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state,
-                                    {"config.yaml": self.run_dir / "config.yaml",
-                                     "tokenizer.json": self.run_dir / "tokenizer.json"},
+                                    {"config.yaml": self.config_yaml.encode(),
+                                     "tokenizer.json": self.tokenizer_json.encode()},
                                     keep=self.cfg.train.keep_checkpoints)
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -203,7 +278,7 @@ class Trainer:
         if not self.step_skipped:
             self.optimizer.step()
             if self.optimizer.count_lost_updates:
-                for counts in (self.lost_updates, self.lost_updates_total):
+                for counts in (self.window["lost_updates"], self.lost_updates_total):
                     counts[0] += self.optimizer.lost_updates
                     counts[1] += self.optimizer.updated_elements
             if "parameters" not in self.measured_memory:  # the first applied step: states exist now
@@ -223,14 +298,23 @@ class Trainer:
                         t.eval_batches, self.device, t.precision)
 
     def run(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
-        self.model.train()
+        """Train to train.max_steps, then write the summary. SIGTERM or Ctrl-C: finish the step,
+        save a checkpoint and raise `Stopped`. The run folder's lock is released on return."""
         start_step = self.step
+        try:
+            with StopRequests() as stop:
+                train_seconds = self._loop(stop)
+            return self._finish(start_step, train_seconds)
+        finally:
+            self.lock.release()
+
+    def _loop(self, stop: StopRequests) -> float:
+        """The steps; returns the seconds they took."""
+        cfg, t, window = self.cfg, self.cfg.train, self.window
+        self.model.train()
         bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not self.progress)
-        train_seconds, window_seconds, window_steps = 0.0, 0.0, 0
-        window_loss, window_good = 0.0, 0  # loss summed over the good steps since the last log
-        loss = None
+        train_seconds, window_seconds, window_steps = 0.0, 0.0, 0  # timing: this session only
         try:
             while self.step < t.max_steps:
                 started = time.perf_counter()
@@ -245,12 +329,14 @@ class Trainer:
                 step_loss = loss_sum.item()
                 self._guard(step_loss, grad_norm.item())
                 if not self.step_skipped:
-                    window_loss += step_loss
-                    window_good += 1
+                    window["loss_sum"] += step_loss
+                    window["good_steps"] += 1
                 last = self.step == t.max_steps
                 if self.step % t.log_interval == 0 or last:
                     # mean over the window's good steps: less noisy
-                    loss = window_loss / window_good if window_good else loss
+                    if window["good_steps"]:
+                        window["last_loss"] = window["loss_sum"] / window["good_steps"]
+                    loss = window["last_loss"]
                     tokens_per_s = window_steps * self.tokens_per_step / window_seconds
                     mfu = tokens_per_s * self.flops_per_token / self.peak_flops
                     record = {"step": self.step, "train_loss": loss, "grad_norm": grad_norm.item(),
@@ -263,25 +349,28 @@ class Trainer:
                     if self.scaler.enabled:
                         record["loss_scale"] = self.scaler.scale_value
                     if self.optimizer.count_lost_updates:
-                        lost, updated = self.lost_updates
+                        lost, updated = window["lost_updates"]
                         record["lost_update_fraction"] = lost / updated if updated else 0.0
-                        self.lost_updates = [0, 0]
                     self.metrics.write(record)
                     bar.set_postfix_str(postfix)
-                    window_seconds, window_steps, window_loss, window_good = 0.0, 0, 0.0, 0
+                    window.update(loss_sum=0.0, good_steps=0, lost_updates=[0, 0])
+                    window_seconds, window_steps = 0.0, 0
                 if (t.eval_interval and self.step % t.eval_interval == 0) or last:
                     val_loss = self.evaluate()
                     self.history["val_loss"] = val_loss
                     self.metrics.write({"step": self.step, "val_loss": val_loss})
                     bar.write(f"step {self.step}: val loss {val_loss:.4f}")
+                saved = None
                 if (t.checkpoint_interval and self.step % t.checkpoint_interval == 0) or last:
-                    self.save()
+                    saved = self.save()
+                if stop.received is not None:
+                    raise Stopped(stop.received, self.step, saved or self.save())
         finally:
             bar.close()
             self.loader.close()
             self.metrics.close()
-        self.history["train_loss"] = loss
-        return self._finish(start_step, train_seconds)
+        self.history["train_loss"] = window["last_loss"]
+        return train_seconds
 
     def _guard(self, loss: float, grad_norm: float) -> None:
         """Stop the run when bad (skipped) steps keep coming; before this step is checkpointed, so
@@ -292,13 +381,13 @@ class Trainer:
             if self.bad_in_a_row >= FP16_MAX_SKIPS_IN_A_ROW:
                 raise LmforgeError(f"{self.bad_in_a_row} steps in a row had inf/NaN gradients up to step "
                                    f"{self.step} (loss scale now {self.scaler.scale_value:g}): fp16 overflows in "
-                                   f"the forward pass; the last good checkpoint is kept: use bf16-mixed or "
-                                   f"lower optim.lr")
+                                   f"the forward pass; " + ckpt.kept_checkpoint(
+                                       self.run_dir, "use bf16-mixed or lower optim.lr"))
         elif self.bad_in_a_row >= self.cfg.train.max_bad_steps:
             what = f"the loss became {loss}" if not math.isfinite(loss) else f"the gradient norm became {grad_norm}"
-            raise LmforgeError(f"{what} at step {self.step}; the last good checkpoint is kept: lower optim.lr "
-                               f"or raise optim.warmup_steps (train.max_bad_steps={self.cfg.train.max_bad_steps} "
-                               f"bad steps in a row allowed)")
+            raise LmforgeError(f"{what} at step {self.step}; " + ckpt.kept_checkpoint(
+                self.run_dir, f"lower optim.lr or raise optim.warmup_steps (train.max_bad_steps="
+                              f"{self.cfg.train.max_bad_steps} bad steps in a row allowed)"))
 
     # -- after training -----------------------------------------------------------------------------
 
