@@ -62,36 +62,27 @@ def count_flops(fn) -> int:
     """Total FLOPs counted by torch.utils.flop_counter.FlopCounterMode while fn() runs.
 
     On CPU, SDPA runs as the fused op `_scaled_dot_product_flash_attention_for_cpu`, for which
-    PyTorch registers no formula: without one, attention would count zero. We register PyTorch's
-    own SDPA formulas for it (not ours, so the check stays independent). Note that the backward
+    PyTorch registers no formula: without one, attention would count zero. This counter is given
+    PyTorch's own SDPA formulas for it (not ours, so the check stays independent), for this
+    measurement only: torch's global FLOP registry is left as it was. Note that the backward
     formula includes recomputing QK^T, as a fused kernel really does (Dao 2023, algorithm 2):
     that is hardware FLOPs, one attention-scores matmul more than the model FLOPs of MFU.
     """
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils import flop_counter
 
-    _register_cpu_sdpa_formulas()
-    counter = FlopCounterMode(display=False)
+    def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+    aten = torch.ops.aten
+    counter = flop_counter.FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward})
     with counter:
         fn()
     return counter.get_total_flops()
-
-
-def _register_cpu_sdpa_formulas() -> None:
-    from torch.utils import flop_counter
-
-    aten = torch.ops.aten
-    forward_op = aten._scaled_dot_product_flash_attention_for_cpu
-    backward_op = aten._scaled_dot_product_flash_attention_for_cpu_backward
-    if forward_op in flop_counter.flop_registry:
-        return
-
-    @flop_counter.register_flop_formula(forward_op)
-    def _forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-        return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
-
-    @flop_counter.register_flop_formula(backward_op)
-    def _backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-        return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
 def model_state_bytes_measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
