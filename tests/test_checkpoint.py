@@ -167,8 +167,66 @@ def test_checkpoint_from_another_shape_is_refused(tiny_config, tmp_path):
     with pytest.raises(LmforgeError, match=r"different shape: blocks.0.attn_norm.weight is \(64,\) there, \(128,\) here"):
         ckpt.load_model_weights(Transformer(wider), path)
     deeper = make_config("tiny", overrides=["model.n_layers=3"]).model
-    with pytest.raises(LmforgeError, match="lacks 'blocks.2"):
+    with pytest.raises(LmforgeError, match=r"lacks 9 \(blocks.2.attn_norm.weight, blocks.2.attn.q_proj.weight, "):
         ckpt.load_model_weights(Transformer(deeper), path)
+    shallower = make_config("tiny", overrides=["model.n_layers=1"]).model
+    with pytest.raises(LmforgeError, match=r"holds 9 \(blocks.1.attn.k_proj.weight, .*\) tensors this model does not have"):
+        ckpt.load_model_weights(Transformer(shallower), path)
+
+
+def test_state_is_loaded_by_name_and_a_partial_load_is_an_explicit_choice(tiny_config, tmp_path):
+    """Keys are parameter names, so state finds its parameter wherever it sits: a model with one more
+    layer loads the two it shares with strict=False, and the optimizer's state follows the names."""
+    from safetensors import safe_open
+
+    from lmforge.train.setup import build
+
+    cfg = tiny_config(max_steps=2)
+    trainer = quiet_trainer(cfg, tmp_path / "run")
+    trainer.run()
+    path = ckpt.find_checkpoint(tmp_path / "run")
+    with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert "blocks.1.mlp.down_proj.weight.exp_avg" in keys and "tok_embeddings.weight.step" in keys
+    state = json.loads((path / "state.json").read_text())
+    assert state["param_groups"][0]["params"][:2] == ["tok_embeddings.weight", "blocks.0.attn.q_proj.weight"]
+
+    deeper = make_config("tiny", overrides=["model.n_layers=3"]).model
+    model = Transformer(deeper)
+    missing, unexpected = ckpt.load_model_weights(model, path, strict=False)
+    assert unexpected == [] and len(missing) == 9 and all(n.startswith("blocks.2.") for n in missing)
+    torch.testing.assert_close(model.blocks["1"].mlp.up_proj.weight, trainer.model.blocks["1"].mlp.up_proj.weight)
+
+    # full recomputation wraps the blocks; the names, and so the state, are the same
+    wrapped_cfg = tiny_config("train.recompute=full", max_steps=2)
+    model, optimizer = build(wrapped_cfg)
+    ckpt.load_model_weights(model, path)
+    ckpt.load_optimizer_state(model, optimizer, path, state["param_groups"])
+    assert optimizer.state_dict()["param_groups"] == trainer.optimizer.state_dict()["param_groups"]
+    param = model.blocks["1"].attn.v_proj.weight
+    torch.testing.assert_close(optimizer.state[param]["exp_avg"],
+                               trainer.optimizer.state[trainer.model.blocks["1"].attn.v_proj.weight]["exp_avg"],
+                               rtol=0, atol=0)
+    # an optimizer over other parameters is refused, naming them
+    other, other_optimizer = build(make_config("tiny", overrides=["model.n_layers=1"]))
+    with pytest.raises(LmforgeError, match=r"only in the checkpoint: 9 \(blocks.1"):
+        ckpt.load_optimizer_state(other, other_optimizer, path, state["param_groups"])
+
+
+def test_a_checkpoint_keyed_by_position_is_refused_with_one_line(tiny_config, tmp_path, capsys):
+    from lmforge.cli import main
+
+    cfg = tiny_config(max_steps=2)
+    quiet_trainer(cfg, tmp_path / "run").run()
+    path = ckpt.find_checkpoint(tmp_path / "run")
+    state = json.loads((path / "state.json").read_text())
+    del state["format"]  # what an older lmforge wrote
+    (path / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["state.json"] = {"bytes": (path / "state.json").stat().st_size, "sha256": ckpt._sha256(path / "state.json")}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["train", "--resume", str(tmp_path / "run"), "train.max_steps=4"]) == 2
+    assert "written by an older lmforge" in capsys.readouterr().err
 
 
 def test_tied_weights_are_stored_once_and_reloaded_tied(tiny_config, tmp_path):

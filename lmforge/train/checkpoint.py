@@ -1,8 +1,8 @@
 """Checkpoints: everything needed to continue a run bit for bit, written atomically.
 
 A checkpoint is a folder runs/<name>/checkpoints/step_NNNNNNN/ holding
-    model.safetensors       weights (tied tensors stored once)
-    optimizer.safetensors   per-parameter optimizer state (AdamW moments and step counts)
+    model.safetensors       weights by parameter name (tied tensors stored once)
+    optimizer.safetensors   optimizer state by parameter name: `<name>.exp_avg`, `<name>.step`, ...
     rng.safetensors         random generator states (CPU, and CUDA where used)
     state.json              step, data-loader position, optimizer hyper-parameters, metrics so far
     config.yaml, tokenizer.json   as the trainer holds them in memory
@@ -13,6 +13,12 @@ A model or optimizer state holding inf or NaN is refused before anything is writ
 that fails (a full disk) removes its '.partial' and names the checkpoint that is kept.
 Resuming takes the newest checkpoint whose files match their manifest, reporting any newer one
 that does not (a disk error, a bad copy) instead of failing outright.
+
+State is keyed by parameter name, as torch.distributed.checkpoint keys it (`get_model_state_dict`,
+`get_optimizer_state_dict`; wrapper segments such as recomputation's are left out of the names),
+not by position: a model with parameters added (adapters), removed or sharded can load what
+matches, and a parameter that moved in the optimizer's order still gets its own state. Loading
+into a model whose names differ is an explicit choice (`strict=False`) and lists the names.
 """
 
 import hashlib
@@ -26,10 +32,13 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file, save_model
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from lmforge.errors import LmforgeError, os_error_message
 
 CHECKPOINT_DIR = "checkpoints"
+# 2: state by parameter name. Version 1 (no "format" in state.json) kept optimizer state by position.
+FORMAT = 2
 STEP_PATTERN = re.compile(r"^step_(\d+)$")
 
 
@@ -56,11 +65,12 @@ def _write_json_synced(path: Path, data) -> None:
         os.fsync(f.fileno())
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """The optimizer's state as flat named tensors plus its param groups (JSON-ready)."""
-    state = optimizer.state_dict()
-    tensors = {f"{index}.{key}": value.detach().contiguous().cpu()
-               for index, per_param in state["state"].items() for key, value in per_param.items()}
+def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The optimizer's state as flat tensors named `<parameter name>.<state key>`, and its param
+    groups with parameter names for "params" (JSON-ready)."""
+    state = get_optimizer_state_dict(model, optimizer)
+    tensors = {f"{name}.{key}": value.detach().contiguous().cpu()
+               for name, per_param in state["state"].items() for key, value in per_param.items()}
     return tensors, state["param_groups"]
 
 
@@ -122,13 +132,13 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
 def _write_checkpoint(partial: Path, model, optimizer, state: dict, step: int, extra_files: dict[str, bytes]) -> None:
     partial.mkdir()
     save_model(model, str(partial / "model.safetensors"))
-    tensors, param_groups = optimizer_tensors(optimizer)
+    tensors, param_groups = optimizer_tensors(model, optimizer)
     save_file(tensors, str(partial / "optimizer.safetensors"))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     save_file(rng, str(partial / "rng.safetensors"))
-    (partial / "state.json").write_text(json.dumps({**state, "step": step, "param_groups": param_groups}, indent=2))
+    (partial / "state.json").write_text(json.dumps({**state, "format": FORMAT, "step": step, "param_groups": param_groups}, indent=2))
     for name, content in extra_files.items():
         (partial / name).write_bytes(content)
     manifest = {}
@@ -206,28 +216,44 @@ def verify_checkpoint(path: Path) -> None:
                                f"resume from an earlier checkpoint or start a new run")
 
 
-def load_model_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load model.safetensors into `model`, naming the first tensor whose shape differs."""
+def check_format(path: Path, state: dict) -> None:
+    if state.get("format") != FORMAT:
+        raise LmforgeError(f"checkpoint {path} was written by an older lmforge (optimizer state by position, "
+                           f"not by parameter name): this version cannot resume it; start a new run")
+
+
+def _listed(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return f"{len(names)} ({shown}{', ...' if len(names) > limit else ''})"
+
+
+def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) -> tuple[list[str], list[str]]:
+    """Load model.safetensors into `model` by parameter name; returns the names the model has and
+    the file lacks, and those the file has and the model lacks. With `strict` (the default) either
+    is an error that lists them; without, the rest is loaded. A shape that differs always stops."""
     file = path / "model.safetensors"
     expected = model.state_dict()
     try:
         with safe_open(str(file), framework="pt") as f:
             names = set(f.keys())
-            for name in sorted(names - expected.keys()):
-                raise LmforgeError(f"checkpoint {path} holds {name!r}, which this model does not have: "
-                                   f"it was saved from a different model")
             for name in (n for n in expected if n in names):  # model order: the first layer named first
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != tuple(expected[name].shape):
                     raise LmforgeError(f"checkpoint {path} was saved from a model of a different shape: "
                                        f"{name} is {shape} there, {tuple(expected[name].shape)} here")
-            tensors = {name: f.get_tensor(name) for name in names}
+            tensors = {name: f.get_tensor(name) for name in names if name in expected}
     except SafetensorError as err:
         raise LmforgeError(f"checkpoint {path} is corrupt: {err}") from None
-    missing = [n for n in expected if n not in tensors and not _is_tied_alias(model, n, tensors)]
-    if missing:
-        raise LmforgeError(f"checkpoint {path} lacks {missing[0]!r}: it was saved from a different model")
+    unexpected = sorted(names - expected.keys())
+    missing = [n for n in expected if n not in names and not _is_tied_alias(model, n, tensors)]
+    if strict and unexpected:
+        raise LmforgeError(f"checkpoint {path} holds {_listed(unexpected)} tensors this model does not have: "
+                           f"it was saved from a different model")
+    if strict and missing:
+        raise LmforgeError(f"checkpoint {path} lacks {_listed(missing)} of this model's tensors: it was "
+                           f"saved from a different model")
     model.load_state_dict(tensors, strict=False)
+    return missing, unexpected
 
 
 def _is_tied_alias(model: torch.nn.Module, name: str, tensors: dict) -> bool:
@@ -238,19 +264,30 @@ def _is_tied_alias(model: torch.nn.Module, name: str, tensors: dict) -> bool:
     return any(other in tensors and params[other] is params[name] for other in params if other != name)
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, path: Path, param_groups: list[dict]) -> None:
-    """Restore the state saved by `save_checkpoint`, so that `optimizer.state_dict()` equals the
-    saved one. JSON turned tuples (AdamW's betas) into lists: they are tuples again where the
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path,
+                         param_groups: list[dict]) -> None:
+    """Restore the state saved by `save_checkpoint`, by parameter name, so that
+    `optimizer.state_dict()` equals the saved one. The optimizer must cover the same names (listed
+    otherwise). JSON turned tuples (AdamW's betas) into lists: they are tuples again where the
     freshly built optimizer holds a tuple."""
-    param_groups = [{key: tuple(value) if isinstance(live.get(key), tuple) else value
+    live = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    saved_names = [name for group in param_groups for name in group["params"]]
+    live_names = [name for group in live for name in group["params"]]
+    if saved_names != live_names:
+        only_saved = [n for n in saved_names if n not in set(live_names)]
+        only_live = [n for n in live_names if n not in set(saved_names)]
+        raise LmforgeError(f"checkpoint {path} has optimizer state for other parameters than this optimizer's"
+                           + (f"; only in the checkpoint: {_listed(only_saved)}" if only_saved else "")
+                           + (f"; only here: {_listed(only_live)}" if only_live else "")
+                           + ("; the same names in another grouping" if not only_saved and not only_live else ""))
+    param_groups = [{key: tuple(value) if isinstance(group.get(key), tuple) else value
                      for key, value in saved.items()}
-                    for saved, live in zip(param_groups, optimizer.param_groups)]
-    tensors = load_file(str(path / "optimizer.safetensors"))
-    state: dict[int, dict] = {}
-    for key, value in tensors.items():
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = value
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+                    for saved, group in zip(param_groups, optimizer.param_groups)]
+    state: dict[str, dict] = {}
+    for key, value in load_file(str(path / "optimizer.safetensors")).items():
+        name, field = key.rsplit(".", 1)
+        state.setdefault(name, {})[field] = value
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": param_groups})
 
 
 def load_rng_states(path: Path) -> None:

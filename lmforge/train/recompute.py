@@ -36,6 +36,14 @@ class Recompute(nn.Module):
     def wrapped(self) -> nn.Module:
         return getattr(self, WRAPPED)
 
+    def __getattr__(self, name: str):
+        """Attributes of the wrapped module read through the wrapper (`blocks["0"].attn`), as
+        parameter names without the wrapper's segment require."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__(WRAPPED), name)
+
     def forward(self, *args, **kwargs):
         return checkpoint(self.wrapped, *args, use_reentrant=False, **kwargs)
 

@@ -195,6 +195,7 @@ class Trainer:
         ckpt.remove_partials(self.run_dir)  # a save killed half way: ours to clean now that we hold the lock
         path = ckpt.find_checkpoint(self.run_dir, warn=lambda msg: self.console.print(f"warning: {msg}"))
         state = json.loads((path / "state.json").read_text())
+        ckpt.check_format(path, state)
         if state["tokenizer_sha256"] != self.data.meta["tokenizer_sha256"]:
             raise LmforgeError(f"checkpoint {path} was trained with another tokenizer than the one in "
                                f"{self.data.dir}: point data.dir at the run's original data")
@@ -211,7 +212,7 @@ class Trainer:
         metrics_kept = MetricsLog.lines_to_keep(self.run_dir / "metrics.jsonl", step,
                                                 warn=lambda msg: self.console.print(f"warning: {msg}"))
         ckpt.load_model_weights(self.model, path)
-        ckpt.load_optimizer_state(self.optimizer, path, state["param_groups"])
+        ckpt.load_optimizer_state(self.model, self.optimizer, path, state["param_groups"])
         if "loss_scaler" in precision:
             self.scaler.load_state_dict(precision["loss_scaler"])
         load_fp8_scale_state(self.model, precision.get("fp8_scales", {}))
