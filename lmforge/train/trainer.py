@@ -20,7 +20,7 @@ from lmforge.accounting.flops import hardware_flops_per_token, training_flops_pe
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name, this_device
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
 from lmforge.accounting.plan import Setup, make_plan, matmul_dtype
-from lmforge.config import Config, save_config
+from lmforge.config import Config, config_warnings, load_config, save_config
 from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.data.prepare import PreparedData, prepare_data
 from lmforge.data.tokenizer import END_OF_TEXT
@@ -29,7 +29,7 @@ from lmforge.generate.sampling import generate
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.optim.clip import clip_grad_norm
-from lmforge.optim.schedule import learning_rate
+from lmforge.optim.schedule import Schedule, resume_note
 from lmforge.planning import print_comparison, print_plan
 from lmforge.precision import LossScaler, autocast, device_notes, get_policy, prepare_model
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
@@ -37,6 +37,7 @@ from lmforge.train import checkpoint as ckpt
 from lmforge.train.host_memory import retain_freed_memory
 from lmforge.train.recompute import apply_recompute
 from lmforge.train.report import MetricsLog, plot_losses, print_table
+from lmforge.warnings import warn
 
 # Under fp16-mixed a step with inf/NaN gradients is skipped and the loss scale halved: normal at
 # the start of a run and now and then later. This many skips in a row (the scale fell 2**64-fold)
@@ -80,6 +81,8 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
                  progress: bool = True):
         self.cfg, self.run_dir, self.console, self.progress = cfg, Path(run_dir), console or Console(), progress
+        for message in config_warnings(cfg):
+            warn(message)
         self.device = resolve_device(cfg.train.device)
         if self.device.type == "cpu":
             retain_freed_memory()
@@ -161,8 +164,13 @@ class Trainer:
         if self.step >= self.cfg.train.max_steps:
             raise LmforgeError(f"{self.run_dir} already reached step {self.step} of train.max_steps="
                                f"{self.cfg.train.max_steps}: pass a larger train.max_steps to continue")
+        before = Schedule.of(load_config(path / "config.yaml"))  # the schedule the checkpoint was trained under
+        if self.cfg.optim.decay_steps is None:  # a run from before optim.decay_steps: keep its schedule's length
+            self.cfg.optim.decay_steps = before.decay_steps
         save_config(self.cfg, self.run_dir / "config.yaml")  # may carry new train.* settings
-        self.console.print(f"resuming {self.run_dir} from {path.name}")
+        self.console.print(f"resuming {self.run_dir} at step {self.step} ({path.name}): "
+                           f"{resume_note(self.step, before, Schedule.of(self.cfg), self.cfg.train.max_steps)}",
+                           soft_wrap=True)  # one line, however narrow the terminal
         return state["loader_position"]
 
     def save(self) -> Path:
@@ -187,8 +195,7 @@ class Trainer:
         set: under fp16-mixed the loss scaler also lowers the scale; the caller decides when too
         many bad steps stop the run."""
         cfg = self.cfg
-        lr = learning_rate(self.step, peak=cfg.optim.lr, floor=cfg.optim.lr * cfg.optim.min_lr_ratio,
-                           warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.max_steps)
+        lr = Schedule.of(cfg)(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
