@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--plot", metavar="PNG", help="save a bar chart of the memory breakdown")
     plan.add_argument("--dtypes", action="store_true", help="print the table of floating-point formats and exit")
+    plan.add_argument("--remeasure", action="store_true", help="with --hardware this: measure the matmul peak again")
     return parser
 
 
@@ -221,7 +222,7 @@ def cmd_plan(args) -> int:
         machine = None
         if setup.hardware == "this":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            name, peak, memory = this_device(matmul_dtype(setup.precision), device)
+            name, peak, memory = this_device(matmul_dtype(setup.precision), device, remeasure=args.remeasure)
             machine = (f"this machine: {name}", peak, memory)
         plan = make_plan(cfg.model, setup, machine)
     except ValueError as err:
