@@ -43,6 +43,10 @@ def test_resume_notes_say_what_the_rate_will_do():
     assert resume_note(6, before, stretched, 12) == (
         f"the learning rate jumps from 0.0001 to {stretched(6):.3g} (optim.decay_steps 6 -> 12), then decays "
         f"to 0.0001 at step 12")
+    lower = Schedule(peak=5e-4, floor=5e-5, warmup_steps=2, decay_steps=6)
+    assert resume_note(8, before, lower, 10) == ("the learning rate jumps from 0.0001 to 5e-05 (optim.lr 0.001 -> "
+                                                 "0.0005, floor (optim.lr * optim.min_lr_ratio) 0.0001 -> 5e-05), "
+                                                 "then stays at its floor 5e-05 to step 10")
 
 
 def train(*args, cwd):

@@ -70,6 +70,8 @@ def resume_note(step: int, before: Schedule, after: Schedule, max_steps: int) ->
 def _remaining(step: int, schedule: Schedule, max_steps: int) -> str:
     if schedule.decay_steps <= schedule.peak_step + 1:
         return f"stays at {schedule.peak:.3g} to step {max_steps} (no room to decay)"
+    if step >= schedule.decay_steps:
+        return f"stays at its floor {schedule.floor:.3g} to step {max_steps}"
     if step < schedule.peak_step:
         start = f"rises to {schedule.peak:.3g} at step {schedule.peak_step + 1}, "
     else:
