@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--plot", metavar="PNG", help="save a bar chart of the memory breakdown")
     plan.add_argument("--dtypes", action="store_true", help="print the table of floating-point formats and exit")
+    plan.add_argument("--remeasure", action="store_true", help="with --hardware this: measure the matmul peak again")
 
     runs = commands.add_parser(
         "runs", help="compare the runs in a folder: settings, progress, loss, speed, status",
@@ -288,7 +289,7 @@ def cmd_plan(args) -> int:
         machine = None
         if setup.hardware == "this":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            name, peak, memory = this_device(matmul_dtype(setup.precision), device)
+            name, peak, memory = this_device(matmul_dtype(setup.precision), device, remeasure=args.remeasure)
             machine = (f"this machine: {name}", peak, memory)
         plan = make_plan(cfg.model, setup, machine)
     except ValueError as err:

@@ -7,6 +7,7 @@ and then validated, so every bad value stops with one line that names it and wha
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -75,6 +76,10 @@ class OptimConfig:
     lr: float = 3e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # the cosine decay ends at lr * min_lr_ratio
     warmup_steps: int = 50
+    # steps from the start to the end of the cosine (lmforge/optim/schedule.py), after which the rate
+    # stays at its floor; None: train.max_steps, fixed into the run's config.yaml when the run starts,
+    # so that extending a run with a larger train.max_steps does not re-stretch the steps already taken
+    decay_steps: int | None = None
     weight_decay: float = 0.1  # decoupled (Loshchilov & Hutter 2019); matrices and embeddings only
     beta1: float = 0.9
     beta2: float = 0.95
@@ -165,6 +170,8 @@ def make_config(preset: str | None = DEFAULT_PRESET, path: str | Path | None = N
         key, value = parse_override(item)
         set_value(cfg, key, value, origin="command line")
     validate(cfg)
+    if cfg.optim.decay_steps is None:  # a new config: the schedule's length is fixed now (see OptimConfig)
+        cfg.optim.decay_steps = cfg.train.max_steps
     return cfg
 
 
@@ -175,7 +182,10 @@ def read_yaml(path: str | Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise LmforgeError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise LmforgeError(f"config file {path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise LmforgeError(f"config file {path} must hold a mapping of sections (model, data, optim, train)")
     return data
@@ -245,12 +255,27 @@ def _did_you_mean(word: str, choices) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+# The model and optimizer compute in fp32 (or narrower): a setting beyond its range would become
+# inf in the first step.
+FP32_MAX = 3.4028234663852886e38
+
+
 def validate(cfg: Config) -> None:
+    """Raise LmforgeError for the first setting that cannot work (see config_warnings for the
+    ones that can but are probably not meant)."""
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
 
     def require(ok: bool, message: str) -> None:
         if not ok:
             raise LmforgeError(message)
+
+    for section in SECTIONS:  # nan and inf parse as floats; no setting means them
+        for f in dataclasses.fields(getattr(cfg, section)):
+            value = getattr(getattr(cfg, section), f.name)
+            if isinstance(value, float):
+                require(math.isfinite(value) and abs(value) <= FP32_MAX,
+                        f"{section}.{f.name} must be a finite number within fp32's range (|x| <= 3.4e38), "
+                        f"got {value}")
 
     def choose(key: str, value, choices) -> None:
         require(value in choices, f"{key} must be one of {', '.join(choices)}, got {value!r}"
@@ -280,9 +305,13 @@ def validate(cfg: Config) -> None:
     positive("optim.lr", o.lr)
     require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    positive("optim.decay_steps", o.decay_steps)
     require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
     for key in ("beta1", "beta2"):
         require(0.0 <= getattr(o, key) < 1.0, f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
+    # AdamW scales its first update by lr / (1 - beta1) (bias correction), a number it holds in fp32
+    require(o.lr / (1.0 - o.beta1) <= FP32_MAX, f"optim.lr={o.lr:g} overflows fp32 in AdamW's first step "
+                                                f"(lr / (1 - beta1) > 3.4e38): use a learning rate below 1")
     positive("optim.eps", o.eps)
     require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
 
@@ -298,6 +327,23 @@ def validate(cfg: Config) -> None:
     choose("train.recompute", t.recompute, RECOMPUTE)
     require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
             f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that are valid but most likely a mistake, one line each (for lmforge.warnings.warn)."""
+    o, t = cfg.optim, cfg.train
+    found = []
+    if o.lr > 1:
+        found.append(f"optim.lr={o.lr:g} is above 1: AdamW moves every weight by about lr per step, "
+                     f"so training will most likely diverge (typical: 1e-4 to 1e-2)")
+    decay_steps = o.decay_steps or t.max_steps
+    if o.warmup_steps >= t.max_steps:
+        found.append(f"optim.warmup_steps={o.warmup_steps} is not below train.max_steps={t.max_steps}: "
+                     f"the whole run is warmup and the learning rate never decays")
+    elif o.warmup_steps >= decay_steps:
+        found.append(f"optim.warmup_steps={o.warmup_steps} is not below optim.decay_steps={decay_steps}: "
+                     f"the learning rate never decays and stays at its peak after the warmup")
+    return found
 
 
 def config_to_dict(cfg: Config) -> dict:

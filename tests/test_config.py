@@ -1,9 +1,14 @@
+import subprocess
+import sys
+
 import pytest
 import torch
+from rich.console import Console
 
-from lmforge.config import MODEL_PRESETS, load_config, make_config, save_config
+from lmforge.config import MODEL_PRESETS, config_warnings, load_config, make_config, save_config
 from lmforge.errors import LmforgeError
 from lmforge.model.transformer import Transformer
+from lmforge.train.trainer import Trainer
 
 
 def param_count(preset: str) -> int:
@@ -81,6 +86,15 @@ def test_config_round_trips_through_yaml(tmp_path):
     ("train.device=tpu", "train.device must be auto, cpu, cuda or cuda:N"),
     ("data.val_fraction=0.9", "data.val_fraction must be in (0, 0.5]"),
     ("max_steps", "overrides look like section.key=value"),
+    # numbers that parse but no setting means: inf and nan, and finite ones beyond fp32
+    ("optim.lr=inf", "optim.lr must be a finite number within fp32's range (|x| <= 3.4e38), got inf"),
+    ("optim.eps=nan", "optim.eps must be a finite number within fp32's range (|x| <= 3.4e38), got nan"),
+    ("optim.grad_clip=inf", "optim.grad_clip must be a finite number"),
+    ("model.rope_theta=1e39", "model.rope_theta must be a finite number within fp32's range (|x| <= 3.4e38), "
+                              "got 1e+39"),
+    ("optim.lr=3.3e38", "optim.lr=3.3e+38 overflows fp32 in AdamW's first step (lr / (1 - beta1) > 3.4e38): "
+                        "use a learning rate below 1"),
+    ("optim.decay_steps=0", "optim.decay_steps must be positive, got 0"),
 ])
 def test_bad_values_stop_with_one_clear_line(override, message):
     with pytest.raises(LmforgeError) as err:
@@ -107,6 +121,45 @@ def test_bad_yaml_files(tmp_path, text, message):
         make_config("tiny", path)
 
 
+def test_yaml_errors_name_the_file_line_and_column(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  n_layers: 3\n\td_model: 128\n")
+    with pytest.raises(LmforgeError) as err:
+        make_config("tiny", path)
+    assert str(err.value) == (f"config file {path} is not valid YAML, line 3, column 1: "
+                              f"found character '\\t' that cannot start any token")
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(LmforgeError, match="not found"):
         make_config("tiny", tmp_path / "nope.yaml")
+
+
+def test_overflowing_learning_rates_stop_before_anything_is_written(tmp_path):
+    """Issue 17.1: these ran a step (inf: every weight NaN) or ended in a traceback (3.3e38)."""
+    for lr in ("inf", "3.3e38"):
+        result = subprocess.run([sys.executable, "-m", "lmforge", "train", f"optim.lr={lr}", "optim.warmup_steps=0"],
+                                capture_output=True, text=True, cwd=tmp_path)
+        assert result.returncode == 2
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("lmforge: error: optim.lr")
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_the_schedule_length_is_fixed_when_a_config_is_made():
+    assert make_config("tiny", overrides=["train.max_steps=70"]).optim.decay_steps == 70
+    assert make_config("tiny", overrides=["train.max_steps=70", "optim.decay_steps=90"]).optim.decay_steps == 90
+
+
+def test_absurd_settings_warn_when_training_starts(tiny_config, tmp_path, capsys):
+    assert config_warnings(tiny_config(max_steps=8)) == []
+    cfg = tiny_config("optim.lr=5", "optim.warmup_steps=8", max_steps=8)
+    assert config_warnings(cfg) == [
+        "optim.lr=5 is above 1: AdamW moves every weight by about lr per step, so training will most likely "
+        "diverge (typical: 1e-4 to 1e-2)",
+        "optim.warmup_steps=8 is not below train.max_steps=8: the whole run is warmup and the learning rate "
+        "never decays"]
+    assert config_warnings(tiny_config("optim.warmup_steps=6", "optim.decay_steps=5", max_steps=8)) == [
+        "optim.warmup_steps=6 is not below optim.decay_steps=5: the learning rate never decays and stays at its "
+        "peak after the warmup"]
+    Trainer(cfg, tmp_path / "run", console=Console(quiet=True), progress=False)
+    assert capsys.readouterr().err.splitlines() == [f"lmforge: warning: {line}" for line in config_warnings(cfg)]

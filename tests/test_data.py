@@ -1,5 +1,6 @@
 import json
 import math
+import threading
 from collections import Counter
 
 import numpy as np
@@ -186,6 +187,60 @@ def test_loader_streams_in_order_and_resumes_at_its_position():
     # windows start uniformly over the file
     starts = Counter(int(x[0, 0]) // 1000 for x in straight)
     assert len(starts) >= 2
+
+
+class FailingDisk:
+    """Tokens on a disk that fails: reads of windows starting at `bad_from` or later raise OSError."""
+
+    def __init__(self, tokens: np.ndarray, bad_from: int):
+        self.tokens, self.bad_from = tokens, bad_from
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, window: slice):
+        if window.start >= self.bad_from:
+            raise OSError(5, "Input/output error")
+        return self.tokens[window]
+
+
+def next_or_hang(loader, seconds=60):
+    """next(loader) in a thread; ("hung", None) if it has not returned after `seconds` (a guard
+    against a hanging test, not a timing assertion)."""
+    outcome = []
+
+    def consume():
+        try:
+            outcome.append(("batch", next(loader)))
+        except BaseException as err:
+            outcome.append(("raised", err))
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return outcome[0] if outcome else ("hung", None)
+
+
+def test_a_failing_loader_thread_raises_its_error_in_the_consumer():
+    tokens = np.arange(5000, dtype=np.uint16)  # a window's first token is its start offset
+    batches = [window_batch(tokens, 4, 32, seed=7, index=i)[0] for i in range(100)]
+    first_bad = next(i for i, x in enumerate(batches) if x[:, 0].max() >= 4800)
+    assert first_bad >= 3  # more batches than the queue holds come before the failure
+    with BatchLoader(FailingDisk(tokens, bad_from=4800), 4, 32, seed=7, prefetch=2) as loader:
+        for index in range(first_bad):  # the batches made before the failure still arrive, in order
+            kind, batch = next_or_hang(loader)
+            assert kind == "batch" and torch.equal(batch[0], batches[index])
+        for _ in range(2):  # the error, and again on every later call instead of a hang
+            kind, err = next_or_hang(loader)
+            assert kind == "raised" and isinstance(err, OSError) and err.strerror == "Input/output error"
+        assert loader.position == first_bad
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA, where pinning memory fails")
+def test_a_loader_for_a_missing_gpu_raises_instead_of_hanging():
+    with BatchLoader(np.arange(5000, dtype=np.uint16), 4, 32, seed=7, device="cuda") as loader:
+        kind, err = next_or_hang(loader)
+    assert kind == "raised" and isinstance(err, RuntimeError)
 
 
 def test_loader_rejects_a_file_shorter_than_a_window():

@@ -163,15 +163,41 @@ def test_initialisation_statistics():
     assert abs(q.std() / o.std() / math.sqrt(2 * cfg.n_layers) - 1) < 0.03
 
 
-def test_initial_loss_is_that_of_a_uniform_guess():
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_initial_loss_is_log_vocab_plus_half(family):
+    """N(0, 1/d) head rows (tied to the embeddings, or not) read a unit-RMS final hidden state h:
+    each logit h.e_j has variance |h|^2 / d = 1. For V logits iid N(0, s^2),
+    E[logsumexp] = ln V + s^2/2 - (e^{s^2} - 1)/(2V) + ... (the delta method on the sum of
+    exponentials), and a uniformly random target's logit averages to 0: the initial loss is
+    ln V + 1/2, half a nat above a uniform guess (init.py)."""
+    overrides = [f"model.family={family}"] + (["model.n_kv_heads=null"] if family == "gpt" else [])
+    cfg = make_config("small", overrides=overrides).model
+    vocab = cfg.vocab_size
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    tokens = torch.randint(0, vocab, (4, 129))
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).double()
+    # unit variance, up to the sampling error of V normal numbers' variance (relative std sqrt(2/V))
+    assert abs(logits.var().item() - 1) < 3 * math.sqrt(2 / vocab)
+    # the loss for a uniformly random target, without the noise of sampling one, against its expectation
+    uniform = (torch.logsumexp(logits, -1) - logits.mean(-1)).mean().item()
+    variance = logits.var(-1)
+    expected = (math.log(vocab) + variance / 2 - (variance.exp() - 1) / (2 * vocab)).mean().item()
+    assert abs(uniform - expected) < 0.01
+    assert abs(uniform - (math.log(vocab) + 0.5)) < 0.05
+    # the loss with these sampled targets: that, give or take the standard error of its mean
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+    assert abs(per_token.mean().item() - uniform) < 4 * per_token.std().item() / math.sqrt(per_token.numel())
+    with torch.no_grad():
+        assert model(tokens[:, :-1], tokens[:, 1:]).item() == pytest.approx(per_token.mean().item(), rel=1e-6)
+
+
+def test_the_residual_stream_does_not_blow_up_with_depth():
     cfg = make_config("small").model
     torch.manual_seed(0)
     model = Transformer(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (4, 129))
-    with torch.no_grad():
-        loss = model(tokens[:, :-1], tokens[:, 1:]).item()
-    assert abs(loss - math.log(cfg.vocab_size)) < 0.6
-    # and the residual stream does not blow up with depth
     hidden = model.tok_embeddings(tokens[:, :-1])
     for block in model.blocks.values():
         hidden = block(hidden, model.rope(0, 128))

@@ -7,7 +7,6 @@ from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.optim.clip import clip_grad_norm
-from lmforge.optim.schedule import learning_rate
 from lmforge.train.setup import weight_decay_groups
 
 
@@ -173,17 +172,6 @@ def test_weight_decay_skips_gains_and_biases_and_counts_tied_once():
     decay, no_decay = weight_decay_groups(model, 0.1)
     assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
     assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == model.num_params()
-
-
-def test_schedule_warmup_then_cosine_to_floor():
-    lr = lambda s: learning_rate(s, peak=1.0, floor=0.1, warmup_steps=10, total_steps=110)
-    assert lr(0) == pytest.approx(0.1)
-    assert lr(9) == pytest.approx(1.0)  # peak reached at the end of warmup
-    assert lr(10) == pytest.approx(1.0)
-    assert lr(60) == pytest.approx(0.55, abs=0.01)  # half way: midpoint of peak and floor
-    assert lr(109) == pytest.approx(0.1)
-    values = [lr(s) for s in range(10, 110)]
-    assert all(a >= b for a, b in zip(values, values[1:]))  # monotone decay
 
 
 def test_clip_matches_torch():

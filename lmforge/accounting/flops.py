@@ -51,14 +51,15 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "n
     Chowdhery et al. 2022, appendix B). Full recomputation runs each block's forward twice, except
     its last matmul: torch.utils.checkpoint stops recomputing once every tensor backward needs is
     back, and the MLP's down projection output is needed by no one. Selective recomputation
-    (Korthikanti et al. 2022, section 4.2) reruns only QK^T and AV."""
+    (Korthikanti et al. 2022, section 4.2) reruns the attention core: QK^T and AV where it is one
+    fused op (sdpa, flash_*), QK^T alone with `naive`, whose AV output backward does not need."""
     parts = forward_flops_breakdown(cfg, seq_len)
     extra = 0.0
     if recompute == "full":
         down_projection = cfg.n_layers * 2 * cfg.d_model * cfg.ffn_dim
         extra = sum(v for k, v in parts.items() if k != "lm_head") - down_projection
     elif recompute == "selective":
-        extra = parts["attention_scores_qk"] + parts["attention_values_av"]
+        extra = parts["attention_scores_qk"] + (parts["attention_values_av"] if cfg.attention != "naive" else 0)
     elif recompute != "none":
         raise ValueError(f"unknown recompute mode {recompute!r}")
     return training_flops_per_token(cfg, seq_len) + extra

@@ -6,8 +6,11 @@ FLOPs the hardware really ran, recomputation included.
 
 Datasheet peaks are dense (no 2:4 sparsity), in FLOP/s, for the dtype of the matmul inputs with
 fp32 accumulation where the vendor lists both. The measured peak is the best FLOP/s of large
-square matmuls (2*n^3 FLOPs each) in the given dtype, measured once per machine, torch version
-and thread count and cached in the user's cache dir.
+square matmuls (2*n^3 FLOPs each) in the given dtype over several short timings, so that a
+moment when other work shares the machine lowers some timings but not the best one. It is
+measured once per machine, torch version and thread count and cached in the user's cache dir
+with when it was measured and the load average then (os.getloadavg); measured on a busy
+machine it is too low in every later MFU: `lmforge plan --hardware this --remeasure` replaces it.
 """
 
 import json
@@ -15,6 +18,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -115,8 +119,8 @@ def device_name(device: torch.device) -> str:
 
 
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        sizes: tuple[int, ...] = (1024, 2048), seconds: float = 0.5) -> float:
-    """Best achieved FLOP/s over square matmuls of the given sizes."""
+                        sizes: tuple[int, ...] = (1024, 2048), runs: int = 5, seconds: float = 0.1) -> float:
+    """Best achieved FLOP/s over `runs` timings of about `seconds` each, per square matmul size."""
     device = torch.device(device)
     best = 0.0
     generator = torch.Generator(device).manual_seed(0)  # leave the global RNG to the training run
@@ -125,22 +129,26 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.
         b = torch.randn(n, n, device=device, generator=generator).to(dtype)
         a @ b  # warm-up: allocation, kernel selection
         _sync(device)
-        reps, elapsed = 0, 0.0
-        started = time.perf_counter()
-        while elapsed < seconds:
-            a @ b
-            _sync(device)
-            reps += 1
-            elapsed = time.perf_counter() - started
-        best = max(best, 2 * n**3 * reps / elapsed)
-        if elapsed / reps * 8 > seconds:
-            break  # one matmul of twice the size would outlast the budget: a dtype with no fast
-            # path here (fp16 on most CPUs), where larger sizes only add waiting
+        for _ in range(runs):
+            reps, elapsed = 0, 0.0
+            started = time.perf_counter()
+            while elapsed < seconds:
+                a @ b
+                _sync(device)
+                reps += 1
+                elapsed = time.perf_counter() - started
+            best = max(best, 2 * n**3 * reps / elapsed)
+            if elapsed / reps > seconds * runs / 2:
+                break  # one matmul takes half the budget: a dtype with no fast path here (fp16 on most CPUs)
+        if elapsed / reps * 8 > seconds * runs:
+            break  # twice the size (8x the work) would outlast this size's budget: only waiting to gain
     return best
 
 
-def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> float:
-    """Measured peak FLOP/s for this machine and dtype, from the cache when measured before."""
+def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                remeasure: bool = False) -> float:
+    """Measured peak FLOP/s for this machine and dtype, from the cache when measured before
+    (unless `remeasure`). A cache entry records when and under what load it was measured."""
     device = torch.device(device)
     key = f"{device_name(device)}|{dtype}|torch {torch.__version__}"
     path = cache_path()
@@ -148,16 +156,20 @@ def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device =
         cache = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         cache = {}
-    if key not in cache:
-        cache[key] = measure_matmul_peak(dtype, device)
+    entry = cache.get(key)
+    if remeasure or not isinstance(entry, dict):  # a bare number (older caches) says nothing of its load
+        load = os.getloadavg() if hasattr(os, "getloadavg") else None
+        entry = cache[key] = {"flops": measure_matmul_peak(dtype, device),
+                              "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                              "load_average_1_5_15_min": load, "cpus": os.cpu_count()}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: concurrent writers
             tmp.write_text(json.dumps(cache, indent=2))
             os.replace(tmp, path)
         except OSError:
             pass  # a read-only home still gets the number, just not cached
-    return cache[key]
+    return entry["flops"]
 
 
 # The matmul timed for a matmul dtype's peak on this machine. fp8 matmuls (`torch._scaled_mm`)
@@ -166,14 +178,15 @@ TIMED_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
                "float8": torch.bfloat16}
 
 
-def this_device(matmul_dtype: str, device: torch.device) -> tuple[str, float, int]:
-    """(name, measured peak FLOP/s for `matmul_dtype`, memory bytes) of `device`, as a plan wants it."""
+def this_device(matmul_dtype: str, device: torch.device, remeasure: bool = False) -> tuple[str, float, int]:
+    """(name, measured peak FLOP/s for `matmul_dtype`, memory bytes) of `device`, as a plan wants it;
+    `remeasure` replaces the cached peak."""
     timed = TIMED_DTYPE[matmul_dtype]
     name = device_name(device)
     if str(timed).removeprefix("torch.") != matmul_dtype:
         name += f" ({str(timed).removeprefix('torch.')} peak standing in for {matmul_dtype})"
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory_bytes()
-    return name, matmul_peak(timed, device), memory
+    return name, matmul_peak(timed, device, remeasure), memory
 
 
 def _sync(device: torch.device) -> None:

@@ -38,23 +38,33 @@ class BatchLoader:
         self.wait_seconds = 0.0  # time the consumer spent blocked on an empty queue
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
+        self._error: BaseException | None = None  # what stopped the producer, raised by every later __next__
         self._thread = threading.Thread(target=self._produce, args=(start,), daemon=True)
         self._thread.start()
 
     def _produce(self, index: int) -> None:
-        while not self._stop.is_set():
-            batch = window_batch(self.tokens, self.batch_size, self.seq_len, self.seed, index,
-                                 pin_memory=self.device.type == "cuda")
-            self._queue.put(batch)  # sleeps until the consumer takes one: no polling
-            index += 1
+        try:
+            while not self._stop.is_set():
+                batch = window_batch(self.tokens, self.batch_size, self.seq_len, self.seed, index,
+                                     pin_memory=self.device.type == "cuda")
+                self._queue.put(batch)  # sleeps until the consumer takes one: no polling
+                index += 1
+        except BaseException as err:  # hand it to the consumer, which would otherwise wait forever
+            self._queue.put(err)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._error is not None:
+            raise self._error
         started = time.perf_counter()
-        x, y = self._queue.get()
+        item = self._queue.get()
         self.wait_seconds += time.perf_counter() - started
+        if isinstance(item, BaseException):  # the producer failed making this batch and has stopped
+            self._error = item
+            raise item
+        x, y = item
         self.position += 1
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 

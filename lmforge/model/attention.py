@@ -17,7 +17,8 @@ Backends:
                 not the N x N probabilities (lmforge/kernels/flash_torch.py). No dropout.
   flash_triton  the same as Triton kernels, on CUDA, or on CPU under TRITON_INTERPRET=1 for
                 tests (lmforge/kernels/flash_triton.py). Needs the optional triton. No dropout.
-  auto          the fastest available on the tensors' device, see `resolve_backend`.
+  auto          the backend measured fastest and checked on the tensors' device: sdpa (see
+                `resolve_backend`).
 """
 
 import math
@@ -79,19 +80,18 @@ class AttentionCore(nn.Module):
 
 
 def resolve_backend(device: torch.device, *, dropout_p: float = 0.0) -> str:
-    """The backend `auto` stands for on `device`.
+    """The backend `auto` stands for on `device`: sdpa, on CPU and on CUDA.
 
-    CPU: sdpa. In bench/RESULTS.md ("Attention backends") its fused C++ kernel was the fastest
-    for forward+backward at every length from 128 to 4096 (flash_torch 1.04-1.98x its time, naive
-    up to 4.2x), and it saves the same O(T) bytes as flash_torch. The Triton interpreter is for
+    CPU: in bench/RESULTS.md ("Attention backends") sdpa's fused C++ kernel was the fastest for
+    forward+backward at every length from 128 to 4096 (flash_torch 1.04-1.98x its time, naive up
+    to 4.2x), and it saves the same O(T) bytes as flash_torch. The Triton interpreter is for
     tests only.
-    CUDA: flash_triton when triton is installed and no dropout is asked for, so that the kernels
-    written here are the ones used (issue: "used automatically on CUDA"); sdpa otherwise. Its
-    speed against sdpa's own FlashAttention-2 kernel has not been measured yet (no GPU here): run
-    bench/attention.py on a GPU and revisit this choice with the ratio.
+    CUDA: sdpa as well. The Triton kernels have only run in Triton's CPU interpreter (whose bf16
+    path upcasts tiles to fp32), never compiled for a GPU: their GPU block sizes, bf16 path and
+    speed against sdpa's own FlashAttention-2 kernel are unchecked. Pick flash_triton by name to
+    try them; `auto` can choose them once a GPU run of tests/test_flash.py and bench/attention.py
+    backs it.
     """
-    if device.type == "cuda" and dropout_p == 0.0 and flash_triton.unavailable_reason(device) is None:
-        return "flash_triton"
     return "sdpa"
 
 

@@ -8,9 +8,11 @@ The scheme, per tensor:
       N(0, 1/in) further divided by sqrt(2 * n_layers) in standard deviation
       (GPT-2, Radford et al. 2019, section 2.3): the stream sums 2 * n_layers such outputs, so its
       variance stays O(1) with depth instead of growing linearly;
-  * token and position embeddings: N(0, 1/d_model); with tied embeddings this is also the LM head,
-      and a unit-RMS final hidden state then gives logits of unit variance, so the initial loss
-      is close to ln(vocab_size), the loss of a uniform guess;
+  * token and position embeddings: N(0, 1/d_model); with tied embeddings this is also the LM head
+      (untied, the head is a linear with the same N(0, 1/d_model)), and a unit-RMS final hidden
+      state then gives logits of unit variance. The initial loss is therefore ln(vocab_size) + 1/2,
+      not ln(vocab_size): E[logsumexp] of V logits iid N(0, s^2) is ln V + s^2/2 (for large V),
+      half a nat above a uniform guess (tests/test_model.py checks it to 0.01 nats);
   * biases: 0; normalisation layers keep the gain 1 and bias 0 they are built with.
 """
 

@@ -1,14 +1,82 @@
 """Learning rate: linear warmup, then cosine decay to a floor (Loshchilov & Hutter 2017, SGDR
-eq. 5 without restarts; the schedule of GPT-3, Brown et al. 2020, appendix B)."""
+eq. 5 without restarts; the schedule of GPT-3, Brown et al. 2020, appendix B).
+
+Steps are 0-based: step s sets the rate of the (s+1)-th optimizer update. With W = warmup_steps
+and D = decay_steps, warmup and decay meet at one step, W - 1, the only one at the peak:
+
+    s <  W - 1          peak * (s + 1) / W                 rising: peak/W, 2 peak/W, ...
+    s == W - 1          peak                               the last warmup step is the first of the cosine
+    W - 1 < s < D - 1   floor + (peak - floor) * (1 + cos(pi * (s - W + 1) / (D - W))) / 2
+    s >= D - 1          floor                              the schedule's last step, and any after it
+
+W = 0 and W = 1 both start at the peak. D is fixed when a run starts (optim.decay_steps, by
+default train.max_steps then), so extending a finished run with a larger train.max_steps trains
+on at the floor instead of re-stretching the cosine under the steps already taken. A schedule
+with no room to decay (D <= W) stays at the peak after its warmup.
+"""
 
 import math
+from dataclasses import dataclass
 
 
-def learning_rate(step: int, *, peak: float, floor: float, warmup_steps: int, total_steps: int) -> float:
-    """The rate for optimizer step `step` (0-based) of `total_steps`."""
-    if step < warmup_steps:
-        return peak * (step + 1) / warmup_steps
-    if total_steps <= warmup_steps:
-        return peak
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps))
-    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+@dataclass(frozen=True)
+class Schedule:
+    peak: float
+    floor: float
+    warmup_steps: int
+    decay_steps: int
+
+    @classmethod
+    def of(cls, cfg) -> "Schedule":
+        """The schedule of a Config; optim.decay_steps=None (not fixed yet) stands for train.max_steps."""
+        o = cfg.optim
+        return cls(peak=o.lr, floor=o.lr * o.min_lr_ratio, warmup_steps=o.warmup_steps,
+                   decay_steps=o.decay_steps or cfg.train.max_steps)
+
+    @property
+    def peak_step(self) -> int:
+        return max(self.warmup_steps, 1) - 1
+
+    def __call__(self, step: int) -> float:
+        """The rate of optimizer step `step` (0-based)."""
+        if step < self.peak_step:
+            return self.peak * (step + 1) / self.warmup_steps
+        decay = self.decay_steps - 1 - self.peak_step  # steps from the peak down to the floor
+        if decay <= 0:
+            return self.peak
+        progress = min(1.0, (step - self.peak_step) / decay)
+        return self.floor + 0.5 * (self.peak - self.floor) * (1.0 + math.cos(math.pi * progress))
+
+
+# The settings behind each field, to name what changed at a resume.
+SETTINGS = {"peak": "optim.lr", "floor": "floor (optim.lr * optim.min_lr_ratio)",
+            "warmup_steps": "optim.warmup_steps", "decay_steps": "optim.decay_steps"}
+
+
+def resume_note(step: int, before: Schedule, after: Schedule, max_steps: int) -> str:
+    """What the learning rate does when a run that has taken `step` steps under `before` goes on
+    under `after` (the resumed settings) to `max_steps`: one line for the user."""
+    last, nxt = before(step - 1), after(step)
+    if not math.isclose(nxt, before(step), rel_tol=1e-12):
+        changed = ", ".join(f"{key} {getattr(before, field):g} -> {getattr(after, field):g}"
+                            for field, key in SETTINGS.items() if getattr(before, field) != getattr(after, field))
+        return f"the learning rate jumps from {last:.3g} to {nxt:.3g} ({changed}), then {_remaining(step, after, max_steps)}"
+    if step >= after.decay_steps and after.decay_steps > after.peak_step + 1:
+        return (f"the schedule ended at step {after.decay_steps}: the learning rate stays at its floor "
+                f"{after.floor:.3g} to step {max_steps} (set optim.decay_steps to stretch it)")
+    return f"the learning rate continues its schedule from {nxt:.3g}: {_remaining(step, after, max_steps)}"
+
+
+def _remaining(step: int, schedule: Schedule, max_steps: int) -> str:
+    if schedule.decay_steps <= schedule.peak_step + 1:
+        return f"stays at {schedule.peak:.3g} to step {max_steps} (no room to decay)"
+    if step >= schedule.decay_steps:
+        return f"stays at its floor {schedule.floor:.3g} to step {max_steps}"
+    if step < schedule.peak_step:
+        start = f"rises to {schedule.peak:.3g} at step {schedule.peak_step + 1}, "
+    else:
+        start = ""
+    if schedule.decay_steps >= max_steps:
+        return f"{start}decays to {schedule(max_steps - 1):.3g} at step {max_steps}"
+    return (f"{start}decays to its floor {schedule.floor:.3g} at step {schedule.decay_steps} and stays there "
+            f"to step {max_steps}")

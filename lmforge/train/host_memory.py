@@ -3,10 +3,11 @@
 PyTorch's CPU tensors come from malloc. glibc serves large blocks with fresh mmap() calls, unmaps
 them when they are freed, and trims the top of its heap; a training step frees and re-allocates the
 same large activations every step, so the kernel maps and zeroes those pages again, one fault per
-4 KiB page. On the default config that is ~40,000 minor page faults and ~70 ms of kernel time per
+4 KiB page. On the default config that is 39-43k minor page faults and ~70 ms of kernel time per
 0.5 s step. Raising the mmap threshold to its maximum (32 MiB), growing the heap in large steps
-(M_TOP_PAD) and never trimming it keeps the pages: ~1,000 faults per step and 4-6% faster steps
-(`bench/throughput.py` prints faults per step with and without this).
+(M_TOP_PAD) and never trimming it keeps most of the pages: 14.6-19.5k faults per step and 4-5%
+faster steps (`bench/throughput.py` prints faults per step with and without this; two runs in
+bench/RESULTS.md).
 
 The cost is that the process keeps its peak memory until it exits, as a training process does anyway.
 """

@@ -20,7 +20,7 @@ from lmforge.accounting.flops import hardware_flops_per_token, training_flops_pe
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name, this_device
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
 from lmforge.accounting.plan import Setup, make_plan, matmul_dtype
-from lmforge.config import Config, config_to_dict
+from lmforge.config import Config, config_to_dict, config_warnings, load_config
 from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.data.prepare import PreparedData, prepare_data
 from lmforge.data.tokenizer import END_OF_TEXT
@@ -31,7 +31,7 @@ from lmforge.kernels import flash_triton
 from lmforge.model.attention import FLASH_BACKENDS
 from lmforge.model.transformer import Transformer
 from lmforge.optim.clip import clip_grad_norm
-from lmforge.optim.schedule import learning_rate
+from lmforge.optim.schedule import Schedule, resume_note
 from lmforge.planning import print_comparison, print_plan
 from lmforge.precision import LossScaler, autocast, device_notes, get_policy
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
@@ -40,6 +40,7 @@ from lmforge.train.host_memory import retain_freed_memory
 from lmforge.train.report import MetricsLog, plot_losses, print_table, run_title
 from lmforge.train.setup import build
 from lmforge.train.signals import StopRequests, Stopped
+from lmforge.warnings import warn
 
 # Under fp16-mixed a step with inf/NaN gradients is skipped and the loss scale halved: normal at
 # the start of a run and now and then later. This many skips in a row (the scale fell 2**64-fold)
@@ -104,6 +105,8 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
                  progress: bool = True):
         self.cfg, self.run_dir, self.console, self.progress = cfg, Path(run_dir), console or Console(), progress
+        for message in config_warnings(cfg):
+            warn(message)
         self.device = resolve_device(cfg.train.device)
         if self.device.type == "cpu":
             retain_freed_memory()
@@ -224,7 +227,10 @@ class Trainer:
         if step == self.cfg.train.max_steps:
             self.console.print(f"{self.run_dir} reached step {step} but stopped before its summary: writing it")
         else:
-            self.console.print(f"resuming {self.run_dir} from {path.name}")
+            before = Schedule.of(load_config(path / "config.yaml"))  # the schedule the checkpoint was trained under
+            self.console.print(f"resuming {self.run_dir} at step {step} ({path.name}): "
+                               f"{resume_note(step, before, Schedule.of(self.cfg), self.cfg.train.max_steps)}",
+                               soft_wrap=True)  # one line, however narrow the terminal
         return state["loader_position"], metrics_kept
 
     def save(self) -> Path:
@@ -250,8 +256,7 @@ class Trainer:
         set: under fp16-mixed the loss scaler also lowers the scale; the caller decides when too
         many bad steps stop the run."""
         cfg = self.cfg
-        lr = learning_rate(self.step, peak=cfg.optim.lr, floor=cfg.optim.lr * cfg.optim.min_lr_ratio,
-                           warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.max_steps)
+        lr = Schedule.of(cfg)(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
@@ -392,14 +397,17 @@ class Trainer:
 
     # -- after training -----------------------------------------------------------------------------
 
-    def sample(self, prompt: str, max_new_tokens: int, seed: int = 0) -> str:
-        """Continue `prompt`; an empty one is the start of the first validation document, so that the
-        sample begins in the corpus's own language."""
+    def default_prompt(self) -> str:
+        """The start of the first validation document: a sample prompt in the corpus's own language."""
         tokenizer = self.data.tokenizer
         end = tokenizer.token_to_id(END_OF_TEXT)
-        if not prompt:
-            start = self.data.val[:SAMPLE_PROMPT_TOKENS].tolist()
-            prompt = tokenizer.decode(start[:start.index(end)] if end in start else start)
+        start = self.data.val[:SAMPLE_PROMPT_TOKENS].tolist()
+        return tokenizer.decode(start[:start.index(end)] if end in start else start)
+
+    def sample(self, prompt: str, max_new_tokens: int, seed: int = 0) -> str:
+        """`prompt` and its continuation."""
+        tokenizer = self.data.tokenizer
+        end = tokenizer.token_to_id(END_OF_TEXT)
         ids = generate(self.model, tokenizer.encode(prompt).ids or [end], max_new_tokens, temperature=0.8,
                        top_p=0.95, stop_token=end, seed=seed)
         return prompt + tokenizer.decode(ids)
@@ -438,7 +446,8 @@ class Trainer:
                     title=run_title(self.run_dir.name, cfg, summary["parameters"]),
                     unigram_entropy=meta["unigram_entropy_nats"], tokens_per_step=self.tokens_per_step)
         if cfg.train.sample_tokens:
-            summary["sample"] = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
+            summary["sample_prompt"] = cfg.train.sample_prompt or self.default_prompt()
+            summary["sample"] = self.sample(summary["sample_prompt"], cfg.train.sample_tokens)
             (self.run_dir / "sample.txt").write_text(summary["sample"])
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print_table(self.console, [
