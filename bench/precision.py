@@ -104,7 +104,7 @@ def main() -> None:
     from lmforge.accounting.hardware import device_name
     from lmforge.config import make_config
     from lmforge.train.report import read_metrics
-    from lmforge.train.trainer import Trainer
+    from lmforge.train.loop import Trainer
 
     policies = args.policies.split(",")
     if args.threads:

@@ -46,12 +46,13 @@ def build_step(side: str, args):
 
     cfg = make_config(args.model, overrides=args.overrides + ["train.sample_tokens=0"])
     if side.startswith("ours"):
-        import lmforge.train.trainer as trainer_module
+        from lmforge.train.host_memory import retain_freed_memory
+        from lmforge.train.loop import Trainer
 
-        if side == "ours, default malloc":
-            trainer_module.retain_freed_memory = lambda: False
-        trainer = trainer_module.Trainer(cfg, Path(args.scratch) / f"ours-{time.time_ns()}",
-                                         console=Console(quiet=True), progress=False)
+        if side == "ours":  # as `lmforge train` does; each side runs in a process of its own
+            retain_freed_memory()
+        trainer = Trainer(cfg, Path(args.scratch) / f"ours-{time.time_ns()}", console=Console(quiet=True),
+                          progress=False)
         return trainer.train_step, trainer.loader
 
     from reference_llama import ReferenceLlama
@@ -113,7 +114,7 @@ def optimizer_step_seconds(args) -> tuple[dict[str, float], list]:
     from lmforge.model.transformer import Transformer
     from lmforge.optim.adamw import AdamW
     from lmforge.train.host_memory import retain_freed_memory
-    from lmforge.train.trainer import resolve_device, weight_decay_groups
+    from lmforge.train.setup import resolve_device, weight_decay_groups
 
     cfg = make_config(args.model, overrides=args.overrides)
     device = resolve_device(cfg.train.device)

@@ -184,9 +184,12 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from lmforge.accounting.hardware import this_device
     from lmforge.train.checkpoint import list_checkpoints
+    from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.train.loop import Trainer
+    from lmforge.train.setup import resolve_device
     from lmforge.train.signals import Stopped
-    from lmforge.train.trainer import Trainer
 
     if args.resume:
         if args.config or args.model or args.name or args.out:
@@ -208,7 +211,10 @@ def cmd_train(args) -> int:
             run_dir = Path(args.out)
         else:
             run_dir = Path("runs") / (args.name or f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
+    if resolve_device(cfg.train.device).type == "cpu":
+        retain_freed_memory()  # process-wide malloc tuning, chosen here (train/host_memory.py says why)
+    # the measured matmul peak behind MFU, cached per machine (lmforge plan --hardware this --remeasure)
+    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device)
     resume = f"lmforge train --resume {run_dir}"
     try:
         trainer.run()
@@ -227,13 +233,11 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
     from lmforge.data.tokenizer import END_OF_TEXT, load_tokenizer
     from lmforge.generate.sampling import generate
     from lmforge.model.transformer import Transformer
     from lmforge.train import checkpoint as ckpt
-    from lmforge.train.trainer import resolve_device
+    from lmforge.train.setup import resolve_device
 
     if args.max_new_tokens < 1 or args.temperature < 0 or args.num_samples < 1:
         raise LmforgeError("--max-new-tokens and --num-samples must be >= 1 and --temperature >= 0")
@@ -260,9 +264,8 @@ def cmd_generate(args) -> int:
 def cmd_plan(args) -> int:
     import json
 
-    from rich.console import Console
-
     import torch
+    from rich.console import Console
 
     from lmforge.accounting.hardware import this_device
     from lmforge.accounting.plan import Setup, make_plan, matmul_dtype

@@ -107,6 +107,8 @@ class TrainConfig:
     recompute: str = "none"  # none | selective | full: activation recomputation in backward
     sample_tokens: int = 200  # tokens generated at the end of training; 0 disables
     sample_prompt: str = ""  # "": the start of a validation document (a prompt in the corpus's language)
+    tensorboard: bool = True  # TensorBoard event files in the run folder (tensorboard --logdir runs)
+    wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)
 
 
 @dataclass

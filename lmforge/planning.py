@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmforge.accounting.dtypes import dtype_table
+from lmforge.formatting import human_bytes, human_count, human_seconds
 
 MEMORY_LABELS = {
     "parameters": "parameters",
@@ -17,32 +18,6 @@ MEMORY_LABELS = {
     "activations": "activations (saved for backward)",
     "logits": "logits + fp32 loss copy",
 }
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n:,.0f} B"
-
-
-def human_count(n: float) -> str:
-    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n:,.0f}"
-
-
-def human_seconds(s: float) -> str:
-    if s >= 86400:
-        return f"{s / 86400:,.1f} days"
-    if s >= 3600:
-        return f"{s / 3600:,.1f} h"
-    if s >= 60:
-        return f"{s / 60:,.1f} min"
-    if s >= 1:
-        return f"{s:,.2f} s"
-    return f"{s * 1e3:,.1f} ms"
 
 
 def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> None:

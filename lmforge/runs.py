@@ -21,7 +21,8 @@ from lmforge.accounting.memory import parameter_count
 from lmforge.config import SECTIONS, Config
 from lmforge.errors import LmforgeError
 from lmforge.folder_lock import is_locked
-from lmforge.train.report import batch_label, model_label, read_metrics
+from lmforge.train.plots import batch_label, model_label
+from lmforge.train.report import read_metrics
 
 
 @dataclass

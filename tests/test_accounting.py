@@ -119,7 +119,7 @@ def test_plan_command_bad_input_is_one_line(capsys):
 
 
 def test_trainer_reports_predicted_beside_measured(tiny_config, tmp_path):
-    from lmforge.train.trainer import Trainer
+    from lmforge.train.loop import Trainer
 
     cfg = tiny_config(max_steps=4, eval_interval=4, checkpoint_interval=4, recompute="selective")
     summary = Trainer(cfg, tmp_path / "run", progress=False).run()

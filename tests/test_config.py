@@ -8,7 +8,7 @@ from rich.console import Console
 from lmforge.config import MODEL_PRESETS, config_warnings, load_config, make_config, save_config
 from lmforge.errors import LmforgeError
 from lmforge.model.transformer import Transformer
-from lmforge.train.trainer import Trainer
+from lmforge.train.loop import Trainer
 
 
 def param_count(preset: str) -> int:

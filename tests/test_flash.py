@@ -232,7 +232,7 @@ def test_flash_triton_saves_the_same_linear_memory():
 def test_training_with_flash_torch_follows_the_sdpa_loss_curve(tiny_config, tmp_path, monkeypatch):
     from rich.console import Console
 
-    from lmforge.train.trainer import Trainer
+    from lmforge.train.loop import Trainer
 
     # Blocks of 16 make the 64-token windows span 4 x 4 tiles, so the tiling is exercised; the
     # counter proves the flash run really went through flash_torch.

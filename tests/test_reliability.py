@@ -242,7 +242,7 @@ def test_more_user_errors_are_one_line(tmp_path, capsys, monkeypatch, args, mess
     (["model.attention=flash_triton"], "attention backend 'flash_triton' "),
     (["model.attention=flash_torch", "model.dropout=0.1"],
      "model.attention=flash_torch does not support attention dropout (model.dropout=0.1)"),
-    (["optim.lr=3.3e38", "optim.warmup_steps=0"], "optim.lr=3.3e+38 makes AdamW's first update"),
+    (["optim.lr=3.3e38", "optim.warmup_steps=0"], "optim.lr=3.3e+38 overflows fp32 in AdamW's first step"),
 ])
 def test_training_errors_are_found_before_the_run_folder_is_written(tmp_path, corpus_dir, data_dir, capsys,
                                                                      monkeypatch, extra, message):

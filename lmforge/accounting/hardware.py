@@ -146,9 +146,10 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.
 
 
 def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                remeasure: bool = False) -> float:
+                remeasure: bool = False, store: bool = True) -> float:
     """Measured peak FLOP/s for this machine and dtype, from the cache when measured before
-    (unless `remeasure`). A cache entry records when and under what load it was measured."""
+    (unless `remeasure`). A cache entry records when and under what load it was measured; a new
+    measurement is written to the cache only with `store` (the CLI's choice, not a library's)."""
     device = torch.device(device)
     key = f"{device_name(device)}|{dtype}|torch {torch.__version__}"
     path = cache_path()
@@ -162,6 +163,8 @@ def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device =
         entry = cache[key] = {"flops": measure_matmul_peak(dtype, device),
                               "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                               "load_average_1_5_15_min": load, "cpus": os.cpu_count()}
+        if not store:
+            return entry["flops"]
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: concurrent writers
@@ -178,15 +181,16 @@ TIMED_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
                "float8": torch.bfloat16}
 
 
-def this_device(matmul_dtype: str, device: torch.device, remeasure: bool = False) -> tuple[str, float, int]:
+def this_device(matmul_dtype: str, device: torch.device, remeasure: bool = False,
+                store: bool = True) -> tuple[str, float, int]:
     """(name, measured peak FLOP/s for `matmul_dtype`, memory bytes) of `device`, as a plan wants it;
-    `remeasure` replaces the cached peak."""
+    `remeasure` replaces the cached peak, `store` writes a new measurement to the cache."""
     timed = TIMED_DTYPE[matmul_dtype]
     name = device_name(device)
     if str(timed).removeprefix("torch.") != matmul_dtype:
         name += f" ({str(timed).removeprefix('torch.')} peak standing in for {matmul_dtype})"
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory_bytes()
-    return name, matmul_peak(timed, device, remeasure), memory
+    return name, matmul_peak(timed, device, remeasure, store), memory
 
 
 def _sync(device: torch.device) -> None:

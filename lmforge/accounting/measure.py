@@ -6,6 +6,7 @@ counted once, at its full size. Storages that belong to parameters are reported 
 the weights themselves, already counted as parameter memory, not activations.
 """
 
+import resource
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -97,3 +98,11 @@ def model_state_bytes_measured(model: torch.nn.Module, optimizer: torch.optim.Op
     return {"parameters": sum(p.nbytes for p in params),
             "gradients": sum(p.grad.nbytes for p in params if p.grad is not None),
             "optimizer_states": states}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: allocated tensors on CUDA, the process's resident set on CPU (which also
+    holds the Python runtime and libraries: an upper bound on what training needs)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

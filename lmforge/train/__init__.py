@@ -1,1 +1,1 @@
-"""The training loop (trainer.py), checkpoints (checkpoint.py) and run reports (report.py)."""
+"""Training: setup.py (build and wrap), loop.py (the steps), state.py and checkpoint.py (the run folder), report.py, tracking.py, plots.py and summary.py (what a run reports)."""

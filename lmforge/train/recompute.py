@@ -11,7 +11,6 @@ form (works with keyword arguments and with inputs that do not require grad). ac
 counts what each mode keeps and accounting/flops.py the FLOPs it adds (HFU).
 """
 
-import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 

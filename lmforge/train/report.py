@@ -1,15 +1,23 @@
-"""What a run leaves for people: metrics.jsonl, loss.png and the end-of-run summary table."""
+"""What a run reports while it trains: metrics.jsonl, TensorBoard (and W&B), the progress bar.
 
-import dataclasses
+Each record (a dict with its `step`) goes to all of them at once, so they always agree. The
+progress bar reads like torchtitan's metrics line: loss, learning rate, gradient norm, tokens/s,
+MFU, memory, then tqdm's ETA; with --no-progress (batch jobs, CI logs) the same fields are printed
+as one plain line per record instead.
+"""
+
 import json
 import os
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from tqdm import tqdm
 
-from lmforge.config import MODEL_PRESETS, Config, ModelConfig
+from lmforge.config import Config, config_to_dict
 from lmforge.errors import LmforgeError
+from lmforge.formatting import format_duration, human_bytes
+from lmforge.train.tracking import Trackers
 
 
 class MetricsLog:
@@ -77,74 +85,6 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
-def model_label(m: ModelConfig) -> str:
-    """The preset's name when the shape is one (how attention is computed does not change it), else
-    the family and shape: "small" or "llama 8x384"."""
-    shape = {**dataclasses.asdict(m), "attention": "sdpa", "dropout": 0.0}
-    for name, preset in MODEL_PRESETS.items():
-        if dataclasses.asdict(ModelConfig(**preset)) == shape:
-            return name
-    return f"{m.family} {m.n_layers}x{m.d_model}"
-
-
-def batch_label(cfg: Config) -> str:
-    """Sequences x tokens per micro-batch, and the accumulation: "8x256" or "8x256 x4 accum"."""
-    accum = f" x{cfg.train.grad_accum} accum" if cfg.train.grad_accum > 1 else ""
-    return f"{cfg.train.batch_size}x{cfg.seq_len}{accum}"
-
-
-def run_title(name: str, cfg: Config, parameters: int) -> str:
-    """Two lines naming a run and the settings that shape its curves."""
-    return (f"{name}: {model_label(cfg.model)}, {parameters / 1e6:.2f}M parameters\n"
-            f"batch {batch_label(cfg)}, {cfg.train.precision}, lr {cfg.optim.lr:g} "
-            f"(warmup {cfg.optim.warmup_steps}), {cfg.train.max_steps} steps")
-
-
-def plot_losses(metrics_path: Path, png_path: Path, title: str, unigram_entropy: float | None = None,
-                tokens_per_step: int | None = None) -> None:
-    """Three panels against the step: training and validation loss (with the unigram-entropy
-    baseline), learning rate, tokens/s; tokens seen on the top axis when tokens_per_step is given."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import EngFormatter
-
-    records = read_metrics(metrics_path)
-
-    def series(key):
-        return list(zip(*[(r["step"], r[key]) for r in records if r.get(key) is not None])) or [(), ()]
-
-    fig, (ax_loss, ax_lr, ax_speed) = plt.subplots(3, 1, figsize=(7.5, 7.5), dpi=120, sharex=True,
-                                                   gridspec_kw={"height_ratios": [3, 1.2, 1.2]})
-    ax_loss.plot(*series("train_loss"), label="train", color="tab:blue", linewidth=1.2)
-    ax_loss.plot(*series("val_loss"), "o-", label="validation", color="tab:orange", markersize=4)
-    if unigram_entropy is not None:
-        ax_loss.axhline(unigram_entropy, color="gray", linestyle="--", linewidth=1,
-                        label=f"unigram entropy ({unigram_entropy:.2f})")
-    ax_loss.set_ylabel("cross-entropy\n(nats/token)")
-    ax_loss.legend()
-    if tokens_per_step:
-        tokens = ax_loss.secondary_xaxis("top", functions=(lambda s: s * tokens_per_step,
-                                                           lambda n: n / tokens_per_step))
-        tokens.set_xlabel("tokens seen")
-        tokens.xaxis.set_major_formatter(EngFormatter())
-    ax_lr.plot(*series("lr"), color="tab:green", linewidth=1.2)
-    ax_lr.set_ylabel("learning rate")
-    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    ax_speed.plot(*series("tokens_per_s"), color="tab:purple", linewidth=1.2)
-    ax_speed.set_ylabel("tokens/s")
-    ax_speed.yaxis.set_major_formatter(EngFormatter())
-    ax_speed.set_ylim(bottom=0)
-    ax_speed.set_xlabel("step")
-    for ax in (ax_loss, ax_lr, ax_speed):
-        ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
-
-
 def print_table(console: Console, rows: list[tuple[str, str]], title: str) -> None:
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("what", style="bold")
@@ -152,3 +92,69 @@ def print_table(console: Console, rows: list[tuple[str, str]], title: str) -> No
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+
+
+def format_mfu(mfu: float) -> str:
+    """MFU as a percentage; "-" when it rounds to nothing (a model too small to measure it by)."""
+    if mfu < 0.0005:
+        return "-"
+    return f"{mfu:.0%}" if mfu >= 0.1 else f"{mfu:.1%}"
+
+
+def metrics_line(record: dict) -> str:
+    """The fields of a training record, in torchtitan's order: loss, lr, grad norm, tokens/s, MFU,
+    memory (and HFU, loss scale where the run has them)."""
+    parts = [f"loss {record['train_loss']:.4f}" if record.get("train_loss") is not None else "loss -",
+             f"lr {record['lr']:.2e}", f"grad {record['grad_norm']:.3g}",
+             f"{record['tokens_per_s']:,.0f} tok/s", f"MFU {format_mfu(record['mfu'])}"]
+    if "hfu" in record:
+        parts.append(f"HFU {format_mfu(record['hfu'])}")
+    parts.append(f"mem {human_bytes(record['peak_memory_bytes'])}")
+    if "loss_scale" in record:
+        parts.append(f"scale {record['loss_scale']:g}")
+    return " | ".join(parts)
+
+
+class StepLog:
+    """Where the loop's records go. `keep` (on resume): the metrics.jsonl lines to keep; the
+    trackers drop what an interrupted session logged after `start_step` too."""
+
+    def __init__(self, run_dir: Path, cfg: Config, console: Console, progress: bool, start_step: int,
+                 keep: list[str] | None):
+        self.console, self.progress, self.max_steps = console, progress, cfg.train.max_steps
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep=keep)
+        self.trackers = Trackers(run_dir, tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb,
+                                 config=config_to_dict(cfg), resume_step=start_step if keep is not None else None)
+        self.bar = tqdm(total=self.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                        disable=not progress, bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {postfix} | "
+                                                         "ETA {remaining}")
+
+    def advance(self) -> None:
+        self.bar.update(1)
+
+    def record(self, record: dict, steps_per_second: float | None = None) -> None:
+        """Log a record everywhere; a training record also updates the bar (or prints its line)."""
+        self.metrics.write(record)
+        self.trackers.write(record)
+        if "train_loss" not in record:
+            return
+        line = metrics_line(record)
+        if self.progress:
+            self.bar.set_postfix_str(line)
+        else:
+            eta = (self.max_steps - record["step"]) / steps_per_second if steps_per_second else None
+            self.console.print(f"step {record['step']}/{self.max_steps} | {line}"
+                               + (f" | ETA {format_duration(eta)}" if eta is not None else ""),
+                               highlight=False, soft_wrap=True)
+
+    def note(self, text: str) -> None:
+        """A line between bar updates (an evaluation's result)."""
+        if self.progress:
+            self.bar.write(text)
+        else:
+            self.console.print(text, highlight=False)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.metrics.close()
+        self.trackers.close()

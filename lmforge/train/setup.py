@@ -18,6 +18,9 @@ import torch
 import torch.nn as nn
 
 from lmforge.config import Config
+from lmforge.errors import LmforgeError
+from lmforge.kernels import flash_triton
+from lmforge.model.attention import FLASH_BACKENDS
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.precision import get_policy, prepare_model
@@ -58,3 +61,54 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> tuple[nn.Module, A
     """Model and optimizer of a training run, built and wrapped in the documented order."""
     model = build_model(cfg, device)
     return model, build_optimizer(cfg, model)
+
+
+def resolve_device(name: str, setting: str = "train.device") -> torch.device:
+    """The torch device for `name` (auto, cpu, cuda, cuda:N), checked; `setting` names the option
+    that gave it, for the message."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise LmforgeError(f"{setting}={name} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise LmforgeError(f"{setting}={name}: lmforge runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LmforgeError(f"{setting}={name} but no CUDA device is available: use cpu (or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise LmforgeError(f"{setting}={name} but this machine has {torch.cuda.device_count()} CUDA "
+                               f"device(s): use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
+def check_attention(model_cfg, device: torch.device) -> None:
+    """What the first forward pass would refuse, refused before the run folder is written."""
+    backend = model_cfg.attention
+    if backend in FLASH_BACKENDS and model_cfg.dropout > 0:
+        raise LmforgeError(f"model.attention={backend} does not support attention dropout "
+                           f"(model.dropout={model_cfg.dropout}): set model.dropout=0 or use sdpa or naive")
+    if backend == "flash_triton":
+        reason = flash_triton.unavailable_reason(device)
+        if reason:
+            raise LmforgeError(reason)
+
+
+def check_data(cfg: Config, data, warn) -> None:
+    """Prepared data that cannot train this model stops here (a smaller tokenizer only warns)."""
+    tokenizer_vocab = data.meta["tokenizer_vocab_size"]
+    if tokenizer_vocab > cfg.model.vocab_size:
+        raise LmforgeError(f"the tokenizer in {data.dir} has {tokenizer_vocab} tokens but "
+                           f"model.vocab_size is {cfg.model.vocab_size}: they must match")
+    if tokenizer_vocab < cfg.model.vocab_size:
+        # Allowed, since padding the vocabulary (e.g. to a multiple of 64) is a real speed trick;
+        # but usually the corpus was too small for the BPE trainer to learn that many tokens.
+        warn(f"the tokenizer in {data.dir} has {tokenizer_vocab} tokens, "
+                           f"model.vocab_size is {cfg.model.vocab_size}: the other "
+                           f"{cfg.model.vocab_size - tokenizer_vocab} embedding rows are never "
+                           f"used (set model.vocab_size={tokenizer_vocab} unless that padding is on purpose)")
+    if len(data.val) < cfg.seq_len + 1 or len(data.train) < cfg.seq_len + 1:
+        raise LmforgeError(f"the corpus is too small for windows of {cfg.seq_len} tokens "
+                           f"({len(data.train)} train, {len(data.val)} val tokens): "
+                           f"add text or lower train.seq_len")

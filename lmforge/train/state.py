@@ -1,0 +1,81 @@
+"""A run's folder and the state that makes it resumable.
+
+    runs/<name>/                 one folder per run, one writer at a time (lmforge/folder_lock.py)
+      config.yaml, tokenizer.json   what the run was started (or last resumed) with
+      metrics.jsonl                 one record per log or evaluation (train/report.py)
+      checkpoints/step_NNNNNNN/     model, optimizer, RNG and `RunState` (train/checkpoint.py)
+
+`RunState` is everything besides tensors that the loop needs to continue exactly: the step, the
+logging window (so that a record logged after a resume averages what it would have averaged),
+the counts of skipped and bad steps, and the history of losses. `RunFolder` opens a new folder or
+restores the newest good checkpoint of an old one; it reads only, until every check has passed.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from lmforge.errors import LmforgeError
+from lmforge.folder_lock import FolderLock
+from lmforge.train import checkpoint as ckpt
+from lmforge.train.report import MetricsLog
+
+
+@dataclass
+class RunState:
+    step: int = 0  # optimizer steps taken
+    loader_position: int = 0  # batches handed out by the data loader
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
+    bad_in_a_row: int = 0  # bad steps since the last good one (the guard stops the run on too many)
+    history: dict = field(default_factory=dict)  # latest train and validation loss
+    # the logging window: what the next metrics record averages
+    window: dict = field(default_factory=lambda: {"loss_sum": 0.0, "good_steps": 0, "lost_updates": [0, 0],
+                                                  "last_loss": None})
+
+
+class RunFolder:
+    """The folder of one run, locked from construction until `release()`."""
+
+    def __init__(self, run_dir: Path, warn):
+        self.path, self.warn = Path(run_dir), warn
+        for path in (self.path, *self.path.parents):
+            if path.exists() and not path.is_dir():
+                raise LmforgeError(f"{path} is a file, not a folder: pick another --out or --name")
+        self.lock = FolderLock(self.path, "training")
+
+    def check_new(self) -> None:
+        if self.path.exists() and any(self.path.iterdir()):
+            raise LmforgeError(f"run folder {self.path} already exists: continue it with "
+                               f"--resume {self.path}, or pick another --name")
+
+    def latest_checkpoint(self) -> tuple[Path, dict]:
+        """The newest good checkpoint and its state.json; a checkpoint of an older format stops here."""
+        ckpt.remove_partials(self.path)  # a save killed half way: ours to clean now that we hold the lock
+        path = ckpt.find_checkpoint(self.path, warn=self.warn)
+        state = json.loads((path / "state.json").read_text())
+        ckpt.check_format(path, state)
+        return path, state
+
+    def restore(self, path: Path, state: dict, model, optimizer) -> tuple[RunState, list[str]]:
+        """Load weights, optimizer state and RNG from checkpoint `path`; returns the run state and the
+        metrics lines to keep. Reads only."""
+        metrics_kept = MetricsLog.lines_to_keep(self.path / "metrics.jsonl", state["step"], warn=self.warn)
+        ckpt.load_model_weights(model, path)
+        ckpt.load_optimizer_state(model, optimizer, path, state["param_groups"])
+        ckpt.load_rng_states(path)
+        fields = RunState.__dataclass_fields__
+        return RunState(**{key: value for key, value in state["run"].items() if key in fields}), metrics_kept
+
+    def write_start(self, config_yaml: str, tokenizer_json: str) -> None:
+        """The first writes of a session: the folder, and the config and tokenizer it runs with (on
+        resume the config may carry new train.* settings, and a damaged copy is repaired)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "config.yaml").write_text(config_yaml)
+        (self.path / "tokenizer.json").write_text(tokenizer_json)
+
+    def save(self, run: RunState, model, optimizer, extra_state: dict, files: dict[str, bytes], keep: int) -> Path:
+        state = {"run": asdict(run), **extra_state}
+        return ckpt.save_checkpoint(self.path, run.step, model, optimizer, state, files, keep=keep)
+
+    def release(self) -> None:
+        self.lock.release()

@@ -1,0 +1,173 @@
+"""The end of a run: the summary (summary.json, the table, loss.png, a sample) and the plan printed
+at the start set beside what the session measured.
+
+`FirstStepMeasurement` takes those measurements in the first optimizer step of a session through
+hooks (a forward pre/post hook on the model for the first micro-batch, a step post-hook on the
+optimizer), so the training loop itself holds no measuring code; each hook removes itself once it
+has run.
+"""
+
+import json
+import math
+
+import torch
+
+from lmforge.accounting.hardware import TIMED_DTYPE, device_name
+from lmforge.data.tokenizer import END_OF_TEXT
+from lmforge.generate.sampling import generate
+from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
+from lmforge.planning import print_comparison
+from lmforge.train.plots import plot_losses, run_title
+from lmforge.train.report import print_table
+
+# train.sample_prompt="" starts the end-of-run sample with this many tokens of a validation document.
+SAMPLE_PROMPT_TOKENS = 8
+
+
+class FirstStepMeasurement:
+    """`bytes`: activations saved for backward by the first micro-batch's forward, parameter,
+    gradient and optimizer-state bytes after the first applied step, and on CUDA the peak allocated."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.bytes: dict = {}
+        self._saving = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self._hooks = {"forward_pre": model.register_forward_pre_hook(self._start_forward),
+                       "forward": model.register_forward_hook(self._end_forward),
+                       "step": optimizer.register_step_post_hook(self._after_step)}
+
+    def _start_forward(self, module, args):
+        if torch.is_grad_enabled():  # a training forward (evaluation runs under no_grad)
+            self._saving = measure_saved_bytes(self.model.parameters())
+            self._saved = self._saving.__enter__()
+
+    def _end_forward(self, module, args, output):
+        if self._saving is not None:
+            self._saving.__exit__(None, None, None)
+            self.bytes["activations"] = self._saved.activations
+            self._saving = None
+            for name in ("forward_pre", "forward"):
+                self._hooks.pop(name).remove()
+
+    def _after_step(self, optimizer, args, kwargs):
+        self.bytes.update(model_state_bytes_measured(self.model, self.optimizer))
+        if self.device.type == "cuda":
+            self.bytes["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        self._hooks.pop("step").remove()
+
+    def close(self) -> None:
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+
+
+def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
+    """The end of a session: summary.json, loss.png, sample.txt, the summary table and the plan set
+    beside what was measured."""
+    cfg = trainer.cfg
+    steps = trainer.step - start_step
+    tokens_per_s = steps * trainer.tokens_per_step / train_seconds if train_seconds else 0.0
+    meta = trainer.data.meta
+    val_split = meta["splits"]["val"]
+    val_loss = trainer.history["val_loss"]
+    summary = {
+        "run_dir": str(trainer.run_dir),
+        "device": device_name(trainer.device),
+        "parameters": trainer.model.num_params(),
+        "steps": trainer.step,
+        "tokens_trained": trainer.step * trainer.tokens_per_step,
+        "train_seconds_this_session": train_seconds,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": trainer.flops_per_token,
+        "peak_flops_measured": trainer.peak_flops,
+        "mfu": tokens_per_s * trainer.flops_per_token / trainer.peak_flops,
+        "data_wait_fraction": trainer.loader.wait_seconds / train_seconds if train_seconds else 0.0,
+        "precision": trainer.policy.name,
+        "skipped_steps": trainer.skipped_steps,
+        "lost_update_fraction": (trainer.lost_updates_total[0] / trainer.lost_updates_total[1]
+                                 if trainer.lost_updates_total[1] else None),
+        "train_loss": trainer.history["train_loss"],
+        "val_loss": val_loss,
+        "val_perplexity": math.exp(val_loss),
+        "val_bits_per_byte": val_loss * val_split["tokens"] / val_split["bytes"] / math.log(2),
+        "unigram_entropy_nats": meta["unigram_entropy_nats"],
+    }
+    summary["predicted_vs_measured"] = comparison = predicted_vs_measured(trainer, tokens_per_s)
+    plot_losses(trainer.run_dir / "metrics.jsonl", trainer.run_dir / "loss.png",
+                title=run_title(trainer.run_dir.name, cfg, summary["parameters"]),
+                unigram_entropy=meta["unigram_entropy_nats"], tokens_per_step=trainer.tokens_per_step)
+    if cfg.train.sample_tokens:
+        summary["sample_prompt"] = cfg.train.sample_prompt or default_prompt(trainer)
+        summary["sample"] = sample(trainer, summary["sample_prompt"], cfg.train.sample_tokens)
+        (trainer.run_dir / "sample.txt").write_text(summary["sample"])
+    (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_table(trainer.console, [
+        ("parameters", f"{summary['parameters'] / 1e6:.2f} M"),
+        ("steps", f"{trainer.step:,} ({summary['tokens_trained']:,} tokens)"),
+        ("training time (this session)", f"{train_seconds:.0f} s"),
+        ("throughput", f"{tokens_per_s:,.0f} tokens/s"),
+        ("MFU", f"{summary['mfu']:.1%}"),
+        ("peak, measured", f"{trainer.peak_flops / 1e9:,.0f} GFLOP/s ({timed_dtype(trainer.peak_dtype)} matmul)"),
+        ("device", summary["device"]),
+        ("precision", trainer.policy.name + (", attention in fp32" if cfg.train.fp32_attention else "")),
+        ("skipped steps (non-finite)", f"{trainer.skipped_steps:,}" + (
+            f", loss scale now {trainer.scaler.scale_value:g}" if trainer.scaler.enabled else "")),
+        *([("updates rounded to zero (bf16 weights)", f"{summary['lost_update_fraction']:.2%}")]
+          if summary["lost_update_fraction"] is not None else []),
+        ("data loader waiting", f"{summary['data_wait_fraction']:.2%} of step time"),
+        ("train loss", f"{summary['train_loss']:.4f} nats/token"),
+        ("validation loss", f"{val_loss:.4f} nats/token"),
+        ("validation perplexity", f"{summary['val_perplexity']:.1f} ({summary['val_bits_per_byte']:.3f} bits/byte)"),
+        ("unigram entropy of the corpus", f"{meta['unigram_entropy_nats']:.4f} nats/token"),
+        ("run folder", str(trainer.run_dir)),
+    ], title="lmforge train: summary")
+    print_comparison(trainer.console, comparison)
+    if cfg.train.sample_tokens:
+        trainer.console.rule("sample")
+        trainer.console.print(summary["sample"], markup=False, highlight=False)
+    return summary
+
+
+def timed_dtype(peak_dtype: str) -> str:
+    """The dtype whose matmuls were timed for the peak (fp8's peak is bf16's)."""
+    timed = str(TIMED_DTYPE[peak_dtype]).removeprefix("torch.")
+    return timed if timed == peak_dtype else f"{timed}, standing in for {peak_dtype}"
+
+
+def predicted_vs_measured(trainer, tokens_per_s: float) -> dict:
+    """The plan printed at the start beside what this session measured."""
+    plan, measured = trainer.plan, trainer.measured.bytes
+    breakdown = plan["memory"]["breakdown_bytes"]
+    activations = plan["memory"]["activation_breakdown_bytes"]
+    rows = {
+        "tokens_per_s": (plan["time"]["tokens_per_second"], tokens_per_s),
+        "mfu": (1.0, tokens_per_s * trainer.flops_per_token / trainer.peak_flops),
+    }
+    if trainer.cfg.train.recompute != "none":
+        rows["hfu"] = (1.0, tokens_per_s * trainer.hardware_flops_per_token / trainer.peak_flops)
+    for key in ("parameters", "gradients", "optimizer_states"):
+        rows[f"{key}_bytes"] = (breakdown[key], measured.get(key))
+    # what one micro-batch saves for backward: the layers, embedding, head and the weight casts
+    rows["activations_bytes"] = (sum(activations.values()) - activations.get("recomputed_layer", 0)
+                                 + breakdown["weight_copies"], measured.get("activations"))
+    if "peak_allocated" in measured:
+        rows["peak_memory_bytes"] = (plan["memory"]["per_device_bytes"], measured["peak_allocated"])
+    return {key: {"predicted": p, "measured": m} for key, (p, m) in rows.items()}
+
+
+def default_prompt(trainer) -> str:
+    """The start of the first validation document: a sample prompt in the corpus's own language."""
+    tokenizer = trainer.data.tokenizer
+    end = tokenizer.token_to_id(END_OF_TEXT)
+    start = trainer.data.val[:SAMPLE_PROMPT_TOKENS].tolist()
+    return tokenizer.decode(start[:start.index(end)] if end in start else start)
+
+def sample(trainer, prompt: str, max_new_tokens: int, seed: int = 0) -> str:
+    """`prompt` and its continuation."""
+    tokenizer = trainer.data.tokenizer
+    end = tokenizer.token_to_id(END_OF_TEXT)
+    ids = generate(trainer.model, tokenizer.encode(prompt).ids or [end], max_new_tokens, temperature=0.8,
+                   top_p=0.95, stop_token=end, seed=seed)
+    return prompt + tokenizer.decode(ids)
