@@ -9,8 +9,15 @@ from lmforge.config import make_config
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
-    """Measured matmul peaks go to a per-session cache, not the user's home."""
+    """Measured matmul peaks go to a per-session cache, not the user's home, measured once here as
+    `lmforge train` measures them (a Trainer built directly reads the cache but never writes it)."""
+    import torch
+
+    from lmforge.accounting.hardware import this_device
+
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    for dtype in ("float32", "bfloat16", "float16"):
+        this_device(dtype, torch.device("cpu"))
 
 
 @pytest.fixture(scope="session")
