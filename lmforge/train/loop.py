@@ -21,7 +21,6 @@ from rich.console import Console
 
 from lmforge.accounting.flops import hardware_flops_per_token, training_flops_per_token
 from lmforge.accounting.hardware import this_device
-from lmforge.accounting.measure import peak_memory_bytes
 from lmforge.accounting.plan import Setup, make_plan, matmul_dtype
 from lmforge.config import Config, config_to_dict, config_warnings, load_config
 from lmforge.data.loader import BatchLoader, window_batch
@@ -34,7 +33,7 @@ from lmforge.planning import print_plan
 from lmforge.precision import LossScaler, autocast, device_notes, get_policy
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.report import StepLog
+from lmforge.train.report import StepLog, training_record
 from lmforge.train.setup import build, check_attention, check_data, resolve_device
 from lmforge.train.signals import StopRequests, Stopped
 from lmforge.train.state import RunFolder, RunState
@@ -123,30 +122,19 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def _restore(self, path: Path, state: dict) -> tuple[RunState, list[str]]:
-        """Check that checkpoint `path` fits this run and load it; reads only."""
-        if state["tokenizer_sha256"] != self.data.meta["tokenizer_sha256"]:
-            raise LmforgeError(f"checkpoint {path} was trained with another tokenizer than the one in "
-                               f"{self.data.dir}: point data.dir at the run's original data")
+        """Load checkpoint `path` once it is checked to fit this run; reads only."""
+        run, metrics_kept = self.folder.restore(path, state, self.model, self.optimizer, self.cfg,
+                                                self.policy.name, self.data)
         precision = state["precision"]
-        if precision["policy"] != self.policy.name:
-            raise LmforgeError(f"checkpoint {path} was trained with train.precision={precision['policy']}, not "
-                               f"{self.policy.name}: resume with the same precision (its optimizer state, "
-                               f"loss scale and fp8 scales belong to it), or start a new run")
-        step = state["step"]
-        finished = (self.run_dir / "summary.json").is_file()
-        if step > self.cfg.train.max_steps or (step == self.cfg.train.max_steps and finished):
-            raise LmforgeError(f"{self.run_dir} already reached step {step} of train.max_steps="
-                               f"{self.cfg.train.max_steps}: pass a larger train.max_steps to continue")
-        run, metrics_kept = self.folder.restore(path, state, self.model, self.optimizer)
         if "loss_scaler" in precision:
             self.scaler.load_state_dict(precision["loss_scaler"])
         load_fp8_scale_state(self.model, precision.get("fp8_scales", {}))
-        if step == self.cfg.train.max_steps:
-            self.console.print(f"{self.run_dir} reached step {step} but stopped before its summary: writing it")
+        if run.step == self.cfg.train.max_steps:
+            self.console.print(f"{self.run_dir} reached step {run.step} but stopped before its summary: writing it")
         else:
             before = Schedule.of(load_config(path / "config.yaml"))  # the schedule the checkpoint was trained under
-            self.console.print(f"resuming {self.run_dir} at step {step} ({path.name}): "
-                               f"{resume_note(step, before, Schedule.of(self.cfg), self.cfg.train.max_steps)}",
+            self.console.print(f"resuming {self.run_dir} at step {run.step} ({path.name}): "
+                               f"{resume_note(run.step, before, Schedule.of(self.cfg), self.cfg.train.max_steps)}",
                                soft_wrap=True)  # one line, however narrow the terminal
         return run, metrics_kept
 
@@ -254,7 +242,8 @@ class Trainer:
             last = state.step == t.max_steps
             if state.step % t.log_interval == 0 or last:
                 steps_per_second = window_steps / window_seconds
-                self.log.record(self._record(grad_norm.item(), steps_per_second, session_start), steps_per_second)
+                self.log.record(training_record(self, grad_norm.item(), steps_per_second, session_start),
+                                steps_per_second)
                 window.update(loss_sum=0.0, good_steps=0, lost_updates=[0, 0])
                 window_seconds, window_steps = 0.0, 0
             if (t.eval_interval and state.step % t.eval_interval == 0) or last:
@@ -269,27 +258,6 @@ class Trainer:
                 raise Stopped(stop.received, state.step, saved or self.save())
         state.history["train_loss"] = window["last_loss"]
         return train_seconds
-
-    def _record(self, grad_norm: float, steps_per_second: float, session_start: float) -> dict:
-        """The metrics record of the logging window that ends at this step."""
-        state, window = self.state, self.state.window
-        if window["good_steps"]:  # mean over the window's good steps: less noisy than one step's
-            window["last_loss"] = window["loss_sum"] / window["good_steps"]
-        tokens_per_s = steps_per_second * self.tokens_per_step
-        record = {"step": state.step, "train_loss": window["last_loss"], "grad_norm": grad_norm,
-                  "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_s": tokens_per_s,
-                  "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
-                  "tokens_seen": state.step * self.tokens_per_step, "skipped_steps": state.skipped_steps,
-                  "time": time.time(), "elapsed_s": time.time() - session_start,
-                  "peak_memory_bytes": peak_memory_bytes(self.device)}
-        if self.cfg.train.recompute != "none":  # hardware FLOPs include the recomputed forward
-            record["hfu"] = tokens_per_s * self.hardware_flops_per_token / self.peak_flops
-        if self.scaler.enabled:
-            record["loss_scale"] = self.scaler.scale_value
-        if self.optimizer.count_lost_updates:
-            lost, updated = window["lost_updates"]
-            record["lost_update_fraction"] = lost / updated if updated else 0.0
-        return record
 
     def _guard(self, loss: float, grad_norm: float) -> None:
         """Stop the run when bad (skipped) steps keep coming; before this step is checkpointed, so

@@ -8,12 +8,14 @@ as one plain line per record instead.
 
 import json
 import os
+import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from lmforge.accounting.measure import peak_memory_bytes
 from lmforge.config import Config, config_to_dict
 from lmforge.errors import LmforgeError
 from lmforge.formatting import format_duration, human_bytes
@@ -158,3 +160,26 @@ class StepLog:
         self.bar.close()
         self.metrics.close()
         self.trackers.close()
+
+
+def training_record(trainer, grad_norm: float, steps_per_second: float, session_start: float) -> dict:
+    """The metrics record of the logging window that ends at the trainer's current step (and the
+    window's mean loss, kept in its run state)."""
+    state, window = trainer.state, trainer.state.window
+    if window["good_steps"]:  # mean over the window's good steps: less noisy than one step's
+        window["last_loss"] = window["loss_sum"] / window["good_steps"]
+    tokens_per_s = steps_per_second * trainer.tokens_per_step
+    record = {"step": state.step, "train_loss": window["last_loss"], "grad_norm": grad_norm,
+              "lr": trainer.optimizer.param_groups[0]["lr"], "tokens_per_s": tokens_per_s,
+              "mfu": tokens_per_s * trainer.flops_per_token / trainer.peak_flops,
+              "tokens_seen": state.step * trainer.tokens_per_step, "skipped_steps": state.skipped_steps,
+              "time": time.time(), "elapsed_s": time.time() - session_start,
+              "peak_memory_bytes": peak_memory_bytes(trainer.device)}
+    if trainer.cfg.train.recompute != "none":  # hardware FLOPs include the recomputed forward
+        record["hfu"] = tokens_per_s * trainer.hardware_flops_per_token / trainer.peak_flops
+    if trainer.scaler.enabled:
+        record["loss_scale"] = trainer.scaler.scale_value
+    if trainer.optimizer.count_lost_updates:
+        lost, updated = window["lost_updates"]
+        record["lost_update_fraction"] = lost / updated if updated else 0.0
+    return record

@@ -56,9 +56,21 @@ class RunFolder:
         ckpt.check_format(path, state)
         return path, state
 
-    def restore(self, path: Path, state: dict, model, optimizer) -> tuple[RunState, list[str]]:
-        """Load weights, optimizer state and RNG from checkpoint `path`; returns the run state and the
-        metrics lines to keep. Reads only."""
+    def restore(self, path: Path, state: dict, model, optimizer, cfg, policy: str, data) -> tuple[RunState, list[str]]:
+        """Check that checkpoint `path` belongs to this run's tokenizer, precision policy and length,
+        then load weights, optimizer state and RNG; returns the run state and the metrics lines to
+        keep. Reads only."""
+        if state["tokenizer_sha256"] != data.meta["tokenizer_sha256"]:
+            raise LmforgeError(f"checkpoint {path} was trained with another tokenizer than the one in "
+                               f"{data.dir}: point data.dir at the run's original data")
+        if state["precision"]["policy"] != policy:
+            raise LmforgeError(f"checkpoint {path} was trained with train.precision={state['precision']['policy']}, "
+                               f"not {policy}: resume with the same precision (its optimizer state, loss scale and "
+                               f"fp8 scales belong to it), or start a new run")
+        step, max_steps = state["step"], cfg.train.max_steps
+        if step > max_steps or (step == max_steps and (self.path / "summary.json").is_file()):
+            raise LmforgeError(f"{self.path} already reached step {step} of train.max_steps={max_steps}: "
+                               f"pass a larger train.max_steps to continue")
         metrics_kept = MetricsLog.lines_to_keep(self.path / "metrics.jsonl", state["step"], warn=self.warn)
         ckpt.load_model_weights(model, path)
         ckpt.load_optimizer_state(model, optimizer, path, state["param_groups"])
