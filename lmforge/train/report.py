@@ -15,7 +15,6 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from lmforge.accounting.measure import peak_memory_bytes
 from lmforge.config import Config, config_to_dict
 from lmforge.errors import LmforgeError
 from lmforge.formatting import format_duration, human_bytes
@@ -165,6 +164,8 @@ class StepLog:
 def training_record(trainer, grad_norm: float, steps_per_second: float, session_start: float) -> dict:
     """The metrics record of the logging window that ends at the trainer's current step (and the
     window's mean loss, kept in its run state)."""
+    from lmforge.accounting.measure import peak_memory_bytes  # torch: not at import (`lmforge runs` reads this file)
+
     state, window = trainer.state, trainer.state.window
     if window["good_steps"]:  # mean over the window's good steps: less noisy than one step's
         window["last_loss"] = window["loss_sum"] / window["good_steps"]
