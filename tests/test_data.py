@@ -246,3 +246,20 @@ def test_a_loader_for_a_missing_gpu_raises_instead_of_hanging():
 def test_loader_rejects_a_file_shorter_than_a_window():
     with pytest.raises(ValueError, match="cannot fill one window"):
         BatchLoader(np.arange(10, dtype=np.uint16), 2, 16, seed=0)
+
+
+def test_the_split_does_not_depend_on_where_the_corpus_lies(tmp_path):
+    """Documents are named by their path inside the folder given, so the same corpus in another
+    place (another test's temporary folder, a moved checkout) splits the same way."""
+    from lmforge.data.corpus import load_documents, split_documents
+
+    splits = []
+    for place in ("a", "b/deeper"):
+        folder = tmp_path / place / "notes"
+        (folder / "sub").mkdir(parents=True)
+        for i in range(40):
+            (folder / ("sub" if i % 2 else "") / f"doc{i}.txt").write_text(f"document {i}\n" * 5)
+        train, val = split_documents(load_documents(str(folder)), val_fraction=0.2)
+        splits.append(sorted(d.name for d in val))
+    assert splits[0] and splits[0] == splits[1]
+    assert all(name.startswith(("doc", "sub/doc")) for name in splits[0])  # named inside the folder

@@ -46,7 +46,9 @@ def stdlib_name() -> str:
 
 def file_documents(paths: list[str]) -> list[Document]:
     """Documents from .txt/.jsonl files and folders: a text file is one document, a .jsonl file
-    holds one document per line as {"text": ...}."""
+    holds one document per line as {"text": ...}. A document is named by its path from the folder
+    given (`a/b.txt` in `notes/`), or by its file name: the split, a hash of names, then does not depend
+    on where the corpus lies on disk."""
     docs = []
     for raw in paths:
         path = Path(raw).expanduser()
@@ -56,20 +58,21 @@ def file_documents(paths: list[str]) -> list[Document]:
             files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + (".jsonl",))
             if not files:
                 raise LmforgeError(f"data folder {raw} holds no {', '.join(TEXT_SUFFIXES)} or .jsonl files")
+            named = [(file, file.relative_to(path).as_posix()) for file in files]
         else:
-            files = [path]
-        for file in files:
-            docs.extend(_read_file(file))
+            named = [(path, path.name)]
+        for file, name in named:
+            docs.extend(_read_file(file, name))
     return docs
 
 
-def _read_file(path: Path) -> list[Document]:
+def _read_file(path: Path, name: str) -> list[Document]:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
         raise LmforgeError(f"{path} is not UTF-8 text") from None
     if path.suffix != ".jsonl":
-        return [Document(str(path), text)] if text.strip() else []
+        return [Document(name, text)] if text.strip() else []
     docs = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -81,7 +84,7 @@ def _read_file(path: Path) -> list[Document]:
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise LmforgeError(f'{path}:{number} must be an object with a "text" string')
         if record["text"].strip():
-            docs.append(Document(f"{path}:{number}", record["text"]))
+            docs.append(Document(f"{name}:{number}", record["text"]))
     return docs
 
 
