@@ -28,7 +28,7 @@ from lmforge.errors import LmforgeError
 from lmforge.folder_lock import FolderLock
 from lmforge.generate.sampling import generate
 from lmforge.kernels import flash_triton
-from lmforge.model.attention import FLASH_BACKENDS
+from lmforge.model.backends import FLASH_BACKENDS
 from lmforge.model.transformer import Transformer
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.optim.schedule import Schedule, resume_note
