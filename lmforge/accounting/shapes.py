@@ -56,15 +56,21 @@ def model_shapes(cfg: ModelConfig) -> Shapes:
     return _shapes(dataclasses.astuple(cfg))
 
 
-@functools.lru_cache(maxsize=64)
-def _shapes(values: tuple) -> Shapes:
+def meta_model(cfg: ModelConfig):
+    """lmforge's Transformer for `cfg` on the meta device: shapes, no storage, no initialisation."""
     import torch
-    import torch.nn as nn
 
     from lmforge.model.transformer import Transformer
 
     with torch.device("meta"):
-        model = Transformer(ModelConfig(*values))
+        return Transformer(cfg)
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes(values: tuple) -> Shapes:
+    import torch.nn as nn
+
+    model = meta_model(ModelConfig(*values))
     linear_weights: dict[str, int] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
