@@ -10,8 +10,8 @@ from lmforge.config import MODEL_PRESETS, make_config
 from lmforge.generate.sampling import KVCache
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.precision.policies import POLICIES
-from lmforge.precision.policy import autocast, get_policy, prepare_model
+from lmforge.precision.policies import POLICIES, get_policy
+from lmforge.precision.policy import autocast, prepare_model
 from lmforge.train.recompute import apply_recompute
 
 CONFIGS = {

@@ -1,4 +1,5 @@
-"""Memory per device, in bytes, from the config alone: model states, activations, KV cache.
+"""Memory per device, in bytes, from the config and the model's shapes: model states, activations,
+KV cache.
 
 Model states (Rajbhandari et al. 2020, "ZeRO", section 3.1): parameters, gradients and optimizer
 states. In the paper's mixed-precision Adam a parameter costs 2 + 2 + K bytes (fp16 weight, fp16
@@ -11,8 +12,9 @@ Activations: what autograd saves for backward. Korthikanti et al. 2022 ("Reducin
 Recomputation in Large Transformer Models", section 4) count s*b*h*(34 + 5*a*s/h) bytes per
 layer for GPT-3 in 16-bit with dropout; `korthikanti_activation_bytes` is that count with its
 variants. `activation_breakdown` counts, tensor by tensor, what lmforge's model saves, in the
-dtypes each precision policy gives those tensors; tests/test_memory.py checks it against the
-bytes autograd really saves (accounting/measure.py).
+dtypes each precision policy gives those tensors (the family's own terms: activations.py; the
+bytes per element: precision/policies.py); tests/test_memory.py checks it against the bytes
+autograd really saves (accounting/measure.py).
 """
 
 from lmforge.accounting.activations import FAMILY_ACTIVATIONS

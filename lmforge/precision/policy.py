@@ -29,7 +29,7 @@ import torch.nn as nn
 from lmforge.errors import LmforgeError, lookup
 from lmforge.model.transformer import Attention
 from lmforge.precision.fp8 import Fp8Linear, hardware_fp8
-from lmforge.precision.policies import FP8_SCALINGS, Policy, get_policy  # noqa: F401 (get_policy: for the torch side's users)
+from lmforge.precision.policies import FP8_SCALINGS, Policy
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:
