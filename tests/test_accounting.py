@@ -1,6 +1,8 @@
 """Dtypes, hardware peaks, MFU, `lmforge plan` and the trainer's predicted-vs-measured report."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -175,6 +177,14 @@ def test_a_70b_plan_reads_a_model_that_holds_no_memory():
     assert model_shapes(cfg).parameters == 70_553_706_496
     plan = make_plan(cfg, Setup(batch_size=1, seq_len=8192, hardware="h100-sxm"))
     assert plan["model"]["parameters"] == 70_553_706_496
+    # nor does it initialise anything: the meta kernels of random fills would load torch._dynamo
+    # (seconds, against ~0.1 s for the whole plan), so a fresh process plans without it
+    code = ("import sys; from lmforge.accounting.plan import Setup, make_plan; from lmforge.config import make_config; "
+            "make_plan(make_config('llama3-70b').model, Setup(hardware='h100-sxm')); "
+            "print('dynamo loaded:', 'torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "dynamo loaded: False"
 
 
 @pytest.mark.parametrize("preset", ["small", "llama2-7b"])

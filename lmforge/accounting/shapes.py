@@ -59,10 +59,25 @@ def model_shapes(cfg: ModelConfig) -> Shapes:
 def meta_model(cfg: ModelConfig):
     """lmforge's Transformer for `cfg` on the meta device: shapes, no storage, no initialisation."""
     import torch
+    from torch.overrides import TorchFunctionMode
 
     from lmforge.model.transformer import Transformer
 
-    with torch.device("meta"):
+    random_fills = {torch.nn.init.normal_, torch.nn.init.uniform_, torch.nn.init.kaiming_uniform_,
+                    torch.Tensor.normal_, torch.Tensor.uniform_}
+
+    class SkipRandomFills(TorchFunctionMode):
+        """Meta tensors (all this builds) hold no values, so random initialisation has nothing to
+        do; and the meta kernel of normal_ is a Python reference that imports torch._dynamo on
+        first use: 2-3 s on a busy 2-core machine, 30x the build itself."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in random_fills:
+                return args[0] if args else kwargs["tensor"]
+            return func(*args, **kwargs)
+
+    with torch.device("meta"), SkipRandomFills():
         return Transformer(cfg)
 
 
