@@ -60,7 +60,7 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
     as [angles, angles] for the rotate-half form below (the layout of GPT-NeoX and of Hugging
     Face Llama checkpoints), which pairs dimension j with dimension j + d/2.
     """
-    # on the CPU, whatever the default device: a few kB of float64, and on the meta device (a
+    # on the CPU, whatever the default device: a few MB of float64 at most, and on the meta device (a
     # model built for its shapes) these ops would load torch._dynamo, seconds for nothing
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64, device="cpu"), inv_freq)
