@@ -15,6 +15,9 @@ from pathlib import Path
 from lmforge.config import (DEFAULT_PRESET, MODEL_PRESETS, _did_you_mean, load_config, make_config, parse_override,
                             set_value, validate)
 from lmforge.errors import LmforgeError, os_error_message
+from lmforge.model.backends import BACKENDS
+from lmforge.precision.policies import ALIASES, POLICIES
+from lmforge.recompute_modes import RECOMPUTE_MODES
 
 EXAMPLES = """\
 examples:
@@ -87,14 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch-size", type=int, help="sequences per micro-batch per data-parallel rank")
     plan.add_argument("--seq-len", type=int, help="tokens per sequence")
     plan.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
-    plan.add_argument("--precision", help="fp32, bf16-mixed, fp16-mixed, bf16-pure, fp8 (fp16/bf16 = *-mixed)")
+    aliases = ", ".join(f"{alias} = {name}" for alias, name in ALIASES.items())
+    plan.add_argument("--precision", help=f"{', '.join(POLICIES)} (or {aliases})")
     plan.add_argument("--optimizer", default="adamw", help="adamw, sgd-momentum or sgd (default adamw)")
     plan.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage 0-3 (shards over --dp)")
     plan.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (with sequence parallelism)")
     plan.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (1F1B)")
-    plan.add_argument("--recompute", help="none, selective or full activation recomputation")
-    plan.add_argument("--attention", help="naive (keeps s x s scores), sdpa, flash_torch or flash_triton")
+    plan.add_argument("--recompute", help=f"activation recomputation: {', '.join(RECOMPUTE_MODES)}")
+    plan.add_argument("--attention", help=f"{', '.join(BACKENDS)} (naive keeps the s x s scores, the others do not)")
     plan.add_argument("--fp32-attention", action="store_true", default=None,
                       help="attention core in fp32 under a low-precision policy (train.fp32_attention)")
     plan.add_argument("--hardware", default="this",

@@ -16,16 +16,12 @@ from pathlib import Path
 import yaml
 
 from lmforge.errors import LmforgeError
+# The names a setting can take, each from its one registry (light modules: no torch)
 from lmforge.model.backends import BACKENDS
+from lmforge.precision.policies import FP8_SCALINGS, POLICIES
+from lmforge.recompute_modes import RECOMPUTE_MODES
 
-FAMILIES = ("llama", "gpt")
-# Numeric policies for training (lmforge/precision/): what parameters, optimizer states and matmuls
-# are stored and computed in. accounting/memory.py knows the bytes each one costs.
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8")
-# Activation recomputation (Korthikanti et al. 2022): none, selective (recompute the attention
-# core: scores, softmax, dropout), full (recompute each block from its input).
-RECOMPUTE = ("none", "selective", "full")
-FP8_SCALINGS = ("current", "delayed")  # lmforge/precision/fp8.py
+FAMILIES = ("llama", "gpt")  # model/transformer.py builds each (its FAMILIES table has these keys)
 
 
 @dataclass
@@ -324,9 +320,9 @@ def validate(cfg: Config) -> None:
         require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
     require(cfg.seq_len <= m.max_seq_len, f"train.seq_len ({cfg.seq_len}) must not exceed model.max_seq_len "
                                           f"({m.max_seq_len})")
-    choose("train.precision", t.precision, PRECISIONS)
+    choose("train.precision", t.precision, POLICIES)
     choose("train.fp8_scaling", t.fp8_scaling, FP8_SCALINGS)
-    choose("train.recompute", t.recompute, RECOMPUTE)
+    choose("train.recompute", t.recompute, RECOMPUTE_MODES)
     require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
             f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
 

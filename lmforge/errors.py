@@ -27,3 +27,16 @@ def os_error_message(err: OSError) -> str:
     }.get(err.errno, "check the path and run again")
     where = f"{err.filename}: " if err.filename else ""
     return f"{where}{err.strerror or err} ({advice})"
+
+
+class UnknownName(LmforgeError, ValueError):
+    """A name missing from one of lmforge's registries (precision policies, attention backends,
+    recompute modes, fp8 scalings): the user's to fix (one line in the CLI), and to a library
+    caller a bad argument, the ValueError it would expect."""
+
+
+def lookup(registry, name: str, kind: str):
+    """`registry[name]`, or UnknownName saying "unknown <kind> <name>; choose one of ..."."""
+    if name not in registry:
+        raise UnknownName(f"unknown {kind} {name!r}; choose one of {', '.join(registry)}")
+    return registry[name]

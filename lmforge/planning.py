@@ -34,8 +34,11 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
                   f"{st['optimizer']}, ZeRO {st['zero_stage']}, recompute {st['recompute']}, {st['attention']}"),
         ("parallelism", parallel),
         ("tokens per step", f"{st['tokens_per_step']:,}"),
-        ("training FLOPs per token", f"{human_count(f['training_per_token'])} (6N: {human_count(f['six_n_per_token'])}, "
-                                     f"PaLM 6N+12LHQT: {human_count(f['palm_per_token'])})"),
+        ("training FLOPs per token", f"{human_count(f['training_per_token'])} "
+                                     f"(PaLM 6N+12LHQT: {human_count(f['palm_per_token'])})"),
+        # N is not the parameter count above: say which parameters it leaves out
+        ("6N", f"{human_count(f['six_n_per_token'])}, N = {human_count(m['matmul_parameters'])} matmul weights "
+               f"(norms, biases, embedding lookups left out)"),
         ("training FLOPs per step", human_count(f["training_per_step"])),
     ]:
         head.add_row(name, value)

@@ -3,7 +3,9 @@
 A run folder holds config.yaml (its settings), metrics.jsonl (one record per log or evaluation)
 and, once a session ends normally, summary.json. A training process holds an OS lock on the
 run folder while it runs (lmforge/folder_lock.py); the lock dies with the process, so a run whose
-lock can be taken is not running, however it ended. Imports no torch: listing runs answers at once.
+lock can be taken is not running, however it ended. Imports no torch: listing finished runs answers
+at once; a run without a summary has its parameters counted from its model built on the meta
+device (accounting/shapes.py), which loads torch (about 2 s, once).
 """
 
 import dataclasses
@@ -77,7 +79,9 @@ def read_run(path: Path) -> Run:
         tokens_per_s, mfu = (speed[-1]["tokens_per_s"], speed[-1].get("mfu")) if speed else (None, None)
     val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     status = "running" if is_locked(path) else "finished" if finished else "stopped"
-    return Run(path=path, cfg=cfg, parameters=parameter_count(cfg.model), step=step,
+    # the count the run's summary holds (its model's own) spares building the model
+    parameters = (summary or {}).get("parameters") or parameter_count(cfg.model)
+    return Run(path=path, cfg=cfg, parameters=parameters, step=step,
                val_loss=val[-1] if val else None, tokens_per_s=tokens_per_s, mfu=mfu, status=status, curves=records)
 
 

@@ -1,6 +1,8 @@
 """Dtypes, hardware peaks, MFU, `lmforge plan` and the trainer's predicted-vs-measured report."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,3 +153,74 @@ def test_flop_counting_leaves_torchs_global_registry_alone():
     with plain:
         model(tokens)
     assert with_attention - plain.get_total_flops() == cfg.model.n_layers * 4 * 32 * 32 * cfg.model.d_model
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "gpt2-124m"])
+def test_shapes_read_on_the_meta_device_are_the_real_models(preset):
+    """Parameters and linear-layer weights read from the meta build equal the real model's."""
+    from lmforge.accounting.shapes import model_shapes
+    from lmforge.model.transformer import Transformer
+
+    cfg = make_config(preset).model
+    real = Transformer(cfg)  # on the CPU, initialised
+    shapes = model_shapes(cfg)
+    assert shapes.parameters == sum(p.numel() for p in dict.fromkeys(real.parameters()))
+    assert shapes.matmul_weights == sum(m.weight.numel() for m in real.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_a_70b_plan_reads_a_model_that_holds_no_memory():
+    from lmforge.accounting.shapes import meta_model, model_shapes
+
+    cfg = make_config("llama3-70b").model
+    model = meta_model(cfg)
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])  # shapes only: nothing allocated
+    assert model_shapes(cfg).parameters == 70_553_706_496
+    plan = make_plan(cfg, Setup(batch_size=1, seq_len=8192, hardware="h100-sxm"))
+    assert plan["model"]["parameters"] == 70_553_706_496
+    # nor does it initialise anything: the meta kernels of random fills would load torch._dynamo
+    # (seconds, against ~0.1 s for the whole plan), so a fresh process plans without it
+    code = ("import sys; from lmforge.accounting.plan import Setup, make_plan; from lmforge.config import make_config; "
+            "make_plan(make_config('llama3-70b').model, Setup(hardware='h100-sxm')); "
+            "print('dynamo loaded:', 'torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "dynamo loaded: False"
+
+
+@pytest.mark.parametrize("preset", ["small", "llama2-7b"])
+def test_six_n_is_six_times_the_n_the_plan_prints(preset, capsys):
+    """The 6N beside the per-component count is 6 x the N printed with it, and the row says which
+    parameters N leaves out (it is not the parameter count printed above it)."""
+    from lmforge.planning import human_count
+
+    assert main(["plan", "--model", preset, "--hardware", "a100", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    n = plan["model"]["matmul_parameters"]
+    assert plan["flops"]["six_n_per_token"] == 6 * n
+    weights = ("qkv_projections", "output_projection", "mlp", "lm_head")  # 2 forward FLOPs per weight
+    assert sum(plan["flops"]["forward_per_token_by_component"][k] for k in weights) == 2 * n
+    assert main(["plan", "--model", preset, "--hardware", "a100"]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())  # the table's cells unwrapped
+    assert (f"6N {human_count(6 * n)}, N = {human_count(n)} matmul weights (norms, biases, embedding lookups "
+            f"left out)") in out
+
+
+def test_a_linear_layer_accounting_does_not_know_is_refused(monkeypatch):
+    """A new linear layer must be given its FLOP component, not be silently counted somewhere."""
+    import dataclasses
+
+    from lmforge.accounting import shapes
+    from lmforge.model import transformer
+
+    class WiderGelu(transformer.GeluMLP):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.extra_proj = torch.nn.Linear(cfg.d_model, cfg.d_model)
+
+    monkeypatch.setitem(transformer.FAMILIES, "gpt", dataclasses.replace(transformer.FAMILIES["gpt"], mlp=WiderGelu))
+    cfg = make_config("tiny", overrides=["model.family=gpt", "model.n_kv_heads=null", "model.d_model=72"]).model
+    try:
+        with pytest.raises(ValueError, match="no FLOP component for the linear layer blocks.0.mlp.extra_proj"):
+            shapes.model_shapes(cfg)
+    finally:
+        shapes._shapes.cache_clear()

@@ -91,3 +91,27 @@ def test_breakdown_components_and_the_causal_option():
     assert six_n_flops_per_token(cfg) < training_flops_per_token(cfg, 8192) == palm_flops_per_token(cfg, 8192)
     with pytest.raises(ValueError, match="unknown recompute mode"):
         hardware_flops_per_token(cfg, 128, "sometimes")
+
+
+def test_a_changed_model_is_counted_without_touching_the_accounting(monkeypatch):
+    """The matmul shapes are read from the model: a llama with a GELU MLP (two matrices instead of
+    SwiGLU's three) is counted exactly, with no change to flops.py."""
+    import dataclasses
+
+    from lmforge.accounting import shapes
+    from lmforge.model import transformer
+
+    monkeypatch.setitem(transformer.FAMILIES, "llama",
+                        dataclasses.replace(transformer.FAMILIES["llama"], mlp=transformer.GeluMLP))
+    cfg = make_config("tiny", overrides=["model.attention=naive", "model.d_model=80"]).model
+    shapes._shapes.cache_clear()  # the shapes of this config must be read from the changed model
+    try:
+        model = Transformer(cfg)
+        assert not hasattr(model.blocks["0"].mlp, "gate_proj")
+        tokens = torch.randint(0, cfg.vocab_size, (2, 33))
+        counter = FlopCounterMode(display=False)
+        with counter:
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+        assert training_flops_per_token(cfg, 32) == counter.get_total_flops() / tokens[:, :-1].numel()
+    finally:
+        shapes._shapes.cache_clear()

@@ -10,7 +10,8 @@ from lmforge.config import MODEL_PRESETS, make_config
 from lmforge.generate.sampling import KVCache
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.precision.policy import autocast, get_policy, prepare_model
+from lmforge.precision.policies import POLICIES, get_policy
+from lmforge.precision.policy import autocast, prepare_model
 from lmforge.train.recompute import apply_recompute
 
 CONFIGS = {
@@ -19,7 +20,7 @@ CONFIGS = {
     "mqa-odd-ffn": ["model.n_kv_heads=1", "model.d_ff=200", "model.vocab_size=300", "model.tie_embeddings=false"],
     "gpt": ["model.family=gpt", "model.n_kv_heads=null"],
 }
-PRECISIONS = ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8"]
+PRECISIONS = list(POLICIES)
 
 
 def build(cfg, precision="fp32", recompute="none"):

@@ -6,11 +6,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lmforge.config import PRECISIONS, RECOMPUTE, make_config
+from lmforge.config import make_config
 from lmforge.model.attention import AttentionCore
 from lmforge.model.transformer import Block, Transformer, cross_entropy_loss
 from lmforge.precision import Fp8Linear, get_policy, prepare_model
+from lmforge.precision.policies import POLICIES
 from lmforge.precision.policy import Fp32Attention
+from lmforge.recompute_modes import RECOMPUTE_MODES
 from lmforge.train.recompute import Recompute, apply_recompute, canonical_name
 from lmforge.train.setup import build, build_model
 
@@ -20,8 +22,8 @@ def config(*overrides, family="llama"):
     return make_config("tiny", overrides=["model.n_layers=3", *extra, *overrides])
 
 
-@pytest.mark.parametrize("recompute", RECOMPUTE)
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
+@pytest.mark.parametrize("precision", POLICIES)
 def test_wrapped_module_tree_follows_the_documented_order(precision, recompute):
     cfg = config(f"train.precision={precision}", f"train.recompute={recompute}", "train.fp32_attention=true")
     model, optimizer = build(cfg)
@@ -39,7 +41,7 @@ def test_wrapped_module_tree_follows_the_documented_order(precision, recompute):
         linear_type = Fp8Linear if precision == "fp8" else nn.Linear
         assert type(block.attn.q_proj) is linear_type and type(block.mlp.down_proj) is linear_type
     assert type(model.lm_head) is nn.Linear  # the head is never fp8
-    expected_dtype = get_policy(precision).param_dtype
+    expected_dtype = getattr(torch, get_policy(precision).param_dtype)
     assert {p.dtype for p in model.parameters()} == {expected_dtype}
     # the optimizer holds every parameter once (the tied head and embedding are one tensor)
     held = [p for group in optimizer.param_groups for p in group["params"]]

@@ -1,7 +1,9 @@
-"""Matmul FLOPs of the lmforge transformer, counted from its shapes.
+"""Matmul FLOPs of the lmforge transformer, counted from its shapes (read from the model: shapes.py).
 
-A matmul of (m x k) by (k x n) costs 2*m*k*n FLOPs (one multiply and one add per term).
-Per token, in the forward pass (d model width, h query heads, g key/value heads, q head dim,
+A matmul of (m x k) by (k x n) costs 2*m*k*n FLOPs (one multiply and one add per term), so a
+linear layer costs 2 FLOPs per weight per token: flops.py adds them up over the model's own linear
+layers, and counts only the attention matmuls, which have no weights, by formula. Per token, in
+the forward pass, that comes to (d model width, h query heads, g key/value heads, q head dim,
 f MLP width, T sequence length, V vocabulary):
     QKV projections         2*d*(h*q) for Q, 2*d*(g*q) each for K and V
     output projection       2*(h*q)*d
@@ -20,20 +22,25 @@ does (FlashAttention, Dao 2023). Elementwise work (norms, softmax, RoPE, activat
 counted: it is not matmul work and is small beside it.
 """
 
+from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
+from lmforge.errors import lookup
+from lmforge.model.backends import BACKENDS
+from lmforge.recompute_modes import get_recompute
 
 
 def forward_flops_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = False) -> dict[str, float]:
-    """Forward matmul FLOPs per token, by component, summed over layers."""
-    d, q, h, g, L = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads, cfg.n_layers
-    attention_share = 0.5 if causal else 1.0
+    """Forward matmul FLOPs per token, by component, summed over layers: 2 per weight of each
+    linear layer, read from the model (shapes.py); the attention matmuls from their formula."""
+    weights = model_shapes(cfg).components()
+    attention = cfg.n_layers * 2 * seq_len * cfg.n_heads * cfg.head_dim * (0.5 if causal else 1.0)
     return {
-        "qkv_projections": L * 2 * d * q * (h + 2 * g),
-        "output_projection": L * 2 * (h * q) * d,
-        "attention_scores_qk": L * 2 * seq_len * h * q * attention_share,
-        "attention_values_av": L * 2 * seq_len * h * q * attention_share,
-        "mlp": L * 2 * d * cfg.ffn_dim * (3 if cfg.family == "llama" else 2),
-        "lm_head": 2 * d * cfg.vocab_size,
+        "qkv_projections": 2 * weights["qkv_projections"],
+        "output_projection": 2 * weights["output_projection"],
+        "attention_scores_qk": attention,
+        "attention_values_av": attention,
+        "mlp": 2 * weights["mlp"],
+        "lm_head": 2 * weights["lm_head"],
     }
 
 
@@ -53,29 +60,22 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "n
     back, and the MLP's down projection output is needed by no one. Selective recomputation
     (Korthikanti et al. 2022, section 4.2) reruns the attention core: QK^T and AV where it is one
     fused op (sdpa, flash_*), QK^T alone with `naive`, whose AV output backward does not need."""
-    parts = forward_flops_breakdown(cfg, seq_len)
+    parts, mode = forward_flops_breakdown(cfg, seq_len), get_recompute(recompute)
     extra = 0.0
-    if recompute == "full":
-        down_projection = cfg.n_layers * 2 * cfg.d_model * cfg.ffn_dim
+    if mode.blocks:
+        down_projection = 2 * model_shapes(cfg).linear_weights["mlp.down_proj"]
         extra = sum(v for k, v in parts.items() if k != "lm_head") - down_projection
-    elif recompute == "selective":
-        extra = parts["attention_scores_qk"] + (parts["attention_values_av"] if cfg.attention != "naive" else 0)
-    elif recompute != "none":
-        raise ValueError(f"unknown recompute mode {recompute!r}")
+    elif mode.attention_cores:
+        fused = lookup(BACKENDS, cfg.attention, "attention backend").fused
+        extra = parts["attention_scores_qk"] + (parts["attention_values_av"] if fused else 0)
     return training_flops_per_token(cfg, seq_len) + extra
 
 
-def matmul_parameters(cfg: ModelConfig) -> int:
-    """Weights that multiply activations (projections, MLP, LM head): the N of 6N. Embedding
-    lookups, norm gains and biases do no matmul work."""
-    d, q = cfg.d_model, cfg.head_dim
-    per_layer = d * q * (2 * cfg.n_heads + 2 * cfg.kv_heads) + d * cfg.ffn_dim * (3 if cfg.family == "llama" else 2)
-    return cfg.n_layers * per_layer + d * cfg.vocab_size
-
-
 def six_n_flops_per_token(cfg: ModelConfig) -> float:
-    """The 6N approximation (Kaplan et al. 2020, eq. 2.1): attention over the context ignored."""
-    return 6 * matmul_parameters(cfg)
+    """The 6N approximation (Kaplan et al. 2020, eq. 2.1), attention over the context ignored, with
+    N the weights that multiply activations (shapes.Shapes.matmul_weights: the LM head in,
+    embedding lookups, norm gains and biases out: they do no matmul work)."""
+    return 6 * model_shapes(cfg).matmul_weights
 
 
 def palm_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -1,7 +1,8 @@
 """A plan: what a training setup will cost before it runs. FLOPs, memory per device, time.
 
-Everything here is arithmetic on a ModelConfig and a few numbers (batch, sequence, precision,
-parallel degrees); it imports no training code. `lmforge plan` prints it, and the trainer prints
+Everything here is arithmetic on a ModelConfig, the shapes of its model (read from it built on
+the meta device: shapes.py) and a few numbers (batch, sequence, precision, parallel degrees); it
+imports no training code. `lmforge plan` prints it, and the trainer prints
 the same plan before it starts and sets its measurements beside it at the end.
 """
 
@@ -9,16 +10,17 @@ from dataclasses import asdict, dataclass
 
 from lmforge.accounting import flops, memory
 from lmforge.accounting.hardware import ACCELERATORS, accelerator_peak
-from lmforge.config import RECOMPUTE, ModelConfig
-
-# Which peak a policy's matmuls run at.
-MATMUL_DTYPE = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16-pure": "bfloat16",
-                "fp8": "float8"}
+from lmforge.accounting.shapes import model_shapes
+from lmforge.config import ModelConfig
+from lmforge.errors import lookup
+from lmforge.model.backends import BACKENDS
+from lmforge.precision.policies import get_policy
+from lmforge.recompute_modes import get_recompute
 
 
 def matmul_dtype(precision: str) -> str:
     """The dtype whose peak FLOP/s a precision's matmuls are measured against (aliases allowed)."""
-    return MATMUL_DTYPE[memory.policy_name(precision)]
+    return get_policy(precision).matmul_dtype
 
 
 @dataclass
@@ -33,7 +35,7 @@ class Setup:
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline-parallel degree
     recompute: str = "none"
-    attention: str = "sdpa"  # naive keeps the s x s scores; sdpa / flash_* do not
+    attention: str = "sdpa"  # a name in model/backends.py: naive keeps the s x s scores, the fused ones do not
     fp32_attention: bool = False  # the attention core in fp32 under a low-precision policy
     hardware: str = "this"  # a name in hardware.ACCELERATORS, or "this" (peak and memory given below)
     mfu: float = 0.5  # the model FLOPs utilisation assumed for time estimates
@@ -46,8 +48,6 @@ class Setup:
                       precision=cfg.train.precision, recompute=cfg.train.recompute, attention=cfg.model.attention,
                       fp32_attention=cfg.train.fp32_attention)
         values.update({k: v for k, v in changes.items() if v is not None})
-        if values["attention"] == "auto":  # every backend auto picks keeps O(s) bytes, like sdpa
-            values["attention"] = "sdpa"
         return cls(**values)
 
     def validate(self, model: ModelConfig | None = None) -> None:
@@ -57,13 +57,11 @@ class Setup:
                 raise ValueError(message)
         for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp"):
             require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
-        memory.precision_bytes(self.precision)
-        require(self.optimizer in memory.OPTIMIZER_STATES,
-                f"optimizer must be one of {', '.join(memory.OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        get_policy(self.precision)
+        lookup(memory.OPTIMIZER_STATES, self.optimizer, "optimizer")
         require(self.zero_stage in (0, 1, 2, 3), f"zero stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        require(self.recompute in RECOMPUTE, f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
-        require(self.attention in memory.ATTENTION_KINDS,
-                f"attention must be one of {', '.join(memory.ATTENTION_KINDS)}, got {self.attention!r}")
+        get_recompute(self.recompute)
+        lookup(BACKENDS, self.attention, "attention backend")
         require(self.hardware == "this" or self.hardware in ACCELERATORS,
                 f"unknown hardware {self.hardware!r}; known: this, {', '.join(ACCELERATORS)}")
         require(0 < self.mfu <= 1, f"mfu must be in (0, 1], got {self.mfu}")
@@ -79,7 +77,8 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
     """The plan as a JSON-ready dict. `this_machine` = (name, peak FLOP/s, memory bytes) is needed
     when setup.hardware is "this" (the caller measures it; accounting stays pure)."""
     setup.validate(cfg)
-    precision = memory.policy_name(setup.precision)
+    policy = get_policy(setup.precision)
+    precision = policy.name
     b, s = setup.batch_size, setup.seq_len
     devices = setup.dp * setup.tp * setup.pp
     tokens_per_step = b * s * setup.grad_accum * setup.dp
@@ -106,7 +105,7 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
         hardware_name, peak, device_memory = this_machine
     else:
         hardware_name = setup.hardware
-        peak = accelerator_peak(setup.hardware, MATMUL_DTYPE[precision])
+        peak = accelerator_peak(setup.hardware, policy.matmul_dtype)
         device_memory = ACCELERATORS[setup.hardware].memory_bytes
 
     step_flops = tokens_per_step * model_flops
@@ -117,7 +116,7 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
     korthikanti_flash = memory.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_heads, cfg.n_layers,
                                                             setup.recompute, setup.tp, flash=True)
     plan = {
-        "model": {"family": cfg.family, "parameters": n_params, "matmul_parameters": flops.matmul_parameters(cfg),
+        "model": {"family": cfg.family, "parameters": n_params, "matmul_parameters": model_shapes(cfg).matmul_weights,
                   "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads,
                   "ffn_dim": cfg.ffn_dim, "vocab_size": cfg.vocab_size},
         "setup": {**asdict(setup), "precision": precision, "devices": devices, "tokens_per_step": tokens_per_step},
@@ -136,7 +135,7 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
             "activation_breakdown_bytes": activations,
             "device_memory_bytes": device_memory,
             "fits": total <= device_memory,
-            "kv_cache_inference_bytes": memory.kv_cache_bytes(cfg, b, s, memory.precision_bytes(precision).compute),
+            "kv_cache_inference_bytes": memory.kv_cache_bytes(cfg, b, s, policy.bytes.compute),
             "zero_paper_model_state_bytes": memory.zero_paper_model_state_bytes(n_params, setup.zero_stage, setup.dp),
             "activations_korthikanti_bytes": korthikanti,
             "activations_korthikanti_flash_bytes": korthikanti_flash,
@@ -146,7 +145,7 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
         "time": {
             "hardware": hardware_name,
             "peak_flops_per_device": peak,
-            "matmul_dtype": MATMUL_DTYPE[precision],
+            "matmul_dtype": policy.matmul_dtype,
             "assumed_mfu": setup.mfu,
             "seconds_per_step": step_seconds,
             "tokens_per_second": tokens_per_step / step_seconds,

@@ -28,10 +28,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import einsum, repeat
 
-from lmforge.errors import LmforgeError
+from lmforge.errors import LmforgeError, lookup
 from lmforge.kernels import flash_triton
 from lmforge.kernels.flash_torch import flash_attention_torch
-from lmforge.model.backends import BACKENDS, FLASH_BACKENDS
+from lmforge.model.backends import BACKENDS
 
 
 def attention(
@@ -48,7 +48,7 @@ def attention(
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
     if backend == "auto":
         backend = resolve_backend(q.device, dropout_p=dropout_p)
-    if backend in FLASH_BACKENDS and dropout_p > 0.0:
+    if not lookup(BACKENDS, backend, "attention backend").dropout and dropout_p > 0.0:
         # The flash kernels would have to regenerate the same dropout mask in backward from a saved
         # RNG state; they do not implement that.
         raise LmforgeError(f"attention backend {backend!r} does not support attention dropout "
@@ -59,9 +59,7 @@ def attention(
         return flash_triton.flash_attention_triton(q, k, v, causal=causal)
     if backend == "naive":
         return naive_attention(q, k, v, causal=causal, dropout_p=dropout_p)
-    if backend == "sdpa":
-        return sdpa_attention(q, k, v, causal=causal, dropout_p=dropout_p)
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    return sdpa_attention(q, k, v, causal=causal, dropout_p=dropout_p)
 
 
 class AttentionCore(nn.Module):

@@ -60,8 +60,10 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
     as [angles, angles] for the rotate-half form below (the layout of GPT-NeoX and of Hugging
     Face Llama checkpoints), which pairs dimension j with dimension j + d/2.
     """
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    # on the CPU, whatever the default device: a few MB of float64 at most, and on the meta device (a
+    # model built for its shapes) these ops would load torch._dynamo, seconds for nothing
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64, device="cpu"), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
 
@@ -79,9 +81,10 @@ class RotaryTables(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        device = torch.get_default_device()
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def forward(self, start_pos: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         window = slice(start_pos, start_pos + seq_len)

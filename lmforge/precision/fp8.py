@@ -34,9 +34,11 @@ from the hardware only in the order of the fp32 additions.
 import torch
 import torch.nn as nn
 
+from lmforge.errors import lookup
+from lmforge.precision.policies import FP8_SCALINGS
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-SCALINGS = ("current", "delayed")
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -98,8 +100,7 @@ class AmaxHistory:
     """Per-tensor scale state of one operand (input, weight or gradient) of one layer."""
 
     def __init__(self, dtype: torch.dtype, scaling: str, length: int):
-        if scaling not in SCALINGS:
-            raise ValueError(f"fp8 scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
+        lookup(FP8_SCALINGS, scaling, "fp8 scaling")
         self.dtype, self.scaling, self.length = dtype, scaling, length
         self.history: list[float] = []  # the last `length` amax values, newest last
 

@@ -1,11 +1,5 @@
-"""Precision policies: what parameters, optimizer states and matmuls are stored and computed in.
-
-    policy       parameters  grads  AdamW m, v  forward matmuls        loss scaling
-    fp32         fp32        fp32   fp32        fp32                   no
-    bf16-mixed   fp32        fp32   fp32        bf16 (autocast)        no
-    fp16-mixed   fp32        fp32   fp32        fp16 (autocast)        dynamic (loss_scaler.py)
-    bf16-pure    bf16        bf16   bf16        bf16                   no
-    fp8          fp32        fp32   fp32        fp8 linears, rest bf16 no (per-tensor fp8 scales)
+"""Precision policies applied to a model: the torch side of the policies named in policies.py
+(which holds the table of what each stores and computes in, and its bytes).
 
 The mixed policies follow Micikevicius et al. 2018 ("Mixed Precision Training"): an fp32 master
 copy of the weights takes the updates, because an update smaller than half a unit in the last
@@ -28,50 +22,26 @@ of them; fp32 attention wraps each attention core in an `Fp32Attention` module.
 """
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from lmforge.errors import LmforgeError
+from lmforge.errors import LmforgeError, lookup
 from lmforge.model.transformer import Attention
-from lmforge.precision.fp8 import SCALINGS, Fp8Linear, hardware_fp8
+from lmforge.precision.fp8 import Fp8Linear, hardware_fp8
+from lmforge.precision.policies import FP8_SCALINGS, Policy
 
 
-@dataclass(frozen=True)
-class Policy:
-    name: str
-    param_dtype: torch.dtype  # parameters, their gradients and the AdamW moments
-    compute_dtype: torch.dtype | None  # autocast dtype of the forward pass; None: no autocast
-    loss_scaling: bool  # dynamic loss scaling (fp16)
-    fp8: bool  # the blocks' linear layers compute in fp8
-
-    @property
-    def lossy_updates(self) -> bool:
-        """Parameters in 16 bits: small updates can round to nothing (worth counting)."""
-        return self.param_dtype != torch.float32
-
-
-POLICIES = {
-    "fp32": Policy("fp32", torch.float32, None, loss_scaling=False, fp8=False),
-    "bf16-mixed": Policy("bf16-mixed", torch.float32, torch.bfloat16, loss_scaling=False, fp8=False),
-    "fp16-mixed": Policy("fp16-mixed", torch.float32, torch.float16, loss_scaling=True, fp8=False),
-    "bf16-pure": Policy("bf16-pure", torch.bfloat16, None, loss_scaling=False, fp8=False),
-    "fp8": Policy("fp8", torch.float32, torch.bfloat16, loss_scaling=False, fp8=True),
-}
-
-
-def get_policy(name: str) -> Policy:
-    if name not in POLICIES:
-        raise LmforgeError(f"unknown precision {name!r}; choose one of {', '.join(POLICIES)}")
-    return POLICIES[name]
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a name in policies.py ("bfloat16" -> torch.bfloat16); None stays None."""
+    return getattr(torch, name) if name is not None else None
 
 
 def device_notes(policy: Policy, device: torch.device) -> list[str]:
     """Stop if the device cannot run the policy at all; otherwise notes on what it will cost."""
     notes = []
     if device.type == "cuda":
-        uses_bf16 = torch.bfloat16 in (policy.param_dtype, policy.compute_dtype)
+        uses_bf16 = "bfloat16" in (policy.param_dtype, policy.compute_dtype)
         if uses_bf16 and not torch.cuda.is_bf16_supported():
             raise LmforgeError(f"train.precision={policy.name} needs bfloat16, which {device} does not "
                                f"support (compute capability below 8.0): use fp16-mixed or fp32")
@@ -79,7 +49,7 @@ def device_notes(policy: Policy, device: torch.device) -> list[str]:
             notes.append(f"{device} has no fp8 matmul (needs compute capability 8.9+): fp8 is simulated "
                          f"(same numbers, no speed-up)")
     elif device.type == "cpu":
-        if policy.compute_dtype == torch.float16:
+        if policy.compute_dtype == "float16":
             notes.append("fp16 on CPU: no hardware fp16 matmul, each one is emulated and runs tens of "
                          "times slower than fp32 (bench/RESULTS.md); use it here only to study its numerics")
         if policy.fp8:
@@ -91,15 +61,14 @@ def prepare_model(model: nn.Module, policy: Policy, fp32_attention: bool = False
                   fp8_scaling: str = "current") -> nn.Module:
     """Apply `policy` to a freshly built model, in place, before the optimizer is created:
     parameter dtype, then fp8 linears (a module swap), then fp32 attention (a wrapper module)."""
-    if fp8_scaling not in SCALINGS:
-        raise LmforgeError(f"fp8 scaling must be one of {', '.join(SCALINGS)}, got {fp8_scaling!r}")
+    lookup(FP8_SCALINGS, fp8_scaling, "fp8 scaling")
     if any(isinstance(m, (Fp8Linear, Fp32Attention)) for m in model.modules()) or any(
             p.dtype != torch.float32 for p in model.parameters()):
         raise ValueError("a precision policy is already applied to this model")
-    if policy.param_dtype != torch.float32:
+    if policy.param_dtype != "float32":
         # parameters only: buffers (the rotary tables) stay fp32, or positions lose precision
         for param in dict.fromkeys(model.parameters()):  # tied parameters once
-            param.data = param.data.to(policy.param_dtype)
+            param.data = param.data.to(torch_dtype(policy.param_dtype))
     if policy.fp8:
         head = getattr(model, "lm_head", None)
         for parent in list(model.modules()):
@@ -128,9 +97,9 @@ class Fp32Attention(nn.Module):
 
 def autocast(policy: Policy, device: torch.device):
     """The context for forward passes under `policy` (backward runs outside it, as autocast wants)."""
-    if policy.compute_dtype is None:
+    if not policy.autocast:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=policy.compute_dtype)
+    return torch.autocast(device.type, dtype=torch_dtype(policy.compute_dtype))
 
 
 def fp8_scale_state(model: nn.Module) -> dict:

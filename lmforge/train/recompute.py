@@ -14,7 +14,7 @@ counts what each mode keeps and accounting/flops.py the FLOPs it adds (HFU).
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from lmforge.config import RECOMPUTE
+from lmforge.recompute_modes import get_recompute
 
 # The wrapped module's attribute name: the one torch's own checkpoint wrapper uses, which
 # torch.distributed.checkpoint and FSDP remove from parameter names. State dicts here drop it too,
@@ -65,14 +65,13 @@ def canonical_name(name: str) -> str:
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     """Wrap the blocks (full) or their attention cores (selective) of `model` in `Recompute`."""
-    if mode not in RECOMPUTE:
-        raise ValueError(f"unknown recompute mode {mode!r}; choose one of {', '.join(RECOMPUTE)}")
+    chosen = get_recompute(mode)
     if any(isinstance(m, Recompute) for m in model.modules()):
         raise ValueError("recomputation is already applied to this model")
-    if mode == "full":
+    if chosen.blocks:
         for name, block in model.blocks.items():
             model.blocks[name] = Recompute(block)
-    elif mode == "selective":
+    elif chosen.attention_cores:
         for block in model.blocks.values():
             block.attn.core = Recompute(block.attn.core)
     return model

@@ -20,7 +20,7 @@ import torch.nn as nn
 from lmforge.config import Config
 from lmforge.errors import LmforgeError
 from lmforge.kernels import flash_triton
-from lmforge.model.attention import FLASH_BACKENDS
+from lmforge.model.backends import FLASH_BACKENDS
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.precision import get_policy, prepare_model

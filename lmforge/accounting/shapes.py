@@ -1,0 +1,98 @@
+"""The model's shapes, read from the model itself: its parameter count and the weight of every
+linear layer, from which flops.py counts matmul FLOPs and memory.py the bytes of weight casts.
+
+The model is built on the meta device: tensors with shapes and no storage, so building even a 70B
+model allocates nothing and takes milliseconds; no formula here repeats what model/transformer.py
+builds, so a change to the model changes the accounting with it. A plan asks several times for
+the same config, so each config's shapes are read once (a cache keyed by its values).
+
+torch is imported when shapes are first asked for, not with this module: `lmforge runs` and
+config-only callers import accounting without loading torch until a number is needed.
+"""
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from lmforge.config import ModelConfig
+
+# The FLOP component of each linear layer, by its name inside a block ("lm_head" outside them).
+# A linear layer not named here is refused: a new layer must be given its component on purpose.
+COMPONENTS = {
+    "attn.q_proj": "qkv_projections", "attn.k_proj": "qkv_projections", "attn.v_proj": "qkv_projections",
+    "attn.o_proj": "output_projection",
+    "mlp.gate_proj": "mlp", "mlp.up_proj": "mlp", "mlp.down_proj": "mlp",
+    "lm_head": "lm_head",
+}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    parameters: int  # every parameter, a tied one once
+    # in_features * out_features of each linear layer, by its name inside a block (summed over
+    # the blocks) or outside them ("lm_head"): a token costs 2 FLOPs per weight in forward.
+    linear_weights: MappingProxyType
+
+    @property
+    def matmul_weights(self) -> int:
+        """Weights that multiply activations, LM head included (tied or not): the N of 6N."""
+        return sum(self.linear_weights.values())
+
+    @property
+    def block_matmul_weights(self) -> int:
+        return self.matmul_weights - self.linear_weights["lm_head"]
+
+    def components(self) -> dict[str, int]:
+        """Matmul weights by FLOP component (flops.forward_flops_breakdown's names)."""
+        totals: dict[str, int] = {}
+        for name, weights in self.linear_weights.items():
+            totals[COMPONENTS[name]] = totals.get(COMPONENTS[name], 0) + weights
+        return totals
+
+
+def model_shapes(cfg: ModelConfig) -> Shapes:
+    """The shapes of lmforge's Transformer for `cfg`, read from it built on the meta device."""
+    return _shapes(dataclasses.astuple(cfg))
+
+
+def meta_model(cfg: ModelConfig):
+    """lmforge's Transformer for `cfg` on the meta device: shapes, no storage, no initialisation."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from lmforge.model.transformer import Transformer
+
+    random_fills = {torch.nn.init.normal_, torch.nn.init.uniform_, torch.nn.init.kaiming_uniform_,
+                    torch.Tensor.normal_, torch.Tensor.uniform_}
+
+    class SkipRandomFills(TorchFunctionMode):
+        """Meta tensors (all this builds) hold no values, so random initialisation has nothing to
+        do; and the meta kernel of normal_ is a Python reference that imports torch._dynamo on
+        first use: 2-3 s on a busy 2-core machine, 30x the build itself."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in random_fills:
+                return args[0] if args else kwargs["tensor"]
+            return func(*args, **kwargs)
+
+    with torch.device("meta"), SkipRandomFills():
+        return Transformer(cfg)
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes(values: tuple) -> Shapes:
+    import torch.nn as nn
+
+    model = meta_model(ModelConfig(*values))
+    linear_weights: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            # "blocks.7.mlp.up_proj" -> "mlp.up_proj": the same layer of every block, summed
+            key = name.split(".", 2)[2] if name.startswith("blocks.") else name
+            if key not in COMPONENTS:
+                raise ValueError(f"accounting/shapes.py has no FLOP component for the linear layer {name}: "
+                                 f"add {key!r} to COMPONENTS")
+            linear_weights[key] = linear_weights.get(key, 0) + module.weight.numel()
+    return Shapes(parameters=model.num_params(), linear_weights=MappingProxyType(linear_weights))
