@@ -130,14 +130,14 @@ def _parse_yaml(text: str, fenced: bool):
 
 
 def _parse_xml(text: str, fenced: bool):
+    # Refuse DTDs: entity definitions are how XML parsers are made to expand without bound.
+    if "<!DOCTYPE" in text or "<!ENTITY" in text:
+        raise ParseError("XML with a DTD (<!DOCTYPE or <!ENTITY) is not accepted")
     start = _XML_START.search(text)
     if start is None:
         raise ParseError("no XML element in the answer")
     end = len(text.rstrip()) if fenced else text.rfind(">") + 1
     body = text[start.start():end]
-    # Refuse DTDs: entity definitions are how XML parsers are made to expand without bound.
-    if "<!DOCTYPE" in body or "<!ENTITY" in body:
-        raise ParseError("XML with a DTD (<!DOCTYPE or <!ENTITY) is not accepted")
     try:
         root = ElementTree.fromstring(body)
     except ElementTree.ParseError as err:
