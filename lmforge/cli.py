@@ -244,7 +244,7 @@ def cmd_generate(args) -> int:
         raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
     grammar = schema = None
     if args.format is not None or args.schema is not None:
-        from lmforge.structured.constrain import CONSTRAINED_FORMATS, generate_json, json_grammar, load_schema
+        from lmforge.structured.constrain import CONSTRAINED_FORMATS, JsonMode, json_grammar, load_schema
 
         if args.format is None:
             raise LmforgeError("--schema needs --format json")
@@ -262,11 +262,12 @@ def cmd_generate(args) -> int:
     model.to(device)
     end = tokenizer.token_to_id(END_OF_TEXT)
     prompt_ids = tokenizer.encode(args.prompt).ids if args.prompt else [end]
+    json_mode = JsonMode(tokenizer, end, schema, grammar) if grammar is not None else None
     for index in range(args.num_samples):
-        if grammar is not None:
-            out = generate_json(model, tokenizer, prompt_ids, args.max_new_tokens, end, schema=schema, grammar=grammar,
-                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                seed=args.seed + index, use_cache=not args.no_cache)
+        if json_mode is not None:
+            out = json_mode.generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature,
+                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed + index,
+                                     use_cache=not args.no_cache)
             if not out.complete:
                 raise LmforgeError(f"the answer{f' of sample {index + 1}' if args.num_samples > 1 else ''} was cut "
                                    f"at --max-new-tokens {args.max_new_tokens} before its JSON closed: "

@@ -8,7 +8,7 @@ from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.data.tokenizer import END_OF_TEXT, train_tokenizer
 from lmforge.model.transformer import Transformer
-from lmforge.structured.constrain import generate_json, json_grammar
+from lmforge.structured.constrain import JsonMode
 from lmforge.structured.parse import ParseError, check_schema, parse_answer
 from tests.conftest import tiny_overrides
 from tests.test_cli import lmforge
@@ -88,14 +88,14 @@ def tiny():
 @pytest.mark.parametrize("schema", [None, ANSWER_SCHEMA], ids=["any-object", "schema"])
 def test_constrained_decoding_never_emits_unparsable_json(tiny, schema):
     model, tokenizer, end = tiny
-    grammar = json_grammar(schema)
+    json_mode = JsonMode(tokenizer, end, schema)
     counts = {True: 0, False: 0}
     for seed in range(50):
         # 60 tokens from a window of 48 also restarts the cached context on the way
         sampling = [dict(), dict(top_k=20), dict(top_p=0.9)][seed % 3]
         budget = 60 if seed % 2 else 6  # half of them run into max_new_tokens
-        out = generate_json(model, tokenizer, tokenizer.encode("answer:").ids, budget, end, schema=schema,
-                            grammar=grammar, temperature=1.0, seed=seed, **sampling)
+        out = json_mode.generate(model, tokenizer.encode("answer:").ids, budget, temperature=1.0, seed=seed,
+                                 **sampling)
         counts[out.complete] += 1
         if out.complete:
             value = json.loads(out.text)
@@ -111,10 +111,10 @@ def test_constrained_decoding_never_emits_unparsable_json(tiny, schema):
 
 def test_the_constraint_works_the_same_with_and_without_the_kv_cache(tiny):
     model, tokenizer, end = tiny
-    grammar = json_grammar(ANSWER_SCHEMA)
+    json_mode = JsonMode(tokenizer, end, ANSWER_SCHEMA)
     for seed in range(3):
-        texts = [generate_json(model, tokenizer, [end], 60, end, grammar=grammar, temperature=1.0, seed=seed,
-                               use_cache=use_cache).text for use_cache in (True, False)]
+        texts = [json_mode.generate(model, [end], 60, temperature=1.0, seed=seed, use_cache=use_cache).text
+                 for use_cache in (True, False)]
         assert texts[0] == texts[1]
 
 
