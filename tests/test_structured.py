@@ -25,6 +25,7 @@ ANSWER_SCHEMA = {"type": "object",
     ("json", 'Sure, here it is:\n```json\n{"answer": [1, 2]}\n```\nAnything else?', {"answer": [1, 2]}),
     ("json", 'The answer is {"answer": "x{y}"} as asked.', {"answer": "x{y}"}),
     ("json", "  42\n", 42),
+    ("json", '{"code": "```py"}', {"code": "```py"}),  # backticks inside a string are no fence
     ("yaml", "answer: 5\nreasoning: two plus three\n", {"answer": 5, "reasoning": "two plus three"}),
     ("yaml", "Here is the answer:\n\nanswer: 5\nitems:\n  - a\n  - b\n", {"answer": 5, "items": ["a", "b"]}),
     ("yaml", "```yaml\n- 1\n- 2\n```", [1, 2]),
@@ -142,6 +143,8 @@ def test_unknown_format_is_one_line_exit_2_from_the_command():
     (["--format", "json", "--schema", "missing.json"], "schema file missing.json not found"),
     (["--format", "json", "--schema", "bad.json"], "the schema is not a valid JSON Schema at ['type']: 'objekt' is "
                                                    "not valid under any of the given schemas"),
+    (["--format", "json", "--schema", "not.json"], "the schema cannot be used for constrained decoding: "
+                                                   "Unimplemented keys: [\"not\"]"),
     (["--format", "json", "--schema", "broken.json"], "schema file broken.json is not JSON (Expecting value: line 1 "
                                                       "column 1 (char 0))"),
 ])
@@ -150,6 +153,7 @@ def test_bad_format_or_schema_is_one_line_exit_2(tmp_path, monkeypatch, capsys, 
     (tmp_path / "bad.json").write_text('{"type": "objekt"}')
     (tmp_path / "s.json").write_text('{"type": "object"}')
     (tmp_path / "broken.json").write_text("not json")
+    (tmp_path / "not.json").write_text('{"not": {"type": "string"}}')
     # checked before the run is read: the run folder need not exist
     assert main(["generate", "--run", "runs/none", *args]) == 2
     assert capsys.readouterr().err == f"lmforge: error: {message}\n"

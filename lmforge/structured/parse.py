@@ -24,8 +24,10 @@ from lmforge.errors import LmforgeError
 
 FORMATS = ("json", "yaml", "xml")
 
-# ```json ... ``` (any or no language tag); the answer is the first fenced block.
-_FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
+# ```json ... ``` (any or no language tag) with both fences at the start of a line, as in Markdown,
+# so that backticks inside an answer's strings are content; the answer is the first fenced block.
+_FENCE = re.compile(r"^```[^\n`]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
+_FENCE_OPEN = re.compile(r"^```", re.MULTILINE)
 # The first line of a YAML block: a document start, a list item, or `key:` with a one-word key,
 # so that leading prose such as "Here is the answer:" is not taken for a mapping.
 _YAML_START = re.compile(r"^(---|- |-$|[\"']?[A-Za-z_][\w.-]*[\"']?[ \t]*:([ \t]|$))", re.MULTILINE)
@@ -44,7 +46,7 @@ def parse_answer(text: str, fmt: str):
     fence = _FENCE.search(text)
     if fence:
         return parsers[fmt](fence.group(1), fenced=True)
-    if "```" in text:
+    if _FENCE_OPEN.search(text):
         raise ParseError("a code fence is opened but never closed")
     return parsers[fmt](text, fenced=False)
 
