@@ -70,7 +70,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
     returned). `on_logits`, if given, is called with each step's next-token logits.
 
     `constraint`, if given, restricts which tokens may come next (grammar-constrained decoding,
-    lmforge/generate/structured.py): before each step `constraint.finished()` may end generation,
+    lmforge/structured/constrain.py): before each step `constraint.finished()` may end generation,
     `constraint.allowed(vocab_size)` gives a boolean mask over the vocabulary that is applied to the
     logits before temperature, top-k and top-p, and `constraint.consume(token)` is told each token
     chosen (the stop token included). The mask concerns only the tokens generated, so it works

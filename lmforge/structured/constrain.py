@@ -6,9 +6,10 @@ The grammar engine is llguidance (guidance-ai, MIT, Rust with Python bindings). 
   (`LLTokenizer(tokenizer.to_str())`, byte-level decoding handled, any HF tokenizers file such as
   an imported model's works the same way), and compiles JSON Schema into a context-free grammar,
   so nesting depth is unbounded. It also takes Lark grammars, the way to add formats later.
-- outlines-core 0.2.14 installs alone too, but compiles a schema to a regular expression: nesting
-  of a free-form object is cut at a fixed depth, and its Vocabulary must be built by hand from
-  decoded token bytes (or downloaded from the Hub, which is offline here).
+- outlines-core 0.2.14 installs alone too, but compiles a schema to a regular expression (a
+  free-form object's nesting is bounded by the expression), and its Vocabulary is either built by
+  the caller from token strings, byte-level mapping included, or downloaded from the Hub (offline
+  here).
 - xgrammar 0.2.9 pulls transformers, pydantic and apache-tvm-ffi, and an unpinned triton next to
   the 3.7.1 that torch's CUDA wheels pin.
 So llguidance. It has built-in grammars for JSON and JSON Schema only: YAML and XML would need
@@ -25,6 +26,7 @@ half-written value (`{"answer": "12`) into a different answer that parses and va
 import json
 from dataclasses import dataclass
 
+import jsonschema
 import llguidance
 import numpy as np
 import torch
@@ -45,8 +47,6 @@ def json_grammar(schema: dict | None) -> str:
     """The llguidance grammar for JSON matching `schema` (any JSON object when None).
 
     LmforgeError if the schema is not a valid JSON Schema or uses what llguidance cannot compile."""
-    import jsonschema
-
     if schema is None:
         schema = {"type": "object"}
     try:
