@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    gen.add_argument("--format", metavar="FMT", help="constrain the answer to FMT while decoding: json "
+                                                    "(prints only the answer; exit 2 if it is cut by --max-new-tokens)")
+    gen.add_argument("--schema", metavar="FILE", help="JSON Schema the --format json answer must match")
 
     plan = commands.add_parser(
         "plan", help="predict FLOPs, memory per device and time for a setup, before running it",
@@ -247,6 +250,17 @@ def cmd_generate(args) -> int:
         raise LmforgeError("--max-new-tokens and --num-samples must be >= 1 and --temperature >= 0")
     if args.top_k is not None and args.top_k < 1 or not 0 < args.top_p <= 1:
         raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
+    grammar = schema = None
+    if args.format is not None or args.schema is not None:
+        from lmforge.structured.constrain import CONSTRAINED_FORMATS, JsonMode, json_grammar, load_schema
+
+        if args.format is None:
+            raise LmforgeError("--schema needs --format json")
+        if args.format not in CONSTRAINED_FORMATS:
+            raise LmforgeError(f"--format {args.format}: constrained decoding supports "
+                               f"{', '.join(CONSTRAINED_FORMATS)} (the grammar engine has no YAML or XML grammar)")
+        schema = load_schema(args.schema) if args.schema else None
+        grammar = json_grammar(schema)
     device = resolve_device(args.device, setting="--device")
     path = ckpt.find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
     cfg = load_config(path / "config.yaml")
@@ -256,7 +270,20 @@ def cmd_generate(args) -> int:
     model.to(device)
     end = tokenizer.token_to_id(END_OF_TEXT)
     prompt_ids = tokenizer.encode(args.prompt).ids if args.prompt else [end]
+    json_mode = JsonMode(tokenizer, end, schema, grammar) if grammar is not None else None
     for index in range(args.num_samples):
+        if json_mode is not None:
+            out = json_mode.generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature,
+                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed + index,
+                                     use_cache=not args.no_cache)
+            if not out.complete:
+                raise LmforgeError(f"the answer{f' of sample {index + 1}' if args.num_samples > 1 else ''} was cut "
+                                   f"at --max-new-tokens {args.max_new_tokens} before its JSON closed: "
+                                   "raise --max-new-tokens")
+            if args.num_samples > 1:
+                print(f"--- sample {index + 1} ---")
+            print(out.text)
+            continue
         ids = generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, stop_token=end, seed=args.seed + index, use_cache=not args.no_cache)
         if args.num_samples > 1:

@@ -65,9 +65,16 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, stop_token: int | None = None,
-             seed: int = 0, use_cache: bool = True, on_logits=None) -> list[int]:
+             seed: int = 0, use_cache: bool = True, on_logits=None, constraint=None) -> list[int]:
     """New token ids continuing `prompt` (the stop token, if sampled, ends generation and is not
-    returned). `on_logits`, if given, is called with each step's next-token logits."""
+    returned). `on_logits`, if given, is called with each step's next-token logits.
+
+    `constraint`, if given, restricts which tokens may come next (grammar-constrained decoding,
+    lmforge/structured/constrain.py): before each step `constraint.finished()` may end generation,
+    `constraint.allowed(vocab_size)` gives a boolean mask over the vocabulary that is applied to the
+    logits before temperature, top-k and top-p, and `constraint.consume(token)` is told each token
+    chosen (the stop token included). The mask concerns only the tokens generated, so it works
+    unchanged with the KV cache and its context restarts."""
     if not prompt:
         raise ValueError("generation needs a prompt of at least one token")
     model.eval()
@@ -82,6 +89,8 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
     cache = KVCache(cfg.n_layers, 1, cfg.kv_heads, max_len, cfg.head_dim, dtype, device) if use_cache else None
     new_tokens: list[int] = []
     for _ in range(max_new_tokens):
+        if constraint is not None and constraint.finished():
+            break
         if len(tokens) - start > max_len:
             start, cached = len(tokens) - max_len // 2, 0
         if use_cache:
@@ -92,7 +101,12 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
             logits = model(torch.tensor([tokens[start:]], device=device))[:, -1]
         if on_logits is not None:
             on_logits(logits)
+        if constraint is not None:
+            allowed = constraint.allowed(logits.shape[-1]).to(logits.device)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         token = int(sample_next(logits, temperature, top_k, top_p, generator))
+        if constraint is not None:
+            constraint.consume(token)
         if token == stop_token:
             break
         tokens.append(token)

@@ -1,0 +1,1 @@
+"""Structured answers: parsing JSON/YAML/XML (parse.py) and grammar-constrained decoding (constrain.py)."""
