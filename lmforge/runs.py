@@ -5,11 +5,13 @@ and, once a session ends normally, summary.json. A training process holds an OS 
 run folder while it runs (lmforge/folder_lock.py); the lock dies with the process, so a run whose
 lock can be taken is not running, however it ended. Imports no torch: listing finished runs answers
 at once; a run without a summary has its parameters counted from its model built on the meta
-device (accounting/shapes.py), which loads torch (about 2 s, once).
+device (accounting/shapes.py), which loads torch (about 2 s, once), unless it has a checkpoint,
+whose file header holds the shapes.
 """
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,20 @@ class Run:
 
 def is_run(path: Path) -> bool:
     return (path / "config.yaml").is_file()
+
+
+def checkpoint_parameters(path: Path) -> int | None:
+    """Elements of the newest checkpoint's model.safetensors (tied tensors are stored once), read
+    from the file's JSON header: 8 bytes of length, then {name: {"shape": ...}}. No torch."""
+    files = sorted((path / "checkpoints").glob("step_*/model.safetensors"))
+    if not files:
+        return None
+    try:
+        with open(files[-1], "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    except (OSError, ValueError):
+        return None
+    return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
 
 
 def read_config(path: Path) -> Config:
@@ -79,8 +95,8 @@ def read_run(path: Path) -> Run:
         tokens_per_s, mfu = (speed[-1]["tokens_per_s"], speed[-1].get("mfu")) if speed else (None, None)
     val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     status = "running" if is_locked(path) else "finished" if finished else "stopped"
-    # the count the run's summary holds (its model's own) spares building the model
-    parameters = (summary or {}).get("parameters") or parameter_count(cfg.model)
+    # the count the run's summary or newest checkpoint holds spares building the model (and torch)
+    parameters = (summary or {}).get("parameters") or checkpoint_parameters(path) or parameter_count(cfg.model)
     return Run(path=path, cfg=cfg, parameters=parameters, step=step,
                val_loss=val[-1] if val else None, tokens_per_s=tokens_per_s, mfu=mfu, status=status, curves=records)
 

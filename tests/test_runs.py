@@ -82,3 +82,21 @@ def test_runs_in_a_missing_or_empty_folder(tmp_path):
     assert result.returncode == 2 and "no folder" in result.stderr
     result = lmforge("runs", str(tmp_path))
     assert result.returncode == 0 and f"no runs in {tmp_path}" in result.stdout
+
+
+def test_a_run_without_a_summary_is_counted_from_its_checkpoint_without_torch(runs_dir, tmp_path):
+    """A killed run has no summary.json: its parameter count comes from the newest checkpoint's
+    safetensors header, so listing it loads no torch."""
+    run = tmp_path / "killed"
+    shutil.copytree(runs_dir / "done", run)
+    parameters = json.loads((run / "summary.json").read_text())["parameters"]
+    (run / "summary.json").unlink()
+    code = f"""
+import sys
+from lmforge.runs import find_runs
+(found,) = find_runs({str(tmp_path)!r})
+print(found.parameters, "torch" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(parameters), "False"]
