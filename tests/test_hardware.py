@@ -27,8 +27,8 @@ def test_the_cached_peak_says_when_and_under_what_load_and_remeasure_replaces_it
     assert datetime.fromisoformat(entry["measured_at"]) >= before
     assert len(entry["load_average_1_5_15_min"]) == 3 and entry["cpus"] == os.cpu_count()
 
-    # a peak measured while the machine was busy: kept until remeasured
-    entry["flops"] = 1.0
+    # a wrong peak measured on an idle machine: kept until remeasured
+    entry["flops"], entry["load_average_1_5_15_min"] = 1.0, [0.0, 0.0, 0.0]
     path.write_text(json.dumps({key: entry}))
     assert plan_peak(tmp_path) == 1.0
     assert plan_peak(tmp_path, "--remeasure") > 1e6
@@ -43,6 +43,21 @@ def test_a_bare_number_from_an_older_cache_is_measured_again(tmp_path, monkeypat
     hardware.cache_path().write_text(json.dumps({key: 54e9}))  # no date, no load: cannot be judged
     assert hardware.matmul_peak() == 123.0
     assert json.loads(hardware.cache_path().read_text())[key]["flops"] == 123.0
+
+
+def test_a_peak_measured_on_a_busier_machine_is_measured_again(tmp_path, monkeypatch):
+    """The cache records the load it was measured under: taken while the machine was busier by a
+    whole CPU than it is now, it is measured again (and replaced); under a similar load it stays."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda dtype, device: 123.0)
+    monkeypatch.setattr(hardware.os, "getloadavg", lambda: (0.4, 0.5, 0.5))
+    key = f"{hardware.device_name(hardware.torch.device('cpu'))}|torch.float32|torch {hardware.torch.__version__}"
+    hardware.cache_path().parent.mkdir(parents=True)
+    for load, expected in (([1.3, 1.0, 1.0], 54e9), ([1.5, 1.0, 1.0], 123.0)):
+        entry = {"flops": 54e9, "measured_at": "2026-11-30T20:00:00+00:00", "load_average_1_5_15_min": load, "cpus": 2}
+        hardware.cache_path().write_text(json.dumps({key: entry}))
+        assert hardware.matmul_peak() == expected
+    assert json.loads(hardware.cache_path().read_text())[key]["load_average_1_5_15_min"] == [0.4, 0.5, 0.5]
 
 
 def test_the_peak_is_the_best_of_several_timings(monkeypatch):

@@ -158,8 +158,10 @@ def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device =
     except (OSError, json.JSONDecodeError):
         cache = {}
     entry = cache.get(key)
-    if remeasure or not isinstance(entry, dict):  # a bare number (older caches) says nothing of its load
-        load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    if remeasure or not isinstance(entry, dict) or _busier_then(entry, load):
+        # a bare number (older caches) says nothing of its load; one measured while the machine was
+        # busier than it is now (a load average higher by a whole CPU) undercounts the peak
         entry = cache[key] = {"flops": measure_matmul_peak(dtype, device),
                               "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                               "load_average_1_5_15_min": load, "cpus": os.cpu_count()}
@@ -173,6 +175,13 @@ def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device =
         except OSError:
             pass  # a read-only home still gets the number, just not cached
     return entry["flops"]
+
+
+def _busier_then(entry: dict, load_now) -> bool:
+    """Whether a cached measurement was taken under a 1-minute load average at least one CPU's
+    worth above the current one."""
+    then = entry.get("load_average_1_5_15_min")
+    return bool(then and load_now and then[0] >= load_now[0] + 1.0)
 
 
 # The matmul timed for a matmul dtype's peak on this machine. fp8 matmuls (`torch._scaled_mm`)
