@@ -19,7 +19,6 @@ Writes bench/out/attention.png (time and saved memory against T) and prints a ma
 """
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path

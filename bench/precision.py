@@ -25,7 +25,6 @@ median over windows of 5 steps, the first window (kernel set-up) left out.
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import statistics

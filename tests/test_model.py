@@ -2,7 +2,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lmforge.config import make_config
 from lmforge.model.attention import attention, causal_mask

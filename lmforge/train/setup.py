@@ -17,6 +17,7 @@ module swap or an nn.Module wrapper, visible in print(model), and refuses to run
 import torch
 import torch.nn as nn
 
+from lmforge.accounting.shapes import meta_model
 from lmforge.config import Config
 from lmforge.errors import LmforgeError
 from lmforge.kernels import flash_triton
@@ -33,8 +34,7 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> nn.Module:
     Elsewhere the weights are initialised on the CPU and moved, so that a seed gives the same
     initial model on every device."""
     if torch.device(device).type == "meta":
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
+        model = meta_model(cfg.model)  # the accounting's own meta build: no initialisation to skip
     else:
         model = Transformer(cfg.model).to(device)
     prepare_model(model, get_policy(cfg.train.precision), fp32_attention=cfg.train.fp32_attention,
