@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup setup-test train test test-all bench bench-attention clean
+.PHONY: setup setup-test train test test-dist test-all bench bench-attention clean
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
@@ -28,8 +28,11 @@ train: setup
 test: setup-test
 	$(BIN)/python -m pytest -q
 
+test-dist: setup-test
+	$(BIN)/python -m pytest -q -m dist
+
 test-all: setup-test
-	$(BIN)/python -m pytest -q -m "slow or not slow"
+	$(BIN)/python -m pytest -q -m "slow or dist or not (slow or dist)"
 
 bench: setup
 	$(BIN)/python bench/throughput.py

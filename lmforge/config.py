@@ -19,6 +19,7 @@ from lmforge.errors import LmforgeError
 # The names a setting can take, each from its one registry (light modules: no torch)
 from lmforge.model.backends import BACKENDS
 from lmforge.precision.policies import FP8_SCALINGS, POLICIES
+from lmforge.parallel_modes import PARALLEL_STRATEGIES
 from lmforge.recompute_modes import RECOMPUTE_MODES
 
 FAMILIES = ("llama", "gpt")  # model/transformer.py builds each (its FAMILIES table has these keys)
@@ -105,6 +106,10 @@ class TrainConfig:
     sample_prompt: str = ""  # "": the start of a validation document (a prompt in the corpus's language)
     tensorboard: bool = True  # TensorBoard event files in the run folder (tensorboard --logdir runs)
     wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)
+    # data parallelism under torchrun (batch_size is per rank): none | ddp | zero1 | zero2 | zero3 | fsdp
+    parallel: str = "none"
+    bucket_mb: float = 25.0  # DDP/ZeRO: gradients are reduced in buckets of about this many MiB
+    dist_timeout: int = 60  # seconds a collective may wait before the run stops (a dead rank)
 
 
 @dataclass
@@ -314,7 +319,7 @@ def validate(cfg: Config) -> None:
     require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
 
     for key in ("batch_size", "grad_accum", "seq_len", "max_steps", "eval_batches", "keep_checkpoints",
-                "log_interval", "max_bad_steps"):
+                "log_interval", "max_bad_steps", "bucket_mb", "dist_timeout"):
         positive(f"train.{key}", getattr(t, key))
     for key in ("eval_interval", "checkpoint_interval", "sample_tokens"):
         require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
@@ -323,6 +328,7 @@ def validate(cfg: Config) -> None:
     choose("train.precision", t.precision, POLICIES)
     choose("train.fp8_scaling", t.fp8_scaling, FP8_SCALINGS)
     choose("train.recompute", t.recompute, RECOMPUTE_MODES)
+    choose("train.parallel", t.parallel, PARALLEL_STRATEGIES)
     require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
             f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
 
