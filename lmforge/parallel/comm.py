@@ -29,12 +29,16 @@ class Collectives:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.sent_bytes = defaultdict(int)  # kind -> bytes this rank sent, as counted above
+        self.ring_bytes = defaultdict(int)  # kind -> sum of S over the calls (twice for all-reduce)
         self.calls = defaultdict(int)  # (op, kind) -> number of calls
 
     def _count(self, op: str, kind: str, tensor_bytes: int, passes: int = 1) -> None:
-        self.sent_bytes[kind] += passes * (self.world - 1) * tensor_bytes // self.world
+        self.ring_bytes[kind] += passes * tensor_bytes
         self.calls[op, kind] += 1
+
+    def sent_bytes(self, kind: str = "model") -> float:
+        """Bytes this rank sent under `kind` since the last reset: (N-1)/N of the ring bytes."""
+        return self.ring_bytes[kind] * (self.world - 1) / self.world
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "model", async_op: bool = False):
         self._count("all_reduce", kind, tensor.nbytes, passes=2)
@@ -55,5 +59,5 @@ class Collectives:
         return dist.broadcast(tensor, src=src, group=self.group)
 
     def reset(self) -> None:
-        self.sent_bytes.clear()
+        self.ring_bytes.clear()
         self.calls.clear()

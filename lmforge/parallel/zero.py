@@ -111,7 +111,7 @@ class ZeroEngine(DistributedEngine):
             pieces = []
             for p in group["params"]:
                 unit = self.unit_of[p]
-                index = unit.params.index(p)
+                index = next(i for i, q in enumerate(unit.params) if q is p)
                 if index in unit.piece_tensors:  # the part of p in this rank's slice, if any
                     pieces.append(unit.piece_tensors[index])
             groups.append({**group, "params": pieces})
@@ -158,7 +158,9 @@ class ZeroEngine(DistributedEngine):
     def _gather(self, unit: Unit, wait: bool = True) -> None:
         if not unit.gathered and unit.gather is None:
             unit.flat.untyped_storage().resize_(unit.padded * unit.flat.element_size())
-            unit.gather = self.comm.all_gather(unit.flat, unit.working_shard, async_op=True)
+            # evaluation and sampling forwards are not a training step's traffic
+            kind = "model" if self.model.training else "eval"
+            unit.gather = self.comm.all_gather(unit.flat, unit.working_shard, kind=kind, async_op=True)
         if wait and unit.gather is not None:
             unit.gather.wait()
             unit.gather, unit.gathered = None, True

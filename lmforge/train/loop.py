@@ -218,7 +218,7 @@ class Trainer:
     def run(self) -> dict:
         """Train to train.max_steps, then write the summary. SIGTERM or Ctrl-C: finish the step,
         save a checkpoint and raise `Stopped`. The run folder's lock is released on return."""
-        start_step = self.step
+        start_step = self.session_start_step = self.step
         self.measured = FirstStepMeasurement(self.model, self.optimizer, self.device)
         try:
             with StopRequests() as stop:
