@@ -23,21 +23,22 @@ def config(strategy: str, precision: str, grad_accum: int, extra=()):
                                           f"train.grad_accum={grad_accum}", *extra])
 
 
-def global_batches(step: int, grad_accum: int, ranks: int, vocab: int):
-    """The step's micro-batches of ranks * ROWS rows (the same on every rank)."""
+def global_batches(step: int, grad_accum: int, rows: int, vocab: int):
+    """The step's micro-batches of `rows` rows (the same on every rank)."""
     g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, vocab, (grad_accum, ranks * ROWS, SEQ + 1), generator=g)
+    tokens = torch.randint(0, vocab, (grad_accum, rows, SEQ + 1), generator=g)
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def train(engine, cfg, steps: int, rank: int, ranks: int, on_grads=None):
-    """`steps` optimizer steps; rank r takes rows r*ROWS:(r+1)*ROWS of each micro-batch."""
+def train(engine, cfg, steps: int, rank: int, ranks: int, rows: int = ROWS, on_grads=None):
+    """`steps` optimizer steps on global batches of ranks * rows rows; rank r takes rows
+    r*rows:(r+1)*rows of each micro-batch (one process: ranks=1, rows = the whole batch)."""
     policy = get_policy(cfg.train.precision)
     scaler = LossScaler(enabled=policy.loss_scaling)
     losses, norms = [], []
     for step in range(steps):
-        batches = iter([(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS])
-                        for x, y in global_batches(step, cfg.train.grad_accum, ranks, cfg.model.vocab_size)])
+        batches = iter([(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
+                        for x, y in global_batches(step, cfg.train.grad_accum, ranks * rows, cfg.model.vocab_size)])
         if step == steps - 1 and engine.comm is not None:
             engine.comm.reset()  # count one step's traffic
         if on_grads is not None and step == steps - 1:
@@ -64,12 +65,19 @@ class TorchDDP(Engine):
     def model_state_dict(self):
         return self.inner.state_dict()
 
+    def mean_across_ranks(self, value):
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        return value / dist.get_world_size()
 
-def main(out: str, strategies: str, precision: str, grad_accum: int, steps: int):
+
+def main(out: str, strategies: str, grad_accum: int, steps: int):
+    """strategies: comma-separated `name@precision` (torch_ddp: DistributedDataParallel)."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, ranks = dist.get_rank(), dist.get_world_size()
     results = {}
-    for strategy in strategies.split(","):
+    for key in strategies.split(","):
+        strategy, precision = key.split("@")
         cfg = config(strategy if strategy != "torch_ddp" else "ddp", precision, grad_accum)
         torch.manual_seed(cfg.train.seed)
         engine = TorchDDP(cfg) if strategy == "torch_ddp" else build_engine(cfg)
@@ -90,7 +98,7 @@ def main(out: str, strategies: str, precision: str, grad_accum: int, steps: int)
             fresh.load_model_state_dict(model_state)
             fresh.load_optimizer_state_dict(optimizer_state)
             reloaded = (fresh.model_state_dict(), fresh.optimizer_state_dict())
-        results[strategy] = dict(model=model_state, optimizer=optimizer_state, losses=losses, norms=norms,
+        results[key] = dict(model=model_state, optimizer=optimizer_state, losses=losses, norms=norms,
                                  held=held, reloaded=reloaded)
         dist.barrier()
     if rank == 0:
@@ -99,4 +107,4 @@ def main(out: str, strategies: str, precision: str, grad_accum: int, steps: int)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
