@@ -38,9 +38,7 @@ def check_parallel(cfg, world_size: int) -> None:
     if world_size < 2:
         raise LmforgeError(f"train.parallel={strategy.name} needs at least 2 processes: launch with "
                            f"torchrun --nproc_per_node=N -m lmforge train ... (or use train.parallel=none)")
-    if strategy.zero_stage == 3 and cfg.train.precision == "fp8" and strategy.name == "fsdp":
-        raise LmforgeError("train.parallel=fsdp with train.precision=fp8 is not supported (fp8 layers keep "
-                           "per-tensor scales fully_shard does not shard): use zero3, or bf16-mixed")
+
 
 
 def parallelize(model: torch.nn.Module, cfg, make_optimizer, weight_decay_groups) -> Engine:
