@@ -40,7 +40,6 @@ def check_parallel(cfg, world_size: int) -> None:
                            f"torchrun --nproc_per_node=N -m lmforge train ... (or use train.parallel=none)")
 
 
-
 def parallelize(model: torch.nn.Module, cfg, make_optimizer, weight_decay_groups) -> Engine:
     """The engine of `cfg.train.parallel` around `model`. `make_optimizer(param_groups)` builds
     AdamW as the config says; `weight_decay_groups(model)` gives the model's param groups (which
