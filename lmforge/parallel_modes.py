@@ -30,3 +30,11 @@ PARALLEL_STRATEGIES: dict[str, ParallelStrategy] = {s.name: s for s in (
 
 def get_strategy(name: str) -> ParallelStrategy:
     return lookup(PARALLEL_STRATEGIES, name, "parallel strategy")
+
+
+def shard_unit(name: str) -> str:
+    """The unit a parameter is gathered and sharded with by ZeRO (parallel/zero.py) and counted
+    with by accounting/comm.py: its block ("blocks.3" for "blocks.3.attn.q_proj.weight"), or
+    "rest" (embeddings, final norm, head)."""
+    parts = name.split(".")
+    return f"blocks.{parts[1]}" if parts[0] == "blocks" else "rest"

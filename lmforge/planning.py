@@ -34,6 +34,7 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
                   f"{st['optimizer']}, ZeRO {st['zero_stage']}, recompute {st['recompute']}, {st['attention']}"),
         ("parallelism", parallel),
         ("tokens per step", f"{st['tokens_per_step']:,}"),
+        ("sent per step per rank", communication_line(plan["communication"])),
         ("training FLOPs per token", f"{human_count(f['training_per_token'])} "
                                      f"(PaLM 6N+12LHQT: {human_count(f['palm_per_token'])})"),
         # N is not the parameter count above: say which parameters it leaves out
@@ -75,6 +76,15 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
     if t["tokens"]:
         timing.add_row(f"time for {human_count(t['tokens'])} tokens", human_seconds(t["seconds_for_tokens"]))
     console.print(timing)
+
+
+def communication_line(c: dict) -> str:
+    """accounting/comm.py's count in one line."""
+    if not c["sent_bytes"]:
+        return "nothing (one data-parallel rank)"
+    paper = "3" if c["strategy"] in ("zero3", "fsdp") else "2"
+    return (f"{human_bytes(c['sent_bytes'])} ({c['strategy']}: (N-1)/N x {c['ring_elements']:,} elements of "
+            f"{c['element_bytes']} bytes, ring; paper {paper}Psi = {human_bytes(c['paper_bytes'])})")
 
 
 def print_comparison(console: Console, comparison: dict) -> None:

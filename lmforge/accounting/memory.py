@@ -55,12 +55,18 @@ def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str 
     states = lookup(OPTIMIZER_STATES, optimizer, "optimizer")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage}")
-    p = get_policy(precision).bytes
+    policy = get_policy(precision)
+    p = policy.bytes
+    parameter, gradient, master = p.parameter, p.gradient, p.master
+    if zero_stage >= 1 and policy.autocast:
+        # ZeRO's layout (section 3.1; lmforge/parallel/zero.py): 16-bit working weights and
+        # gradients, fp32 master weights sharded with m and v: 2 + 2 + K bytes, K = 12
+        parameter, gradient, master = p.compute, p.compute, 4
     n = parameter_count(cfg) / (tp * pp)
     return {
-        "parameters": n * p.parameter / (dp if zero_stage >= 3 else 1),
-        "gradients": n * p.gradient / (dp if zero_stage >= 2 else 1),
-        "master_weights": n * p.master / (dp if zero_stage >= 1 else 1),
+        "parameters": n * parameter / (dp if zero_stage >= 3 else 1),
+        "gradients": n * gradient / (dp if zero_stage >= 2 else 1),
+        "master_weights": n * master / (dp if zero_stage >= 1 else 1),
         "optimizer_states": n * states * p.optimizer_state / (dp if zero_stage >= 1 else 1),
     }
 

@@ -8,12 +8,13 @@ the same plan before it starts and sets its measurements beside it at the end.
 
 from dataclasses import asdict, dataclass
 
-from lmforge.accounting import flops, memory
+from lmforge.accounting import comm, flops, memory
 from lmforge.accounting.hardware import ACCELERATORS, accelerator_peak
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.errors import lookup
 from lmforge.model.backends import BACKENDS
+from lmforge.parallel_modes import get_strategy
 from lmforge.precision.policies import get_policy
 from lmforge.recompute_modes import get_recompute
 
@@ -31,6 +32,7 @@ class Setup:
     precision: str = "fp32"
     optimizer: str = "adamw"
     zero_stage: int = 0
+    parallel: str = "none"  # train.parallel (parallel_modes.py); "none" with zero_stage > 0 means that ZeRO stage
     dp: int = 1  # data-parallel degree
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline-parallel degree
@@ -46,7 +48,8 @@ class Setup:
         """The setup a Config trains with (one device), with `changes` applied."""
         values = dict(batch_size=cfg.train.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.train.grad_accum,
                       precision=cfg.train.precision, recompute=cfg.train.recompute, attention=cfg.model.attention,
-                      fp32_attention=cfg.train.fp32_attention)
+                      fp32_attention=cfg.train.fp32_attention, parallel=cfg.train.parallel,
+                      zero_stage=get_strategy(cfg.train.parallel).zero_stage)
         values.update({k: v for k, v in changes.items() if v is not None})
         return cls(**values)
 
@@ -71,6 +74,13 @@ class Setup:
             require(self.tp in fitting, f"tp {self.tp} must divide the {model.n_heads} attention heads and "
                                         f"{model.kv_heads} KV heads (each rank holds whole heads): use one of "
                                         f"{', '.join(map(str, fitting))}")
+
+
+def strategy_of(setup: Setup) -> str:
+    """The data-parallel strategy a setup names, or implies by its ZeRO stage and dp."""
+    if setup.parallel != "none":
+        return setup.parallel
+    return f"zero{setup.zero_stage}" if setup.zero_stage else ("ddp" if setup.dp > 1 else "none")
 
 
 def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, float] | None = None) -> dict:
@@ -142,6 +152,7 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
             "parameters_16bit_bytes": 2 * n_params,
             "activations_to_16bit_parameters_ratio": korthikanti / (2 * n_params),
         },
+        "communication": comm.step_communication(cfg, strategy_of(setup), setup.dp, precision, setup.grad_accum),
         "time": {
             "hardware": hardware_name,
             "peak_flops_per_device": peak,

@@ -10,6 +10,7 @@ train/state.py keeps the run folder and its checkpoints, train/report.py logs ea
 train/summary.py writes the end of the run.
 """
 
+import contextlib
 import functools
 import math
 import time
@@ -27,14 +28,14 @@ from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.data.prepare import PreparedData, prepare_data
 from lmforge.errors import LmforgeError
 from lmforge.model.transformer import Transformer
-from lmforge.optim.clip import clip_grad_norm
 from lmforge.optim.schedule import Schedule, resume_note
 from lmforge.planning import print_plan
+from lmforge.parallel import Engine
 from lmforge.precision import LossScaler, autocast, device_notes, get_policy
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.report import StepLog, training_record
-from lmforge.train.setup import build, check_attention, check_data, resolve_device
+from lmforge.train.setup import build_engine, check_attention, check_data, resolve_device
 from lmforge.train.signals import StopRequests, Stopped
 from lmforge.train.state import RunFolder, RunState
 from lmforge.train.summary import FirstStepMeasurement, write_summary
@@ -60,6 +61,37 @@ def evaluate(model: Transformer, tokens, batch_size: int, seq_len: int, seed: in
             losses.append(model(x.to(device), y.to(device)).item())
     model.train(was_training)
     return sum(losses) / len(losses)
+
+
+def train_step(engine: Engine, next_batch, grad_accum: int, lr: float, grad_clip: float, scaler: LossScaler,
+               policy, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """One optimizer step of any data-parallel engine (lmforge/parallel/): `grad_accum` micro-batches
+    from `next_batch()`, communicating only in the last one's backward; then unscale (fp16) and clip
+    the global gradient norm, and the AdamW step at `lr` unless the loss or the gradients are not
+    finite. Returns (loss of the step averaged over ranks, gradient norm before clipping, skipped).
+
+    Each micro-batch loss is divided by grad_accum, so that the summed gradient is the gradient of
+    the mean loss over the batch; the engine averages it over the ranks."""
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(grad_accum):
+        x, y = next_batch()
+        with engine.no_sync() if micro < grad_accum - 1 else contextlib.nullcontext():
+            with autocast(policy, device):
+                loss = engine.model(x, y) / grad_accum
+            scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    engine.finish_gradients()
+    # unscale before clipping, so that the clip threshold applies to the true gradient norm
+    found_inf, grad_norm = engine.unscale_and_clip(scaler, grad_clip)
+    loss_sum = engine.mean_across_ranks(loss_sum)
+    skipped = found_inf or not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+    if not skipped:
+        engine.step()
+    scaler.update(skipped)
+    engine.zero_grad()
+    return loss_sum, grad_norm, skipped
 
 
 class Trainer:
@@ -98,8 +130,9 @@ class Trainer:
         self.policy = get_policy(cfg.train.precision)
         for note in device_notes(self.policy, self.device):
             self.console.print(f"note: {note}")
-        # the model and everything that wraps it (precision, recomputation), then the optimizer
-        self.model, self.optimizer = build(cfg, self.device)
+        # the model and everything that wraps it (precision, recomputation, parallelism), then the optimizer
+        self.engine = build_engine(cfg, self.device)
+        self.model, self.optimizer = self.engine.model, self.engine.optimizer
         self.scaler = LossScaler(enabled=self.policy.loss_scaling)
         self.lost_updates_total = [0, 0]  # this session: elements whose update rounded away, elements updated
         self.state, metrics_kept = RunState(), None
@@ -164,33 +197,16 @@ class Trainer:
         set: under fp16-mixed the loss scaler also lowers the scale; the caller decides when too
         many bad steps stop the run."""
         cfg, state = self.cfg, self.state
-        lr = Schedule.of(cfg)(state.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=self.device)
-        for _ in range(cfg.train.grad_accum):
-            x, y = next(self.loader)
-            with autocast(self.policy, self.device):
-                loss = self.model(x, y) / cfg.train.grad_accum
-            self.scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        # unscale before clipping, so that the clip threshold applies to the true gradient norm
-        found_inf = self.scaler.unscale_(self.model.parameters()) if self.scaler.enabled else False
-        if found_inf:
-            grad_norm = torch.tensor(float("inf"))
-        else:
-            grad_norm = clip_grad_norm(self.model.parameters(), cfg.optim.grad_clip)
-        self.step_skipped = found_inf or not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+        loss_sum, grad_norm, self.step_skipped = train_step(
+            self.engine, lambda: next(self.loader), cfg.train.grad_accum, Schedule.of(cfg)(state.step),
+            cfg.optim.grad_clip, self.scaler, self.policy, self.device)
         if not self.step_skipped:
-            self.optimizer.step()
             if self.optimizer.count_lost_updates:
                 for counts in (state.window["lost_updates"], self.lost_updates_total):
                     counts[0] += self.optimizer.lost_updates
                     counts[1] += self.optimizer.updated_elements
         else:
             state.skipped_steps += 1
-        self.scaler.update(self.step_skipped)
-        self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
         return loss_sum, grad_norm
 
@@ -202,7 +218,7 @@ class Trainer:
     def run(self) -> dict:
         """Train to train.max_steps, then write the summary. SIGTERM or Ctrl-C: finish the step,
         save a checkpoint and raise `Stopped`. The run folder's lock is released on return."""
-        start_step = self.step
+        start_step = self.session_start_step = self.step
         self.measured = FirstStepMeasurement(self.model, self.optimizer, self.device)
         try:
             with StopRequests() as stop:

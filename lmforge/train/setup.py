@@ -6,12 +6,20 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
                   (train/recompute.py)
-    4. (LoRA adapters and data/pipeline parallelism come here, in that order, as they arrive)
-    5. optimizer  AdamW over the parameters, decay on matrices and embeddings only
+    4. parallel   (LoRA adapters come first here, as they arrive) then data parallelism:
+                  `parallelize` wraps the model in the engine of train.parallel (lmforge/parallel/):
+                  none and ddp keep the model whole; zero1-3 flatten each block's parameters (and
+                  the rest's) into per-unit buffers sharded over the ranks, under the mixed policies
+                  16-bit working copies with fp32 master shards; fsdp applies fully_shard per block,
+                  then to the whole model. Hooks on the blocks (or on their Recompute wrappers)
+                  gather and free stage-3 parameters, so recomputation and fp8 run inside them.
+    5. optimizer  AdamW, decay on matrices and embeddings only, built by the engine over what it
+                  updates: the parameters, or for ZeRO this rank's slices of them
 
 The order matters: recomputation wraps what precision produced (an fp32-attention core is
-recomputed as a whole, casts included), and the optimizer sees the final parameters. Each step is a
-module swap or an nn.Module wrapper, visible in print(model), and refuses to run twice.
+recomputed as a whole, casts included), parallelism wraps the finished model (its hooks must see
+the final modules and parameters), and the optimizer sees what parallelism left to update. Each
+step is a module swap, an nn.Module wrapper or hooks, and refuses to run twice.
 """
 
 import torch
@@ -24,6 +32,7 @@ from lmforge.kernels import flash_triton
 from lmforge.model.backends import FLASH_BACKENDS
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
+from lmforge.parallel import Engine, parallelize
 from lmforge.precision import get_policy, prepare_model
 from lmforge.train.recompute import apply_recompute
 
@@ -51,14 +60,26 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
-def build_optimizer(cfg: Config, model: nn.Module) -> AdamW:
+def adamw(cfg: Config, param_groups: list[dict]) -> AdamW:
+    """AdamW with the config's hyper-parameters over `param_groups`."""
     o = cfg.optim
-    return AdamW(weight_decay_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+    return AdamW(param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                  count_lost_updates=get_policy(cfg.train.precision).lossy_updates)
 
 
+def build_optimizer(cfg: Config, model: nn.Module) -> AdamW:
+    return adamw(cfg, weight_decay_groups(model, cfg.optim.weight_decay))
+
+
+def build_engine(cfg: Config, device: torch.device | str = "cpu") -> Engine:
+    """Steps 1-5: the model wrapped in the engine of train.parallel, with its optimizer. Under a
+    strategy other than none, torch.distributed must already be initialised (torchrun)."""
+    return parallelize(build_model(cfg, device), cfg, make_optimizer=lambda groups: adamw(cfg, groups),
+                       weight_decay_groups=lambda model: weight_decay_groups(model, cfg.optim.weight_decay))
+
+
 def build(cfg: Config, device: torch.device | str = "cpu") -> tuple[nn.Module, AdamW]:
-    """Model and optimizer of a training run, built and wrapped in the documented order."""
+    """Model and optimizer of a one-process run, built and wrapped in the documented order."""
     model = build_model(cfg, device)
     return model, build_optimizer(cfg, model)
 

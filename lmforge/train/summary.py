@@ -152,6 +152,9 @@ def predicted_vs_measured(trainer, tokens_per_s: float) -> dict:
     # what one micro-batch saves for backward: the layers, embedding, head and the weight casts
     rows["activations_bytes"] = (sum(activations.values()) - activations.get("recomputed_layer", 0)
                                  + breakdown["weight_copies"], measured.get("activations"))
+    if trainer.engine.comm is not None:  # counted by the engine's collectives (fsdp's own are not seen)
+        steps = max(trainer.step - trainer.session_start_step, 1)
+        rows["sent_bytes_per_step"] = (plan["communication"]["sent_bytes"], trainer.engine.comm.sent_bytes() / steps)
     if "peak_allocated" in measured:
         rows["peak_memory_bytes"] = (plan["memory"]["per_device_bytes"], measured["peak_allocated"])
     return {key: {"predicted": p, "measured": m} for key, (p, m) in rows.items()}

@@ -1,0 +1,67 @@
+"""Bytes each rank sends per optimizer step, for each data-parallel strategy (train.parallel).
+
+Rajbhandari et al. 2020 ("ZeRO", section 7): data parallelism all-reduces the gradients, 2 Psi
+elements per rank per step (a reduce-scatter and an all-gather); ZeRO stages 1 and 2 do the same
+two halves separately (reduce-scatter the gradients, all-gather the updated parameters), 2 Psi;
+stage 3 all-gathers the parameters twice (forward and backward) and reduce-scatters the
+gradients, 3 Psi. Those are the limits for many ranks: a ring sends (N-1)/N of a tensor per pass
+per rank, and we count that factor, because it is what each rank really sends (1/N of the data is
+its own) and because parallel/comm.py counts the collectives the engines call the same way, so
+the two can be compared exactly at N = 2 or 3 (where the factor is 1/2 or 2/3, not 1).
+
+What this implementation moves besides the paper's idealisation, counted here too:
+- ZeRO shards per unit (each block, and "rest": embeddings, final norm, head; parallel/zero.py),
+  each padded to a multiple of N: Psi_padded = sum over units of ceil(numel / N) N.
+- ZeRO-3 gathers "rest" once for forward and backward together (the head's backward follows its
+  forward at once), so 2 Psi_blocks + Psi_rest parameter elements, not 2 Psi; and it gathers in
+  every accumulation micro-step, so that many times per step.
+- Gradients travel in the working dtype: 16-bit under the mixed policies for ZeRO (the paper's
+  layout), the parameters' dtype for DDP (fp32 under bf16-mixed: autocast keeps fp32 weights).
+A step also reduces a few scalars (loss, gradient norm, found-inf): counted apart, not here.
+FSDP2 moves what ZeRO-3 does, up to its own padding (each parameter's dim 0, not each unit).
+"""
+
+from lmforge.accounting.shapes import meta_model
+from lmforge.config import ModelConfig
+from lmforge.parallel_modes import get_strategy, shard_unit
+from lmforge.precision.policies import get_policy
+
+
+def unit_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters per ZeRO unit ("rest", "blocks.0", ...), tied tensors once."""
+    sizes: dict[str, int] = {}
+    for name, p in meta_model(cfg).named_parameters():
+        sizes[shard_unit(name)] = sizes.get(shard_unit(name), 0) + p.numel()
+    return sizes
+
+
+def element_bytes(strategy: str, precision: str) -> int:
+    """Bytes of each gradient and parameter element the collectives of `strategy` move."""
+    policy = get_policy(precision)
+    if get_strategy(strategy).zero_stage >= 1 and policy.autocast:
+        return policy.bytes.compute  # 16-bit working weights and gradients
+    return policy.bytes.gradient
+
+
+def step_communication(cfg: ModelConfig, strategy: str, dp: int, precision: str = "fp32", grad_accum: int = 1) -> dict:
+    """Per rank per step: `ring_elements` (sum of S over the collectives, S in elements, twice for
+    an all-reduce), `sent_bytes` = (N-1)/N of it in bytes, and the paper's figure `paper_elements`
+    (2 Psi or 3 Psi, the N -> infinity limit, no padding). Gradients are reduced once per step
+    (accumulation micro-steps do not communicate); ZeRO-3 gathers parameters in every micro-step."""
+    stage = get_strategy(strategy).zero_stage
+    sizes = unit_sizes(cfg)
+    psi = sum(sizes.values())
+    padded = {u: -(-n // dp) * dp for u, n in sizes.items()}
+    if strategy == "none" or dp == 1:
+        ring, paper = 0, 0
+    elif strategy == "ddp":
+        ring, paper = 2 * psi, 2 * psi  # one all-reduce of every gradient
+    elif stage in (1, 2):
+        ring, paper = 2 * sum(padded.values()), 2 * psi  # reduce-scatter + all-gather
+    else:  # zero3, fsdp: gather for forward and for backward ("rest" once), reduce-scatter
+        gathers = sum((2 if u != "rest" else 1) * n for u, n in padded.items())
+        ring, paper = grad_accum * gathers + sum(padded.values()), 3 * psi
+    size = element_bytes(strategy, precision)
+    factor = (dp - 1) / dp if dp > 1 else 0.0
+    return {"strategy": strategy, "ranks": dp, "element_bytes": size, "ring_elements": ring,
+            "sent_bytes": ring * size * factor, "paper_elements": paper, "paper_bytes": paper * size}

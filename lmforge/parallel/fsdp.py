@@ -1,0 +1,70 @@
+"""FSDP2: PyTorch's `fully_shard`, the path to run at scale (what parallel/zero.py's stage 3 does,
+in C++-backed DTensors, with its own streams and prefetching).
+
+`fully_shard` is applied to each block and then to the whole model (whose own group is then the
+embeddings, final norm and head: the same units as zero.py). Parameters become DTensors sharded
+on dim 0; each group is all-gathered before its forward and backward and resharded after, and its
+gradients reduce-scattered. The MixedPrecisionPolicy follows the precision policy as zero.py's
+layout does: under bf16-mixed, fp16-mixed and fp8 the gathered parameters and the reduced
+gradients are 16-bit, the sharded parameters (the master weights) and AdamW's m and v fp32.
+lmforge's AdamW steps the sharded parameters directly (its foreach operations run on DTensors).
+"""
+
+import contextlib
+
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
+
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class FSDPEngine(DistributedEngine):
+    def __init__(self, model, make_optimizer, weight_decay_groups_of, comm, working_dtype: torch.dtype):
+        super().__init__(model, None, comm)
+        self.broadcast_from_rank0()
+        param_dtype = None if working_dtype == next(model.parameters()).dtype else working_dtype
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)
+        for block in model.blocks.values():
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        self.optimizer = make_optimizer(weight_decay_groups_of(model))  # over the sharded parameters
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+
+    def model_state_dict(self):
+        return get_model_state_dict(self.model, options=FULL)
+
+    def optimizer_state_dict(self):
+        return get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
+
+    def load_model_state_dict(self, state):
+        set_model_state_dict(self.model, state, options=FULL)
+
+    def load_optimizer_state_dict(self, state):
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=FULL)
+
+    def state_bytes(self) -> dict[str, int]:
+        params = list(self.model.parameters())
+        return {"parameters": unique_storages_bytes(local(p) for p in params),
+                "gradients": unique_storages_bytes(local(p.grad) for p in params if p.grad is not None),
+                "master_weights": 0,
+                "optimizer_states": optimizer_state_bytes(self.optimizer)}

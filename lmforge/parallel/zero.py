@@ -1,0 +1,336 @@
+"""ZeRO stages 1, 2 and 3 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", section 5), written on collectives.
+
+Data parallelism keeps a full copy of every model state on each of the N ranks. ZeRO partitions
+them instead: each rank owns 1/N of every state and updates only that.
+
+Units. The parameters are grouped into units that are flattened, sharded and communicated
+together: each block (`blocks.0` ... `blocks.L-1`) is a unit, and everything else (embeddings,
+final norm, head) is the unit "rest". A unit's parameters are laid end to end in one flat buffer,
+padded to a multiple of N, and rank r owns the slice [r S, (r+1) S) of it, S = ceil(numel / N).
+Parameters become views of that buffer, so a collective on the buffer moves all of them at once.
+
+The step, for each stage (all of them shard the optimizer):
+    stage 1  the optimizer states (AdamW's m and v, and fp32 master weights) are sharded. Each
+             rank keeps the full gradients, reduce-scatters them after backward (it needs only the
+             sum of its own slice), updates its slice, and all-gathers the parameters.
+    stage 2  the gradients are sharded too: as soon as backward has produced all of a unit's
+             gradients (a post-accumulate-grad hook counts them), they are reduce-scattered
+             asynchronously into this rank's gradient shard and freed, while backward continues.
+    stage 3  the parameters are sharded too. Each block is all-gathered just before its forward
+             (a forward pre-hook) and freed after it (a forward hook), gathered again before its
+             backward (a backward pre-hook) and freed once its gradients are reduced; while one
+             block computes, the next one's gather is already in flight (prefetch). "rest" is
+             gathered when the model's forward starts and freed after its gradients are reduced.
+             Freeing resizes the flat buffer's storage to 0 and gathering resizes it back, so the
+             parameters (views of it) and anything autograd saved of them stay valid.
+
+Mixed precision (bf16-mixed, fp16-mixed, fp8), the paper's layout: the parameters the model
+computes with are 16-bit (2 bytes), so are their gradients (2 bytes, and the collectives move
+16-bit numbers), and the K = 12 bytes of fp32 master weight, m and v per parameter are sharded
+together: (2 + 2 + 12) Psi bytes before sharding. After the step each rank casts its master
+slice into its 16-bit slice. Under fp32 and bf16-pure the working parameters are the master
+weights (K = 8 or 4). The update itself is lmforge's AdamW (optim/adamw.py) over this rank's
+pieces: the part of each parameter that falls in its slice, a view of the master shard, in the
+parameter's weight-decay group; elementwise, so each element gets the same update as in one
+process.
+
+Communication per step per rank (parallel/comm.py, accounting/comm.py): stages 1 and 2,
+(N-1)/N (Psi reduce-scattered + Psi all-gathered) = 2 Psi in the limit, as much as DDP;
+stage 3, (N-1)/N (2 Psi_blocks + Psi_rest gathered + Psi reduce-scattered): 3 Psi for the blocks
+(the paper's figure), "rest" gathered once per forward and backward together.
+"""
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
+from lmforge.parallel_modes import shard_unit
+from lmforge.train.recompute import canonical_name
+
+
+class Unit:
+    """Parameters sharded and communicated together (one block, or "rest")."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], names: list[str], world: int, rank: int):
+        self.name, self.params, self.names = name, params, names
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.shard_numel = -(-self.offsets[-1] // world)  # S = ceil(numel / N)
+        self.padded = self.shard_numel * world
+        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        self.ready = 0  # gradients complete in this backward
+        self.reduce = None  # (work, input buffer) of the reduce-scatter in flight
+        self.gather = None  # the all-gather in flight (stage 3)
+        self.gathered = True
+
+    def pieces(self):
+        """(parameter index, start, end) in the flat buffer, for each part of a parameter in this rank's slice."""
+        for i in range(len(self.params)):
+            start, end = max(self.offsets[i], self.lo), min(self.offsets[i + 1], self.hi)
+            if start < end:
+                yield i, start, end
+
+    def flatten(self, tensors, dtype) -> torch.Tensor:
+        """The tensors end to end, padded to N S elements."""
+        flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)
+        for i, t in enumerate(tensors):
+            flat[self.offsets[i]:self.offsets[i + 1]].copy_(t.reshape(-1))
+        return flat
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[self.offsets[i]:self.offsets[i + 1]].view(p.shape) for i, p in enumerate(self.params)]
+
+
+class ZeroEngine(DistributedEngine):
+    def __init__(self, model: nn.Module, make_optimizer, weight_decay_groups, comm, stage: int,
+                 working_dtype: torch.dtype):
+        super().__init__(model, None, comm)
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+        self.stage, self.syncing = stage, True
+        self.broadcast_from_rank0()
+        names = {p: canonical_name(n) for n, p in model.named_parameters()}  # tied: the first name
+        by_unit: dict[str, list] = {}
+        for p, name in names.items():
+            by_unit.setdefault(shard_unit(name), []).append(p)
+        self.units = [Unit(u, ps, [names[p] for p in ps], self.world_size, self.rank) for u, ps in by_unit.items()]
+        self.unit_of = {p: unit for unit in self.units for p in unit.params}
+        master_dtype = next(iter(names)).dtype  # what the precision policy stores (fp32 or bf16)
+        self.separate_master = master_dtype != working_dtype
+        for unit in self.units:
+            self._shard(unit, master_dtype, working_dtype)
+
+        # the optimizer: this rank's pieces, each in its parameter's weight-decay group
+        self.group_names = []
+        groups = []
+        for group in weight_decay_groups:
+            pieces = []
+            for p in group["params"]:
+                unit = self.unit_of[p]
+                index = next(i for i, q in enumerate(unit.params) if q is p)
+                if index in unit.piece_tensors:  # the part of p in this rank's slice, if any
+                    pieces.append(unit.piece_tensors[index])
+            groups.append({**group, "params": pieces})
+            self.group_names.append([names[p] for p in group["params"]])
+        self.optimizer = make_optimizer(groups)
+
+        self._hooks = []
+        if stage >= 2:
+            self._hooks += [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self.unit_of]
+        if stage == 3:
+            self._hook_blocks(model)
+
+    # -- layout ---------------------------------------------------------------------------------------
+
+    def _shard(self, unit: Unit, master_dtype: torch.dtype, working_dtype: torch.dtype) -> None:
+        """Flatten the unit, keep this rank's slice as the master shard, make the parameters views
+        of the working buffer (stage 3: free it)."""
+        full = unit.flatten([p.detach() for p in unit.params], master_dtype)
+        unit.flat = full.to(working_dtype) if self.separate_master else full
+        for p, view in zip(unit.params, unit.split(unit.flat)):
+            p.data = view
+        if self.stage == 3:  # this rank's slice persists on its own; the full buffer only while gathered
+            unit.working_shard = unit.flat[unit.lo:unit.hi].clone()
+            self._free(unit)
+        else:
+            unit.working_shard = unit.flat[unit.lo:unit.hi]
+        unit.master = full[unit.lo:unit.hi].clone() if self.separate_master else unit.working_shard
+        if self.stage == 1:  # full gradients, in one buffer per unit: param.grad are views of it
+            unit.grad_flat = torch.zeros(unit.padded, dtype=working_dtype, device=full.device)
+            unit.grad_shard = unit.grad_flat[unit.lo:unit.hi]
+            for p, view in zip(unit.params, unit.split(unit.grad_flat)):
+                p.grad = view
+        else:
+            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=working_dtype, device=full.device)
+        unit.piece_list = list(unit.pieces())
+        unit.piece_tensors = {i: unit.master[start - unit.lo:end - unit.lo] for i, start, end in unit.piece_list}
+
+    # -- stage 3: gather before use, free after -------------------------------------------------------
+
+    def _free(self, unit: Unit) -> None:
+        unit.flat.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def _gather(self, unit: Unit, wait: bool = True) -> None:
+        if not unit.gathered and unit.gather is None:
+            unit.flat.untyped_storage().resize_(unit.padded * unit.flat.element_size())
+            # evaluation and sampling forwards are not a training step's traffic
+            kind = "model" if self.model.training else "eval"
+            unit.gather = self.comm.all_gather(unit.flat, unit.working_shard, kind=kind, async_op=True)
+        if wait and unit.gather is not None:
+            unit.gather.wait()
+            unit.gather, unit.gathered = None, True
+
+    def _hook_blocks(self, model: nn.Module) -> None:
+        blocks = [model.blocks[name] for name in model.blocks]
+        units = {unit.name: unit for unit in self.units}
+        block_units = [units[shard_unit(f"blocks.{name}.")] for name in model.blocks]
+        rest = units.get("rest")
+
+        def gathering(i, step):  # before block i runs (forward: step +1, backward: -1): it, then prefetch the next
+            def hook(*_):
+                self._gather(block_units[i])
+                if 0 <= i + step < len(block_units):
+                    self._gather(block_units[i + step], wait=False)
+            return hook
+
+        for i, block in enumerate(blocks):
+            self._hooks.append(block.register_forward_pre_hook(gathering(i, +1)))
+            self._hooks.append(block.register_forward_hook(lambda *_, unit=block_units[i]: self._free(unit)))
+            self._hooks.append(block.register_full_backward_pre_hook(gathering(i, -1)))
+        if rest is not None:
+            self._hooks.append(model.register_forward_pre_hook(lambda *_: self._gather(rest)))
+            # evaluation and sampling: no backward will come to free it
+            self._hooks.append(model.register_forward_hook(
+                lambda *_: None if torch.is_grad_enabled() else self._free(rest)))
+
+    # -- gradients --------------------------------------------------------------------------------------
+
+    def _gradient_ready(self, param: nn.Parameter) -> None:
+        """Stage 2 and 3: once all of a unit's gradients exist, reduce-scatter them and free them."""
+        unit = self.unit_of[param]
+        unit.ready += 1
+        if unit.ready < len(unit.params):
+            return
+        unit.ready = 0
+        if self.syncing:
+            flat = unit.flatten([p.grad for p in unit.params], unit.grad_shard.dtype)
+            for p in unit.params:
+                p.grad = None
+            unit.reduce = (self.comm.reduce_scatter(unit.grad_shard, flat, async_op=True), flat)
+        if self.stage == 3:
+            self._free(unit)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
+    def finish_gradients(self) -> None:
+        if self.stage == 1:  # in place: this rank's slice of the buffer receives the sum
+            works = [self.comm.reduce_scatter(u.grad_shard, u.grad_flat, async_op=True) for u in self.units]
+            for work in works:
+                work.wait()
+        else:
+            for unit in self.units:
+                if unit.reduce is None:
+                    raise RuntimeError(f"ZeRO: unit {unit.name} was never reduced: some of its parameters "
+                                       f"got no gradient in this backward")
+                unit.reduce[0].wait()
+                unit.reduce = None
+        for unit in self.units:
+            unit.grad_shard.div_(self.world_size)  # sum / N: the gradient of the global batch's mean loss
+            for i, start, end in unit.piece_list:
+                grad = unit.grad_shard[start - unit.lo:end - unit.lo]
+                unit.piece_tensors[i].grad = grad.to(unit.master.dtype) if self.separate_master else grad
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [piece.grad for unit in self.units for piece in unit.piece_tensors.values()]
+
+    def step(self) -> None:
+        self.optimizer.step()
+        if self.optimizer.count_lost_updates:  # this rank counted its slice: add the others'
+            counts = torch.tensor([self.optimizer.lost_updates, self.optimizer.updated_elements], dtype=torch.float64)
+            self.comm.all_reduce(counts, kind="scalar")
+            self.optimizer.lost_updates, self.optimizer.updated_elements = (int(c) for c in counts.tolist())
+        for unit in self.units:
+            if self.separate_master:
+                unit.working_shard.copy_(unit.master)
+            if self.stage < 3:  # in place: every rank's slice into everyone's buffer
+                unit.gather = self.comm.all_gather(unit.flat, unit.working_shard, async_op=True)
+        for unit in self.units:
+            if unit.gather is not None:
+                unit.gather.wait()
+                unit.gather = None
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            for piece in unit.piece_tensors.values():
+                piece.grad = None
+            if self.stage == 1:
+                unit.grad_flat.zero_()
+
+    # -- state by name, full tensors ---------------------------------------------------------------------
+
+    def _gather_full(self, unit: Unit, shard: torch.Tensor) -> list[torch.Tensor]:
+        full = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(full, shard.contiguous(), kind="state")
+        return [t.clone() for t in unit.split(full)]
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full master weights (fp32 under the mixed policies) under every name the model's own
+        state_dict has (tied ones under both)."""
+        full = {}
+        for unit in self.units:
+            full.update(zip(unit.params, self._gather_full(unit, unit.master)))
+        state = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            state[canonical_name(name)] = full[p]
+        for name, buffer in self.model.named_buffers():
+            if canonical_name(name) in self.model.state_dict():
+                state[canonical_name(name)] = buffer.detach().clone()
+        return state
+
+    def optimizer_state_dict(self) -> dict:
+        state = {}
+        keys = ("exp_avg", "exp_avg_sq")
+        step = None
+        for unit in self.units:
+            for key in keys:
+                shard = torch.zeros(unit.shard_numel, dtype=unit.master.dtype, device=unit.master.device)
+                for i, start, end in unit.piece_list:
+                    piece_state = self.optimizer.state.get(unit.piece_tensors[i])
+                    if piece_state:
+                        shard[start - unit.lo:end - unit.lo] = piece_state[key]
+                        step = piece_state["step"]
+                for name, tensor in zip(unit.names, self._gather_full(unit, shard)):
+                    state.setdefault(name, {})[key] = tensor
+        if step is None:  # before the first step: no state yet
+            state = {}
+        else:
+            for per_param in state.values():
+                per_param["step"] = step.clone()
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
+                  for g, names in zip(self.optimizer.param_groups, self.group_names)]
+        return {"state": state, "param_groups": groups}
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for unit in self.units:
+            full = unit.flatten([state[name] for name in unit.names], unit.master.dtype)
+            unit.master.copy_(full[unit.lo:unit.hi])
+            if self.separate_master:
+                unit.working_shard.copy_(unit.master)
+            if self.stage < 3:
+                unit.flat.copy_(full)
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        for unit in self.units:
+            for i, start, end in unit.piece_list:
+                saved = state["state"].get(unit.names[i])
+                if saved is None:
+                    continue
+                begin = start - unit.offsets[i]
+                piece = unit.piece_tensors[i]
+                self.optimizer.state[piece] = {
+                    "step": saved["step"].detach().clone().cpu(),
+                    **{k: saved[k].reshape(-1)[begin:begin + piece.numel()].to(piece).clone()
+                       for k in ("exp_avg", "exp_avg_sq")}}
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def state_bytes(self) -> dict[str, int]:
+        if self.stage == 3:  # the gathered buffers come and go; what persists is the shards
+            params = unique_storages_bytes(u.working_shard for u in self.units)
+        else:
+            params = unique_storages_bytes(u.flat for u in self.units)
+        grads = unique_storages_bytes(u.grad_flat if self.stage == 1 else u.grad_shard for u in self.units)
+        return {"parameters": params, "gradients": grads,
+                "master_weights": unique_storages_bytes(u.master for u in self.units) if self.separate_master else 0,
+                "optimizer_states": optimizer_state_bytes(self.optimizer)}

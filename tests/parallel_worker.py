@@ -1,0 +1,110 @@
+"""Run by tests/test_parallel_engines.py under torchrun (not a test module itself): trains the
+`tiny` model a few steps under each strategy given, every rank on its rows of one global batch,
+and rank 0 saves what the test compares (full state by name, losses, bytes held, bytes sent)."""
+
+import datetime
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lmforge.config import make_config
+from lmforge.parallel.engine import Engine
+from lmforge.precision import LossScaler, get_policy
+from lmforge.train.loop import train_step
+from lmforge.train.setup import build_engine, build_model, build_optimizer
+
+SEQ, ROWS = 32, 2  # tokens per row; rows per rank per micro-batch
+
+
+def config(strategy: str, precision: str, grad_accum: int, extra=()):
+    return make_config("tiny", overrides=[f"train.parallel={strategy}", f"train.precision={precision}",
+                                          f"train.grad_accum={grad_accum}", *extra])
+
+
+def global_batches(step: int, grad_accum: int, rows: int, vocab: int):
+    """The step's micro-batches of `rows` rows (the same on every rank)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, vocab, (grad_accum, rows, SEQ + 1), generator=g)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def train(engine, cfg, steps: int, rank: int, ranks: int, rows: int = ROWS, on_grads=None):
+    """`steps` optimizer steps on global batches of ranks * rows rows; rank r takes rows
+    r*rows:(r+1)*rows of each micro-batch (one process: ranks=1, rows = the whole batch)."""
+    policy = get_policy(cfg.train.precision)
+    scaler = LossScaler(enabled=policy.loss_scaling)
+    losses, norms = [], []
+    for step in range(steps):
+        batches = iter([(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
+                        for x, y in global_batches(step, cfg.train.grad_accum, ranks * rows, cfg.model.vocab_size)])
+        if step == steps - 1 and engine.comm is not None:
+            engine.comm.reset()  # count one step's traffic
+        if on_grads is not None and step == steps - 1:
+            zero_grad = engine.zero_grad
+            engine.zero_grad = lambda: (on_grads(engine), zero_grad())
+        loss, norm, _ = train_step(engine, lambda: next(batches), cfg.train.grad_accum, cfg.optim.lr,
+                                   cfg.optim.grad_clip, scaler, policy, torch.device("cpu"))
+        losses.append(loss.item())
+        norms.append(norm.item())
+    return losses, norms
+
+
+class TorchDDP(Engine):
+    """torch.nn.parallel.DistributedDataParallel behind the engine interface: the reference."""
+
+    def __init__(self, cfg):
+        model = build_model(cfg)
+        super().__init__(nn.parallel.DistributedDataParallel(model), build_optimizer(cfg, model))
+        self.inner = model
+
+    def no_sync(self):
+        return self.model.no_sync()
+
+    def model_state_dict(self):
+        return self.inner.state_dict()
+
+    def mean_across_ranks(self, value):
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        return value / dist.get_world_size()
+
+
+def main(out: str, strategies: str, grad_accum: int, steps: int):
+    """strategies: comma-separated `name@precision` (torch_ddp: DistributedDataParallel)."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for key in strategies.split(","):
+        strategy, precision = key.split("@")
+        cfg = config(strategy if strategy != "torch_ddp" else "ddp", precision, grad_accum)
+        torch.manual_seed(cfg.train.seed)
+        engine = TorchDDP(cfg) if strategy == "torch_ddp" else build_engine(cfg)
+        held = {}
+        losses, norms = train(engine, cfg, steps, rank, ranks,
+                              on_grads=lambda e: held.update(e.state_bytes(), sent=e.comm.sent_bytes("model")
+                                                             if e.comm else None,
+                                                             ring=dict(e.comm.ring_bytes) if e.comm else None))
+        if engine.comm is not None:
+            engine.comm.reset()
+        model_state = engine.model_state_dict()
+        optimizer_state = engine.optimizer_state_dict() if strategy != "torch_ddp" else None
+        # a fresh engine loads the state back: each rank keeps its shard of the same full tensors
+        reloaded = None
+        if strategy in ("zero1", "zero3", "ddp"):
+            torch.manual_seed(cfg.train.seed + 1)
+            fresh = build_engine(cfg)
+            fresh.load_model_state_dict(model_state)
+            fresh.load_optimizer_state_dict(optimizer_state)
+            reloaded = (fresh.model_state_dict(), fresh.optimizer_state_dict())
+        results[key] = dict(model=model_state, optimizer=optimizer_state, losses=losses, norms=norms,
+                                 held=held, reloaded=reloaded)
+        dist.barrier()
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
