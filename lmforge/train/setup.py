@@ -6,11 +6,16 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
                   (train/recompute.py)
-    4. (LoRA adapters and data/pipeline parallelism come here, in that order, as they arrive)
-    5. optimizer  AdamW over the parameters, decay on matrices and embeddings only
+    4. loss       the chunked head + loss in place of the plain one (train/chunked_loss.py)
+    5. (LoRA adapters come here, as they arrive)
+    6. compile    each block and the loss piece in a torch.compile wrapper (train/compile.py)
+    7. (data/pipeline parallelism comes here, as it arrives)
+    8. optimizer  AdamW over the parameters, decay on matrices and embeddings only
 
 The order matters: recomputation wraps what precision produced (an fp32-attention core is
-recomputed as a whole, casts included), and the optimizer sees the final parameters. Each step is a
+recomputed as a whole, casts included); compile traces the finished blocks, recomputation and
+adapters included, and comes before data parallelism (torchtitan's order: activation
+checkpointing, compile, FSDP); the optimizer sees the final parameters. Each step is a
 module swap or an nn.Module wrapper, visible in print(model), and refuses to run twice.
 """
 
@@ -25,11 +30,13 @@ from lmforge.model.backends import FLASH_BACKENDS
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.precision import get_policy, prepare_model
+from lmforge.train.chunked_loss import apply_chunked_loss
+from lmforge.train.compile import apply_compile
 from lmforge.train.recompute import apply_recompute
 
 
 def build_model(cfg: Config, device: torch.device | str = "cpu") -> nn.Module:
-    """The model of `cfg` on `device`, wrapped for training (steps 1-3 above). On the meta device
+    """The model of `cfg` on `device`, wrapped for training (steps 1-6 above). On the meta device
     nothing is allocated: parameter shapes and the module tree only, in milliseconds even for 70B.
     Elsewhere the weights are initialised on the CPU and moved, so that a seed gives the same
     initial model on every device."""
@@ -40,6 +47,9 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> nn.Module:
     prepare_model(model, get_policy(cfg.train.precision), fp32_attention=cfg.train.fp32_attention,
                   fp8_scaling=cfg.train.fp8_scaling)
     apply_recompute(model, cfg.train.recompute)
+    apply_chunked_loss(model, cfg.train.loss_chunk_tokens)
+    if cfg.train.compile and torch.device(device).type != "meta":  # nothing to run on the meta device
+        apply_compile(model)
     return model
 
 
