@@ -49,10 +49,10 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
             logits = (h_c @ w.t()).float()  # rounded to the compute dtype by the matmul, as plain
             lse = torch.logsumexp(logits, dim=-1)
             loss += (lse - logits.gather(1, y_c[:, None]).squeeze(1)).sum()
-            if with_grads:
-                grad_z = (logits - lse[:, None]).exp_()  # softmax, in place of the logits
+            if with_grads:  # in place: one chunk of fp32 logits (and its cast) at a time, no more
+                grad_z = logits.sub_(lse[:, None]).exp_()  # softmax
                 grad_z[torch.arange(len(y_c), device=h.device), y_c] -= 1.0
-                grad_z = (grad_z / n).to(dtype)
+                grad_z = grad_z.div_(n).to(dtype)
                 grad_h[start:start + chunk] = grad_z @ w
                 grad_w += (grad_z.t() @ h_c).float()
     return loss / n, grad_h, grad_w
