@@ -39,11 +39,7 @@ class FirstStepMeasurement:
                        "step": optimizer.register_step_post_hook(self._after_step)}
 
     def _start_forward(self, module, args):
-        # a training forward (evaluation runs under no_grad); not of a compiled model: saved-tensor
-        # hooks change what torch.compile runs for that step (so a resumed run would differ), and
-        # a compiled graph saves what inductor chose, not what the plan's formulas count
-        compiled = any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in self.model.modules())
-        if torch.is_grad_enabled() and not compiled:
+        if torch.is_grad_enabled():  # a training forward (evaluation runs under no_grad)
             self._saving = measure_saved_bytes(self.model.parameters())
             self._saved = self._saving.__enter__()
 
