@@ -1,19 +1,25 @@
 """Training throughput of lmforge beside the same model in plain PyTorch, in one run.
 
-    python bench/throughput.py [--steps 30] [--warmup 3] [--repeats 3] [--model small] [key=value ...]
-    python bench/throughput.py --optimizer-only [--steps 30] [--warmup 3]   # only the last table below
+    python bench/throughput.py [--steps 10] [--warmup 3] [--repeats 2] [--shapes default,gpt2]
+                               [--precisions fp32,bf16-mixed] [key=value ...]
+    python bench/throughput.py --optimizer-only [--steps 30] [--warmup 3]   # only the optimizer table
 
-Each side trains the default config (preset `small`, fp32) on the same prepared data, in a
+Rows: each shape (`default`: preset `small`, context 256; `gpt2`: GPT-2-124M's shape, 12 layers,
+d_model 768, 12 heads, vocabulary 50257, context 1024, in the llama family that the reference
+implements, batch 1) in each precision (fp32, bf16-mixed), and in each row four sides, each in a
 process of its own, as a user would run it:
-  ours            `lmforge train`'s Trainer: Transformer, hand-written AdamW, clipping, schedule,
-                  prefetching loader, and glibc malloc told to keep freed memory (train/host_memory.py)
-  ours, default malloc   the same with glibc's default malloc settings, to show what that part is worth
-  reference       bench/reference_llama.py (torch.nn layers, nn.RMSNorm, SDPA), torch.optim.AdamW,
-                  batches drawn in the loop
+  ours              `lmforge train`'s Trainer: Transformer, hand-written AdamW, clipping, schedule,
+                    prefetching loader, glibc malloc told to keep freed memory (train/host_memory.py)
+  ours compiled     the same with train.compile=true
+  reference         bench/reference_llama.py (torch.nn layers, nn.RMSNorm, SDPA), torch.optim.AdamW
+                    (foreach), batches drawn in the loop, torch.autocast for bf16-mixed
+  reference compiled   torch.compile(model), as its tutorials do
 Sides run in turns, `--repeats` times each (the order rotating, so that drift of the machine hits
-all alike); each run reports its median step time, and a side's best run counts. Also printed:
-the fraction of this machine's measured fp32 matmul peak (analytic FLOPs per token from
-lmforge.accounting.flops), peak resident memory, minor page faults per step, and the loader wait.
+all alike); each run reports its median step time after `--warmup` steps (the compile happens in
+the warm-up), and a side's best run counts. Printed: tokens/s, the fraction of this machine's
+measured matmul peak of the dtype the matmuls run in (accounting/hardware.py; analytic FLOPs per
+token from lmforge.accounting.flops), peak resident memory, the loader wait, and the ratios ours /
+reference, eager against eager and compiled against compiled.
 
 Then, in the same run (or alone with `--optimizer-only`), the time of one optimizer step on the
 model's parameters with random gradients: lmforge's AdamW on its per-parameter loop and on its
@@ -31,7 +37,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SIDES = ("ours", "ours, default malloc", "reference")
+SIDES = ("ours", "reference", "ours compiled", "reference compiled")
+# GPT-2-124M's shape (Radford et al. 2019) in the llama family, which the reference implements; the
+# default corpus's 4096-token data (a vocabulary of 50257 only pads the embedding: check_data warns)
+SHAPES = {"default": [], "gpt2": ["model.d_model=768", "model.n_layers=12", "model.n_heads=12", "model.n_kv_heads=12",
+                                 "model.vocab_size=50257", "model.max_seq_len=1024", "train.batch_size=1"]}
 
 
 def build_step(side: str, args):
@@ -44,15 +54,17 @@ def build_step(side: str, args):
     from lmforge.data.prepare import prepare_data
     from lmforge.optim.clip import clip_grad_norm
 
-    cfg = make_config(args.model, overrides=args.overrides + ["train.sample_tokens=0"])
+    compiled = side.endswith("compiled")
+    cfg = make_config("small", overrides=args.overrides + ["train.sample_tokens=0", "train.max_steps=100000"]
+                      + (["train.compile=true"] if compiled and side.startswith("ours") else []))
     if side.startswith("ours"):
         from lmforge.train.host_memory import retain_freed_memory
         from lmforge.train.loop import Trainer
 
-        if side == "ours":  # as `lmforge train` does; each side runs in a process of its own
-            retain_freed_memory()
+        retain_freed_memory()  # as `lmforge train` does; each side runs in a process of its own
         trainer = Trainer(cfg, Path(args.scratch) / f"ours-{time.time_ns()}", console=Console(quiet=True),
                           progress=False)
+        trainer.model.train()
         return trainer.train_step, trainer.loader
 
     from reference_llama import ReferenceLlama
@@ -66,14 +78,18 @@ def build_step(side: str, args):
     other = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
                              {"params": other, "weight_decay": 0.0}], lr=cfg.optim.lr,
-                            betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+                            betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, foreach=True)
+    forward = torch.compile(model) if compiled else model
+    bf16 = t.precision == "bf16-mixed"
     rng = np.random.default_rng(0)
 
     def step():
         for _ in range(t.grad_accum):
             starts = rng.integers(0, len(data.train) - cfg.seq_len, size=t.batch_size)
             w = torch.from_numpy(np.stack([data.train[s:s + cfg.seq_len + 1] for s in starts]).astype(np.int64))
-            (model(w[:, :-1], w[:, 1:]) / t.grad_accum).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = forward(w[:, :-1], w[:, 1:])
+            (loss / t.grad_accum).backward()
         clip_grad_norm(model.parameters(), cfg.optim.grad_clip)  # the same clipping cost on both sides
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -156,10 +172,12 @@ def print_optimizer_steps(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per side, in rotating order; the best counts")
-    parser.add_argument("--model", default="small")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (the compile happens here)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per side, in rotating order; the best counts")
+    parser.add_argument("--shapes", default="default,gpt2", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--precisions", default="fp32,bf16-mixed")
+    parser.add_argument("--model", default="small", help="the preset of --optimizer-only")
     parser.add_argument("--scratch", default=str(Path(__file__).resolve().parent / "out"),
                         help="where runs write their files (default bench/out, untracked)")
     parser.add_argument("--optimizer-only", action="store_true", help="time only the optimizer step")
@@ -178,41 +196,45 @@ def main() -> None:
 
     from lmforge.accounting.flops import training_flops_per_token
     from lmforge.accounting.hardware import device_name, matmul_peak
+    from lmforge.accounting.plan import matmul_dtype
     from lmforge.config import make_config
     from lmforge.data.prepare import prepare_data
 
-    cfg = make_config(args.model, overrides=args.overrides)
-    prepare_data(cfg)  # once, outside any timing
-    peak = matmul_peak(torch.float32)
-    flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
-    tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.seq_len
-
-    best: dict[str, dict] = {}
-    for repeat in range(args.repeats):
-        order = SIDES[repeat % len(SIDES):] + SIDES[:repeat % len(SIDES)]
-        for side in order:
-            cmd = [sys.executable, __file__, "--side", side, "--steps", str(args.steps), "--warmup",
-                   str(args.warmup), "--model", args.model, "--scratch", args.scratch, *args.overrides]
-            result = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-            if side not in best or result["median_step_seconds"] < best[side]["median_step_seconds"]:
-                best[side] = result
-
-    print(f"machine: {device_name(torch.device('cpu'))}, torch {torch.__version__}, "
-          f"measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
-    print(f"model: preset {args.model} {' '.join(args.overrides)}, {tokens_per_step} tokens/step; "
-          f"{args.steps} timed steps per run after {args.warmup} warm-up, best of {args.repeats} runs per side")
-    print(f"{'':22} {'tokens/s':>9} {'s/step':>7} {'of peak':>8} {'max RSS':>8} {'faults/step':>12} {'loader wait':>12}")
-    tokens_per_s = {}
-    for side in SIDES:
-        r = best[side]
-        tokens_per_s[side] = tokens_per_step / r["median_step_seconds"]
-        wait = "inline" if r["loader_wait_fraction"] is None else f"{r['loader_wait_fraction']:.2%}"
-        print(f"{side:22} {tokens_per_s[side]:>9,.0f} {r['median_step_seconds']:>7.3f} "
-              f"{tokens_per_s[side] * flops_per_token / peak:>8.1%} {r['max_rss_bytes'] / 2**20:>6,.0f}MB "
-              f"{r['faults_per_step']:>12,.0f} {wait:>12}")
-    print(f"ratio ours/reference: {tokens_per_s['ours'] / tokens_per_s['reference']:.3f}   "
-          f"(ours with default malloc / reference: "
-          f"{tokens_per_s['ours, default malloc'] / tokens_per_s['reference']:.3f})")
+    default_data = prepare_data(make_config("small", overrides=args.overrides)).dir  # once, outside any timing
+    print(f"machine: {device_name(torch.device('cpu'))}, torch {torch.__version__}; {args.steps} timed steps per "
+          f"run after {args.warmup} warm-up (compile included), best of {args.repeats} runs per side, sides in turns")
+    for shape in args.shapes.split(","):
+        for precision in args.precisions.split(","):
+            overrides = [*SHAPES[shape], f"data.dir={default_data}", f"train.precision={precision}", *args.overrides]
+            cfg = make_config("small", overrides=overrides)
+            dtype = matmul_dtype(precision)
+            peak = matmul_peak(getattr(torch, dtype))
+            flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
+            tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.seq_len
+            best: dict[str, dict] = {}
+            for repeat in range(args.repeats):
+                order = SIDES[repeat % len(SIDES):] + SIDES[:repeat % len(SIDES)]
+                for side in order:
+                    cmd = [sys.executable, __file__, "--side", side, "--steps", str(args.steps), "--warmup",
+                           str(args.warmup), "--scratch", args.scratch, *overrides]
+                    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
+                    result = json.loads(out)
+                    if side not in best or result["median_step_seconds"] < best[side]["median_step_seconds"]:
+                        best[side] = result
+            print(f"\n{shape} ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}, "
+                  f"context {cfg.seq_len}), {precision}: {tokens_per_step} tokens/step, {dtype} matmul peak "
+                  f"{peak / 1e9:.1f} GFLOP/s")
+            print(f"{'':20} {'tokens/s':>9} {'s/step':>7} {'of peak':>8} {'max RSS':>8} {'loader wait':>12}")
+            tokens_per_s = {}
+            for side in SIDES:
+                r = best[side]
+                tokens_per_s[side] = tokens_per_step / r["median_step_seconds"]
+                wait = "inline" if r["loader_wait_fraction"] is None else f"{r['loader_wait_fraction']:.2%}"
+                print(f"{side:20} {tokens_per_s[side]:>9,.0f} {r['median_step_seconds']:>7.3f} "
+                      f"{tokens_per_s[side] * flops_per_token / peak:>8.1%} {r['max_rss_bytes'] / 2**20:>6,.0f}MB "
+                      f"{wait:>12}")
+            print(f"ratio ours/reference: eager {tokens_per_s['ours'] / tokens_per_s['reference']:.3f}, "
+                  f"compiled {tokens_per_s['ours compiled'] / tokens_per_s['reference compiled']:.3f}")
     print_optimizer_steps(args)
 
 

@@ -102,6 +102,10 @@ class TrainConfig:
     fp8_scaling: str = "current"  # fp8 per-tensor scales: current (this tensor's amax) | delayed (amax history)
     max_bad_steps: int = 1  # stop after this many non-finite steps in a row (all policies but fp16-mixed)
     recompute: str = "none"  # none | selective | full: activation recomputation in backward
+    compile: bool = False  # torch.compile each block and the head + loss (train/compile.py)
+    # LM head + cross-entropy in chunks of this many tokens, never materialising the whole
+    # (tokens x vocab) logits (train/chunked_loss.py); 0: the plain loss
+    loss_chunk_tokens: int = 0
     sample_tokens: int = 200  # tokens generated at the end of training; 0 disables
     sample_prompt: str = ""  # "": the start of a validation document (a prompt in the corpus's language)
     tensorboard: bool = True  # TensorBoard event files in the run folder (tensorboard --logdir runs)
@@ -321,7 +325,7 @@ def validate(cfg: Config) -> None:
     for key in ("batch_size", "grad_accum", "seq_len", "max_steps", "eval_batches", "keep_checkpoints",
                 "log_interval", "max_bad_steps", "bucket_mb", "dist_timeout"):
         positive(f"train.{key}", getattr(t, key))
-    for key in ("eval_interval", "checkpoint_interval", "sample_tokens"):
+    for key in ("eval_interval", "checkpoint_interval", "sample_tokens", "loss_chunk_tokens"):
         require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
     require(cfg.seq_len <= m.max_seq_len, f"train.seq_len ({cfg.seq_len}) must not exceed model.max_seq_len "
                                           f"({m.max_seq_len})")
@@ -329,6 +333,10 @@ def validate(cfg: Config) -> None:
     choose("train.fp8_scaling", t.fp8_scaling, FP8_SCALINGS)
     choose("train.recompute", t.recompute, RECOMPUTE_MODES)
     choose("train.parallel", t.parallel, PARALLEL_STRATEGIES)
+    # the Triton kernels under torch.compile have never run (no GPU here): not offered untried
+    require(not (t.compile and m.attention == "flash_triton"),
+            "train.compile=true with model.attention=flash_triton is untested (its Triton kernels have never "
+            "been traced by torch.compile): use model.attention=sdpa or train.compile=false")
     require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
             f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
 

@@ -153,8 +153,11 @@ def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str 
 
 def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", attention: str = "sdpa",
                          recompute: str = "none", tp: int = 1, pp: int = 1,
-                         fp32_attention: bool = False) -> dict[str, float]:
+                         fp32_attention: bool = False, loss_chunk_tokens: int = 0) -> dict[str, float]:
     """Bytes saved for backward over one micro-batch of b sequences of s tokens, per device.
+
+    With `loss_chunk_tokens` (train/chunked_loss.py) the head and loss keep their finished
+    gradients instead: dh in the residual stream's dtype and dW in fp32, no logits, no head cast.
 
     Layers: tensor parallelism with sequence parallelism divides each layer's activations by tp
     (Korthikanti et al. 2022, eq. 5); a 1F1B pipeline's first stage holds L/pp layers for pp
@@ -173,12 +176,13 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp3
         # the token ids the embedding gathers (int64), and what it keeps to add positions
         "embedding": bs * 8 + family.position_ids,
         # final norm, the LM head's input, the fp32 log-probabilities and the int64 targets
-        "head_and_loss": family.final_norm + bsd * head_input + bs * cfg.vocab_size * 4 + bs * 8,
+        "head_and_loss": family.final_norm + (bsd * p.residual + head_weights * 4 if loss_chunk_tokens
+                                              else bsd * head_input + bs * cfg.vocab_size * 4 + bs * 8),
         # tables every block reads (RoPE's cos and sin), kept once; not inside fully recomputed blocks
         "rope_tables": 0 if mode.blocks else family.position_tables,
         # the per-use weight casts; inside fully recomputed blocks they are recast in backward
         "weight_copies": ((0 if mode.blocks else shapes.block_matmul_weights * p.weight_copy)
-                          + head_weights * p.head_weight_copy) / (tp * pp),
+                          + (0 if loss_chunk_tokens else head_weights * p.head_weight_copy)) / (tp * pp),
     }
     if mode.blocks:  # backward reruns one block at a time: its activations come back
         recomputed = layer_activation_breakdown(cfg, b, s, precision, attention, fp32_attention=fp32_attention)
@@ -186,11 +190,13 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp3
     return result
 
 
-def logits_bytes(cfg: ModelConfig, b: int, s: int, precision: str = "fp32") -> float:
+def logits_bytes(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", loss_chunk_tokens: int = 0) -> float:
     """The LM head's logits and their fp32 copy for the loss: alive at the end of the forward
-    pass beside everything saved; for small models with large vocabularies the largest tensor."""
+    pass beside everything saved; for small models with large vocabularies the largest tensor.
+    The chunked loss holds those of one chunk of `loss_chunk_tokens` tokens at a time."""
     p = get_policy(precision).bytes
-    return b * s * cfg.vocab_size * (p.compute + (4 if p.compute < 4 else 0))
+    tokens = min(loss_chunk_tokens, b * s) if loss_chunk_tokens else b * s
+    return tokens * cfg.vocab_size * (p.compute + (4 if p.compute < 4 else 0))
 
 
 def kv_cache_bytes(cfg: ModelConfig, b: int, s: int, dtype_bytes: int = 2) -> int:

@@ -39,6 +39,7 @@ class Setup:
     recompute: str = "none"
     attention: str = "sdpa"  # a name in model/backends.py: naive keeps the s x s scores, the fused ones do not
     fp32_attention: bool = False  # the attention core in fp32 under a low-precision policy
+    loss_chunk_tokens: int = 0  # head + loss in chunks of this many tokens (0: whole logits)
     hardware: str = "this"  # a name in hardware.ACCELERATORS, or "this" (peak and memory given below)
     mfu: float = 0.5  # the model FLOPs utilisation assumed for time estimates
     tokens: float | None = None  # a token budget to estimate the total time for
@@ -49,7 +50,8 @@ class Setup:
         values = dict(batch_size=cfg.train.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.train.grad_accum,
                       precision=cfg.train.precision, recompute=cfg.train.recompute, attention=cfg.model.attention,
                       fp32_attention=cfg.train.fp32_attention, parallel=cfg.train.parallel,
-                      zero_stage=get_strategy(cfg.train.parallel).zero_stage)
+                      zero_stage=get_strategy(cfg.train.parallel).zero_stage,
+                      loss_chunk_tokens=cfg.train.loss_chunk_tokens)
         values.update({k: v for k, v in changes.items() if v is not None})
         return cls(**values)
 
@@ -99,14 +101,14 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
 
     states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp)
     activations = memory.activation_breakdown(cfg, b, s, precision, setup.attention, setup.recompute,
-                                              setup.tp, setup.pp, setup.fp32_attention)
+                                              setup.tp, setup.pp, setup.fp32_attention, setup.loss_chunk_tokens)
     # A ZeRO-3 implementation gathers each layer's weights when it needs them and frees them
     # after: it keeps its shard of the casts, not all of them.
     weight_copies = activations.pop("weight_copies") / (setup.dp if setup.zero_stage == 3 else 1)
     breakdown = {**states,
                  "weight_copies": weight_copies,
                  "activations": sum(activations.values()),
-                 "logits": memory.logits_bytes(cfg, b, s, precision) / setup.tp}
+                 "logits": memory.logits_bytes(cfg, b, s, precision, setup.loss_chunk_tokens) / setup.tp}
     total = sum(breakdown.values())
 
     if setup.hardware == "this":

@@ -14,6 +14,9 @@ does); no forward pass asks which family it is in. Every block computes (pre-nor
     y = h + MLP(Norm(h))
 and the model is the composition of four pieces,
     x = embed(tokens);   x = blocks(x);   logits = head(x) = Norm(x) @ W_head;   loss(logits, targets)
+The loss is a child module (`HeadLoss`: it holds no weights, it is handed the norm and the head)
+so that a version that never materialises the logits (train/chunked_loss.py) or a compiled one
+can replace it from outside.
 A pipeline stage is the same model with pieces removed (torchtitan's convention): set
 `tok_embeddings`, `norm` or `lm_head` to None, or delete blocks, and forward skips what is missing.
 Blocks live in a ModuleDict keyed by layer index, so a stage holding layers 8-15 names their
@@ -180,6 +183,14 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
                            targets.flatten())
 
 
+class HeadLoss(nn.Module):
+    """The last piece of a training forward: the final norm, the LM head and the mean cross-entropy
+    of its logits. Parameter-free, so that replacing it (train/chunked_loss.py) renames nothing."""
+
+    def forward(self, x: torch.Tensor, norm: nn.Module, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_loss(lm_head(norm(x)), targets)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -192,6 +203,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleDict({str(layer): Block(cfg) for layer in range(cfg.n_layers)})
         self.norm = family.norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.loss = HeadLoss()
         if cfg.tie_embeddings:  # Press & Wolf 2017: one matrix embeds tokens and scores them
             self.lm_head.weight = self.tok_embeddings.weight
         init_weights(self, cfg)
@@ -232,8 +244,7 @@ class Transformer(nn.Module):
         x = self.run_blocks(x, kv_cache, start_pos)
         if self.lm_head is None:
             return x
-        logits = self.head(x)
-        return logits if targets is None else cross_entropy_loss(logits, targets)
+        return self.head(x) if targets is None else self.loss(x, self.norm, self.lm_head, targets)
 
     @property
     def tied_embeddings(self) -> bool:

@@ -235,52 +235,81 @@ class Trainer:
         self.folder.release()
 
     def _loop(self, stop: StopRequests) -> float:
-        """The steps; returns the seconds they took."""
+        """The steps; returns the seconds they took (without the compile, see below).
+
+        Host-device synchronisation: on CUDA, the loss and the time are read back once per log
+        interval (and before a checkpoint), not per step: the window's loss is summed on the
+        device, in float64 from the window's saved sum, so that its value is bit for bit the one a
+        per-step sum on the host gives (exact resume inside a window). The one sync per step left
+        is train_step's check that the step is finite before it is applied (a guard must know
+        that in time); the guard that stops a run after bad steps reads the loss only then.
+        Worst case of the deferral: none for correctness (a skipped step is known at once); a
+        run's last log record waits for the device like any other."""
         t, state, window = self.cfg.train, self.state, self.state.window
         self.model.train()
         session_start = time.time()
-        train_seconds, window_seconds, window_steps = 0.0, 0.0, 0  # timing: this session only
+        train_seconds, window_steps = 0.0, 0  # timing: this session only
+        # with train.compile, the session's first step compiles: timed apart as compile_seconds
+        self.compile_seconds = None
+        window_loss = torch.tensor(window["loss_sum"], dtype=torch.float64, device=self.device)
+        window_started = time.perf_counter()
         while state.step < t.max_steps:
-            started = time.perf_counter()
             loss_sum, grad_norm = self.train_step()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - started
-            train_seconds += elapsed
-            window_seconds += elapsed
-            window_steps += 1
+            if t.compile and self.compile_seconds is None:
+                self._synchronize()
+                self.compile_seconds = time.perf_counter() - window_started
+                self.log.note(f"step {state.step}: compiled in {self.compile_seconds:.1f} s (this first step "
+                              f"included); tokens/s count the steps after it")
+                window_started = time.perf_counter()
+            else:
+                window_steps += 1
             self.log.advance()
-            step_loss = loss_sum.item()
-            self._guard(step_loss, grad_norm.item())
-            if not self.step_skipped:
-                window["loss_sum"] += step_loss
+            if self.step_skipped:
+                self._guard(loss_sum.item(), grad_norm.item())
+            else:
+                state.bad_in_a_row = 0
+                window_loss += loss_sum.double()
                 window["good_steps"] += 1
             last = state.step == t.max_steps
+            saving = (t.checkpoint_interval and state.step % t.checkpoint_interval == 0) or last \
+                or stop.received is not None
+            if state.step % t.log_interval == 0 or last or saving:
+                window["loss_sum"] = window_loss.item()  # the sync: the window's steps are done
             if state.step % t.log_interval == 0 or last:
-                steps_per_second = window_steps / window_seconds
+                window_seconds = time.perf_counter() - window_started
+                train_seconds += window_seconds
+                steps_per_second = window_steps / window_seconds if window_steps else 0.0
                 self.log.record(training_record(self, grad_norm.item(), steps_per_second, session_start),
                                 steps_per_second)
                 window.update(loss_sum=0.0, good_steps=0, lost_updates=[0, 0])
-                window_seconds, window_steps = 0.0, 0
+                window_loss.zero_()
+                window_started, window_steps = time.perf_counter(), 0
             if (t.eval_interval and state.step % t.eval_interval == 0) or last:
+                eval_started = time.perf_counter()
                 val_loss = self.evaluate()
                 state.history["val_loss"] = val_loss
                 self.log.record({"step": state.step, "val_loss": val_loss, "time": time.time()})
                 self.log.note(f"step {state.step}: val loss {val_loss:.4f}")
+                window_started += time.perf_counter() - eval_started  # evaluation is not training time
             saved = None
             if (t.checkpoint_interval and state.step % t.checkpoint_interval == 0) or last:
+                save_started = time.perf_counter()
                 saved = self.save()
+                window_started += time.perf_counter() - save_started
             if stop.received is not None:
                 raise Stopped(stop.received, state.step, saved or self.save())
         state.history["train_loss"] = window["last_loss"]
         return train_seconds
 
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _guard(self, loss: float, grad_norm: float) -> None:
-        """Stop the run when bad (skipped) steps keep coming; before this step is checkpointed, so
-        the last checkpoint on disk is a good one."""
+        """After a bad (skipped) step: stop the run when they keep coming; before this step is
+        checkpointed, so the last checkpoint on disk is a good one."""
         state = self.state
-        bad = self.step_skipped or not math.isfinite(loss)
-        state.bad_in_a_row = state.bad_in_a_row + 1 if bad else 0
+        state.bad_in_a_row += 1
         if self.scaler.enabled:
             if state.bad_in_a_row >= FP16_MAX_SKIPS_IN_A_ROW:
                 raise LmforgeError(f"{state.bad_in_a_row} steps in a row had inf/NaN gradients up to step "

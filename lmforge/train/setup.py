@@ -6,20 +6,25 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
                   (train/recompute.py)
-    4. parallel   (LoRA adapters come first here, as they arrive) then data parallelism:
-                  `parallelize` wraps the model in the engine of train.parallel (lmforge/parallel/):
-                  none and ddp keep the model whole; zero1-3 flatten each block's parameters (and
-                  the rest's) into per-unit buffers sharded over the ranks, under the mixed policies
-                  16-bit working copies with fp32 master shards; fsdp applies fully_shard per block,
-                  then to the whole model. Hooks on the blocks (or on their Recompute wrappers)
-                  gather and free stage-3 parameters, so recomputation and fp8 run inside them.
-    5. optimizer  AdamW, decay on matrices and embeddings only, built by the engine over what it
+    4. loss       the chunked head + loss in place of the plain one (train/chunked_loss.py)
+    5. (LoRA adapters come here, as they arrive)
+    6. compile    each block and the loss piece in a torch.compile wrapper (train/compile.py)
+    7. parallel   data parallelism: `parallelize` wraps the model in the engine of train.parallel
+                  (lmforge/parallel/): none and ddp keep the model whole; zero1-3 flatten each
+                  block's parameters (and the rest's) into per-unit buffers sharded over the ranks,
+                  under the mixed policies 16-bit working copies with fp32 master shards; fsdp
+                  applies fully_shard per block, then to the whole model. Hooks on the blocks (or on
+                  their wrappers) gather and free stage-3 parameters, so recomputation and fp8 run
+                  inside them.
+    8. optimizer  AdamW, decay on matrices and embeddings only, built by the engine over what it
                   updates: the parameters, or for ZeRO this rank's slices of them
 
 The order matters: recomputation wraps what precision produced (an fp32-attention core is
-recomputed as a whole, casts included), parallelism wraps the finished model (its hooks must see
-the final modules and parameters), and the optimizer sees what parallelism left to update. Each
-step is a module swap, an nn.Module wrapper or hooks, and refuses to run twice.
+recomputed as a whole, casts included); compile traces the finished blocks, recomputation and
+adapters included, and comes before data parallelism (torchtitan's order: activation
+checkpointing, compile, FSDP); parallelism wraps the finished model (its hooks must see the final
+modules and parameters), and the optimizer sees what parallelism left to update. Each step is a
+module swap, an nn.Module wrapper or hooks, and refuses to run twice.
 """
 
 import torch
@@ -34,11 +39,13 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.parallel import Engine, parallelize
 from lmforge.precision import get_policy, prepare_model
+from lmforge.train.chunked_loss import apply_chunked_loss
+from lmforge.train.compile import apply_compile
 from lmforge.train.recompute import apply_recompute
 
 
 def build_model(cfg: Config, device: torch.device | str = "cpu") -> nn.Module:
-    """The model of `cfg` on `device`, wrapped for training (steps 1-3 above). On the meta device
+    """The model of `cfg` on `device`, wrapped for training (steps 1-6 above). On the meta device
     nothing is allocated: parameter shapes and the module tree only, in milliseconds even for 70B.
     Elsewhere the weights are initialised on the CPU and moved, so that a seed gives the same
     initial model on every device."""
@@ -49,6 +56,9 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> nn.Module:
     prepare_model(model, get_policy(cfg.train.precision), fp32_attention=cfg.train.fp32_attention,
                   fp8_scaling=cfg.train.fp8_scaling)
     apply_recompute(model, cfg.train.recompute)
+    apply_chunked_loss(model, cfg.train.loss_chunk_tokens)
+    if cfg.train.compile and torch.device(device).type != "meta":  # nothing to run on the meta device
+        apply_compile(model)
     return model
 
 
@@ -72,7 +82,7 @@ def build_optimizer(cfg: Config, model: nn.Module) -> AdamW:
 
 
 def build_engine(cfg: Config, device: torch.device | str = "cpu") -> Engine:
-    """Steps 1-5: the model wrapped in the engine of train.parallel, with its optimizer. Under a
+    """Steps 1-8: the model wrapped in the engine of train.parallel, with its optimizer. Under a
     strategy other than none, torch.distributed must already be initialised (torchrun)."""
     return parallelize(build_model(cfg, device), cfg, make_optimizer=lambda groups: adamw(cfg, groups),
                        weight_decay_groups=lambda model: weight_decay_groups(model, cfg.optim.weight_decay))

@@ -67,7 +67,8 @@ def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
     """The end of a session: summary.json, loss.png, sample.txt, the summary table and the plan set
     beside what was measured."""
     cfg = trainer.cfg
-    steps = trainer.step - start_step
+    compile_seconds = getattr(trainer, "compile_seconds", None)
+    steps = trainer.step - start_step - (1 if compile_seconds is not None else 0)  # the steps train_seconds timed
     tokens_per_s = steps * trainer.tokens_per_step / train_seconds if train_seconds else 0.0
     meta = trainer.data.meta
     val_split = meta["splits"]["val"]
@@ -79,6 +80,7 @@ def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
         "steps": trainer.step,
         "tokens_trained": trainer.step * trainer.tokens_per_step,
         "train_seconds_this_session": train_seconds,
+        "compile_seconds": compile_seconds,
         "tokens_per_s": tokens_per_s,
         "flops_per_token": trainer.flops_per_token,
         "peak_flops_measured": trainer.peak_flops,
@@ -107,7 +109,8 @@ def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
         ("parameters", f"{summary['parameters'] / 1e6:.2f} M"),
         ("steps", f"{trainer.step:,} ({summary['tokens_trained']:,} tokens)"),
         ("training time (this session)", f"{train_seconds:.0f} s"),
-        ("throughput", f"{tokens_per_s:,.0f} tokens/s"),
+        *([("compile (first step, included)", f"{compile_seconds:.1f} s")] if compile_seconds is not None else []),
+        ("throughput", f"{tokens_per_s:,.0f} tokens/s" + (", after the compile" if compile_seconds is not None else "")),
         ("MFU", f"{summary['mfu']:.1%}"),
         ("peak, measured", f"{trainer.peak_flops / 1e9:,.0f} GFLOP/s ({timed_dtype(trainer.peak_dtype)} matmul)"),
         ("device", summary["device"]),

@@ -1,0 +1,109 @@
+"""The LM head and the cross-entropy in chunks of tokens, so that the (tokens x vocab) logits and
+their gradient never exist whole (`train.loss_chunk_tokens`; 0 keeps the plain loss).
+
+For N tokens, hidden states h (N, d) after the final norm and the head's weight W (V, d):
+
+    z = h W^T,   loss = (1/N) sum_i [logsumexp(z_i) - z_i[y_i]],
+    dloss/dz_i = (softmax(z_i) - onehot(y_i)) / N,   dh_i = dz_i W,   dW = sum_i dz_i^T h_i.
+
+The gradient of a row of z needs only that row, so the forward takes the tokens C at a time:
+logits of C tokens, their loss and their gradient dz, folded at once into dh and dW; then the
+chunk's logits are freed. Backward only multiplies the saved dh and dW by the incoming gradient
+(a loss scale, 1/grad_accum). Saved for backward: dh (N x d) and dW (V x d) instead of the fp32
+log-probabilities (N x V) — for GPT-2's vocabulary and 8 x 1024 tokens, 25 MB + 154 MB instead
+of 1.6 GB, and the peak holds one chunk's C x V logits instead of all of them. No FLOPs are added
+(the gradient matmuls are the ones backward would do), unlike checkpointed chunks, which would
+rerun the head matmul. The Liger-Kernel "fused linear cross-entropy" computes the same.
+
+Numerics follow the plain path (model/transformer.py): the matmuls run in the autocast dtype
+(or the weights' dtype), the logits are rounded to it and then widened to fp32 for the softmax,
+dz is rounded back to it before its two matmuls; dW is summed over chunks in fp32.
+"""
+
+import torch
+import torch.nn as nn
+
+from lmforge.errors import LmforgeError
+
+
+def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the plain LM head's matmul would run in: autocast's, else the operands'."""
+    if torch.is_autocast_enabled(h.device.type):
+        return torch.get_autocast_dtype(h.device.type)
+    return torch.promote_types(h.dtype, weight.dtype)
+
+
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                          with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Mean cross-entropy of the logits h @ weight^T (never all formed), and, `with_grads`, its
+    gradients with respect to h (in h's dtype) and weight (in fp32)."""
+    n = h.shape[0]
+    dtype = _compute_dtype(h, weight)
+    with torch.autocast(h.device.type, enabled=False):
+        w = weight.to(dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if with_grads else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if with_grads else None
+        for start in range(0, n, chunk):
+            h_c, y_c = h[start:start + chunk].to(dtype), targets[start:start + chunk]
+            logits = (h_c @ w.t()).float()  # rounded to the compute dtype by the matmul, as plain
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += (lse - logits.gather(1, y_c[:, None]).squeeze(1)).sum()
+            if with_grads:  # in place: one chunk of fp32 logits (and its cast) at a time, no more
+                grad_z = logits.sub_(lse[:, None]).exp_()  # softmax
+                grad_z[torch.arange(len(y_c), device=h.device), y_c] -= 1.0
+                grad_z = grad_z.div_(n).to(dtype)
+                grad_h[start:start + chunk] = grad_z @ w
+                grad_w += (grad_z.t() @ h_c).float()
+    return loss / n, grad_h, grad_w
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and its gradients chunk by chunk; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk):
+        loss, grad_h, grad_w = chunked_cross_entropy(h, weight, targets, chunk, with_grads=True)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return (grad_h * grad_loss.to(grad_h.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None)
+
+
+class ChunkedHeadLoss(nn.Module):
+    """Drop-in for model/transformer.py's HeadLoss: norm, head and loss, `chunk_tokens` at a time."""
+
+    def __init__(self, chunk_tokens: int):
+        super().__init__()
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, x, norm, lm_head, targets):
+        _check_head(lm_head)
+        h = norm(x).flatten(0, 1)
+        targets = targets.flatten()
+        if torch.is_grad_enabled() and (h.requires_grad or lm_head.weight.requires_grad):
+            return _ChunkedCrossEntropy.apply(h, lm_head.weight, targets, self.chunk_tokens)
+        return chunked_cross_entropy(h, lm_head.weight, targets, self.chunk_tokens, with_grads=False)[0]
+
+    def extra_repr(self) -> str:
+        return f"chunk_tokens={self.chunk_tokens}"
+
+
+def _check_head(lm_head: nn.Module) -> None:
+    if type(lm_head) is not nn.Linear or lm_head.bias is not None:
+        raise LmforgeError(f"train.loss_chunk_tokens needs the LM head to be a plain bias-free linear layer, "
+                           f"not {type(lm_head).__name__}: set train.loss_chunk_tokens=0")
+
+
+def apply_chunked_loss(model: nn.Module, chunk_tokens: int) -> nn.Module:
+    """Replace `model.loss` by the chunked version (chunk_tokens > 0); 0 leaves the plain loss."""
+    if chunk_tokens and getattr(model, "lm_head", None) is not None:
+        _check_head(model.lm_head)
+        if isinstance(model.loss, ChunkedHeadLoss):
+            raise ValueError("the chunked loss is already applied to this model")
+        model.loss = ChunkedHeadLoss(chunk_tokens)
+    return model
