@@ -168,9 +168,13 @@ def test_zero_stages_divide_the_right_terms():
     full = model_state_bytes(cfg, "bf16-mixed", "adamw", zero_stage=0, dp=8)
     stage = {s: model_state_bytes(cfg, "bf16-mixed", "adamw", zero_stage=s, dp=8) for s in (1, 2, 3)}
     assert stage[1]["optimizer_states"] == full["optimizer_states"] / 8
-    assert stage[1]["gradients"] == full["gradients"]
-    assert stage[2]["gradients"] == full["gradients"] / 8 and stage[2]["parameters"] == full["parameters"]
-    assert stage[3]["parameters"] == full["parameters"] / 8
+    # under a mixed policy the stages use the paper's layout (section 3.1): 16-bit weights and
+    # gradients, the fp32 master weights sharded with m and v -> 2 + 2 + 12/N_d bytes per parameter
+    n = full["parameters"] / 4  # fp32 parameters in the one-process layout
+    assert stage[1]["parameters"] == 2 * n and stage[1]["gradients"] == 2 * n
+    assert stage[1]["master_weights"] + stage[1]["optimizer_states"] == 12 * n / 8
+    assert stage[2]["gradients"] == stage[1]["gradients"] / 8 and stage[2]["parameters"] == stage[1]["parameters"]
+    assert stage[3]["parameters"] == stage[1]["parameters"] / 8
     with pytest.raises(ValueError, match="ZeRO stage must be"):
         model_state_bytes(cfg, zero_stage=4)
     with pytest.raises(ValueError, match="unknown optimizer"):
