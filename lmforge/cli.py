@@ -98,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", default="adamw", help="adamw, sgd-momentum or sgd (default adamw)")
     plan.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage 0-3 (shards over --dp)")
     plan.add_argument("--dp", type=int, default=1, help="data-parallel degree")
-    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (with sequence parallelism)")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    plan.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                      help="with --tp: split norms and the layer input along the sequence too (default on; "
+                           "Korthikanti et al. 2022 table 2 has both)")
     plan.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (1F1B)")
     plan.add_argument("--recompute", help=f"activation recomputation: {', '.join(RECOMPUTE_MODES)}")
     plan.add_argument("--attention", help=f"{', '.join(BACKENDS)} (naive keeps the s x s scores, the others do not)")
@@ -315,7 +318,7 @@ def cmd_plan(args) -> int:
                            f"or pick another path")
     setup = Setup.from_config(cfg, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                               precision=args.precision, optimizer=args.optimizer, zero_stage=args.zero_stage,
-                              dp=args.dp, tp=args.tp, pp=args.pp, recompute=args.recompute, attention=args.attention,
+                              dp=args.dp, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel, recompute=args.recompute, attention=args.attention,
                               fp32_attention=args.fp32_attention,
                               hardware=args.hardware, mfu=args.mfu, tokens=args.tokens)
     try:

@@ -23,6 +23,8 @@ MEMORY_LABELS = {
 def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> None:
     m, st, f, mem, t = plan["model"], plan["setup"], plan["flops"], plan["memory"], plan["time"]
     parallel = f"dp {st['dp']} x tp {st['tp']} x pp {st['pp']} = {st['devices']} device(s)"
+    if st["tp"] > 1:
+        parallel += ", sequence parallel" if st["sequence_parallel"] else ", no sequence parallelism"
     head = Table(title=title, show_header=False, title_justify="left")
     head.add_column("what", style="bold")
     head.add_column("value", justify="right")

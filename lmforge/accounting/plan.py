@@ -33,6 +33,7 @@ class Setup:
     zero_stage: int = 0
     dp: int = 1  # data-parallel degree
     tp: int = 1  # tensor-parallel degree
+    sequence_parallel: bool = True  # with tp: norms and dropout split along the sequence (Korthikanti et al. 2022)
     pp: int = 1  # pipeline-parallel degree
     recompute: str = "none"
     attention: str = "sdpa"  # a name in model/backends.py: naive keeps the s x s scores, the fused ones do not
@@ -89,7 +90,7 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
 
     states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp)
     activations = memory.activation_breakdown(cfg, b, s, precision, setup.attention, setup.recompute,
-                                              setup.tp, setup.pp, setup.fp32_attention)
+                                              setup.tp, setup.pp, setup.fp32_attention, setup.sequence_parallel)
     # A ZeRO-3 implementation gathers each layer's weights when it needs them and frees them
     # after: it keeps its shard of the casts, not all of them.
     weight_copies = activations.pop("weight_copies") / (setup.dp if setup.zero_stage == 3 else 1)
@@ -112,9 +113,10 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
     step_seconds = step_flops / (peak * setup.mfu * devices)
     # The paper's reference figure (standard attention, 16-bit), and its FlashAttention variant.
     korthikanti = memory.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_heads, cfg.n_layers,
-                                                      setup.recompute, setup.tp)
+                                                      setup.recompute, setup.tp, setup.sequence_parallel)
     korthikanti_flash = memory.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_heads, cfg.n_layers,
-                                                            setup.recompute, setup.tp, flash=True)
+                                                            setup.recompute, setup.tp, setup.sequence_parallel,
+                                                            flash=True)
     plan = {
         "model": {"family": cfg.family, "parameters": n_params, "matmul_parameters": model_shapes(cfg).matmul_weights,
                   "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads,
