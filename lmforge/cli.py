@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
     aliases = ", ".join(f"{alias} = {name}" for alias, name in ALIASES.items())
     plan.add_argument("--precision", help=f"{', '.join(POLICIES)} (or {aliases})")
-    plan.add_argument("--optimizer", default="adamw", help="adamw, sgd-momentum or sgd (default adamw)")
+    plan.add_argument("--optimizer", default="adamw", help="adamw (default), adamw-8bit, adafactor, lion, "
+                                                           "sgd-momentum or sgd")
     plan.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage 0-3 (shards over --dp)")
     plan.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")

@@ -18,14 +18,13 @@ autograd really saves (accounting/measure.py).
 """
 
 from lmforge.accounting.activations import FAMILY_ACTIVATIONS
+from lmforge.accounting.optimizers import optimizer_state_bytes
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.errors import lookup
 from lmforge.model.backends import BACKENDS
 from lmforge.precision.policies import get_policy
 from lmforge.recompute_modes import get_recompute
-
-OPTIMIZER_STATES = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}  # fp32-sized state tensors per parameter
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -52,7 +51,6 @@ def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str 
     Tensor (tp) and pipeline (pp) parallelism split the weights themselves, so every term is
     divided by tp*pp (an even split: embeddings and norms are assumed spread like the rest).
     """
-    states = lookup(OPTIMIZER_STATES, optimizer, "optimizer")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage}")
     p = get_policy(precision).bytes
@@ -61,7 +59,7 @@ def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str 
         "parameters": n * p.parameter / (dp if zero_stage >= 3 else 1),
         "gradients": n * p.gradient / (dp if zero_stage >= 2 else 1),
         "master_weights": n * p.master / (dp if zero_stage >= 1 else 1),
-        "optimizer_states": n * states * p.optimizer_state / (dp if zero_stage >= 1 else 1),
+        "optimizer_states": optimizer_state_bytes(cfg, optimizer, precision) / (tp * pp * (dp if zero_stage >= 1 else 1)),
     }
 
 

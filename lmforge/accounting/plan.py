@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 from lmforge.accounting import flops, memory
 from lmforge.accounting.hardware import ACCELERATORS, accelerator_peak
+from lmforge.accounting.optimizers import OPTIMIZERS
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.errors import lookup
@@ -59,7 +60,7 @@ class Setup:
         for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp"):
             require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         get_policy(self.precision)
-        lookup(memory.OPTIMIZER_STATES, self.optimizer, "optimizer")
+        lookup(OPTIMIZERS, self.optimizer, "optimizer")
         require(self.zero_stage in (0, 1, 2, 3), f"zero stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         get_recompute(self.recompute)
         lookup(BACKENDS, self.attention, "attention backend")
