@@ -112,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="this (measure this machine) or one of: a100, h100-sxm, h100-pcie, h200, b200, l4, "
                            "rtx4090, mi300x")
     plan.add_argument("--mfu", type=float, default=0.5, help="MFU assumed for the time estimate (default 0.5)")
-    plan.add_argument("--tokens", type=float, help="token budget to estimate the total training time for")
+    plan.add_argument("--tokens", type=float, help="token budget for the total time, FLOPs and cost (default: "
+                                                   "Chinchilla's 20 tokens per parameter)")
+    plan.add_argument("--price-per-hour", type=float, help="price of one device-hour, for the cost of the budget")
+    plan.add_argument("--reserve", type=float, default=2.0, metavar="GIB",
+                      help="GiB per device kept free for the CUDA context and allocator fragmentation (default 2)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--plot", metavar="PNG", help="save a bar chart of the memory breakdown")
     plan.add_argument("--dtypes", action="store_true", help="print the table of floating-point formats and exit")
@@ -321,7 +325,8 @@ def cmd_plan(args) -> int:
                               precision=args.precision, optimizer=args.optimizer, zero_stage=args.zero_stage,
                               dp=args.dp, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel, recompute=args.recompute, attention=args.attention,
                               fp32_attention=args.fp32_attention,
-                              hardware=args.hardware, mfu=args.mfu, tokens=args.tokens)
+                              hardware=args.hardware, mfu=args.mfu, tokens=args.tokens,
+                              price_per_hour=args.price_per_hour, reserve_bytes=args.reserve * 2**30)
     try:
         setup.validate(cfg.model)
         machine = None

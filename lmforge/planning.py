@@ -58,9 +58,7 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
         if value:
             table.add_row(MEMORY_LABELS.get(key, key), human_bytes(value), f"{value / total:.1%}")
     table.add_row("total", human_bytes(total), "", style="bold")
-    verdict = "fits" if mem["fits"] else "does NOT fit"
-    table.add_row(f"device memory ({t['hardware']})", human_bytes(mem["device_memory_bytes"]),
-                  f"{verdict} ({total / mem['device_memory_bytes']:.0%})", style="green" if mem["fits"] else "red")
+    add_headroom_rows(table, total, mem, t["hardware"])
     table.add_row("activations, Korthikanti et al. 16-bit", human_bytes(mem["activations_korthikanti_bytes"]),
                   f"{mem['activations_to_16bit_parameters_ratio']:.1f}x 16-bit params", style="dim")
     table.add_row("KV cache for inference at this batch x seq", human_bytes(mem["kv_cache_inference_bytes"]), "",
@@ -74,9 +72,25 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
     timing.add_row("peak per device", f"{human_count(t['peak_flops_per_device'])}FLOP/s ({t['matmul_dtype']})")
     timing.add_row("time per step", human_seconds(t["seconds_per_step"]))
     timing.add_row("throughput", f"{t['tokens_per_second']:,.0f} tokens/s")
-    if t["tokens"]:
-        timing.add_row(f"time for {human_count(t['tokens'])} tokens", human_seconds(t["seconds_for_tokens"]))
+    budget = plan["budget"]
+    source = "" if t["tokens_source"] == "given" else " (Chinchilla's 20 per parameter: no --tokens)"
+    timing.add_row(f"time for {human_count(t['tokens'])} tokens{source}",
+                   f"{human_seconds(t['seconds_for_tokens'])} on {st['devices']} device(s)")
+    timing.add_row("training FLOPs for them", f"{budget['training_flops']:.3e}")
+    timing.add_row("device-hours", f"{budget['device_hours']:,.0f}")
+    if budget["cost"] is not None:
+        timing.add_row(f"cost at {budget['price_per_device_hour']:g} per device-hour", f"{budget['cost']:,.0f}")
     console.print(timing)
+
+
+def add_headroom_rows(table: Table, total: float, mem: dict, hardware: str) -> None:
+    """The reserve as its own line, then the device's memory and whether total + reserve fits."""
+    reserve = mem["reserve_bytes"]
+    table.add_row("reserve (--reserve: CUDA context, fragmentation)", human_bytes(reserve), "", style="dim")
+    verdict = "fits" if mem["fits"] else "does NOT fit"
+    table.add_row(f"device memory ({hardware}, as the device reports it)", human_bytes(mem["device_memory_bytes"]),
+                  f"{verdict} ({(total + reserve) / mem['device_memory_bytes']:.0%})",
+                  style="green" if mem["fits"] else "red")
 
 
 def print_comparison(console: Console, comparison: dict) -> None:
@@ -130,6 +144,7 @@ def plot_memory(plan: dict, png_path: str | Path, name: str = "") -> None:
 
     mem = plan["memory"]
     parts = [(MEMORY_LABELS.get(k, k), v) for k, v in mem["breakdown_bytes"].items() if v]
+    parts.append(("reserve (CUDA context, fragmentation)", mem["reserve_bytes"]))
     scale, unit = (2**30, "GiB") if mem["per_device_bytes"] >= 2**30 else (2**20, "MiB")
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     left = 0.0
