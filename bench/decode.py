@@ -39,8 +39,10 @@ MODEL = ["model.vocab_size=32000", "model.d_model=768", "model.n_layers=12", "mo
 
 
 @torch.no_grad()
-def decode_seconds_per_step(model: Transformer, batch: int, context: int, steps: int) -> float:
-    """Median seconds of one decode step for `batch` sequences whose cache holds `context` tokens."""
+def decode_seconds_per_step(model: Transformer, batch: int, context: int, steps: int) -> tuple[float, float]:
+    """Median seconds of one decode step for `batch` sequences whose cache holds `context` tokens:
+    wall-clock, and CPU time over the thread count (what the step would take on a machine it had
+    to itself: other work on a shared machine stretches the first and not the second)."""
     cfg = model.cfg
     cache = KVCache(cfg.n_layers, batch, cfg.kv_heads, context + steps, cfg.head_dim, torch.float32,
                     torch.device("cpu"))
@@ -48,13 +50,14 @@ def decode_seconds_per_step(model: Transformer, batch: int, context: int, steps:
     cache.keys[:, :, :, :context].normal_(generator=generator)
     cache.values[:, :, :, :context].normal_(generator=generator)
     tokens = torch.randint(0, cfg.vocab_size, (batch, 1), generator=generator)
-    times = []
+    wall, cpu = [], []
     for step in range(steps + 1):  # the first step warms up
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         logits = model(tokens, kv_cache=cache, start_pos=context + step)[:, -1]
         tokens = logits.argmax(dim=-1, keepdim=True)  # greedy, as `lmforge generate --temperature 0`
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+        wall.append(time.perf_counter() - started)
+        cpu.append((time.process_time() - started_cpu) / torch.get_num_threads())
+    return statistics.median(wall[1:]), statistics.median(cpu[1:])
 
 
 def main() -> None:
@@ -75,8 +78,8 @@ def main() -> None:
           f"vocab {cfg.vocab_size}, {model.num_params() / 1e6:.1f}M parameters, fp32; {name}, torch {torch.__version__}")
     print(f"# measured: memory bandwidth {bandwidth / 1e9:.2f} GB/s (matrix-vector), fp32 matmul peak "
           f"{peak / 1e9:.1f} GFLOP/s; load average {os.getloadavg()[0]:.1f}; {args.steps} steps, median")
-    print("| batch | context | predicted ms/step | bound | measured ms/step | predicted tokens/s | "
-          "measured tokens/s | measured / predicted |")
+    print("| batch | context | predicted ms/step | bound | measured ms/step (CPU ms / threads) | "
+          "predicted tokens/s | measured tokens/s | measured / predicted (by CPU time) |")
     print("|---:|---:|---:|---|---:|---:|---:|---:|")
     for batch in map(int, args.batches.split(",")):
         for context in map(int, args.contexts.split(",")):
@@ -85,9 +88,10 @@ def main() -> None:
                                                            kv_dtype="fp32", hardware="this", reserve_bytes=0),
                                        machine)
             predicted = plan["decode"]["seconds_per_step"]
-            measured = decode_seconds_per_step(model, batch, context, args.steps)
-            print(f"| {batch} | {context} | {predicted * 1e3:.1f} | {plan['decode']['bound']} | {measured * 1e3:.1f} | "
-                  f"{batch / predicted:,.1f} | {batch / measured:,.1f} | {predicted / measured:.2f} |", flush=True)
+            measured, cpu = decode_seconds_per_step(model, batch, context, args.steps)
+            print(f"| {batch} | {context} | {predicted * 1e3:.1f} | {plan['decode']['bound']} | {measured * 1e3:.1f} "
+                  f"({cpu * 1e3:.1f}) | {batch / predicted:,.1f} | {batch / measured:,.1f} | "
+                  f"{predicted / measured:.2f} ({predicted / cpu:.2f}) |", flush=True)
 
 
 if __name__ == "__main__":
