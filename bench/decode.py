@@ -75,7 +75,8 @@ def main() -> None:
     bandwidth = this_bandwidth("float32", device)
     machine = (name, peak, memory, bandwidth)
     print(f"# {cfg.family}, {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads ({cfg.kv_heads} kv), "
-          f"vocab {cfg.vocab_size}, {model.num_params() / 1e6:.1f}M parameters, fp32; {name}, torch {torch.__version__}")
+          f"vocab {cfg.vocab_size}, {model.num_params() / 1e6:.1f}M parameters, fp32; {name}, "
+          f"torch {torch.__version__}")
     print(f"# measured: memory bandwidth {bandwidth / 1e9:.2f} GB/s (matrix-vector), fp32 matmul peak "
           f"{peak / 1e9:.1f} GFLOP/s; load average {os.getloadavg()[0]:.1f}; {args.steps} steps, median")
     print("| batch | context | predicted ms/step | bound | measured ms/step (CPU ms / threads) | "

@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                "      --compare --zero-stage 0,1,2,3 --recompute none,full --plot compare.png\n"
                "  lmforge plan --model llama3-70b --seq-len 8192 --precision bf16-mixed --hardware h100-sxm \\\n"
                "      --zero-stage 3 --recompute full --solve devices\n"
-               "  lmforge plan --inference --model llama3-8b --batch-size 8 --seq-len 8192 --weights int4 --hardware h100-sxm\n"
+               "  lmforge plan --inference --model llama3-8b --batch-size 8 --seq-len 8192 --weights int4 \\\n"
+               "      --hardware h100-sxm\n"
                "  lmforge plan --dtypes",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(plan)

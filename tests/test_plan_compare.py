@@ -51,8 +51,9 @@ def solved(args, capsys) -> tuple[dict, str]:
 
 
 def test_solve_batch_finds_the_largest_micro_batch_that_fits(capsys):
-    plan, out = solved(["plan", "--model", "llama3-8b", "--seq-len", "4096", "--precision", "bf16-mixed", "--hardware",
-                        "h100-sxm", "--zero-stage", "3", "--dp", "8", "--recompute", "full", "--solve", "batch"], capsys)
+    plan, out = solved(["plan", "--model", "llama3-8b", "--seq-len", "4096", "--precision", "bf16-mixed",
+                        "--hardware", "h100-sxm", "--zero-stage", "3", "--dp", "8", "--recompute", "full",
+                        "--solve", "batch"], capsys)
     b = plan["setup"]["batch_size"]
     cfg = make_config("llama3-8b").model
 

@@ -59,7 +59,8 @@ def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str 
         "parameters": n * p.parameter / (dp if zero_stage >= 3 else 1),
         "gradients": n * p.gradient / (dp if zero_stage >= 2 else 1),
         "master_weights": n * p.master / (dp if zero_stage >= 1 else 1),
-        "optimizer_states": optimizer_state_bytes(cfg, optimizer, precision) / (tp * pp * (dp if zero_stage >= 1 else 1)),
+        "optimizer_states": optimizer_state_bytes(cfg, optimizer, precision) / (tp * pp)
+                            / (dp if zero_stage >= 1 else 1),
     }
 
 
