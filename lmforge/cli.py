@@ -80,39 +80,72 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan", help="predict FLOPs, memory per device and time for a setup, before running it",
         description="Print what a training setup costs: parameters, FLOPs per token and per step, memory per "
-                    "device with its breakdown (and whether it fits), and time per step at an assumed MFU. "
-                    "Batch, sequence, precision, recompute and attention default to the config's values.",
+                    "device with its breakdown (and whether it fits), time per step at an assumed MFU, and the "
+                    "time, FLOPs and device-hours of a token budget. With --inference, what serving costs: "
+                    "weights, KV cache, prefill and decode time, the largest batch that fits. Batch, sequence, "
+                    "precision, recompute and attention default to the config's values. Options marked LIST "
+                    "take several values separated by commas with --compare.",
         epilog="examples:\n"
                "  lmforge plan                                   # the default model on this machine\n"
                "  lmforge plan --model gpt3-175b --batch-size 128 --seq-len 2048 --precision fp16 --recompute none --json\n"
                "  lmforge plan --model llama3-70b --batch-size 1 --seq-len 8192 --precision bf16-mixed \\\n"
                "      --zero-stage 3 --dp 64 --recompute full --hardware h100-sxm --tokens 15e12 --plot plan.png\n"
+               "  lmforge plan --model llama3-8b --seq-len 8192 --precision bf16-mixed --hardware h100-sxm --dp 8 \\\n"
+               "      --compare --zero-stage 0,1,2,3 --recompute none,full --plot compare.png\n"
+               "  lmforge plan --model llama3-70b --seq-len 8192 --precision bf16-mixed --hardware h100-sxm \\\n"
+               "      --zero-stage 3 --recompute full --solve devices\n"
+               "  lmforge plan --inference --model llama3-8b --batch-size 8 --seq-len 8192 --weights int4 \\\n"
+               "      --hardware h100-sxm\n"
                "  lmforge plan --dtypes",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(plan)
-    plan.add_argument("--batch-size", type=int, help="sequences per micro-batch per data-parallel rank")
-    plan.add_argument("--seq-len", type=int, help="tokens per sequence")
+    # Several values (comma-separated) are accepted with --compare; each is checked in cmd_plan.
+    plan.add_argument("--batch-size", metavar="LIST", help="sequences per micro-batch per data-parallel rank "
+                                                           "(--inference: sequences decoded together)")
+    plan.add_argument("--seq-len", metavar="LIST", help="tokens per sequence (--inference: the context)")
     plan.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
     aliases = ", ".join(f"{alias} = {name}" for alias, name in ALIASES.items())
-    plan.add_argument("--precision", help=f"{', '.join(POLICIES)} (or {aliases})")
-    plan.add_argument("--optimizer", default="adamw", help="adamw, sgd-momentum or sgd (default adamw)")
-    plan.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage 0-3 (shards over --dp)")
-    plan.add_argument("--dp", type=int, default=1, help="data-parallel degree")
-    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (with sequence parallelism)")
-    plan.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (1F1B)")
-    plan.add_argument("--recompute", help=f"activation recomputation: {', '.join(RECOMPUTE_MODES)}")
-    plan.add_argument("--attention", help=f"{', '.join(BACKENDS)} (naive keeps the s x s scores, the others do not)")
+    plan.add_argument("--precision", metavar="LIST", help=f"{', '.join(POLICIES)} (or {aliases})")
+    plan.add_argument("--optimizer", metavar="LIST", help="adamw (default), adamw-8bit, adafactor, lion, "
+                                                          "sgd-momentum or sgd")
+    plan.add_argument("--zero-stage", metavar="LIST", help="ZeRO stage 0-3 (shards over --dp; default 0)")
+    plan.add_argument("--dp", metavar="LIST", help="data-parallel degree (default 1)")
+    plan.add_argument("--tp", metavar="LIST", help="tensor-parallel degree (default 1)")
+    plan.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                      help="with --tp: split norms and the layer input along the sequence too (default on; "
+                           "Korthikanti et al. 2022 table 2 has both)")
+    plan.add_argument("--pp", metavar="LIST", help="pipeline-parallel degree (1F1B; default 1)")
+    plan.add_argument("--recompute", metavar="LIST", help=f"activation recomputation: {', '.join(RECOMPUTE_MODES)}")
+    plan.add_argument("--attention", metavar="LIST",
+                      help=f"{', '.join(BACKENDS)} (naive keeps the s x s scores, the others do not)")
     plan.add_argument("--fp32-attention", action="store_true", default=None,
                       help="attention core in fp32 under a low-precision policy (train.fp32_attention)")
-    plan.add_argument("--hardware", default="this",
+    plan.add_argument("--hardware", metavar="LIST", default="this",
                       help="this (measure this machine) or one of: a100, h100-sxm, h100-pcie, h200, b200, l4, "
                            "rtx4090, mi300x")
-    plan.add_argument("--mfu", type=float, default=0.5, help="MFU assumed for the time estimate (default 0.5)")
-    plan.add_argument("--tokens", type=float, help="token budget to estimate the total training time for")
+    plan.add_argument("--mfu", type=float, default=0.5,
+                      help="MFU assumed for the time estimate, and for prefill with --inference (default 0.5)")
+    plan.add_argument("--tokens", type=float, help="token budget for the total time, FLOPs and cost (default: "
+                                                   "Chinchilla's 20 tokens per parameter)")
+    plan.add_argument("--price-per-hour", type=float, help="price of one device-hour, for the cost of the budget")
+    plan.add_argument("--reserve", type=float, default=2.0, metavar="GIB",
+                      help="GiB per device kept free for the CUDA context and allocator fragmentation (default 2)")
+    plan.add_argument("--inference", action="store_true",
+                      help="plan serving instead of training: weights, KV cache, prefill, decode, largest batch")
+    plan.add_argument("--weights", metavar="LIST", help="--inference: fp32, bf16 (default), fp16, int8 or int4")
+    plan.add_argument("--group-size", type=int, help="--inference: weights per int8/int4 scale (default 128)")
+    plan.add_argument("--kv-dtype", metavar="LIST", help="--inference: KV cache in fp32, bf16 (default), fp16, "
+                                                         "fp8 or int8")
+    plan.add_argument("--compare", action="store_true",
+                      help="plan every combination of the LIST options given, as one table (and one --plot)")
+    plan.add_argument("--solve", choices=("batch", "devices"),
+                      help="find the largest micro-batch that fits, or the fewest devices (dp x tp x pp; "
+                           "--inference: tp) that fit")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--plot", metavar="PNG", help="save a bar chart of the memory breakdown")
     plan.add_argument("--dtypes", action="store_true", help="print the table of floating-point formats and exit")
-    plan.add_argument("--remeasure", action="store_true", help="with --hardware this: measure the matmul peak again")
+    plan.add_argument("--remeasure", action="store_true",
+                      help="with --hardware this: measure the matmul peak and memory bandwidth again")
 
     runs = commands.add_parser(
         "runs", help="compare the runs in a folder: settings, progress, loss, speed, status",
@@ -295,45 +328,40 @@ def cmd_generate(args) -> int:
 def cmd_plan(args) -> int:
     import json
 
-    import torch
     from rich.console import Console
 
-    from lmforge.accounting.hardware import this_device
-    from lmforge.accounting.plan import Setup, make_plan, matmul_dtype
-    from lmforge.planning import plot_memory, print_dtypes, print_plan
+    from lmforge.planning import plot_comparison, plot_memory, print_comparison_table, print_dtypes, print_plan
+    from lmforge.plan_setups import plan_setups
 
     console = Console()
     if args.dtypes:
         print_dtypes(console)
         return 0
-    cfg = make_config(args.model or DEFAULT_PRESET, args.config, args.overrides)
-    if args.seq_len is not None and args.seq_len > cfg.model.max_seq_len:
-        raise LmforgeError(f"--seq-len {args.seq_len} is beyond the model's {cfg.model.max_seq_len} positions: "
-                           f"lower it, or add model.max_seq_len={args.seq_len}")
+    name = args.model or DEFAULT_PRESET
+    cfg = make_config(name, args.config, args.overrides)
     if args.plot and not Path(args.plot).parent.is_dir():
         raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
                            f"or pick another path")
-    setup = Setup.from_config(cfg, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
-                              precision=args.precision, optimizer=args.optimizer, zero_stage=args.zero_stage,
-                              dp=args.dp, tp=args.tp, pp=args.pp, recompute=args.recompute, attention=args.attention,
-                              fp32_attention=args.fp32_attention,
-                              hardware=args.hardware, mfu=args.mfu, tokens=args.tokens)
-    try:
-        setup.validate(cfg.model)
-        machine = None
-        if setup.hardware == "this":
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            name, peak, memory = this_device(matmul_dtype(setup.precision), device, remeasure=args.remeasure)
-            machine = (f"this machine: {name}", peak, memory)
-        plan = make_plan(cfg.model, setup, machine)
-    except ValueError as err:
-        raise LmforgeError(str(err)) from None
+    plans, varying, note = plan_setups(cfg, args)  # LmforgeError for bad input, before anything is written
+    if args.compare:
+        if args.plot:
+            plot_comparison(plans, varying, args.plot, name=name)
+        if args.json:
+            print(json.dumps(plans, indent=2))
+        else:
+            print_comparison_table(console, plans, varying, title=f"lmforge plan --compare: {name}")
+            if args.plot:
+                console.print(f"comparison chart: {args.plot}")
+        return 0
+    plan, = plans
     if args.plot:
-        plot_memory(plan, args.plot, name=args.model or DEFAULT_PRESET)
+        plot_memory(plan, args.plot, name=name)
     if args.json:
         print(json.dumps(plan, indent=2))
     else:
-        print_plan(console, plan, title=f"lmforge plan: {args.model or DEFAULT_PRESET}")
+        print_plan(console, plan, title=f"lmforge plan{' --inference' if args.inference else ''}: {name}")
+        if note:
+            console.print(note)
         if args.plot:
             console.print(f"memory chart: {args.plot}")
     return 0

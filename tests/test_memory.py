@@ -178,7 +178,7 @@ def test_zero_stages_divide_the_right_terms():
     with pytest.raises(ValueError, match="ZeRO stage must be"):
         model_state_bytes(cfg, zero_stage=4)
     with pytest.raises(ValueError, match="unknown optimizer"):
-        model_state_bytes(cfg, optimizer="lion")
+        model_state_bytes(cfg, optimizer="adam9")
     with pytest.raises(ValueError, match="unknown precision"):
         model_state_bytes(cfg, precision="int4")
 

@@ -1,4 +1,5 @@
-"""Peak FLOP/s, the denominator of MFU: from vendor datasheets, or measured on the machine at hand.
+"""Peak FLOP/s (the denominator of MFU), memory bandwidth and memory: from vendor datasheets, or
+measured on the machine at hand.
 
 MFU = achieved model FLOP/s / peak FLOP/s (Chowdhery et al. 2022, appendix B), where model FLOP/s
 counts the analytical training FLOPs (accounting/flops.py) and not recomputation; HFU counts the
@@ -11,6 +12,8 @@ moment when other work shares the machine lowers some timings but not the best o
 measured once per machine, torch version and thread count and cached in the user's cache dir
 with when it was measured and the load average then (os.getloadavg); measured on a busy
 machine it is too low in every later MFU: `lmforge plan --hardware this --remeasure` replaces it.
+Memory bandwidth (what bounds decoding: accounting/inference.py) is measured and cached the same
+way, as the best bytes/s of a large matrix-vector product.
 """
 
 import json
@@ -26,50 +29,70 @@ import torch
 TERA = 1e12
 
 
+MIB, GIB = 2**20, 2**30
+
+
 @dataclass(frozen=True)
 class Accelerator:
     name: str
-    memory_bytes: int
+    memory_bytes: int  # as the device reports it (nvidia-smi's memory.total, rocm-smi's VRAM total)
     peak_flops: dict[str, float]  # keyed by "float32" (non-tensor-core), "tf32", "bfloat16", "float16", "float8"
+    memory_bandwidth: float  # bytes/s, datasheet
     source: str
 
 
-# Each entry cites the vendor document its numbers come from.
+# Each entry cites the vendor document its peaks and bandwidth come from. Memory is what the device
+# reports, not the marketing "80 GB" (80e9 bytes would be 74.5 GiB): nvidia-smi's memory.total in
+# MiB as it prints it on that part (A100 80GB 81920 MiB = 80.0 GiB; H100 80GB 81559 MiB = 79.6
+# GiB), rocm-smi's "VRAM Total Memory (B)" for the MI300X. PyTorch's total_memory on the same part
+# is a little lower again, and the CUDA context takes its share: the plan's reserve covers both.
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
-    # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM column: FP32 19.5, TF32 156, BF16/FP16 312 TFLOPS.
-    Accelerator("a100", 80 * 10**9, {"float32": 19.5 * TERA, "tf32": 156 * TERA, "bfloat16": 312 * TERA,
-                                     "float16": 312 * TERA}, "NVIDIA A100 datasheet, SXM 80GB"),
+    # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM 80GB column: FP32 19.5, TF32 156, BF16/FP16
+    # 312 TFLOPS; 2,039 GB/s HBM2e.
+    Accelerator("a100", 81920 * MIB, {"float32": 19.5 * TERA, "tf32": 156 * TERA, "bfloat16": 312 * TERA,
+                                      "float16": 312 * TERA}, 2039e9, "NVIDIA A100 datasheet, SXM 80GB"),
     # NVIDIA H100 Tensor Core GPU datasheet (2023), SXM column; the datasheet's tensor figures are
-    # "with sparsity", halved here: TF32 494.7, BF16/FP16 989.4, FP8 1978.9 TFLOPS dense; FP32 67.
-    Accelerator("h100-sxm", 80 * 10**9, {"float32": 67 * TERA, "tf32": 494.7 * TERA, "bfloat16": 989.4 * TERA,
-                                         "float16": 989.4 * TERA, "float8": 1978.9 * TERA},
+    # "with sparsity", halved here: TF32 494.7, BF16/FP16 989.4, FP8 1978.9 TFLOPS dense; FP32 67;
+    # 3.35 TB/s HBM3.
+    Accelerator("h100-sxm", 81559 * MIB, {"float32": 67 * TERA, "tf32": 494.7 * TERA, "bfloat16": 989.4 * TERA,
+                                          "float16": 989.4 * TERA, "float8": 1978.9 * TERA}, 3.35e12,
                 "NVIDIA H100 datasheet, SXM"),
-    # Same datasheet, PCIe column: FP32 51, TF32 378, BF16/FP16 756, FP8 1513 TFLOPS dense.
-    Accelerator("h100-pcie", 80 * 10**9, {"float32": 51 * TERA, "tf32": 378 * TERA, "bfloat16": 756 * TERA,
-                                          "float16": 756 * TERA, "float8": 1513 * TERA},
+    # Same datasheet, PCIe column: FP32 51, TF32 378, BF16/FP16 756, FP8 1513 TFLOPS dense; 2 TB/s.
+    Accelerator("h100-pcie", 81559 * MIB, {"float32": 51 * TERA, "tf32": 378 * TERA, "bfloat16": 756 * TERA,
+                                           "float16": 756 * TERA, "float8": 1513 * TERA}, 2.0e12,
                 "NVIDIA H100 datasheet, PCIe"),
-    # NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: the H100 SXM's compute with 141 GB HBM3e.
-    Accelerator("h200", 141 * 10**9, {"float32": 67 * TERA, "tf32": 494.7 * TERA, "bfloat16": 989.4 * TERA,
-                                      "float16": 989.4 * TERA, "float8": 1978.9 * TERA},
+    # NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: the H100 SXM's compute with 141 GB HBM3e
+    # at 4.8 TB/s (nvidia-smi: 143771 MiB).
+    Accelerator("h200", 143771 * MIB, {"float32": 67 * TERA, "tf32": 494.7 * TERA, "bfloat16": 989.4 * TERA,
+                                       "float16": 989.4 * TERA, "float8": 1978.9 * TERA}, 4.8e12,
                 "NVIDIA H200 datasheet, SXM"),
-    # NVIDIA HGX B200 datasheet (2024), per GPU, dense: FP32 75, TF32 1100, BF16/FP16 2250, FP8 4500 TFLOPS.
-    Accelerator("b200", 180 * 10**9, {"float32": 75 * TERA, "tf32": 1100 * TERA, "bfloat16": 2250 * TERA,
-                                      "float16": 2250 * TERA, "float8": 4500 * TERA},
+    # NVIDIA HGX B200 datasheet (2024), per GPU, dense: FP32 75, TF32 1100, BF16/FP16 2250, FP8 4500
+    # TFLOPS; 64 TB/s over 8 GPUs: 8 TB/s each (nvidia-smi: 183359 MiB).
+    Accelerator("b200", 183359 * MIB, {"float32": 75 * TERA, "tf32": 1100 * TERA, "bfloat16": 2250 * TERA,
+                                       "float16": 2250 * TERA, "float8": 4500 * TERA}, 8e12,
                 "NVIDIA HGX B200 datasheet, per GPU"),
     # NVIDIA L4 datasheet (2023): FP32 30.3; tensor figures with sparsity halved: TF32 60,
-    # BF16/FP16 121, FP8 242.5 TFLOPS dense.
-    Accelerator("l4", 24 * 10**9, {"float32": 30.3 * TERA, "tf32": 60 * TERA, "bfloat16": 121 * TERA,
-                                   "float16": 121 * TERA, "float8": 242.5 * TERA}, "NVIDIA L4 datasheet"),
+    # BF16/FP16 121, FP8 242.5 TFLOPS dense; 300 GB/s GDDR6 (nvidia-smi: 23034 MiB).
+    Accelerator("l4", 23034 * MIB, {"float32": 30.3 * TERA, "tf32": 60 * TERA, "bfloat16": 121 * TERA,
+                                    "float16": 121 * TERA, "float8": 242.5 * TERA}, 300e9, "NVIDIA L4 datasheet"),
     # NVIDIA Ada Lovelace architecture whitepaper, GeForce RTX 4090 column: FP32 82.6; with FP32
-    # accumulate, dense: TF32 82.6, BF16/FP16 165.2, FP8 330.3 TFLOPS.
-    Accelerator("rtx4090", 24 * 10**9, {"float32": 82.6 * TERA, "tf32": 82.6 * TERA, "bfloat16": 165.2 * TERA,
-                                        "float16": 165.2 * TERA, "float8": 330.3 * TERA},
+    # accumulate, dense: TF32 82.6, BF16/FP16 165.2, FP8 330.3 TFLOPS; 1,008 GB/s GDDR6X
+    # (nvidia-smi: 24564 MiB).
+    Accelerator("rtx4090", 24564 * MIB, {"float32": 82.6 * TERA, "tf32": 82.6 * TERA, "bfloat16": 165.2 * TERA,
+                                         "float16": 165.2 * TERA, "float8": 330.3 * TERA}, 1008e9,
                 "NVIDIA Ada Lovelace whitepaper, RTX 4090"),
-    # AMD Instinct MI300X datasheet (2023), dense: FP32 163.4, TF32 653.7, BF16/FP16 1307.4, FP8 2614.9 TFLOPS.
-    Accelerator("mi300x", 192 * 10**9, {"float32": 163.4 * TERA, "tf32": 653.7 * TERA, "bfloat16": 1307.4 * TERA,
-                                        "float16": 1307.4 * TERA, "float8": 2614.9 * TERA},
+    # AMD Instinct MI300X datasheet (2023), dense: FP32 163.4, TF32 653.7, BF16/FP16 1307.4, FP8
+    # 2614.9 TFLOPS; 5.3 TB/s HBM3 (rocm-smi: 205822885888 bytes, 191.7 GiB).
+    Accelerator("mi300x", 205822885888, {"float32": 163.4 * TERA, "tf32": 653.7 * TERA, "bfloat16": 1307.4 * TERA,
+                                         "float16": 1307.4 * TERA, "float8": 2614.9 * TERA}, 5.3e12,
                 "AMD Instinct MI300X datasheet"),
 ]}
+
+# Memory a plan keeps free beside what it counts: the CUDA context (a few hundred MiB), the gap
+# between what nvidia-smi reports and what PyTorch may allocate, and the caching allocator's
+# fragmentation. A round allowance, not a measurement: `--reserve` sets it (on a GPU,
+# torch.cuda.mem_get_info() after the first allocation shows what the context took).
+DEFAULT_RESERVE_BYTES = 2 * GIB
 
 
 def accelerator_peak(name: str, dtype: str) -> float:
@@ -145,6 +168,30 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.
     return best
 
 
+def measure_memory_bandwidth(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                             megabytes: int = 256, runs: int = 5, seconds: float = 0.1) -> float:
+    """Best bytes/s of a matrix-vector product over a `megabytes` MiB matrix (far beyond any cache):
+    decoding's own operation, which reads each weight once per token and does 2 FLOPs with it."""
+    device = torch.device(device)
+    element = torch.empty((), dtype=dtype).element_size()
+    rows = megabytes * MIB // element // 4096
+    matrix = torch.full((rows, 4096), 0.5, dtype=dtype, device=device)
+    vector = torch.full((4096,), 0.5, dtype=dtype, device=device)
+    matrix @ vector  # warm-up
+    _sync(device)
+    best = 0.0
+    for _ in range(runs):
+        reps, elapsed = 0, 0.0
+        started = time.perf_counter()
+        while elapsed < seconds:
+            matrix @ vector
+            _sync(device)
+            reps += 1
+            elapsed = time.perf_counter() - started
+        best = max(best, matrix.nbytes * reps / elapsed)
+    return best
+
+
 def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                 remeasure: bool = False, store: bool = True) -> float:
     """Measured peak FLOP/s for this machine and dtype, from the cache when measured before
@@ -152,6 +199,19 @@ def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device =
     measurement is written to the cache only with `store` (the CLI's choice, not a library's)."""
     device = torch.device(device)
     key = f"{device_name(device)}|{dtype}|torch {torch.__version__}"
+    return _measured(key, "flops", lambda: measure_matmul_peak(dtype, device), remeasure, store)
+
+
+def memory_bandwidth(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                     remeasure: bool = False, store: bool = True) -> float:
+    """Measured memory bandwidth (bytes/s) of this machine, cached as the matmul peak is."""
+    device = torch.device(device)
+    key = f"memory bandwidth|{device_name(device)}|{dtype}|torch {torch.__version__}"
+    return _measured(key, "bytes_per_second", lambda: measure_memory_bandwidth(dtype, device), remeasure, store)
+
+
+def _measured(key: str, field: str, measure, remeasure: bool, store: bool) -> float:
+    """`measure()`'s result for `key`, from the cache unless `remeasure`, or stale (see _busier_then)."""
     path = cache_path()
     try:
         cache = json.loads(path.read_text())
@@ -159,14 +219,14 @@ def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device =
         cache = {}
     entry = cache.get(key)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    if remeasure or not isinstance(entry, dict) or _busier_then(entry, load):
+    if remeasure or not isinstance(entry, dict) or field not in entry or _busier_then(entry, load):
         # a bare number (older caches) says nothing of its load; one measured while the machine was
         # busier than it is now (a load average higher by a whole CPU) undercounts the peak
-        entry = cache[key] = {"flops": measure_matmul_peak(dtype, device),
+        entry = cache[key] = {field: measure(),
                               "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                               "load_average_1_5_15_min": load, "cpus": os.cpu_count()}
         if not store:
-            return entry["flops"]
+            return entry[field]
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: concurrent writers
@@ -174,7 +234,7 @@ def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device =
             os.replace(tmp, path)
         except OSError:
             pass  # a read-only home still gets the number, just not cached
-    return entry["flops"]
+    return entry[field]
 
 
 def _busier_then(entry: dict, load_now) -> bool:
@@ -200,6 +260,13 @@ def this_device(matmul_dtype: str, device: torch.device, remeasure: bool = False
         name += f" ({str(timed).removeprefix('torch.')} peak standing in for {matmul_dtype})"
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory_bytes()
     return name, matmul_peak(timed, device, remeasure, store), memory
+
+
+def this_bandwidth(dtype: str, device: torch.device, remeasure: bool = False, store: bool = True) -> float:
+    """Measured memory bandwidth of `device` (bytes/s) reading `dtype` weights ("float32", "bfloat16",
+    "float16"; a quantised format's bytes are read at the bandwidth of bfloat16's)."""
+    timed = {"float32": torch.float32, "float16": torch.float16}.get(dtype, torch.bfloat16)
+    return memory_bandwidth(timed, device, remeasure, store)
 
 
 def _sync(device: torch.device) -> None:

@@ -18,14 +18,13 @@ autograd really saves (accounting/measure.py).
 """
 
 from lmforge.accounting.activations import FAMILY_ACTIVATIONS
+from lmforge.accounting.optimizers import optimizer_state_bytes
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.errors import lookup
 from lmforge.model.backends import BACKENDS
 from lmforge.precision.policies import get_policy
 from lmforge.recompute_modes import get_recompute
-
-OPTIMIZER_STATES = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}  # fp32-sized state tensors per parameter
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -52,7 +51,6 @@ def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str 
     Tensor (tp) and pipeline (pp) parallelism split the weights themselves, so every term is
     divided by tp*pp (an even split: embeddings and norms are assumed spread like the rest).
     """
-    states = lookup(OPTIMIZER_STATES, optimizer, "optimizer")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage}")
     policy = get_policy(precision)
@@ -67,7 +65,8 @@ def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str 
         "parameters": n * parameter / (dp if zero_stage >= 3 else 1),
         "gradients": n * gradient / (dp if zero_stage >= 2 else 1),
         "master_weights": n * master / (dp if zero_stage >= 1 else 1),
-        "optimizer_states": n * states * p.optimizer_state / (dp if zero_stage >= 1 else 1),
+        "optimizer_states": optimizer_state_bytes(cfg, optimizer, precision) / (tp * pp)
+                            / (dp if zero_stage >= 1 else 1),
     }
 
 
@@ -81,8 +80,12 @@ def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, layers: int, re
     s*b*h*(34/t + 5*a*s/(h*t)) (eq. 5), without sequence parallelism s*b*h*(10 + 24/t + 5*a*s/(h*t))
     (eq. 4); selective recomputation drops the 5*a*s/h term of the attention core (section 4.2:
     34*s*b*h/t), as FlashAttention does by never storing the s x s matrices; full recomputation
-    keeps only each layer's input, 2*s*b*h (section 4.1). Pipeline parallelism does not change the
-    first stage's total (L/p layers, p micro-batches in flight, section 4.2.3).
+    keeps only each layer's input, 2*s*b*h (section 4.1), whole on every tensor rank (table 2's
+    last row). With sequence parallelism that input is itself split along the sequence (section
+    4.2.2: outside the tensor-parallel regions each rank holds s/t of it), so 2*s*b*h/t: a row
+    table 2 does not have. Pipeline parallelism does not change the first stage's total (L/p
+    layers, p micro-batches in flight, section 4.2.3). Table 2's six rows are checked in
+    tests/test_plan_tensor_parallel.py.
     """
     sbh, mode = s * b * h, get_recompute(recompute)
     if mode.blocks:
@@ -128,10 +131,10 @@ def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str 
         return {"block_input": bsd * p.residual}
     family = FAMILY_ACTIVATIONS[cfg.family](cfg, b, s, policy)
     # Without autocast a normalised input is one tensor shared by its readers; autocast casts it
-    # once per linear layer, and each cast is kept.
-    linear_inputs = (family.norm_readers if policy.autocast else 2) * bsd * p.linear_input
+    # once per linear layer, and each cast is kept. These are the layer's full-width inputs to
+    # column-parallel layers: without sequence parallelism every tensor rank holds all of them.
+    norm_outputs = (family.norm_readers if policy.autocast else 2) * bsd * p.linear_input
     linears = family.norm_readers + 2  # and the output and down projections
-    linear_inputs += linears * p.fp8_scales
     # fp32 attention below fp32 casts q, k, v up and the output back down: the core keeps fp32
     # tensors (unless recomputed: then it keeps its inputs, cast inside), the output is a new tensor.
     widened = fp32_attention and p.compute < 4
@@ -144,30 +147,46 @@ def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str 
     out_proj_input = 0 if shares_kernel_output else bsq * p.linear_input
     return {
         "norms": family.block_norms,
-        "linear_inputs": linear_inputs + out_proj_input,
+        "norm_outputs": norm_outputs,
+        "linear_inputs": linears * p.fp8_scales + out_proj_input,
         "attention": attention_saved_bytes(b, s, cfg.n_heads, cfg.kv_heads, cfg.head_dim, core_bytes, attention,
                                            recompute),
         "mlp": family.mlp,
     }
 
 
+# What tensor parallelism without sequence parallelism leaves whole on every tensor rank: the
+# norms and the full-width inputs of the column-parallel layers (Korthikanti et al. 2022, section
+# 4.2.2: the 10*s*b*h of eq. 4), and a fully recomputed block's input (2*s*b*h, section 4.1).
+REPLICATED_WITHOUT_SP = ("norms", "norm_outputs", "block_input")
+
+
+def split_over_tensor_ranks(layer: dict[str, int], tp: int, sequence_parallel: bool) -> float:
+    """One layer's saved bytes on one of tp tensor ranks: everything split tp ways with sequence
+    parallelism (eq. 5); without it, the parts in REPLICATED_WITHOUT_SP whole (eq. 4)."""
+    whole = 0 if sequence_parallel else sum(v for k, v in layer.items() if k in REPLICATED_WITHOUT_SP)
+    return whole + (sum(layer.values()) - whole) / tp
+
+
 def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", attention: str = "sdpa",
                          recompute: str = "none", tp: int = 1, pp: int = 1,
-                         fp32_attention: bool = False, loss_chunk_tokens: int = 0) -> dict[str, float]:
+                         fp32_attention: bool = False, loss_chunk_tokens: int = 0,
+                         sequence_parallel: bool = True) -> dict[str, float]:
     """Bytes saved for backward over one micro-batch of b sequences of s tokens, per device.
 
     With `loss_chunk_tokens` (train/chunked_loss.py) the head and loss keep their finished
     gradients instead: dh in the residual stream's dtype and dW in fp32, no logits, no head cast.
 
     Layers: tensor parallelism with sequence parallelism divides each layer's activations by tp
-    (Korthikanti et al. 2022, eq. 5); a 1F1B pipeline's first stage holds L/pp layers for pp
-    micro-batches in flight, the same total as no pipeline (section 4.2.3).
+    (Korthikanti et al. 2022, eq. 5), without it the norms and column-parallel inputs stay whole
+    (eq. 4); a 1F1B pipeline's first stage holds L/pp layers for pp micro-batches in flight, the
+    same total as no pipeline (section 4.2.3).
     """
     policy, mode, shapes = get_policy(precision), get_recompute(recompute), model_shapes(cfg)
     p = policy.bytes
     family = FAMILY_ACTIVATIONS[cfg.family](cfg, b, s, policy)
     layer = layer_activation_breakdown(cfg, b, s, precision, attention, recompute, fp32_attention)
-    layers = cfg.n_layers * sum(layer.values()) / tp
+    layers = cfg.n_layers * split_over_tensor_ranks(layer, tp, sequence_parallel)
     bs, bsd = b * s, b * s * cfg.d_model
     head_input = p.compute if policy.autocast else p.linear_input  # the LM head is never fp8
     head_weights = shapes.linear_weights["lm_head"]
@@ -186,7 +205,7 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp3
     }
     if mode.blocks:  # backward reruns one block at a time: its activations come back
         recomputed = layer_activation_breakdown(cfg, b, s, precision, attention, fp32_attention=fp32_attention)
-        result["recomputed_layer"] = sum(recomputed.values()) / tp
+        result["recomputed_layer"] = split_over_tensor_ranks(recomputed, tp, sequence_parallel)
     return result
 
 

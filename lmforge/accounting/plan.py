@@ -9,7 +9,8 @@ the same plan before it starts and sets its measurements beside it at the end.
 from dataclasses import asdict, dataclass
 
 from lmforge.accounting import comm, flops, memory
-from lmforge.accounting.hardware import ACCELERATORS, accelerator_peak
+from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak
+from lmforge.accounting.optimizers import OPTIMIZERS
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.errors import lookup
@@ -17,6 +18,9 @@ from lmforge.model.backends import BACKENDS
 from lmforge.parallel_modes import get_strategy
 from lmforge.precision.policies import get_policy
 from lmforge.recompute_modes import get_recompute
+
+
+CHINCHILLA_TOKENS_PER_PARAMETER = 20
 
 
 def matmul_dtype(precision: str) -> str:
@@ -35,6 +39,7 @@ class Setup:
     parallel: str = "none"  # train.parallel (parallel_modes.py); "none" with zero_stage > 0 means that ZeRO stage
     dp: int = 1  # data-parallel degree
     tp: int = 1  # tensor-parallel degree
+    sequence_parallel: bool = True  # with tp: norms and dropout split along the sequence (Korthikanti et al. 2022)
     pp: int = 1  # pipeline-parallel degree
     recompute: str = "none"
     attention: str = "sdpa"  # a name in model/backends.py: naive keeps the s x s scores, the fused ones do not
@@ -42,7 +47,9 @@ class Setup:
     loss_chunk_tokens: int = 0  # head + loss in chunks of this many tokens (0: whole logits)
     hardware: str = "this"  # a name in hardware.ACCELERATORS, or "this" (peak and memory given below)
     mfu: float = 0.5  # the model FLOPs utilisation assumed for time estimates
-    tokens: float | None = None  # a token budget to estimate the total time for
+    tokens: float | None = None  # the token budget for total time and cost (None: Chinchilla's 20 per parameter)
+    price_per_hour: float | None = None  # per device-hour, for the cost of the token budget
+    reserve_bytes: float = DEFAULT_RESERVE_BYTES  # kept free per device: CUDA context, fragmentation
 
     @classmethod
     def from_config(cls, cfg, **changes) -> "Setup":
@@ -63,7 +70,7 @@ class Setup:
         for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp"):
             require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         get_policy(self.precision)
-        lookup(memory.OPTIMIZER_STATES, self.optimizer, "optimizer")
+        lookup(OPTIMIZERS, self.optimizer, "optimizer")
         require(self.zero_stage in (0, 1, 2, 3), f"zero stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         get_recompute(self.recompute)
         lookup(BACKENDS, self.attention, "attention backend")
@@ -71,6 +78,9 @@ class Setup:
                 f"unknown hardware {self.hardware!r}; known: this, {', '.join(ACCELERATORS)}")
         require(0 < self.mfu <= 1, f"mfu must be in (0, 1], got {self.mfu}")
         require(self.tokens is None or self.tokens > 0, f"tokens must be positive, got {self.tokens}")
+        require(self.price_per_hour is None or self.price_per_hour >= 0,
+                f"price per hour must be >= 0, got {self.price_per_hour}")
+        require(self.reserve_bytes >= 0, f"reserve must be >= 0, got {self.reserve_bytes}")
         if model is not None:  # tensor parallelism splits attention by whole heads (Shoeybi et al. 2019, section 3)
             fitting = [tp for tp in range(1, model.kv_heads + 1) if model.n_heads % tp == 0 and model.kv_heads % tp == 0]
             require(self.tp in fitting, f"tp {self.tp} must divide the {model.n_heads} attention heads and "
@@ -101,7 +111,8 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
 
     states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp)
     activations = memory.activation_breakdown(cfg, b, s, precision, setup.attention, setup.recompute,
-                                              setup.tp, setup.pp, setup.fp32_attention, setup.loss_chunk_tokens)
+                                              setup.tp, setup.pp, setup.fp32_attention, setup.loss_chunk_tokens,
+                                              setup.sequence_parallel)
     # A ZeRO-3 implementation gathers each layer's weights when it needs them and frees them
     # after: it keeps its shard of the casts, not all of them.
     weight_copies = activations.pop("weight_copies") / (setup.dp if setup.zero_stage == 3 else 1)
@@ -122,11 +133,17 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
 
     step_flops = tokens_per_step * model_flops
     step_seconds = step_flops / (peak * setup.mfu * devices)
+    # Without a budget, the compute-optimal one: about 20 training tokens per parameter (Hoffmann
+    # et al. 2022, "Training Compute-Optimal Large Language Models", table 3).
+    budget = setup.tokens or CHINCHILLA_TOKENS_PER_PARAMETER * n_params
+    seconds_for_budget = budget / tokens_per_step * step_seconds
+    device_hours = seconds_for_budget * devices / 3600
     # The paper's reference figure (standard attention, 16-bit), and its FlashAttention variant.
     korthikanti = memory.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_heads, cfg.n_layers,
-                                                      setup.recompute, setup.tp)
+                                                      setup.recompute, setup.tp, setup.sequence_parallel)
     korthikanti_flash = memory.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_heads, cfg.n_layers,
-                                                            setup.recompute, setup.tp, flash=True)
+                                                            setup.recompute, setup.tp, setup.sequence_parallel,
+                                                            flash=True)
     plan = {
         "model": {"family": cfg.family, "parameters": n_params, "matmul_parameters": model_shapes(cfg).matmul_weights,
                   "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads,
@@ -146,7 +163,8 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
             "breakdown_bytes": breakdown,
             "activation_breakdown_bytes": activations,
             "device_memory_bytes": device_memory,
-            "fits": total <= device_memory,
+            "reserve_bytes": setup.reserve_bytes,
+            "fits": total + setup.reserve_bytes <= device_memory,
             "kv_cache_inference_bytes": memory.kv_cache_bytes(cfg, b, s, policy.bytes.compute),
             "zero_paper_model_state_bytes": memory.zero_paper_model_state_bytes(n_params, setup.zero_stage, setup.dp),
             "activations_korthikanti_bytes": korthikanti,
@@ -162,8 +180,16 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
             "assumed_mfu": setup.mfu,
             "seconds_per_step": step_seconds,
             "tokens_per_second": tokens_per_step / step_seconds,
-            "tokens": setup.tokens,
-            "seconds_for_tokens": setup.tokens / tokens_per_step * step_seconds if setup.tokens else None,
+            "tokens": budget,
+            "tokens_source": "given" if setup.tokens else f"Chinchilla: {CHINCHILLA_TOKENS_PER_PARAMETER} tokens "
+                                                          "per parameter (Hoffmann et al. 2022)",
+            "seconds_for_tokens": seconds_for_budget,
+        },
+        "budget": {
+            "training_flops": budget * model_flops,
+            "device_hours": device_hours,
+            "price_per_device_hour": setup.price_per_hour,
+            "cost": device_hours * setup.price_per_hour if setup.price_per_hour is not None else None,
         },
     }
     return plan

@@ -33,6 +33,7 @@ class Shapes:
     # in_features * out_features of each linear layer, by its name inside a block (summed over
     # the blocks) or outside them ("lm_head"): a token costs 2 FLOPs per weight in forward.
     linear_weights: MappingProxyType
+    parameter_shapes: tuple = ()  # the shape of every parameter, a tied one once (optimizers.py)
 
     @property
     def matmul_weights(self) -> int:
@@ -95,4 +96,5 @@ def _shapes(values: tuple) -> Shapes:
                 raise ValueError(f"accounting/shapes.py has no FLOP component for the linear layer {name}: "
                                  f"add {key!r} to COMPONENTS")
             linear_weights[key] = linear_weights.get(key, 0) + module.weight.numel()
-    return Shapes(parameters=model.num_params(), linear_weights=MappingProxyType(linear_weights))
+    return Shapes(parameters=model.num_params(), linear_weights=MappingProxyType(linear_weights),
+                  parameter_shapes=tuple(tuple(p.shape) for p in model.parameters()))

@@ -1,0 +1,52 @@
+"""Memory headroom (device memory as reported, a reserve on its own line) and the training budget."""
+
+import json
+
+import pytest
+
+from lmforge.accounting.hardware import ACCELERATORS
+from lmforge.accounting.memory import parameter_count
+from lmforge.accounting.plan import Setup, make_plan
+from lmforge.cli import main
+from lmforge.config import make_config
+
+
+def test_device_memory_is_what_the_device_reports_not_the_marketing_gigabytes():
+    # nvidia-smi memory.total: A100 80GB 81920 MiB, H100 80GB 81559 MiB; "80 GB" would be 74.5 GiB
+    assert ACCELERATORS["a100"].memory_bytes == 81920 * 2**20
+    assert ACCELERATORS["h100-sxm"].memory_bytes == ACCELERATORS["h100-pcie"].memory_bytes == 81559 * 2**20
+    assert ACCELERATORS["h200"].memory_bytes == 143771 * 2**20
+    assert all(a.memory_bandwidth > 0 for a in ACCELERATORS.values())
+
+
+def test_the_reserve_is_its_own_line_and_decides_what_fits(capsys):
+    args = ["plan", "--model", "llama3-1b", "--batch-size", "1", "--seq-len", "1024", "--precision", "bf16-mixed",
+            "--hardware", "l4", "--recompute", "full"]
+    assert main([*args, "--reserve", "0", "--json"]) == 0
+    mem = json.loads(capsys.readouterr().out)["memory"]
+    room = (mem["device_memory_bytes"] - mem["per_device_bytes"]) / 2**30
+    assert mem["fits"] and room > 0.5
+    assert main([*args, "--reserve", f"{room - 0.25:.3f}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["fits"]
+    assert main([*args, "--reserve", f"{room + 0.25:.3f}"]) == 0
+    out = capsys.readouterr().out
+    assert "reserve (--reserve" in out and "does NOT fit" in out
+
+
+def test_the_budget_defaults_to_chinchilla_and_costs_flops_over_throughput(capsys):
+    cfg = make_config("llama3-8b").model
+    setup = Setup(batch_size=1, seq_len=8192, precision="bf16-mixed", zero_stage=3, dp=8, recompute="full",
+                  hardware="h100-sxm", mfu=0.4, price_per_hour=2.5)
+    plan = make_plan(cfg, setup)
+    n = parameter_count(cfg)
+    assert plan["time"]["tokens"] == 20 * n and "Chinchilla" in plan["time"]["tokens_source"]
+    flops = 20 * n * plan["flops"]["training_per_token"]
+    assert plan["budget"]["training_flops"] == pytest.approx(flops, rel=1e-12)
+    # every device runs at the assumed MFU, so device-hours = FLOPs / (peak * MFU) / 3600
+    device_hours = flops / (989.4e12 * 0.4) / 3600
+    assert plan["budget"]["device_hours"] == pytest.approx(device_hours, rel=1e-12)
+    assert plan["budget"]["cost"] == pytest.approx(2.5 * device_hours, rel=1e-12)
+    assert main(["plan", "--model", "llama3-8b", "--hardware", "h100-sxm", "--precision", "bf16-mixed",
+                 "--tokens", "1e12", "--price-per-hour", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "time for 1.00 T tokens" in out and "Chinchilla" not in out and "cost at 2 per device-hour" in out
