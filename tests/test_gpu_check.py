@@ -26,7 +26,7 @@ def dry_run(tmp_path_factory) -> tuple[dict, str, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(missing), str(ROOT)]), "OMP_NUM_THREADS": "2"}
     env.pop("TRITON_INTERPRET", None)  # the script sets it itself in a dry run
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--out", str(tmp / "out")],
-                          env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
+                          env=env, cwd=tmp, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout + done.stderr
     return (json.loads((tmp / "out" / "report.json").read_text()), (tmp / "out" / "report.md").read_text(),
             done.stdout)
@@ -85,3 +85,30 @@ def test_without_a_gpu_and_without_dry_run_it_says_what_to_do(tmp_path):
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no CUDA device" in done.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_a_failing_section_keeps_its_partial_results_and_leaves_the_others_their_turn(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def half_done(ctx, results, checks):
+        results["first half"] = 1.5
+        checks.append(gpu_check.check("first half", 1.5, ">= 1", True))
+        raise RuntimeError("out of resources: shared memory\nsecond line of the message")
+
+    monkeypatch.setitem(gpu_check.SECTIONS, "flash", half_done)
+    run = gpu_check.Check(tmp_path, dry_run=True, budget_scale=1.0, only=["environment", "flash", "fp8"])
+    run.run()
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert list(report["sections"]) == ["environment", "flash", "fp8"]
+    flash = report["sections"]["flash"]
+    assert flash["status"] == "error"
+    assert flash["error"] == "RuntimeError: out of resources: shared memory"  # the one-line cause
+    assert flash["results"] == {"first half": 1.5} and flash["checks"][0]["verdict"] == "PASS"
+    assert report["sections"]["fp8"]["status"] == "ok"
+    markdown = (tmp_path / "report.md").read_text()
+    assert "## flash: error" in markdown and "Error: `RuntimeError: out of resources: shared memory`" in markdown
+    assert "| first half | 1.5 | >= 1 | PASS |" in markdown
