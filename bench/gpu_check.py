@@ -58,6 +58,7 @@ from lmforge.accounting.plan import Setup, make_plan
 from lmforge.config import make_config
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.precision import autocast, get_policy
+from lmforge.train.compile import apply_compile
 from lmforge.train.setup import build
 
 TARGET_MFU = 0.50  # issue 15: bf16 MFU >= 50% of the datasheet peak on the 1B shape
@@ -411,10 +412,9 @@ def run_training(ctx, batch: int, results: dict, checks: list) -> None:
     for mode in ("eager", "compiled"):
         ctx.check_time(f"train {mode}")
         if mode == "compiled":
-            # Each block compiled in place of itself (torchtitan's way): the 16 identical blocks
-            # share one compiled graph. TODO(lead): use train.compile once perf's part 1 is in main.
-            for block in model.blocks.values():
-                block.compile(backend=s.compile_backend)
+            # what train.compile=true does (train/compile.py): each block and the loss piece
+            # compiled in place of itself (torchtitan's way); the 16 identical blocks share a graph
+            apply_compile(model, backend=s.compile_backend)
         say(f"  train {mode}: {s.train_warmup} warm-up + {s.train_steps} timed steps")
         run = timed_steps(step, device, s.train_warmup, s.train_steps)
         tokens_per_second = batch * cfg.seq_len / run["seconds_per_step"]
@@ -426,7 +426,7 @@ def run_training(ctx, batch: int, results: dict, checks: list) -> None:
                                   peak) if peak else None,
                    memory_vs_plan=run["peak_allocated_bytes"] / results["plan_bytes"]
                    if run["peak_allocated_bytes"] else None, compile_backend=s.compile_backend if mode == "compiled" else None)
-        if mode == "compiled":  # one graph for 16 blocks, or a recompile per block (a slow sign)?
+        if mode == "compiled":  # 2 graphs (the blocks share one, the loss), or a recompile per block?
             run["dynamo_unique_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         runs[mode] = run
         if peak:  # the target is for the compiled step; the eager one is shown beside it

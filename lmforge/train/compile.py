@@ -27,20 +27,21 @@ from lmforge.train.recompute import keep_canonical_names
 COMPILED = "_orig_mod"  # where torch.compile's wrapper holds the module
 
 
-def _compiled(module: nn.Module) -> nn.Module:
-    wrapper = torch.compile(module)
+def _compiled(module: nn.Module, backend: str) -> nn.Module:
+    wrapper = torch.compile(module, backend=backend)
     keep_canonical_names(wrapper, COMPILED)
     return wrapper
 
 
-def apply_compile(model: nn.Module) -> nn.Module:
-    """Replace each block of `model` and its loss piece by a compiled wrapper, in place."""
+def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
+    """Replace each block of `model` and its loss piece by a compiled wrapper, in place. `backend`
+    is torch.compile's ("eager" traces without generating code: the GPU check's CPU dry run)."""
     if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules()):
         raise ValueError("torch.compile is already applied to this model")
     for name, block in model.blocks.items():
-        model.blocks[name] = _compiled(block)
+        model.blocks[name] = _compiled(block, backend)
     if getattr(model, "lm_head", None) is not None:
-        model.loss = _compiled(model.loss)
+        model.loss = _compiled(model.loss, backend)
     model.register_forward_pre_hook(_eager_without_grad)
     model.register_forward_hook(_end_eager, always_call=True)
     return model
