@@ -24,6 +24,13 @@ from lmforge.kernels.flash_torch import check_flash_inputs
 
 DEFAULT_BLOCK_Q = 64
 DEFAULT_BLOCK_K = 64
+# Software-pipelining depth (Triton's num_stages: tiles loaded ahead while the current ones are
+# multiplied) per kernel, from bench/flash_sweep.py on an H200 (bench/RESULTS.md, 2026-11-30):
+# at 64x64 blocks, 4 warps, bf16, b4 h16 s4096 d128 causal the dK/dV kernel ran 1.42 ms with one
+# stage against 2.21 ms with Triton's default three, dQ 0.99 ms with two against 1.25 ms; the
+# forward is fastest at the default. Other GPUs may prefer others (rerun the sweep there); the
+# interpreter ignores the setting.
+NUM_STAGES = {"forward": 3, "dkdv": 1, "dq": 2}
 
 
 def triton_installed() -> bool:
@@ -95,7 +102,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         grid = (triton_cdiv(q_len, block_q), batch * heads)
         _kernels().flash_forward_kernel[grid](
             q, k, v, out, lse, 1.0 / math.sqrt(d_head), heads, kv_heads, q_len, kv_len, d_head,
-            **_launch_settings(q, causal, block_q, block_k))
+            **_launch_settings(q, causal, block_q, block_k), num_stages=NUM_STAGES["forward"])
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.block_q, ctx.block_k = causal, block_q, block_k
         return out
@@ -112,9 +119,9 @@ class FlashAttentionTriton(torch.autograd.Function):
         shape_args = (1.0 / math.sqrt(d_head), heads, kv_heads, q_len, kv_len, d_head)
         kernels = _kernels()
         kernels.flash_backward_dkdv_kernel[(triton_cdiv(kv_len, ctx.block_k), batch * kv_heads)](
-            q, k, v, grad_out, lse, delta, grad_k, grad_v, *shape_args, **settings)
+            q, k, v, grad_out, lse, delta, grad_k, grad_v, *shape_args, **settings, num_stages=NUM_STAGES["dkdv"])
         kernels.flash_backward_dq_kernel[(triton_cdiv(q_len, ctx.block_q), batch * heads)](
-            q, k, v, grad_out, lse, delta, grad_q, *shape_args, **settings)
+            q, k, v, grad_out, lse, delta, grad_q, *shape_args, **settings, num_stages=NUM_STAGES["dq"])
         return grad_q, grad_k, grad_v, None, None, None
 
 
