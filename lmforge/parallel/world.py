@@ -33,6 +33,8 @@ ROLL_CALL_SECONDS = 10
 class ReportedOnRank0(LmforgeError):
     """An error every rank stops on but only rank 0 prints (the CLI keeps other ranks quiet)."""
 
+    reported_on_rank0 = True  # what the CLI reads (it does not import this module: no torch there)
+
 
 @dataclass(frozen=True)
 class World:

@@ -85,7 +85,8 @@ class Trainer:
                  world: World | None = None):
         self.world = world if world is not None else init_world(cfg)  # a launch that cannot work stops here
         main = self.world.is_main
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+        # rank 0's folder for all (a default name holds the time, which the ranks may read a second apart)
+        self.cfg, self.run_dir = cfg, Path(self.world.from_main(lambda: str(run_dir)))
         self.console = (console or Console()) if main else Console(quiet=True)
         self.progress = progress and main
         if main:
