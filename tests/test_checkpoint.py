@@ -163,7 +163,7 @@ def test_checkpoint_from_another_shape_is_refused(tiny_config, tmp_path):
     quiet_trainer(cfg, tmp_path / "run").run()
     path = ckpt.find_checkpoint(tmp_path / "run")
     wider = make_config("tiny", overrides=["model.d_model=128"]).model
-    with pytest.raises(LmforgeError, match=r"different shape: blocks.0.attn_norm.weight is \(64,\) there, \(128,\) here"):
+    with pytest.raises(LmforgeError, match=r"different shape: tok_embeddings.weight is \(512, 64\) there, \(512, 128\) here"):
         ckpt.load_model_weights(Transformer(wider), path)
     deeper = make_config("tiny", overrides=["model.n_layers=3"]).model
     with pytest.raises(LmforgeError, match=r"lacks 9 \(blocks.2.attn_norm.weight, blocks.2.attn.q_proj.weight, "):

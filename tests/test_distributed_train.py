@@ -45,7 +45,7 @@ def env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def torchrun(nproc: int, *args: str, cwd) -> list[str]:
+def torchrun(nproc: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
             "-m", "lmforge", "train", "--no-progress", *args]
 
@@ -61,8 +61,8 @@ def settings(corpus_dir, data_dir):
     """Overrides of the runs compared here: 6 steps, the schedule fixed at 6 steps (so that a run
     of 3 extended to 6 is the run of 6), evaluation and a checkpoint at step 3, dropout off."""
     def build(batch_size: int, max_steps: int = STEPS, **train):
-        return [*tiny_overrides(corpus_dir, data_dir, max_steps=max_steps, batch_size=batch_size, eval_interval=3,
-                                checkpoint_interval=3, log_interval=1, **train),
+        train = {"eval_interval": 3, "checkpoint_interval": 3, "log_interval": 1, **train}
+        return [*tiny_overrides(corpus_dir, data_dir, max_steps=max_steps, batch_size=batch_size, **train),
                 f"optim.decay_steps={STEPS}", "optim.lr=1e-3"]
     # prepare the data once, in this process, so that the launches below only read it
     from lmforge.data.prepare import prepare_data
@@ -135,7 +135,7 @@ def test_a_checkpoint_of_2_ranks_resumes_on_2_bit_for_bit_and_on_1_and_3_to_the_
         batch = f"train.batch_size={6 // ranks}"
         if ranks == 1:
             command = [sys.executable, "-m", "lmforge", "train", "--no-progress"]
-            extra = []
+            extra = ["train.parallel=none"]  # one process
         else:
             command = torchrun(ranks)
             extra = ["train.parallel=ddp"]

@@ -85,7 +85,8 @@ def test_the_command_refuses_a_parallel_run_without_processes_before_any_write(t
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["train", "--model", "tiny", "train.parallel=ddp", "--out", "run"]) == 2
     assert capsys.readouterr().err == ("lmforge: error: train.parallel=ddp needs one process per device: launch with "
-                                       "torchrun --nproc_per_node=N -m lmforge train ... or lmforge train --nproc N ...\n")
+                                       "torchrun --nproc_per_node=N -m lmforge train ... or lmforge train --nproc N ... (or set "
+                                       "train.parallel=none for one process)\n")
     assert main(["train", "--model", "tiny", "--nproc", "2", "--out", "run"]) == 2
     assert "--nproc 2 needs a way to share the work: add train.parallel=ddp" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

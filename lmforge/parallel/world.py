@@ -128,6 +128,14 @@ class World:
         stop = signal.SIGTERM if packed[1] > 0 else signal.SIGINT if packed[2] > 0 else None
         return (packed[0] / self.world_size).to(loss_sum.dtype), stop
 
+    def mean(self, value: float) -> float:
+        """The mean of `value` over the ranks."""
+        if not self.distributed:
+            return value
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return total.item() / self.world_size
+
     def average_gradients(self, model: torch.nn.Module) -> None:
         """Replicated data parallelism at its plainest: every gradient summed over the ranks and
         divided by their number. A stand-in for train.parallel=ddp until the engines in
@@ -146,6 +154,9 @@ class World:
         through the rendezvous store (which torchrun's agent holds, so it outlives any rank)."""
         store = dist.distributed_c10d._get_default_store()
         missing = list(range(self.world_size))
+        # torchrun's agent sends SIGTERM to the survivors as soon as it sees a rank die: let it wait
+        # (it allows 30 s) until this rank has said who is missing; it exits right after anyway
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             store.set(f"lmforge/alive/{self.rank}", "1")
             keys = [f"lmforge/alive/{rank}" for rank in range(self.world_size)]
@@ -156,6 +167,8 @@ class World:
             missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
         except Exception:  # noqa: BLE001 - the store itself is gone (its host died)
             missing = [rank for rank in missing if rank != self.rank]
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped answering "
                f"(died or hangs)") if missing else "a collective failed on another rank"
@@ -202,7 +215,8 @@ def check_world(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> tor
     if env is None:
         if parallel != "none":
             raise LmforgeError(f"train.parallel={parallel} needs one process per device: launch with "
-                               f"torchrun --nproc_per_node=N -m lmforge train ... or lmforge train --nproc N ...")
+                               f"torchrun --nproc_per_node=N -m lmforge train ... or lmforge train --nproc N ... "
+                               f"(or set train.parallel=none for one process)")
         return resolve_device(cfg.train.device)
     rank, world_size, local_rank = env
     if parallel == "none" and world_size > 1:

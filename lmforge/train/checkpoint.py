@@ -193,7 +193,10 @@ def _reason(error: BaseException) -> str:
     """What went wrong in a save, in one line (dcp wraps each rank's exception)."""
     if isinstance(error, CheckpointException) and error.failures:
         error = next(iter(error.failures.values()))[0]
-    return os_error_message(error) if isinstance(error, OSError) else str(error).strip().splitlines()[-1]
+    if isinstance(error, OSError):
+        return os_error_message(error)
+    text = str(error).strip()
+    return text.splitlines()[-1] if text else type(error).__name__
 
 
 def _write_checkpoint(partial: Path, model, optimizer, state: dict, step: int, extra_files: dict[str, bytes],

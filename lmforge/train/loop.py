@@ -55,18 +55,20 @@ FP16_MAX_SKIPS_IN_A_ROW = 64
 
 @torch.no_grad()
 def evaluate(model: Transformer, tokens, batch_size: int, seq_len: int, seed: int, batches: int,
-             device: torch.device, precision: str = "fp32") -> float:
-    """Mean loss over a fixed set of `batches` windows (the same ones at every evaluation),
-    computed as training computes it (under the forward autocast of `precision`)."""
+             device: torch.device, precision: str = "fp32", world: World = World()) -> float:
+    """Mean loss over a fixed set of `batches` batches of windows (the same ones at every
+    evaluation), computed as training computes it (under the forward autocast of `precision`).
+    Each rank takes its rows of the global batches and the means are averaged over the ranks: N
+    ranks of batch_size B evaluate what one process of N*B does."""
     was_training = model.training
     model.eval()
     losses = []
     for index in range(batches):
-        x, y = window_batch(tokens, batch_size, seq_len, seed, index)
+        x, y = window_batch(tokens, batch_size, seq_len, seed, index, rank=world.rank, world_size=world.world_size)
         with autocast(get_policy(precision), device):
             losses.append(model(x.to(device), y.to(device)).item())
     model.train(was_training)
-    return sum(losses) / len(losses)
+    return world.mean(sum(losses) / len(losses))
 
 
 class Trainer:
@@ -233,7 +235,7 @@ class Trainer:
     def evaluate(self) -> float:
         t = self.cfg.train
         return evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, t.seed + 1,
-                        t.eval_batches, self.device, t.precision)
+                        t.eval_batches, self.device, t.precision, self.world)
 
     def run(self) -> dict:
         """Train to train.max_steps, then write the summary. SIGTERM or Ctrl-C: finish the step,
