@@ -255,9 +255,10 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the loader, close the logs, remove the measuring hooks, release the folder."""
-        for part in ("loader", "log", "measured", "folder"):  # whichever setup got to build
+        for part in ("loader", "log", "measured"):  # whichever setup got to build
             if hasattr(self, part):
-                getattr(self, part).close() if part != "folder" else self.folder.release()
+                getattr(self, part).close()
+        self.folder.release()
 
     def _loop(self, stop: StopRequests) -> float:
         """The steps; returns the seconds they took."""
