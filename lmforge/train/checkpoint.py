@@ -193,6 +193,10 @@ def _reason(error: BaseException) -> str:
     """What went wrong in a save, in one line (dcp wraps each rank's exception)."""
     if isinstance(error, CheckpointException) and error.failures:
         error = next(iter(error.failures.values()))[0]
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):  # torch.save's writer hides the OSError
+        cause = cause.__cause__ or cause.__context__
+    error = cause or error
     if isinstance(error, OSError):
         return os_error_message(error)
     text = str(error).strip()
