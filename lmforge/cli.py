@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN", help="continue the run in folder RUN from its latest checkpoint; "
                                                        "only train.* and optim.* may be overridden")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    train.add_argument("--nproc", type=int, metavar="N",
+                       help="start N processes on this machine through torchrun's launcher (with train.parallel=ddp, "
+                            "zero1, zero2, zero3 or fsdp); the same as torchrun --standalone --nproc_per_node=N "
+                            "-m lmforge train ...")
 
     gen = commands.add_parser("generate", help="sample text from a trained run",
                               description="Continue a prompt with the latest checkpoint of a run.")
@@ -187,6 +191,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what `train --nproc` hands to torchrun
     if args.command is None:
         parser.print_help()
         return 0
@@ -197,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, where a closed pipe can still be handled below
         return status
     except LmforgeError as err:
-        print(f"lmforge: error: {err}", file=sys.stderr)
+        if not _quiet_rank(err):
+            print(f"lmforge: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # Whoever read our output stopped (`lmforge plan --json | head`): stop quietly, as cat does,
@@ -210,6 +216,42 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nlmforge: interrupted", file=sys.stderr)
         return 130
+
+
+def _quiet_rank(err: LmforgeError) -> bool:
+    """Under torchrun every rank stops on a bad setting, but one line is enough: the first process
+    of each node prints it, and an error rank 0 reports for the whole run only rank 0 prints."""
+    return getattr(err, "reported_on_rank0", False) or os.environ.get("LOCAL_RANK", "0") != "0"
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """`lmforge train --nproc N ...`: torchrun's own launcher (standalone: a rendezvous on a free
+    local port) starting N processes of `lmforge train ...`; exit status of the first that failed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    options = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "--module", "lmforge", *argv])
+    try:
+        run(options)
+    except ChildFailedError as err:
+        code = err.get_first_failure()[1].exitcode
+        return 128 - code if code < 0 else code  # killed by signal S: 128 + S, as a shell says
+    except SignalException as err:  # the launcher itself got SIGTERM/SIGINT; the ranks stopped on it too
+        return 128 + err.sigval
+    return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--nproc":
+            skip = True
+        elif not word.startswith("--nproc="):
+            out.append(word)
+    return out
 
 
 def cmd_prepare(args) -> int:
@@ -251,6 +293,18 @@ def cmd_train(args) -> int:
             run_dir = Path(args.out)
         else:
             run_dir = Path("runs") / (args.name or f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise LmforgeError(f"--nproc {args.nproc}: start at least 1 process")
+        if cfg.train.parallel == "none":
+            raise LmforgeError(f"--nproc {args.nproc} needs a way to share the work: add train.parallel=ddp "
+                               f"(or zero1, zero2, zero3, fsdp)")
+        if "WORLD_SIZE" in os.environ:
+            raise LmforgeError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
+        words = _without_nproc(args.argv)
+        if not args.resume and not (args.name or args.out):  # one folder for all ranks, named here
+            words += ["--out", str(run_dir)]
+        return launch(args.nproc, words)
     if resolve_device(cfg.train.device).type == "cpu":
         retain_freed_memory()  # process-wide malloc tuning, chosen here (train/host_memory.py says why)
     # the measured matmul peak behind MFU, cached per machine (lmforge plan --hardware this --remeasure)
@@ -258,12 +312,14 @@ def cmd_train(args) -> int:
     resume = f"lmforge train --resume {run_dir}"
     try:
         trainer.run()
-    except Stopped as stop:  # SIGTERM or a first Ctrl-C: the step finished and was saved
-        print(f"\nlmforge: {stop}; saved {stop.checkpoint}; continue with: {resume}", file=sys.stderr)
+    except Stopped as stop:  # SIGTERM or a first Ctrl-C: the step finished and was saved (by all ranks)
+        if trainer.world.is_main:
+            print(f"\nlmforge: {stop}; saved {stop.checkpoint}; continue with: {resume}", file=sys.stderr)
         return stop.exit_status
     except KeyboardInterrupt:  # a second Ctrl-C: no save
-        print(f"\nlmforge: interrupted at step {trainer.step}; continue from the last checkpoint with: "
-              f"{resume}", file=sys.stderr)
+        if trainer.world.is_main:
+            print(f"\nlmforge: interrupted at step {trainer.step}; continue from the last checkpoint with: "
+                  f"{resume}", file=sys.stderr)
         return 130
     except OSError as err:
         if not list_checkpoints(run_dir):

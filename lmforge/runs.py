@@ -6,12 +6,11 @@ run folder while it runs (lmforge/folder_lock.py); the lock dies with the proces
 lock can be taken is not running, however it ended. Imports no torch: listing finished runs answers
 at once; a run without a summary has its parameters counted from its model built on the meta
 device (accounting/shapes.py), which loads torch (about 2 s, once), unless it has a checkpoint,
-whose file header holds the shapes.
+whose state.json holds the count.
 """
 
 import dataclasses
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,17 +46,14 @@ def is_run(path: Path) -> bool:
 
 
 def checkpoint_parameters(path: Path) -> int | None:
-    """Elements of the newest checkpoint's model.safetensors (tied tensors are stored once), read
-    from the file's JSON header: 8 bytes of length, then {name: {"shape": ...}}. No torch."""
-    files = sorted((path / "checkpoints").glob("step_*/model.safetensors"))
+    """Parameters of the newest checkpoint (tied tensors counted once), from its state.json. No torch."""
+    files = sorted((path / "checkpoints").glob("step_*/state.json"))
     if not files:
         return None
     try:
-        with open(files[-1], "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        return json.loads(files[-1].read_text()).get("parameters")
     except (OSError, ValueError):
         return None
-    return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
 
 
 def read_config(path: Path) -> Config:

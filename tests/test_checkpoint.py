@@ -91,17 +91,17 @@ def test_a_kill_during_a_save_keeps_the_previous_checkpoint(tiny_config, tmp_pat
     cfg = tiny_config(max_steps=8, checkpoint_interval=4)
     run_dir = tmp_path / "run"
     trainer = quiet_trainer(cfg, run_dir)
-    real_save_file = ckpt.save_file
+    real_save_tensors = ckpt.save_tensors
 
-    def save_file_or_die(tensors, path, *args, **kwargs):
-        if "step_0000008" in str(path) and path.endswith("optimizer.safetensors"):
-            raise Killed  # model.safetensors of step 8 is already on disk, half a checkpoint
-        return real_save_file(tensors, path, *args, **kwargs)
+    def save_tensors_or_die(tensors, folder):
+        if "step_0000008" in str(folder) and folder.name == "optimizer":
+            raise Killed  # the model of step 8 is already on disk, half a checkpoint
+        return real_save_tensors(tensors, folder)
 
-    monkeypatch.setattr(ckpt, "save_file", save_file_or_die)
+    monkeypatch.setattr(ckpt, "save_tensors", save_tensors_or_die)
     with pytest.raises(Killed):
         trainer.run()
-    monkeypatch.setattr(ckpt, "save_file", real_save_file)
+    monkeypatch.setattr(ckpt, "save_tensors", real_save_tensors)
     assert [p.name for p in ckpt.list_checkpoints(run_dir)] == ["step_0000004"]
     assert ckpt.find_checkpoint(run_dir).name == "step_0000004"
     assert (run_dir / "checkpoints" / ".step_0000008.partial").is_dir()  # the half-written one, ignored
@@ -122,17 +122,17 @@ def test_corrupt_checkpoint_is_refused(tiny_config, tmp_path):
     cfg = tiny_config(max_steps=4)
     quiet_trainer(cfg, tmp_path / "run").run()
     path = ckpt.find_checkpoint(tmp_path / "run")
-    weights = path / "model.safetensors"
+    weights = path / "model" / "__0_0.distcp"
     original = weights.read_bytes()
     data = bytearray(original)
     data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the middle of the weights
     weights.write_bytes(bytes(data))
-    with pytest.raises(LmforgeError, match="model.safetensors does not match its checksum"):
+    with pytest.raises(LmforgeError, match="model/__0_0.distcp does not match its checksum"):
         quiet_trainer(tiny_config(max_steps=8), tmp_path / "run", resume=True)
     weights.write_bytes(original)
     ckpt.verify_checkpoint(path)
-    (path / "optimizer.safetensors").unlink()
-    with pytest.raises(LmforgeError, match="optimizer.safetensors is missing"):
+    (path / "optimizer" / "__0_0.distcp").unlink()
+    with pytest.raises(LmforgeError, match="optimizer/__0_0.distcp is missing"):
         ckpt.verify_checkpoint(path)
 
 
@@ -141,18 +141,18 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tiny_config,
     quiet_trainer(cfg, tmp_path / "run").run()
     newest = ckpt.find_checkpoint(tmp_path / "run")
     assert newest.name == "step_0000008"
-    with open(newest / "optimizer.safetensors", "r+b") as f:
+    with open(newest / "optimizer" / "__0_0.distcp", "r+b") as f:
         f.truncate(64)
     warnings = []
     assert ckpt.find_checkpoint(tmp_path / "run", warn=warnings.append).name == "step_0000004"
-    assert len(warnings) == 1 and "step_0000008 is corrupt: optimizer.safetensors" in warnings[0]
+    assert len(warnings) == 1 and "step_0000008 is corrupt: optimizer/__0_0.distcp" in warnings[0]
 
 
 def test_truncated_weights_are_reported_not_crashed(tiny_config, tmp_path):
     cfg = tiny_config(max_steps=2, checkpoint_interval=2)
     quiet_trainer(cfg, tmp_path / "run").run()
     path = ckpt.find_checkpoint(tmp_path / "run")
-    with open(path / "model.safetensors", "r+b") as f:
+    with open(path / "model" / "__0_0.distcp", "r+b") as f:
         f.truncate(100)
     with pytest.raises(LmforgeError, match="is corrupt"):
         ckpt.load_model_weights(Transformer(cfg.model), path)
@@ -163,7 +163,7 @@ def test_checkpoint_from_another_shape_is_refused(tiny_config, tmp_path):
     quiet_trainer(cfg, tmp_path / "run").run()
     path = ckpt.find_checkpoint(tmp_path / "run")
     wider = make_config("tiny", overrides=["model.d_model=128"]).model
-    with pytest.raises(LmforgeError, match=r"different shape: blocks.0.attn_norm.weight is \(64,\) there, \(128,\) here"):
+    with pytest.raises(LmforgeError, match=r"different shape: tok_embeddings.weight is \(512, 64\) there, \(512, 128\) here"):
         ckpt.load_model_weights(Transformer(wider), path)
     deeper = make_config("tiny", overrides=["model.n_layers=3"]).model
     with pytest.raises(LmforgeError, match=r"lacks 9 \(blocks.2.attn_norm.weight, blocks.2.attn.q_proj.weight, "):
@@ -176,16 +176,13 @@ def test_checkpoint_from_another_shape_is_refused(tiny_config, tmp_path):
 def test_state_is_loaded_by_name_and_a_partial_load_is_an_explicit_choice(tiny_config, tmp_path):
     """Keys are parameter names, so state finds its parameter wherever it sits: a model with one more
     layer loads the two it shares with strict=False, and the optimizer's state follows the names."""
-    from safetensors import safe_open
-
     from lmforge.train.setup import build
 
     cfg = tiny_config(max_steps=2)
     trainer = quiet_trainer(cfg, tmp_path / "run")
     trainer.run()
     path = ckpt.find_checkpoint(tmp_path / "run")
-    with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
-        keys = set(f.keys())
+    keys = set(ckpt.stored_tensors(path, "optimizer"))
     assert "blocks.1.mlp.down_proj.weight.exp_avg" in keys and "tok_embeddings.weight.step" in keys
     state = json.loads((path / "state.json").read_text())
     assert state["param_groups"][0]["params"][:2] == ["tok_embeddings.weight", "blocks.0.attn.q_proj.weight"]
@@ -312,14 +309,14 @@ def test_a_save_that_does_not_fit_keeps_the_previous_checkpoint_and_no_partial(t
     cfg = tiny_config(max_steps=8, checkpoint_interval=2)
     run_dir = tmp_path / "run"
     trainer = quiet_trainer(cfg, run_dir)
-    real_save_file = ckpt.save_file
+    real_save_tensors = ckpt.save_tensors
 
-    def save_file_or_full(tensors, path, *args, **kwargs):
-        if "step_0000004" in str(path) and path.endswith("optimizer.safetensors"):
+    def save_tensors_or_full(tensors, folder):
+        if "step_0000004" in str(folder) and folder.name == "optimizer":
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save_file(tensors, path, *args, **kwargs)
+        return real_save_tensors(tensors, folder)
 
-    monkeypatch.setattr(ckpt, "save_file", save_file_or_full)
+    monkeypatch.setattr(ckpt, "save_tensors", save_tensors_or_full)
     with pytest.raises(LmforgeError, match=r"checkpoint \S*step_0000004 could not be written \(No space left on "
                                            r"device .*\); its partial folder is removed and the last good "
                                            r"checkpoint is kept: \S*step_0000002;"):

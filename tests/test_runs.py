@@ -86,7 +86,7 @@ def test_runs_in_a_missing_or_empty_folder(tmp_path):
 
 def test_a_run_without_a_summary_is_counted_from_its_checkpoint_without_torch(runs_dir, tmp_path):
     """A killed run has no summary.json: its parameter count comes from the newest checkpoint's
-    safetensors header, so listing it loads no torch."""
+    state.json, so listing it loads no torch."""
     run = tmp_path / "killed"
     shutil.copytree(runs_dir / "done", run)
     parameters = json.loads((run / "summary.json").read_text())["parameters"]

@@ -5,6 +5,11 @@ with (seed, i): any batch can be rebuilt from its number alone. The loader's who
 therefore the number of batches handed out, which the checkpoint stores, and a resumed run sees
 exactly the batches an uninterrupted run would have seen.
 
+Under data parallelism batch i is the global batch: `batch_size * world_size` windows drawn the
+same way, of which rank r takes rows r*batch_size .. (r+1)*batch_size. So N ranks of batch_size B
+see together exactly what one process of batch_size N*B sees, a batch is still a pure function of
+(seed, i, rank), and a run resumes on another number of ranks with the same global batch.
+
     x = tokens[s : s + seq_len],   y = tokens[s + 1 : s + seq_len + 1]   (next-token targets)
 """
 
@@ -17,10 +22,12 @@ import torch
 
 
 def window_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, index: int,
-                 pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch number `index` of the stream seeded with `seed`: the same on every call and machine."""
+                 pin_memory: bool = False, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s rows of batch number `index` of the stream seeded with `seed`: the same on
+    every call and machine."""
     rng = np.random.default_rng([seed, index])
-    starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
+    starts = rng.integers(0, len(tokens) - seq_len, size=batch_size * world_size)[rank * batch_size:
+                                                                                   (rank + 1) * batch_size]
     windows = torch.from_numpy(np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64))
     if pin_memory:
         windows = windows.pin_memory()
@@ -28,11 +35,15 @@ def window_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, i
 
 
 class BatchLoader:
+    """This rank's part of batch `start`, `start` + 1, ... (batch_size windows each)."""
+
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
-                 start: int = 0, prefetch: int = 4, device: str | torch.device = "cpu"):
+                 start: int = 0, prefetch: int = 4, device: str | torch.device = "cpu",
+                 rank: int = 0, world_size: int = 1):
         if len(tokens) < seq_len + 1:
             raise ValueError(f"{len(tokens)} tokens cannot fill one window of {seq_len} + 1")
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
+        self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.position = start  # number of batches handed out so far
         self.wait_seconds = 0.0  # time the consumer spent blocked on an empty queue
@@ -46,7 +57,8 @@ class BatchLoader:
         try:
             while not self._stop.is_set():
                 batch = window_batch(self.tokens, self.batch_size, self.seq_len, self.seed, index,
-                                     pin_memory=self.device.type == "cuda")
+                                     pin_memory=self.device.type == "cuda", rank=self.rank,
+                                     world_size=self.world_size)
                 self._queue.put(batch)  # sleeps until the consumer takes one: no polling
                 index += 1
         except BaseException as err:  # hand it to the consumer, which would otherwise wait forever

@@ -1,24 +1,30 @@
-"""Checkpoints: everything needed to continue a run bit for bit, written atomically.
+"""Checkpoints: everything needed to continue a run bit for bit, written atomically, in one format
+for every number of processes.
 
 A checkpoint is a folder runs/<name>/checkpoints/step_NNNNNNN/ holding
-    model.safetensors       weights by parameter name (tied tensors stored once)
-    optimizer.safetensors   optimizer state by parameter name: `<name>.exp_avg`, `<name>.step`, ...
-    rng.safetensors         random generator states (CPU, and CUDA where used)
-    state.json              step, data-loader position, optimizer hyper-parameters, metrics so far
+    model/                  weights by parameter name (tied tensors stored once)    } torch.distributed.checkpoint
+    optimizer/              optimizer state by parameter name: `<name>.exp_avg`, ... } folders: .metadata + a
+                                                                                      __<rank>_0.distcp per rank
+    rng.safetensors         random generator states (CPU, and CUDA where used; every rank runs the same)
+    state.json              step, data-loader position, optimizer hyper-parameters, metrics so far,
+                            the number of ranks and the per-rank batch it was written with
     config.yaml, tokenizer.json   as the trainer holds them in memory
     manifest.json           size and sha256 of every file above, written last
-It is written to a hidden '.partial' folder, synced to disk, then renamed into place: a kill at any
-moment leaves the previous checkpoints whole, and a folder named step_NNNNNNN is always complete.
-A model or optimizer state holding inf or NaN is refused before anything is written, and a save
-that fails (a full disk) removes its '.partial' and names the checkpoint that is kept.
-Resuming takes the newest checkpoint whose files match their manifest, reporting any newer one
-that does not (a disk error, a bad copy) instead of failing outright.
+It is written to a hidden '.partial' folder (every rank writes its part with `dcp.save`, rank 0 the
+rest), synced to disk, and after a barrier rank 0 writes the manifest and renames the folder into
+place: a kill at any moment leaves the previous checkpoints whole, and a folder named step_NNNNNNN is
+always complete. A model or optimizer state holding inf or NaN is refused before anything is
+written, and a save that fails (a full disk, on any rank) removes its '.partial' and names the
+checkpoint that is kept. Resuming takes the newest checkpoint whose files match their manifest,
+reporting any newer one that does not (a disk error, a bad copy) instead of failing outright.
 
 State is keyed by parameter name, as torch.distributed.checkpoint keys it (`get_model_state_dict`,
 `get_optimizer_state_dict`; wrapper segments such as recomputation's are left out of the names),
-not by position: a model with parameters added (adapters), removed or sharded can load what
-matches, and a parameter that moved in the optimizer's order still gets its own state. Loading
-into a model whose names differ is an explicit choice (`strict=False`) and lists the names.
+not by position, and each tensor is stored whole in the checkpoint's logical view: a run saved by
+N processes loads on M (one included: `dcp` needs no process group), a model with parameters
+added (adapters) or removed can load what matches, and a parameter that moved in the optimizer's
+order still gets its own state. Loading into a model whose names differ is an explicit choice
+(`strict=False`) and lists the names.
 """
 
 import hashlib
@@ -26,20 +32,27 @@ import json
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file, save_model
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 
 from lmforge.errors import LmforgeError, os_error_message
+from lmforge.parallel.world import World
 
 CHECKPOINT_DIR = "checkpoints"
-# 2: state by parameter name. Version 1 (no "format" in state.json) kept optimizer state by position.
-FORMAT = 2
+# 3: torch.distributed.checkpoint folders. 2 (safetensors files, by parameter name) and 1 (no
+# "format" in state.json; optimizer state by position) are refused with one line.
+FORMAT = 3
 STEP_PATTERN = re.compile(r"^step_(\d+)$")
+TENSOR_FOLDERS = ("model", "optimizer")
 
 
 def _sha256(path: Path) -> str:
@@ -65,13 +78,49 @@ def _write_json_synced(path: Path, data) -> None:
         os.fsync(f.fileno())
 
 
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors by parameter name, a tied tensor under its first name only."""
+    tensors, seen = {}, set()
+    for name, tensor in get_model_state_dict(model).items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            tensors[name] = tensor
+    return tensors
+
+
 def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The optimizer's state as flat tensors named `<parameter name>.<state key>`, and its param
     groups with parameter names for "params" (JSON-ready)."""
     state = get_optimizer_state_dict(model, optimizer)
-    tensors = {f"{name}.{key}": value.detach().contiguous().cpu()
+    tensors = {f"{name}.{key}": value.detach()
                for name, per_param in state["state"].items() for key, value in per_param.items()}
     return tensors, state["param_groups"]
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """One torch.distributed.checkpoint folder; collective when a process group is up (every rank
+    calls it and writes its part), a plain write in one process."""
+    with warnings.catch_warnings():  # dcp says at every call that it assumes one process: it is meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+
+
+def load_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """Fill `tensors` in place from a folder `save_tensors` wrote (any number of ranks wrote it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+
+
+def stored_tensors(path: Path, folder: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor in checkpoint `path`'s `folder`, from its metadata."""
+    try:
+        metadata = dcp.FileSystemReader(str(path / folder)).read_metadata()
+    except Exception as err:  # noqa: BLE001 - a missing, cut or garbled .metadata (a pickle)
+        raise LmforgeError(f"checkpoint {path} is corrupt: {folder}/.metadata unreadable ({type(err).__name__})") from None
+    return {name: (tuple(entry.size), entry.properties.dtype) for name, entry in metadata.state_dict_metadata.items()
+            if hasattr(entry, "size")}
 
 
 def non_finite_tensor(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
@@ -90,64 +139,106 @@ def non_finite_tensor(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict, extra_files: dict[str, bytes], keep: int) -> Path:
-    """Write the checkpoint for `step` under run_dir/checkpoints; keep the newest `keep`.
+                    state: dict, extra_files: dict[str, bytes], keep: int, world: World = World()) -> Path:
+    """Write the checkpoint for `step` under run_dir/checkpoints; keep the newest `keep`. Every
+    rank calls it (the tensors are written by all); rank 0 alone touches the rest of the folder.
 
     `extra_files` are written as given (config.yaml, tokenizer.json from the trainer's memory,
     not copied from the run folder, where a damaged file would be sealed into every checkpoint).
     A model or optimizer state holding inf or NaN is never saved; a save that fails for lack of
-    space (or any OSError) leaves no partial folder and the previous checkpoints untouched."""
+    space (or any OSError, on any rank) leaves no partial folder and the previous checkpoints
+    untouched."""
     root = run_dir / CHECKPOINT_DIR
     final = root / f"step_{step:07d}"
     bad = non_finite_tensor(model, optimizer)
-    if bad is not None:
-        raise LmforgeError(f"step {step} left inf/NaN in {bad}, so it was not saved; "
-                           + kept_checkpoint(run_dir, "lower optim.lr or raise optim.warmup_steps"))
-    root.mkdir(parents=True, exist_ok=True)
-    remove_partials(run_dir)  # from a save that was killed half way
+    world.agree(LmforgeError(f"step {step} left inf/NaN in {bad}, so it was not saved; "
+                             + kept_checkpoint(run_dir, "lower optim.lr or raise optim.warmup_steps"))
+                if bad is not None else None)
     partial = root / f".{final.name}.partial"
+    error = None
     try:
-        _write_checkpoint(partial, model, optimizer, state, step, extra_files)
-    except (OSError, SafetensorError) as err:
-        shutil.rmtree(partial, ignore_errors=True)
-        reason = os_error_message(err) if isinstance(err, OSError) else str(err)
-        raise LmforgeError(f"checkpoint {final} could not be written ({reason}); its partial folder is "
-                           f"removed and " + kept_checkpoint(run_dir, "make room")) from None
-
-    if final.exists():  # the same step saved again (e.g. the last step after a resume)
-        stale = root / f".{final.name}.stale"
-        shutil.rmtree(stale, ignore_errors=True)
-        os.rename(final, stale)
-        os.rename(partial, final)
-        shutil.rmtree(stale)
-    else:
-        os.rename(partial, final)
-    _fsync_dir(root)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+        if world.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_partials(run_dir)  # from a save that was killed half way
+            partial.mkdir()
+        world.barrier()  # the folder exists before any rank writes into it
+        _write_checkpoint(partial, model, optimizer, state, step, extra_files, world)
+    except (OSError, CheckpointException) as err:
+        error = err
+    error = world.first_error(error)
+    if error is not None:
+        if world.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise world.raised(LmforgeError(f"checkpoint {final} could not be written ({_reason(error)}); its partial "
+                                        f"folder is removed and " + kept_checkpoint(run_dir, "make room"))) from None
+    if world.is_main:
+        _seal(partial)
+        if final.exists():  # the same step saved again (e.g. the last step after a resume)
+            stale = root / f".{final.name}.stale"
+            shutil.rmtree(stale, ignore_errors=True)
+            os.rename(final, stale)
+            os.rename(partial, final)
+            shutil.rmtree(stale)
+        else:
+            os.rename(partial, final)
+        _fsync_dir(root)
+        for old in list_checkpoints(run_dir)[:-keep]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    world.barrier()  # every rank returns with the checkpoint in place
     return final
 
 
-def _write_checkpoint(partial: Path, model, optimizer, state: dict, step: int, extra_files: dict[str, bytes]) -> None:
-    partial.mkdir()
-    save_model(model, str(partial / "model.safetensors"))
+def _reason(error: BaseException) -> str:
+    """What went wrong in a save, in one line (dcp wraps each rank's exception)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):  # torch.save's writer hides the OSError
+        cause = cause.__cause__ or cause.__context__
+    error = cause or error
+    if isinstance(error, OSError):
+        return os_error_message(error)
+    text = str(error).strip()
+    return text.splitlines()[-1] if text else type(error).__name__
+
+
+def _write_checkpoint(partial: Path, model, optimizer, state: dict, step: int, extra_files: dict[str, bytes],
+                      world: World) -> None:
+    save_tensors(model_tensors(model), partial / "model")
     tensors, param_groups = optimizer_tensors(model, optimizer)
-    save_file(tensors, str(partial / "optimizer.safetensors"))
+    save_tensors(tensors, partial / "optimizer")
+    if not world.is_main:
+        return
+    # every rank draws the same random numbers (same seed, same shapes): rank 0's states stand for all
     rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
     save_file(rng, str(partial / "rng.safetensors"))
-    (partial / "state.json").write_text(json.dumps({**state, "format": FORMAT, "step": step, "param_groups": param_groups}, indent=2))
+    parameters = sum(t.numel() for t in model_tensors(model).values())
+    (partial / "state.json").write_text(json.dumps({**state, "format": FORMAT, "step": step, "world_size":
+                                                    world.world_size, "parameters": parameters,
+                                                    "param_groups": param_groups}, indent=2))
     for name, content in extra_files.items():
         (partial / name).write_bytes(content)
+
+
+def _files(folder: Path) -> list[Path]:
+    """Every file under `folder`, subfolders included, in a fixed order."""
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+def _seal(partial: Path) -> None:
+    """Sync every file and write the manifest (names relative to the checkpoint folder), last."""
     manifest = {}
-    for file in sorted(partial.iterdir()):
+    for file in _files(partial):
         with open(file, "rb") as f:
             os.fsync(f.fileno())
-        manifest[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        manifest[file.relative_to(partial).as_posix()] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
     _write_json_synced(partial / "manifest.json", manifest)
-    _fsync_dir(partial)
+    for folder in [*(p for p in partial.iterdir() if p.is_dir()), partial]:
+        _fsync_dir(folder)
 
 
 def remove_partials(run_dir: Path) -> None:
@@ -217,6 +308,9 @@ def verify_checkpoint(path: Path) -> None:
 
 
 def check_format(path: Path, state: dict) -> None:
+    if state.get("format") == 2:
+        raise LmforgeError(f"checkpoint {path} was written by an older lmforge (safetensors files, before "
+                           f"distributed checkpoints): this version cannot resume it; start a new run")
     if state.get("format") != FORMAT:
         raise LmforgeError(f"checkpoint {path} was written by an older lmforge (optimizer state by position, "
                            f"not by parameter name): this version cannot resume it; start a new run")
@@ -228,32 +322,39 @@ def _listed(names: list[str], limit: int = 5) -> str:
 
 
 def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) -> tuple[list[str], list[str]]:
-    """Load model.safetensors into `model` by parameter name; returns the names the model has and
-    the file lacks, and those the file has and the model lacks. With `strict` (the default) either
-    is an error that lists them; without, the rest is loaded. A shape that differs always stops."""
-    file = path / "model.safetensors"
+    """Load the checkpoint's weights into `model` by parameter name (every rank calls it under a
+    process group); returns the names the model has and the checkpoint lacks, and those the
+    checkpoint has and the model lacks. With `strict` (the default) either is an error that lists
+    them; without, the rest is loaded. A shape that differs always stops."""
+    if not (path / "model").is_dir() and (path / "model.safetensors").is_file():
+        raise LmforgeError(f"checkpoint {path} was written by an older lmforge (safetensors files, before "
+                           f"distributed checkpoints): this version cannot read it; train it again")
+    stored = stored_tensors(path, "model")
     expected = model.state_dict()
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            names = set(f.keys())
-            for name in (n for n in expected if n in names):  # model order: the first layer named first
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(expected[name].shape):
-                    raise LmforgeError(f"checkpoint {path} was saved from a model of a different shape: "
-                                       f"{name} is {shape} there, {tuple(expected[name].shape)} here")
-            tensors = {name: f.get_tensor(name) for name in names if name in expected}
-    except SafetensorError as err:
-        raise LmforgeError(f"checkpoint {path} is corrupt: {err}") from None
-    unexpected = sorted(names - expected.keys())
-    missing = [n for n in expected if n not in names and not _is_tied_alias(model, n, tensors)]
+    for name in (n for n in expected if n in stored):  # model order: the first layer named first
+        shape = stored[name][0]
+        if shape != tuple(expected[name].shape):
+            raise LmforgeError(f"checkpoint {path} was saved from a model of a different shape: "
+                               f"{name} is {shape} there, {tuple(expected[name].shape)} here")
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in stored.items() if name in expected}
+    unexpected = sorted(stored.keys() - expected.keys())
+    missing = [n for n in expected if n not in stored and not _is_tied_alias(model, n, tensors)]
     if strict and unexpected:
         raise LmforgeError(f"checkpoint {path} holds {_listed(unexpected)} tensors this model does not have: "
                            f"it was saved from a different model")
     if strict and missing:
         raise LmforgeError(f"checkpoint {path} lacks {_listed(missing)} of this model's tensors: it was "
                            f"saved from a different model")
+    _load_or_corrupt(tensors, path, "model")
     model.load_state_dict(tensors, strict=False)
     return missing, unexpected
+
+
+def _load_or_corrupt(tensors: dict, path: Path, folder: str) -> None:
+    try:
+        load_tensors(tensors, path / folder)
+    except CheckpointException as err:
+        raise LmforgeError(f"checkpoint {path} is corrupt: {folder} could not be read ({_reason(err)})") from None
 
 
 def _is_tied_alias(model: torch.nn.Module, name: str, tensors: dict) -> bool:
@@ -283,16 +384,18 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     param_groups = [{key: tuple(value) if isinstance(group.get(key), tuple) else value
                      for key, value in saved.items()}
                     for saved, group in zip(param_groups, optimizer.param_groups)]
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in stored_tensors(path, "optimizer").items()}
+    _load_or_corrupt(tensors, path, "optimizer")
     state: dict[str, dict] = {}
-    for key, value in load_file(str(path / "optimizer.safetensors")).items():
+    for key, value in tensors.items():
         name, field = key.rsplit(".", 1)
         state.setdefault(name, {})[field] = value
     set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": param_groups})
 
 
-def load_rng_states(path: Path) -> None:
+def load_rng_states(path: Path, device: torch.device = torch.device("cpu")) -> None:
+    """Restore the generators of this process (every rank gets the states rank 0 saved)."""
     rng = load_file(str(path / "rng.safetensors"))
     torch.set_rng_state(rng["cpu"])
-    cuda = [rng[k] for k in sorted((k for k in rng if k.startswith("cuda.")), key=lambda k: int(k[5:]))]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)

@@ -5,6 +5,11 @@ micro-batch loss is divided by grad_accum so that the summed gradient equals the
 mean loss over the whole batch. Then: clip the global gradient norm, set the scheduled learning
 rate, AdamW step. Cost figures (FLOPs per token, peak FLOP/s, MFU) come from `accounting/`.
 
+Under torchrun every rank runs this loop in lockstep (forward, backward, evaluation, checkpoints:
+a sharded model needs every rank in every forward); `train.batch_size` is per rank, and rank 0
+alone prints, logs and writes reports. The loss logged is the mean over the ranks, and tokens/s,
+the global batch and MFU count all of them (lmforge/parallel/world.py).
+
 A run is read in this order: train/setup.py builds the model and optimizer, this file trains,
 train/state.py keeps the run folder and its checkpoints, train/report.py logs each record and
 train/summary.py writes the end of the run.
@@ -29,13 +34,15 @@ from lmforge.data.prepare import PreparedData, prepare_data
 from lmforge.errors import LmforgeError
 from lmforge.model.transformer import Transformer
 from lmforge.optim.schedule import Schedule, resume_note
+from lmforge.parallel.world import World, init_world, is_collective_failure
+from lmforge.parallel_modes import get_strategy
 from lmforge.planning import print_plan
 from lmforge.parallel import Engine
 from lmforge.precision import LossScaler, autocast, device_notes, get_policy
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.report import StepLog, training_record
-from lmforge.train.setup import build_engine, check_attention, check_data, resolve_device
+from lmforge.train.report import SilentLog, StepLog, training_record
+from lmforge.train.setup import build_engine, check_attention, check_data
 from lmforge.train.signals import StopRequests, Stopped
 from lmforge.train.state import RunFolder, RunState
 from lmforge.train.summary import FirstStepMeasurement, write_summary
@@ -49,18 +56,20 @@ FP16_MAX_SKIPS_IN_A_ROW = 64
 
 @torch.no_grad()
 def evaluate(model: Transformer, tokens, batch_size: int, seq_len: int, seed: int, batches: int,
-             device: torch.device, precision: str = "fp32") -> float:
-    """Mean loss over a fixed set of `batches` windows (the same ones at every evaluation),
-    computed as training computes it (under the forward autocast of `precision`)."""
+             device: torch.device, precision: str = "fp32", world: World = World()) -> float:
+    """Mean loss over a fixed set of `batches` batches of windows (the same ones at every
+    evaluation), computed as training computes it (under the forward autocast of `precision`).
+    Each rank takes its rows of the global batches and the means are averaged over the ranks: N
+    ranks of batch_size B evaluate what one process of N*B does."""
     was_training = model.training
     model.eval()
     losses = []
     for index in range(batches):
-        x, y = window_batch(tokens, batch_size, seq_len, seed, index)
+        x, y = window_batch(tokens, batch_size, seq_len, seed, index, rank=world.rank, world_size=world.world_size)
         with autocast(get_policy(precision), device):
             losses.append(model(x.to(device), y.to(device)).item())
     model.train(was_training)
-    return sum(losses) / len(losses)
+    return world.mean(sum(losses) / len(losses))
 
 
 def train_step(engine: Engine, next_batch, grad_accum: int, lr: float, grad_clip: float, scaler: LossScaler,
@@ -100,20 +109,33 @@ class Trainer:
 
     `machine(matmul_dtype, device)` gives (name, peak FLOP/s, memory bytes) of the device for MFU
     and the plan, once the checks have passed; by default accounting.hardware.this_device, reading
-    the measured peak from the cache `lmforge` keeps but never writing to it (the CLI does)."""
+    the measured peak from the cache `lmforge` keeps but never writing to it (the CLI does).
+
+    `world`: this process's place under torchrun; by default read from the environment (and the
+    process group joined), a single process outside torchrun."""
 
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
-                 progress: bool = True, machine=functools.partial(this_device, store=False)):
-        self.cfg, self.run_dir, self.console, self.progress = cfg, Path(run_dir), console or Console(), progress
-        for message in config_warnings(cfg):
-            warn(message)
-        self.device = resolve_device(cfg.train.device)
+                 progress: bool = True, machine=functools.partial(this_device, store=False),
+                 world: World | None = None):
+        self.world = world if world is not None else init_world(cfg)  # a launch that cannot work stops here
+        main = self.world.is_main
+        # rank 0's folder for all (a default name holds the time, which the ranks may read a second apart)
+        self.cfg, self.run_dir = cfg, Path(self.world.from_main(lambda: str(run_dir)))
+        self.console = (console or Console()) if main else Console(quiet=True)
+        self.progress = progress and main
+        if main:
+            for message in config_warnings(cfg):
+                warn(message)
+        self.device = self.world.device
         check_attention(cfg.model, self.device)
-        torch.manual_seed(cfg.train.seed)
-        self.data: PreparedData = prepare_data(cfg, log=self.console.print, progress=progress)
+        torch.manual_seed(cfg.train.seed)  # the same on every rank: the same initial model
+        # rank 0 prepares the data (once, under the data folder's lock); the others then open it
+        self.data: PreparedData = self.world.main_first(
+            lambda: prepare_data(cfg, log=self.console.print, progress=self.progress))
         check_data(cfg, self.data, warn=lambda msg: self.console.print(f"warning: {msg}"))
-        # the run folder is locked from here on: a second writer is refused before the model is built
-        self.folder = RunFolder(self.run_dir, warn=lambda msg: self.console.print(f"warning: {msg}"))
+        # the run folder is locked (by rank 0) from here on: a second writer is refused before the model is built
+        self.folder = self.world.main_first(
+            lambda: RunFolder(self.run_dir, warn=lambda msg: self.console.print(f"warning: {msg}"), world=self.world))
         try:
             self._setup(resume, machine)
         except BaseException:
@@ -123,7 +145,7 @@ class Trainer:
 
     def _setup(self, resume: bool, machine) -> None:
         cfg = self.cfg
-        checkpoint = self.folder.latest_checkpoint() if resume else self.folder.check_new()
+        checkpoint = self.world.from_main(self.folder.latest_checkpoint if resume else self.folder.check_new)
         # what checkpoints hold besides tensors: from memory, not re-read from the run folder
         self.config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
         self.tokenizer_json = self.data.tokenizer.to_str(pretty=True)
@@ -138,19 +160,27 @@ class Trainer:
         self.state, metrics_kept = RunState(), None
         if resume:
             self.state, metrics_kept = self._restore(*checkpoint)
+        world = self.world
         self.loader = BatchLoader(self.data.train, cfg.train.batch_size, cfg.seq_len, seed=cfg.train.seed,
-                                  start=self.state.loader_position, prefetch=cfg.data.prefetch, device=self.device)
-        self.tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.seq_len
+                                  start=self.state.loader_position, prefetch=cfg.data.prefetch, device=self.device,
+                                  rank=world.rank, world_size=world.world_size)
+        self.tokens_per_step = cfg.train.batch_size * world.world_size * cfg.train.grad_accum * cfg.seq_len
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
         self.hardware_flops_per_token = hardware_flops_per_token(cfg.model, cfg.seq_len, cfg.train.recompute)
         self.peak_dtype = matmul_dtype(cfg.train.precision)
-        machine = machine(self.peak_dtype, self.device)
-        self.device_label, self.peak_flops, _ = machine
+        machine = world.from_main(lambda: machine(self.peak_dtype, self.device))  # measured once, by rank 0
+        self.device_label, self.peak_flops, _ = machine  # of one device
+        self.world_peak_flops = self.peak_flops * world.world_size  # what MFU divides by: every rank's device
         # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
-        self.plan = make_plan(cfg.model, Setup.from_config(cfg, mfu=1.0), machine)
-        # every check has passed: only now is anything in the run folder written
-        self.folder.write_start(self.config_yaml, self.tokenizer_json)
-        self.log = StepLog(self.run_dir, cfg, self.console, self.progress, self.state.step, keep=metrics_kept)
+        setup = Setup.from_config(cfg, mfu=1.0, dp=world.world_size,
+                                  zero_stage=get_strategy(cfg.train.parallel).zero_stage)
+        self.plan = make_plan(cfg.model, setup, machine)
+        # every check has passed: only now is anything in the run folder written, by rank 0 alone
+        if world.is_main:
+            self.folder.write_start(self.config_yaml, self.tokenizer_json)
+            self.log = StepLog(self.run_dir, cfg, self.console, self.progress, self.state.step, keep=metrics_kept)
+        else:
+            self.log = SilentLog()
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -162,6 +192,13 @@ class Trainer:
         if "loss_scaler" in precision:
             self.scaler.load_state_dict(precision["loss_scaler"])
         load_fp8_scale_state(self.model, precision.get("fp8_scales", {}))
+        saved_world, saved_batch = state.get("world_size", 1), load_config(path / "config.yaml").train.batch_size
+        if saved_world * saved_batch != self.world.world_size * self.cfg.train.batch_size:
+            self.console.print(f"note: the global batch changes from {saved_world * saved_batch} ({saved_batch} per rank x "
+                               f"{saved_world}) to {self.world.world_size * self.cfg.train.batch_size} "
+                               f"({self.cfg.train.batch_size} x {self.world.world_size}); to continue the same "
+                               f"training keep it: train.batch_size x ranks = {saved_world * saved_batch}",
+                               soft_wrap=True)
         if run.step == self.cfg.train.max_steps:
             self.console.print(f"{self.run_dir} reached step {run.step} but stopped before its summary: writing it")
         else:
@@ -213,7 +250,7 @@ class Trainer:
     def evaluate(self) -> float:
         t = self.cfg.train
         return evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, t.seed + 1,
-                        t.eval_batches, self.device, t.precision)
+                        t.eval_batches, self.device, t.precision, self.world)
 
     def run(self) -> dict:
         """Train to train.max_steps, then write the summary. SIGTERM or Ctrl-C: finish the step,
@@ -224,6 +261,10 @@ class Trainer:
             with StopRequests() as stop:
                 train_seconds = self._loop(stop)
             return write_summary(self, start_step, train_seconds)
+        except Exception as err:
+            if self.world.world_size > 1 and is_collective_failure(err):  # a rank died or hangs
+                raise self.world.failure(err) from None
+            raise
         finally:
             self.close()
 
@@ -263,6 +304,8 @@ class Trainer:
                 window_started = time.perf_counter()
             else:
                 window_steps += 1
+            # a signal any rank received: all stop after the same step (the loss is already averaged)
+            stop_signal = self.world.stop_requested(stop.received)
             self.log.advance()
             if self.step_skipped:
                 self._guard(loss_sum.item(), grad_norm.item())
@@ -296,8 +339,8 @@ class Trainer:
                 save_started = time.perf_counter()
                 saved = self.save()
                 window_started += time.perf_counter() - save_started
-            if stop.received is not None:
-                raise Stopped(stop.received, state.step, saved or self.save())
+            if stop_signal is not None:
+                raise Stopped(stop_signal, state.step, saved or self.save())
         state.history["train_loss"] = window["last_loss"]
         return train_seconds
 

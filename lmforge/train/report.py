@@ -161,6 +161,22 @@ class StepLog:
         self.trackers.close()
 
 
+class SilentLog:
+    """Where the records of ranks other than 0 go: nowhere (rank 0 logs for the run)."""
+
+    def advance(self) -> None:
+        pass
+
+    def record(self, record: dict, steps_per_second: float | None = None) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def training_record(trainer, grad_norm: float, steps_per_second: float, session_start: float) -> dict:
     """The metrics record of the logging window that ends at the trainer's current step (and the
     window's mean loss, kept in its run state)."""
@@ -172,12 +188,12 @@ def training_record(trainer, grad_norm: float, steps_per_second: float, session_
     tokens_per_s = steps_per_second * trainer.tokens_per_step
     record = {"step": state.step, "train_loss": window["last_loss"], "grad_norm": grad_norm,
               "lr": trainer.optimizer.param_groups[0]["lr"], "tokens_per_s": tokens_per_s,
-              "mfu": tokens_per_s * trainer.flops_per_token / trainer.peak_flops,
+              "mfu": tokens_per_s * trainer.flops_per_token / trainer.world_peak_flops,
               "tokens_seen": state.step * trainer.tokens_per_step, "skipped_steps": state.skipped_steps,
               "time": time.time(), "elapsed_s": time.time() - session_start,
               "peak_memory_bytes": peak_memory_bytes(trainer.device)}
     if trainer.cfg.train.recompute != "none":  # hardware FLOPs include the recomputed forward
-        record["hfu"] = tokens_per_s * trainer.hardware_flops_per_token / trainer.peak_flops
+        record["hfu"] = tokens_per_s * trainer.hardware_flops_per_token / trainer.world_peak_flops
     if trainer.scaler.enabled:
         record["loss_scale"] = trainer.scaler.scale_value
     if trainer.optimizer.count_lost_updates:

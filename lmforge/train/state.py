@@ -9,6 +9,8 @@
 logging window (so that a record logged after a resume averages what it would have averaged),
 the counts of skipped and bad steps, and the history of losses. `RunFolder` opens a new folder or
 restores the newest good checkpoint of an old one; it reads only, until every check has passed.
+Under torchrun every rank has a `RunFolder`, but rank 0 alone holds the lock and writes (the
+others read checkpoints, and write their part of each one through `torch.distributed.checkpoint`).
 """
 
 import json
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from lmforge.errors import LmforgeError
 from lmforge.folder_lock import FolderLock
+from lmforge.parallel.world import World
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.report import MetricsLog
 
@@ -34,14 +37,14 @@ class RunState:
 
 
 class RunFolder:
-    """The folder of one run, locked from construction until `release()`."""
+    """The folder of one run, locked (by rank 0) from construction until `release()`."""
 
-    def __init__(self, run_dir: Path, warn):
-        self.path, self.warn = Path(run_dir), warn
+    def __init__(self, run_dir: Path, warn, world: World = World()):
+        self.path, self.warn, self.world = Path(run_dir), warn, world
         for path in (self.path, *self.path.parents):
             if path.exists() and not path.is_dir():
                 raise LmforgeError(f"{path} is a file, not a folder: pick another --out or --name")
-        self.lock = FolderLock(self.path, "training")
+        self.lock = FolderLock(self.path, "training") if world.is_main else None
 
     def check_new(self) -> None:
         if self.path.exists() and any(self.path.iterdir()):
@@ -74,7 +77,7 @@ class RunFolder:
         metrics_kept = MetricsLog.lines_to_keep(self.path / "metrics.jsonl", state["step"], warn=self.warn)
         ckpt.load_model_weights(model, path)
         ckpt.load_optimizer_state(model, optimizer, path, state["param_groups"])
-        ckpt.load_rng_states(path)
+        ckpt.load_rng_states(path, self.world.device)
         fields = RunState.__dataclass_fields__
         return RunState(**{key: value for key, value in state["run"].items() if key in fields}), metrics_kept
 
@@ -87,7 +90,8 @@ class RunFolder:
 
     def save(self, run: RunState, model, optimizer, extra_state: dict, files: dict[str, bytes], keep: int) -> Path:
         state = {"run": asdict(run), **extra_state}
-        return ckpt.save_checkpoint(self.path, run.step, model, optimizer, state, files, keep=keep)
+        return ckpt.save_checkpoint(self.path, run.step, model, optimizer, state, files, keep=keep, world=self.world)
 
     def release(self) -> None:
-        self.lock.release()
+        if self.lock is not None:
+            self.lock.release()

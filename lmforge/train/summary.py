@@ -65,7 +65,7 @@ class FirstStepMeasurement:
 
 def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
     """The end of a session: summary.json, loss.png, sample.txt, the summary table and the plan set
-    beside what was measured."""
+    beside what was measured (written by rank 0; every rank calls it)."""
     cfg = trainer.cfg
     compile_seconds = getattr(trainer, "compile_seconds", None)
     steps = trainer.step - start_step - (1 if compile_seconds is not None else 0)  # the steps train_seconds timed
@@ -84,7 +84,7 @@ def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
         "tokens_per_s": tokens_per_s,
         "flops_per_token": trainer.flops_per_token,
         "peak_flops_measured": trainer.peak_flops,
-        "mfu": tokens_per_s * trainer.flops_per_token / trainer.peak_flops,
+        "mfu": tokens_per_s * trainer.flops_per_token / trainer.world_peak_flops,
         "data_wait_fraction": trainer.loader.wait_seconds / train_seconds if train_seconds else 0.0,
         "precision": trainer.policy.name,
         "skipped_steps": trainer.skipped_steps,
@@ -97,12 +97,15 @@ def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
         "unigram_entropy_nats": meta["unigram_entropy_nats"],
     }
     summary["predicted_vs_measured"] = comparison = predicted_vs_measured(trainer, tokens_per_s)
+    if cfg.train.sample_tokens:  # on every rank: a sharded model needs all of them in each forward
+        summary["sample_prompt"] = cfg.train.sample_prompt or default_prompt(trainer)
+        summary["sample"] = sample(trainer, summary["sample_prompt"], cfg.train.sample_tokens)
+    if not trainer.world.is_main:  # rank 0 alone writes and prints
+        return summary
     plot_losses(trainer.run_dir / "metrics.jsonl", trainer.run_dir / "loss.png",
                 title=run_title(trainer.run_dir.name, cfg, summary["parameters"]),
                 unigram_entropy=meta["unigram_entropy_nats"], tokens_per_step=trainer.tokens_per_step)
     if cfg.train.sample_tokens:
-        summary["sample_prompt"] = cfg.train.sample_prompt or default_prompt(trainer)
-        summary["sample"] = sample(trainer, summary["sample_prompt"], cfg.train.sample_tokens)
         (trainer.run_dir / "sample.txt").write_text(summary["sample"])
     (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print_table(trainer.console, [
@@ -146,10 +149,10 @@ def predicted_vs_measured(trainer, tokens_per_s: float) -> dict:
     activations = plan["memory"]["activation_breakdown_bytes"]
     rows = {
         "tokens_per_s": (plan["time"]["tokens_per_second"], tokens_per_s),
-        "mfu": (1.0, tokens_per_s * trainer.flops_per_token / trainer.peak_flops),
+        "mfu": (1.0, tokens_per_s * trainer.flops_per_token / trainer.world_peak_flops),
     }
     if trainer.cfg.train.recompute != "none":
-        rows["hfu"] = (1.0, tokens_per_s * trainer.hardware_flops_per_token / trainer.peak_flops)
+        rows["hfu"] = (1.0, tokens_per_s * trainer.hardware_flops_per_token / trainer.world_peak_flops)
     for key in ("parameters", "gradients", "optimizer_states"):
         rows[f"{key}_bytes"] = (breakdown[key], measured.get(key))
     # what one micro-batch saves for backward: the layers, embedding, head and the weight casts

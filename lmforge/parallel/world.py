@@ -1,0 +1,243 @@
+"""Who this process is in a torch.distributed run, and the few collectives the training loop needs.
+
+torchrun starts one process per device and tells each its place through the environment:
+
+    RANK         0 .. WORLD_SIZE-1, unique across all nodes (rank 0 prints, logs and writes reports)
+    WORLD_SIZE   processes in the run (nodes x processes per node)
+    LOCAL_RANK   0 .. processes on this node - 1: which device of this node the process takes
+    MASTER_ADDR, MASTER_PORT   where the rendezvous store is (torch.distributed reads them itself)
+
+`init_world(cfg)` reads them and joins the process group: gloo on CPU, nccl on CUDA (device
+cuda:LOCAL_RANK), with train.dist_timeout as the collective timeout, so that a rank that died or
+hangs makes the others stop instead of waiting forever. Without torchrun's environment it returns
+a one-process `World` and initialises nothing: today's single-process training, unchanged.
+Every setting that cannot work is refused here, before any data is read or folder written.
+"""
+
+import datetime
+import os
+import signal
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lmforge.errors import LmforgeError
+from lmforge.parallel_modes import get_strategy
+
+# After a collective failed, how long a surviving rank waits for the others to say they are alive
+# (they reach the same failure within a moment: the dead rank's sockets are closed by its kernel).
+ROLL_CALL_SECONDS = 10
+
+
+class ReportedOnRank0(LmforgeError):
+    """An error every rank stops on but only rank 0 prints (the CLI keeps other ranks quiet)."""
+
+    reported_on_rank0 = True  # what the CLI reads (it does not import this module: no torch there)
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """Whether a process group is up (collectives needed), even of one process."""
+        return dist.is_available() and dist.is_initialized()
+
+    # -- collectives; each is a no-op in one process -------------------------------------------
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def from_main(self, make):
+        """Run `make()` on rank 0 alone and hand its result (or its LmforgeError) to every rank:
+        what rank 0 decides about the run folder, every rank acts on."""
+        if not self.distributed:
+            return make()
+        box = [None]
+        if self.is_main:
+            try:
+                box[0] = ("ok", make())
+            except LmforgeError as err:
+                box[0] = ("error", str(err))
+                dist.broadcast_object_list(box, src=0)
+                raise
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "error":
+            raise ReportedOnRank0(value)
+        return value
+
+    def main_first(self, make):
+        """Rank 0 runs `make()` first (it may write: prepare the data, lock the run folder); once it
+        has succeeded the other ranks run it (and find what rank 0 wrote). An LmforgeError on rank
+        0 stops every rank."""
+        error, result = None, None
+        if self.is_main:
+            try:
+                result = make()
+            except LmforgeError as err:
+                error = err
+        self.agree(error)
+        return result if self.is_main else make()
+
+    def first_error(self, error: BaseException | None) -> BaseException | None:
+        """Every rank passes its own error (or None) and gets back the same answer: None, or the
+        lowest failing rank's error (the exception itself on that rank, an LmforgeError naming the
+        rank elsewhere), so that all ranks take the same branch after a step that may fail."""
+        if not self.distributed:
+            return error
+        errors = [None] * self.world_size
+        dist.all_gather_object(errors, None if error is None else str(error))
+        failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+        if not failed:
+            return None
+        rank, message = failed[0]
+        return error if rank == self.rank else LmforgeError(f"rank {rank}: {message}")
+
+    def raised(self, error: BaseException) -> BaseException:
+        """`error` as this rank raises it: as is on rank 0, which prints it; quiet elsewhere."""
+        return error if self.is_main else ReportedOnRank0(str(error))
+
+    def agree(self, error: BaseException | None) -> None:
+        """Raise on every rank if any rank has an error (see `first_error`)."""
+        error = self.first_error(error)
+        if error is not None:
+            raise self.raised(error)
+
+    def stop_requested(self, stop_signal: int | None) -> int | None:
+        """A stop request any rank received, shared at the end of each step (one small all-reduce),
+        so that all ranks stop after the same step: a signal reaches them at slightly different
+        moments."""
+        if not self.distributed:
+            return stop_signal
+        flags = torch.tensor([float(stop_signal == signal.SIGTERM), float(stop_signal == signal.SIGINT)],
+                             device=self.device)
+        dist.all_reduce(flags)
+        return signal.SIGTERM if flags[0] > 0 else signal.SIGINT if flags[1] > 0 else None
+
+    def mean(self, value: float) -> float:
+        """The mean of `value` over the ranks."""
+        if not self.distributed:
+            return value
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return total.item() / self.world_size
+
+    # -- failure ---------------------------------------------------------------------------------
+
+    def failure(self, err: BaseException) -> LmforgeError:
+        """The one-line error for a collective that failed: which ranks did not answer a roll call
+        through the rendezvous store (which torchrun's agent holds, so it outlives any rank)."""
+        store = dist.distributed_c10d._get_default_store()
+        missing = list(range(self.world_size))
+        # torchrun's agent sends SIGTERM to the survivors as soon as it sees a rank die: let it wait
+        # (it allows 30 s) until this rank has said who is missing; it exits right after anyway
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            store.set(f"lmforge/alive/{self.rank}", "1")
+            keys = [f"lmforge/alive/{rank}" for rank in range(self.world_size)]
+            try:
+                store.wait(keys, datetime.timedelta(seconds=ROLL_CALL_SECONDS))
+            except Exception:  # noqa: BLE001 - a timeout: some rank did not answer
+                pass
+            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+        except Exception:  # noqa: BLE001 - the store itself is gone (its host died)
+            missing = [rank for rank in missing if rank != self.rank]
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped answering "
+               f"(died or hangs)") if missing else "a collective failed on another rank"
+        return (LmforgeError if self.is_main else ReportedOnRank0)(
+            f"{who}; rank {self.rank} stops too ({first_line[:200]}); continue from the last checkpoint "
+            f"with the same launch command and --resume")
+
+    def close(self) -> None:
+        if self.distributed:
+            dist.destroy_process_group()
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Whether `err` came out of a collective (a peer gone, a timeout), not out of this rank's own
+    work: torch.distributed's own error types, or gloo's and NCCL's RuntimeErrors, which name them."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(word in text for word in ("gloo", "NCCL", "Connection reset",
+                                                                           "Connection closed"))
+
+
+def env_world() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) from torchrun's environment, or None outside torchrun."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    try:
+        values = tuple(int(os.environ.get(name, "0")) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    except ValueError:
+        raise LmforgeError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (torchrun sets them): "
+                           "launch with torchrun or lmforge train --nproc N") from None
+    rank, world_size, local_rank = values
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise LmforgeError(f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank} do not fit together: "
+                           f"launch with torchrun or lmforge train --nproc N")
+    return values
+
+
+def check_world(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> torch.device:
+    """The device this rank trains on, once the launch fits the config; LmforgeError otherwise."""
+    from lmforge.train.setup import resolve_device
+
+    parallel = get_strategy(cfg.train.parallel).name
+    if env is None:
+        if parallel != "none":
+            raise LmforgeError(f"train.parallel={parallel} needs one process per device: launch with "
+                               f"torchrun --nproc_per_node=N -m lmforge train ... or lmforge train --nproc N ... "
+                               f"(or set train.parallel=none for one process)")
+        return resolve_device(cfg.train.device)
+    rank, world_size, local_rank = env
+    if parallel == "none" and world_size > 1:
+        # Refused rather than guessed: the strategies differ in memory and speed, and N ranks
+        # training alone would write one folder N times.
+        raise LmforgeError(f"train.parallel=none under torchrun with {world_size} processes: choose how they share "
+                           f"the work, e.g. train.parallel=ddp (or zero1, zero2, zero3, fsdp)")
+    name = cfg.train.device
+    if name == "auto":
+        name = "cuda" if cuda_devices else "cpu"
+    if name.startswith("cuda"):
+        if name != "cuda":
+            raise LmforgeError(f"train.device={name} under torchrun: each rank takes its own GPU "
+                               f"(cuda:LOCAL_RANK); use train.device=cuda or auto")
+        if cuda_devices == 0:
+            raise LmforgeError("train.device=cuda under torchrun but no CUDA device is available: "
+                               "use train.device=cpu (gloo)")
+        if local_rank >= cuda_devices:
+            raise LmforgeError(f"LOCAL_RANK {local_rank} but this node has {cuda_devices} CUDA device(s): start at "
+                               f"most {cuda_devices} processes per node (--nproc_per_node={cuda_devices})")
+        return torch.device("cuda", local_rank)
+    return resolve_device(name)
+
+
+def init_world(cfg) -> World:
+    """This process's place in the run, with the process group joined (see the module docstring)."""
+    env = env_world()
+    device = check_world(cfg, env, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if env is None:
+        return World(device=device)
+    rank, world_size, local_rank = env
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=cfg.train.dist_timeout),
+                                device_id=device if device.type == "cuda" else None)
+    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
