@@ -141,13 +141,19 @@ def _write_checkpoint(partial: Path, model, optimizer, state: dict, step: int, e
     (partial / "state.json").write_text(json.dumps({**state, "format": FORMAT, "step": step, "param_groups": param_groups}, indent=2))
     for name, content in extra_files.items():
         (partial / name).write_bytes(content)
+    seal(partial)
+
+
+def seal(folder: Path) -> None:
+    """Sync every file of a checkpoint folder to disk and write its manifest.json last (size and
+    sha256 of each), which makes it a checkpoint `verify_checkpoint` accepts."""
     manifest = {}
-    for file in sorted(partial.iterdir()):
+    for file in sorted(folder.iterdir()):
         with open(file, "rb") as f:
             os.fsync(f.fileno())
         manifest[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
-    _write_json_synced(partial / "manifest.json", manifest)
-    _fsync_dir(partial)
+    _write_json_synced(folder / "manifest.json", manifest)
+    _fsync_dir(folder)
 
 
 def remove_partials(run_dir: Path) -> None:
