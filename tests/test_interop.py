@@ -19,6 +19,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 
 from lmforge.config import LLAMA3_ROPE_SCALING, MODEL_PRESETS, ModelConfig, make_config  # noqa: E402
 from lmforge.data.tokenizer import END_OF_TEXT, train_tokenizer  # noqa: E402
+from lmforge.errors import LmforgeError  # noqa: E402
 from lmforge.interop.folders import export_run, import_run  # noqa: E402
 from lmforge.interop.hf import export_hf, import_hf  # noqa: E402
 from lmforge.model.transformer import Transformer, rope_frequencies  # noqa: E402
@@ -34,7 +35,7 @@ def tokenizer():
     return train_tokenizer([TEXT * 3, "import os\nclass A(object):\n    pass\n"] * 5, VOCAB)
 
 
-def tiny_config(family: str) -> ModelConfig:
+def tiny_model_config(family: str) -> ModelConfig:
     if family == "llama":  # grouped-query attention, an untied head and llama3 rope scaling
         return ModelConfig(family="llama", vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                            max_seq_len=32, tie_embeddings=False, rope_scaling=SCALING, rope_theta=500.0)
@@ -63,7 +64,7 @@ def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["llama", "gpt"])
 def test_exported_model_gives_lmforge_logits_in_transformers(family, tokenizer, tmp_path):
-    cfg = tiny_config(family)
+    cfg = tiny_model_config(family)
     torch.manual_seed(0)
     model = perturbed(Transformer(cfg))
     export_hf(cfg, model.state_dict(), tokenizer, tmp_path / "hf")
@@ -76,7 +77,7 @@ def test_exported_model_gives_lmforge_logits_in_transformers(family, tokenizer, 
 
 
 def test_exported_tokenizer_encodes_as_lmforge(tokenizer, tmp_path):
-    cfg = tiny_config("gpt")
+    cfg = tiny_model_config("gpt")
     export_hf(cfg, Transformer(cfg).state_dict(), tokenizer, tmp_path / "hf")
     hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
     for text in (TEXT, "  x = {'a': [1, 2]}\n\tüñí ✓" + END_OF_TEXT + "tail"):
@@ -200,7 +201,7 @@ def test_bad_hf_folders_stop_with_one_line(tokenizer, tmp_path):
 
 
 def test_export_refuses_an_existing_folder_and_writes_nothing(tokenizer, tmp_path):
-    cfg = tiny_config("gpt")
+    cfg = tiny_model_config("gpt")
     export_hf(cfg, Transformer(cfg).state_dict(), tokenizer, tmp_path / "hf")
     assert import_run(tmp_path / "hf", tmp_path / "run") == tmp_path / "run"
     (tmp_path / "taken").mkdir()
@@ -209,3 +210,48 @@ def test_export_refuses_an_existing_folder_and_writes_nothing(tokenizer, tmp_pat
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
     assert export_run(tmp_path / "run") == tmp_path / "run" / "hf-step_0000000"
     assert "not a training run" in one_line_error(run_cli("train", "--resume", "run", cwd=tmp_path))
+
+
+def test_rope_scaling_is_a_setting_checked_like_any_other(tmp_path):
+    typed = "{rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 16}"
+    cfg = make_config("tiny", overrides=[f"model.rope_scaling={typed}"])
+    assert cfg.model.rope_scaling == dict(LLAMA3_ROPE_SCALING, original_max_position_embeddings=16)
+    assert make_config("tiny", overrides=["model.rope_scaling=null"]).model.rope_scaling is None
+    (tmp_path / "c.yaml").write_text(f"model: {{rope_scaling: {typed}}}\n")
+    assert make_config("tiny", path=tmp_path / "c.yaml").model.rope_scaling == cfg.model.rope_scaling
+    for bad, words in [("{rope_type: yarn, factor: 8}", "rope_type 'yarn' is not supported"),
+                       ("{rope_type: llama3, factor: 8}", "needs exactly the keys"),
+                       (typed.replace("high_freq_factor: 4", "high_freq_factor: 0.5"), "must be below")]:
+        with pytest.raises(LmforgeError, match=words):
+            make_config("tiny", overrides=[f"model.rope_scaling={bad}"])
+    with pytest.raises(LmforgeError, match="llama family only"):
+        make_config("gpt2-124m", overrides=[f"model.rope_scaling={typed}"])
+    # a config holding a dict is still planned (the accounting caches shapes by the config's values)
+    from lmforge.accounting.shapes import model_shapes
+
+    assert model_shapes(make_config("llama3-1b").model).parameters == 1_235_814_400
+
+
+def test_trained_run_exports_to_transformers_and_imports_back(corpus_dir, data_dir, tmp_path, capsys):
+    """The commands as README shows them, on a run `lmforge train` wrote (tied head, lmforge's tokenizer)."""
+    from conftest import tiny_overrides
+    from lmforge.cli import main
+    from lmforge.train import checkpoint as ckpt
+
+    run = tmp_path / "runs" / "tiny"
+    assert main(["train", "--model", "tiny", "--out", str(run), "--no-progress",
+                 *tiny_overrides(corpus_dir, data_dir, max_steps=4)]) == 0
+    assert main(["export", "--format", "hf", str(run)]) == 0
+    path = ckpt.find_checkpoint(run)
+    model = Transformer(make_config("tiny").model).eval()
+    ckpt.load_model_weights(model, path)
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf_logits(run / "hf-step_0000004", ids) - model(ids)).abs().max().item() < 1e-5
+    assert main(["import-hf", str(run / "hf-step_0000004"), "--out", str(tmp_path / "runs" / "back")]) == 0
+    back = Transformer(make_config("tiny").model).eval()
+    ckpt.load_model_weights(back, ckpt.find_checkpoint(tmp_path / "runs" / "back"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+    capsys.readouterr()
+    assert main(["runs", str(tmp_path / "runs")]) == 0
+    assert "back" in capsys.readouterr().out

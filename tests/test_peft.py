@@ -12,7 +12,7 @@ from lmforge.errors import LmforgeError  # noqa: E402
 from lmforge.interop.hf import export_hf, import_hf  # noqa: E402
 from lmforge.interop.peft import linear_shapes, read_peft_adapter, write_peft_adapter  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
-from test_interop import hf_model, perturbed, tiny_config, tokens, tokenizer  # noqa: E402,F401 (a fixture)
+from test_interop import hf_model, perturbed, tiny_model_config, tokens, tokenizer  # noqa: E402,F401 (a fixture)
 
 RANK, ALPHA = 4, 8
 TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -48,7 +48,7 @@ def logits(model, ids):
 
 @pytest.mark.parametrize("family", ["llama", "gpt"])
 def test_peft_loads_lmforge_adapter_onto_exported_base(family, tokenizer, tmp_path):
-    cfg = tiny_config(family)
+    cfg = tiny_model_config(family)
     torch.manual_seed(0)
     base = perturbed(Transformer(cfg)).state_dict()
     adapter = random_adapter(cfg, TARGETS[family])  # gpt: three independent A's, c_attn of rank 3r
@@ -105,7 +105,7 @@ def test_adapter_written_by_peft_reads_into_lmforge_and_back(family, tokenizer, 
 
 @pytest.mark.parametrize("family", ["llama", "gpt"])
 def test_lmforge_adapter_round_trips_bit_for_bit(family, tmp_path):
-    cfg = tiny_config(family)
+    cfg = tiny_model_config(family)
     adapter = random_adapter(cfg, TARGETS[family], seed=3)
     write_peft_adapter(adapter, cfg, RANK, 16.0, TARGETS[family], tmp_path / "adapter")
     back, rank, alpha, targets = read_peft_adapter(tmp_path / "adapter", cfg)
@@ -114,20 +114,20 @@ def test_lmforge_adapter_round_trips_bit_for_bit(family, tmp_path):
 
 
 def test_adapter_for_another_base_stops_with_one_line(tmp_path):
-    cfg = tiny_config("llama")
+    cfg = tiny_model_config("llama")
     write_peft_adapter(random_adapter(cfg, ["q_proj", "v_proj"]), cfg, RANK, ALPHA, ["q_proj", "v_proj"],
                        tmp_path / "adapter")
-    wider = tiny_config("llama")
+    wider = tiny_model_config("llama")
     wider.d_model = 128
-    shallower = tiny_config("llama")
+    shallower = tiny_model_config("llama")
     shallower.n_layers = 1
     cases = [(wider, "another base model"), (shallower, "another base model"),
-             (tiny_config("gpt"), "no counterpart")]
+             (tiny_model_config("gpt"), "no counterpart")]
     for other, words in cases:
         with pytest.raises(LmforgeError) as err:
             read_peft_adapter(tmp_path / "adapter", other)
         assert words in str(err.value) and "\n" not in str(err.value)
-    gpt = tiny_config("gpt")
+    gpt = tiny_model_config("gpt")
     with pytest.raises(LmforgeError, match="together or none"):  # GPT-2's fused c_attn: q without k and v
         write_peft_adapter(random_adapter(gpt, ["q_proj"]), gpt, RANK, ALPHA, ["q_proj"], tmp_path / "partial")
     with pytest.raises(LmforgeError, match="not a PEFT adapter folder"):
