@@ -134,17 +134,32 @@ def test_imported_hf_model_gives_its_logits_in_lmforge(family, tokenizer, tmp_pa
         assert (model.eval()(ids) - hf(ids).logits).abs().max().item() < 1e-5
 
 
-def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "lmforge", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def run_cli(*args, cwd, capsys=None):
+    """`lmforge ARGS` in folder `cwd`: in this process (main(), as the console script calls it) when
+    `capsys` is given, which spares a torch import per command, else as a real subprocess."""
+    if capsys is None:
+        return subprocess.run([sys.executable, "-m", "lmforge", *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from lmforge.cli import main
+
+    capsys.readouterr()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        status = main(list(args))
+    finally:
+        os.chdir(here)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, out, err)
 
 
 @pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("gpt", torch.bfloat16)])
-def test_hf_to_lmforge_to_hf_is_bit_identical_and_generates_as_transformers(family, dtype, tokenizer, tmp_path):
+def test_hf_to_lmforge_to_hf_is_bit_identical_and_generates_as_transformers(family, dtype, tokenizer, tmp_path,
+                                                                           capsys):
     hf = hf_model(family, tmp_path / "hf", tokenizer, dtype)
-    done = run_cli("import-hf", "hf", "--out", "runs/x", cwd=tmp_path)
+    done = run_cli("import-hf", "hf", "--out", "runs/x", cwd=tmp_path, capsys=capsys)
     assert done.returncode == 0, done.stderr
-    done = run_cli("export", "--format", "hf", "runs/x", "--out", "again", cwd=tmp_path)
+    done = run_cli("export", "--format", "hf", "runs/x", "--out", "again", cwd=tmp_path, capsys=capsys)
     assert done.returncode == 0, done.stderr
     original, again = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
     assert original.keys() == again.keys()
@@ -154,7 +169,7 @@ def test_hf_to_lmforge_to_hf_is_bit_identical_and_generates_as_transformers(fami
     # lmforge generate on the imported run folder: greedy, the same continuation as transformers'
     prompt = "def fib"
     done = run_cli("generate", "--run", "runs/x", "--prompt", prompt, "--max-new-tokens", "8",
-                   "--temperature", "0", "--device", "cpu", cwd=tmp_path)
+                   "--temperature", "0", "--device", "cpu", cwd=tmp_path, capsys=capsys)
     assert done.returncode == 0, done.stderr
     hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     ids = hf_tok(prompt, return_tensors="pt")["input_ids"]
@@ -187,7 +202,7 @@ def one_line_error(done) -> str:
     return lines[0]
 
 
-def test_bad_hf_folders_stop_with_one_line(tokenizer, tmp_path):
+def test_bad_hf_folders_stop_with_one_line(tokenizer, tmp_path, capsys):
     hf_model("gpt", tmp_path / "hf", tokenizer)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "mistral").mkdir()
@@ -196,20 +211,22 @@ def test_bad_hf_folders_stop_with_one_line(tokenizer, tmp_path):
     assert "architecture MistralForCausalLM is not supported" in one_line_error(
         run_cli("import-hf", "mistral", cwd=tmp_path))
     (tmp_path / "hf" / "tokenizer.json").unlink()
-    assert "has no tokenizer.json" in one_line_error(run_cli("import-hf", "hf", "--out", "x", cwd=tmp_path))
+    assert "has no tokenizer.json" in one_line_error(run_cli("import-hf", "hf", "--out", "x", cwd=tmp_path,
+                                                             capsys=capsys))
     assert not (tmp_path / "x").exists() and not (tmp_path / "runs").exists()
 
 
-def test_export_refuses_an_existing_folder_and_writes_nothing(tokenizer, tmp_path):
+def test_export_refuses_an_existing_folder_and_writes_nothing(tokenizer, tmp_path, capsys):
     cfg = tiny_model_config("gpt")
     export_hf(cfg, Transformer(cfg).state_dict(), tokenizer, tmp_path / "hf")
     assert import_run(tmp_path / "hf", tmp_path / "run") == tmp_path / "run"
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
-    assert "already exists" in one_line_error(run_cli("export", "--format", "hf", "run", "--out", "taken", cwd=tmp_path))
+    assert "already exists" in one_line_error(run_cli("export", "--format", "hf", "run", "--out", "taken",
+                                                      cwd=tmp_path, capsys=capsys))
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
     assert export_run(tmp_path / "run") == tmp_path / "run" / "hf-step_0000000"
-    assert "not a training run" in one_line_error(run_cli("train", "--resume", "run", cwd=tmp_path))
+    assert "not a training run" in one_line_error(run_cli("train", "--resume", "run", cwd=tmp_path, capsys=capsys))
 
 
 def test_rope_scaling_is_a_setting_checked_like_any_other(tmp_path):
