@@ -64,8 +64,9 @@ LAYOUTS = {
         fused={"attn.c_attn": ("attn.q_proj", "attn.k_proj", "attn.v_proj")}, conv1d=True),
 }
 ARCHITECTURES = {layout.architecture: family for family, layout in LAYOUTS.items()}
-# tensors of older GPT-2 checkpoints that are not weights (the causal mask as a buffer)
-IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+# buffers some checkpoints hold besides weights: older GPT-2's causal mask, older Llama's rotary
+# frequencies (lmforge computes its own from config.json)
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
 # -- names ---------------------------------------------------------------------------------------------
