@@ -28,6 +28,8 @@ examples:
   lmforge generate --run runs/<name> --prompt "def fib(" --max-new-tokens 100
   lmforge plan --model llama3-8b --batch-size 1 --seq-len 8192 --precision bf16-mixed --hardware h100-sxm
   lmforge runs                                       # the runs in runs/ side by side
+  lmforge export --format hf runs/<name>             # a Hugging Face folder (transformers loads it)
+  lmforge import-hf path/to/hf-model --out runs/x    # a Hugging Face Llama or GPT-2 as a run folder
 """.format(presets=", ".join(MODEL_PRESETS))
 
 
@@ -165,6 +167,23 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--plot", nargs="*", metavar="RUN",
                       help="draw the loss curves of these runs (names in DIR or paths; none: all of DIR)")
     runs.add_argument("--out", metavar="PNG", default="runs.png", help="where --plot saves its figure (default runs.png)")
+    export = commands.add_parser(
+        "export", help="write a run's model in another format: a Hugging Face folder",
+        description="Write the newest checkpoint of RUN (or the checkpoint folder RUN) as a Hugging Face folder: "
+                    "config.json, model.safetensors and tokenizer files that transformers' AutoModelForCausalLM "
+                    "and AutoTokenizer load (llama family: LlamaForCausalLM; gpt: GPT2LMHeadModel).")
+    export.add_argument("run", metavar="RUN", help="run folder or checkpoint folder")
+    export.add_argument("--format", required=True, choices=["hf"], help="hf: Hugging Face transformers")
+    export.add_argument("--out", metavar="DIR", help="folder to write (default: RUN/hf-step_NNNNNNN)")
+
+    import_hf = commands.add_parser(
+        "import-hf", help="read a Hugging Face Llama or GPT-2 folder into a run folder",
+        description="Read a local Hugging Face model folder (config.json, model.safetensors, tokenizer.json) of a "
+                    "LlamaForCausalLM (Llama 3.1/3.2 rope scaling included) or GPT2LMHeadModel and write it as a "
+                    "run folder, with its own tokenizer, that lmforge generate and export take.")
+    import_hf.add_argument("folder", metavar="FOLDER", help="the Hugging Face model folder")
+    import_hf.add_argument("--name", help="run name: the run folder is runs/NAME (default: FOLDER's name)")
+    import_hf.add_argument("--out", metavar="DIR", help="run folder (instead of runs/NAME)")
     # main() looks up the subcommand's parser to say which of its options a misspelt one resembles
     parser.subcommands = commands.choices
     return parser
@@ -197,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         commands = {"prepare": cmd_prepare, "train": cmd_train, "generate": cmd_generate, "plan": cmd_plan,
-                    "runs": cmd_runs}
+                    "runs": cmd_runs, "export": cmd_export, "import-hf": cmd_import_hf}
         status = commands[args.command](args)
         sys.stdout.flush()  # here, where a closed pipe can still be handled below
         return status
@@ -267,6 +286,7 @@ def cmd_prepare(args) -> int:
 
 def cmd_train(args) -> int:
     from lmforge.accounting.hardware import this_device
+    from lmforge.interop.folders import check_not_imported
     from lmforge.train.checkpoint import list_checkpoints
     from lmforge.train.host_memory import retain_freed_memory
     from lmforge.train.loop import Trainer
@@ -279,6 +299,7 @@ def cmd_train(args) -> int:
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").is_file():
             raise LmforgeError(f"{run_dir} is not a run folder (no config.yaml)")
+        check_not_imported(run_dir)  # a model imported from Hugging Face is not a run to resume
         cfg = load_config(run_dir / "config.yaml")
         for item in args.overrides:
             key, value = parse_override(item)
@@ -329,7 +350,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from lmforge.data.tokenizer import END_OF_TEXT, load_tokenizer
+    from lmforge.data.tokenizer import load_tokenizer
     from lmforge.generate.sampling import generate
     from lmforge.model.transformer import Transformer
     from lmforge.train import checkpoint as ckpt
@@ -353,11 +374,11 @@ def cmd_generate(args) -> int:
     device = resolve_device(args.device, setting="--device")
     path = ckpt.find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
     cfg = load_config(path / "config.yaml")
-    tokenizer = load_tokenizer(path / "tokenizer.json")
+    tokenizer = load_tokenizer(path / "tokenizer.json", end_token=cfg.data.end_token)
     model = Transformer(cfg.model)
     ckpt.load_model_weights(model, path)
     model.to(device)
-    end = tokenizer.token_to_id(END_OF_TEXT)
+    end = tokenizer.token_to_id(cfg.data.end_token)
     prompt_ids = tokenizer.encode(args.prompt).ids if args.prompt else [end]
     json_mode = JsonMode(tokenizer, end, schema, grammar) if grammar is not None else None
     for index in range(args.num_samples):
@@ -431,4 +452,23 @@ def cmd_runs(args) -> int:
         return 0
     plot_runs(args.dir, args.plot, args.out)
     print(f"loss curves: {args.out}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from lmforge.interop.folders import export_run
+
+    out = export_run(args.run, args.out)
+    print(f"{out}: a Hugging Face folder; load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    from lmforge.interop.folders import import_run
+
+    if args.name and args.out:
+        raise LmforgeError("give --name or --out, not both")
+    out = Path(args.out) if args.out else Path("runs") / (args.name or Path(args.folder).resolve().name)
+    import_run(args.folder, out)
+    print(f"{out}: imported; try lmforge generate --run {out} --prompt \"...\"")
     return 0

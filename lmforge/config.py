@@ -5,6 +5,7 @@ A config is built in layers, each overriding the last:
 and then validated, so every bad value stops with one line that names it and what is allowed.
 """
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -36,6 +37,10 @@ class ModelConfig:
     d_ff: int | None = None  # None: 4*d_model (gpt) or 8/3*d_model rounded up to a multiple of 64 (llama)
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    # None, or Llama 3.1's long-context rescaling of the rotary frequencies, keyed as Hugging Face's
+    # config.json keys it: {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings} (model/transformer.py, rope_frequencies)
+    rope_scaling: dict | None = None
     norm_eps: float = 1e-5
     dropout: float = 0.0
     tie_embeddings: bool = True
@@ -66,6 +71,9 @@ class DataConfig:
     dir: str | None = None  # where prepared token files live; None: data/<source>-bpe<vocab_size>
     val_fraction: float = 0.05  # fraction of documents held out for validation
     prefetch: int = 4  # batches prepared ahead by the loader thread
+    # the tokenizer's token that ends each document and starts an empty prompt: lmforge's own tokenizers
+    # have <|endoftext|>; a model imported from Hugging Face keeps its own (Llama 3: <|end_of_text|>)
+    end_token: str = "<|endoftext|>"
 
 
 @dataclass
@@ -128,6 +136,11 @@ class Config:
         return self.train.seq_len or self.model.max_seq_len
 
 
+# Llama 3.1's rotary rescaling as its released config.json gives it (Llama 3.2 1B/3B: factor 32)
+LLAMA3_ROPE_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                           original_max_position_embeddings=8192)
+ROPE_SCALING_KEYS = tuple(LLAMA3_ROPE_SCALING)
+
 # Published shapes. The large ones are for planning; training them here is not the point.
 MODEL_PRESETS: dict[str, dict] = {
     # For tests: trains in seconds.
@@ -146,7 +159,8 @@ MODEL_PRESETS: dict[str, dict] = {
                       max_seq_len=2048),
     # Llama 3.2 1B (Meta model card / released config): tied embeddings, rope_theta 5e5.
     "llama3-1b": dict(family="llama", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
-                      n_kv_heads=8, d_ff=8192, max_seq_len=8192, rope_theta=500000.0),
+                      n_kv_heads=8, d_ff=8192, max_seq_len=8192, rope_theta=500000.0,
+                      rope_scaling=dict(LLAMA3_ROPE_SCALING, factor=32.0)),
     # Touvron et al. 2023 (Llama 2), table 1 and released config.
     "llama2-7b": dict(family="llama", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
                       n_kv_heads=32, d_ff=11008, max_seq_len=4096, tie_embeddings=False),
@@ -170,7 +184,7 @@ def make_config(preset: str | None = DEFAULT_PRESET, path: str | Path | None = N
         if preset not in MODEL_PRESETS:
             raise LmforgeError(f"unknown model preset {preset!r}{_did_you_mean(preset, MODEL_PRESETS)}; "
                                f"presets: {', '.join(MODEL_PRESETS)}")
-        cfg.model = ModelConfig(**MODEL_PRESETS[preset])
+        cfg.model = ModelConfig(**copy.deepcopy(MODEL_PRESETS[preset]))  # its rope_scaling is the user's to change
     if path is not None:
         apply_dict(cfg, read_yaml(path), origin=str(path))
     for item in overrides:
@@ -249,6 +263,10 @@ def _coerce(value, hint, key: str):
             return float(str(value))
         except ValueError:
             pass
+    if dict in allowed:  # a YAML mapping, or one typed on the command line: key={a: 1, b: 2}
+        parsed = yaml.safe_load(value) if isinstance(value, str) else value
+        if isinstance(parsed, dict):
+            return parsed
     if str in allowed and not isinstance(value, (dict, list, bool)):
         return str(value)
     if str in allowed and isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -303,9 +321,12 @@ def validate(cfg: Config) -> None:
     require(m.family != "llama" or m.head_dim % 2 == 0, f"rotary embeddings need an even head dimension, "
                                                         f"got d_model/n_heads = {m.head_dim}")
     require(m.family != "gpt" or m.kv_heads == m.n_heads, "model.n_kv_heads applies to the llama family only")
+    if m.rope_scaling is not None:
+        _validate_rope_scaling(m)
     require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
 
     require(d.source.strip() != "", "data.source is empty: use 'stdlib' or paths to .txt/.jsonl files")
+    require(d.end_token != "", "data.end_token is empty: name the tokenizer's end-of-text token")
     require(0.0 < d.val_fraction <= 0.5, f"data.val_fraction must be in (0, 0.5], got {d.val_fraction}")
     positive("data.prefetch", d.prefetch)
 
@@ -339,6 +360,26 @@ def validate(cfg: Config) -> None:
             "been traced by torch.compile): use model.attention=sdpa or train.compile=false")
     require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
             f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
+
+
+def _validate_rope_scaling(m: ModelConfig) -> None:
+    scaling = m.rope_scaling
+    if m.family != "llama":
+        raise LmforgeError("model.rope_scaling applies to the llama family only (rotary embeddings)")
+    if scaling.get("rope_type") != "llama3":
+        raise LmforgeError(f"model.rope_scaling: rope_type {scaling.get('rope_type')!r} is not supported; "
+                           f"lmforge implements 'llama3' (Llama 3.1/3.2), or null for none")
+    if set(scaling) != set(ROPE_SCALING_KEYS):
+        raise LmforgeError(f"model.rope_scaling needs exactly the keys {', '.join(ROPE_SCALING_KEYS)}, "
+                           f"got {', '.join(scaling)}")
+    numbers = {key: scaling[key] for key in ROPE_SCALING_KEYS[1:]}
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+               for v in numbers.values()):
+        raise LmforgeError(f"model.rope_scaling: factor, low_freq_factor, high_freq_factor and "
+                           f"original_max_position_embeddings must be positive numbers, got {numbers}")
+    if not numbers["low_freq_factor"] < numbers["high_freq_factor"]:
+        raise LmforgeError(f"model.rope_scaling: low_freq_factor ({numbers['low_freq_factor']}) must be below "
+                           f"high_freq_factor ({numbers['high_freq_factor']})")
 
 
 def config_warnings(cfg: Config) -> list[str]:

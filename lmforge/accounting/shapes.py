@@ -12,6 +12,7 @@ config-only callers import accounting without loading torch until a number is ne
 
 import dataclasses
 import functools
+import json
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -54,7 +55,8 @@ class Shapes:
 
 def model_shapes(cfg: ModelConfig) -> Shapes:
     """The shapes of lmforge's Transformer for `cfg`, read from it built on the meta device."""
-    return _shapes(dataclasses.astuple(cfg))
+    # the cache key: the config's values as JSON text (hashable, where a rope_scaling dict is not)
+    return _shapes(json.dumps(dataclasses.asdict(cfg), sort_keys=True))
 
 
 def meta_model(cfg: ModelConfig):
@@ -83,10 +85,10 @@ def meta_model(cfg: ModelConfig):
 
 
 @functools.lru_cache(maxsize=64)
-def _shapes(values: tuple) -> Shapes:
+def _shapes(values: str) -> Shapes:
     import torch.nn as nn
 
-    model = meta_model(ModelConfig(*values))
+    model = meta_model(ModelConfig(**json.loads(values)))
     linear_weights: dict[str, int] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):

@@ -31,7 +31,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | Path, end_token: str = END_OF_TEXT) -> Tokenizer:
+    """The tokenizer saved at `path`, which must have `end_token` (data.end_token: lmforge's own, or
+    the one of a model imported from Hugging Face)."""
     path = Path(path)
     if not path.is_file():
         raise LmforgeError(f"tokenizer {path} not found: run `lmforge prepare` (or train) to build it")
@@ -39,8 +41,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
         raise LmforgeError(f"tokenizer {path} is unreadable ({str(err).splitlines()[0]}): prepare the data again") from None
-    if tokenizer.token_to_id(END_OF_TEXT) is None:
-        raise LmforgeError(f"tokenizer {path} has no {END_OF_TEXT} token: it was not made by lmforge")
+    if tokenizer.token_to_id(end_token) is None:
+        raise LmforgeError(f"tokenizer {path} has no {end_token} token: it was not made by lmforge "
+                           f"(or data.end_token names the wrong token)")
     return tokenizer
 
 

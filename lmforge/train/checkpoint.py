@@ -172,7 +172,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         raise world.raised(LmforgeError(f"checkpoint {final} could not be written ({_reason(error)}); its partial "
                                         f"folder is removed and " + kept_checkpoint(run_dir, "make room"))) from None
     if world.is_main:
-        _seal(partial)
+        seal(partial)
         if final.exists():  # the same step saved again (e.g. the last step after a resume)
             stale = root / f".{final.name}.stale"
             shutil.rmtree(stale, ignore_errors=True)
@@ -229,7 +229,7 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
-def _seal(partial: Path) -> None:
+def seal(partial: Path) -> None:
     """Sync every file and write the manifest (names relative to the checkpoint folder), last."""
     manifest = {}
     for file in _files(partial):
@@ -326,9 +326,7 @@ def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) 
     process group); returns the names the model has and the checkpoint lacks, and those the
     checkpoint has and the model lacks. With `strict` (the default) either is an error that lists
     them; without, the rest is loaded. A shape that differs always stops."""
-    if not (path / "model").is_dir() and (path / "model.safetensors").is_file():
-        raise LmforgeError(f"checkpoint {path} was written by an older lmforge (safetensors files, before "
-                           f"distributed checkpoints): this version cannot read it; train it again")
+    _refuse_old_format(path)
     stored = stored_tensors(path, "model")
     expected = model.state_dict()
     for name in (n for n in expected if n in stored):  # model order: the first layer named first
@@ -348,6 +346,20 @@ def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) 
     _load_or_corrupt(tensors, path, "model")
     model.load_state_dict(tensors, strict=False)
     return missing, unexpected
+
+
+def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Checkpoint `path`'s model tensors by name, in their stored dtype, on the CPU (one process)."""
+    _refuse_old_format(path)
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in stored_tensors(path, "model").items()}
+    _load_or_corrupt(tensors, path, "model")
+    return tensors
+
+
+def _refuse_old_format(path: Path) -> None:
+    if not (path / "model").is_dir() and (path / "model.safetensors").is_file():
+        raise LmforgeError(f"checkpoint {path} was written by an older lmforge (safetensors files, before "
+                           f"distributed checkpoints): this version cannot read it; train it again")
 
 
 def _load_or_corrupt(tensors: dict, path: Path, folder: str) -> None:

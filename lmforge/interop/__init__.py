@@ -1,0 +1,1 @@
+"""Formats of other tools: Hugging Face transformers and PEFT."""

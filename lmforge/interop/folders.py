@@ -1,0 +1,124 @@
+"""`lmforge export --format hf` and `lmforge import-hf`: run folders and Hugging Face folders.
+
+An imported model becomes a run folder, not a second model format that every command would have
+to read: config.yaml (the model section from config.json, `data.end_token` its end-of-text token),
+tokenizer.json (the model's own) and checkpoints/step_0000000/ holding the weights with checksums.
+`lmforge generate`, `lmforge export` (and fine-tuning) then take it as they take a trained run,
+through the one loader that verifies checkpoints; what it costs is one copy of the weights on disk.
+The weights keep the file's dtype (a bf16 download stays bf16), so HF -> lmforge -> HF is
+bit-identical. Both commands read and check everything before writing, write into a hidden
+staging folder, and rename it into place: a failure leaves nothing half-written.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+
+from lmforge.config import Config, DataConfig, config_to_dict, load_config
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.errors import LmforgeError
+from lmforge.folder_lock import FolderLock
+from lmforge.interop.hf import export_hf, import_hf, read_end_token
+from lmforge.train import checkpoint as ckpt
+
+
+def _check_free(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise LmforgeError(f"{out} already exists: pick another --out, or remove it first")
+
+
+def _staged(out: Path, write) -> None:
+    """Call write(folder) on a hidden staging folder beside `out`, then rename it to `out`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)  # left by a killed earlier attempt
+    try:
+        staging.mkdir()
+        write(staging)
+        if out.is_dir():
+            out.rmdir()  # empty (checked before): replaced by the staged folder
+        os.rename(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder as given, or the newest intact checkpoint of a run folder."""
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        ckpt.verify_checkpoint(path)
+        return path
+    return ckpt.find_checkpoint(path)
+
+
+def read_checkpoint_weights(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
+    """A checkpoint's model tensors by lmforge name, in their stored dtype (not cast to a model's).
+    A tied head is stored once, under either name: both names are filled."""
+    state = ckpt.read_model_tensors(path)
+    if cfg.model.tie_embeddings:
+        shared = state.get("tok_embeddings.weight", state.get("lm_head.weight"))
+        if shared is not None:
+            state["tok_embeddings.weight"] = state["lm_head.weight"] = shared
+    return state
+
+
+def export_run(run: str | Path, out: str | Path | None = None) -> Path:
+    """Export the newest checkpoint of a run folder (or the checkpoint given) as an HF folder;
+    by default <run folder>/hf-<checkpoint name>."""
+    path = resolve_checkpoint(run)
+    cfg = load_config(path / "config.yaml")
+    tokenizer = load_tokenizer(path / "tokenizer.json", end_token=cfg.data.end_token)
+    out = Path(out) if out is not None else path.parent.parent / f"hf-{path.name}"
+    _check_free(out)
+    state = read_checkpoint_weights(path, cfg)
+    _staged(out, lambda folder: export_hf(cfg.model, state, tokenizer, folder, end_token=cfg.data.end_token))
+    return out
+
+
+def check_not_imported(run_dir: Path) -> None:
+    """Stop with one line if the run folder holds a model written by `import_run` (weights, no run
+    state to resume); checked before `lmforge train --resume` prepares any data."""
+    found = ckpt.list_checkpoints(Path(run_dir))
+    try:
+        state = json.loads((found[-1] / "state.json").read_text()) if found else {}
+    except (OSError, json.JSONDecodeError):
+        return  # a damaged checkpoint: resuming reports it, with the checkpoints it can use instead
+    if "imported_from" in state:
+        raise LmforgeError(f"{run_dir} holds a model imported from {state['imported_from']}, not a training run "
+                           f"to resume: generate from it, or fine-tune it")
+
+
+def import_run(hf_folder: str | Path, out: str | Path) -> Path:
+    """Read an HF folder and write it as a run folder `out` with one checkpoint (step 0)."""
+    hf_folder, out = Path(hf_folder), Path(out)
+    _check_free(out)
+    model_cfg, state, tokenizer = import_hf(hf_folder)
+    end_token = read_end_token(hf_folder, tokenizer)
+    cfg = Config(model=model_cfg, data=DataConfig(end_token=end_token))
+    if model_cfg.tie_embeddings:
+        state = {name: t for name, t in state.items() if name != "lm_head.weight"}  # stored once
+    config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    lock = FolderLock(out, "importing")
+    try:
+        _check_free(out)  # again, now that no other process can be writing it
+        def write(folder: Path) -> None:
+            (folder / "config.yaml").write_text(config_yaml)
+            tokenizer.save(str(folder / "tokenizer.json"))
+            step = folder / ckpt.CHECKPOINT_DIR / "step_0000000"
+            step.mkdir(parents=True)
+            ckpt.save_tensors({name: t.contiguous() for name, t in state.items()}, step / "model")
+            (step / "config.yaml").write_text(config_yaml)
+            tokenizer.save(str(step / "tokenizer.json"))
+            # no optimizer, RNG or run state: this is a model to start from, not a run to resume
+            (step / "state.json").write_text(json.dumps({"format": ckpt.FORMAT, "step": 0,
+                                                         "imported_from": str(hf_folder.resolve())}, indent=2))
+            ckpt.seal(step)
+
+        _staged(out, write)
+    finally:
+        lock.release()
+    return out
