@@ -1,17 +1,31 @@
 """One place where a training setup is built: the model for one device, then everything that wraps
 it from outside, in a fixed order, then the optimizer over what is trainable.
 
-    1. build      Transformer(cfg) on `device` (or on the meta device: shapes only, no memory)
+    1. build      Transformer(cfg) on `device` (or on the meta device: shapes only, no memory),
+                  with the weights of a base model when fine-tuning
     2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
                   (train/recompute.py)
-    4. (LoRA adapters and data/pipeline parallelism come here, in that order, as they arrive)
+    4. LoRA       with finetune.lora_rank: freeze everything, wrap the targeted linears in
+                  LoRALinear (model/lora.py)
+    (data/pipeline parallelism comes here, as it arrives)
     5. optimizer  AdamW over the parameters, decay on matrices and embeddings only
 
 The order matters: recomputation wraps what precision produced (an fp32-attention core is
 recomputed as a whole, casts included), and the optimizer sees the final parameters. Each step is a
 module swap or an nn.Module wrapper, visible in print(model), and refuses to run twice.
+
+LoRA comes after precision and recomputation, not before:
+  - after precision, the adapters are created after the policy has set the parameter dtype, so
+    they stay fp32 (they are what trains) while a bf16-pure base is stored in bf16; fp8 swaps only
+    the base linears (LoRALinear is looked into, not replaced), so the rank-r matmuls, too narrow
+    to gain from fp8, stay in the autocast dtype;
+  - recomputation wraps whole blocks or attention cores, which contain the linears: an adapter
+    placed inside a recomputed block afterwards is recomputed with it, so nothing is lost by
+    wrapping later, and names stay canonical either way (both wrappers drop their segment);
+  - before data parallelism, which must see the final set of trainable parameters (it reduces
+    the gradients of those alone).
 """
 
 import torch
@@ -22,24 +36,32 @@ from lmforge.config import Config
 from lmforge.errors import LmforgeError
 from lmforge.kernels import flash_triton
 from lmforge.model.backends import FLASH_BACKENDS
+from lmforge.model.lora import apply_lora
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.precision import get_policy, prepare_model
 from lmforge.train.recompute import apply_recompute
 
 
-def build_model(cfg: Config, device: torch.device | str = "cpu") -> nn.Module:
-    """The model of `cfg` on `device`, wrapped for training (steps 1-3 above). On the meta device
+def build_model(cfg: Config, device: torch.device | str = "cpu",
+                base_state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """The model of `cfg` on `device`, wrapped for training (steps 1-4 above). On the meta device
     nothing is allocated: parameter shapes and the module tree only, in milliseconds even for 70B.
     Elsewhere the weights are initialised on the CPU and moved, so that a seed gives the same
-    initial model on every device."""
+    initial model on every device; `base_state` (a fine-tuning base, by parameter name) replaces them."""
     if torch.device(device).type == "meta":
         model = meta_model(cfg.model)  # the accounting's own meta build: no initialisation to skip
     else:
-        model = Transformer(cfg.model).to(device)
+        model = Transformer(cfg.model)
+        if base_state is not None:
+            model.load_state_dict(base_state)
+        model.to(device)
     prepare_model(model, get_policy(cfg.train.precision), fp32_attention=cfg.train.fp32_attention,
                   fp8_scaling=cfg.train.fp8_scaling)
     apply_recompute(model, cfg.train.recompute)
+    f = cfg.finetune
+    if f.lora_rank is not None:
+        apply_lora(model, f.lora_targets, f.lora_rank, f.lora_alpha, f.lora_dropout)
     return model
 
 
@@ -57,9 +79,10 @@ def build_optimizer(cfg: Config, model: nn.Module) -> AdamW:
                  count_lost_updates=get_policy(cfg.train.precision).lossy_updates)
 
 
-def build(cfg: Config, device: torch.device | str = "cpu") -> tuple[nn.Module, AdamW]:
+def build(cfg: Config, device: torch.device | str = "cpu",
+          base_state: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, AdamW]:
     """Model and optimizer of a training run, built and wrapped in the documented order."""
-    model = build_model(cfg, device)
+    model = build_model(cfg, device, base_state)
     return model, build_optimizer(cfg, model)
 
 
