@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "rtx4090, mi300x")
     plan.add_argument("--mfu", type=float, default=0.5, help="MFU assumed for the time estimate (default 0.5)")
     plan.add_argument("--tokens", type=float, help="token budget to estimate the total training time for")
+    plan.add_argument("--lora-rank", type=int, help="LoRA fine-tuning at this rank: count the trainable adapters "
+                                                    "and the gradient and optimizer bytes saved")
+    plan.add_argument("--lora-targets", help="linear layers LoRA wraps, comma-separated name patterns "
+                                             "(default q_proj,k_proj,v_proj,o_proj)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--plot", metavar="PNG", help="save a bar chart of the memory breakdown")
     plan.add_argument("--dtypes", action="store_true", help="print the table of floating-point formats and exit")
@@ -317,7 +321,8 @@ def cmd_plan(args) -> int:
                               precision=args.precision, optimizer=args.optimizer, zero_stage=args.zero_stage,
                               dp=args.dp, tp=args.tp, pp=args.pp, recompute=args.recompute, attention=args.attention,
                               fp32_attention=args.fp32_attention,
-                              hardware=args.hardware, mfu=args.mfu, tokens=args.tokens)
+                              hardware=args.hardware, mfu=args.mfu, tokens=args.tokens,
+                              lora_rank=args.lora_rank, lora_targets=args.lora_targets)
     try:
         setup.validate(cfg.model)
         machine = None

@@ -45,23 +45,42 @@ def zero_paper_model_state_bytes(n_params: int, stage: int, dp: int, k: int = 12
             + optimizer / (dp if stage >= 1 else 1))
 
 
+def lora_parameters(cfg: ModelConfig, rank: int, targets: str) -> int:
+    """Trainable parameters of LoRA (model/lora.py): r * (in + out) per targeted linear layer, read
+    from the meta-device model with the adapters applied."""
+    from lmforge.accounting.shapes import meta_model
+    from lmforge.model.lora import apply_lora, trainable_parameters
+
+    return trainable_parameters(apply_lora(meta_model(cfg), targets, rank))
+
+
 def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str = "adamw", zero_stage: int = 0,
-                      dp: int = 1, tp: int = 1, pp: int = 1) -> dict[str, float]:
+                      dp: int = 1, tp: int = 1, pp: int = 1, lora_trainable: int | None = None) -> dict[str, float]:
     """Bytes per device of parameters, gradients, master weights and optimizer states.
 
     Tensor (tp) and pipeline (pp) parallelism split the weights themselves, so every term is
     divided by tp*pp (an even split: embeddings and norms are assumed spread like the rest).
+
+    With LoRA (`lora_trainable` adapter parameters) the base is frozen: it is stored in the
+    policy's parameter dtype and has no gradient, master copy or optimizer state; the adapters are
+    fp32 under every policy (train/setup.py creates them after the policy), with fp32 gradients
+    and moments.
     """
     states = lookup(OPTIMIZER_STATES, optimizer, "optimizer")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage}")
     p = get_policy(precision).bytes
     n = parameter_count(cfg) / (tp * pp)
+    if lora_trainable is None:
+        weights, trained, grad, master, state = n * p.parameter, n, p.gradient, p.master, p.optimizer_state
+    else:
+        trained = lora_trainable / (tp * pp)
+        weights, grad, master, state = n * p.parameter + trained * 4, 4, 0, 4
     return {
-        "parameters": n * p.parameter / (dp if zero_stage >= 3 else 1),
-        "gradients": n * p.gradient / (dp if zero_stage >= 2 else 1),
-        "master_weights": n * p.master / (dp if zero_stage >= 1 else 1),
-        "optimizer_states": n * states * p.optimizer_state / (dp if zero_stage >= 1 else 1),
+        "parameters": weights / (dp if zero_stage >= 3 else 1),
+        "gradients": trained * grad / (dp if zero_stage >= 2 else 1),
+        "master_weights": trained * master / (dp if zero_stage >= 1 else 1),
+        "optimizer_states": trained * states * state / (dp if zero_stage >= 1 else 1),
     }
 
 

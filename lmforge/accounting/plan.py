@@ -40,13 +40,16 @@ class Setup:
     hardware: str = "this"  # a name in hardware.ACCELERATORS, or "this" (peak and memory given below)
     mfu: float = 0.5  # the model FLOPs utilisation assumed for time estimates
     tokens: float | None = None  # a token budget to estimate the total time for
+    lora_rank: int | None = None  # LoRA adapters of this rank on a frozen base (None: every weight trains)
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # the linear layers LoRA wraps (model/lora.py)
 
     @classmethod
     def from_config(cls, cfg, **changes) -> "Setup":
         """The setup a Config trains with (one device), with `changes` applied."""
         values = dict(batch_size=cfg.train.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.train.grad_accum,
                       precision=cfg.train.precision, recompute=cfg.train.recompute, attention=cfg.model.attention,
-                      fp32_attention=cfg.train.fp32_attention)
+                      fp32_attention=cfg.train.fp32_attention, lora_rank=cfg.finetune.lora_rank,
+                      lora_targets=cfg.finetune.lora_targets)
         values.update({k: v for k, v in changes.items() if v is not None})
         return cls(**values)
 
@@ -66,6 +69,8 @@ class Setup:
                 f"unknown hardware {self.hardware!r}; known: this, {', '.join(ACCELERATORS)}")
         require(0 < self.mfu <= 1, f"mfu must be in (0, 1], got {self.mfu}")
         require(self.tokens is None or self.tokens > 0, f"tokens must be positive, got {self.tokens}")
+        require(self.lora_rank is None or self.lora_rank >= 1, f"LoRA rank must be >= 1, got {self.lora_rank} "
+                                                               f"(leave it out for full fine-tuning)")
         if model is not None:  # tensor parallelism splits attention by whole heads (Shoeybi et al. 2019, section 3)
             fitting = [tp for tp in range(1, model.kv_heads + 1) if model.n_heads % tp == 0 and model.kv_heads % tp == 0]
             require(self.tp in fitting, f"tp {self.tp} must divide the {model.n_heads} attention heads and "
@@ -87,7 +92,11 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
     hardware_flops = flops.hardware_flops_per_token(cfg, s, setup.recompute)
     n_params = memory.parameter_count(cfg)
 
-    states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp)
+    lora = None
+    if setup.lora_rank is not None:
+        lora = memory.lora_parameters(cfg, setup.lora_rank, setup.lora_targets)
+    states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp,
+                                      lora_trainable=lora)
     activations = memory.activation_breakdown(cfg, b, s, precision, setup.attention, setup.recompute,
                                               setup.tp, setup.pp, setup.fp32_attention)
     # A ZeRO-3 implementation gathers each layer's weights when it needs them and frees them
@@ -153,4 +162,13 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
             "seconds_for_tokens": setup.tokens / tokens_per_step * step_seconds if setup.tokens else None,
         },
     }
+    if lora is not None:
+        # what LoRA saves against training every weight: gradients, master copies and moments of the
+        # frozen base. Activations stay in the plan as for full fine-tuning: the gradient of an
+        # early adapter flows back through every later layer, which therefore keeps its inputs.
+        full = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp)
+        plan["lora"] = {"rank": setup.lora_rank, "targets": setup.lora_targets, "trainable_parameters": lora,
+                        "trainable_fraction": lora / n_params,
+                        "full_finetune_state_bytes": full,
+                        "saved_bytes": {key: full[key] - states[key] for key in full}}
     return plan

@@ -27,7 +27,6 @@ import torch
 import torch.nn as nn
 
 from lmforge.errors import LmforgeError
-from lmforge.train.recompute import canonical_name
 
 # The attention projections: the paper's choice (section 7.1: W_q and W_v already do well; all four
 # do better at the same parameter budget in its table 5).
@@ -109,9 +108,14 @@ def _add_base_prefix(state_dict, prefix, *args):
         state_dict[f"{prefix}{BASE}.{key[len(prefix):]}"] = state_dict.pop(key)
 
 
+# train/recompute.py's wrapper segment (torch's checkpoint wrapper's name), spelt out here so that
+# the model package (and accounting/, which counts adapters) imports nothing of train/
+RECOMPUTE_SEGMENT = "_checkpoint_wrapped_module."
+
+
 def canonical(name: str) -> str:
     """A module or parameter name without wrapper segments (recomputation's, LoRA's `base`)."""
-    return canonical_name(name).replace(f".{BASE}.", ".")
+    return name.replace(RECOMPUTE_SEGMENT, "").replace(f".{BASE}.", ".")
 
 
 def parse_targets(targets: str | list[str]) -> list[str]:
