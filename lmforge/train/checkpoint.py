@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file, save_model
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from lmforge.errors import LmforgeError, os_error_message
+from lmforge.model.lora import adapter_state_dict, has_lora
 
 CHECKPOINT_DIR = "checkpoints"
 # 2: state by parameter name. Version 1 (no "format" in state.json) kept optimizer state by position.
@@ -131,7 +132,11 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
 
 def _write_checkpoint(partial: Path, model, optimizer, state: dict, step: int, extra_files: dict[str, bytes]) -> None:
     partial.mkdir()
-    save_model(model, str(partial / "model.safetensors"))
+    if has_lora(model):  # the frozen base lives in its own folder (state.json names it): adapters only
+        save_file({name: t.contiguous().cpu() for name, t in adapter_state_dict(model).items()},
+                  str(partial / "model.safetensors"))
+    else:
+        save_model(model, str(partial / "model.safetensors"))
     tensors, param_groups = optimizer_tensors(model, optimizer)
     save_file(tensors, str(partial / "optimizer.safetensors"))
     rng = {"cpu": torch.get_rng_state()}
@@ -232,7 +237,8 @@ def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) 
     the file lacks, and those the file has and the model lacks. With `strict` (the default) either
     is an error that lists them; without, the rest is loaded. A shape that differs always stops."""
     file = path / "model.safetensors"
-    expected = model.state_dict()
+    # a model with LoRA adapters is checkpointed as its adapters alone (its base is loaded apart)
+    expected = adapter_state_dict(model) if has_lora(model) else model.state_dict()
     try:
         with safe_open(str(file), framework="pt") as f:
             names = set(f.keys())

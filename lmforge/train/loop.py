@@ -34,6 +34,7 @@ from lmforge.precision import LossScaler, autocast, device_notes, get_policy
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.report import StepLog, training_record
+from lmforge.train.finetune import check_same_base, prepare_finetune
 from lmforge.train.setup import build, check_attention, check_data, resolve_device
 from lmforge.train.signals import StopRequests, Stopped
 from lmforge.train.state import RunFolder, RunState
@@ -48,14 +49,15 @@ FP16_MAX_SKIPS_IN_A_ROW = 64
 
 @torch.no_grad()
 def evaluate(model: Transformer, tokens, batch_size: int, seq_len: int, seed: int, batches: int,
-             device: torch.device, precision: str = "fp32") -> float:
+             device: torch.device, precision: str = "fp32", make_batch=window_batch) -> float:
     """Mean loss over a fixed set of `batches` windows (the same ones at every evaluation),
-    computed as training computes it (under the forward autocast of `precision`)."""
+    computed as training computes it (under the forward autocast of `precision`); `make_batch`
+    draws them (fine-tuning examples: data/sft.py's example_batch)."""
     was_training = model.training
     model.eval()
     losses = []
     for index in range(batches):
-        x, y = window_batch(tokens, batch_size, seq_len, seed, index)
+        x, y = make_batch(tokens, batch_size, seq_len, seed, index)
         with autocast(get_policy(precision), device):
             losses.append(model(x.to(device), y.to(device)).item())
     model.train(was_training)
@@ -78,8 +80,12 @@ class Trainer:
         self.device = resolve_device(cfg.train.device)
         check_attention(cfg.model, self.device)
         torch.manual_seed(cfg.train.seed)
-        self.data: PreparedData = prepare_data(cfg, log=self.console.print, progress=progress)
-        check_data(cfg, self.data, warn=lambda msg: self.console.print(f"warning: {msg}"))
+        if cfg.finetune.base is None:
+            self.data: PreparedData = prepare_data(cfg, log=self.console.print, progress=progress)
+            check_data(cfg, self.data, warn=lambda msg: self.console.print(f"warning: {msg}"))
+            self.base_state = self.base_identity = None
+        else:  # fine-tuning: the base's weights and tokenizer (train/finetune.py)
+            self.data, self.base_state, self.base_identity = prepare_finetune(cfg, log=self.console.print)
         # the run folder is locked from here on: a second writer is refused before the model is built
         self.folder = RunFolder(self.run_dir, warn=lambda msg: self.console.print(f"warning: {msg}"))
         try:
@@ -99,14 +105,16 @@ class Trainer:
         for note in device_notes(self.policy, self.device):
             self.console.print(f"note: {note}")
         # the model and everything that wraps it (precision, recomputation), then the optimizer
-        self.model, self.optimizer = build(cfg, self.device)
+        self.model, self.optimizer = build(cfg, self.device, self.base_state)
+        self.base_state = None  # copied into the model: let it go
         self.scaler = LossScaler(enabled=self.policy.loss_scaling)
         self.lost_updates_total = [0, 0]  # this session: elements whose update rounded away, elements updated
         self.state, metrics_kept = RunState(), None
         if resume:
             self.state, metrics_kept = self._restore(*checkpoint)
         self.loader = BatchLoader(self.data.train, cfg.train.batch_size, cfg.seq_len, seed=cfg.train.seed,
-                                  start=self.state.loader_position, prefetch=cfg.data.prefetch, device=self.device)
+                                  start=self.state.loader_position, prefetch=cfg.data.prefetch, device=self.device,
+                                  make_batch=getattr(self.data, "batches", window_batch))
         self.tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.seq_len
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
         self.hardware_flops_per_token = hardware_flops_per_token(cfg.model, cfg.seq_len, cfg.train.recompute)
@@ -123,6 +131,7 @@ class Trainer:
 
     def _restore(self, path: Path, state: dict) -> tuple[RunState, list[str]]:
         """Load checkpoint `path` once it is checked to fit this run; reads only."""
+        check_same_base(state.get("base"), self.base_identity, path)
         run, metrics_kept = self.folder.restore(path, state, self.model, self.optimizer, self.cfg,
                                                 self.policy.name, self.data)
         precision = state["precision"]
@@ -145,8 +154,10 @@ class Trainer:
         if self.policy.fp8:
             precision["fp8_scales"] = fp8_scale_state(self.model)
         self.state.loader_position = self.loader.position
-        return self.folder.save(self.state, self.model, self.optimizer,
-                                {"tokenizer_sha256": self.data.meta["tokenizer_sha256"], "precision": precision},
+        extra = {"tokenizer_sha256": self.data.meta["tokenizer_sha256"], "precision": precision}
+        if self.base_identity is not None:
+            extra["base"] = self.base_identity  # a LoRA checkpoint holds only the adapters: which base they fit
+        return self.folder.save(self.state, self.model, self.optimizer, extra,
                                 {"config.yaml": self.config_yaml.encode(), "tokenizer.json": self.tokenizer_json.encode()},
                                 keep=self.cfg.train.keep_checkpoints)
 
@@ -197,7 +208,7 @@ class Trainer:
     def evaluate(self) -> float:
         t = self.cfg.train
         return evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, t.seed + 1,
-                        t.eval_batches, self.device, t.precision)
+                        t.eval_batches, self.device, t.precision, getattr(self.data, "batches", window_batch))
 
     def run(self) -> dict:
         """Train to train.max_steps, then write the summary. SIGTERM or Ctrl-C: finish the step,
