@@ -75,7 +75,7 @@ def main() -> None:
     for label, rank in SETUPS:
         overrides = [f"finetune.base={base}", f"data.source={data}", f"train.seq_len={args.seq_len}",
                      f"train.max_steps={args.steps}", f"optim.lr={args.lr}", "optim.warmup_steps=10",
-                     f"train.eval_interval={max(args.steps // 5, 1)}", "train.eval_batches=8",
+                     f"train.eval_interval={max(args.steps // 5, 1)}", "train.eval_batches=4",
                      f"train.checkpoint_interval={args.steps}", "train.sample_tokens=0", "train.tensorboard=false",
                      "train.device=cpu"]
         if rank:
