@@ -146,8 +146,7 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
             split: {"tokens": len(tokens), "documents": len(docs), "bytes": sum(len(d.text.encode()) for d in docs)}
             for split, tokens, docs in (("train", train, train_docs), ("val", val, val_docs))},
             "unigram_entropy_nats": unigram_entropy(train, tokenizer.get_vocab_size())}
-        batches = window_batch
-        prompt = tokenizer.decode(val[:8].tolist())
+        batches, prompt = window_batch, ""  # "": the summary's own default, the start of a validation document
         log(f"fine-tuning data: {len(train):,} train / {len(val):,} val tokens of plain text from {source}")
     meta.update(tokenizer_sha256=tokenizer_hash(tokenizer), tokenizer_vocab_size=tokenizer.get_vocab_size())
     data = FinetuneData(Path(source), meta, tokenizer, train, val, batches, prompt)
