@@ -67,6 +67,33 @@ def build_parser() -> argparse.ArgumentParser:
                             "zero1, zero2, zero3 or fsdp); the same as torchrun --standalone --nproc_per_node=N "
                             "-m lmforge train ...")
 
+    finetune = commands.add_parser(
+        "finetune", help="fine-tune a trained model on your data, fully or with LoRA adapters",
+        description="Fine-tune the model of a run folder (--base) on data.source: plain text, or .jsonl examples "
+                    "{\"prompt\", \"response\"} / {\"messages\": [...]} with the loss on the responses only. "
+                    "With --lora-rank only low-rank adapters train and checkpoints hold only them; without, "
+                    "every weight trains. Same trainer, checkpoints, resume, summary and plan as train.",
+        epilog="examples:\n"
+               "  lmforge finetune --base runs/small data.source=pairs.jsonl --lora-rank 16 --lora-alpha 32\n"
+               "  lmforge finetune --base runs/small data.source=pairs.jsonl train.seq_len=128   # full fine-tuning\n"
+               "  lmforge finetune --resume runs/<name>\n"
+               "  lmforge generate --run runs/<name> --prompt '...'   # base + adapter (--merge: folded in)",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    finetune.add_argument("--base", metavar="RUN", help="the model to fine-tune: an lmforge run folder")
+    finetune.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank (default: full fine-tuning)")
+    finetune.add_argument("--lora-alpha", type=float, help="LoRA scale alpha: the update is alpha/rank * B A "
+                                                           "(default 2 * rank)")
+    finetune.add_argument("--lora-targets", help="linear layers to adapt, comma-separated name patterns "
+                                                 "(default q_proj,k_proj,v_proj,o_proj; e.g. 'attn.*,mlp.*')")
+    finetune.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input (default 0)")
+    finetune.add_argument("--config", metavar="FILE", help="YAML file with data/optim/train/finetune sections")
+    finetune.add_argument("overrides", nargs="*", metavar="section.key=value",
+                          help="config overrides, e.g. data.source=pairs.jsonl train.max_steps=300 optim.lr=1e-3")
+    finetune.add_argument("--name", help="run name: the run folder is runs/NAME")
+    finetune.add_argument("--out", metavar="DIR", help="run folder (instead of runs/NAME)")
+    finetune.add_argument("--resume", metavar="RUN", help="continue the fine-tuning run in folder RUN")
+    finetune.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+
     gen = commands.add_parser("generate", help="sample text from a trained run",
                               description="Continue a prompt with the latest checkpoint of a run.")
     gen.add_argument("--run", required=True, metavar="RUN", help="run folder, e.g. runs/small-20261130-120000")
@@ -79,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    gen.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the base weights "
+                                                          "first (the same outputs, one matmul per layer)")
     gen.add_argument("--format", metavar="FMT", help="constrain the answer to FMT while decoding: json "
                                                     "(prints only the answer; exit 2 if it is cut by --max-new-tokens)")
     gen.add_argument("--schema", metavar="FILE", help="JSON Schema the --format json answer must match")
@@ -147,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--solve", choices=("batch", "devices"),
                       help="find the largest micro-batch that fits, or the fewest devices (dp x tp x pp; "
                            "--inference: tp) that fit")
+    plan.add_argument("--lora-rank", type=int, help="LoRA fine-tuning at this rank: count the trainable adapters "
+                                                    "and the gradient and optimizer bytes saved")
+    plan.add_argument("--lora-targets", help="linear layers LoRA wraps, comma-separated name patterns "
+                                             "(default q_proj,k_proj,v_proj,o_proj)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--plot", metavar="PNG", help="save a bar chart of the memory breakdown")
     plan.add_argument("--dtypes", action="store_true", help="print the table of floating-point formats and exit")
@@ -215,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        commands = {"prepare": cmd_prepare, "train": cmd_train, "generate": cmd_generate, "plan": cmd_plan,
-                    "runs": cmd_runs, "export": cmd_export, "import-hf": cmd_import_hf}
+        commands = {"prepare": cmd_prepare, "train": cmd_train, "finetune": cmd_finetune, "generate": cmd_generate,
+                    "plan": cmd_plan, "runs": cmd_runs, "export": cmd_export, "import-hf": cmd_import_hf}
         status = commands[args.command](args)
         sys.stdout.flush()  # here, where a closed pipe can still be handled below
         return status
@@ -284,29 +317,29 @@ def cmd_prepare(args) -> int:
     return 0
 
 
-def cmd_train(args) -> int:
-    from lmforge.accounting.hardware import this_device
+def _resumed_config(args):
+    """The config of the run named by --resume, with train.* and optim.* overrides applied."""
+    if args.config or getattr(args, "model", None) or getattr(args, "base", None) or args.name or args.out:
+        raise LmforgeError("--resume takes its config from the run; only train.* and optim.* overrides may be added")
+    run_dir = Path(args.resume)
+    if not (run_dir / "config.yaml").is_file():
+        raise LmforgeError(f"{run_dir} is not a run folder (no config.yaml)")
     from lmforge.interop.folders import check_not_imported
-    from lmforge.train.checkpoint import list_checkpoints
-    from lmforge.train.host_memory import retain_freed_memory
-    from lmforge.train.loop import Trainer
-    from lmforge.train.setup import resolve_device
-    from lmforge.train.signals import Stopped
 
+    check_not_imported(run_dir)  # a model imported from Hugging Face is not a run to resume
+    cfg = load_config(run_dir / "config.yaml")
+    for item in args.overrides:
+        key, value = parse_override(item)
+        if not key.startswith(("train.", "optim.")):
+            raise LmforgeError(f"cannot change {key} when resuming: only train.* and optim.* settings may change")
+        set_value(cfg, key, value, origin="command line")
+    validate(cfg)
+    return cfg, run_dir
+
+
+def cmd_train(args) -> int:
     if args.resume:
-        if args.config or args.model or args.name or args.out:
-            raise LmforgeError("--resume takes its config from the run; only train.* and optim.* overrides may be added")
-        run_dir = Path(args.resume)
-        if not (run_dir / "config.yaml").is_file():
-            raise LmforgeError(f"{run_dir} is not a run folder (no config.yaml)")
-        check_not_imported(run_dir)  # a model imported from Hugging Face is not a run to resume
-        cfg = load_config(run_dir / "config.yaml")
-        for item in args.overrides:
-            key, value = parse_override(item)
-            if not key.startswith(("train.", "optim.")):
-                raise LmforgeError(f"cannot change {key} when resuming: only train.* and optim.* settings may change")
-            set_value(cfg, key, value, origin="command line")
-        validate(cfg)
+        cfg, run_dir = _resumed_config(args)
     else:
         preset = args.model or DEFAULT_PRESET
         cfg = make_config(preset, args.config, args.overrides)
@@ -326,11 +359,62 @@ def cmd_train(args) -> int:
         if not args.resume and not (args.name or args.out):  # one folder for all ranks, named here
             words += ["--out", str(run_dir)]
         return launch(args.nproc, words)
+    return _run_trainer(cfg, run_dir, args, "train")
+
+
+# Fine-tuning starts from a trained model: fewer steps, a short warmup and a lower peak rate than
+# training from scratch (each can be overridden).
+FINETUNE_DEFAULTS = ("train.max_steps=200", "optim.warmup_steps=20", "optim.lr=1e-3", "train.eval_interval=50",
+                     "train.checkpoint_interval=100")
+
+
+def cmd_finetune(args) -> int:
+    if args.resume:
+        flags = [args.lora_rank, args.lora_alpha, args.lora_targets, args.lora_dropout]
+        if any(flag is not None for flag in flags):
+            raise LmforgeError("--resume takes its LoRA settings from the run; only train.* and optim.* overrides "
+                               "may be added")
+        cfg, run_dir = _resumed_config(args)
+        if cfg.finetune.base is None:
+            raise LmforgeError(f"{run_dir} is not a fine-tuning run: continue it with lmforge train --resume {run_dir}")
+        return _run_trainer(cfg, run_dir, args, "finetune")
+    if args.base is None:
+        raise LmforgeError("lmforge finetune needs --base RUN (the run folder of the model to fine-tune)")
+    for item in args.overrides:
+        key, _ = parse_override(item)
+        if key.startswith(("model.", "finetune.base")):
+            raise LmforgeError(f"cannot set {key}: a fine-tuning run keeps its base's model (use --base)")
+    from lmforge.train.finetune import _base_checkpoint
+
+    base = Path(args.base).resolve()
+    base_model = load_config(_base_checkpoint(base) / "config.yaml").model
+    lora = {"lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets,
+            "lora_dropout": args.lora_dropout}
+    flags = [f"finetune.{key}={value}" for key, value in lora.items() if value is not None]
+    cfg = make_config(None, args.config, [*FINETUNE_DEFAULTS, f"finetune.base={base}", *flags, *args.overrides])
+    cfg.model = base_model
+    validate(cfg)
+    if args.out:
+        run_dir = Path(args.out)
+    else:
+        kind = f"lora{cfg.finetune.lora_rank}" if cfg.finetune.lora_rank else "full"
+        run_dir = Path("runs") / (args.name or f"{base.name}-{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return _run_trainer(cfg, run_dir, args, "finetune")
+
+
+def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
+    from lmforge.accounting.hardware import this_device
+    from lmforge.train.checkpoint import list_checkpoints
+    from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.train.loop import Trainer
+    from lmforge.train.setup import resolve_device
+    from lmforge.train.signals import Stopped
+
     if resolve_device(cfg.train.device).type == "cpu":
         retain_freed_memory()  # process-wide malloc tuning, chosen here (train/host_memory.py says why)
     # the measured matmul peak behind MFU, cached per machine (lmforge plan --hardware this --remeasure)
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device)
-    resume = f"lmforge train --resume {run_dir}"
+    resume = f"lmforge {command} --resume {run_dir}"
     try:
         trainer.run()
     except Stopped as stop:  # SIGTERM or a first Ctrl-C: the step finished and was saved (by all ranks)
@@ -350,10 +434,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from lmforge.data.tokenizer import load_tokenizer
     from lmforge.generate.sampling import generate
-    from lmforge.model.transformer import Transformer
     from lmforge.train import checkpoint as ckpt
+    from lmforge.train.finetune import model_from_checkpoint
     from lmforge.train.setup import resolve_device
 
     if args.max_new_tokens < 1 or args.temperature < 0 or args.num_samples < 1:
@@ -373,10 +456,6 @@ def cmd_generate(args) -> int:
         grammar = json_grammar(schema)
     device = resolve_device(args.device, setting="--device")
     path = ckpt.find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
-    cfg = load_config(path / "config.yaml")
-    tokenizer = load_tokenizer(path / "tokenizer.json", end_token=cfg.data.end_token)
-    model = Transformer(cfg.model)
-    ckpt.load_model_weights(model, path)
     model.to(device)
     end = tokenizer.token_to_id(cfg.data.end_token)
     prompt_ids = tokenizer.encode(args.prompt).ids if args.prompt else [end]
@@ -419,18 +498,6 @@ def cmd_plan(args) -> int:
     if args.plot and not Path(args.plot).parent.is_dir():
         raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
                            f"or pick another path")
-    plans, varying, note = plan_setups(cfg, args)  # LmforgeError for bad input, before anything is written
-    if args.compare:
-        if args.plot:
-            plot_comparison(plans, varying, args.plot, name=name)
-        if args.json:
-            print(json.dumps(plans, indent=2))
-        else:
-            print_comparison_table(console, plans, varying, title=f"lmforge plan --compare: {name}")
-            if args.plot:
-                console.print(f"comparison chart: {args.plot}")
-        return 0
-    plan, = plans
     if args.plot:
         plot_memory(plan, args.plot, name=name)
     if args.json:

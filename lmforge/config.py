@@ -125,11 +125,22 @@ class TrainConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """`lmforge finetune`: the base model and, with a LoRA rank, the adapters (model/lora.py)."""
+    base: str | None = None  # the model fine-tuned: an lmforge run folder; None: trained from scratch
+    lora_rank: int | None = None  # None: full fine-tuning (every weight trains)
+    lora_alpha: float | None = None  # the update is scaled by alpha / rank; None: 2 * rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # linear layers by name pattern (fnmatch), comma-separated
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     @property
     def seq_len(self) -> int:
@@ -173,7 +184,7 @@ MODEL_PRESETS: dict[str, dict] = {
                        tie_embeddings=False),
 }
 DEFAULT_PRESET = "small"
-SECTIONS = ("model", "data", "optim", "train")
+SECTIONS = ("model", "data", "optim", "train", "finetune")
 
 
 def make_config(preset: str | None = DEFAULT_PRESET, path: str | Path | None = None,
@@ -358,6 +369,12 @@ def validate(cfg: Config) -> None:
     require(not (t.compile and m.attention == "flash_triton"),
             "train.compile=true with model.attention=flash_triton is untested (its Triton kernels have never "
             "been traced by torch.compile): use model.attention=sdpa or train.compile=false")
+    f = cfg.finetune
+    require(f.lora_rank is None or f.lora_rank >= 1, f"finetune.lora_rank must be >= 1, got {f.lora_rank} "
+                                                     f"(leave it out for full fine-tuning)")
+    positive("finetune.lora_alpha", f.lora_alpha)
+    require(0.0 <= f.lora_dropout < 1.0, f"finetune.lora_dropout must be in [0, 1), got {f.lora_dropout}")
+    require(f.lora_targets.strip(" ,") != "", "finetune.lora_targets is empty: name linear layers, e.g. q_proj,v_proj")
     require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
             f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
 

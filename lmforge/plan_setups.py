@@ -112,7 +112,8 @@ def _plan(cfg: Config, args, chosen: dict, machines: Machines) -> dict:
             return make_inference_plan(cfg.model, setup, machine)
         setup = Setup.from_config(cfg, **chosen, grad_accum=args.grad_accum, sequence_parallel=args.sequence_parallel,
                                   fp32_attention=args.fp32_attention, mfu=args.mfu, tokens=args.tokens,
-                                  price_per_hour=args.price_per_hour, reserve_bytes=args.reserve * 2**30)
+                                  price_per_hour=args.price_per_hour, reserve_bytes=args.reserve * 2**30,
+                                  lora_rank=args.lora_rank, lora_targets=args.lora_targets)
         setup.validate(cfg.model)
         machine = None
         if setup.hardware == "this":

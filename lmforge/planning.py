@@ -51,6 +51,14 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
     if st["recompute"] != "none":  # without recomputation the hardware does exactly the model's FLOPs
         head.add_row("hardware FLOPs per token", f"{human_count(f['hardware_per_token'])} "
                                                  f"(with {st['recompute']} recomputation)")
+    if "lora" in plan:
+        lora = plan["lora"]
+        saved = lora["saved_bytes"]
+        head.add_row("LoRA", f"rank {lora['rank']} on {lora['targets']}: {human_count(lora['trainable_parameters'])} "
+                             f"trainable ({lora['trainable_fraction']:.2%} of the parameters)")
+        head.add_row("saved vs full fine-tuning", f"gradients {human_bytes(saved['gradients'])}, optimizer states "
+                                                   f"{human_bytes(saved['optimizer_states'] + saved['master_weights'])} "
+                                                   f"(activations: the same)")
     console.print(head)
 
     table = Table(title="memory per device", title_justify="left")

@@ -18,7 +18,7 @@ autograd really saves (accounting/measure.py).
 """
 
 from lmforge.accounting.activations import FAMILY_ACTIVATIONS
-from lmforge.accounting.optimizers import optimizer_state_bytes
+from lmforge.accounting.optimizers import OPTIMIZERS, optimizer_state_bytes
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.errors import lookup
@@ -44,12 +44,26 @@ def zero_paper_model_state_bytes(n_params: int, stage: int, dp: int, k: int = 12
             + optimizer / (dp if stage >= 1 else 1))
 
 
+def lora_parameters(cfg: ModelConfig, rank: int, targets: str) -> int:
+    """Trainable parameters of LoRA (model/lora.py): r * (in + out) per targeted linear layer, read
+    from the meta-device model with the adapters applied."""
+    from lmforge.accounting.shapes import meta_model
+    from lmforge.model.lora import apply_lora, trainable_parameters
+
+    return trainable_parameters(apply_lora(meta_model(cfg), targets, rank))
+
+
 def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str = "adamw", zero_stage: int = 0,
-                      dp: int = 1, tp: int = 1, pp: int = 1) -> dict[str, float]:
+                      dp: int = 1, tp: int = 1, pp: int = 1, lora_trainable: int | None = None) -> dict[str, float]:
     """Bytes per device of parameters, gradients, master weights and optimizer states.
 
     Tensor (tp) and pipeline (pp) parallelism split the weights themselves, so every term is
     divided by tp*pp (an even split: embeddings and norms are assumed spread like the rest).
+
+    With LoRA (`lora_trainable` adapter parameters) the base is frozen: it is stored in the
+    policy's parameter dtype and has no gradient, master copy or optimizer state; the adapters are
+    fp32 under every policy (train/setup.py creates them after the policy), with fp32 gradients
+    and moments.
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage}")
@@ -61,12 +75,18 @@ def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str 
         # gradients, fp32 master weights sharded with m and v: 2 + 2 + K bytes, K = 12
         parameter, gradient, master = p.compute, p.compute, 4
     n = parameter_count(cfg) / (tp * pp)
+    if lora_trainable is None:
+        weights, trained, grad = n * parameter, n, gradient
+        optimizer_bytes = optimizer_state_bytes(cfg, optimizer, precision) / (tp * pp)
+    else:
+        trained = lora_trainable / (tp * pp)
+        weights, grad, master = n * p.parameter + trained * 4, 4, 0
+        optimizer_bytes = trained * lookup(OPTIMIZERS, optimizer, "optimizer").states * 4
     return {
-        "parameters": n * parameter / (dp if zero_stage >= 3 else 1),
-        "gradients": n * gradient / (dp if zero_stage >= 2 else 1),
-        "master_weights": n * master / (dp if zero_stage >= 1 else 1),
-        "optimizer_states": optimizer_state_bytes(cfg, optimizer, precision) / (tp * pp)
-                            / (dp if zero_stage >= 1 else 1),
+        "parameters": weights / (dp if zero_stage >= 3 else 1),
+        "gradients": trained * grad / (dp if zero_stage >= 2 else 1),
+        "master_weights": trained * master / (dp if zero_stage >= 1 else 1),
+        "optimizer_states": optimizer_bytes / (dp if zero_stage >= 1 else 1),
     }
 
 

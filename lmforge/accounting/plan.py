@@ -50,6 +50,8 @@ class Setup:
     tokens: float | None = None  # the token budget for total time and cost (None: Chinchilla's 20 per parameter)
     price_per_hour: float | None = None  # per device-hour, for the cost of the token budget
     reserve_bytes: float = DEFAULT_RESERVE_BYTES  # kept free per device: CUDA context, fragmentation
+    lora_rank: int | None = None  # LoRA adapters of this rank on a frozen base (None: every weight trains)
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # the linear layers LoRA wraps (model/lora.py)
 
     @classmethod
     def from_config(cls, cfg, **changes) -> "Setup":
@@ -58,7 +60,8 @@ class Setup:
                       precision=cfg.train.precision, recompute=cfg.train.recompute, attention=cfg.model.attention,
                       fp32_attention=cfg.train.fp32_attention, parallel=cfg.train.parallel,
                       zero_stage=get_strategy(cfg.train.parallel).zero_stage,
-                      loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+                      loss_chunk_tokens=cfg.train.loss_chunk_tokens, lora_rank=cfg.finetune.lora_rank,
+                      lora_targets=cfg.finetune.lora_targets)
         values.update({k: v for k, v in changes.items() if v is not None})
         return cls(**values)
 
@@ -81,6 +84,8 @@ class Setup:
         require(self.price_per_hour is None or self.price_per_hour >= 0,
                 f"price per hour must be >= 0, got {self.price_per_hour}")
         require(self.reserve_bytes >= 0, f"reserve must be >= 0, got {self.reserve_bytes}")
+        require(self.lora_rank is None or self.lora_rank >= 1, f"LoRA rank must be >= 1, got {self.lora_rank} "
+                                                               f"(leave it out for full fine-tuning)")
         if model is not None:  # tensor parallelism splits attention by whole heads (Shoeybi et al. 2019, section 3)
             fitting = [tp for tp in range(1, model.kv_heads + 1) if model.n_heads % tp == 0 and model.kv_heads % tp == 0]
             require(self.tp in fitting, f"tp {self.tp} must divide the {model.n_heads} attention heads and "
@@ -109,7 +114,11 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
     hardware_flops = flops.hardware_flops_per_token(cfg, s, setup.recompute)
     n_params = memory.parameter_count(cfg)
 
-    states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp)
+    lora = None
+    if setup.lora_rank is not None:
+        lora = memory.lora_parameters(cfg, setup.lora_rank, setup.lora_targets)
+    states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp,
+                                      lora_trainable=lora)
     activations = memory.activation_breakdown(cfg, b, s, precision, setup.attention, setup.recompute,
                                               setup.tp, setup.pp, setup.fp32_attention, setup.loss_chunk_tokens,
                                               setup.sequence_parallel)
@@ -192,4 +201,13 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
             "cost": device_hours * setup.price_per_hour if setup.price_per_hour is not None else None,
         },
     }
+    if lora is not None:
+        # what LoRA saves against training every weight: gradients, master copies and moments of the
+        # frozen base. Activations stay in the plan as for full fine-tuning: the gradient of an
+        # early adapter flows back through every later layer, which therefore keeps its inputs.
+        full = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp)
+        plan["lora"] = {"rank": setup.lora_rank, "targets": setup.lora_targets, "trainable_parameters": lora,
+                        "trainable_fraction": lora / n_params,
+                        "full_finetune_state_bytes": full,
+                        "saved_bytes": {key: full[key] - states[key] for key in full}}
     return plan

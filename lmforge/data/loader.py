@@ -39,11 +39,13 @@ class BatchLoader:
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
                  start: int = 0, prefetch: int = 4, device: str | torch.device = "cpu",
-                 rank: int = 0, world_size: int = 1):
-        if len(tokens) < seq_len + 1:
+                 rank: int = 0, world_size: int = 1, make_batch=window_batch):
+        """`make_batch` draws batch number i (window_batch, or data/sft.py's example_batch for
+        fine-tuning examples; the same signature)."""
+        if make_batch is window_batch and len(tokens) < seq_len + 1:
             raise ValueError(f"{len(tokens)} tokens cannot fill one window of {seq_len} + 1")
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.make_batch = rank, world_size, make_batch
         self.device = torch.device(device)
         self.position = start  # number of batches handed out so far
         self.wait_seconds = 0.0  # time the consumer spent blocked on an empty queue
@@ -56,9 +58,9 @@ class BatchLoader:
     def _produce(self, index: int) -> None:
         try:
             while not self._stop.is_set():
-                batch = window_batch(self.tokens, self.batch_size, self.seq_len, self.seed, index,
-                                     pin_memory=self.device.type == "cuda", rank=self.rank,
-                                     world_size=self.world_size)
+                batch = self.make_batch(self.tokens, self.batch_size, self.seq_len, self.seed, index,
+                                        pin_memory=self.device.type == "cuda", rank=self.rank,
+                                        world_size=self.world_size)
                 self._queue.put(batch)  # sleeps until the consumer takes one: no polling
                 index += 1
         except BaseException as err:  # hand it to the consumer, which would otherwise wait forever

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 from lmforge.errors import LmforgeError, os_error_message
 from lmforge.parallel.world import World
+from lmforge.model.lora import adapter_state_dict, has_lora
 
 CHECKPOINT_DIR = "checkpoints"
 # 3: torch.distributed.checkpoint folders. 2 (safetensors files, by parameter name) and 1 (no
@@ -205,7 +206,10 @@ def _reason(error: BaseException) -> str:
 
 def _write_checkpoint(partial: Path, model, optimizer, state: dict, step: int, extra_files: dict[str, bytes],
                       world: World) -> None:
-    save_tensors(model_tensors(model), partial / "model")
+    # a model with LoRA adapters is checkpointed as its adapters alone (state.json names its base)
+    model_state = ({name: t.contiguous() for name, t in adapter_state_dict(model).items()} if has_lora(model)
+                   else model_tensors(model))
+    save_tensors(model_state, partial / "model")
     tensors, param_groups = optimizer_tensors(model, optimizer)
     save_tensors(tensors, partial / "optimizer")
     if not world.is_main:
@@ -328,7 +332,8 @@ def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) 
     them; without, the rest is loaded. A shape that differs always stops."""
     _refuse_old_format(path)
     stored = stored_tensors(path, "model")
-    expected = model.state_dict()
+    # a model with LoRA adapters is checkpointed as its adapters alone (its base is loaded apart)
+    expected = adapter_state_dict(model) if has_lora(model) else model.state_dict()
     for name in (n for n in expected if n in stored):  # model order: the first layer named first
         shape = stored[name][0]
         if shape != tuple(expected[name].shape):

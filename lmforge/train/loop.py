@@ -42,6 +42,7 @@ from lmforge.precision import LossScaler, autocast, device_notes, get_policy
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.report import SilentLog, StepLog, training_record
+from lmforge.train.finetune import check_same_base, prepare_finetune
 from lmforge.train.setup import build_engine, check_attention, check_data
 from lmforge.train.signals import StopRequests, Stopped
 from lmforge.train.state import RunFolder, RunState
@@ -56,16 +57,18 @@ FP16_MAX_SKIPS_IN_A_ROW = 64
 
 @torch.no_grad()
 def evaluate(model: Transformer, tokens, batch_size: int, seq_len: int, seed: int, batches: int,
-             device: torch.device, precision: str = "fp32", world: World = World()) -> float:
-    """Mean loss over a fixed set of `batches` batches of windows (the same ones at every
-    evaluation), computed as training computes it (under the forward autocast of `precision`).
-    Each rank takes its rows of the global batches and the means are averaged over the ranks: N
-    ranks of batch_size B evaluate what one process of N*B does."""
+             device: torch.device, precision: str = "fp32", world: World = World(),
+             make_batch=window_batch) -> float:
+    """Mean loss over a fixed set of `batches` batches (the same ones at every evaluation),
+    computed as training computes it (under the forward autocast of `precision`); `make_batch`
+    draws them (windows, or fine-tuning examples: data/sft.py's example_batch). Each rank takes
+    its rows of the global batches and the means are averaged over the ranks: N ranks of
+    batch_size B evaluate what one process of N*B does."""
     was_training = model.training
     model.eval()
     losses = []
     for index in range(batches):
-        x, y = window_batch(tokens, batch_size, seq_len, seed, index, rank=world.rank, world_size=world.world_size)
+        x, y = make_batch(tokens, batch_size, seq_len, seed, index, rank=world.rank, world_size=world.world_size)
         with autocast(get_policy(precision), device):
             losses.append(model(x.to(device), y.to(device)).item())
     model.train(was_training)
@@ -130,9 +133,14 @@ class Trainer:
         check_attention(cfg.model, self.device)
         torch.manual_seed(cfg.train.seed)  # the same on every rank: the same initial model
         # rank 0 prepares the data (once, under the data folder's lock); the others then open it
-        self.data: PreparedData = self.world.main_first(
-            lambda: prepare_data(cfg, log=self.console.print, progress=self.progress))
-        check_data(cfg, self.data, warn=lambda msg: self.console.print(f"warning: {msg}"))
+        if cfg.finetune.base is None:
+            self.data: PreparedData = self.world.main_first(
+                lambda: prepare_data(cfg, log=self.console.print, progress=self.progress))
+            check_data(cfg, self.data, warn=lambda msg: self.console.print(f"warning: {msg}"))
+            self.base_state = self.base_identity = None
+        else:  # fine-tuning: the base's weights and tokenizer (train/finetune.py)
+            self.data, self.base_state, self.base_identity = self.world.main_first(
+                lambda: prepare_finetune(cfg, log=self.console.print))
         # the run folder is locked (by rank 0) from here on: a second writer is refused before the model is built
         self.folder = self.world.main_first(
             lambda: RunFolder(self.run_dir, warn=lambda msg: self.console.print(f"warning: {msg}"), world=self.world))
@@ -152,9 +160,10 @@ class Trainer:
         self.policy = get_policy(cfg.train.precision)
         for note in device_notes(self.policy, self.device):
             self.console.print(f"note: {note}")
-        # the model and everything that wraps it (precision, recomputation, parallelism), then the optimizer
-        self.engine = build_engine(cfg, self.device)
+        # the model and everything that wraps it (precision, recomputation, LoRA, parallelism), then the optimizer
+        self.engine = build_engine(cfg, self.device, self.base_state)
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
+        self.base_state = None  # copied into the model: let it go
         self.scaler = LossScaler(enabled=self.policy.loss_scaling)
         self.lost_updates_total = [0, 0]  # this session: elements whose update rounded away, elements updated
         self.state, metrics_kept = RunState(), None
@@ -163,7 +172,8 @@ class Trainer:
         world = self.world
         self.loader = BatchLoader(self.data.train, cfg.train.batch_size, cfg.seq_len, seed=cfg.train.seed,
                                   start=self.state.loader_position, prefetch=cfg.data.prefetch, device=self.device,
-                                  rank=world.rank, world_size=world.world_size)
+                                  rank=world.rank, world_size=world.world_size,
+                                  make_batch=getattr(self.data, "batches", window_batch))
         self.tokens_per_step = cfg.train.batch_size * world.world_size * cfg.train.grad_accum * cfg.seq_len
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
         self.hardware_flops_per_token = hardware_flops_per_token(cfg.model, cfg.seq_len, cfg.train.recompute)
@@ -186,6 +196,7 @@ class Trainer:
 
     def _restore(self, path: Path, state: dict) -> tuple[RunState, list[str]]:
         """Load checkpoint `path` once it is checked to fit this run; reads only."""
+        check_same_base(state.get("base"), self.base_identity, path)
         run, metrics_kept = self.folder.restore(path, state, self.model, self.optimizer, self.cfg,
                                                 self.policy.name, self.data)
         precision = state["precision"]
@@ -215,8 +226,10 @@ class Trainer:
         if self.policy.fp8:
             precision["fp8_scales"] = fp8_scale_state(self.model)
         self.state.loader_position = self.loader.position
-        return self.folder.save(self.state, self.model, self.optimizer,
-                                {"tokenizer_sha256": self.data.meta["tokenizer_sha256"], "precision": precision},
+        extra = {"tokenizer_sha256": self.data.meta["tokenizer_sha256"], "precision": precision}
+        if self.base_identity is not None:
+            extra["base"] = self.base_identity  # a LoRA checkpoint holds only the adapters: which base they fit
+        return self.folder.save(self.state, self.model, self.optimizer, extra,
                                 {"config.yaml": self.config_yaml.encode(), "tokenizer.json": self.tokenizer_json.encode()},
                                 keep=self.cfg.train.keep_checkpoints)
 
@@ -250,7 +263,8 @@ class Trainer:
     def evaluate(self) -> float:
         t = self.cfg.train
         return evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, t.seed + 1,
-                        t.eval_batches, self.device, t.precision, self.world)
+                        t.eval_batches, self.device, t.precision, self.world,
+                        getattr(self.data, "batches", window_batch))
 
     def run(self) -> dict:
         """Train to train.max_steps, then write the summary. SIGTERM or Ctrl-C: finish the step,

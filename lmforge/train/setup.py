@@ -1,13 +1,15 @@
 """One place where a training setup is built: the model for one device, then everything that wraps
 it from outside, in a fixed order, then the optimizer over what is trainable.
 
-    1. build      Transformer(cfg) on `device` (or on the meta device: shapes only, no memory)
+    1. build      Transformer(cfg) on `device` (or on the meta device: shapes only, no memory),
+                  with the weights of a base model when fine-tuning
     2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
                   (train/recompute.py)
     4. loss       the chunked head + loss in place of the plain one (train/chunked_loss.py)
-    5. (LoRA adapters come here, as they arrive)
+    5. LoRA       with finetune.lora_rank: freeze everything, wrap the targeted linears in
+                  LoRALinear (model/lora.py)
     6. compile    each block and the loss piece in a torch.compile wrapper (train/compile.py)
     7. parallel   data parallelism: `parallelize` wraps the model in the engine of train.parallel
                   (lmforge/parallel/): none and ddp keep the model whole; zero1-3 flatten each
@@ -25,6 +27,17 @@ adapters included, and comes before data parallelism (torchtitan's order: activa
 checkpointing, compile, FSDP); parallelism wraps the finished model (its hooks must see the final
 modules and parameters), and the optimizer sees what parallelism left to update. Each step is a
 module swap, an nn.Module wrapper or hooks, and refuses to run twice.
+
+LoRA comes after precision and recomputation, not before:
+  - after precision, the adapters are created after the policy has set the parameter dtype, so
+    they stay fp32 (they are what trains) while a bf16-pure base is stored in bf16; fp8 swaps only
+    the base linears (LoRALinear is looked into, not replaced), so the rank-r matmuls, too narrow
+    to gain from fp8, stay in the autocast dtype;
+  - recomputation wraps whole blocks or attention cores, which contain the linears: an adapter
+    placed inside a recomputed block afterwards is recomputed with it, so nothing is lost by
+    wrapping later, and names stay canonical either way (both wrappers drop their segment);
+  - before compile (which traces the adapters with the block) and data parallelism, which must see the final set of trainable parameters (it reduces
+    the gradients of those alone).
 """
 
 import torch
@@ -35,6 +48,7 @@ from lmforge.config import Config
 from lmforge.errors import LmforgeError
 from lmforge.kernels import flash_triton
 from lmforge.model.backends import FLASH_BACKENDS
+from lmforge.model.lora import apply_lora
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.parallel import Engine, parallelize
@@ -44,19 +58,26 @@ from lmforge.train.compile import apply_compile
 from lmforge.train.recompute import apply_recompute
 
 
-def build_model(cfg: Config, device: torch.device | str = "cpu") -> nn.Module:
+def build_model(cfg: Config, device: torch.device | str = "cpu",
+                base_state: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """The model of `cfg` on `device`, wrapped for training (steps 1-6 above). On the meta device
     nothing is allocated: parameter shapes and the module tree only, in milliseconds even for 70B.
     Elsewhere the weights are initialised on the CPU and moved, so that a seed gives the same
-    initial model on every device."""
+    initial model on every device; `base_state` (a fine-tuning base, by parameter name) replaces them."""
     if torch.device(device).type == "meta":
         model = meta_model(cfg.model)  # the accounting's own meta build: no initialisation to skip
     else:
-        model = Transformer(cfg.model).to(device)
+        model = Transformer(cfg.model)
+        if base_state is not None:
+            model.load_state_dict(base_state)
+        model.to(device)
     prepare_model(model, get_policy(cfg.train.precision), fp32_attention=cfg.train.fp32_attention,
                   fp8_scaling=cfg.train.fp8_scaling)
     apply_recompute(model, cfg.train.recompute)
     apply_chunked_loss(model, cfg.train.loss_chunk_tokens)
+    f = cfg.finetune
+    if f.lora_rank is not None:
+        apply_lora(model, f.lora_targets, f.lora_rank, f.lora_alpha, f.lora_dropout)
     if cfg.train.compile and torch.device(device).type != "meta":  # nothing to run on the meta device
         apply_compile(model)
     return model
@@ -81,16 +102,18 @@ def build_optimizer(cfg: Config, model: nn.Module) -> AdamW:
     return adamw(cfg, weight_decay_groups(model, cfg.optim.weight_decay))
 
 
-def build_engine(cfg: Config, device: torch.device | str = "cpu") -> Engine:
+def build_engine(cfg: Config, device: torch.device | str = "cpu",
+                 base_state: dict[str, torch.Tensor] | None = None) -> Engine:
     """Steps 1-8: the model wrapped in the engine of train.parallel, with its optimizer. Under a
     strategy other than none, torch.distributed must already be initialised (torchrun)."""
-    return parallelize(build_model(cfg, device), cfg, make_optimizer=lambda groups: adamw(cfg, groups),
+    return parallelize(build_model(cfg, device, base_state), cfg, make_optimizer=lambda groups: adamw(cfg, groups),
                        weight_decay_groups=lambda model: weight_decay_groups(model, cfg.optim.weight_decay))
 
 
-def build(cfg: Config, device: torch.device | str = "cpu") -> tuple[nn.Module, AdamW]:
+def build(cfg: Config, device: torch.device | str = "cpu",
+          base_state: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, AdamW]:
     """Model and optimizer of a one-process run, built and wrapped in the documented order."""
-    model = build_model(cfg, device)
+    model = build_model(cfg, device, base_state)
     return model, build_optimizer(cfg, model)
 
 

@@ -168,6 +168,8 @@ def predicted_vs_measured(trainer, tokens_per_s: float) -> dict:
 
 def default_prompt(trainer) -> str:
     """The start of the first validation document: a sample prompt in the corpus's own language."""
+    if getattr(trainer.data, "default_prompt", ""):  # fine-tuning data says its own (train/finetune.py)
+        return trainer.data.default_prompt
     tokenizer = trainer.data.tokenizer
     end = tokenizer.token_to_id(END_OF_TEXT)
     start = trainer.data.val[:SAMPLE_PROMPT_TOKENS].tolist()

@@ -1,0 +1,205 @@
+"""Supervised fine-tuning data: examples whose loss is taken on the response tokens only.
+
+A `.jsonl` file holds one example per line, either
+
+    {"prompt": "...", "response": "..."}        the text is prompt + response, as given
+    {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
+
+Chat messages are rendered with a plain template, one header line per message:
+
+    <|user|>\\n{content}\\n<|assistant|>\\n{content}\\n ... <|endoftext|>
+
+(the headers are ordinary text to the tokenizer, not special tokens). Every example ends with the
+end-of-text token. The model learns to produce the responses (every assistant message, and the
+end-of-text token after the last one: it learns to stop), not the prompts: the target of every
+other position is IGNORE_INDEX, which cross-entropy leaves out of its mean. So the loss of a batch
+is the mean over its response tokens. To ask a chat-trained model, end the prompt with
+"<|assistant|>\\n".
+
+Each part (prompt, response, header, content) is tokenized by itself, so the boundary between
+what is trained and what is not falls between tokens, and a prompt encodes the same way at
+generation time as in training.
+
+Padded, not packed: each example is one row of train.seq_len + 1 tokens, cut at the end if longer
+and padded with end-of-text tokens (targets IGNORE_INDEX) if shorter. The model has no attention
+mask between documents, so packing several examples into a row would let a response attend to an
+unrelated earlier example, which it never sees at generation time; padding keeps each example
+alone, at the price of computing on the padding: set train.seq_len near the longest example.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmforge.data.corpus import Document, split_documents
+from lmforge.data.tokenizer import END_OF_TEXT
+from lmforge.data.tokens import unigram_entropy
+from lmforge.errors import LmforgeError
+
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+ROLES = ("system", "user", "assistant")
+
+
+def chat_header(role: str) -> str:
+    return f"<|{role}|>\n"
+
+
+def example_parts(record, where: str) -> list[tuple[str, bool]]:
+    """An example record as (text, trained) parts, in order."""
+    if not isinstance(record, dict):
+        raise LmforgeError(f'{where} must be an object with "prompt" and "response", or "messages"')
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise LmforgeError(f'{where}: "messages" must be a non-empty list')
+        parts = []
+        for index, message in enumerate(messages):
+            if (not isinstance(message, dict) or message.get("role") not in ROLES
+                    or not isinstance(message.get("content"), str)):
+                raise LmforgeError(f"{where}: message {index + 1} must be {{\"role\": one of {', '.join(ROLES)}, "
+                                   f"\"content\": a string}}")
+            trained = message["role"] == "assistant"
+            parts += [(chat_header(message["role"]), False), (message["content"] + "\n", trained)]
+        if not parts[-1][1]:
+            raise LmforgeError(f"{where}: the last message must be the assistant's (the response to learn)")
+        return parts
+    if not isinstance(record.get("prompt"), str) or not isinstance(record.get("response"), str):
+        raise LmforgeError(f'{where} must have "prompt" and "response" strings, or "messages"')
+    if not record["response"]:
+        raise LmforgeError(f"{where}: the response is empty: there is nothing to learn from it")
+    return [(record["prompt"], False), (record["response"], True)]
+
+
+def encode_example(tokenizer, parts: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    """Token ids of the parts, then end-of-text, and whether each token is trained (a target)."""
+    ids, trained = [], []
+    for text, train in parts:
+        part = tokenizer.encode(text).ids if text else []
+        ids += part
+        trained += [train] * len(part)
+    return ids + [tokenizer.token_to_id(END_OF_TEXT)], trained + [True]
+
+
+@dataclass
+class ExampleSet:
+    """Padded examples: `tokens` (n, seq_len + 1) and `targets` (n, seq_len), IGNORE_INDEX where
+    no loss is taken."""
+    tokens: np.ndarray
+    targets: np.ndarray
+    names: list[str]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def pad_examples(encoded: list[tuple[str, list[int], list[bool]]], seq_len: int, end: int) -> ExampleSet:
+    n = len(encoded)
+    tokens = np.full((n, seq_len + 1), end, dtype=np.int64)
+    targets = np.full((n, seq_len), IGNORE_INDEX, dtype=np.int64)
+    for row, (name, ids, trained) in enumerate(encoded):
+        ids, trained = ids[:seq_len + 1], trained[:seq_len + 1]
+        if not any(trained[1:]):
+            raise LmforgeError(f"{name}: the prompt fills all {seq_len} positions, so no response token is "
+                               f"left to learn: raise train.seq_len or shorten the prompt")
+        tokens[row, :len(ids)] = ids
+        # position t predicts token t + 1: a target where token t + 1 is trained
+        targets[row, :len(ids) - 1] = np.where(trained[1:], ids[1:], IGNORE_INDEX)
+    return ExampleSet(tokens, targets, [name for name, _, _ in encoded])
+
+
+def example_batch(examples: ExampleSet, batch_size: int, seq_len: int, seed: int, index: int,
+                  pin_memory: bool = False, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s rows of batch number `index` of the stream seeded with `seed`: examples drawn
+    with replacement, the same on every call and machine (as loader.window_batch draws windows)."""
+    if examples.targets.shape[1] != seq_len:
+        raise ValueError(f"examples padded to {examples.targets.shape[1]} positions, asked for {seq_len}")
+    rows = np.random.default_rng([seed, index]).integers(0, len(examples), size=batch_size * world_size)
+    rows = rows[rank * batch_size: (rank + 1) * batch_size]
+    x = torch.from_numpy(examples.tokens[rows, :-1])
+    y = torch.from_numpy(examples.targets[rows])
+    if pin_memory:
+        x, y = x.pin_memory(), y.pin_memory()
+    return x, y
+
+
+def jsonl_files(source: str) -> list[Path]:
+    """The .jsonl files a data.source names (files, or the .jsonl files in folders)."""
+    files = []
+    for raw in (p.strip() for p in source.split(",") if p.strip()):
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*.jsonl") if p.is_file())
+        elif path.suffix == ".jsonl" and path.is_file():
+            files.append(path)
+    return files
+
+
+def is_example_source(source: str) -> bool:
+    """Whether data.source holds fine-tuning examples (its first .jsonl record has "prompt" or
+    "messages") rather than plain text."""
+    if source == "stdlib":
+        return False
+    for file in jsonl_files(source):
+        for line in file.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    return False  # corpus.py names the bad line
+                return isinstance(record, dict) and ("prompt" in record or "messages" in record)
+    return False
+
+
+def read_records(source: str) -> list[Document]:
+    """Every example line of the source's .jsonl files, as a Document named path:line holding the
+    raw line (split_documents splits by name, so the train/validation split is stable)."""
+    records = []
+    for raw in (p.strip() for p in source.split(",") if p.strip()):
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise LmforgeError(f"data source {raw} does not exist: give .jsonl files or folders")
+        if path.is_file() and path.suffix != ".jsonl":
+            raise LmforgeError(f"{raw}: fine-tuning examples are read from .jsonl files; plain text "
+                               f"cannot be mixed with them in one data.source")
+    for file in jsonl_files(source):
+        try:
+            text = file.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise LmforgeError(f"{file} is not UTF-8 text") from None
+        records += [Document(f"{file.name}:{number}", line)
+                    for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if not records:
+        raise LmforgeError(f"data source {source!r} holds no examples")
+    return records
+
+
+def load_examples(source: str, tokenizer, seq_len: int, val_fraction: float) -> tuple[ExampleSet, ExampleSet, dict]:
+    """Train and validation examples of `source`, and their statistics (meta.json's fields)."""
+    train_docs, val_docs = split_documents(read_records(source), val_fraction)
+    end = tokenizer.token_to_id(END_OF_TEXT)
+    sets, splits, trained_ids = {}, {}, []
+    for split, docs in (("train", train_docs), ("val", val_docs)):
+        encoded, trained_bytes = [], 0
+        for doc in docs:
+            try:
+                record = json.loads(doc.text)
+            except json.JSONDecodeError as err:
+                raise LmforgeError(f"{doc.name} is not valid JSON ({err.msg})") from None
+            parts = example_parts(record, doc.name)
+            ids, trained = encode_example(tokenizer, parts)
+            encoded.append((doc.name, ids, trained))
+            trained_bytes += sum(len(text.encode()) for text, train in parts if train)
+        sets[split] = pad_examples(encoded, seq_len, end)
+        targets = sets[split].targets
+        splits[split] = {"tokens": int((targets != IGNORE_INDEX).sum()), "documents": len(docs),
+                         "bytes": trained_bytes}
+        if split == "train":
+            trained_ids = targets[targets != IGNORE_INDEX]
+    digest = hashlib.sha256("".join(d.name + d.text for d in train_docs + val_docs).encode()).hexdigest()
+    meta = {"source": source, "source_sha256": digest, "splits": splits,
+            "unigram_entropy_nats": unigram_entropy(trained_ids, tokenizer.get_vocab_size())}
+    return sets["train"], sets["val"], meta
