@@ -456,6 +456,7 @@ def cmd_generate(args) -> int:
         grammar = json_grammar(schema)
     device = resolve_device(args.device, setting="--device")
     path = ckpt.find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
+    cfg, model, tokenizer = model_from_checkpoint(path, merge=args.merge)  # a LoRA run: its base + adapters
     model.to(device)
     end = tokenizer.token_to_id(cfg.data.end_token)
     prompt_ids = tokenizer.encode(args.prompt).ids if args.prompt else [end]
@@ -498,6 +499,18 @@ def cmd_plan(args) -> int:
     if args.plot and not Path(args.plot).parent.is_dir():
         raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
                            f"or pick another path")
+    plans, varying, note = plan_setups(cfg, args)  # LmforgeError for bad input, before anything is written
+    if args.compare:
+        if args.plot:
+            plot_comparison(plans, varying, args.plot, name=name)
+        if args.json:
+            print(json.dumps(plans, indent=2))
+        else:
+            print_comparison_table(console, plans, varying, title=f"lmforge plan --compare: {name}")
+            if args.plot:
+                console.print(f"comparison chart: {args.plot}")
+        return 0
+    plan, = plans
     if args.plot:
         plot_memory(plan, args.plot, name=name)
     if args.json:

@@ -58,7 +58,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def read_checkpoint_weights(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
     """A checkpoint's model tensors by lmforge name, in their stored dtype (not cast to a model's).
     A tied head is stored once, under either name: both names are filled."""
-    state = ckpt.read_model_tensors(path)
+    state = ckpt.read_tensors(path)
     if cfg.model.tie_embeddings:
         shared = state.get("tok_embeddings.weight", state.get("lm_head.weight"))
         if shared is not None:

@@ -62,6 +62,11 @@ class LoRALinear(nn.Module):
     def merged(self) -> bool:
         return self._merged is not None
 
+    # the wrapped weight and bias under the names the state dict gives them (`q_proj.weight`), so
+    # that code walking parameter names as attribute paths (torch.distributed.checkpoint) finds them
+    weight = property(lambda self: self.base.weight)
+    bias = property(lambda self: self.base.bias)
+
     def delta_weight(self) -> torch.Tensor:
         """(alpha / r) B A, the update to the base weight, in fp32."""
         return (self.lora_B.float() @ self.lora_A.float()) * self.scaling

@@ -56,7 +56,7 @@ STEP_PATTERN = re.compile(r"^step_(\d+)$")
 TENSOR_FOLDERS = ("model", "optimizer")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -239,7 +239,7 @@ def seal(partial: Path) -> None:
     for file in _files(partial):
         with open(file, "rb") as f:
             os.fsync(f.fileno())
-        manifest[file.relative_to(partial).as_posix()] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        manifest[file.relative_to(partial).as_posix()] = {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
     _write_json_synced(partial / "manifest.json", manifest)
     for folder in [*(p for p in partial.iterdir() if p.is_dir()), partial]:
         _fsync_dir(folder)
@@ -306,7 +306,7 @@ def verify_checkpoint(path: Path) -> None:
         file = path / name
         if not file.is_file():
             raise LmforgeError(f"checkpoint {path} is incomplete: {name} is missing")
-        if file.stat().st_size != expected["bytes"] or _sha256(file) != expected["sha256"]:
+        if file.stat().st_size != expected["bytes"] or file_sha256(file) != expected["sha256"]:
             raise LmforgeError(f"checkpoint {path} is corrupt: {name} does not match its checksum; "
                                f"resume from an earlier checkpoint or start a new run")
 
@@ -353,11 +353,12 @@ def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) 
     return missing, unexpected
 
 
-def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Checkpoint `path`'s model tensors by name, in their stored dtype, on the CPU (one process)."""
+def read_tensors(path: Path, folder: str = "model") -> dict[str, torch.Tensor]:
+    """Checkpoint `path`'s tensors of `folder` (model or optimizer) by name, in their stored dtype,
+    on the CPU (one process)."""
     _refuse_old_format(path)
-    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in stored_tensors(path, "model").items()}
-    _load_or_corrupt(tensors, path, "model")
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in stored_tensors(path, folder).items()}
+    _load_or_corrupt(tensors, path, folder)
     return tensors
 
 

@@ -11,6 +11,7 @@ A fine-tuning run (`lmforge finetune`, config section `finetune`) trains on the 
     never resumed or sampled on another base.
 """
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,10 +63,10 @@ def load_base(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
     and its tokenizer. `path` is an lmforge run folder (its newest good checkpoint; a LoRA run's
     adapters are merged into its own base)."""
     path = Path(path)
-    if is_hf_folder(path):
-        # >>> Hugging Face folder (config.json + model.safetensors): the lead wires
-        # lmforge.interop.hf.import_hf(path) here, which returns this same triple.
-        raise LmforgeError(f"base {path} is a Hugging Face folder: reading those needs lmforge.interop.hf")
+    if is_hf_folder(path):  # a Hugging Face Llama or GPT-2 folder, read as lmforge names
+        from lmforge.interop.hf import import_hf
+
+        return import_hf(path)
     cfg, model, tokenizer = load_run_model(path, merge=True)
     state = {name: value for name, value in model.state_dict().items() if not name.endswith((".lora_A", ".lora_B"))}
     return cfg.model, state, tokenizer
@@ -75,11 +76,19 @@ def base_identity(path: str | Path) -> dict:
     """What a fine-tuning run records of its base: the path given, the checkpoint and the sha256
     of its weights (from the checkpoint's manifest)."""
     path = Path(path)
-    if is_hf_folder(path):  # >>> the lead wires the HF branch: sha256 of model.safetensors
-        raise LmforgeError(f"base {path} is a Hugging Face folder: reading those needs lmforge.interop.hf")
+    if is_hf_folder(path):  # the weight files' own digests, in name order
+        digest = hashlib.sha256()
+        for file in sorted(path.glob("*.safetensors")):
+            if file.name != "adapter_model.safetensors":
+                digest.update(ckpt.file_sha256(file).encode())
+        return {"path": str(path), "checkpoint": "hugging face folder", "sha256": digest.hexdigest()}
     checkpoint = _base_checkpoint(path)
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    return {"path": str(path), "checkpoint": checkpoint.name, "sha256": manifest["model.safetensors"]["sha256"]}
+    # the model's files of the distributed checkpoint (one per rank that wrote it, and .metadata)
+    digest = hashlib.sha256()
+    for name in sorted(n for n in manifest if n.startswith("model/")):
+        digest.update(f"{name}:{manifest[name]['sha256']}".encode())
+    return {"path": str(path), "checkpoint": checkpoint.name, "sha256": digest.hexdigest()}
 
 
 def check_same_base(saved: dict | None, current: dict | None, where: Path) -> None:
@@ -103,7 +112,7 @@ def model_from_checkpoint(checkpoint: Path, merge: bool = False) -> tuple[Config
     """The model of a checkpoint, on the CPU in fp32: a pretrained or fully fine-tuned run as
     saved; a LoRA run as its base plus its adapters (folded into the weights with `merge`)."""
     cfg = load_config(checkpoint / "config.yaml")
-    tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
+    tokenizer = load_tokenizer(checkpoint / "tokenizer.json", end_token=cfg.data.end_token)
     model = Transformer(cfg.model)
     f = cfg.finetune
     if f.base is not None and f.lora_rank is not None:
