@@ -47,10 +47,12 @@ def load_model(path: str, device: str = "auto") -> LoadedModel:
 
 # Fixed-key YAML and XML as Lark grammars (llguidance has no general YAML or XML grammar). A YAML
 # value is one line that starts with a letter or digit and holds no `:` or `#` (either could end a
-# plain scalar early), or a single-quoted string; XML text has no `<` or `&`. Both therefore
-# always parse.
-_YAML_VALUE = r"""VALUE: /[A-Za-z0-9][^\n:#']*/ | /'[^'\n]*'/"""
-_XML_TEXT = r"""TEXT: /[^<&]*/"""
+# plain scalar early), or a single-quoted string; XML text has no `<` or `&`. Neither may hold the
+# control characters their parsers refuse, nor (YAML) a tab or the other line breaks, \r, NEL, LS, PS.
+# Both therefore always parse.
+_YAML_CHAR = r"[^\n\r\t:#'\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029\ufffe\uffff]"
+_YAML_VALUE = rf"""VALUE: /[A-Za-z0-9]{_YAML_CHAR}*/ | /'{_YAML_CHAR.replace(":#", "")}*'/"""
+_XML_TEXT = r"""TEXT: /[^<&\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]*/"""
 
 
 def format_grammar(answer_type: str, fmt: str, order: str) -> str:
