@@ -55,6 +55,14 @@ def test_wilson_interval_matches_published_values(k, n, low, high):
     assert wilson(k, n) == pytest.approx((low, high), abs=5e-5)
 
 
+def test_wilson_interval_holds_the_rate_at_the_ends():
+    for n in range(1, 60):
+        assert wilson(0, n)[0] == 0.0 and wilson(n, n)[1] == 1.0
+        for k in range(n + 1):
+            low, high = wilson(k, n)
+            assert 0.0 <= low <= k / n <= high <= 1.0
+
+
 def test_summary_counts_rates_and_intervals_by_hand():
     records = [{"kind": "addition", "condition": "free text", "correct": c, "parse_error": p}
                for c, p in [(True, False)] * 7 + [(False, False)] * 10 + [(False, True)] * 3]

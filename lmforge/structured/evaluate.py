@@ -97,7 +97,8 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At 0 and n successes the bounds are exactly 0 and 1; rounding would put them a hair inside.
+    return (0.0 if successes == 0 else centre - half), (1.0 if successes == n else centre + half)
 
 
 @dataclass
