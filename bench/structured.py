@@ -1,7 +1,7 @@
 """Cost per generated token of JSON-constrained decoding against unconstrained generation.
 
     python bench/structured.py [--run RUN] [--model small] [--tokens 128] [--samples 8] [--rounds 3]
-                               [--schema s.json]
+                               [--schema s.json | --format yaml|xml]
 
 Same model, prompt, sampling (temperature 1.0, top-p 0.95) and seeds both ways, with the KV cache,
 in one process. Time per token is the total wall time over the total tokens generated; the free
@@ -9,8 +9,10 @@ run generates as many tokens per seed as the constrained answer had (no stop tok
 decode at the same positions. Without --run the model is an
 untrained preset (its random logits make the grammar work hard: long strings, many keys) and the
 tokenizer is trained here on the first ~600 KB of the standard library, at the preset's vocabulary.
-The grammar part is also timed alone: computing each mask (llguidance bitmask to a boolean tensor)
-and advancing the matcher by the chosen token.
+`--format yaml` or `xml` times eval-format's fixed-key Lark grammars (lmforge/structured/answering.py)
+instead of JSON (rows still say json: the constrained mode). The grammar part is also timed alone:
+computing each mask (llguidance bitmask to a boolean tensor) and advancing the matcher by the
+chosen token.
 """
 
 import argparse
@@ -27,6 +29,7 @@ from lmforge.config import load_config, make_config  # noqa: E402
 from lmforge.data.tokenizer import END_OF_TEXT, load_tokenizer, train_tokenizer  # noqa: E402
 from lmforge.generate.sampling import generate  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
+from lmforge.structured.answering import format_grammar  # noqa: E402
 from lmforge.structured.constrain import GrammarConstraint, JsonMode, load_schema  # noqa: E402
 
 
@@ -78,12 +81,15 @@ def main():
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="turns each mode takes; the fastest counts")
     parser.add_argument("--schema", help="a JSON Schema file (default: any JSON object)")
+    parser.add_argument("--format", default="json", choices=("json", "yaml", "xml"),
+                        help="yaml, xml: eval-format's grammars (keys reasoning, answer) instead of JSON")
     args = parser.parse_args()
     model, tokenizer, what = load(args)
     model.eval()
     end = tokenizer.token_to_id(END_OF_TEXT)
     prompt = tokenizer.encode("answer = ").ids
-    json_mode = JsonMode(tokenizer, end, load_schema(args.schema) if args.schema else None)
+    grammar = format_grammar("string", args.format, "reasoning-first") if args.format != "json" else None
+    json_mode = JsonMode(tokenizer, end, load_schema(args.schema) if args.schema else None, grammar)
     sampling = dict(temperature=1.0, top_p=0.95)
     generate(model, prompt, 8, **sampling)  # warm-up
 
@@ -108,7 +114,7 @@ def main():
             if mode not in results or measured[1] < results[mode][1]:
                 results[mode] = measured
 
-    print(f"# {what}, vocab {model.cfg.vocab_size}, {args.samples} samples x up to {args.tokens} tokens, "
+    print(f"# {args.format} grammar, {what}, vocab {model.cfg.vocab_size}, {args.samples} samples x up to {args.tokens} tokens, "
           f"KV cache, temperature 1.0, top-p 0.95, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| mode | tokens | ms/token | of which grammar engine |")
     print("|---|---:|---:|---:|")

@@ -1,4 +1,4 @@
-"""The `lmforge` command: prepare data, train, generate, plan, compare runs.
+"""The `lmforge` command: prepare data, train, generate, plan, compare runs, evaluate answer formats.
 
 Every subcommand that takes a config accepts `--config FILE.yaml`, `--model PRESET` and
 `section.key=value` overrides, in any order. User errors print one line and exit with status 2.
@@ -217,6 +217,36 @@ def build_parser() -> argparse.ArgumentParser:
     import_hf.add_argument("folder", metavar="FOLDER", help="the Hugging Face model folder")
     import_hf.add_argument("--name", help="run name: the run folder is runs/NAME (default: FOLDER's name)")
     import_hf.add_argument("--out", metavar="DIR", help="run folder (instead of runs/NAME)")
+
+    tasks = commands.add_parser(
+        "tasks", help="write training documents of the structured-output task set (.jsonl)",
+        description="Write N training documents of lmforge's task set (lmforge/structured/tasks.py: last letters, "
+                    "addition, counting, sentiment, extraction; train split only) as {\"text\": ...} lines: 40%% "
+                    "free-text replies, 40%% JSON/YAML/XML replies (both key orders), 20%% free replies converted "
+                    "to a format. Train on them with: lmforge train data.source=FILE ...")
+    tasks.add_argument("--out", required=True, metavar="FILE", help="the .jsonl file to write")
+    tasks.add_argument("-n", type=int, default=20000, help="number of documents (default 20000)")
+    tasks.add_argument("--seed", type=int, default=0)
+
+    evalf = commands.add_parser(
+        "eval-format", help="accuracy of a model's answers in free text, JSON, YAML, XML, constrained or converted",
+        description="Run the test split of the task set on a model under free text, format instructions "
+                    "(JSON, YAML, XML; reasoning-first and answer-first), constrained decoding and "
+                    "answer-then-convert; print accuracy and parse-error rate per task and condition with 95%% "
+                    "Wilson intervals, and write results.jsonl, table.md, summary.json and results.png to --out.")
+    evalf.add_argument("model", metavar="RUN", help="an lmforge run folder, or a local Hugging Face Llama or GPT-2 folder")
+    evalf.add_argument("--tasks", type=int, default=20, help="tasks of each kind (default 20)")
+    evalf.add_argument("--seed", type=int, default=0, help="which test tasks are drawn (default 0)")
+    evalf.add_argument("--kinds", default="last_letters,addition,counting,sentiment,extraction",
+                       help="comma-separated task kinds (default all five)")
+    evalf.add_argument("--modes", default="free,instructed,constrained,converted",
+                       help="comma-separated: free, instructed, constrained, converted (default all)")
+    evalf.add_argument("--formats", default="json,yaml,xml", help="comma-separated: json, yaml, xml (default all)")
+    evalf.add_argument("--max-new-tokens", type=int, default=160, help="per reply (default 160)")
+    evalf.add_argument("--out", metavar="DIR", help="where the results go (default RUN/eval-format)")
+    evalf.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    evalf.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     # main() looks up the subcommand's parser to say which of its options a misspelt one resembles
     parser.subcommands = commands.choices
     return parser
@@ -249,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         commands = {"prepare": cmd_prepare, "train": cmd_train, "finetune": cmd_finetune, "generate": cmd_generate,
-                    "plan": cmd_plan, "runs": cmd_runs, "export": cmd_export, "import-hf": cmd_import_hf}
+                    "plan": cmd_plan, "runs": cmd_runs, "export": cmd_export, "import-hf": cmd_import_hf,
+                    "tasks": cmd_tasks, "eval-format": cmd_eval_format}
         status = commands[args.command](args)
         sys.stdout.flush()  # here, where a closed pipe can still be handled below
         return status
@@ -551,4 +582,40 @@ def cmd_import_hf(args) -> int:
     out = Path(args.out) if args.out else Path("runs") / (args.name or Path(args.folder).resolve().name)
     import_run(args.folder, out)
     print(f"{out}: imported; try lmforge generate --run {out} --prompt \"...\"")
+
+def cmd_tasks(args) -> int:
+    import json
+
+    from lmforge.structured.tasks import TRAINING_MIX, training_documents
+
+    if args.n < 1:
+        raise LmforgeError("-n must be >= 1")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise LmforgeError(f"--out {out}: folder {out.parent} does not exist; create it or pick another path")
+    docs = training_documents(args.n, args.seed)
+    staging = out.with_name(out.name + ".tmp")
+    staging.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs), encoding="utf-8")
+    staging.replace(out)  # whole or not at all
+    mix = ", ".join(f"{share:.0%} {name}" for name, share in TRAINING_MIX.items())
+    print(f"{out}: {len(docs):,} documents ({mix}), seed {args.seed}")
+    return 0
+
+
+def cmd_eval_format(args) -> int:
+    from lmforge.structured.evaluate import conditions, run_study, study_plan
+
+    words = {name: [word.strip() for word in getattr(args, name).split(",") if word.strip()]
+             for name in ("kinds", "modes", "formats")}
+    conds = conditions(words["modes"], words["formats"])
+    if not conds:
+        raise LmforgeError("nothing to evaluate: give at least one mode (and a format for modes other than free)")
+    if args.max_new_tokens < 1:
+        raise LmforgeError("--max-new-tokens must be >= 1")
+    tasks = study_plan(words["kinds"], args.tasks, args.seed)
+    if not Path(args.model).is_dir():
+        raise LmforgeError(f"run folder {args.model} does not exist")
+    out = Path(args.out) if args.out else Path(args.model) / "eval-format"
+    run_study(args.model, tasks, conds, out, args.max_new_tokens, args.device, progress=not args.no_progress)
+    print(f"results: {out}/table.md, {out}/results.png, {out}/results.jsonl")
     return 0

@@ -1,0 +1,98 @@
+"""Getting replies for eval-format: load a model once (one function), decode greedily, with or
+without a grammar."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance
+from tokenizers import Tokenizer
+
+from lmforge.errors import LmforgeError
+from lmforge.generate.sampling import generate
+from lmforge.model.transformer import Transformer
+from lmforge.structured.constrain import GrammarConstraint, json_grammar
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    stop_token: int  # ends a reply: lmforge's end-of-text, or an imported model's end-of-sequence
+    name: str
+
+
+def load_model(path: str, device: str = "auto") -> LoadedModel:
+    """The model in `path`, evaluation-ready: an lmforge run folder (its latest good checkpoint; a
+    LoRA run as its base plus adapters) or a local Hugging Face Llama / GPT-2 folder (config.json,
+    safetensors, tokenizer.json), read by lmforge/interop/hf.py into an lmforge Transformer."""
+    from lmforge.train import checkpoint as ckpt
+    from lmforge.train.finetune import model_from_checkpoint
+    from lmforge.train.setup import resolve_device
+
+    folder = Path(path)
+    target = resolve_device(device, setting="--device")
+    if (folder / "config.json").is_file() and not (folder / "config.yaml").is_file():
+        from lmforge.interop.hf import import_hf, read_end_token
+
+        model_cfg, state, tokenizer = import_hf(folder)
+        model = Transformer(model_cfg)
+        model.load_state_dict(state)
+        end = tokenizer.token_to_id(read_end_token(folder, tokenizer))
+    else:
+        found = ckpt.find_checkpoint(path, warn=lambda message: print(f"warning: {message}"))
+        cfg, model, tokenizer = model_from_checkpoint(found)
+        end = tokenizer.token_to_id(cfg.data.end_token)
+    return LoadedModel(model.float().to(target).eval(), tokenizer, end, folder.name)
+
+
+# Fixed-key YAML and XML as Lark grammars (llguidance has no general YAML or XML grammar). A YAML
+# value is one line that starts with a letter or digit and holds no `:` or `#` (either could end a
+# plain scalar early), or a single-quoted string; XML text has no `<` or `&`. Neither may hold the
+# control characters their parsers refuse, nor (YAML) a tab or the other line breaks, \r, NEL, LS, PS.
+# Both therefore always parse.
+_YAML_CHAR = r"[^\n\r\t:#'\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029\ufffe\uffff]"
+_YAML_VALUE = rf"""VALUE: /[A-Za-z0-9]{_YAML_CHAR}*/ | /'{_YAML_CHAR.replace(":#", "")}*'/"""
+_XML_TEXT = r"""TEXT: /[^<&\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]*/"""
+
+
+def format_grammar(answer_type: str, fmt: str, order: str) -> str:
+    """The llguidance grammar of a reply in `fmt` with the keys reasoning and answer in `order`
+    (JSON: a schema with the answer's type, `integer` or `string`)."""
+    keys = ("reasoning", "answer") if order == "reasoning-first" else ("answer", "reasoning")
+    if fmt == "json":
+        types = {"reasoning": "string", "answer": answer_type}
+        return json_grammar({"type": "object", "properties": {key: {"type": types[key]} for key in keys},
+                             "required": list(keys), "additionalProperties": False})
+    if fmt == "yaml":
+        lark = f'start: "{keys[0]}: " VALUE "\\n{keys[1]}: " VALUE\n{_YAML_VALUE}\n'
+    elif fmt == "xml":
+        lark = (f'start: "<response><{keys[0]}>" TEXT "</{keys[0]}><{keys[1]}>" TEXT "</{keys[1]}></response>"\n'
+                f"{_XML_TEXT}\n")
+    else:
+        raise LmforgeError(f"no grammar for format {fmt!r}")
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+class Answerer:
+    """Greedy replies of one model to prompts, each at most `max_new_tokens` long."""
+
+    def __init__(self, loaded: LoadedModel, max_new_tokens: int):
+        self.loaded, self.max_new_tokens = loaded, max_new_tokens
+        # The vocabulary is read once (~20 ms at 4096 tokens), the grammars compiled once each.
+        self.ll_tokenizer = llguidance.LLTokenizer(loaded.tokenizer.to_str(), eos_token=loaded.stop_token)
+        self.grammars: dict[tuple, str] = {}
+
+    def answer(self, prompt: str, grammar: tuple[str, str, str] | None = None) -> tuple[str, bool]:
+        """The reply to `prompt` and whether it ended by itself (False: cut by max_new_tokens, or, under
+        `grammar` = (answer_type, fmt, order), stopped before the grammar closed)."""
+        loaded = self.loaded
+        constraint = None
+        if grammar is not None:
+            if grammar not in self.grammars:
+                self.grammars[grammar] = format_grammar(*grammar)
+            constraint = GrammarConstraint(llguidance.LLMatcher(self.ll_tokenizer, self.grammars[grammar]))
+        tokens = generate(loaded.model, loaded.tokenizer.encode(prompt).ids, self.max_new_tokens, temperature=0,
+                          stop_token=loaded.stop_token, constraint=constraint)
+        text = loaded.tokenizer.decode(tokens)
+        complete = constraint.complete() if constraint is not None else len(tokens) < self.max_new_tokens
+        return text, complete
