@@ -252,7 +252,8 @@ def print_comparison(console: Console, comparison: dict) -> None:
     labels = {"tokens_per_s": "tokens/s (predicted at 100% MFU)", "mfu": "MFU", "hfu": "HFU (with recomputation)",
               "parameters_bytes": "parameters", "gradients_bytes": "gradients",
               "optimizer_states_bytes": "optimizer states",
-              "activations_bytes": "saved for backward, one micro-batch", "peak_memory_bytes": "peak memory (CUDA)"}
+              "activations_bytes": "saved for backward, one micro-batch", "peak_memory_bytes": "peak memory (CUDA)",
+              "sent_bytes_per_step": "sent per step per rank (collectives)"}
     for key, row in comparison.items():
         predicted, measured = row["predicted"], row["measured"]
         if key.endswith("_bytes"):

@@ -6,6 +6,7 @@ import torch
 from lmforge.config import make_config
 from lmforge.errors import LmforgeError
 from lmforge.model.transformer import Transformer
+from lmforge.parallel import Engine
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.loop import Trainer
 
@@ -197,7 +198,7 @@ def test_state_is_loaded_by_name_and_a_partial_load_is_an_explicit_choice(tiny_c
     wrapped_cfg = tiny_config("train.recompute=full", max_steps=2)
     model, optimizer = build(wrapped_cfg)
     ckpt.load_model_weights(model, path)
-    ckpt.load_optimizer_state(model, optimizer, path, state["param_groups"])
+    ckpt.load_optimizer_state(Engine(model, optimizer), path, state["param_groups"])
     assert optimizer.state_dict()["param_groups"] == trainer.optimizer.state_dict()["param_groups"]
     param = model.blocks["1"].attn.v_proj.weight
     torch.testing.assert_close(optimizer.state[param]["exp_avg"],
@@ -206,7 +207,7 @@ def test_state_is_loaded_by_name_and_a_partial_load_is_an_explicit_choice(tiny_c
     # an optimizer over other parameters is refused, naming them
     other, other_optimizer = build(make_config("tiny", overrides=["model.n_layers=1"]))
     with pytest.raises(LmforgeError, match=r"only in the checkpoint: 9 \(blocks.1"):
-        ckpt.load_optimizer_state(other, other_optimizer, path, state["param_groups"])
+        ckpt.load_optimizer_state(Engine(other, other_optimizer), path, state["param_groups"])
 
 
 def test_a_checkpoint_keyed_by_position_is_refused_with_one_line(tiny_config, tmp_path, capsys):
@@ -219,7 +220,7 @@ def test_a_checkpoint_keyed_by_position_is_refused_with_one_line(tiny_config, tm
     del state["format"]  # what an older lmforge wrote
     (path / "state.json").write_text(json.dumps(state))
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["state.json"] = {"bytes": (path / "state.json").stat().st_size, "sha256": ckpt._sha256(path / "state.json")}
+    manifest["state.json"] = {"bytes": (path / "state.json").stat().st_size, "sha256": ckpt.file_sha256(path / "state.json")}
     (path / "manifest.json").write_text(json.dumps(manifest))
     assert main(["train", "--resume", str(tmp_path / "run"), "train.max_steps=4"]) == 2
     assert "written by an older lmforge" in capsys.readouterr().err

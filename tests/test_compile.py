@@ -73,9 +73,9 @@ def test_a_compiled_run_resumes_bit_for_bit(tiny_config, tmp_path):
     assert list(resumed.model.state_dict()) == list(straight.model.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(straight.model.state_dict().values(),
                                                  resumed.model.state_dict().values()))
-    saved = ckpt.optimizer_tensors(straight.model, straight.optimizer)[0]
+    saved = ckpt.optimizer_tensors(straight.engine)[0]
     assert "_orig_mod" not in " ".join(saved)
-    again = ckpt.optimizer_tensors(resumed.model, resumed.optimizer)[0]
+    again = ckpt.optimizer_tensors(resumed.engine)[0]
     assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
     losses = [[r["train_loss"] for r in map(__import__("json").loads, (folder / "metrics.jsonl").read_text().splitlines())
                if "train_loss" in r] for folder in (tmp_path / "straight", tmp_path / "cut")]

@@ -189,3 +189,30 @@ def test_a_killed_rank_stops_the_others_with_one_line_and_the_run_resumes(tmp_pa
     step = int(ckpt.find_checkpoint(run_dir).name.split("_")[1])
     run(torchrun(2, "--resume", str(run_dir), f"train.max_steps={step + 2}", "train.parallel=ddp"), tmp_path)
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == step + 2
+
+
+def test_a_sharded_run_checkpoints_through_its_engine_and_resumes_on_another_strategy(tmp_path, settings, one_process):
+    """ZeRO-3 on 2 ranks saves full tensors by name (gathered from the shards); the checkpoint
+    resumes in one process and under FSDP2 on 2 ranks, to the numbers of one process throughout.
+    Tolerance: as in tests/test_parallel_engines.py, reduce-scatter sums in another order than one
+    process's mean, and where a gradient element is a cancellation near zero AdamW's sign-sized
+    update can flip: losses agree to 1e-5, and at most 0.1% of the weights differ by more than
+    1e-6, none by more than 2 lr per step (a missing average or a wrong shard moves most weights
+    by about lr, and the losses in the second decimal)."""
+    import shutil
+
+    saved = tmp_path / "saved"
+    run(torchrun(2, "--model", "tiny", *settings(3, max_steps=3), "train.parallel=zero3", "--out", str(saved)),
+        tmp_path)
+    for name, command, extra in (("one", [sys.executable, "-m", "lmforge", "train", "--no-progress"],
+                                  ["train.batch_size=6", "train.parallel=none"]),
+                                 ("fsdp", torchrun(2), ["train.batch_size=3", "train.parallel=fsdp"])):
+        resumed = tmp_path / name
+        shutil.copytree(saved, resumed)
+        run([*command, "--resume", str(resumed), f"train.max_steps={STEPS}", *extra], tmp_path)
+        la, lb = losses(resumed), losses(one_process)
+        assert [s for s, _ in la] == [s for s, _ in lb]
+        assert all(abs(x - y) <= 1e-5 for (_, x), (_, y) in zip(la, lb)), (la, lb)
+        wa, wb = final_weights(resumed), final_weights(one_process)
+        diff = torch.cat([(wa[n] - wb[n]).abs().flatten() for n in wa])
+        assert diff.max() <= 2 * STEPS * 1e-3 and (diff > 1e-6).float().mean() <= 1e-3, (name, diff.max())

@@ -22,6 +22,8 @@ class SavedBytes:
 
 
 def _storage_key(tensor: torch.Tensor):
+    if hasattr(tensor, "to_local"):  # a DTensor (FSDP2's sharded parameters): its local shard's storage
+        tensor = tensor.to_local()
     storage = tensor.untyped_storage()
     return storage.data_ptr(), storage.device, storage.nbytes()
 

@@ -41,11 +41,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
 
 from lmforge.errors import LmforgeError, os_error_message
 from lmforge.parallel.world import World
+from lmforge.train.recompute import canonical_name
 from lmforge.model.lora import adapter_state_dict, has_lora
 
 CHECKPOINT_DIR = "checkpoints"
@@ -79,10 +78,14 @@ def _write_json_synced(path: Path, data) -> None:
         os.fsync(f.fileno())
 
 
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors by parameter name, a tied tensor under its first name only."""
+def model_tensors(engine) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of the model of `engine` (lmforge/parallel/: any strategy, full
+    tensors on every rank): its tensors by parameter name, a tied tensor under its first name only;
+    of a model with LoRA adapters, the adapters alone (state.json names the frozen base)."""
+    if has_lora(engine.model):
+        return {name: t.contiguous() for name, t in adapter_state_dict(engine.model).items()}
     tensors, seen = {}, set()
-    for name, tensor in get_model_state_dict(model).items():
+    for name, tensor in engine.model_state_dict().items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if key not in seen:
             seen.add(key)
@@ -90,10 +93,10 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """The optimizer's state as flat tensors named `<parameter name>.<state key>`, and its param
-    groups with parameter names for "params" (JSON-ready)."""
-    state = get_optimizer_state_dict(model, optimizer)
+def optimizer_tensors(engine) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The optimizer's state of `engine` as flat tensors named `<parameter name>.<state key>`, and
+    its param groups with parameter names for "params" (JSON-ready)."""
+    state = engine.optimizer_state_dict()
     tensors = {f"{name}.{key}": value.detach()
                for name, per_param in state["state"].items() for key, value in per_param.items()}
     return tensors, state["param_groups"]
@@ -124,14 +127,12 @@ def stored_tensors(path: Path, folder: str) -> dict[str, tuple[tuple[int, ...], 
             if hasattr(entry, "size")}
 
 
-def non_finite_tensor(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
-    """The name of the first parameter or optimizer state tensor holding inf or NaN, or None.
+def non_finite_tensor(model_state: dict[str, torch.Tensor], optimizer_state: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first model or optimizer state tensor holding inf or NaN, or None.
 
     One max-of-|x| reduction per tensor (inf and NaN propagate through it) and one sync for all."""
-    named = [(name, p) for name, p in model.named_parameters()]
-    named += [(f"optimizer state {key} of {name}", value) for name, p in model.named_parameters()
-              for key, value in optimizer.state.get(p, {}).items()
-              if torch.is_tensor(value) and value.is_floating_point()]
+    named = [(name, t) for name, t in model_state.items() if t.is_floating_point()]
+    named += [(f"optimizer state {key}", t) for key, t in optimizer_state.items() if t.is_floating_point()]
     if not named:
         return None
     peaks = torch.stack([torch.linalg.vector_norm(t.detach(), float("inf")).float().cpu() for _, t in named])
@@ -139,10 +140,11 @@ def non_finite_tensor(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return next((name for (name, _), ok in zip(named, finite) if not ok), None)
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict, extra_files: dict[str, bytes], keep: int, world: World = World()) -> Path:
+def save_checkpoint(run_dir: Path, step: int, engine, state: dict, extra_files: dict[str, bytes], keep: int,
+                    world: World = World()) -> Path:
     """Write the checkpoint for `step` under run_dir/checkpoints; keep the newest `keep`. Every
-    rank calls it (the tensors are written by all); rank 0 alone touches the rest of the folder.
+    rank calls it (the tensors are written by all; `engine`'s full state by name is gathered by all
+    first, lmforge/parallel/); rank 0 alone touches the rest of the folder.
 
     `extra_files` are written as given (config.yaml, tokenizer.json from the trainer's memory,
     not copied from the run folder, where a damaged file would be sealed into every checkpoint).
@@ -151,7 +153,9 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     untouched."""
     root = run_dir / CHECKPOINT_DIR
     final = root / f"step_{step:07d}"
-    bad = non_finite_tensor(model, optimizer)
+    model_state = model_tensors(engine)
+    optimizer_state, param_groups = optimizer_tensors(engine)
+    bad = non_finite_tensor(model_state, optimizer_state)
     world.agree(LmforgeError(f"step {step} left inf/NaN in {bad}, so it was not saved; "
                              + kept_checkpoint(run_dir, "lower optim.lr or raise optim.warmup_steps"))
                 if bad is not None else None)
@@ -163,7 +167,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
             remove_partials(run_dir)  # from a save that was killed half way
             partial.mkdir()
         world.barrier()  # the folder exists before any rank writes into it
-        _write_checkpoint(partial, model, optimizer, state, step, extra_files, world)
+        _write_checkpoint(partial, model_state, optimizer_state, param_groups, state, step, extra_files, world)
     except (OSError, CheckpointException) as err:
         error = err
     error = world.first_error(error)
@@ -204,23 +208,19 @@ def _reason(error: BaseException) -> str:
     return text.splitlines()[-1] if text else type(error).__name__
 
 
-def _write_checkpoint(partial: Path, model, optimizer, state: dict, step: int, extra_files: dict[str, bytes],
-                      world: World) -> None:
-    # a model with LoRA adapters is checkpointed as its adapters alone (state.json names its base)
-    model_state = ({name: t.contiguous() for name, t in adapter_state_dict(model).items()} if has_lora(model)
-                   else model_tensors(model))
+def _write_checkpoint(partial: Path, model_state: dict, optimizer_state: dict, param_groups: list[dict], state: dict,
+                      step: int, extra_files: dict[str, bytes], world: World) -> None:
     save_tensors(model_state, partial / "model")
-    tensors, param_groups = optimizer_tensors(model, optimizer)
-    save_tensors(tensors, partial / "optimizer")
+    save_tensors(optimizer_state, partial / "optimizer")
     if not world.is_main:
         return
     # every rank draws the same random numbers (same seed, same shapes): rank 0's states stand for all
     rng = {"cpu": torch.get_rng_state()}
-    device = next(model.parameters()).device
+    device = world.device
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
     save_file(rng, str(partial / "rng.safetensors"))
-    parameters = sum(t.numel() for t in model_tensors(model).values())
+    parameters = sum(t.numel() for t in model_state.values())
     (partial / "state.json").write_text(json.dumps({**state, "format": FORMAT, "step": step, "world_size":
                                                     world.world_size, "parameters": parameters,
                                                     "param_groups": param_groups}, indent=2))
@@ -326,14 +326,60 @@ def _listed(names: list[str], limit: int = 5) -> str:
 
 
 def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) -> tuple[list[str], list[str]]:
-    """Load the checkpoint's weights into `model` by parameter name (every rank calls it under a
-    process group); returns the names the model has and the checkpoint lacks, and those the
-    checkpoint has and the model lacks. With `strict` (the default) either is an error that lists
-    them; without, the rest is loaded. A shape that differs always stops."""
-    _refuse_old_format(path)
-    stored = stored_tensors(path, "model")
+    """Load the checkpoint's weights into `model` by parameter name (one process: generation,
+    fine-tuning bases, tests); returns the names the model has and the checkpoint lacks, and those
+    the checkpoint has and the model lacks. With `strict` (the default) either is an error that
+    lists them; without, the rest is loaded. A shape that differs always stops."""
     # a model with LoRA adapters is checkpointed as its adapters alone (its base is loaded apart)
     expected = adapter_state_dict(model) if has_lora(model) else model.state_dict()
+    tensors, missing, unexpected = _read_by_name(path, expected, strict)
+    model.load_state_dict(tensors, strict=False)
+    return missing, unexpected
+
+
+def load_engine_weights(engine, path: Path) -> None:
+    """Load the checkpoint's weights into the model of `engine` (any data-parallel strategy, any
+    world size: every rank reads the full tensors and keeps its part); strict, by name."""
+    if has_lora(engine.model):  # the adapters alone
+        load_model_weights(engine.model, path)
+        return
+    expected = engine.model_state_dict()
+    # a tied weight's second name: the same tensor in the state dict, or (FSDP2's full state dict
+    # copies each name) the same parameter in the model
+    aliases = {**_storage_aliases(expected), **_tied_names(engine.model)}
+    tensors, _, _ = _read_by_name(path, expected, strict=True, aliases=aliases)
+    engine.load_model_state_dict({name: tensors[name] if name in tensors else tensors[aliases[name]]
+                                  for name in expected})
+
+
+def _storage_aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> the first name of the same tensor (a tied weight's second name) in a state dict."""
+    first, aliases = {}, {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
+def _tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """name -> the first name of the same parameter (a tied weight), in checkpoint names."""
+    first, aliases = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[canonical_name(name)] = first[id(p)]
+        else:
+            first[id(p)] = canonical_name(name)
+    return aliases
+
+
+def _read_by_name(path: Path, expected: dict[str, torch.Tensor], strict: bool, aliases: dict[str, str] | None = None):
+    """The checkpoint's model tensors that `expected` names (shapes checked), the names it lacks
+    (a tied weight's second name does not count) and those it has beyond them."""
+    _refuse_old_format(path)
+    stored = stored_tensors(path, "model")
     for name in (n for n in expected if n in stored):  # model order: the first layer named first
         shape = stored[name][0]
         if shape != tuple(expected[name].shape):
@@ -341,7 +387,8 @@ def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) 
                                f"{name} is {shape} there, {tuple(expected[name].shape)} here")
     tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in stored.items() if name in expected}
     unexpected = sorted(stored.keys() - expected.keys())
-    missing = [n for n in expected if n not in stored and not _is_tied_alias(model, n, tensors)]
+    aliases = _storage_aliases(expected) if aliases is None else aliases
+    missing = [n for n in expected if n not in stored and aliases.get(n) not in tensors]
     if strict and unexpected:
         raise LmforgeError(f"checkpoint {path} holds {_listed(unexpected)} tensors this model does not have: "
                            f"it was saved from a different model")
@@ -349,8 +396,7 @@ def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) 
         raise LmforgeError(f"checkpoint {path} lacks {_listed(missing)} of this model's tensors: it was "
                            f"saved from a different model")
     _load_or_corrupt(tensors, path, "model")
-    model.load_state_dict(tensors, strict=False)
-    return missing, unexpected
+    return tensors, missing, unexpected
 
 
 def read_tensors(path: Path, folder: str = "model") -> dict[str, torch.Tensor]:
@@ -375,21 +421,12 @@ def _load_or_corrupt(tensors: dict, path: Path, folder: str) -> None:
         raise LmforgeError(f"checkpoint {path} is corrupt: {folder} could not be read ({_reason(err)})") from None
 
 
-def _is_tied_alias(model: torch.nn.Module, name: str, tensors: dict) -> bool:
-    """True if parameter `name` shares storage with a parameter that the file does hold."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    if name not in params:
-        return False
-    return any(other in tensors and params[other] is params[name] for other in params if other != name)
-
-
-def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path,
-                         param_groups: list[dict]) -> None:
-    """Restore the state saved by `save_checkpoint`, by parameter name, so that
-    `optimizer.state_dict()` equals the saved one. The optimizer must cover the same names (listed
-    otherwise). JSON turned tuples (AdamW's betas) into lists: they are tuples again where the
-    freshly built optimizer holds a tuple."""
-    live = get_optimizer_state_dict(model, optimizer)["param_groups"]
+def load_optimizer_state(engine, path: Path, param_groups: list[dict]) -> None:
+    """Restore the optimizer state saved by `save_checkpoint` into `engine` (lmforge/parallel/), by
+    parameter name, so that its optimizer state equals the saved one (each rank keeps its part).
+    The optimizer must cover the same names (listed otherwise). JSON turned tuples (AdamW's betas)
+    into lists: they are tuples again where the freshly built optimizer holds a tuple."""
+    live = engine.optimizer_state_dict()["param_groups"]
     saved_names = [name for group in param_groups for name in group["params"]]
     live_names = [name for group in live for name in group["params"]]
     if saved_names != live_names:
@@ -401,14 +438,14 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
                            + ("; the same names in another grouping" if not only_saved and not only_live else ""))
     param_groups = [{key: tuple(value) if isinstance(group.get(key), tuple) else value
                      for key, value in saved.items()}
-                    for saved, group in zip(param_groups, optimizer.param_groups)]
+                    for saved, group in zip(param_groups, engine.optimizer.param_groups)]
     tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in stored_tensors(path, "optimizer").items()}
     _load_or_corrupt(tensors, path, "optimizer")
     state: dict[str, dict] = {}
     for key, value in tensors.items():
         name, field = key.rsplit(".", 1)
         state.setdefault(name, {})[field] = value
-    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": param_groups})
+    engine.load_optimizer_state_dict({"state": state, "param_groups": param_groups})
 
 
 def load_rng_states(path: Path, device: torch.device = torch.device("cpu")) -> None:

@@ -197,7 +197,7 @@ class Trainer:
     def _restore(self, path: Path, state: dict) -> tuple[RunState, list[str]]:
         """Load checkpoint `path` once it is checked to fit this run; reads only."""
         check_same_base(state.get("base"), self.base_identity, path)
-        run, metrics_kept = self.folder.restore(path, state, self.model, self.optimizer, self.cfg,
+        run, metrics_kept = self.folder.restore(path, state, self.engine, self.cfg,
                                                 self.policy.name, self.data)
         precision = state["precision"]
         if "loss_scaler" in precision:
@@ -229,7 +229,7 @@ class Trainer:
         extra = {"tokenizer_sha256": self.data.meta["tokenizer_sha256"], "precision": precision}
         if self.base_identity is not None:
             extra["base"] = self.base_identity  # a LoRA checkpoint holds only the adapters: which base they fit
-        return self.folder.save(self.state, self.model, self.optimizer, extra,
+        return self.folder.save(self.state, self.engine, extra,
                                 {"config.yaml": self.config_yaml.encode(), "tokenizer.json": self.tokenizer_json.encode()},
                                 keep=self.cfg.train.keep_checkpoints)
 

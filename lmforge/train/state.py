@@ -59,7 +59,7 @@ class RunFolder:
         ckpt.check_format(path, state)
         return path, state
 
-    def restore(self, path: Path, state: dict, model, optimizer, cfg, policy: str, data) -> tuple[RunState, list[str]]:
+    def restore(self, path: Path, state: dict, engine, cfg, policy: str, data) -> tuple[RunState, list[str]]:
         """Check that checkpoint `path` belongs to this run's tokenizer, precision policy and length,
         then load weights, optimizer state and RNG; returns the run state and the metrics lines to
         keep. Reads only."""
@@ -75,8 +75,8 @@ class RunFolder:
             raise LmforgeError(f"{self.path} already reached step {step} of train.max_steps={max_steps}: "
                                f"pass a larger train.max_steps to continue")
         metrics_kept = MetricsLog.lines_to_keep(self.path / "metrics.jsonl", state["step"], warn=self.warn)
-        ckpt.load_model_weights(model, path)
-        ckpt.load_optimizer_state(model, optimizer, path, state["param_groups"])
+        ckpt.load_engine_weights(engine, path)
+        ckpt.load_optimizer_state(engine, path, state["param_groups"])
         ckpt.load_rng_states(path, self.world.device)
         fields = RunState.__dataclass_fields__
         return RunState(**{key: value for key, value in state["run"].items() if key in fields}), metrics_kept
@@ -88,9 +88,9 @@ class RunFolder:
         (self.path / "config.yaml").write_text(config_yaml)
         (self.path / "tokenizer.json").write_text(tokenizer_json)
 
-    def save(self, run: RunState, model, optimizer, extra_state: dict, files: dict[str, bytes], keep: int) -> Path:
+    def save(self, run: RunState, engine, extra_state: dict, files: dict[str, bytes], keep: int) -> Path:
         state = {"run": asdict(run), **extra_state}
-        return ckpt.save_checkpoint(self.path, run.step, model, optimizer, state, files, keep=keep, world=self.world)
+        return ckpt.save_checkpoint(self.path, run.step, engine, state, files, keep=keep, world=self.world)
 
     def release(self) -> None:
         if self.lock is not None:
