@@ -582,6 +582,8 @@ def cmd_import_hf(args) -> int:
     out = Path(args.out) if args.out else Path("runs") / (args.name or Path(args.folder).resolve().name)
     import_run(args.folder, out)
     print(f"{out}: imported; try lmforge generate --run {out} --prompt \"...\"")
+    return 0
+
 
 def cmd_tasks(args) -> int:
     import json

@@ -132,7 +132,8 @@ def non_finite_tensor(model_state: dict[str, torch.Tensor], optimizer_state: dic
 
     One max-of-|x| reduction per tensor (inf and NaN propagate through it) and one sync for all."""
     named = [(name, t) for name, t in model_state.items() if t.is_floating_point()]
-    named += [(f"optimizer state {key}", t) for key, t in optimizer_state.items() if t.is_floating_point()]
+    named += [(f"optimizer state {key.rsplit('.', 1)[1]} of {key.rsplit('.', 1)[0]}", t)
+              for key, t in optimizer_state.items() if t.is_floating_point()]
     if not named:
         return None
     peaks = torch.stack([torch.linalg.vector_norm(t.detach(), float("inf")).float().cpu() for _, t in named])
