@@ -206,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "config.json, model.safetensors and tokenizer files that transformers' AutoModelForCausalLM "
                     "and AutoTokenizer load (llama family: LlamaForCausalLM; gpt: GPT2LMHeadModel).")
     export.add_argument("run", metavar="RUN", help="run folder or checkpoint folder")
-    export.add_argument("--format", required=True, choices=["hf"], help="hf: Hugging Face transformers")
+    export.add_argument("--format", required=True, choices=["hf", "peft"],
+                        help="hf: Hugging Face transformers (a LoRA run: adapters merged into the base); "
+                             "peft: a LoRA run's adapter alone, in PEFT's layout")
     export.add_argument("--out", metavar="DIR", help="folder to write (default: RUN/hf-step_NNNNNNN)")
 
     import_hf = commands.add_parser(
@@ -415,14 +417,15 @@ def cmd_finetune(args) -> int:
         key, _ = parse_override(item)
         if key.startswith(("model.", "finetune.base")):
             raise LmforgeError(f"cannot set {key}: a fine-tuning run keeps its base's model (use --base)")
-    from lmforge.train.finetune import _base_checkpoint
+    from lmforge.train.finetune import base_settings
 
     base = Path(args.base).resolve()
-    base_model = load_config(_base_checkpoint(base) / "config.yaml").model
+    base_model, end_token = base_settings(base)  # an lmforge run folder or a Hugging Face folder
     lora = {"lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets,
             "lora_dropout": args.lora_dropout}
     flags = [f"finetune.{key}={value}" for key, value in lora.items() if value is not None]
     cfg = make_config(None, args.config, [*FINETUNE_DEFAULTS, f"finetune.base={base}", *flags, *args.overrides])
+    cfg.data.end_token = end_token  # the base's own end-of-document token
     cfg.model = base_model
     validate(cfg)
     if args.out:
@@ -569,8 +572,12 @@ def cmd_runs(args) -> int:
 def cmd_export(args) -> int:
     from lmforge.interop.folders import export_run
 
-    out = export_run(args.run, args.out)
-    print(f"{out}: a Hugging Face folder; load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    out = export_run(args.run, args.out, args.format)
+    if args.format == "peft":
+        print(f"{out}: a PEFT LoRA adapter; load it with peft.PeftModel.from_pretrained(<the base, exported with "
+              f"--format hf from the base run>, {str(out)!r})")
+    else:
+        print(f"{out}: a Hugging Face folder; load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 

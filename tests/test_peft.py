@@ -132,3 +132,56 @@ def test_adapter_for_another_base_stops_with_one_line(tmp_path):
         write_peft_adapter(random_adapter(gpt, ["q_proj"]), gpt, RANK, ALPHA, ["q_proj"], tmp_path / "partial")
     with pytest.raises(LmforgeError, match="not a PEFT adapter folder"):
         read_peft_adapter(tmp_path, cfg)
+
+
+def test_lmforge_lora_model_equals_peft_on_the_exported_base(tokenizer, tmp_path):
+    """lmforge's own LoRALinear wrappers, holding an adapter, give the logits PEFT computes with
+    the same adapter written in its layout onto the exported base."""
+    from lmforge.model.lora import apply_lora, load_adapter_state_dict
+
+    cfg = tiny_model_config("llama")
+    torch.manual_seed(0)
+    base = perturbed(Transformer(cfg)).state_dict()
+    targets = TARGETS["llama"]
+    adapter = random_adapter(cfg, targets)
+    ours = Transformer(cfg)
+    ours.load_state_dict(base)
+    apply_lora(ours, ",".join(targets), RANK, ALPHA)
+    load_adapter_state_dict(ours, adapter)
+    export_hf(cfg, base, tokenizer, tmp_path / "base")
+    write_peft_adapter(adapter, cfg, RANK, ALPHA, targets, tmp_path / "adapter")
+    theirs = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                            tmp_path / "adapter").eval()
+    ids = tokens()
+    assert (logits(ours.eval(), ids) - logits(theirs, ids)).abs().max().item() < 1e-5
+
+
+def test_finetune_an_hf_folder_with_lora_and_load_the_adapter_in_peft(tokenizer, tmp_path):
+    """`lmforge finetune --base <a Hugging Face folder>` trains LoRA adapters in the base's own
+    tokenizer; `lmforge export --format peft` writes them so that PEFT, on that same folder,
+    computes the logits of lmforge's base + adapter."""
+    import json
+    import random
+
+    from lmforge.cli import main
+    from lmforge.train import checkpoint as ckpt
+    from lmforge.train.finetune import model_from_checkpoint
+    from test_interop import hf_model
+
+    hf_model("llama", tmp_path / "hf", tokenizer)
+    rng = random.Random(0)
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for _ in range(32):
+            f.write(json.dumps({"prompt": f"import os {rng.randrange(9)}", "response": " class A"}) + "\n")
+    status = main(["finetune", "--base", str(tmp_path / "hf"), "--lora-rank", "4", "--lora-alpha", "8",
+                   "--no-progress", "--out", str(tmp_path / "ft"), f"data.source={tmp_path / 'pairs.jsonl'}",
+                   "train.max_steps=3", "train.batch_size=4", "train.seq_len=16", "train.eval_batches=1",
+                   "train.sample_tokens=0", "train.tensorboard=false", "optim.lr=1e-2", "optim.warmup_steps=1"])
+    assert status == 0
+    assert main(["export", "--format", "peft", str(tmp_path / "ft"), "--out", str(tmp_path / "adapter")]) == 0
+    _, ours, _ = model_from_checkpoint(ckpt.find_checkpoint(tmp_path / "ft"))
+    assert any(p.abs().max() > 0 for n, p in ours.named_parameters() if n.endswith("lora_B"))  # it trained
+    theirs = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"),
+                                            tmp_path / "adapter").eval()
+    ids = tokens()[:, :16]
+    assert (logits(ours.eval(), ids) - logits(theirs, ids)).abs().max().item() < 1e-5

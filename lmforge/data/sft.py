@@ -74,14 +74,14 @@ def example_parts(record, where: str) -> list[tuple[str, bool]]:
     return [(record["prompt"], False), (record["response"], True)]
 
 
-def encode_example(tokenizer, parts: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
-    """Token ids of the parts, then end-of-text, and whether each token is trained (a target)."""
+def encode_example(tokenizer, parts: list[tuple[str, bool]], end_token: str = END_OF_TEXT) -> tuple[list[int], list[bool]]:
+    """Token ids of the parts, then `end_token`, and whether each token is trained (a target)."""
     ids, trained = [], []
     for text, train in parts:
         part = tokenizer.encode(text).ids if text else []
         ids += part
         trained += [train] * len(part)
-    return ids + [tokenizer.token_to_id(END_OF_TEXT)], trained + [True]
+    return ids + [tokenizer.token_to_id(end_token)], trained + [True]
 
 
 @dataclass
@@ -177,10 +177,12 @@ def read_records(source: str) -> list[Document]:
     return records
 
 
-def load_examples(source: str, tokenizer, seq_len: int, val_fraction: float) -> tuple[ExampleSet, ExampleSet, dict]:
-    """Train and validation examples of `source`, and their statistics (meta.json's fields)."""
+def load_examples(source: str, tokenizer, seq_len: int, val_fraction: float,
+                  end_token: str = END_OF_TEXT) -> tuple[ExampleSet, ExampleSet, dict]:
+    """Train and validation examples of `source`, and their statistics (meta.json's fields); each
+    example ends with `end_token` (data.end_token: the base model's own)."""
     train_docs, val_docs = split_documents(read_records(source), val_fraction)
-    end = tokenizer.token_to_id(END_OF_TEXT)
+    end = tokenizer.token_to_id(end_token)
     sets, splits, trained_ids = {}, {}, []
     for split, docs in (("train", train_docs), ("val", val_docs)):
         encoded, trained_bytes = [], 0
@@ -190,7 +192,7 @@ def load_examples(source: str, tokenizer, seq_len: int, val_fraction: float) -> 
             except json.JSONDecodeError as err:
                 raise LmforgeError(f"{doc.name} is not valid JSON ({err.msg})") from None
             parts = example_parts(record, doc.name)
-            ids, trained = encode_example(tokenizer, parts)
+            ids, trained = encode_example(tokenizer, parts, end_token)
             encoded.append((doc.name, ids, trained))
             trained_bytes += sum(len(text.encode()) for text, train in parts if train)
         sets[split] = pad_examples(encoded, seq_len, end)

@@ -51,10 +51,11 @@ def tokenizer_hash(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
 
 
-def encode_documents(tokenizer: Tokenizer, texts: Iterable[str], batch_size: int = 512) -> Iterator[np.ndarray]:
-    """Token ids of each document followed by END_OF_TEXT, yielded one batch of documents at a
+def encode_documents(tokenizer: Tokenizer, texts: Iterable[str], batch_size: int = 512,
+                     end_token: str = END_OF_TEXT) -> Iterator[np.ndarray]:
+    """Token ids of each document followed by `end_token`, yielded one batch of documents at a
     time. `encode_batch` runs each batch on all cores in Rust; batching bounds the memory held."""
-    end = tokenizer.token_to_id(END_OF_TEXT)
+    end = tokenizer.token_to_id(end_token)
     batch: list[str] = []
 
     def flush() -> np.ndarray:

@@ -66,15 +66,35 @@ def read_checkpoint_weights(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
     return state
 
 
-def export_run(run: str | Path, out: str | Path | None = None) -> Path:
-    """Export the newest checkpoint of a run folder (or the checkpoint given) as an HF folder;
-    by default <run folder>/hf-<checkpoint name>."""
+def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") -> Path:
+    """Export the newest checkpoint of a run folder (or the checkpoint given): `hf`, a Hugging Face
+    folder (a LoRA run's adapters folded into its base's weights), by default <run>/hf-<checkpoint>;
+    `peft`, a LoRA run's adapter alone in PEFT's layout, by default <run>/peft-<checkpoint>."""
+    from lmforge.interop.peft import _inner, write_peft_adapter
+    from lmforge.model.lora import adapter_state_dict
+    from lmforge.train.finetune import model_from_checkpoint
+
     path = resolve_checkpoint(run)
     cfg = load_config(path / "config.yaml")
+    lora = cfg.finetune.lora_rank is not None
+    if fmt == "peft" and not lora:
+        raise LmforgeError(f"{run} is not a LoRA run: --format peft writes LoRA adapters; use --format hf")
     tokenizer = load_tokenizer(path / "tokenizer.json", end_token=cfg.data.end_token)
-    out = Path(out) if out is not None else path.parent.parent / f"hf-{path.name}"
+    out = Path(out) if out is not None else path.parent.parent / f"{fmt}-{path.name}"
     _check_free(out)
-    state = read_checkpoint_weights(path, cfg)
+    if fmt == "peft":
+        _, model, _ = model_from_checkpoint(path)  # base + adapters, checked to belong together
+        adapter = adapter_state_dict(model)
+        targets = sorted({_inner(name.rsplit(".", 1)[0]) for name in adapter})
+        f = cfg.finetune
+        _staged(out, lambda folder: write_peft_adapter(adapter, cfg.model, f.lora_rank, f.lora_alpha, targets,
+                                                       folder, dropout=f.lora_dropout))
+        return out
+    if lora:  # the base with the adapters folded in: a plain model transformers loads alone
+        _, model, _ = model_from_checkpoint(path, merge=True)
+        state = {name: t for name, t in model.state_dict().items() if not name.endswith((".lora_A", ".lora_B"))}
+    else:
+        state = read_checkpoint_weights(path, cfg)
     _staged(out, lambda folder: export_hf(cfg.model, state, tokenizer, folder, end_token=cfg.data.end_token))
     return out
 

@@ -58,6 +58,19 @@ def _base_checkpoint(path: Path) -> Path:
     return ckpt.find_checkpoint(path)
 
 
+def base_settings(path: str | Path) -> tuple[ModelConfig, str]:
+    """The model config and end-of-document token of a fine-tuning base, read without its weights:
+    an lmforge run folder's config.yaml, or a Hugging Face folder's config and tokenizer."""
+    path = Path(path)
+    if is_hf_folder(path):
+        from lmforge.interop.hf import _read_json, model_config_from_hf, read_end_token, read_hf_tokenizer
+
+        model_cfg = model_config_from_hf(_read_json(path / "config.json"), str(path))
+        return model_cfg, read_end_token(path, read_hf_tokenizer(path, model_cfg.vocab_size))
+    cfg = load_config(_base_checkpoint(path) / "config.yaml")
+    return cfg.model, cfg.data.end_token
+
+
 def load_base(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """The base model of a fine-tuning run: its model config, its weights by lmforge parameter name
     and its tokenizer. `path` is an lmforge run folder (its newest good checkpoint; a LoRA run's
@@ -137,7 +150,7 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
     identity = base_identity(cfg.finetune.base)
     source, seq_len = cfg.data.source, cfg.seq_len
     if is_example_source(source):
-        train, val, meta = load_examples(source, tokenizer, seq_len, cfg.data.val_fraction)
+        train, val, meta = load_examples(source, tokenizer, seq_len, cfg.data.val_fraction, cfg.data.end_token)
         batches = example_batch
         first = val.tokens[0]
         prompt_end = int(np.argmax(val.targets[0] != IGNORE_INDEX)) + 1  # tokens before the first target
@@ -146,7 +159,7 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
             f"tokens, loss on {meta['splits']['train']['tokens']:,} response tokens")
     else:
         train_docs, val_docs = split_documents(load_documents(source), cfg.data.val_fraction)
-        train, val = (np.concatenate(list(encode_documents(tokenizer, (d.text for d in docs))))
+        train, val = (np.concatenate(list(encode_documents(tokenizer, (d.text for d in docs), end_token=cfg.data.end_token)))
                       for docs in (train_docs, val_docs))
         if min(len(train), len(val)) < seq_len + 1:
             raise LmforgeError(f"the corpus is too small for windows of {seq_len} tokens ({len(train)} train, "

@@ -13,7 +13,6 @@ import math
 import torch
 
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name
-from lmforge.data.tokenizer import END_OF_TEXT
 from lmforge.generate.sampling import generate
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
 from lmforge.planning import print_comparison
@@ -171,14 +170,14 @@ def default_prompt(trainer) -> str:
     if getattr(trainer.data, "default_prompt", ""):  # fine-tuning data says its own (train/finetune.py)
         return trainer.data.default_prompt
     tokenizer = trainer.data.tokenizer
-    end = tokenizer.token_to_id(END_OF_TEXT)
+    end = tokenizer.token_to_id(trainer.cfg.data.end_token)
     start = trainer.data.val[:SAMPLE_PROMPT_TOKENS].tolist()
     return tokenizer.decode(start[:start.index(end)] if end in start else start)
 
 def sample(trainer, prompt: str, max_new_tokens: int, seed: int = 0) -> str:
     """`prompt` and its continuation."""
     tokenizer = trainer.data.tokenizer
-    end = tokenizer.token_to_id(END_OF_TEXT)
+    end = tokenizer.token_to_id(trainer.cfg.data.end_token)
     ids = generate(trainer.model, tokenizer.encode(prompt).ids or [end], max_new_tokens, temperature=0.8,
                    top_p=0.95, stop_token=end, seed=seed)
     return prompt + tokenizer.decode(ids)
