@@ -256,7 +256,7 @@ def print_comparison(console: Console, comparison: dict) -> None:
               "sent_bytes_per_step": "sent per step per rank (collectives)"}
     for key, row in comparison.items():
         predicted, measured = row["predicted"], row["measured"]
-        if key.endswith("_bytes"):
+        if "_bytes" in key:
             shown = (human_bytes(predicted), human_bytes(measured) if measured is not None else "-")
         elif key == "tokens_per_s":
             shown = (f"{predicted:,.0f}", f"{measured:,.0f}")

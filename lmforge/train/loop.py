@@ -18,6 +18,7 @@ train/summary.py writes the end of the run.
 import contextlib
 import functools
 import math
+import os
 import time
 from pathlib import Path
 
@@ -179,7 +180,14 @@ class Trainer:
         self.hardware_flops_per_token = hardware_flops_per_token(cfg.model, cfg.seq_len, cfg.train.recompute)
         self.peak_dtype = matmul_dtype(cfg.train.precision)
         machine = world.from_main(lambda: machine(self.peak_dtype, self.device))  # measured once, by rank 0
-        self.device_label, self.peak_flops, _ = machine  # of one device
+        # CPU ranks on one machine whose threads outnumber its cores share them (the peak was
+        # measured with this process's threads alone): each rank has its share of that peak
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        sharing = max(1.0, local_ranks * torch.get_num_threads() / (os.cpu_count() or 1))
+        if self.device.type == "cpu" and sharing > 1:
+            name, peak, memory = machine
+            machine = (f"{name} (shared by {local_ranks} ranks)", peak / sharing, memory / local_ranks)
+        self.device_label, self.peak_flops, _ = machine  # of one rank's device
         self.world_peak_flops = self.peak_flops * world.world_size  # what MFU divides by: every rank's device
         # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
         setup = Setup.from_config(cfg, mfu=1.0, dp=world.world_size,
@@ -270,7 +278,7 @@ class Trainer:
         """Train to train.max_steps, then write the summary. SIGTERM or Ctrl-C: finish the step,
         save a checkpoint and raise `Stopped`. The run folder's lock is released on return."""
         start_step = self.session_start_step = self.step
-        self.measured = FirstStepMeasurement(self.model, self.optimizer, self.device)
+        self.measured = FirstStepMeasurement(self.engine, self.device)
         try:
             with StopRequests() as stop:
                 train_seconds = self._loop(stop)

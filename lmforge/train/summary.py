@@ -14,7 +14,7 @@ import torch
 
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name
 from lmforge.generate.sampling import generate
-from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
+from lmforge.accounting.measure import measure_saved_bytes
 from lmforge.planning import print_comparison
 from lmforge.train.plots import plot_losses, run_title
 from lmforge.train.report import print_table
@@ -24,11 +24,13 @@ SAMPLE_PROMPT_TOKENS = 8
 
 
 class FirstStepMeasurement:
-    """`bytes`: activations saved for backward by the first micro-batch's forward, parameter,
-    gradient and optimizer-state bytes after the first applied step, and on CUDA the peak allocated."""
+    """`bytes`: activations saved for backward by the first micro-batch's forward, this rank's
+    parameter, gradient and optimizer-state bytes after the first applied step (as the data-parallel
+    engine holds them: shards, flat buffers), and on CUDA the peak allocated."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
-        self.model, self.optimizer, self.device = model, optimizer, device
+    def __init__(self, engine, device: torch.device):
+        self.engine, self.model, self.optimizer, self.device = engine, engine.model, engine.optimizer, device
+        model, optimizer = self.model, self.optimizer
         self.bytes: dict = {}
         self._saving = None
         if device.type == "cuda":
@@ -51,7 +53,7 @@ class FirstStepMeasurement:
                 self._hooks.pop(name).remove()
 
     def _after_step(self, optimizer, args, kwargs):
-        self.bytes.update(model_state_bytes_measured(self.model, self.optimizer))
+        self.bytes.update(self.engine.state_bytes())
         if self.device.type == "cuda":
             self.bytes["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
         self._hooks.pop("step").remove()
