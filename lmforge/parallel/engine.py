@@ -26,8 +26,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from lmforge.optim.clip import clip_grad_norm
 
@@ -81,14 +80,16 @@ class Engine:
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Every entry of the unwrapped model's state_dict (tied names both present), full tensors."""
-        return get_model_state_dict(self.model)
+        # the model's own state_dict: its wrappers (recomputation, compile) already give canonical
+        # names, which get_model_state_dict would trip over (it expects compile's `_orig_mod`)
+        return {name: t.detach() for name, t in self.model.state_dict().items()}
 
     def optimizer_state_dict(self) -> dict:
         """{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [{..., "params": [names]}]}."""
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        set_model_state_dict(self.model, state)
+        self.model.load_state_dict(state)
 
     def load_optimizer_state_dict(self, state: dict) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state)
