@@ -18,7 +18,6 @@ number of steps, and draws the validation curves and the bytes.
 import argparse
 import ast
 import json
-import sysconfig
 import time
 from pathlib import Path
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors  # noqa: E402
+from tokenizers import Tokenizer, processors  # noqa: E402
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig,  # noqa: E402
                           LlamaForCausalLM, PreTrainedTokenizerFast)
 

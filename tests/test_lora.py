@@ -7,13 +7,12 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 
 from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.data.sft import IGNORE_INDEX, encode_example, example_parts, pad_examples
-from lmforge.data.tokenizer import END_OF_TEXT, load_tokenizer
+from lmforge.data.tokenizer import END_OF_TEXT
 from lmforge.errors import LmforgeError
 from lmforge.model.lora import (LoRALinear, adapter_state_dict, apply_lora, load_adapter_state_dict, merge_lora,
                                 unmerge_lora)

@@ -16,7 +16,6 @@ locally and only the last micro-batch's backward communicates.
 Per step each rank sends 2 (N-1)/N Psi gradient elements (ring all-reduce; parallel/comm.py).
 """
 
-import contextlib
 
 import torch
 
@@ -56,7 +55,6 @@ class DDPEngine(DistributedEngine):
         if current:
             self.buckets.append(Bucket(current))
         self.place = {p: (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
-        self.syncing = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in params]
 
     def _gradient_ready(self, param: torch.nn.Parameter) -> None:
@@ -70,14 +68,6 @@ class DDPEngine(DistributedEngine):
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             bucket.work = self.comm.all_reduce(bucket.flat, async_op=True)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        self.syncing = False
-        try:
-            yield
-        finally:
-            self.syncing = True
 
     def finish_gradients(self) -> None:
         for bucket in self.buckets:

@@ -123,6 +123,16 @@ class DistributedEngine(Engine):
         super().__init__(model, optimizer)
         self.comm = comm
         self.world_size, self.rank = comm.world, comm.rank
+        self.syncing = True  # False inside no_sync(): the gradient hooks then only accumulate
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulation micro-steps: backward communicates nothing until the last one."""
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
 
     def local_grads(self) -> list[torch.Tensor]:
         """The gradients this rank unscales and clips, after finish_gradients."""

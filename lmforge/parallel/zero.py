@@ -41,7 +41,6 @@ stage 3, (N-1)/N (2 Psi_blocks + Psi_rest gathered + Psi reduce-scattered): 3 Ps
 (the paper's figure), "rest" gathered once per forward and backward together.
 """
 
-import contextlib
 
 import torch
 import torch.nn as nn
@@ -91,7 +90,7 @@ class ZeroEngine(DistributedEngine):
         super().__init__(model, None, comm)
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        self.stage, self.syncing = stage, True
+        self.stage = stage
         self.broadcast_from_rank0()
         names = {p: canonical_name(n) for n, p in model.named_parameters()}  # tied: the first name
         by_unit: dict[str, list] = {}
@@ -204,14 +203,6 @@ class ZeroEngine(DistributedEngine):
             unit.reduce = (self.comm.reduce_scatter(unit.grad_shard, flat, async_op=True), flat)
         if self.stage == 3:
             self._free(unit)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        self.syncing = False
-        try:
-            yield
-        finally:
-            self.syncing = True
 
     def finish_gradients(self) -> None:
         if self.stage == 1:  # in place: this rank's slice of the buffer receives the sum
