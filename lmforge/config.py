@@ -20,7 +20,7 @@ from lmforge.errors import LmforgeError
 # The names a setting can take, each from its one registry (light modules: no torch)
 from lmforge.model.backends import BACKENDS
 from lmforge.precision.policies import FP8_SCALINGS, POLICIES
-from lmforge.parallel_modes import PARALLEL_STRATEGIES
+from lmforge.parallel_modes import PARALLEL_STRATEGIES, PIPELINE_ENGINES, PIPELINE_SCHEDULES, parse_split
 from lmforge.recompute_modes import RECOMPUTE_MODES
 
 FAMILIES = ("llama", "gpt")  # model/transformer.py builds each (its FAMILIES table has these keys)
@@ -122,6 +122,13 @@ class TrainConfig:
     parallel: str = "none"
     bucket_mb: float = 25.0  # DDP/ZeRO: gradients are reduced in buckets of about this many MiB
     dist_timeout: int = 60  # seconds a collective may wait before the run stops (a dead rank)
+    # pipeline parallelism under torchrun (lmforge/parallel/pipeline.py): the model cut into this many
+    # stages, one per rank; with more ranks than stages, the pipelines are replicated (data parallel)
+    pipeline_stages: int = 1
+    micro_batches: int = 1  # pipeline micro-batches per optimizer step, each of train.batch_size sequences
+    schedule: str = "1f1b"  # gpipe | 1f1b: the order in which each stage runs its forwards and backwards
+    pipeline_split: str = ""  # layers per stage, e.g. "4,4,4,4"; "": balanced by each layer's FLOPs
+    pipeline_engine: str = "lmforge"  # lmforge: our schedules | torch: torch.distributed.pipelining's
 
 
 @dataclass
@@ -355,7 +362,7 @@ def validate(cfg: Config) -> None:
     require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
 
     for key in ("batch_size", "grad_accum", "seq_len", "max_steps", "eval_batches", "keep_checkpoints",
-                "log_interval", "max_bad_steps", "bucket_mb", "dist_timeout"):
+                "log_interval", "max_bad_steps", "bucket_mb", "dist_timeout", "pipeline_stages", "micro_batches"):
         positive(f"train.{key}", getattr(t, key))
     for key in ("eval_interval", "checkpoint_interval", "sample_tokens", "loss_chunk_tokens"):
         require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
@@ -365,6 +372,16 @@ def validate(cfg: Config) -> None:
     choose("train.fp8_scaling", t.fp8_scaling, FP8_SCALINGS)
     choose("train.recompute", t.recompute, RECOMPUTE_MODES)
     choose("train.parallel", t.parallel, PARALLEL_STRATEGIES)
+    choose("train.schedule", t.schedule, PIPELINE_SCHEDULES)
+    choose("train.pipeline_engine", t.pipeline_engine, PIPELINE_ENGINES)
+    if t.pipeline_stages > 1 or t.pipeline_split:
+        parse_split(t.pipeline_split, m.n_layers, t.pipeline_stages)  # raises on a split that does not fit
+    require(t.pipeline_stages > 1 or t.micro_batches == 1,
+            f"train.micro_batches={t.micro_batches} applies to pipelines (train.pipeline_stages > 1); "
+            f"to accumulate gradients over micro-batches in one process use train.grad_accum")
+    require(t.pipeline_stages == 1 or t.grad_accum == 1,
+            f"train.grad_accum={t.grad_accum} with train.pipeline_stages={t.pipeline_stages}: a pipeline "
+            f"accumulates over its micro-batches; set train.micro_batches instead")
     # the Triton kernels under torch.compile have never run (no GPU here): not offered untried
     require(not (t.compile and m.attention == "flash_triton"),
             "train.compile=true with model.attention=flash_triton is untested (its Triton kernels have never "

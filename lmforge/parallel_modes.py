@@ -8,7 +8,7 @@ bytes its collectives move. A top-level module without torch, like recompute_mod
 
 from dataclasses import dataclass
 
-from lmforge.errors import lookup
+from lmforge.errors import LmforgeError, lookup
 
 
 @dataclass(frozen=True)
@@ -38,3 +38,43 @@ def shard_unit(name: str) -> str:
     "rest" (embeddings, final norm, head)."""
     parts = name.split(".")
     return f"blocks.{parts[1]}" if parts[0] == "blocks" else "rest"
+
+
+# -- pipeline parallelism (lmforge/parallel/pipeline.py) -----------------------------------------
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    name: str
+    description: str
+
+
+PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
+    # Huang et al. 2019: every micro-batch's forward, then every backward; m micro-batches of
+    # activations alive on every stage at the turn
+    PipelineSchedule("gpipe", "all forwards, then all backwards (GPipe)"),
+    # Narayanan et al. 2021, section 2.2: after a warm-up, one forward then one backward; stage s keeps
+    # at most p - s micro-batches of activations alive; the same bubble as GPipe
+    PipelineSchedule("1f1b", "warm-up forwards, then one forward one backward (1F1B)"),
+)}
+
+PIPELINE_ENGINES = {"lmforge": "our schedules on send/recv (parallel/pipeline.py)",
+                    "torch": "torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B"}
+
+
+def parse_split(text: str, n_layers: int, stages: int) -> list[int] | None:
+    """`train.pipeline_split` as layers per stage ("4,4,4,4" -> [4, 4, 4, 4]), checked against the
+    model; None for "" (the split is then balanced by cost: accounting/pipeline.py)."""
+    if stages > n_layers:
+        raise LmforgeError(f"train.pipeline_stages={stages} but the model has {n_layers} layers: each stage needs "
+                           f"at least one; use at most {n_layers} stages")
+    if not text.strip():
+        return None
+    try:
+        split = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise LmforgeError(f"train.pipeline_split={text!r} is not a list of layer counts: write e.g. "
+                           f"\"{','.join(['2'] * stages)}\"") from None
+    if len(split) != stages or sum(split) != n_layers or min(split) < 1:
+        raise LmforgeError(f"train.pipeline_split={text} must give each of the {stages} stages at least one layer "
+                           f"and {n_layers} layers in all (the model's model.n_layers)")
+    return split
