@@ -383,7 +383,7 @@ def cmd_train(args) -> int:
     if args.nproc is not None:
         if args.nproc < 1:
             raise LmforgeError(f"--nproc {args.nproc}: start at least 1 process")
-        if cfg.train.parallel == "none":
+        if cfg.train.parallel == "none" and cfg.train.pipeline_stages == 1:
             raise LmforgeError(f"--nproc {args.nproc} needs a way to share the work: add train.parallel=ddp "
                                f"(or zero1, zero2, zero3, fsdp)")
         if "WORLD_SIZE" in os.environ:

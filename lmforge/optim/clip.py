@@ -21,8 +21,14 @@ def clip_grad_norm(params, max_norm: float, sum_across_ranks=None) -> torch.Tens
         squares = total_norm.square()
         sum_across_ranks(squares)
         total_norm = squares.sqrt()
+    scale_to_norm(grads, total_norm, max_norm)
+    return total_norm
+
+
+@torch.no_grad()
+def scale_to_norm(grads, total_norm: torch.Tensor, max_norm: float) -> None:
+    """g <- g * min(1, max_norm / ||g||) for each of `grads`, given their global norm (0: no clipping)."""
     if max_norm > 0:
         scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for g in grads:
             g.mul_(scale.to(g.device, g.dtype))
-    return total_norm

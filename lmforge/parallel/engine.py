@@ -2,8 +2,10 @@
 
 One optimizer step, whatever the strategy (train/loop.py, `train_step`):
 
-    for each micro-batch but the last:   with engine.no_sync(): backward      (no communication)
-    last micro-batch:                    backward                             (reductions start)
+    engine.forward_backward(...)         the step's micro-batches:
+        for each micro-batch but the last:   with engine.no_sync(): backward  (no communication)
+        last micro-batch:                    backward                         (reductions start)
+                                         (a pipeline stage runs its schedule instead: pipeline.py)
     engine.finish_gradients()            wait for the reductions: gradients averaged over ranks
     engine.unscale_and_clip(scaler, c)   fp16 found-inf and the global gradient norm, over all ranks
     engine.step()                        the optimizer (and, for ZeRO, the parameter all-gather)
@@ -29,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from lmforge.optim.clip import clip_grad_norm
+from lmforge.precision import autocast
 
 
 def unique_storages_bytes(tensors) -> int:
@@ -47,10 +50,30 @@ class Engine:
     """Strategy "none": one process."""
 
     world_size, rank = 1, 0
+    replica, replicas = 0, 1  # which copy of the model this rank trains, of how many (the data-parallel ranks)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
         self.comm = None  # the counting collectives (parallel/comm.py) of distributed engines
+
+    def forward_backward(self, next_batch, grad_accum: int, scaler, policy, device: torch.device) -> torch.Tensor:
+        """Forward and backward of the step's `grad_accum` micro-batches from `next_batch()`, each
+        loss divided by grad_accum so that the summed gradient is that of the batch's mean loss,
+        communicating only in the last one's backward. Returns the sum of those losses."""
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(grad_accum):
+            x, y = next_batch()
+            with self.no_sync() if micro < grad_accum - 1 else contextlib.nullcontext():
+                with autocast(policy, device):
+                    loss = self.model(x, y) / grad_accum
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of one batch, without gradients (evaluation)."""
+        with torch.no_grad():
+            return self.model(x, y)
 
     def no_sync(self):
         """Accumulation micro-steps: gradients stay local until the last micro-batch's backward."""
@@ -94,6 +117,22 @@ class Engine:
     def load_optimizer_state_dict(self, state: dict) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state)
 
+    # -- a model cut into stages (parallel/pipeline.py) sums and merges these over its stages -----------
+
+    def num_params(self) -> int:
+        """Parameters of the whole model (shared tensors once)."""
+        return self.model.num_params()
+
+    def model_names(self) -> set[str]:
+        """The names of the whole model's state."""
+        return set(self.model_state_dict())
+
+    def total_over_stages(self, count: int, state: dict[str, torch.Tensor]) -> int:
+        return count
+
+    def merged_over_stages(self, per_stage: dict) -> dict:
+        return per_stage
+
     # -- what this rank holds ------------------------------------------------------------------------
 
     def state_bytes(self) -> dict[str, int]:
@@ -123,6 +162,7 @@ class DistributedEngine(Engine):
         super().__init__(model, optimizer)
         self.comm = comm
         self.world_size, self.rank = comm.world, comm.rank
+        self.replicas, self.replica = comm.world, comm.rank
         self.syncing = True  # False inside no_sync(): the gradient hooks then only accumulate
 
     @contextlib.contextmanager

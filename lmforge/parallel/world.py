@@ -198,14 +198,22 @@ def check_world(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> tor
     from lmforge.train.setup import resolve_device
 
     parallel = get_strategy(cfg.train.parallel).name
+    stages = cfg.train.pipeline_stages
     if env is None:
+        if stages > 1:
+            raise LmforgeError(f"train.pipeline_stages={stages} needs one process per stage: launch with "
+                               f"torchrun --nproc_per_node={stages} -m lmforge train ... or lmforge train "
+                               f"--nproc {stages} ...")
         if parallel != "none":
             raise LmforgeError(f"train.parallel={parallel} needs one process per device: launch with "
                                f"torchrun --nproc_per_node=N -m lmforge train ... or lmforge train --nproc N ... "
                                f"(or set train.parallel=none for one process)")
         return resolve_device(cfg.train.device)
     rank, world_size, local_rank = env
-    if parallel == "none" and world_size > 1:
+    if stages > 1:
+        from lmforge.parallel import check_pipeline
+        check_pipeline(cfg, world_size)
+    elif parallel == "none" and world_size > 1:
         # Refused rather than guessed: the strategies differ in memory and speed, and N ranks
         # training alone would write one folder N times.
         raise LmforgeError(f"train.parallel=none under torchrun with {world_size} processes: choose how they share "

@@ -168,7 +168,8 @@ def save_checkpoint(run_dir: Path, step: int, engine, state: dict, extra_files: 
             remove_partials(run_dir)  # from a save that was killed half way
             partial.mkdir()
         world.barrier()  # the folder exists before any rank writes into it
-        _write_checkpoint(partial, model_state, optimizer_state, param_groups, state, step, extra_files, world)
+        _write_checkpoint(partial, model_state, optimizer_state, param_groups, state, step, extra_files, world,
+                          parameters=engine.total_over_stages(sum(t.numel() for t in model_state.values()), model_state))
     except (OSError, CheckpointException) as err:
         error = err
     error = world.first_error(error)
@@ -210,7 +211,7 @@ def _reason(error: BaseException) -> str:
 
 
 def _write_checkpoint(partial: Path, model_state: dict, optimizer_state: dict, param_groups: list[dict], state: dict,
-                      step: int, extra_files: dict[str, bytes], world: World) -> None:
+                      step: int, extra_files: dict[str, bytes], world: World, parameters: int) -> None:
     save_tensors(model_state, partial / "model")
     save_tensors(optimizer_state, partial / "optimizer")
     if not world.is_main:
@@ -221,7 +222,6 @@ def _write_checkpoint(partial: Path, model_state: dict, optimizer_state: dict, p
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
     save_file(rng, str(partial / "rng.safetensors"))
-    parameters = sum(t.numel() for t in model_state.values())
     (partial / "state.json").write_text(json.dumps({**state, "format": FORMAT, "step": step, "world_size":
                                                     world.world_size, "parameters": parameters,
                                                     "param_groups": param_groups}, indent=2))
@@ -348,7 +348,7 @@ def load_engine_weights(engine, path: Path) -> None:
     # a tied weight's second name: the same tensor in the state dict, or (FSDP2's full state dict
     # copies each name) the same parameter in the model
     aliases = {**_storage_aliases(expected), **_tied_names(engine.model)}
-    tensors, _, _ = _read_by_name(path, expected, strict=True, aliases=aliases)
+    tensors, _, _ = _read_by_name(path, expected, strict=True, aliases=aliases, known=engine.model_names())
     engine.load_model_state_dict({name: tensors[name] if name in tensors else tensors[aliases[name]]
                                   for name in expected})
 
@@ -376,9 +376,11 @@ def _tied_names(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _read_by_name(path: Path, expected: dict[str, torch.Tensor], strict: bool, aliases: dict[str, str] | None = None):
+def _read_by_name(path: Path, expected: dict[str, torch.Tensor], strict: bool, aliases: dict[str, str] | None = None,
+                  known: set[str] | None = None):
     """The checkpoint's model tensors that `expected` names (shapes checked), the names it lacks
-    (a tied weight's second name does not count) and those it has beyond them."""
+    (a tied weight's second name does not count) and those it has beyond `known` (by default the
+    expected names; a pipeline stage expects its own but knows every stage's)."""
     _refuse_old_format(path)
     stored = stored_tensors(path, "model")
     for name in (n for n in expected if n in stored):  # model order: the first layer named first
@@ -387,7 +389,7 @@ def _read_by_name(path: Path, expected: dict[str, torch.Tensor], strict: bool, a
             raise LmforgeError(f"checkpoint {path} was saved from a model of a different shape: "
                                f"{name} is {shape} there, {tuple(expected[name].shape)} here")
     tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in stored.items() if name in expected}
-    unexpected = sorted(stored.keys() - expected.keys())
+    unexpected = sorted(stored.keys() - (expected.keys() if known is None else known))
     aliases = _storage_aliases(expected) if aliases is None else aliases
     missing = [n for n in expected if n not in stored and aliases.get(n) not in tensors]
     if strict and unexpected:

@@ -15,7 +15,6 @@ train/state.py keeps the run folder and its checkpoints, train/report.py logs ea
 train/summary.py writes the end of the run.
 """
 
-import contextlib
 import functools
 import math
 import os
@@ -42,9 +41,11 @@ from lmforge.parallel import Engine
 from lmforge.precision import LossScaler, autocast, device_notes, get_policy
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
 from lmforge.train import checkpoint as ckpt
+from lmforge.train.pipeline_report import pipeline_report
 from lmforge.train.report import SilentLog, StepLog, training_record
 from lmforge.train.finetune import check_same_base, prepare_finetune
 from lmforge.train.setup import build_engine, check_attention, check_data
+from lmforge.parallel.timeline import Timeline
 from lmforge.train.signals import StopRequests, Stopped
 from lmforge.train.state import RunFolder, RunState
 from lmforge.train.summary import FirstStepMeasurement, write_summary
@@ -59,19 +60,22 @@ FP16_MAX_SKIPS_IN_A_ROW = 64
 @torch.no_grad()
 def evaluate(model: Transformer, tokens, batch_size: int, seq_len: int, seed: int, batches: int,
              device: torch.device, precision: str = "fp32", world: World = World(),
-             make_batch=window_batch) -> float:
+             make_batch=window_batch, engine: Engine | None = None) -> float:
     """Mean loss over a fixed set of `batches` batches (the same ones at every evaluation),
     computed as training computes it (under the forward autocast of `precision`); `make_batch`
-    draws them (windows, or fine-tuning examples: data/sft.py's example_batch). Each rank takes
+    draws them (windows, or fine-tuning examples: data/sft.py's example_batch). Each replica takes
     its rows of the global batches and the means are averaged over the ranks: N ranks of
-    batch_size B evaluate what one process of N*B does."""
+    batch_size B evaluate what one process of N*B does. With an `engine`, its `eval_loss` runs the
+    forward (a pipeline's goes through every stage) and its replicas share the batches."""
     was_training = model.training
     model.eval()
     losses = []
+    replica, replicas = (engine.replica, engine.replicas) if engine is not None else (world.rank, world.world_size)
+    loss_of = engine.eval_loss if engine is not None else model
     for index in range(batches):
-        x, y = make_batch(tokens, batch_size, seq_len, seed, index, rank=world.rank, world_size=world.world_size)
+        x, y = make_batch(tokens, batch_size, seq_len, seed, index, rank=replica, world_size=replicas)
         with autocast(get_policy(precision), device):
-            losses.append(model(x.to(device), y.to(device)).item())
+            losses.append(loss_of(x.to(device), y.to(device)).item())
     model.train(was_training)
     return world.mean(sum(losses) / len(losses))
 
@@ -87,14 +91,7 @@ def train_step(engine: Engine, next_batch, grad_accum: int, lr: float, grad_clip
     the mean loss over the batch; the engine averages it over the ranks."""
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
-    loss_sum = torch.zeros((), device=device)
-    for micro in range(grad_accum):
-        x, y = next_batch()
-        with engine.no_sync() if micro < grad_accum - 1 else contextlib.nullcontext():
-            with autocast(policy, device):
-                loss = engine.model(x, y) / grad_accum
-            scaler.scale(loss).backward()
-        loss_sum += loss.detach()
+    loss_sum = engine.forward_backward(next_batch, grad_accum, scaler, policy, device)
     engine.finish_gradients()
     # unscale before clipping, so that the clip threshold applies to the true gradient norm
     found_inf, grad_norm = engine.unscale_and_clip(scaler, grad_clip)
@@ -162,7 +159,8 @@ class Trainer:
         for note in device_notes(self.policy, self.device):
             self.console.print(f"note: {note}")
         # the model and everything that wraps it (precision, recomputation, LoRA, parallelism), then the optimizer
-        self.engine = build_engine(cfg, self.device, self.base_state)
+        self.timeline = Timeline() if cfg.train.pipeline_stages > 1 else None  # what each pipeline step did, when
+        self.engine = build_engine(cfg, self.device, self.base_state, timeline=self.timeline)
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
         self.base_state = None  # copied into the model: let it go
         self.scaler = LossScaler(enabled=self.policy.loss_scaling)
@@ -170,12 +168,15 @@ class Trainer:
         self.state, metrics_kept = RunState(), None
         if resume:
             self.state, metrics_kept = self._restore(*checkpoint)
-        world = self.world
+        world, engine = self.world, self.engine
+        # each replica of the model draws its rows of the global batch (every stage of a pipeline the same)
         self.loader = BatchLoader(self.data.train, cfg.train.batch_size, cfg.seq_len, seed=cfg.train.seed,
                                   start=self.state.loader_position, prefetch=cfg.data.prefetch, device=self.device,
-                                  rank=world.rank, world_size=world.world_size,
+                                  rank=engine.replica, world_size=engine.replicas,
                                   make_batch=getattr(self.data, "batches", window_batch))
-        self.tokens_per_step = cfg.train.batch_size * world.world_size * cfg.train.grad_accum * cfg.seq_len
+        self.global_batch = cfg.train.batch_size * engine.replicas * cfg.train.grad_accum * cfg.train.micro_batches
+        self.tokens_per_step = self.global_batch * cfg.seq_len
+        self.parameters = engine.num_params()  # of the whole model, all stages
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
         self.hardware_flops_per_token = hardware_flops_per_token(cfg.model, cfg.seq_len, cfg.train.recompute)
         self.peak_dtype = matmul_dtype(cfg.train.precision)
@@ -190,7 +191,7 @@ class Trainer:
         self.device_label, self.peak_flops, _ = machine  # of one rank's device
         self.world_peak_flops = self.peak_flops * world.world_size  # what MFU divides by: every rank's device
         # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
-        setup = Setup.from_config(cfg, mfu=1.0, dp=world.world_size,
+        setup = Setup.from_config(cfg, mfu=1.0, dp=engine.replicas,
                                   zero_stage=get_strategy(cfg.train.parallel).zero_stage)
         self.plan = make_plan(cfg.model, setup, machine)
         # every check has passed: only now is anything in the run folder written, by rank 0 alone
@@ -211,13 +212,12 @@ class Trainer:
         if "loss_scaler" in precision:
             self.scaler.load_state_dict(precision["loss_scaler"])
         load_fp8_scale_state(self.model, precision.get("fp8_scales", {}))
-        saved_world, saved_batch = state.get("world_size", 1), load_config(path / "config.yaml").train.batch_size
-        if saved_world * saved_batch != self.world.world_size * self.cfg.train.batch_size:
-            self.console.print(f"note: the global batch changes from {saved_world * saved_batch} ({saved_batch} per rank x "
-                               f"{saved_world}) to {self.world.world_size * self.cfg.train.batch_size} "
-                               f"({self.cfg.train.batch_size} x {self.world.world_size}); to continue the same "
-                               f"training keep it: train.batch_size x ranks = {saved_world * saved_batch}",
-                               soft_wrap=True)
+        saved_config = load_config(path / "config.yaml").train
+        saved_batch = state.get("global_batch", state.get("world_size", 1) * saved_config.batch_size * saved_config.grad_accum)
+        if saved_batch != self.global_batch:
+            self.console.print(f"note: the global batch changes from {saved_batch} to {self.global_batch} sequences per "
+                               f"step; to continue the same training keep train.batch_size x grad_accum x "
+                               f"micro_batches x replicas = {saved_batch}", soft_wrap=True)
         if run.step == self.cfg.train.max_steps:
             self.console.print(f"{self.run_dir} reached step {run.step} but stopped before its summary: writing it")
         else:
@@ -232,9 +232,10 @@ class Trainer:
         if self.scaler.enabled:
             precision["loss_scaler"] = self.scaler.state_dict()
         if self.policy.fp8:
-            precision["fp8_scales"] = fp8_scale_state(self.model)
+            precision["fp8_scales"] = self.engine.merged_over_stages(fp8_scale_state(self.model))
         self.state.loader_position = self.loader.position
-        extra = {"tokenizer_sha256": self.data.meta["tokenizer_sha256"], "precision": precision}
+        extra = {"tokenizer_sha256": self.data.meta["tokenizer_sha256"], "precision": precision,
+                 "global_batch": self.global_batch}
         if self.base_identity is not None:
             extra["base"] = self.base_identity  # a LoRA checkpoint holds only the adapters: which base they fit
         return self.folder.save(self.state, self.engine, extra,
@@ -272,7 +273,7 @@ class Trainer:
         t = self.cfg.train
         return evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, t.seed + 1,
                         t.eval_batches, self.device, t.precision, self.world,
-                        getattr(self.data, "batches", window_batch))
+                        getattr(self.data, "batches", window_batch), engine=self.engine)
 
     def run(self) -> dict:
         """Train to train.max_steps, then write the summary. SIGTERM or Ctrl-C: finish the step,
@@ -282,6 +283,8 @@ class Trainer:
         try:
             with StopRequests() as stop:
                 train_seconds = self._loop(stop)
+            if self.timeline is not None:
+                self.pipeline = pipeline_report(self)
             return write_summary(self, start_step, train_seconds)
         except Exception as err:
             if self.world.world_size > 1 and is_collective_failure(err):  # a rank died or hangs

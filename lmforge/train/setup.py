@@ -11,7 +11,10 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
     5. LoRA       with finetune.lora_rank: freeze everything, wrap the targeted linears in
                   LoRALinear (model/lora.py)
     6. compile    each block and the loss piece in a torch.compile wrapper (train/compile.py)
-    7. parallel   data parallelism: `parallelize` wraps the model in the engine of train.parallel
+    1b. cut       a pipeline stage keeps its blocks (and the embedding, or the head) of the model
+                  initialised whole (parallel/pipeline.py)
+    7. parallel   pipeline parallelism: the stage's engine (its schedule, point-to-point sends);
+                  data parallelism: `parallelize` wraps the model in the engine of train.parallel
                   (lmforge/parallel/): none and ddp keep the model whole; zero1-3 flatten each
                   block's parameters (and the rest's) into per-unit buffers sharded over the ranks,
                   under the mixed policies 16-bit working copies with fp32 master shards; fsdp
@@ -51,7 +54,8 @@ from lmforge.model.backends import FLASH_BACKENDS
 from lmforge.model.lora import apply_lora
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.parallel import Engine, parallelize
+from lmforge.parallel import Engine, check_parallel, parallelize, pipeline_engine, pipeline_place
+from lmforge.parallel.pipeline import cut_stage
 from lmforge.precision import get_policy, prepare_model
 from lmforge.train.chunked_loss import apply_chunked_loss
 from lmforge.train.compile import apply_compile
@@ -59,17 +63,22 @@ from lmforge.train.recompute import apply_recompute
 
 
 def build_model(cfg: Config, device: torch.device | str = "cpu",
-                base_state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+                base_state: dict[str, torch.Tensor] | None = None, stage=None) -> nn.Module:
     """The model of `cfg` on `device`, wrapped for training (steps 1-6 above). On the meta device
     nothing is allocated: parameter shapes and the module tree only, in milliseconds even for 70B.
     Elsewhere the weights are initialised on the CPU and moved, so that a seed gives the same
-    initial model on every device; `base_state` (a fine-tuning base, by parameter name) replaces them."""
+    initial model on every device; `base_state` (a fine-tuning base, by parameter name) replaces them.
+    `stage` = (layers, first, last): a pipeline stage, cut from the whole model once initialised (so
+    that its weights are those of one process: parallel/pipeline.py)."""
     if torch.device(device).type == "meta":
         model = meta_model(cfg.model)  # the accounting's own meta build: no initialisation to skip
     else:
         model = Transformer(cfg.model)
         if base_state is not None:
             model.load_state_dict(base_state)
+    if stage is not None:
+        cut_stage(model, *stage)
+    if torch.device(device).type != "meta":
         model.to(device)
     prepare_model(model, get_policy(cfg.train.precision), fp32_attention=cfg.train.fp32_attention,
                   fp8_scaling=cfg.train.fp8_scaling)
@@ -103,9 +112,17 @@ def build_optimizer(cfg: Config, model: nn.Module) -> AdamW:
 
 
 def build_engine(cfg: Config, device: torch.device | str = "cpu",
-                 base_state: dict[str, torch.Tensor] | None = None) -> Engine:
+                 base_state: dict[str, torch.Tensor] | None = None, timeline=None) -> Engine:
     """Steps 1-8: the model wrapped in the engine of train.parallel, with its optimizer. Under a
-    strategy other than none, torch.distributed must already be initialised (torchrun)."""
+    strategy other than none, torch.distributed must already be initialised (torchrun). With
+    train.pipeline_stages > 1 each rank builds its stage (the model cut after step 1) and the
+    pipeline engine (`timeline` records its step: parallel/timeline.py)."""
+    if cfg.train.pipeline_stages > 1:
+        world_size = torch.distributed.get_world_size()
+        check_parallel(cfg, world_size)
+        layout, layers = pipeline_place(cfg, torch.distributed.get_rank(), world_size)
+        model = build_model(cfg, device, base_state, stage=(layers, layout.first, layout.last))
+        return pipeline_engine(model, cfg, layout, build_optimizer(cfg, model), torch.device(device), timeline)
     return parallelize(build_model(cfg, device, base_state), cfg, make_optimizer=lambda groups: adamw(cfg, groups),
                        weight_decay_groups=lambda model: weight_decay_groups(model, cfg.optim.weight_decay))
 

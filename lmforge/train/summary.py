@@ -77,7 +77,7 @@ def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
     summary = {
         "run_dir": str(trainer.run_dir),
         "device": device_name(trainer.device),
-        "parameters": trainer.model.num_params(),
+        "parameters": trainer.parameters,
         "steps": trainer.step,
         "tokens_trained": trainer.step * trainer.tokens_per_step,
         "train_seconds_this_session": train_seconds,
@@ -97,8 +97,14 @@ def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
         "val_bits_per_byte": val_loss * val_split["tokens"] / val_split["bytes"] / math.log(2),
         "unigram_entropy_nats": meta["unigram_entropy_nats"],
     }
+    pipeline = getattr(trainer, "pipeline", None)  # train/pipeline_report.py, on a pipeline run
+    if pipeline is not None:
+        summary["pipeline"] = pipeline
+        trainer.measured_by_stage = pipeline["measured_by_stage"]
     summary["predicted_vs_measured"] = comparison = predicted_vs_measured(trainer, tokens_per_s)
-    if cfg.train.sample_tokens:  # on every rank: a sharded model needs all of them in each forward
+    # the sample: on every rank (a sharded model needs all of them in each forward); a pipeline's
+    # stages are not a model that generates: `lmforge generate` reads its checkpoint whole
+    if cfg.train.sample_tokens and pipeline is None:
         summary["sample_prompt"] = cfg.train.sample_prompt or default_prompt(trainer)
         summary["sample"] = sample(trainer, summary["sample_prompt"], cfg.train.sample_tokens)
     if not trainer.world.is_main:  # rank 0 alone writes and prints
@@ -106,7 +112,7 @@ def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
     plot_losses(trainer.run_dir / "metrics.jsonl", trainer.run_dir / "loss.png",
                 title=run_title(trainer.run_dir.name, cfg, summary["parameters"]),
                 unigram_entropy=meta["unigram_entropy_nats"], tokens_per_step=trainer.tokens_per_step)
-    if cfg.train.sample_tokens:
+    if "sample" in summary:
         (trainer.run_dir / "sample.txt").write_text(summary["sample"])
     (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print_table(trainer.console, [
@@ -131,7 +137,12 @@ def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
         ("run folder", str(trainer.run_dir)),
     ], title="lmforge train: summary")
     print_comparison(trainer.console, comparison)
-    if cfg.train.sample_tokens:
+    if pipeline is not None:
+        trainer.console.print(f"pipeline ({pipeline['schedule']}, p={pipeline['stages']}, m={pipeline['micro_batches']}): "
+                              f"bubble measured {pipeline['bubble_measured']:.1%} of the step, (p-1)/(m+p-1) = "
+                              f"{pipeline['bubble_formula']:.1%}; timeline of step {pipeline['timeline_step']} in "
+                              f"{trainer.run_dir / 'pipeline.png'} and pipeline_trace.json", soft_wrap=True)
+    if "sample" in summary:
         trainer.console.rule("sample")
         trainer.console.print(summary["sample"], markup=False, highlight=False)
     return summary

@@ -1,0 +1,307 @@
+"""Pipeline parallelism: the model cut into p stages, one per rank, and micro-batches flowing through.
+
+    rank = replica * p + stage          p = train.pipeline_stages; with more ranks than p, the
+                                        pipelines are replicated (data parallel across replicas)
+
+Stage s holds a contiguous range of blocks (accounting/pipeline.py splits them by cost or as
+train.pipeline_split says); the first also holds the embedding, the last the final norm, the LM head
+and the loss. A stage is the model with the other pieces removed (model/transformer.py): parameter
+names stay those of the whole model, so checkpoints are keyed as in one process.
+
+One optimizer step on every rank (`PipelineEngine.forward_backward`): the m micro-batches of the
+step go through the stage's schedule (parallel/schedules.py: GPipe or 1F1B), each forward
+receiving its input from the stage before and sending its output to the stage after
+(`torch.distributed` point-to-point send/recv), each backward receiving the gradient of its output
+and sending the gradient of its input. Then `finish_gradients`:
+  - across replicas, each stage's gradients are averaged over the ranks holding that stage;
+  - tied embeddings (Press & Wolf 2017): the first stage embeds with the matrix, the last scores
+    with it, each holding a copy; their gradients are summed between the two ranks, so both copies
+    take the same step and stay equal, as the one shared matrix would.
+The gradient norm for clipping is summed over the stages (the tied matrix counted once), the
+fp16 found-inf over all ranks, and the loss (known on the last stage) averaged over the replicas.
+
+What it costs: every stage idles while the pipeline fills and drains, (p - 1) / (m + p - 1) of the
+step (accounting/pipeline.py); the timeline (parallel/timeline.py) measures it.
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from lmforge.accounting.measure import measure_saved_bytes
+from lmforge.optim.clip import clip_grad_norm, scale_to_norm
+from lmforge.parallel.comm import Collectives
+from lmforge.parallel.engine import Engine
+from lmforge.parallel.schedules import peak_in_flight, schedule_actions
+from lmforge.precision import autocast
+
+TIED_NAME, HEAD_NAME = "tok_embeddings.weight", "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where this rank sits: its stage in the pipeline, and which replica of the pipeline."""
+    stages: int
+    replicas: int
+    stage: int
+    replica: int
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, stages: int) -> "PipelineLayout":
+        return cls(stages, world_size // stages, rank % stages, rank // stages)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def rank_of(self, stage: int) -> int:
+        """The global rank of `stage` in this rank's pipeline."""
+        return self.replica * self.stages + stage
+
+
+def new_groups(layout: PipelineLayout):
+    """(this pipeline's ranks, this stage's replicas, this pipeline's first and last stage) as
+    process groups. Every rank must create every group, in the same order (torch.distributed's rule)."""
+    p, n = layout.stages, layout.replicas
+    mine = {}
+    for replica in range(n):
+        group = dist.new_group([replica * p + s for s in range(p)])
+        if replica == layout.replica:
+            mine["pipeline"] = group
+    for stage in range(p):
+        group = dist.new_group([replica * p + stage for replica in range(n)])
+        if stage == layout.stage:
+            mine["data"] = group
+    for replica in range(n):
+        group = dist.new_group([replica * p, replica * p + p - 1])
+        if replica == layout.replica:
+            mine["tied"] = group
+    return mine["pipeline"], mine["data"], mine["tied"]
+
+
+def cut_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """Keep, in place, the blocks of `layers` and the pieces a stage at that place needs: the
+    embedding on the first stage, the final norm, head and loss on the last. A tied LM head on a
+    last stage that is not the first keeps the matrix as its own parameter (the copy whose gradient
+    is summed with the first stage's)."""
+    for key in list(model.blocks.keys()):
+        if int(key) not in layers:
+            del model.blocks[key]
+    if not first:
+        model.tok_embeddings = model.pos_embeddings = None
+    if not last:
+        model.norm = model.lm_head = model.loss = None
+    return model
+
+
+class NoTimeline:
+    """What the engine records into when no timeline is kept (parallel/timeline.py's interface)."""
+
+    def begin_step(self) -> None:
+        pass
+
+    def span(self, kind: str, micro: int):
+        return contextlib.nullcontext()
+
+
+class PipelineEngine(Engine):
+    """The engine of a pipeline stage (parallel/engine.py's interface)."""
+
+    def __init__(self, model: nn.Module, optimizer, layout: PipelineLayout, schedule: str, micro_batches: int,
+                 hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype, device: torch.device, tied: bool,
+                 timeline=None):
+        super().__init__(model, optimizer)
+        self.layout, self.schedule, self.micro_batches = layout, schedule, micro_batches
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.replica, self.replicas = layout.replica, layout.replicas
+        self.pipeline_group, self.data_group, self.tied_group = new_groups(layout)
+        self.comm = Collectives(self.data_group)  # the gradient average across replicas
+        self.hidden_shape, self.hidden_dtype, self.device = hidden_shape, hidden_dtype, device
+        # the matrix the first and the last stage both hold (each its own copy), when tied
+        self.tied_param = None
+        if tied and layout.stages > 1:
+            self.tied_param = model.tok_embeddings.weight if layout.first else \
+                model.lm_head.weight if layout.last else None
+        # the last stage saves and loads its copy under the first stage's name (the one-process name)
+        self.renamed = {HEAD_NAME: TIED_NAME} if self.tied_param is not None and layout.last else {}
+        self.actions = schedule_actions(schedule, layout.stages, micro_batches, layout.stage)
+        self.timeline = timeline or NoTimeline()
+        self.sent_p2p_bytes = 0  # activations and their gradients sent to neighbour stages
+        self.measure_in_flight = True  # the first step measures the activations alive at once
+        self.in_flight: dict = {"micro_batches": peak_in_flight(self.actions)}
+        self._sends: list = []
+
+    # -- point to point ----------------------------------------------------------------------------
+
+    def _send(self, tensor: torch.Tensor, stage: int, kind: str, micro: int) -> None:
+        tensor = tensor.detach().to(self.hidden_dtype).contiguous()
+        with self.timeline.span(kind, micro):
+            self._sends.append((dist.isend(tensor, self.layout.rank_of(stage)), tensor))
+        self.sent_p2p_bytes += tensor.nbytes
+
+    def _recv(self, stage: int, kind: str, micro: int) -> torch.Tensor:
+        buffer = torch.empty(self.hidden_shape, dtype=self.hidden_dtype, device=self.device)
+        with self.timeline.span(kind, micro):
+            dist.recv(buffer, self.layout.rank_of(stage))
+        return buffer
+
+    def _wait_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+
+    # -- one step ------------------------------------------------------------------------------------
+
+    def forward_backward(self, next_batch, grad_accum: int, scaler, policy, device) -> torch.Tensor:
+        """The schedule's actions for the step's m micro-batches; returns the sum of the
+        micro-batch losses / m on the last stage (zero elsewhere)."""
+        layout, m = self.layout, self.micro_batches
+        batches = [next_batch() for _ in range(m)]  # every stage draws them: the loader stays in step
+        saved: dict[int, tuple] = {}
+        alive, peak, in_flight_bytes = {}, 0, self.measure_in_flight
+        loss_sum = torch.zeros((), device=device)
+        dist.barrier(group=self.pipeline_group)
+        self.timeline.begin_step()
+        for action in self.actions:
+            i = action.micro
+            if action.kind == "F":
+                x, y = batches[i]
+                inputs = x if layout.first else self._recv(layout.stage - 1, "recv_forward", i).requires_grad_()
+                measuring = measure_saved_bytes(self.model.parameters()) if in_flight_bytes \
+                    else contextlib.nullcontext()
+                with self.timeline.span("forward", i), measuring as measured, autocast(policy, device):
+                    output = self.model(inputs, y if layout.last else None)
+                    if layout.last:
+                        output = output / m  # the mean over the step's micro-batches, as grad_accum divides
+                if in_flight_bytes:
+                    alive[i] = measured.activations
+                    peak = max(peak, sum(alive.values()))
+                if layout.last:
+                    loss_sum += output.detach()
+                else:
+                    self._send(output, layout.stage + 1, "send_forward", i)
+                saved[i] = (inputs, output)
+            else:
+                inputs, output = saved.pop(i)
+                if layout.last:
+                    with self.timeline.span("backward", i):
+                        scaler.scale(output).backward()
+                else:
+                    grad = self._recv(layout.stage + 1, "recv_backward", i)
+                    with self.timeline.span("backward", i):
+                        output.backward(grad.to(output.dtype))
+                if not layout.first:
+                    self._send(inputs.grad, layout.stage - 1, "send_backward", i)
+                alive.pop(i, None)
+        self._wait_sends()
+        if in_flight_bytes:
+            self.in_flight["activation_bytes"] = peak
+            self.measure_in_flight = False
+        return loss_sum
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of one batch through the whole pipeline, known on every stage of it."""
+        layout = self.layout
+        inputs = x if layout.first else self._recv(layout.stage - 1, "recv_forward", -1)
+        output = self.model(inputs, y if layout.last else None)
+        loss = output.float() if layout.last else torch.zeros((), device=self.device)
+        if not layout.last:
+            self._send(output, layout.stage + 1, "send_forward", -1)
+        self._wait_sends()
+        dist.broadcast(loss, src=layout.rank_of(layout.stages - 1), group=self.pipeline_group)
+        return loss
+
+    def finish_gradients(self) -> None:
+        params = self._trained()
+        if self.replicas > 1:  # the mean over the replicas of this stage
+            for p in params:
+                self.comm.all_reduce(p.grad)
+                p.grad.div_(self.replicas)
+        if self.tied_param is not None:  # the shared matrix: the embedding's and the head's parts
+            dist.all_reduce(self.tied_param.grad, group=self.tied_group)
+
+    def _trained(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
+
+    def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
+        params = self._trained()
+        if scaler.enabled:
+            found = torch.tensor(float(scaler.unscale_(params)), device=self.device)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank skips the same steps
+            if found.item():
+                return True, torch.tensor(float("inf"))
+        # ||g||^2 summed over the stages of this pipeline, the tied matrix once (the first stage's)
+        counted = [p for p in params if not (p is self.tied_param and self.layout.last)]
+        norm = clip_grad_norm(counted, 0.0,
+                              sum_across_ranks=lambda t: dist.all_reduce(t, group=self.pipeline_group))
+        scale_to_norm([p.grad for p in params], norm, max_norm)
+        return False, norm
+
+    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """The loss, known on the last stages: summed over all ranks (zero elsewhere), averaged over replicas."""
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        return value / self.replicas
+
+    # -- state by parameter name: each stage its own tensors ---------------------------------------
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        return {self.renamed.get(name, name): t.detach() for name, t in self.model.state_dict().items()}
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict({name: state[self.renamed.get(name, name)] for name in self.model.state_dict()})
+
+    def model_names(self) -> set[str]:
+        """Every name of the whole model, gathered from the stages of this pipeline."""
+        return set().union(*self._gather(set(self.model_state_dict())))
+
+    def _gather(self, value) -> list:
+        values = [None] * self.layout.stages
+        dist.all_gather_object(values, value, group=self.pipeline_group)
+        return values
+
+    def optimizer_state_dict(self) -> dict:
+        """This stage's optimizer state, with param groups naming the parameters of every stage (in
+        stage order: the order of one process)."""
+        local = get_optimizer_state_dict(self.model, self.optimizer)
+        state = {self.renamed.get(name, name): value for name, value in local["state"].items()}
+        groups = []
+        for index, group in enumerate(local["param_groups"]):
+            names = []
+            for stage_names in self._gather([self.renamed.get(n, n) for n in group["params"]]):
+                names += [n for n in stage_names if n not in names]
+            groups.append({**group, "params": names})
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        local = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+        groups = [{**saved, "params": group["params"]} for saved, group in zip(state["param_groups"], local)]
+        own = {name: state["state"][self.renamed.get(name, name)] for group in local for name in group["params"]
+               if self.renamed.get(name, name) in state["state"]}
+        set_optimizer_state_dict(self.model, self.optimizer, {"state": own, "param_groups": groups})
+
+    def total_over_stages(self, count: int, state: dict[str, torch.Tensor]) -> int:
+        """A count of this stage's `state` summed over the stages (the tied copy once)."""
+        if self.renamed:
+            count -= state[TIED_NAME].numel()
+        return sum(self._gather(count))
+
+    def num_params(self) -> int:
+        local = self.model.num_params() - (self.tied_param.numel() if self.renamed else 0)
+        return sum(self._gather(local))
+
+    def merged_over_stages(self, per_stage: dict) -> dict:
+        """Dicts keyed by module name (fp8 scale histories), merged from the stages."""
+        merged = {}
+        for part in self._gather(per_stage):
+            merged.update(part)
+        return merged

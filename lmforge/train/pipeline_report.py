@@ -1,0 +1,46 @@
+"""The end of a pipeline run: each stage's timeline of the last step and its measurements, gathered
+on rank 0 and written into the run folder beside the summary.
+
+    pipeline.png          one row per stage: forwards and backwards per micro-batch, the idle time blank
+    pipeline_trace.json   the same events for chrome://tracing or ui.perfetto.dev
+    summary.json          "pipeline": the measured bubble beside (p-1)/(m+p-1), per stage
+
+`measured_by_stage` (replica 0's rank of each stage): the bytes that stage holds (parameters,
+gradients, optimizer states), the activations one micro-batch's forward saved, and the most saved
+at once during the first step ("activations_in_flight"), for the predicted-vs-measured table.
+"""
+
+import torch.distributed as dist
+
+from lmforge.accounting.pipeline import bubble_fraction, pipeline_split
+from lmforge.parallel.timeline import measured_bubble, plot_timeline, write_chrome_trace
+
+
+def pipeline_report(trainer) -> dict:
+    """Gather every rank's timeline and measurements; rank 0 writes the files. Every rank calls it."""
+    engine, t = trainer.engine, trainer.cfg.train
+    layout = engine.layout
+    mine = {"stage": layout.stage, "replica": layout.replica, "events": trainer.timeline.events,
+            "bytes": {**trainer.measured.bytes, "activations_in_flight": engine.in_flight.get("activation_bytes"),
+                      "micro_batches_in_flight": engine.in_flight["micro_batches"]}}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    first_pipeline = sorted((r for r in everyone if r["replica"] == 0), key=lambda r: r["stage"])
+    events_by_stage = [r["events"] for r in first_pipeline]
+    measured = measured_bubble(events_by_stage)
+    formula = bubble_fraction(layout.stages, t.micro_batches)
+    report = {"schedule": t.schedule, "engine": t.pipeline_engine, "stages": layout.stages,
+              "replicas": layout.replicas, "micro_batches": t.micro_batches,
+              "split": pipeline_split(trainer.cfg.model, layout.stages, t.pipeline_split, trainer.cfg.seq_len),
+              "bubble_formula": formula, "bubble_measured": measured["bubble"],
+              "idle_fraction_per_stage": measured["idle_fraction_per_stage"],
+              "step_seconds": measured["step_seconds"], "timeline_step": trainer.step,
+              "measured_by_stage": [r["bytes"] for r in first_pipeline]}
+    if trainer.world.is_main:
+        title = (f"{t.schedule} pipeline: p={layout.stages} stages, m={t.micro_batches} micro-batches "
+                 f"(step {trainer.step}, replica 0)")
+        plot_timeline(events_by_stage, trainer.run_dir / "pipeline.png", title, formula, measured)
+        write_chrome_trace(events_by_stage, trainer.run_dir / "pipeline_trace.json",
+                           {key: report[key] for key in ("schedule", "stages", "micro_batches", "bubble_formula",
+                                                         "bubble_measured")})
+    return report
