@@ -166,7 +166,7 @@ class PipelineEngine(Engine):
         layout, m = self.layout, self.micro_batches
         batches = [next_batch() for _ in range(m)]  # every stage draws them: the loader stays in step
         saved: dict[int, tuple] = {}
-        alive, peak, in_flight_bytes = {}, 0, self.measure_in_flight
+        alive, peak, first_micro, in_flight_bytes = {}, 0, 0, self.measure_in_flight
         loss_sum = torch.zeros((), device=device)
         dist.barrier(group=self.pipeline_group)
         self.timeline.begin_step()
@@ -183,6 +183,7 @@ class PipelineEngine(Engine):
                         output = output / m  # the mean over the step's micro-batches, as grad_accum divides
                 if in_flight_bytes:
                     alive[i] = measured.activations
+                    first_micro = alive[0] if i == 0 else first_micro
                     peak = max(peak, sum(alive.values()))
                 if layout.last:
                     loss_sum += output.detach()
@@ -203,7 +204,8 @@ class PipelineEngine(Engine):
                 alive.pop(i, None)
         self._wait_sends()
         if in_flight_bytes:
-            self.in_flight["activation_bytes"] = peak
+            self.in_flight["activation_bytes"] = peak  # the most saved for backward at once
+            self.in_flight["one_micro_batch_bytes"] = first_micro
             self.measure_in_flight = False
         return loss_sum
 

@@ -162,6 +162,9 @@ class Trainer:
         self.timeline = Timeline() if cfg.train.pipeline_stages > 1 else None  # what each pipeline step did, when
         self.engine = build_engine(cfg, self.device, self.base_state, timeline=self.timeline)
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
+        # sequences per optimizer step: every replica's micro-batches
+        self.global_batch = (cfg.train.batch_size * self.engine.replicas * cfg.train.grad_accum
+                             * cfg.train.micro_batches)
         self.base_state = None  # copied into the model: let it go
         self.scaler = LossScaler(enabled=self.policy.loss_scaling)
         self.lost_updates_total = [0, 0]  # this session: elements whose update rounded away, elements updated
@@ -174,7 +177,6 @@ class Trainer:
                                   start=self.state.loader_position, prefetch=cfg.data.prefetch, device=self.device,
                                   rank=engine.replica, world_size=engine.replicas,
                                   make_batch=getattr(self.data, "batches", window_batch))
-        self.global_batch = cfg.train.batch_size * engine.replicas * cfg.train.grad_accum * cfg.train.micro_batches
         self.tokens_per_step = self.global_batch * cfg.seq_len
         self.parameters = engine.num_params()  # of the whole model, all stages
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)

@@ -1,0 +1,47 @@
+"""torch.distributed.pipelining's schedules behind the pipeline engine (train.pipeline_engine=torch).
+
+The reference our schedules (pipeline.py) are tested against, and an option for users: the same
+stage (the cut model), the same micro-batches, PyTorch's `PipelineStage` and its `ScheduleGPipe`
+or `Schedule1F1B` instead of our action lists. Everything around the step (replicas, tied
+embeddings, clipping, checkpoints) is PipelineEngine's.
+
+Two differences from ours, both for the reference's sake: the last stage returns logits and the
+loss is computed by the schedule's `loss_fn` (the plain cross-entropy: train.loss_chunk_tokens does
+not apply), divided by m like ours rather than through `scale_grads` (which would divide the
+gradients after the sum, rounding differently). No timeline is recorded: the schedule's inside is
+PyTorch's.
+"""
+
+import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from lmforge.model.transformer import cross_entropy_loss
+from lmforge.parallel.pipeline import PipelineEngine
+from lmforge.precision import autocast
+
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class TorchPipelineEngine(PipelineEngine):
+    def __init__(self, model, optimizer, layout, schedule: str, micro_batches: int, *args, **kwargs):
+        super().__init__(model, optimizer, layout, schedule, micro_batches, *args, **kwargs)
+        self.stage = PipelineStage(model, layout.stage, layout.stages, self.device, group=self.pipeline_group)
+        self.torch_schedule = TORCH_SCHEDULES[schedule](self.stage, micro_batches, loss_fn=self._loss,
+                                                        scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_loss(logits, targets) / self.micro_batches
+
+    def forward_backward(self, next_batch, grad_accum: int, scaler, policy, device) -> torch.Tensor:
+        batches = [next_batch() for _ in range(self.micro_batches)]  # the schedule cuts the batch again
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        losses: list[torch.Tensor] = []
+        with autocast(policy, device):
+            if self.layout.first:
+                self.torch_schedule.step(x)
+            elif self.layout.last:
+                self.torch_schedule.step(target=y, losses=losses)
+            else:
+                self.torch_schedule.step()
+        self.measure_in_flight = False
+        return sum(loss.detach() for loss in losses) if losses else torch.zeros((), device=device)
