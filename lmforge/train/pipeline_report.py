@@ -27,7 +27,10 @@ def pipeline_report(trainer) -> dict:
     dist.all_gather_object(everyone, mine)
     first_pipeline = sorted((r for r in everyone if r["replica"] == 0), key=lambda r: r["stage"])
     events_by_stage = [r["events"] for r in first_pipeline]
-    measured = measured_bubble(events_by_stage)
+    # torch.distributed.pipelining's schedule (train.pipeline_engine=torch) runs without our timeline
+    timed = all(events_by_stage)
+    measured = measured_bubble(events_by_stage) if timed else \
+        {"bubble": None, "idle_fraction_per_stage": None, "step_seconds": None}
     formula = bubble_fraction(layout.stages, t.micro_batches)
     report = {"schedule": t.schedule, "engine": t.pipeline_engine, "stages": layout.stages,
               "replicas": layout.replicas, "micro_batches": t.micro_batches,
@@ -36,7 +39,7 @@ def pipeline_report(trainer) -> dict:
               "idle_fraction_per_stage": measured["idle_fraction_per_stage"],
               "step_seconds": measured["step_seconds"], "timeline_step": trainer.step,
               "measured_by_stage": [r["bytes"] for r in first_pipeline]}
-    if trainer.world.is_main:
+    if trainer.world.is_main and timed:
         title = (f"{t.schedule} pipeline: p={layout.stages} stages, m={t.micro_batches} micro-batches "
                  f"(step {trainer.step}, replica 0)")
         plot_timeline(events_by_stage, trainer.run_dir / "pipeline.png", title, formula, measured)

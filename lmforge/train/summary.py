@@ -137,7 +137,7 @@ def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
         ("run folder", str(trainer.run_dir)),
     ], title="lmforge train: summary")
     print_comparison(trainer.console, comparison)
-    if pipeline is not None:
+    if pipeline is not None and pipeline["bubble_measured"] is not None:
         trainer.console.print(f"pipeline ({pipeline['schedule']}, p={pipeline['stages']}, m={pipeline['micro_batches']}): "
                               f"bubble measured {pipeline['bubble_measured']:.1%} of the step, (p-1)/(m+p-1) = "
                               f"{pipeline['bubble_formula']:.1%}; timeline of step {pipeline['timeline_step']} in "

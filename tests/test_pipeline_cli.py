@@ -1,0 +1,96 @@
+"""`lmforge train` on a pipeline under torchrun: real processes on gloo, the `tiny` model.
+
+A pipeline of 2 stages with 3 micro-batches of 2 sequences trains as one process accumulating 3
+micro-batches of 2 (train.grad_accum=3), checkpoints by name, and resumes in one process and back;
+its run folder holds the timeline picture and trace; a killed stage stops the other with one line.
+Tolerance as in tests/test_pipeline.py: the tied embedding's two parts and the clip norm are summed
+in another order, so weights and losses agree to float rounding (1e-5), not bit for bit."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lmforge.train import checkpoint as ckpt
+from tests.test_distributed_train import (STEPS, TIMEOUT, assert_close_runs, env, losses, rank_pid, run,  # noqa: F401
+                                          settings, torchrun)
+
+pytestmark = pytest.mark.dist
+
+PIPELINE = ["train.pipeline_stages=2", "train.micro_batches=3"]
+
+
+@pytest.fixture(scope="module")
+def accumulating(tmp_path_factory, settings):
+    """The reference: one process, 3 micro-batches of 2 per step."""
+    cwd = tmp_path_factory.mktemp("accumulating")
+    run([sys.executable, "-m", "lmforge", "train", "--no-progress", "--model", "tiny", *settings(2),
+         "train.grad_accum=3", "--out", "run"], cwd)
+    return cwd / "run"
+
+
+def test_a_pipeline_run_trains_as_one_process_and_draws_its_timeline(tmp_path, settings, accumulating):
+    result = run(torchrun(2, "--model", "tiny", *settings(2), *PIPELINE, "train.schedule=1f1b", "--out", "run"),
+                 tmp_path)
+    run_dir = tmp_path / "run"
+    assert_close_runs(run_dir, accumulating, atol=1e-5)
+    assert result.stdout.count("lmforge train: summary") == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tokens_trained"] == STEPS * 6 * 64
+    assert summary["parameters"] == json.loads((accumulating / "summary.json").read_text())["parameters"]
+    pipeline = summary["pipeline"]
+    assert (pipeline["stages"], pipeline["micro_batches"], pipeline["schedule"]) == (2, 3, "1f1b")
+    assert pipeline["bubble_formula"] == pytest.approx(1 / 4)
+    assert 0 < pipeline["bubble_measured"] < 1 and len(pipeline["idle_fraction_per_stage"]) == 2
+    assert "bubble measured" in result.stdout
+    png = (run_dir / "pipeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    trace = json.loads((run_dir / "pipeline_trace.json").read_text())
+    names = {event["name"] for event in trace["traceEvents"] if event.get("ph") == "X"}
+    assert {"F0", "F2", "B0", "B2"} <= names
+
+
+def test_a_pipeline_checkpoint_resumes_in_one_process_and_back(tmp_path, settings, accumulating):
+    saved = tmp_path / "saved"
+    run(torchrun(2, "--model", "tiny", *settings(2, max_steps=3), *PIPELINE, "train.schedule=gpipe",
+                 "--out", str(saved)), tmp_path)
+    one = tmp_path / "one"
+    shutil.copytree(saved, one)
+    run([sys.executable, "-m", "lmforge", "train", "--no-progress", "--resume", str(one), f"train.max_steps={STEPS}",
+         "train.pipeline_stages=1", "train.micro_batches=1", "train.grad_accum=3"], tmp_path)
+    assert_close_runs(one, accumulating, atol=1e-5)
+    # and a one-process checkpoint continues on a pipeline
+    back = tmp_path / "back"
+    shutil.copytree(accumulating, back)
+    shutil.rmtree(back / "checkpoints" / f"step_{STEPS:07d}")
+    (back / "summary.json").unlink()
+    run(torchrun(2, "--resume", str(back), *PIPELINE, "train.grad_accum=1"), tmp_path)
+    assert_close_runs(back, accumulating, atol=1e-5)
+
+
+def test_a_killed_stage_stops_the_other_with_one_line(tmp_path, settings):
+    run_dir = tmp_path / "run"
+    command = torchrun(2, "--model", "tiny", *settings(2, max_steps=100_000, checkpoint_interval=2), *PIPELINE,
+                       "train.dist_timeout=30", "--out", str(run_dir))
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not ckpt.list_checkpoints(run_dir):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the deadline"
+            time.sleep(0.2)
+        victim = rank_pid(proc.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("lmforge: error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert errors[0].startswith("lmforge: error: rank 1 stopped answering (died or hangs); rank 0 stops too")
