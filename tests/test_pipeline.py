@@ -92,6 +92,7 @@ def two_ranks(tmp_path_factory):
         "torch_1f1b": pipeline(2, "1f1b", M, "train.pipeline_engine=torch"),
         "exact": pipeline(2, "1f1b", M, "model.tie_embeddings=false", "optim.grad_clip=0"),
         "bf16": pipeline(2, "1f1b", M, "train.precision=bf16-mixed"),
+        "recompute": pipeline(2, "gpipe", M, "train.recompute=full"),
     })
 
 
@@ -120,6 +121,10 @@ def test_untied_and_unclipped_the_pipeline_is_bit_identical_to_one_process(two_r
 def test_bf16_mixed_pipeline_trains_as_one_process(two_ranks):
     reference = single_process(M, 1, "train.precision=bf16-mixed")
     assert_same_training(two_ranks["bf16"], reference)
+
+
+def test_a_pipeline_with_full_recomputation_trains_as_one_process(two_ranks):
+    assert_same_training(two_ranks["recompute"], single_process(M, 1, "train.recompute=full"))
 
 
 def test_our_schedules_equal_torch_distributed_pipelining(two_ranks):
