@@ -154,8 +154,8 @@ def plot_timeline(events_by_stage: list[list[dict]], path, title: str, formula_b
                 ax.broken_barh([(start, width)], (stage + 0.33, 0.1), facecolor="#555555" if sending else "none",
                                edgecolor="#555555" if sending else "#999999", hatch=None if sending else "////",
                                linewidth=0.4)
-        ax.text(1.01, stage, f"idle {measured['idle_fraction_per_stage'][stage]:.1%}", transform=ax.get_yaxis_transform(),
-                va="center", fontsize=9)
+        idle = measured["idle_fraction_per_stage"][stage]
+        ax.text(1.01, stage, f"idle {idle:.1%}", transform=ax.get_yaxis_transform(), va="center", fontsize=9)
     ax.set_xlim(0, step_ms)
     ax.set_ylim(stages - 0.5, -0.5)
     ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
