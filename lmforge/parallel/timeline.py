@@ -1,35 +1,175 @@
-"""Placeholder until the timeline module lands (records pipeline events per rank)."""
+"""What a pipeline step did, rank by rank: the recorder the engine calls around each forward,
+backward, send and recv (Timeline), the bubble measured from those records, and two pictures of
+them: pipeline.png (one row per stage) and a Chrome-trace JSON (chrome://tracing, ui.perfetto.dev).
 
-import contextlib
+Every rank records its own events against its own t0, taken right after a barrier at the start of
+the step; ranks on one machine read the same clock, so the rows line up. On many machines the
+barrier's skew (microseconds on one host, more across hosts) shifts a row as a whole.
+"""
+
+import json
 import time
+from pathlib import Path
+
+COMPUTE = ("forward", "backward")
+COMMUNICATION = ("send_forward", "recv_forward", "send_backward", "recv_backward")
+KINDS = COMPUTE + COMMUNICATION
+
+
+class _Span:
+    """One event being timed: `with timeline.span("forward", 3): ...`."""
+
+    __slots__ = ("events", "t0", "kind", "micro", "start")
+
+    def __init__(self, events: list, t0: float, kind: str, micro: int):
+        self.events, self.t0, self.kind, self.micro = events, t0, kind, micro
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        end = time.perf_counter()
+        self.events.append({"kind": self.kind, "micro": self.micro,
+                            "start": self.start - self.t0, "end": end - self.t0})
 
 
 class Timeline:
+    """The events of one rank during the current optimizer step, in seconds since its start.
+
+    The cost is what a span does: two perf_counter calls and an append, so it stays on in every
+    pipeline run."""
+
     def __init__(self):
-        self.events, self.t0 = [], time.perf_counter()
+        self._events: list[dict] = []
+        self._t0 = time.perf_counter()
 
     def begin_step(self) -> None:
-        self.events, self.t0 = [], time.perf_counter()
+        """Forget the previous step; time from now (call it right after the start-of-step barrier)."""
+        self._events = []
+        self._t0 = time.perf_counter()
 
-    @contextlib.contextmanager
-    def span(self, kind: str, micro: int):
-        start = time.perf_counter() - self.t0
-        try:
-            yield
-        finally:
-            self.events.append({"kind": kind, "micro": micro, "start": start, "end": time.perf_counter() - self.t0})
+    def span(self, kind: str, micro: int = -1) -> _Span:
+        """A context manager recording one event: `kind` one of KINDS, `micro` the micro-batch (-1: none)."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown timeline event kind {kind!r}; one of {', '.join(KINDS)}")
+        return _Span(self._events, self._t0, kind, micro)
 
-
-def measured_bubble(events_by_stage):
-    end = max(e["end"] for events in events_by_stage for e in events)
-    idle = [1 - sum(e["end"] - e["start"] for e in ev if e["kind"] in ("forward", "backward")) / end
-            for ev in events_by_stage]
-    return {"step_seconds": end, "idle_fraction_per_stage": idle, "bubble": sum(idle) / len(idle)}
+    @property
+    def events(self) -> list[dict]:
+        """This step's events so far, in the order they ended: plain dicts, picklable (all_gather_object)."""
+        return list(self._events)
 
 
-def write_chrome_trace(events_by_stage, path, meta):
-    pass
+def _busy_seconds(events: list[dict]) -> float:
+    """Time a stage computes: the union of its forward and backward spans (they never overlap on
+    one rank, but an overlap would otherwise count twice)."""
+    total, reach = 0.0, 0.0
+    for start, end in sorted((e["start"], e["end"]) for e in events if e["kind"] in COMPUTE):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
-def plot_timeline(events_by_stage, path, title, formula_bubble, measured):
-    pass
+def measured_bubble(events_by_stage: list[list[dict]]) -> dict:
+    """The bubble of one step, measured: the step lasts from 0 (the barrier) to the latest end of
+    any event on any stage, and a stage is busy while it computes (forward and backward). Waiting
+    in a recv is idle, and so is a send: on this CPU's gloo a send is a copy into a socket, time
+    the stage does no model work, which is what the bubble counts; the formula's ideal pipeline
+    has no communication at all, so counting sends as busy would hide their cost.
+
+    Returns {"step_seconds", "idle_fraction_per_stage", "bubble"}: the bubble is the mean of the
+    stages' idle fractions, computed as all stages' idle time over stages x step, one division, so
+    that an ideal schedule gives (p-1)/(m+p-1) to the last bit."""
+    step = max((e["end"] for events in events_by_stage for e in events), default=0.0)
+    if step <= 0:
+        return {"step_seconds": 0.0, "idle_fraction_per_stage": [0.0] * len(events_by_stage), "bubble": 0.0}
+    idle = [step - _busy_seconds(events) for events in events_by_stage]
+    return {"step_seconds": step,
+            "idle_fraction_per_stage": [i / step for i in idle],
+            "bubble": sum(idle) / (len(idle) * step)}
+
+
+def event_label(event: dict) -> str:
+    """"F3", "B3", "send F3", "recv B3" (no number for micro -1)."""
+    kind, micro = event["kind"], event["micro"]
+    name = ("F" if kind.endswith("forward") else "B") + (str(micro) if micro >= 0 else "")
+    return name if kind in COMPUTE else f"{kind.split('_')[0]} {name}"
+
+
+def write_chrome_trace(events_by_stage: list[list[dict]], path, meta: dict) -> None:
+    """The events in Chrome's trace event format: one complete ("X") event per span, ts and dur in
+    microseconds, one thread per stage (named "stage s", sorted by s), `meta` under "otherData"."""
+    trace = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "pipeline"}}]
+    for stage, events in enumerate(events_by_stage):
+        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": stage, "args": {"name": f"stage {stage}"}})
+        trace.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": stage, "args": {"sort_index": stage}})
+        for e in events:
+            trace.append({"name": event_label(e), "cat": e["kind"], "ph": "X", "pid": 0, "tid": stage,
+                          "ts": e["start"] * 1e6, "dur": (e["end"] - e["start"]) * 1e6,
+                          "args": {"micro": e["micro"], "kind": e["kind"]}})
+    Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms", "otherData": meta}))
+
+
+# pipeline.png: forward and backward in two colours far apart, communication thin and grey so
+# that idle time (left blank) reads at a glance
+_COLOURS = {"forward": "#4e79a7", "backward": "#f28e2b"}
+_TEXT = {"forward": "white", "backward": "black"}
+_WIDTH_IN, _DPI = 9.0, 100  # 900 px: README width
+_LEFT, _RIGHT = 0.8, 1.05  # inches: stage names; idle per stage
+_ROW_IN, _TOP_IN, _BOTTOM_IN = 0.5, 0.75, 0.85
+
+
+def plot_timeline(events_by_stage: list[list[dict]], path, title: str, formula_bubble: float,
+                  measured: dict) -> None:
+    """pipeline.png: one row per stage (stage 0 on top), a block per forward and backward labelled
+    with its micro-batch where it fits, send (dark) and recv (hatched: waiting) as thin bars under
+    the blocks, idle left blank; x in milliseconds; each stage's idle share at the right of its
+    row, the mean beside the formula's (p-1)/(m+p-1) in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    stages = len(events_by_stage)
+    height = _TOP_IN + _BOTTOM_IN + _ROW_IN * max(stages, 1)
+    fig = plt.figure(figsize=(_WIDTH_IN, height), dpi=_DPI)
+    ax = fig.add_axes((_LEFT / _WIDTH_IN, _BOTTOM_IN / height, 1 - (_LEFT + _RIGHT) / _WIDTH_IN,
+                       1 - (_TOP_IN + _BOTTOM_IN) / height))
+    step_ms = measured["step_seconds"] * 1e3 or 1.0
+    px_per_ms = ax.get_position().width * _WIDTH_IN * _DPI / step_ms
+    for stage, events in enumerate(events_by_stage):
+        for e in events:
+            start, width = e["start"] * 1e3, (e["end"] - e["start"]) * 1e3
+            if e["kind"] in COMPUTE:
+                ax.broken_barh([(start, width)], (stage - 0.4, 0.7), facecolor=_COLOURS[e["kind"]],
+                               edgecolor="white", linewidth=0.5)
+                label = event_label(e)[1:]  # the micro-batch: the colour says F or B
+                if label and width * px_per_ms >= 7 * len(label) + 4:
+                    ax.text(start + width / 2, stage - 0.05, label, ha="center", va="center", fontsize=8,
+                            color=_TEXT[e["kind"]])
+            else:  # thin, under the compute blocks (the y axis is inverted: larger is lower)
+                sending = e["kind"].startswith("send")
+                ax.broken_barh([(start, width)], (stage + 0.33, 0.1), facecolor="#555555" if sending else "none",
+                               edgecolor="#555555" if sending else "#999999", hatch=None if sending else "////",
+                               linewidth=0.4)
+        idle = measured["idle_fraction_per_stage"][stage]
+        ax.text(1.01, stage, f"idle {idle:.1%}", transform=ax.get_yaxis_transform(), va="center", fontsize=9)
+    ax.set_xlim(0, step_ms)
+    ax.set_ylim(stages - 0.5, -0.5)
+    ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
+    ax.set_xlabel("milliseconds since the start of the step")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.set_title(f"{title}\nbubble measured {measured['bubble']:.3f} (mean idle of the stages), "
+                 f"formula (p-1)/(m+p-1) = {formula_bubble:.3f}", fontsize=10)
+    handles = [Patch(facecolor=_COLOURS["forward"], label="forward"),
+               Patch(facecolor=_COLOURS["backward"], label="backward"),
+               Patch(facecolor="#555555", label="send"),
+               Patch(facecolor="none", edgecolor="#999999", hatch="////", label="recv (waiting)"),
+               Patch(facecolor="white", edgecolor="#cccccc", label="idle")]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9,
+               bbox_to_anchor=(0.5, 0.0))
+    fig.savefig(path)
+    plt.close(fig)
