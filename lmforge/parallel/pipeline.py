@@ -143,15 +143,19 @@ class PipelineEngine(Engine):
 
     def _send(self, tensor: torch.Tensor, stage: int, kind: str, micro: int) -> None:
         tensor = tensor.detach().to(self.hidden_dtype).contiguous()
-        with self.timeline.span(kind, micro):
+        with self._span(kind, micro):
             self._sends.append((dist.isend(tensor, self.layout.rank_of(stage)), tensor))
         self.sent_p2p_bytes += tensor.nbytes
 
     def _recv(self, stage: int, kind: str, micro: int) -> torch.Tensor:
         buffer = torch.empty(self.hidden_shape, dtype=self.hidden_dtype, device=self.device)
-        with self.timeline.span(kind, micro):
+        with self._span(kind, micro):
             dist.recv(buffer, self.layout.rank_of(stage))
         return buffer
+
+    def _span(self, kind: str, micro: int):
+        """A timeline record of a training step's event (evaluation, micro -1, is not recorded)."""
+        return self.timeline.span(kind, micro) if micro >= 0 else contextlib.nullcontext()
 
     def _wait_sends(self) -> None:
         for work, _ in self._sends:
@@ -177,7 +181,7 @@ class PipelineEngine(Engine):
                 inputs = x if layout.first else self._recv(layout.stage - 1, "recv_forward", i).requires_grad_()
                 measuring = measure_saved_bytes(self.model.parameters()) if in_flight_bytes \
                     else contextlib.nullcontext()
-                with self.timeline.span("forward", i), measuring as measured, autocast(policy, device):
+                with self._span("forward", i), measuring as measured, autocast(policy, device):
                     output = self.model(inputs, y if layout.last else None)
                     if layout.last:
                         output = output / m  # the mean over the step's micro-batches, as grad_accum divides
@@ -193,11 +197,11 @@ class PipelineEngine(Engine):
             else:
                 inputs, output = saved.pop(i)
                 if layout.last:
-                    with self.timeline.span("backward", i):
+                    with self._span("backward", i):
                         scaler.scale(output).backward()
                 else:
                     grad = self._recv(layout.stage + 1, "recv_backward", i)
-                    with self.timeline.span("backward", i):
+                    with self._span("backward", i):
                         output.backward(grad.to(output.dtype))
                 if not layout.first:
                     self._send(inputs.grad, layout.stage - 1, "send_backward", i)
