@@ -299,9 +299,15 @@ def print_comparison(console: Console, comparison: dict) -> None:
               "parameters_bytes": "parameters", "gradients_bytes": "gradients",
               "optimizer_states_bytes": "optimizer states",
               "activations_bytes": "saved for backward, one micro-batch", "peak_memory_bytes": "peak memory (CUDA)",
-              "sent_bytes_per_step": "sent per step per rank (collectives)"}
+              "sent_bytes_per_step": "sent per step per rank (collectives)",
+              "activations_in_flight_bytes": "saved for backward, peak alive at once"}
     for key, row in comparison.items():
         predicted, measured = row["predicted"], row["measured"]
+        if key.startswith("stage "):  # a pipeline stage's row: "stage 1 activations_bytes"
+            _, stage, name = key.split(" ", 2)
+            label = f"stage {stage}: {labels[name]}"
+        else:
+            label = labels[key]
         if "_bytes" in key:
             shown = (human_bytes(predicted), human_bytes(measured) if measured is not None else "-")
         elif key == "tokens_per_s":
@@ -309,7 +315,7 @@ def print_comparison(console: Console, comparison: dict) -> None:
         else:
             shown = (f"{predicted:.0%}", f"{measured:.1%}")
         ratio = f"{measured / predicted:.3f}" if measured is not None and predicted else "-"
-        table.add_row(labels[key], *shown, ratio)
+        table.add_row(label, *shown, ratio)
     console.print(table)
 
 

@@ -51,11 +51,14 @@ def micro_batches_in_flight(schedule: str, stages: int, micro_batches: int, stag
 def stage_costs(cfg: ModelConfig, seq_len: int, split: list[int]) -> list[float]:
     """Forward matmul FLOPs per token of each stage: its blocks, plus the LM head on the last
     (the embedding is a lookup: no matmul work)."""
+    per_block, head = _block_and_head_flops(cfg, seq_len)
+    return [layers * per_block + (head if stage == len(split) - 1 else 0) for stage, layers in enumerate(split)]
+
+
+def _block_and_head_flops(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """Forward matmul FLOPs per token of one block, and of the LM head."""
     parts = forward_flops_breakdown(cfg, seq_len)
-    per_block = (sum(parts.values()) - parts["lm_head"]) / cfg.n_layers
-    costs = [layers * per_block for layers in split]
-    costs[-1] += parts["lm_head"]
-    return costs
+    return (sum(parts.values()) - parts["lm_head"]) / cfg.n_layers, parts["lm_head"]
 
 
 def balanced_split(cfg: ModelConfig, stages: int, seq_len: int) -> list[int]:
@@ -63,6 +66,7 @@ def balanced_split(cfg: ModelConfig, stages: int, seq_len: int) -> list[int]:
     pace). Blocks cost the same, so the search is over how many layers the last stage gives up
     to make room for the head, the rest spread as evenly as they go, earlier stages taking the
     extra layers."""
+    per_block, head = _block_and_head_flops(cfg, seq_len)
     best = None
     for last in range(1, cfg.n_layers - stages + 2):
         rest, others = cfg.n_layers - last, stages - 1
@@ -74,7 +78,8 @@ def balanced_split(cfg: ModelConfig, stages: int, seq_len: int) -> list[int]:
             split = None
         if split is None:
             continue
-        key = (max(stage_costs(cfg, seq_len, split)), -last)  # ties: the later stages keep more layers
+        costliest = max(max(split[:-1], default=0) * per_block, last * per_block + head)
+        key = (costliest, -last)  # ties: the later stages keep more layers
         if best is None or key < best[0]:
             best = (key, split)
     return best[1]
@@ -106,7 +111,7 @@ class StageParameters:
 def stage_of_parameter(name: str, split: list[int]) -> int:
     """The stage that holds parameter `name` of the whole model (names as Transformer gives them)."""
     top = name.split(".")[0]
-    if top == "blocks":  # blocks.<layer>...: the stage whose layers end after it
+    if top == "blocks":  # blocks.<layer>...: the first stage whose layers end after it
         return bisect.bisect_right(list(itertools.accumulate(split)), int(name.split(".")[1]))
     if top in ("tok_embeddings", "pos_embeddings"):
         return 0
@@ -117,13 +122,21 @@ def stage_of_parameter(name: str, split: list[int]) -> int:
 
 
 def stage_parameters(cfg: ModelConfig, split: list[int], lora_rank: int | None = None,
-                     lora_targets: str = "") -> list[StageParameters]:
+                     lora_targets: str = "") -> tuple[StageParameters, ...]:
     """The parameters each stage holds, read from the model built on the meta device. A tied
     matrix is held by the first and by the last stage (once where they are one stage)."""
+    return _stage_parameters(json.dumps(asdict(cfg), sort_keys=True), tuple(split), lora_rank, lora_targets)
+
+
+@functools.lru_cache(maxsize=64)  # --solve and --compare plan the same stages many times
+def _stage_parameters(values: str, split: tuple, lora_rank: int | None, lora_targets: str) -> tuple:
     held: list[dict] = [{} for _ in split]  # per stage: tensor -> (shape, trainable)
-    for name, tensor, shape, trainable in _named_parameters(json.dumps(asdict(cfg), sort_keys=True),
-                                                            lora_rank, lora_targets):
-        held[stage_of_parameter(name, split)][tensor] = (shape, trainable)
+    stage_of = {}  # by the name's first two parts: "blocks.7", "lm_head.weight"
+    for name, tensor, shape, trainable in _named_parameters(values, lora_rank, lora_targets):
+        prefix = ".".join(name.split(".")[:2])
+        if prefix not in stage_of:
+            stage_of[prefix] = stage_of_parameter(name, list(split))
+        held[stage_of[prefix]][tensor] = (shape, trainable)
     result = []
     for tensors in held:
         if lora_rank is None:
@@ -132,7 +145,7 @@ def stage_parameters(cfg: ModelConfig, split: list[int], lora_rank: int | None =
             base = tuple(shape for shape, trainable in tensors.values() if not trainable)
             adapters = sum(math.prod(shape) for shape, trainable in tensors.values() if trainable)
             result.append(StageParameters(base, adapters))
-    return result
+    return tuple(result)
 
 
 @functools.lru_cache(maxsize=16)
@@ -178,11 +191,18 @@ def pipeline_plan(cfg: ModelConfig, setup, flops_per_second: float) -> dict:
     tokens = setup.batch_size * setup.seq_len  # per micro-batch
     costs = stage_costs(cfg, setup.seq_len, split)
     details = []
+    saved: dict = {}  # what one micro-batch saves, by (layers, first, last): stages repeat (80 layers, 40 stages)
     for stage, (layers, params, cost) in enumerate(zip(stage_layers(split), stage_parameters(
             cfg, split, setup.lora_rank, setup.lora_targets), costs)):
+        first, last = stage == 0, stage == p - 1
+        if (len(layers), first, last) not in saved:
+            saved[len(layers), first, last] = memory.activation_breakdown(
+                cfg, setup.batch_size, setup.seq_len, setup.precision, setup.attention, setup.recompute, setup.tp,
+                setup.fp32_attention, setup.loss_chunk_tokens, setup.sequence_parallel, layers=len(layers),
+                first=first, last=last)
         details.append({"stage": stage, "layers": [layers.start, layers.stop - 1],
                         "parameter_count": params.count,
-                        **stage_memory(cfg, setup, stage, len(layers), params),
+                        **stage_memory(cfg, setup, stage, params, dict(saved[len(layers), first, last])),
                         "forward_flops_per_token": cost,
                         # forward + backward, 3x the forward (flops.py); tensor ranks share it
                         "seconds_per_micro_batch": 3 * cost * tokens / setup.tp / flops_per_second,
@@ -199,14 +219,12 @@ def pipeline_plan(cfg: ModelConfig, setup, flops_per_second: float) -> dict:
             "stages_detail": details}
 
 
-def stage_memory(cfg: ModelConfig, setup, stage: int, layers: int, params: StageParameters) -> dict:
-    """Bytes on one device of stage `stage` (see pipeline_plan for the keys)."""
+def stage_memory(cfg: ModelConfig, setup, stage: int, params: StageParameters, saved: dict) -> dict:
+    """Bytes on one device of stage `stage` (see pipeline_plan for the keys), which holds `params`
+    and saves `saved` for one micro-batch (memory.activation_breakdown of its layers)."""
     p, last = setup.pp, stage == setup.pp - 1
     states = memory.model_state_bytes(cfg, setup.precision, setup.optimizer, 0, setup.dp, setup.tp,
                                       params.adapters, params.shapes)
-    saved = memory.activation_breakdown(cfg, setup.batch_size, setup.seq_len, setup.precision, setup.attention,
-                                        setup.recompute, setup.tp, setup.fp32_attention, setup.loss_chunk_tokens,
-                                        setup.sequence_parallel, layers=layers, first=stage == 0, last=last)
     # alive one at a time, not per micro-batch in flight: a block rerun in backward, the logits
     recomputed = saved.pop("recomputed_layer", 0)
     in_flight = micro_batches_in_flight(setup.schedule, p, setup.micro_batches, stage)
