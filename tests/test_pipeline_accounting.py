@@ -224,6 +224,10 @@ def test_plan_takes_the_largest_stage_and_the_slowest_stages_pace():
     assert piped["split"] == [2, 2, 1, 1] and piped["bubble_fraction"] == 3 / 11
     assert [d["micro_batches_in_flight"] for d in stages] == [4, 3, 2, 1]
     assert [d["layers"] for d in stages] == [[0, 1], [2, 3], [4, 4], [5, 5]]
+    for d in stages:  # a device holds the activations of every micro-batch in flight, and one set of logits
+        parts = d["breakdown_bytes"]
+        assert parts["activations"] + parts["weight_copies"] == d["activations_in_flight_bytes"]
+        assert d["total_bytes"] == sum(parts.values()) and (parts["logits"] > 0) == (d["stage"] == 3)
     assert plan["memory"]["per_device_bytes"] == max(d["total_bytes"] for d in stages) == stages[0]["total_bytes"]
     assert plan["memory"]["breakdown_bytes"] == stages[0]["breakdown_bytes"]
     # the tied matrix is held twice: by the first stage and by the last
