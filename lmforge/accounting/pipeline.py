@@ -9,8 +9,10 @@ Of that time each stage computes m(t_f + t_b), so the idle fraction, the bubble,
 
     (p - 1) / (m + p - 1)
 
-Stages that cost unequal time make it worse: the pipeline runs at its slowest stage's pace, so a
-step lasts (m + p - 1) x the slowest stage's time per micro-batch (`pipeline_plan`).
+Stages that cost unequal time make it worse: the pipeline runs at its slowest stage's pace, and
+the plan takes a step to last (m + p - 1) x the slowest stage's time per micro-batch
+(`pipeline_plan`): exact for equal stages, an upper bound otherwise (a schedule played out with
+unequal stages, tests/test_pipeline_accounting.py, ends between m and m + p - 1 slowest slots).
 
 1F1B changes memory, not time: stage s (0-based) runs p - s warm-up forwards, then alternates, so
 at most min(m, p - s) micro-batches of activations are alive on it; GPipe keeps all m until the
@@ -180,7 +182,8 @@ def pipeline_plan(cfg: ModelConfig, setup, flops_per_second: float) -> dict:
       master_weights, optimizer_states, weight_copies and activations of the micro-batches in
       flight, a fully recomputed layer, the logits on the last stage), total_bytes (their sum),
       activations_per_micro_batch_bytes (saved for backward by one micro-batch's forward, weight
-      casts included: what measure_saved_bytes sees), micro_batches_in_flight,
+      casts included: what measure_saved_bytes sees), activation_breakdown_bytes (that by part,
+      less the casts), micro_batches_in_flight,
       activations_in_flight_bytes (their product: the peak alive at once), forward_flops_per_token,
       seconds_per_micro_batch (forward + backward), sent_bytes_per_step (by what: activations
       forward, their gradients backward, the tied matrix's gradient between the end stages, the
