@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                "      --compare --zero-stage 0,1,2,3 --recompute none,full --plot compare.png\n"
                "  lmforge plan --model llama3-70b --seq-len 8192 --precision bf16-mixed --hardware h100-sxm \\\n"
                "      --zero-stage 3 --recompute full --solve devices\n"
+               "  lmforge plan --pp 4 train.micro_batches=8 train.schedule=1f1b   # per-stage memory, the bubble\n"
                "  lmforge plan --inference --model llama3-8b --batch-size 8 --seq-len 8192 --weights int4 \\\n"
                "      --hardware h100-sxm\n"
                "  lmforge plan --dtypes",
@@ -149,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                       help="with --tp: split norms and the layer input along the sequence too (default on; "
                            "Korthikanti et al. 2022 table 2 has both)")
-    plan.add_argument("--pp", metavar="LIST", help="pipeline-parallel degree (1F1B; default 1)")
+    plan.add_argument("--pp", metavar="LIST", help="pipeline stages: the same as train.pipeline_stages (default 1); "
+                                                 "micro-batches and schedule: train.micro_batches, train.schedule")
     plan.add_argument("--recompute", metavar="LIST", help=f"activation recomputation: {', '.join(RECOMPUTE_MODES)}")
     plan.add_argument("--attention", metavar="LIST",
                       help=f"{', '.join(BACKENDS)} (naive keeps the s x s scores, the others do not)")
@@ -522,14 +524,14 @@ def cmd_plan(args) -> int:
     from rich.console import Console
 
     from lmforge.planning import plot_comparison, plot_memory, print_comparison_table, print_dtypes, print_plan
-    from lmforge.plan_setups import plan_setups
+    from lmforge.plan_setups import plan_overrides, plan_setups
 
     console = Console()
     if args.dtypes:
         print_dtypes(console)
         return 0
     name = args.model or DEFAULT_PRESET
-    cfg = make_config(name, args.config, args.overrides)
+    cfg = make_config(name, args.config, plan_overrides(args))
     if args.plot and not Path(args.plot).parent.is_dir():
         raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
                            f"or pick another path")

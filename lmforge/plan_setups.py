@@ -12,6 +12,7 @@ from lmforge.accounting.inference import PREFILL_DTYPE, InferenceSetup, make_inf
 from lmforge.accounting.plan import Setup, make_plan, matmul_dtype
 from lmforge.config import Config
 from lmforge.errors import LmforgeError
+from lmforge.parallel_modes import get_strategy
 
 # The options that take several comma-separated values with --compare, and the type of each value.
 LISTS = {"batch_size": int, "seq_len": int, "precision": str, "optimizer": str, "zero_stage": int, "dp": int,
@@ -53,6 +54,17 @@ def plan_setups(cfg: Config, args) -> tuple[list[dict], list[str], str]:
         chosen = {name: values[0] for name, values in lists.items()}
         plans[0], note = (_solve_batch if args.solve == "batch" else _solve_devices)(cfg, args, chosen, machines)
     return plans, varying, note
+
+
+def plan_overrides(args) -> list[str]:
+    """The config overrides of `lmforge plan`, with `--pp` as what it means: train.pipeline_stages.
+    With several values (--compare) the config is checked at the largest; each plan takes its own."""
+    overrides = list(args.overrides)
+    if args.pp is not None:
+        if any(item.strip().startswith("train.pipeline_stages=") for item in overrides):
+            raise LmforgeError("--pp and train.pipeline_stages say the same: give one of them")
+        overrides.append(f"train.pipeline_stages={max(_lists(args)['pp'])}")
+    return overrides
 
 
 def _lists(args) -> dict[str, list]:
@@ -153,7 +165,9 @@ def _solve_devices(cfg: Config, args, chosen: dict, machines: Machines) -> tuple
     if args.inference:
         candidates = [{"tp": t} for t in tps]
     else:
-        pps = [p for p in range(1, m.n_layers + 1) if m.n_layers % p == 0]
+        # pipelines replicate whole stages: with ZeRO sharding over dp, no pipeline
+        sharded = chosen.get("zero_stage", get_strategy(cfg.train.parallel).zero_stage) > 0
+        pps = [p for p in range(1, m.n_layers + 1) if m.n_layers % p == 0 and not (sharded and p > 1)]
         dps = [2**i for i in range(MAX_DP.bit_length())]
         candidates = sorted(({"dp": d, "tp": t, "pp": p} for d in dps for t in tps for p in pps),
                             key=lambda c: (c["dp"] * c["tp"] * c["pp"], c["tp"], c["pp"]))

@@ -26,6 +26,9 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
         return
     m, st, f, mem, t = plan["model"], plan["setup"], plan["flops"], plan["memory"], plan["time"]
     parallel = f"dp {st['dp']} x tp {st['tp']} x pp {st['pp']} = {st['devices']} device(s)"
+    piped = plan.get("pipeline")
+    steps = (f"{st['micro_batches']} micro-batches" if piped or st["micro_batches"] > 1
+             else f"accum {st['grad_accum']}")
     if st["tp"] > 1:
         parallel += ", sequence parallel" if st["sequence_parallel"] else ", no sequence parallelism"
     head = Table(title=title, show_header=False, title_justify="left")
@@ -35,11 +38,12 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
         ("model", f"{m['family']}: {m['layers']} layers, d_model {m['d_model']}, {m['heads']} heads "
                   f"({m['kv_heads']} kv), ffn {m['ffn_dim']}, vocab {m['vocab_size']:,}"),
         ("parameters", f"{human_count(m['parameters'])} ({m['parameters']:,})"),
-        ("setup", f"batch {st['batch_size']} x seq {st['seq_len']} x accum {st['grad_accum']}, {st['precision']}, "
+        ("setup", f"batch {st['batch_size']} x seq {st['seq_len']} x {steps}, {st['precision']}, "
                   f"{st['optimizer']}, ZeRO {st['zero_stage']}, recompute {st['recompute']}, {st['attention']}"),
         ("parallelism", parallel),
         ("tokens per step", f"{st['tokens_per_step']:,}"),
-        ("sent per step per rank", communication_line(plan["communication"])),
+        ("sent per step per rank", communication_line(plan["communication"])
+         + ("; between stages: see below" if piped else "")),
         ("training FLOPs per token", f"{human_count(f['training_per_token'])} "
                                      f"(PaLM 6N+12LHQT: {human_count(f['palm_per_token'])})"),
         # N is not the parameter count above: say which parameters it leaves out
@@ -48,6 +52,10 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
         ("training FLOPs per step", human_count(f["training_per_step"])),
     ]:
         head.add_row(name, value)
+    if piped:
+        split = ",".join(map(str, piped["split"]))
+        head.add_row("pipeline", f"{piped['stages']} stages of {split} layers ({piped['split_source']}), "
+                                 f"{piped['micro_batches']} micro-batches per step, {piped['schedule']}")
     if st["recompute"] != "none":  # without recomputation the hardware does exactly the model's FLOPs
         head.add_row("hardware FLOPs per token", f"{human_count(f['hardware_per_token'])} "
                                                  f"(with {st['recompute']} recomputation)")
@@ -61,7 +69,8 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
                                                    f"(activations: the same)")
     console.print(head)
 
-    table = Table(title="memory per device", title_justify="left")
+    title = f"memory per device: pipeline stage {piped['largest_stage']}, the largest" if piped else "memory per device"
+    table = Table(title=title, title_justify="left")
     table.add_column("")
     table.add_column("bytes", justify="right")
     table.add_column("share", justify="right")
@@ -76,6 +85,8 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
     table.add_row("KV cache for inference at this batch x seq", human_bytes(mem["kv_cache_inference_bytes"]), "",
                   style="dim")
     console.print(table)
+    if piped:
+        print_stages(console, piped)
 
     timing = Table(title=f"time on {t['hardware']} at {t['assumed_mfu']:.0%} MFU", show_header=False,
                    title_justify="left")
@@ -83,6 +94,8 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
     timing.add_column("value", justify="right")
     timing.add_row("peak per device", f"{human_count(t['peak_flops_per_device'])}FLOP/s ({t['matmul_dtype']})")
     timing.add_row("time per step", human_seconds(t["seconds_per_step"]))
+    if piped:
+        add_bubble_rows(timing, piped, t["assumed_mfu"])
     timing.add_row("throughput", f"{t['tokens_per_second']:,.0f} tokens/s")
     budget = plan["budget"]
     source = "" if t["tokens_source"] == "given" else " (Chinchilla's 20 per parameter: no --tokens)"
@@ -93,6 +106,38 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
     if budget["cost"] is not None:
         timing.add_row(f"cost at {budget['price_per_device_hour']:g} per device-hour", f"{budget['cost']:,.0f}")
     console.print(timing)
+
+
+def print_stages(console: Console, piped: dict) -> None:
+    """plan["pipeline"]'s stages, one row each: what each device of that stage holds."""
+    table = Table(title=f"pipeline stages ({piped['schedule']}, {piped['micro_batches']} micro-batches)",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("stage", "layers", "weights", "grads", "optimizer", "activations x in flight", "total",
+                   "sent/step"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for d in piped["stages_detail"]:
+        parts = d["breakdown_bytes"]
+        first, last = d["layers"]
+        table.add_row(str(d["stage"]), f"{first}-{last}" if last > first else str(first),
+                      human_bytes(parts["parameters"]), human_bytes(parts["gradients"]),
+                      human_bytes(parts["master_weights"] + parts["optimizer_states"]),
+                      f"{human_bytes(d['activations_per_micro_batch_bytes'])} x {d['micro_batches_in_flight']}",
+                      human_bytes(d["total_bytes"]), human_bytes(sum(d["sent_bytes_per_step"].values())),
+                      style="bold" if d["stage"] == piped["largest_stage"] else None)
+    Console(file=console.file, width=max(console.width, 120)).print(table)
+
+
+def add_bubble_rows(timing: Table, piped: dict, assumed_mfu: float) -> None:
+    """The bubble by its formula, the slowest stage that sets the pace, and the MFU that leaves."""
+    p, m = piped["stages"], piped["micro_batches"]
+    slowest = piped["stages_detail"][piped["slowest_stage"]]
+    timing.add_row("pipeline step", f"(m + p - 1) x slowest stage = {m + p - 1} x "
+                                    f"{human_seconds(slowest['seconds_per_micro_batch'])} (stage {slowest['stage']}); "
+                                    f"no bubble: {human_seconds(piped['ideal_seconds_per_step'])}")
+    timing.add_row("bubble", f"(p - 1) / (m + p - 1) = {p - 1}/{m + p - 1} = {piped['bubble_fraction']:.1%} of the "
+                             f"step idle")
+    timing.add_row("MFU at best", f"{piped['best_mfu']:.1%} = {assumed_mfu:.0%} x no bubble / pipeline step: the "
+                                  f"bubble and unequal stages cost {assumed_mfu - piped['best_mfu']:.1%}")
 
 
 def communication_line(c: dict) -> str:
@@ -170,6 +215,7 @@ TRAINING_COLUMNS = [
     # time is at the assumed MFU, which counts no recomputation: say what recomputation adds
     ("recompute FLOPs", lambda p: f"+{p['flops']['hardware_per_token'] / p['flops']['training_per_token'] - 1:.0%}"),
     ("tokens/s", lambda p: f"{p['time']['tokens_per_second']:,.0f}"),
+    ("bubble", lambda p: f"{p['pipeline']['bubble_fraction']:.0%}" if "pipeline" in p else "-"),
     ("devices", lambda p: str(p["setup"]["devices"])),
     ("device-hours", lambda p: f"{p['budget']['device_hours']:,.0f}"),
 ]
@@ -253,9 +299,15 @@ def print_comparison(console: Console, comparison: dict) -> None:
               "parameters_bytes": "parameters", "gradients_bytes": "gradients",
               "optimizer_states_bytes": "optimizer states",
               "activations_bytes": "saved for backward, one micro-batch", "peak_memory_bytes": "peak memory (CUDA)",
-              "sent_bytes_per_step": "sent per step per rank (collectives)"}
+              "sent_bytes_per_step": "sent per step per rank (collectives)",
+              "activations_in_flight_bytes": "saved for backward, peak alive at once"}
     for key, row in comparison.items():
         predicted, measured = row["predicted"], row["measured"]
+        if key.startswith("stage "):  # a pipeline stage's row: "stage 1 activations_bytes"
+            _, stage, name = key.split(" ", 2)
+            label = f"stage {stage}: {labels[name]}"
+        else:
+            label = labels[key]
         if "_bytes" in key:
             shown = (human_bytes(predicted), human_bytes(measured) if measured is not None else "-")
         elif key == "tokens_per_s":
@@ -263,7 +315,7 @@ def print_comparison(console: Console, comparison: dict) -> None:
         else:
             shown = (f"{predicted:.0%}", f"{measured:.1%}")
         ratio = f"{measured / predicted:.3f}" if measured is not None and predicted else "-"
-        table.add_row(labels[key], *shown, ratio)
+        table.add_row(label, *shown, ratio)
     console.print(table)
 
 

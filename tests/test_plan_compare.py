@@ -71,10 +71,21 @@ def test_solve_devices_finds_the_fewest_that_fit(capsys):
     st = plan["setup"]
     assert plan["memory"]["fits"] and f"--solve devices: {st['devices']} device(s)" in out
     cfg = make_config("llama3-70b").model
-    for dp, tp, pp in itertools.product([1, 2, 4, 8, 16], [1, 2, 4, 8], [1, 2, 4, 5, 8, 10, 16, 20, 40, 80]):
-        if dp * tp * pp < st["devices"]:
+    # pipelines replicate whole stages (no ZeRO sharding over dp): under ZeRO-3 the search has pp 1 only
+    with pytest.raises(ValueError, match="use zero stage 0"):
+        make_plan(cfg, Setup(seq_len=4096, hardware="h100-sxm", zero_stage=3, dp=8, pp=2))
+    for dp, tp in itertools.product([1, 2, 4, 8, 16], [1, 2, 4, 8]):
+        if dp * tp < st["devices"]:
             assert not make_plan(cfg, Setup(batch_size=1, seq_len=4096, precision="bf16-mixed", hardware="h100-sxm",
-                                            zero_stage=3, recompute="full", dp=dp, tp=tp, pp=pp))["memory"]["fits"]
+                                            zero_stage=3, recompute="full", dp=dp, tp=tp))["memory"]["fits"]
+    # without ZeRO, pipeline stages are how the fewest devices hold it
+    plan, out = solved([item for item in args if item not in ("--zero-stage", "3")], capsys)
+    st = plan["setup"]
+    assert plan["memory"]["fits"] and st["pp"] > 1 and st["zero_stage"] == 0
+    for tp, pp in itertools.product([1, 2, 4, 8], [1, 2, 4, 5, 8, 10, 16, 20, 40, 80]):  # without ZeRO dp saves nothing
+        if tp * pp < st["devices"]:
+            assert not make_plan(cfg, Setup(batch_size=1, seq_len=4096, precision="bf16-mixed", hardware="h100-sxm",
+                                            recompute="full", tp=tp, pp=pp))["memory"]["fits"]
     # serving: the fewest tensor-parallel devices that hold bf16 Llama-3-70B's weights and one 4k context
     plan, out = solved(["plan", "--inference", "--model", "llama3-70b", "--seq-len", "4096", "--hardware", "h100-sxm",
                         "--solve", "devices"], capsys)

@@ -17,6 +17,8 @@ bytes per element: precision/policies.py); tests/test_memory.py checks it agains
 autograd really saves (accounting/measure.py).
 """
 
+import math
+
 from lmforge.accounting.activations import FAMILY_ACTIVATIONS
 from lmforge.accounting.optimizers import OPTIMIZERS, optimizer_state_bytes
 from lmforge.accounting.shapes import model_shapes
@@ -54,11 +56,14 @@ def lora_parameters(cfg: ModelConfig, rank: int, targets: str) -> int:
 
 
 def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str = "adamw", zero_stage: int = 0,
-                      dp: int = 1, tp: int = 1, pp: int = 1, lora_trainable: int | None = None) -> dict[str, float]:
+                      dp: int = 1, tp: int = 1, lora_trainable: int | None = None,
+                      parameter_shapes: tuple | None = None) -> dict[str, float]:
     """Bytes per device of parameters, gradients, master weights and optimizer states.
 
-    Tensor (tp) and pipeline (pp) parallelism split the weights themselves, so every term is
-    divided by tp*pp (an even split: embeddings and norms are assumed spread like the rest).
+    `parameter_shapes`: the parameters this device holds, default the whole model; a pipeline
+    stage holds its own (accounting/pipeline.py). Tensor parallelism (tp) splits the weights
+    themselves, so every term is divided by tp (an even split: embeddings and norms are assumed
+    spread like the rest).
 
     With LoRA (`lora_trainable` adapter parameters) the base is frozen: it is stored in the
     policy's parameter dtype and has no gradient, master copy or optimizer state; the adapters are
@@ -74,12 +79,13 @@ def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str 
         # ZeRO's layout (section 3.1; lmforge/parallel/zero.py): 16-bit working weights and
         # gradients, fp32 master weights sharded with m and v: 2 + 2 + K bytes, K = 12
         parameter, gradient, master = p.compute, p.compute, 4
-    n = parameter_count(cfg) / (tp * pp)
+    held = parameter_count(cfg) if parameter_shapes is None else sum(math.prod(shape) for shape in parameter_shapes)
+    n = held / tp
     if lora_trainable is None:
         weights, trained, grad = n * parameter, n, gradient
-        optimizer_bytes = optimizer_state_bytes(cfg, optimizer, precision) / (tp * pp)
+        optimizer_bytes = optimizer_state_bytes(cfg, optimizer, precision, parameter_shapes) / tp
     else:
-        trained = lora_trainable / (tp * pp)
+        trained = lora_trainable / tp
         weights, grad, master = n * p.parameter + trained * 4, 4, 0
         optimizer_bytes = trained * lookup(OPTIMIZERS, optimizer, "optimizer").states * 4
     return {
@@ -189,9 +195,9 @@ def split_over_tensor_ranks(layer: dict[str, int], tp: int, sequence_parallel: b
 
 
 def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", attention: str = "sdpa",
-                         recompute: str = "none", tp: int = 1, pp: int = 1,
-                         fp32_attention: bool = False, loss_chunk_tokens: int = 0,
-                         sequence_parallel: bool = True) -> dict[str, float]:
+                         recompute: str = "none", tp: int = 1, fp32_attention: bool = False,
+                         loss_chunk_tokens: int = 0, sequence_parallel: bool = True, *, layers: int | None = None,
+                         first: bool = True, last: bool = True) -> dict[str, float]:
     """Bytes saved for backward over one micro-batch of b sequences of s tokens, per device.
 
     With `loss_chunk_tokens` (train/chunked_loss.py) the head and loss keep their finished
@@ -199,29 +205,32 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp3
 
     Layers: tensor parallelism with sequence parallelism divides each layer's activations by tp
     (Korthikanti et al. 2022, eq. 5), without it the norms and column-parallel inputs stay whole
-    (eq. 4); a 1F1B pipeline's first stage holds L/pp layers for pp micro-batches in flight, the
-    same total as no pipeline (section 4.2.3).
+    (eq. 4). A pipeline stage (accounting/pipeline.py) holds `layers` blocks, the embedding's
+    terms only if it is the `first` stage and the head's and loss's only if it is the `last`;
+    the rotary tables on every stage (each keeps its own). The default is the whole model.
     """
     policy, mode, shapes = get_policy(precision), get_recompute(recompute), model_shapes(cfg)
     p = policy.bytes
+    layers = cfg.n_layers if layers is None else layers
     family = FAMILY_ACTIVATIONS[cfg.family](cfg, b, s, policy)
     layer = layer_activation_breakdown(cfg, b, s, precision, attention, recompute, fp32_attention)
-    layers = cfg.n_layers * split_over_tensor_ranks(layer, tp, sequence_parallel)
     bs, bsd = b * s, b * s * cfg.d_model
     head_input = p.compute if policy.autocast else p.linear_input  # the LM head is never fp8
     head_weights = shapes.linear_weights["lm_head"]
+    block_weights = shapes.block_matmul_weights // cfg.n_layers * layers  # every block has the same weights
     result = {
-        "layers": layers,
+        "layers": layers * split_over_tensor_ranks(layer, tp, sequence_parallel),
         # the token ids the embedding gathers (int64), and what it keeps to add positions
-        "embedding": bs * 8 + family.position_ids,
+        "embedding": bs * 8 + family.position_ids if first else 0,
         # final norm, the LM head's input, the fp32 log-probabilities and the int64 targets
-        "head_and_loss": family.final_norm + (bsd * p.residual + head_weights * 4 if loss_chunk_tokens
-                                              else bsd * head_input + bs * cfg.vocab_size * 4 + bs * 8),
+        "head_and_loss": 0 if not last else family.final_norm + (
+            bsd * p.residual + head_weights * 4 if loss_chunk_tokens
+            else bsd * head_input + bs * cfg.vocab_size * 4 + bs * 8),
         # tables every block reads (RoPE's cos and sin), kept once; not inside fully recomputed blocks
         "rope_tables": 0 if mode.blocks else family.position_tables,
         # the per-use weight casts; inside fully recomputed blocks they are recast in backward
-        "weight_copies": ((0 if mode.blocks else shapes.block_matmul_weights * p.weight_copy)
-                          + (0 if loss_chunk_tokens else head_weights * p.head_weight_copy)) / (tp * pp),
+        "weight_copies": ((0 if mode.blocks else block_weights * p.weight_copy)
+                          + (0 if loss_chunk_tokens or not last else head_weights * p.head_weight_copy)) / tp,
     }
     if mode.blocks:  # backward reruns one block at a time: its activations come back
         recomputed = layer_activation_breakdown(cfg, b, s, precision, attention, fp32_attention=fp32_attention)

@@ -48,13 +48,15 @@ OPTIMIZERS: dict[str, Optimizer] = {
 }
 
 
-def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw", precision: str = "fp32") -> float:
-    """Bytes of every optimizer state of the whole model (unsharded); the policy gives the bytes of a
+def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw", precision: str = "fp32",
+                          parameter_shapes: tuple | None = None) -> float:
+    """Bytes of every optimizer state of the whole model (unsharded), or of the parameters of
+    `parameter_shapes` (a pipeline stage's: accounting/pipeline.py); the policy gives the bytes of a
     full-precision state element (fp32, or bf16 under bf16-pure)."""
     opt = lookup(OPTIMIZERS, optimizer, "optimizer")
     element = get_policy(precision).bytes.optimizer_state
     total = 0.0
-    for shape in model_shapes(cfg).parameter_shapes:
+    for shape in parameter_shapes if parameter_shapes is not None else model_shapes(cfg).parameter_shapes:
         n = math.prod(shape)
         if opt.factored:
             # Hugging Face's layout: row averages over the last dim, column averages over the second to last

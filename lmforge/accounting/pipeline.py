@@ -9,14 +9,35 @@ Of that time each stage computes m(t_f + t_b), so the idle fraction, the bubble,
 
     (p - 1) / (m + p - 1)
 
+Stages that cost unequal time make it worse: the pipeline runs at its slowest stage's pace, and
+the plan takes a step to last (m + p - 1) x the slowest stage's time per micro-batch
+(`pipeline_plan`): exact for equal stages, an upper bound otherwise (a schedule played out with
+unequal stages, tests/test_pipeline_accounting.py, ends between m and m + p - 1 slowest slots).
+
 1F1B changes memory, not time: stage s (0-based) runs p - s warm-up forwards, then alternates, so
 at most min(m, p - s) micro-batches of activations are alive on it; GPipe keeps all m until the
 backwards start.
+
+How the model is cut (parallel/pipeline.py): stage s holds the blocks stage_layers(split)[s], the
+first stage also the token (and learned position) embeddings, the last the final norm, LM head
+and loss; with tied embeddings the first and the last stage each hold a full copy of the shared
+matrix. Pipelines replicate whole stages for data parallelism (DDP-style, no ZeRO sharding).
 """
 
+import bisect
+import functools
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass
+
+from lmforge.accounting import memory
+from lmforge.accounting.comm import element_bytes
 from lmforge.accounting.flops import forward_flops_breakdown
+from lmforge.accounting.shapes import meta_model
 from lmforge.config import ModelConfig
 from lmforge.parallel_modes import parse_split
+from lmforge.precision.policies import get_policy
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
@@ -32,11 +53,14 @@ def micro_batches_in_flight(schedule: str, stages: int, micro_batches: int, stag
 def stage_costs(cfg: ModelConfig, seq_len: int, split: list[int]) -> list[float]:
     """Forward matmul FLOPs per token of each stage: its blocks, plus the LM head on the last
     (the embedding is a lookup: no matmul work)."""
+    per_block, head = _block_and_head_flops(cfg, seq_len)
+    return [layers * per_block + (head if stage == len(split) - 1 else 0) for stage, layers in enumerate(split)]
+
+
+def _block_and_head_flops(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """Forward matmul FLOPs per token of one block, and of the LM head."""
     parts = forward_flops_breakdown(cfg, seq_len)
-    per_block = (sum(parts.values()) - parts["lm_head"]) / cfg.n_layers
-    costs = [layers * per_block for layers in split]
-    costs[-1] += parts["lm_head"]
-    return costs
+    return (sum(parts.values()) - parts["lm_head"]) / cfg.n_layers, parts["lm_head"]
 
 
 def balanced_split(cfg: ModelConfig, stages: int, seq_len: int) -> list[int]:
@@ -44,6 +68,7 @@ def balanced_split(cfg: ModelConfig, stages: int, seq_len: int) -> list[int]:
     pace). Blocks cost the same, so the search is over how many layers the last stage gives up
     to make room for the head, the rest spread as evenly as they go, earlier stages taking the
     extra layers."""
+    per_block, head = _block_and_head_flops(cfg, seq_len)
     best = None
     for last in range(1, cfg.n_layers - stages + 2):
         rest, others = cfg.n_layers - last, stages - 1
@@ -55,7 +80,8 @@ def balanced_split(cfg: ModelConfig, stages: int, seq_len: int) -> list[int]:
             split = None
         if split is None:
             continue
-        key = (max(stage_costs(cfg, seq_len, split)), -last)  # ties: the later stages keep more layers
+        costliest = max(max(split[:-1], default=0) * per_block, last * per_block + head)
+        key = (costliest, -last)  # ties: the later stages keep more layers
         if best is None or key < best[0]:
             best = (key, split)
     return best[1]
@@ -70,3 +96,175 @@ def stage_layers(split: list[int]) -> list[range]:
     """The layer indices each stage holds: [4, 4] -> [range(0, 4), range(4, 8)]."""
     starts = [sum(split[:i]) for i in range(len(split))]
     return [range(start, start + layers) for start, layers in zip(starts, split)]
+
+
+# -- what each stage holds ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageParameters:
+    shapes: tuple  # the shape of every parameter the stage holds (the tied matrix on both end stages)
+    adapters: int | None = None  # with LoRA: the trainable adapter parameters (`shapes` is the frozen base)
+
+    @property
+    def count(self) -> int:
+        return sum(math.prod(shape) for shape in self.shapes)
+
+
+def stage_of_parameter(name: str, split: list[int]) -> int:
+    """The stage that holds parameter `name` of the whole model (names as Transformer gives them)."""
+    top = name.split(".")[0]
+    if top == "blocks":  # blocks.<layer>...: the first stage whose layers end after it
+        return bisect.bisect_right(list(itertools.accumulate(split)), int(name.split(".")[1]))
+    if top in ("tok_embeddings", "pos_embeddings"):
+        return 0
+    if top in ("norm", "lm_head"):
+        return len(split) - 1
+    raise ValueError(f"accounting/pipeline.py does not know which stage holds the parameter {name}: add it "
+                     f"to stage_of_parameter")
+
+
+def stage_parameters(cfg: ModelConfig, split: list[int], lora_rank: int | None = None,
+                     lora_targets: str = "") -> tuple[StageParameters, ...]:
+    """The parameters each stage holds, read from the model built on the meta device. A tied
+    matrix is held by the first and by the last stage (once where they are one stage)."""
+    return _stage_parameters(json.dumps(asdict(cfg), sort_keys=True), tuple(split), lora_rank, lora_targets)
+
+
+@functools.lru_cache(maxsize=64)  # --solve and --compare plan the same stages many times
+def _stage_parameters(values: str, split: tuple, lora_rank: int | None, lora_targets: str) -> tuple:
+    held: list[dict] = [{} for _ in split]  # per stage: tensor -> (shape, trainable)
+    stage_of = {}  # by the name's first two parts: "blocks.7", "lm_head.weight"
+    for name, tensor, shape, trainable in _named_parameters(values, lora_rank, lora_targets):
+        prefix = ".".join(name.split(".")[:2])
+        if prefix not in stage_of:
+            stage_of[prefix] = stage_of_parameter(name, list(split))
+        held[stage_of[prefix]][tensor] = (shape, trainable)
+    result = []
+    for tensors in held:
+        if lora_rank is None:
+            result.append(StageParameters(tuple(shape for shape, _ in tensors.values())))
+        else:
+            base = tuple(shape for shape, trainable in tensors.values() if not trainable)
+            adapters = sum(math.prod(shape) for shape, trainable in tensors.values() if trainable)
+            result.append(StageParameters(base, adapters))
+    return tuple(result)
+
+
+@functools.lru_cache(maxsize=16)
+def _named_parameters(values: str, lora_rank: int | None, lora_targets: str) -> tuple:
+    """(name, tensor index, shape, trainable) of every parameter name of the model, a tied tensor
+    under each of its names (the same index)."""
+    model = meta_model(ModelConfig(**json.loads(values)))
+    if lora_rank is not None:
+        from lmforge.model.lora import apply_lora
+
+        apply_lora(model, lora_targets, lora_rank)
+    index: dict[int, int] = {}
+    return tuple((name, index.setdefault(id(tensor), len(index)), tuple(tensor.shape), tensor.requires_grad)
+                 for name, tensor in model.named_parameters(remove_duplicate=False))
+
+
+# -- the plan's pipeline section -------------------------------------------------------------------
+
+def pipeline_plan(cfg: ModelConfig, setup, flops_per_second: float) -> dict:
+    """plan["pipeline"] for a setup (accounting/plan.py's Setup) with pp > 1 stages, each device
+    doing `flops_per_second` (its peak at the assumed MFU). JSON-ready:
+
+    stages, micro_batches, schedule, split (layers per stage), split_source ("given" or
+    "balanced"), bubble_fraction ((p-1)/(m+p-1)), slowest_stage, seconds_per_step ((m+p-1) x the
+    slowest stage's seconds per micro-batch), ideal_seconds_per_step (the same FLOPs spread evenly
+    over every device, no bubble), best_mfu (assumed MFU x ideal / real: what the schedule leaves),
+    largest_stage (the one with the most memory: the plan's per-device memory), and stages_detail,
+    one dict per stage:
+
+      stage, layers ([first, last] layer index), parameter_count (held, the tied copy included),
+      breakdown_bytes (the plan's memory parts for this stage: parameters, gradients,
+      master_weights, optimizer_states, weight_copies and activations of the micro-batches in
+      flight, a fully recomputed layer, the logits on the last stage), total_bytes (their sum),
+      activations_per_micro_batch_bytes (saved for backward by one micro-batch's forward, weight
+      casts included: what measure_saved_bytes sees), activation_breakdown_bytes (that by part,
+      less the casts), micro_batches_in_flight,
+      activations_in_flight_bytes (their product: the peak alive at once), forward_flops_per_token,
+      seconds_per_micro_batch (forward + backward), sent_bytes_per_step (by what: activations
+      forward, their gradients backward, the tied matrix's gradient between the end stages, the
+      data-parallel all-reduce of the stage's gradients).
+    """
+    p, m = setup.pp, setup.micro_batches
+    split = pipeline_split(cfg, p, setup.pipeline_split, setup.seq_len)
+    tokens = setup.batch_size * setup.seq_len  # per micro-batch
+    costs = stage_costs(cfg, setup.seq_len, split)
+    details = []
+    saved: dict = {}  # what one micro-batch saves, by (layers, first, last): stages repeat (80 layers, 40 stages)
+    for stage, (layers, params, cost) in enumerate(zip(stage_layers(split), stage_parameters(
+            cfg, split, setup.lora_rank, setup.lora_targets), costs)):
+        first, last = stage == 0, stage == p - 1
+        if (len(layers), first, last) not in saved:
+            saved[len(layers), first, last] = memory.activation_breakdown(
+                cfg, setup.batch_size, setup.seq_len, setup.precision, setup.attention, setup.recompute, setup.tp,
+                setup.fp32_attention, setup.loss_chunk_tokens, setup.sequence_parallel, layers=len(layers),
+                first=first, last=last)
+        details.append({"stage": stage, "layers": [layers.start, layers.stop - 1],
+                        "parameter_count": params.count,
+                        **stage_memory(cfg, setup, stage, params, dict(saved[len(layers), first, last])),
+                        "forward_flops_per_token": cost,
+                        # forward + backward, 3x the forward (flops.py); tensor ranks share it
+                        "seconds_per_micro_batch": 3 * cost * tokens / setup.tp / flops_per_second,
+                        "sent_bytes_per_step": stage_sends(cfg, setup, stage, params)})
+    times = [d["seconds_per_micro_batch"] for d in details]
+    slowest = max(range(p), key=times.__getitem__)
+    step = (m + p - 1) * times[slowest]
+    ideal = m * sum(times) / p
+    return {"stages": p, "micro_batches": m, "schedule": setup.schedule, "split": split,
+            "split_source": "given" if setup.pipeline_split.strip() else "balanced",
+            "bubble_fraction": bubble_fraction(p, m), "slowest_stage": slowest,
+            "seconds_per_step": step, "ideal_seconds_per_step": ideal, "best_mfu": setup.mfu * ideal / step,
+            "largest_stage": max(range(p), key=lambda s: details[s]["total_bytes"]),
+            "stages_detail": details}
+
+
+def stage_memory(cfg: ModelConfig, setup, stage: int, params: StageParameters, saved: dict) -> dict:
+    """Bytes on one device of stage `stage` (see pipeline_plan for the keys), which holds `params`
+    and saves `saved` for one micro-batch (memory.activation_breakdown of its layers)."""
+    p, last = setup.pp, stage == setup.pp - 1
+    states = memory.model_state_bytes(cfg, setup.precision, setup.optimizer, 0, setup.dp, setup.tp,
+                                      params.adapters, params.shapes)
+    # alive one at a time, not per micro-batch in flight: a block rerun in backward, the logits
+    recomputed = saved.pop("recomputed_layer", 0)
+    in_flight = micro_batches_in_flight(setup.schedule, p, setup.micro_batches, stage)
+    per_micro_batch = sum(saved.values())  # weight casts included: each forward keeps its own
+    breakdown = {**states,
+                 "weight_copies": saved["weight_copies"] * in_flight,
+                 "activations": (per_micro_batch - saved["weight_copies"]) * in_flight + recomputed,
+                 "logits": memory.logits_bytes(cfg, setup.batch_size, setup.seq_len, setup.precision,
+                                               setup.loss_chunk_tokens) / setup.tp if last else 0}
+    return {"breakdown_bytes": breakdown, "total_bytes": sum(breakdown.values()),
+            "activation_breakdown_bytes": {k: v for k, v in saved.items() if k != "weight_copies"},
+            "activations_per_micro_batch_bytes": per_micro_batch, "micro_batches_in_flight": in_flight,
+            "activations_in_flight_bytes": per_micro_batch * in_flight}
+
+
+def stage_sends(cfg: ModelConfig, setup, stage: int, params: StageParameters) -> dict:
+    """Bytes one rank of stage `stage` sends per optimizer step, by what. The hidden states (b, s, d)
+    travel in the residual stream's dtype (fp32 under the autocast policies); with tensor
+    parallelism each tensor rank sends its 1/tp of them (Narayanan et al. 2021, section 4.1). The
+    tied matrix's two gradient copies are summed between the end stages (each sends one copy);
+    the data-parallel replicas of a stage all-reduce its gradients (a ring: 2 (N-1)/N of them)."""
+    p, m = setup.pp, setup.micro_batches
+    policy = get_policy(setup.precision)
+    hidden = m * setup.batch_size * setup.seq_len * cfg.d_model * policy.bytes.residual / setup.tp
+    tied = cfg.tie_embeddings and stage in (0, p - 1) and setup.lora_rank is None
+    return {"activations": hidden if stage < p - 1 else 0,
+            "activation_gradients": hidden if stage > 0 else 0,
+            "tied_embedding_gradient": cfg.vocab_size * cfg.d_model * policy.bytes.gradient / setup.tp if tied else 0,
+            "data_parallel": data_parallel_communication(setup, params)["sent_bytes"]}
+
+
+def data_parallel_communication(setup, params: StageParameters) -> dict:
+    """One stage's gradient all-reduce among its setup.dp replicas, per rank per step, in
+    comm.step_communication's terms (a ring sends 2 (N-1)/N of the elements)."""
+    dp = setup.dp
+    trained = (params.count if params.adapters is None else params.adapters) / setup.tp
+    ring = 2 * trained if dp > 1 else 0
+    size = element_bytes("ddp", setup.precision)
+    return {"strategy": "ddp" if dp > 1 else "none", "ranks": dp, "element_bytes": size, "ring_elements": ring,
+            "sent_bytes": ring * size * (dp - 1) / dp, "paper_elements": ring, "paper_bytes": ring * size}

@@ -8,14 +8,14 @@ the same plan before it starts and sets its measurements beside it at the end.
 
 from dataclasses import asdict, dataclass
 
-from lmforge.accounting import comm, flops, memory
+from lmforge.accounting import comm, flops, memory, pipeline
 from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak
 from lmforge.accounting.optimizers import OPTIMIZERS
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.errors import lookup
 from lmforge.model.backends import BACKENDS
-from lmforge.parallel_modes import get_strategy
+from lmforge.parallel_modes import PIPELINE_SCHEDULES, get_strategy, parse_split
 from lmforge.precision.policies import get_policy
 from lmforge.recompute_modes import get_recompute
 
@@ -40,7 +40,10 @@ class Setup:
     dp: int = 1  # data-parallel degree
     tp: int = 1  # tensor-parallel degree
     sequence_parallel: bool = True  # with tp: norms and dropout split along the sequence (Korthikanti et al. 2022)
-    pp: int = 1  # pipeline-parallel degree
+    pp: int = 1  # pipeline stages (train.pipeline_stages); devices = dp x tp x pp
+    micro_batches: int = 1  # pipeline micro-batches per optimizer step, each of batch_size sequences
+    schedule: str = "1f1b"  # gpipe | 1f1b (parallel_modes.PIPELINE_SCHEDULES): how many are in flight
+    pipeline_split: str = ""  # layers per stage, "4,4,4,4"; "": balanced by FLOPs (accounting/pipeline.py)
     recompute: str = "none"
     attention: str = "sdpa"  # a name in model/backends.py: naive keeps the s x s scores, the fused ones do not
     fp32_attention: bool = False  # the attention core in fp32 under a low-precision policy
@@ -61,7 +64,9 @@ class Setup:
                       fp32_attention=cfg.train.fp32_attention, parallel=cfg.train.parallel,
                       zero_stage=get_strategy(cfg.train.parallel).zero_stage,
                       loss_chunk_tokens=cfg.train.loss_chunk_tokens, lora_rank=cfg.finetune.lora_rank,
-                      lora_targets=cfg.finetune.lora_targets)
+                      lora_targets=cfg.finetune.lora_targets, pp=cfg.train.pipeline_stages,
+                      micro_batches=cfg.train.micro_batches, schedule=cfg.train.schedule,
+                      pipeline_split=cfg.train.pipeline_split)
         values.update({k: v for k, v in changes.items() if v is not None})
         return cls(**values)
 
@@ -70,12 +75,19 @@ class Setup:
         def require(ok, message):
             if not ok:
                 raise ValueError(message)
-        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp"):
+        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "micro_batches"):
             require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         get_policy(self.precision)
         lookup(OPTIMIZERS, self.optimizer, "optimizer")
         require(self.zero_stage in (0, 1, 2, 3), f"zero stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         get_recompute(self.recompute)
+        lookup(PIPELINE_SCHEDULES, self.schedule, "pipeline schedule")
+        if self.pp > 1:  # what the pipeline engine (parallel/pipeline.py) composes with
+            require(self.zero_stage == 0 and self.parallel in ("none", "ddp"),
+                    f"pp {self.pp} with {strategy_of(self)}: pipeline stages are replicated whole for data "
+                    f"parallelism (DDP-style); use zero stage 0")
+            require(self.grad_accum == 1, f"grad_accum {self.grad_accum} with pp {self.pp}: a pipeline "
+                                          f"accumulates over its micro-batches; set train.micro_batches instead")
         lookup(BACKENDS, self.attention, "attention backend")
         require(self.hardware == "this" or self.hardware in ACCELERATORS,
                 f"unknown hardware {self.hardware!r}; known: this, {', '.join(ACCELERATORS)}")
@@ -86,6 +98,8 @@ class Setup:
         require(self.reserve_bytes >= 0, f"reserve must be >= 0, got {self.reserve_bytes}")
         require(self.lora_rank is None or self.lora_rank >= 1, f"LoRA rank must be >= 1, got {self.lora_rank} "
                                                                f"(leave it out for full fine-tuning)")
+        if model is not None and self.pp > 1:  # one line for more stages than layers, or a split that does not fit
+            parse_split(self.pipeline_split, model.n_layers, self.pp)
         if model is not None:  # tensor parallelism splits attention by whole heads (Shoeybi et al. 2019, section 3)
             fitting = [tp for tp in range(1, model.kv_heads + 1) if model.n_heads % tp == 0 and model.kv_heads % tp == 0]
             require(self.tp in fitting, f"tp {self.tp} must divide the {model.n_heads} attention heads and "
@@ -108,28 +122,11 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
     precision = policy.name
     b, s = setup.batch_size, setup.seq_len
     devices = setup.dp * setup.tp * setup.pp
-    tokens_per_step = b * s * setup.grad_accum * setup.dp
+    tokens_per_step = b * s * setup.grad_accum * setup.micro_batches * setup.dp
 
     model_flops = flops.training_flops_per_token(cfg, s)
     hardware_flops = flops.hardware_flops_per_token(cfg, s, setup.recompute)
     n_params = memory.parameter_count(cfg)
-
-    lora = None
-    if setup.lora_rank is not None:
-        lora = memory.lora_parameters(cfg, setup.lora_rank, setup.lora_targets)
-    states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp,
-                                      lora_trainable=lora)
-    activations = memory.activation_breakdown(cfg, b, s, precision, setup.attention, setup.recompute,
-                                              setup.tp, setup.pp, setup.fp32_attention, setup.loss_chunk_tokens,
-                                              setup.sequence_parallel)
-    # A ZeRO-3 implementation gathers each layer's weights when it needs them and frees them
-    # after: it keeps its shard of the casts, not all of them.
-    weight_copies = activations.pop("weight_copies") / (setup.dp if setup.zero_stage == 3 else 1)
-    breakdown = {**states,
-                 "weight_copies": weight_copies,
-                 "activations": sum(activations.values()),
-                 "logits": memory.logits_bytes(cfg, b, s, precision, setup.loss_chunk_tokens) / setup.tp}
-    total = sum(breakdown.values())
 
     if setup.hardware == "this":
         if this_machine is None:
@@ -139,9 +136,38 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
         hardware_name = setup.hardware
         peak = accelerator_peak(setup.hardware, policy.matmul_dtype)
         device_memory = ACCELERATORS[setup.hardware].memory_bytes
-
     step_flops = tokens_per_step * model_flops
-    step_seconds = step_flops / (peak * setup.mfu * devices)
+
+    lora = None
+    if setup.lora_rank is not None:
+        lora = memory.lora_parameters(cfg, setup.lora_rank, setup.lora_targets)
+    if setup.pp > 1:
+        # every stage counted on its own (accounting/pipeline.py); a device holds the largest
+        piped = pipeline.pipeline_plan(cfg, setup, peak * setup.mfu)
+        largest = piped["stages_detail"][piped["largest_stage"]]
+        breakdown, activations = largest["breakdown_bytes"], largest["activation_breakdown_bytes"]
+        held = pipeline.stage_parameters(cfg, piped["split"], setup.lora_rank, setup.lora_targets)
+        largest_shapes = held[piped["largest_stage"]].shapes
+        communication = pipeline.data_parallel_communication(setup, held[0])  # rank 0's, as the trainer counts
+        step_seconds = piped["seconds_per_step"]
+    else:
+        piped, largest_shapes = None, None
+        states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
+                                          lora_trainable=lora)
+        activations = memory.activation_breakdown(cfg, b, s, precision, setup.attention, setup.recompute,
+                                                  setup.tp, setup.fp32_attention, setup.loss_chunk_tokens,
+                                                  setup.sequence_parallel)
+        # A ZeRO-3 implementation gathers each layer's weights when it needs them and frees them
+        # after: it keeps its shard of the casts, not all of them.
+        weight_copies = activations.pop("weight_copies") / (setup.dp if setup.zero_stage == 3 else 1)
+        breakdown = {**states,
+                     "weight_copies": weight_copies,
+                     "activations": sum(activations.values()),
+                     "logits": memory.logits_bytes(cfg, b, s, precision, setup.loss_chunk_tokens) / setup.tp}
+        communication = comm.step_communication(cfg, strategy_of(setup), setup.dp, precision, setup.grad_accum)
+        step_seconds = step_flops / (peak * setup.mfu * devices)
+    total = sum(breakdown.values())
+
     # Without a budget, the compute-optimal one: about 20 training tokens per parameter (Hoffmann
     # et al. 2022, "Training Compute-Optimal Large Language Models", table 3).
     budget = setup.tokens or CHINCHILLA_TOKENS_PER_PARAMETER * n_params
@@ -181,7 +207,7 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
             "parameters_16bit_bytes": 2 * n_params,
             "activations_to_16bit_parameters_ratio": korthikanti / (2 * n_params),
         },
-        "communication": comm.step_communication(cfg, strategy_of(setup), setup.dp, precision, setup.grad_accum),
+        "communication": communication,
         "time": {
             "hardware": hardware_name,
             "peak_flops_per_device": peak,
@@ -205,9 +231,12 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
         # what LoRA saves against training every weight: gradients, master copies and moments of the
         # frozen base. Activations stay in the plan as for full fine-tuning: the gradient of an
         # early adapter flows back through every later layer, which therefore keeps its inputs.
-        full = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp, setup.pp)
+        full = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
+                                        parameter_shapes=largest_shapes)
         plan["lora"] = {"rank": setup.lora_rank, "targets": setup.lora_targets, "trainable_parameters": lora,
                         "trainable_fraction": lora / n_params,
                         "full_finetune_state_bytes": full,
-                        "saved_bytes": {key: full[key] - states[key] for key in full}}
+                        "saved_bytes": {key: full[key] - breakdown[key] for key in full}}
+    if piped is not None:
+        plan["pipeline"] = piped
     return plan

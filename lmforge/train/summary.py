@@ -155,26 +155,45 @@ def timed_dtype(peak_dtype: str) -> str:
 
 
 def predicted_vs_measured(trainer, tokens_per_s: float) -> dict:
-    """The plan printed at the start beside what this session measured."""
+    """The plan printed at the start beside what this session measured. A pipeline's plan gets its
+    memory rows per stage ("stage 1 parameters_bytes", ...) instead of one device's, measured from
+    `trainer.measured_by_stage` (one dict per stage, from replica 0's rank of it; "parameters",
+    "gradients", "optimizer_states", "activations": one micro-batch's forward, "activations_in_flight":
+    the peak alive at once)."""
     plan, measured = trainer.plan, trainer.measured.bytes
     breakdown = plan["memory"]["breakdown_bytes"]
     activations = plan["memory"]["activation_breakdown_bytes"]
+    stages = plan["pipeline"]["stages_detail"] if "pipeline" in plan else None
     rows = {
         "tokens_per_s": (plan["time"]["tokens_per_second"], tokens_per_s),
-        "mfu": (1.0, tokens_per_s * trainer.flops_per_token / trainer.world_peak_flops),
+        # a pipeline's bubble and unequal stages leave less than 100% at best
+        "mfu": (plan["pipeline"]["best_mfu"] if stages else 1.0,
+                tokens_per_s * trainer.flops_per_token / trainer.world_peak_flops),
     }
     if trainer.cfg.train.recompute != "none":
         rows["hfu"] = (1.0, tokens_per_s * trainer.hardware_flops_per_token / trainer.world_peak_flops)
-    for key in ("parameters", "gradients", "optimizer_states"):
-        rows[f"{key}_bytes"] = (breakdown[key], measured.get(key))
-    # what one micro-batch saves for backward: the layers, embedding, head and the weight casts
-    rows["activations_bytes"] = (sum(activations.values()) - activations.get("recomputed_layer", 0)
-                                 + breakdown["weight_copies"], measured.get("activations"))
+    if stages:
+        by_stage = getattr(trainer, "measured_by_stage", None) or [None] * len(stages)
+        for stage, got in zip(stages, by_stage):
+            got = got or {}
+            for key in ("parameters", "gradients", "optimizer_states"):
+                rows[f"stage {stage['stage']} {key}_bytes"] = (stage["breakdown_bytes"][key], got.get(key))
+            rows[f"stage {stage['stage']} activations_bytes"] = (stage["activations_per_micro_batch_bytes"],
+                                                                 got.get("activations"))
+            rows[f"stage {stage['stage']} activations_in_flight_bytes"] = (stage["activations_in_flight_bytes"],
+                                                                           got.get("activations_in_flight"))
+    else:
+        for key in ("parameters", "gradients", "optimizer_states"):
+            rows[f"{key}_bytes"] = (breakdown[key], measured.get(key))
+        # what one micro-batch saves for backward: the layers, embedding, head and the weight casts
+        rows["activations_bytes"] = (sum(activations.values()) - activations.get("recomputed_layer", 0)
+                                     + breakdown["weight_copies"], measured.get("activations"))
     if trainer.engine.comm is not None:  # counted by the engine's collectives (fsdp's own are not seen)
         steps = max(trainer.step - trainer.session_start_step, 1)
         rows["sent_bytes_per_step"] = (plan["communication"]["sent_bytes"], trainer.engine.comm.sent_bytes() / steps)
-    if "peak_allocated" in measured:
-        rows["peak_memory_bytes"] = (plan["memory"]["per_device_bytes"], measured["peak_allocated"])
+    if "peak_allocated" in measured:  # rank 0's: in a pipeline, stage 0's
+        rows["peak_memory_bytes"] = (stages[0]["total_bytes"] if stages else plan["memory"]["per_device_bytes"],
+                                     measured["peak_allocated"])
     return {key: {"predicted": p, "measured": m} for key, (p, m) in rows.items()}
 
 
