@@ -35,7 +35,7 @@ def accumulating(tmp_path_factory, settings):
 
 
 def test_a_pipeline_run_trains_as_one_process_and_draws_its_timeline(tmp_path, settings, accumulating):
-    result = run(torchrun(2, "--model", "tiny", *settings(2), *PIPELINE, "train.schedule=1f1b", "--out", "run"),
+    result = run(torchrun(2, "--model", "tiny", *settings(2), *PIPELINE, "train.schedule=gpipe", "--out", "run"),
                  tmp_path)
     run_dir = tmp_path / "run"
     assert_close_runs(run_dir, accumulating, atol=1e-5)
@@ -44,7 +44,13 @@ def test_a_pipeline_run_trains_as_one_process_and_draws_its_timeline(tmp_path, s
     assert summary["tokens_trained"] == STEPS * 6 * 64
     assert summary["parameters"] == json.loads((accumulating / "summary.json").read_text())["parameters"]
     pipeline = summary["pipeline"]
-    assert (pipeline["stages"], pipeline["micro_batches"], pipeline["schedule"]) == (2, 3, "1f1b")
+    assert (pipeline["stages"], pipeline["micro_batches"], pipeline["schedule"]) == (2, 3, "gpipe")
+    # each stage's bytes, and GPipe's 3 micro-batches of activations alive at once, as the plan says
+    rows = summary["predicted_vs_measured"]
+    for stage in (0, 1):
+        for key in ("parameters", "gradients", "optimizer_states", "activations_in_flight"):
+            row = rows[f"stage {stage} {key}_bytes"]
+            assert row["measured"] == pytest.approx(row["predicted"], rel=1e-3), (stage, key, row)
     assert pipeline["bubble_formula"] == pytest.approx(1 / 4)
     assert 0 < pipeline["bubble_measured"] < 1 and len(pipeline["idle_fraction_per_stage"]) == 2
     assert "bubble measured" in result.stdout
@@ -57,7 +63,7 @@ def test_a_pipeline_run_trains_as_one_process_and_draws_its_timeline(tmp_path, s
 
 def test_a_pipeline_checkpoint_resumes_in_one_process_and_back(tmp_path, settings, accumulating):
     saved = tmp_path / "saved"
-    run(torchrun(2, "--model", "tiny", *settings(2, max_steps=3), *PIPELINE, "train.schedule=gpipe",
+    run(torchrun(2, "--model", "tiny", *settings(2, max_steps=3), *PIPELINE, "train.schedule=1f1b",
                  "--out", str(saved)), tmp_path)
     one = tmp_path / "one"
     shutil.copytree(saved, one)

@@ -51,6 +51,7 @@ class Engine:
 
     world_size, rank = 1, 0
     replica, replicas = 0, 1  # which copy of the model this rank trains, of how many (the data-parallel ranks)
+    measures_activations = False  # True where the engine measures what its forwards save (a pipeline stage)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer

@@ -115,6 +115,8 @@ class NoTimeline:
 class PipelineEngine(Engine):
     """The engine of a pipeline stage (parallel/engine.py's interface)."""
 
+    measures_activations = True  # the first step's saved bytes, per micro-batch and alive at once
+
     def __init__(self, model: nn.Module, optimizer, layout: PipelineLayout, schedule: str, micro_batches: int,
                  hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype, device: torch.device, tied: bool,
                  timeline=None):

@@ -21,7 +21,8 @@ def pipeline_report(trainer) -> dict:
     engine, t = trainer.engine, trainer.cfg.train
     layout = engine.layout
     mine = {"stage": layout.stage, "replica": layout.replica, "events": trainer.timeline.events,
-            "bytes": {**trainer.measured.bytes, "activations_in_flight": engine.in_flight.get("activation_bytes"),
+            "bytes": {**trainer.measured.bytes, "activations": engine.in_flight.get("one_micro_batch_bytes"),
+                      "activations_in_flight": engine.in_flight.get("activation_bytes"),
                       "micro_batches_in_flight": engine.in_flight["micro_batches"]}}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

@@ -35,9 +35,10 @@ class FirstStepMeasurement:
         self._saving = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self._hooks = {"forward_pre": model.register_forward_pre_hook(self._start_forward),
-                       "forward": model.register_forward_hook(self._end_forward),
-                       "step": optimizer.register_step_post_hook(self._after_step)}
+        self._hooks = {"step": optimizer.register_step_post_hook(self._after_step)}
+        if not engine.measures_activations:  # a pipeline stage measures its micro-batches itself
+            self._hooks.update(forward_pre=model.register_forward_pre_hook(self._start_forward),
+                               forward=model.register_forward_hook(self._end_forward))
 
     def _start_forward(self, module, args):
         if torch.is_grad_enabled():  # a training forward (evaluation runs under no_grad)
