@@ -21,8 +21,8 @@ alike; on a shared machine that is what keeps the ratio meaningful when the abso
 not. Each side reports the median of its `--steps` timed steps after `--warmup` untimed ones (the
 compile happens in the warm-up). Printed: tokens/s, the fraction of this machine's measured
 matmul peak of the dtype the matmuls run in (accounting/hardware.py; analytic FLOPs per token from
-lmforge.accounting.flops), peak resident memory, the loader wait, and the ratios ours / reference,
-eager against eager and compiled against compiled.
+lmforge.accounting.flops), peak resident memory, minor page faults per step, the loader wait, and
+the ratios ours / reference, eager against eager and compiled against compiled.
 
 Then, in the same run (or alone with `--optimizer-only`), the time of one optimizer step on the
 model's parameters with random gradients: lmforge's AdamW on its per-parameter loop and on its
