@@ -1,6 +1,6 @@
 """Training throughput of lmforge beside the same model in plain PyTorch, in one run.
 
-    python bench/throughput.py [--steps 10] [--warmup 3] [--repeats 2] [--shapes default,gpt2]
+    python bench/throughput.py [--steps 10] [--warmup 3] [--shapes default,gpt2] [--pairs eager,compiled]
                                [--precisions fp32,bf16-mixed] [key=value ...]
     python bench/throughput.py --optimizer-only [--steps 30] [--warmup 3]   # only the optimizer table
 
@@ -14,12 +14,15 @@ process of its own, as a user would run it:
   reference         bench/reference_llama.py (torch.nn layers, nn.RMSNorm, SDPA), torch.optim.AdamW
                     (foreach), batches drawn in the loop, torch.autocast for bf16-mixed
   reference compiled   torch.compile(model), as its tutorials do
-Sides run in turns, `--repeats` times each (the order rotating, so that drift of the machine hits
-all alike); each run reports its median step time after `--warmup` steps (the compile happens in
-the warm-up), and a side's best run counts. Printed: tokens/s, the fraction of this machine's
-measured matmul peak of the dtype the matmuls run in (accounting/hardware.py; analytic FLOPs per
-token from lmforge.accounting.flops), peak resident memory, the loader wait, and the ratios ours /
-reference, eager against eager and compiled against compiled.
+The sides are compared in pairs (ours and the reference, eager; then both compiled), the two
+processes of a pair alive together and taking steps in lockstep: ours, reference, reference, ours,
+... (the first of each round alternating), so that whatever else the machine is doing hits both
+alike; on a shared machine that is what keeps the ratio meaningful when the absolute figures are
+not. Each side reports the median of its `--steps` timed steps after `--warmup` untimed ones (the
+compile happens in the warm-up). Printed: tokens/s, the fraction of this machine's measured
+matmul peak of the dtype the matmuls run in (accounting/hardware.py; analytic FLOPs per token from
+lmforge.accounting.flops), peak resident memory, minor page faults per step, the loader wait, and
+the ratios ours / reference, eager against eager and compiled against compiled.
 
 Then, in the same run (or alone with `--optimizer-only`), the time of one optimizer step on the
 model's parameters with random gradients: lmforge's AdamW on its per-parameter loop and on its
@@ -28,6 +31,7 @@ foreach path, and torch.optim.AdamW(foreach=True), taking steps in turns; median
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -38,8 +42,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SIDES = ("ours", "reference", "ours compiled", "reference compiled")
-# GPT-2-124M's shape (Radford et al. 2019) in the llama family, which the reference implements; the
-# default corpus's 4096-token data (a vocabulary of 50257 only pads the embedding: check_data warns)
+PAIRS = {"eager": ("ours", "reference"), "compiled": ("ours compiled", "reference compiled")}
+# GPT-2-124M's shape (Radford et al. 2019) in the llama family, which the reference implements. Each
+# shape trains on its own data folder, the default one for its vocabulary: the embedded corpus
+# (31.5 MB) is enough for the BPE trainer to learn all 50257 tokens (about 20 s to prepare, once).
 SHAPES = {"default": [], "gpt2": ["model.d_model=768", "model.n_layers=12", "model.n_heads=12", "model.n_kv_heads=12",
                                  "model.vocab_size=50257", "model.max_seq_len=1024", "train.batch_size=1"]}
 
@@ -97,25 +103,66 @@ def build_step(side: str, args):
     return step, None
 
 
-def measure(side: str, args) -> dict:
-    """Run in the side's own process: warm up, then time `args.steps` steps."""
+def serve(side: str, args) -> None:
+    """The side's own process: build it, then take one step per line on stdin ("warm": untimed,
+    "step": timed), answering "done" after each, until "end": then print what the timed steps
+    measured, as JSON."""
+    reply = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's channel; stray prints go to stderr
+    os.dup2(2, 1)
     step, loader = build_step(side, args)
-    for _ in range(args.warmup):
+
+    def counters() -> tuple[float, int, float]:
+        return (time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+                loader.wait_seconds if loader else 0.0)
+
+    seconds, faults, waited = [], 0, 0.0
+    for command in map(str.strip, sys.stdin):
+        if command == "end":
+            break
+        before = counters()
         step()
-    wait_before = loader.wait_seconds if loader else 0.0
-    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    seconds = []
-    for _ in range(args.steps):
-        started = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - started)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
+        if command == "step":
+            after = counters()
+            seconds.append(after[0] - before[0])
+            faults += after[1] - before[1]
+            waited += after[2] - before[2]
+        reply.write("done\n")
     if loader:
         loader.close()
-    return {"median_step_seconds": statistics.median(seconds),
-            "faults_per_step": (usage.ru_minflt - faults_before) / args.steps,
-            "loader_wait_fraction": ((loader.wait_seconds - wait_before) / sum(seconds)) if loader else None,
-            "max_rss_bytes": usage.ru_maxrss * 1024}
+    reply.write(json.dumps({"median_step_seconds": statistics.median(seconds), "faults_per_step": faults / len(seconds),
+                            "loader_wait_fraction": waited / sum(seconds) if loader else None,
+                            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}) + "\n")
+
+
+def run_pair(pair: tuple[str, str], overrides: list[str], args) -> dict[str, dict]:
+    """Both sides of `pair` in their own processes, stepping in lockstep (see the docstring);
+    each side's stderr goes to a log in the scratch folder."""
+    logs = {side: Path(args.scratch) / f"{side.replace(' ', '-')}.log" for side in pair}
+    procs = {}
+    try:
+        for side in pair:
+            with open(logs[side], "w") as log:
+                procs[side] = subprocess.Popen([sys.executable, __file__, "--side", side, "--scratch", args.scratch,
+                                                *overrides], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               stderr=log, text=True, bufsize=1)
+
+        def ask(side: str, command: str) -> str:
+            procs[side].stdin.write(command + "\n")
+            answer = procs[side].stdout.readline()
+            if not answer:
+                procs[side].wait()
+                last = (logs[side].read_text().strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"the {side!r} side failed ({last}): see {logs[side]}")
+            return answer
+
+        for index in range(args.warmup + args.steps):
+            for side in (pair if index % 2 == 0 else pair[::-1]):
+                ask(side, "warm" if index < args.warmup else "step")
+        return {side: json.loads(ask(side, "end")) for side in pair}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
 
 
 OPTIMIZERS = ("lmforge loop", "lmforge foreach", "torch foreach")
@@ -174,7 +221,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (the compile happens here)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per side, in rotating order; the best counts")
+    parser.add_argument("--pairs", default="eager,compiled", help=f"comma-separated, of {', '.join(PAIRS)}")
     parser.add_argument("--shapes", default="default,gpt2", help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--precisions", default="fp32,bf16-mixed")
     parser.add_argument("--model", default="small", help="the preset of --optimizer-only")
@@ -186,7 +233,7 @@ def main() -> None:
     args = parser.parse_args()
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
     if args.side:
-        print(json.dumps(measure(args.side, args)))
+        serve(args.side, args)
         return
     if args.optimizer_only:
         print_optimizer_steps(args)
@@ -200,41 +247,35 @@ def main() -> None:
     from lmforge.config import make_config
     from lmforge.data.prepare import prepare_data
 
-    default_data = prepare_data(make_config("small", overrides=args.overrides)).dir  # once, outside any timing
-    print(f"machine: {device_name(torch.device('cpu'))}, torch {torch.__version__}; {args.steps} timed steps per "
-          f"run after {args.warmup} warm-up (compile included), best of {args.repeats} runs per side, sides in turns")
+    # Once per shape, outside any timing; a folder is tied to one vocabulary (prepare refuses another).
+    data_dirs = {shape: prepare_data(make_config("small", overrides=[*SHAPES[shape], *args.overrides])).dir
+                 for shape in args.shapes.split(",")}
+    print(f"machine: {device_name(torch.device('cpu'))}, torch {torch.__version__}; medians of {args.steps} timed steps "
+          f"after {args.warmup} warm-up (compile included), ours and the reference in lockstep")
     for shape in args.shapes.split(","):
         for precision in args.precisions.split(","):
-            overrides = [*SHAPES[shape], f"data.dir={default_data}", f"train.precision={precision}", *args.overrides]
+            overrides = [*SHAPES[shape], f"data.dir={data_dirs[shape]}", f"train.precision={precision}", *args.overrides]
             cfg = make_config("small", overrides=overrides)
             dtype = matmul_dtype(precision)
             peak = matmul_peak(getattr(torch, dtype))
             flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
             tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.seq_len
-            best: dict[str, dict] = {}
-            for repeat in range(args.repeats):
-                order = SIDES[repeat % len(SIDES):] + SIDES[:repeat % len(SIDES)]
-                for side in order:
-                    cmd = [sys.executable, __file__, "--side", side, "--steps", str(args.steps), "--warmup",
-                           str(args.warmup), "--scratch", args.scratch, *overrides]
-                    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
-                    result = json.loads(out)
-                    if side not in best or result["median_step_seconds"] < best[side]["median_step_seconds"]:
-                        best[side] = result
             print(f"\n{shape} ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}, "
                   f"context {cfg.seq_len}), {precision}: {tokens_per_step} tokens/step, {dtype} matmul peak "
                   f"{peak / 1e9:.1f} GFLOP/s")
-            print(f"{'':20} {'tokens/s':>9} {'s/step':>7} {'of peak':>8} {'max RSS':>8} {'loader wait':>12}")
-            tokens_per_s = {}
-            for side in SIDES:
-                r = best[side]
-                tokens_per_s[side] = tokens_per_step / r["median_step_seconds"]
-                wait = "inline" if r["loader_wait_fraction"] is None else f"{r['loader_wait_fraction']:.2%}"
-                print(f"{side:20} {tokens_per_s[side]:>9,.0f} {r['median_step_seconds']:>7.3f} "
-                      f"{tokens_per_s[side] * flops_per_token / peak:>8.1%} {r['max_rss_bytes'] / 2**20:>6,.0f}MB "
-                      f"{wait:>12}")
-            print(f"ratio ours/reference: eager {tokens_per_s['ours'] / tokens_per_s['reference']:.3f}, "
-                  f"compiled {tokens_per_s['ours compiled'] / tokens_per_s['reference compiled']:.3f}")
+            print(f"{'':20} {'tokens/s':>9} {'s/step':>7} {'of peak':>8} {'max RSS':>8} {'faults/step':>12} {'loader wait':>12}")
+            ratios = []
+            for name in args.pairs.split(","):
+                results = run_pair(PAIRS[name], overrides, args)
+                for side, r in results.items():
+                    wait = "inline" if r["loader_wait_fraction"] is None else f"{r['loader_wait_fraction']:.2%}"
+                    tokens_per_s = tokens_per_step / r["median_step_seconds"]
+                    print(f"{side:20} {tokens_per_s:>9,.0f} {r['median_step_seconds']:>7.3f} "
+                          f"{tokens_per_s * flops_per_token / peak:>8.1%} {r['max_rss_bytes'] / 2**20:>6,.0f}MB "
+                          f"{r['faults_per_step']:>12,.0f} {wait:>12}", flush=True)
+                ours, reference = (results[side]["median_step_seconds"] for side in PAIRS[name])
+                ratios.append(f"{name} {reference / ours:.3f}")
+            print(f"ratio ours/reference (tokens/s): {', '.join(ratios)}", flush=True)
     print_optimizer_steps(args)
 
 
