@@ -164,17 +164,16 @@ def rank_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-def test_a_killed_rank_stops_the_others_with_one_line_and_the_run_resumes(tmp_path, settings):
-    run_dir = tmp_path / "run"
-    command = torchrun(2, "--model", "tiny", *settings(3, max_steps=100_000, checkpoint_interval=2),
-                       "train.parallel=ddp", "train.dist_timeout=30", "--out", str(run_dir))
-    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+def kill_rank_after_first_checkpoint(command: list[str], run_dir, cwd, rank: int = 1) -> list[str]:
+    """Start `command` (a torchrun launch writing `run_dir`), SIGKILL `rank` once a checkpoint is
+    written, and return the launch's "lmforge: error:" lines (it must fail, and always ends)."""
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
     try:
         deadline = time.monotonic() + TIMEOUT
         while not ckpt.list_checkpoints(run_dir):
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the deadline"
             time.sleep(0.2)
-        victim = rank_pid(proc.pid, 1)
+        victim = rank_pid(proc.pid, rank)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=TIMEOUT)
@@ -183,7 +182,16 @@ def test_a_killed_rank_stops_the_others_with_one_line_and_the_run_resumes(tmp_pa
             proc.kill()
     assert proc.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("lmforge: error:")]
-    assert len(errors) == 1, stderr[-3000:]
+    assert errors, stderr[-3000:]
+    return errors
+
+
+def test_a_killed_rank_stops_the_others_with_one_line_and_the_run_resumes(tmp_path, settings):
+    run_dir = tmp_path / "run"
+    errors = kill_rank_after_first_checkpoint(
+        torchrun(2, "--model", "tiny", *settings(3, max_steps=100_000, checkpoint_interval=2),
+                 "train.parallel=ddp", "train.dist_timeout=30", "--out", str(run_dir)), run_dir, tmp_path)
+    assert len(errors) == 1, errors
     assert errors[0].startswith("lmforge: error: rank 1 stopped answering (died or hangs); rank 0 stops too")
     # the run continues from its last checkpoint
     step = int(ckpt.find_checkpoint(run_dir).name.split("_")[1])

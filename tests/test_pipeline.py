@@ -14,12 +14,8 @@ bit-identical to one process (checked); tied and clipped, parameters differ by f
 """
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,9 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_worker import ROWS, STEPS, config, train  # noqa: E402
 
-from lmforge.train import checkpoint as ckpt  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
-from tests.conftest import tiny_overrides  # noqa: E402
+from tests.test_distributed_train import env, free_port  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -38,16 +33,6 @@ WORKER = Path(__file__).parent / "pipeline_worker.py"
 TIMEOUT = 300
 M = 4  # micro-batches per step
 FOUR_LAYERS = ["model.n_layers=4"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def run_worker(tmp_path, ranks: int, runs: dict) -> dict:

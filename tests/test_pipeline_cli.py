@@ -7,17 +7,12 @@ Tolerance as in tests/test_pipeline.py: the tied embedding's two parts and the c
 in another order, so weights and losses agree to float rounding (1e-5), not bit for bit."""
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
-from lmforge.train import checkpoint as ckpt
-from tests.test_distributed_train import (STEPS, TIMEOUT, assert_close_runs, env, losses, rank_pid, run,  # noqa: F401
+from tests.test_distributed_train import (STEPS, assert_close_runs, kill_rank_after_first_checkpoint, run,  # noqa: F401
                                           settings, torchrun)
 
 pytestmark = pytest.mark.dist
@@ -81,22 +76,8 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_and_back(tmp_path, setting
 
 def test_a_killed_stage_stops_the_other_with_one_line(tmp_path, settings):
     run_dir = tmp_path / "run"
-    command = torchrun(2, "--model", "tiny", *settings(2, max_steps=100_000, checkpoint_interval=2), *PIPELINE,
-                       "train.dist_timeout=30", "--out", str(run_dir))
-    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while not ckpt.list_checkpoints(run_dir):
-            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the deadline"
-            time.sleep(0.2)
-        victim = rank_pid(proc.pid, 1)
-        assert victim is not None
-        os.kill(victim, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    errors = [line for line in stderr.splitlines() if line.startswith("lmforge: error:")]
-    assert len(errors) == 1, stderr[-3000:]
+    errors = kill_rank_after_first_checkpoint(
+        torchrun(2, "--model", "tiny", *settings(2, max_steps=100_000, checkpoint_interval=2), *PIPELINE,
+                 "train.dist_timeout=30", "--out", str(run_dir)), run_dir, tmp_path)
+    assert len(errors) == 1, errors
     assert errors[0].startswith("lmforge: error: rank 1 stopped answering (died or hangs); rank 0 stops too")

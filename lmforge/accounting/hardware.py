@@ -153,17 +153,11 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.
         a @ b  # warm-up: allocation, kernel selection
         _sync(device)
         for _ in range(runs):
-            reps, elapsed = 0, 0.0
-            started = time.perf_counter()
-            while elapsed < seconds:
-                a @ b
-                _sync(device)
-                reps += 1
-                elapsed = time.perf_counter() - started
-            best = max(best, 2 * n**3 * reps / elapsed)
-            if elapsed / reps > seconds * runs / 2:
+            per_second, per_call = _calls_per_second(lambda: a @ b, device, seconds)
+            best = max(best, 2 * n**3 * per_second)
+            if per_call > seconds * runs / 2:
                 break  # one matmul takes half the budget: a dtype with no fast path here (fp16 on most CPUs)
-        if elapsed / reps * 8 > seconds * runs:
+        if per_call * 8 > seconds * runs:
             break  # twice the size (8x the work) would outlast this size's budget: only waiting to gain
     return best
 
@@ -179,17 +173,19 @@ def measure_memory_bandwidth(dtype: torch.dtype = torch.float32, device: str | t
     vector = torch.full((4096,), 0.5, dtype=dtype, device=device)
     matrix @ vector  # warm-up
     _sync(device)
-    best = 0.0
-    for _ in range(runs):
-        reps, elapsed = 0, 0.0
-        started = time.perf_counter()
-        while elapsed < seconds:
-            matrix @ vector
-            _sync(device)
-            reps += 1
-            elapsed = time.perf_counter() - started
-        best = max(best, matrix.nbytes * reps / elapsed)
-    return best
+    return max(matrix.nbytes * _calls_per_second(lambda: matrix @ vector, device, seconds)[0] for _ in range(runs))
+
+
+def _calls_per_second(op, device: torch.device, seconds: float) -> tuple[float, float]:
+    """(calls of `op` per second, seconds per call), timed over about `seconds`, the device synced after each."""
+    reps, elapsed = 0, 0.0
+    started = time.perf_counter()
+    while elapsed < seconds:
+        op()
+        _sync(device)
+        reps += 1
+        elapsed = time.perf_counter() - started
+    return reps / elapsed, elapsed / reps
 
 
 def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -136,7 +136,6 @@ class PipelineEngine(Engine):
         self.renamed = {HEAD_NAME: TIED_NAME} if self.tied_param is not None and layout.last else {}
         self.actions = schedule_actions(schedule, layout.stages, micro_batches, layout.stage)
         self.timeline = timeline or NoTimeline()
-        self.sent_p2p_bytes = 0  # activations and their gradients sent to neighbour stages
         self.measure_in_flight = True  # the first step measures the activations alive at once
         self.in_flight: dict = {"micro_batches": peak_in_flight(self.actions)}
         self._sends: list = []
@@ -147,7 +146,6 @@ class PipelineEngine(Engine):
         tensor = tensor.detach().to(self.hidden_dtype).contiguous()
         with self._span(kind, micro):
             self._sends.append((dist.isend(tensor, self.layout.rank_of(stage)), tensor))
-        self.sent_p2p_bytes += tensor.nbytes
 
     def _recv(self, stage: int, kind: str, micro: int) -> torch.Tensor:
         buffer = torch.empty(self.hidden_shape, dtype=self.hidden_dtype, device=self.device)
@@ -172,6 +170,7 @@ class PipelineEngine(Engine):
         layout, m = self.layout, self.micro_batches
         batches = [next_batch() for _ in range(m)]  # every stage draws them: the loader stays in step
         saved: dict[int, tuple] = {}
+        # the first step measures the bytes each micro-batch's forward saves, and the most alive at once
         alive, peak, first_micro, in_flight_bytes = {}, 0, 0, self.measure_in_flight
         loss_sum = torch.zeros((), device=device)
         dist.barrier(group=self.pipeline_group)
@@ -189,7 +188,7 @@ class PipelineEngine(Engine):
                         output = output / m  # the mean over the step's micro-batches, as grad_accum divides
                 if in_flight_bytes:
                     alive[i] = measured.activations
-                    first_micro = alive[0] if i == 0 else first_micro
+                    first_micro = first_micro or measured.activations  # micro-batch 0 runs first
                     peak = max(peak, sum(alive.values()))
                 if layout.last:
                     loss_sum += output.detach()

@@ -38,6 +38,7 @@ from lmforge.parallel.world import World, init_world, is_collective_failure
 from lmforge.parallel_modes import get_strategy
 from lmforge.planning import print_plan
 from lmforge.parallel import Engine
+from lmforge.parallel.timeline import Timeline
 from lmforge.precision import LossScaler, autocast, device_notes, get_policy
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
 from lmforge.train import checkpoint as ckpt
@@ -45,7 +46,6 @@ from lmforge.train.pipeline_report import pipeline_report
 from lmforge.train.report import SilentLog, StepLog, training_record
 from lmforge.train.finetune import check_same_base, prepare_finetune
 from lmforge.train.setup import build_engine, check_attention, check_data
-from lmforge.parallel.timeline import Timeline
 from lmforge.train.signals import StopRequests, Stopped
 from lmforge.train.state import RunFolder, RunState
 from lmforge.train.summary import FirstStepMeasurement, write_summary

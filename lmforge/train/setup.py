@@ -3,6 +3,8 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
 
     1. build      Transformer(cfg) on `device` (or on the meta device: shapes only, no memory),
                   with the weights of a base model when fine-tuning
+    1b. cut       a pipeline stage keeps its blocks (and the embedding, or the head) of the model
+                  initialised whole (parallel/pipeline.py)
     2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
@@ -11,8 +13,6 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
     5. LoRA       with finetune.lora_rank: freeze everything, wrap the targeted linears in
                   LoRALinear (model/lora.py)
     6. compile    each block and the loss piece in a torch.compile wrapper (train/compile.py)
-    1b. cut       a pipeline stage keeps its blocks (and the embedding, or the head) of the model
-                  initialised whole (parallel/pipeline.py)
     7. parallel   pipeline parallelism: the stage's engine (its schedule, point-to-point sends);
                   data parallelism: `parallelize` wraps the model in the engine of train.parallel
                   (lmforge/parallel/): none and ddp keep the model whole; zero1-3 flatten each
