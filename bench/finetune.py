@@ -25,7 +25,7 @@ from rich.console import Console
 
 from lmforge.config import load_config, make_config
 from lmforge.data.corpus import stdlib_documents
-from lmforge.train.finetune import _base_checkpoint
+from lmforge.runs.load import _base_checkpoint
 from lmforge.train.loop import Trainer
 
 OUT = Path(__file__).parent / "out"

@@ -54,11 +54,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # reference_llama, bes
 
 from lmforge.accounting.flops import training_flops_per_token
 from lmforge.accounting.hardware import ACCELERATORS, mfu
-from lmforge.accounting.plan import Setup, make_plan
+from lmforge.accounting.plan.make import Setup, make_plan
 from lmforge.config import make_config
 from lmforge.optim.clip import clip_grad_norm
-from lmforge.precision import autocast, get_policy
-from lmforge.train.compile import apply_compile
+from lmforge.precision.policy import autocast
+from lmforge.modes.precision import get_policy
+from lmforge.wrap.compile import apply_compile
 from lmforge.train.setup import build
 
 TARGET_MFU = 0.50  # issue 15: bf16 MFU >= 50% of the datasheet peak on the 1B shape

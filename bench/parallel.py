@@ -28,7 +28,8 @@ def rank_main(args) -> None:
 
     from lmforge.accounting.measure import measure_saved_bytes
     from lmforge.config import make_config
-    from lmforge.precision import LossScaler, get_policy
+    from lmforge.precision.loss_scaler import LossScaler
+    from lmforge.modes.precision import get_policy
     from lmforge.train.loop import train_step
     from lmforge.train.setup import build_engine
 
@@ -83,7 +84,7 @@ def rank_main(args) -> None:
 
 
 def plan_of(model: str, strategy: str, precision: str) -> dict:
-    from lmforge.accounting.plan import Setup, make_plan
+    from lmforge.accounting.plan.make import Setup, make_plan
     from lmforge.config import make_config
     cfg = make_config(model, overrides=[f"train.parallel={strategy}", f"train.precision={precision}",
                                         f"train.batch_size={ROWS}", f"train.seq_len={SEQ}"])

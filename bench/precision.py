@@ -102,7 +102,7 @@ def main() -> None:
 
     from lmforge.accounting.hardware import device_name
     from lmforge.config import make_config
-    from lmforge.train.report import read_metrics
+    from lmforge.runs.metrics import read_metrics
     from lmforge.train.loop import Trainer
 
     policies = args.policies.split(",")
@@ -168,7 +168,7 @@ def main() -> None:
 
 
 def replot(scratch: Path, png: str) -> None:
-    from lmforge.train.report import read_metrics
+    from lmforge.runs.metrics import read_metrics
 
     results = {}
     for policy in POLICIES:

@@ -45,7 +45,7 @@ def stdlib_texts(limit: int = 600_000):
 
 def load(args):
     if args.run:
-        from lmforge.train import checkpoint as ckpt
+        from lmforge.runs import checkpoint as ckpt
 
         path = ckpt.find_checkpoint(args.run)
         model = Transformer(load_config(path / "config.yaml").model)

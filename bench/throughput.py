@@ -177,7 +177,8 @@ def optimizer_step_seconds(args) -> tuple[dict[str, float], list]:
     from lmforge.model.transformer import Transformer
     from lmforge.optim.adamw import AdamW
     from lmforge.train.host_memory import retain_freed_memory
-    from lmforge.train.setup import resolve_device, weight_decay_groups
+    from lmforge.parallel.world import resolve_device
+    from lmforge.train.setup import weight_decay_groups
 
     cfg = make_config(args.model, overrides=args.overrides)
     device = resolve_device(cfg.train.device)
@@ -243,7 +244,7 @@ def main() -> None:
 
     from lmforge.accounting.flops import training_flops_per_token
     from lmforge.accounting.hardware import device_name, matmul_peak
-    from lmforge.accounting.plan import matmul_dtype
+    from lmforge.accounting.plan.make import matmul_dtype
     from lmforge.config import make_config
     from lmforge.data.prepare import prepare_data
 

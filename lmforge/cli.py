@@ -14,10 +14,10 @@ from pathlib import Path
 
 from lmforge.config import (DEFAULT_PRESET, MODEL_PRESETS, _did_you_mean, load_config, make_config, parse_override,
                             set_value, validate)
-from lmforge.errors import LmforgeError, os_error_message
-from lmforge.model.backends import BACKENDS
-from lmforge.precision.policies import ALIASES, POLICIES
-from lmforge.recompute_modes import RECOMPUTE_MODES
+from lmforge.common.errors import LmforgeError, os_error_message
+from lmforge.modes.attention import BACKENDS
+from lmforge.modes.precision import ALIASES, POLICIES
+from lmforge.modes.recompute import RECOMPUTE_MODES
 
 EXAMPLES = """\
 examples:
@@ -359,7 +359,7 @@ def _resumed_config(args):
     run_dir = Path(args.resume)
     if not (run_dir / "config.yaml").is_file():
         raise LmforgeError(f"{run_dir} is not a run folder (no config.yaml)")
-    from lmforge.interop.folders import check_not_imported
+    from lmforge.runs.folders import check_not_imported
 
     check_not_imported(run_dir)  # a model imported from Hugging Face is not a run to resume
     cfg = load_config(run_dir / "config.yaml")
@@ -419,7 +419,7 @@ def cmd_finetune(args) -> int:
         key, _ = parse_override(item)
         if key.startswith(("model.", "finetune.base")):
             raise LmforgeError(f"cannot set {key}: a fine-tuning run keeps its base's model (use --base)")
-    from lmforge.train.finetune import base_settings
+    from lmforge.runs.load import base_settings
 
     base = Path(args.base).resolve()
     base_model, end_token = base_settings(base)  # an lmforge run folder or a Hugging Face folder
@@ -440,10 +440,10 @@ def cmd_finetune(args) -> int:
 
 def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     from lmforge.accounting.hardware import this_device
-    from lmforge.train.checkpoint import list_checkpoints
+    from lmforge.runs.checkpoint import list_checkpoints
     from lmforge.train.host_memory import retain_freed_memory
     from lmforge.train.loop import Trainer
-    from lmforge.train.setup import resolve_device
+    from lmforge.parallel.world import resolve_device
     from lmforge.train.signals import Stopped
 
     if resolve_device(cfg.train.device).type == "cpu":
@@ -471,9 +471,9 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
 
 def cmd_generate(args) -> int:
     from lmforge.generate.sampling import generate
-    from lmforge.train import checkpoint as ckpt
-    from lmforge.train.finetune import model_from_checkpoint
-    from lmforge.train.setup import resolve_device
+    from lmforge.runs import checkpoint as ckpt
+    from lmforge.runs.load import model_from_checkpoint
+    from lmforge.parallel.world import resolve_device
 
     if args.max_new_tokens < 1 or args.temperature < 0 or args.num_samples < 1:
         raise LmforgeError("--max-new-tokens and --num-samples must be >= 1 and --temperature >= 0")
@@ -523,8 +523,8 @@ def cmd_plan(args) -> int:
 
     from rich.console import Console
 
-    from lmforge.planning import plot_comparison, plot_memory, print_comparison_table, print_dtypes, print_plan
-    from lmforge.plan_setups import plan_overrides, plan_setups
+    from lmforge.accounting.plan.show import plot_comparison, plot_memory, print_comparison_table, print_dtypes, print_plan
+    from lmforge.accounting.plan.setups import plan_overrides, plan_setups
 
     console = Console()
     if args.dtypes:
@@ -561,7 +561,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    from lmforge.runs import find_runs, plot_runs, print_runs
+    from lmforge.runs.listing import find_runs, plot_runs, print_runs
 
     if args.plot is None:
         print_runs(find_runs(args.dir), args.dir)
@@ -572,7 +572,7 @@ def cmd_runs(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from lmforge.interop.folders import export_run
+    from lmforge.runs.folders import export_run
 
     out = export_run(args.run, args.out, args.format)
     if args.format == "peft":
@@ -584,7 +584,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_import_hf(args) -> int:
-    from lmforge.interop.folders import import_run
+    from lmforge.runs.folders import import_run
 
     if args.name and args.out:
         raise LmforgeError("give --name or --out, not both")

@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from lmforge.config import make_config
 from lmforge.parallel.engine import Engine
-from lmforge.precision import LossScaler, get_policy
+from lmforge.precision.loss_scaler import LossScaler
+from lmforge.modes.precision import get_policy
 from lmforge.train.loop import train_step
 from lmforge.train.setup import build_engine, build_model, build_optimizer
 

@@ -9,7 +9,7 @@ import torch
 
 from lmforge.accounting.dtypes import DTYPES, dtype_info
 from lmforge.accounting.hardware import ACCELERATORS, accelerator_peak, mfu
-from lmforge.accounting.plan import Setup, make_plan
+from lmforge.accounting.plan.make import Setup, make_plan
 from lmforge.cli import main
 from lmforge.config import make_config
 
@@ -179,7 +179,7 @@ def test_a_70b_plan_reads_a_model_that_holds_no_memory():
     assert plan["model"]["parameters"] == 70_553_706_496
     # nor does it initialise anything: the meta kernels of random fills would load torch._dynamo
     # (seconds, against ~0.1 s for the whole plan), so a fresh process plans without it
-    code = ("import sys; from lmforge.accounting.plan import Setup, make_plan; from lmforge.config import make_config; "
+    code = ("import sys; from lmforge.accounting.plan.make import Setup, make_plan; from lmforge.config import make_config; "
             "make_plan(make_config('llama3-70b').model, Setup(hardware='h100-sxm')); "
             "print('dynamo loaded:', 'torch._dynamo' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -191,7 +191,7 @@ def test_a_70b_plan_reads_a_model_that_holds_no_memory():
 def test_six_n_is_six_times_the_n_the_plan_prints(preset, capsys):
     """The 6N beside the per-component count is 6 x the N printed with it, and the row says which
     parameters N leaves out (it is not the parameter count printed above it)."""
-    from lmforge.planning import human_count
+    from lmforge.accounting.plan.show import human_count
 
     assert main(["plan", "--model", preset, "--hardware", "a100", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)

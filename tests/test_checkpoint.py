@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from lmforge.config import make_config
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import Transformer
-from lmforge.parallel import Engine
-from lmforge.train import checkpoint as ckpt
+from lmforge.parallel.parallelize import Engine
+from lmforge.runs import checkpoint as ckpt
 from lmforge.train.loop import Trainer
 
 

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 
 from lmforge.accounting.memory import activation_breakdown, logits_bytes
 from lmforge.config import make_config
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import Transformer, cross_entropy_loss
-from lmforge.precision.policies import POLICIES, get_policy
+from lmforge.modes.precision import POLICIES, get_policy
 from lmforge.precision.policy import autocast, prepare_model
-from lmforge.train.chunked_loss import ChunkedHeadLoss, _ChunkedCrossEntropy, apply_chunked_loss
-from lmforge.train.recompute import apply_recompute
+from lmforge.wrap.chunked_loss import ChunkedHeadLoss, _ChunkedCrossEntropy, apply_chunked_loss
+from lmforge.wrap.recompute import apply_recompute
 from lmforge.accounting.measure import measure_saved_bytes
 
 N, D, V = 150, 32, 700

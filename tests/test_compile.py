@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lmforge.config import make_config
-from lmforge.errors import LmforgeError
-from lmforge.train.recompute import canonical_name
+from lmforge.common.errors import LmforgeError
+from lmforge.model.names import canonical_name
 from lmforge.train.setup import build
 
 
@@ -58,7 +58,7 @@ def test_a_compiled_run_resumes_bit_for_bit(corpus_dir, data_dir, tmp_path):
     import subprocess
     import sys
 
-    from lmforge.train import checkpoint as ckpt
+    from lmforge.runs import checkpoint as ckpt
     from tests.conftest import tiny_overrides
 
     common = [*tiny_overrides(corpus_dir, data_dir, max_steps=4, checkpoint_interval=2, log_interval=1,

@@ -6,7 +6,7 @@ import torch
 from rich.console import Console
 
 from lmforge.config import MODEL_PRESETS, config_warnings, load_config, make_config, save_config
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import Transformer
 from lmforge.train.loop import Trainer
 

@@ -26,7 +26,7 @@ import torch
 
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
-from lmforge.train import checkpoint as ckpt
+from lmforge.runs import checkpoint as ckpt
 from tests.conftest import tiny_overrides
 
 pytestmark = pytest.mark.dist

@@ -9,7 +9,7 @@ import torch
 from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.data.loader import BatchLoader, window_batch
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.parallel.world import check_world, env_world
 
 TOKENS = np.arange(10_000, dtype=np.uint16) % 4093

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 from lmforge.accounting.memory import attention_saved_bytes  # noqa: E402
 from lmforge.accounting.measure import measure_saved_bytes  # noqa: E402
-from lmforge.errors import LmforgeError  # noqa: E402
+from lmforge.common.errors import LmforgeError  # noqa: E402
 from lmforge.kernels import flash_triton  # noqa: E402
 from lmforge.kernels.flash_torch import flash_attention_torch  # noqa: E402
 from lmforge.model import attention as attention_module  # noqa: E402

@@ -19,8 +19,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 
 from lmforge.config import LLAMA3_ROPE_SCALING, MODEL_PRESETS, ModelConfig, make_config  # noqa: E402
 from lmforge.data.tokenizer import END_OF_TEXT, train_tokenizer  # noqa: E402
-from lmforge.errors import LmforgeError  # noqa: E402
-from lmforge.interop.folders import export_run, import_run  # noqa: E402
+from lmforge.common.errors import LmforgeError  # noqa: E402
+from lmforge.runs.folders import export_run, import_run  # noqa: E402
 from lmforge.interop.hf import export_hf, import_hf  # noqa: E402
 from lmforge.model.transformer import Transformer, rope_frequencies  # noqa: E402
 
@@ -253,7 +253,7 @@ def test_trained_run_exports_to_transformers_and_imports_back(corpus_dir, data_d
     """The commands as README shows them, on a run `lmforge train` wrote (tied head, lmforge's tokenizer)."""
     from conftest import tiny_overrides
     from lmforge.cli import main
-    from lmforge.train import checkpoint as ckpt
+    from lmforge.runs import checkpoint as ckpt
 
     run = tmp_path / "runs" / "tiny"
     assert main(["train", "--model", "tiny", "--out", str(run), "--no-progress",

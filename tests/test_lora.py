@@ -13,12 +13,12 @@ from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.data.sft import IGNORE_INDEX, encode_example, example_parts, pad_examples
 from lmforge.data.tokenizer import END_OF_TEXT
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.model.lora import (LoRALinear, adapter_state_dict, apply_lora, load_adapter_state_dict, merge_lora,
                                 unmerge_lora)
 from lmforge.precision.fp8 import Fp8Linear
-from lmforge.train import checkpoint as ckpt
-from lmforge.train.finetune import load_run_model
+from lmforge.runs import checkpoint as ckpt
+from lmforge.runs.load import load_run_model
 from lmforge.train.loop import Trainer
 from lmforge.train.setup import build_model
 from tests.conftest import tiny_overrides

@@ -10,9 +10,9 @@ from lmforge.config import make_config
 from lmforge.generate.sampling import KVCache
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.precision.policies import POLICIES, get_policy
+from lmforge.modes.precision import POLICIES, get_policy
 from lmforge.precision.policy import autocast, prepare_model
-from lmforge.train.recompute import apply_recompute
+from lmforge.wrap.recompute import apply_recompute
 
 CONFIGS = {
     "tiny-gqa": [],

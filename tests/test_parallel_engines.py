@@ -28,7 +28,7 @@ from parallel_worker import ROWS, config, train  # noqa: E402
 
 from lmforge.accounting.comm import step_communication  # noqa: E402
 from lmforge.accounting.memory import model_state_bytes  # noqa: E402
-from lmforge.parallel_modes import get_strategy  # noqa: E402
+from lmforge.modes.parallel import get_strategy  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
 pytestmark = pytest.mark.dist

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 peft = pytest.importorskip("peft")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from lmforge.errors import LmforgeError  # noqa: E402
+from lmforge.common.errors import LmforgeError  # noqa: E402
 from lmforge.interop.hf import export_hf, import_hf  # noqa: E402
 from lmforge.interop.peft import linear_shapes, read_peft_adapter, write_peft_adapter  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
@@ -164,8 +164,8 @@ def test_finetune_an_hf_folder_with_lora_and_load_the_adapter_in_peft(tokenizer,
     import random
 
     from lmforge.cli import main
-    from lmforge.train import checkpoint as ckpt
-    from lmforge.train.finetune import model_from_checkpoint
+    from lmforge.runs import checkpoint as ckpt
+    from lmforge.runs.load import model_from_checkpoint
     from test_interop import hf_model
 
     hf_model("llama", tmp_path / "hf", tokenizer)

@@ -17,15 +17,15 @@ from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_me
 from lmforge.accounting.memory import activation_breakdown
 from lmforge.accounting.pipeline import (balanced_split, bubble_fraction, micro_batches_in_flight, stage_costs,
                                          stage_layers)
-from lmforge.accounting.plan import Setup, make_plan
+from lmforge.accounting.plan.make import Setup, make_plan
 from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.planning import print_comparison
-from lmforge.precision.policies import get_policy
+from lmforge.accounting.plan.show import print_comparison
+from lmforge.modes.precision import get_policy
 from lmforge.precision.policy import autocast, prepare_model
-from lmforge.train.recompute import apply_recompute
+from lmforge.wrap.recompute import apply_recompute
 from lmforge.train.summary import predicted_vs_measured
 
 

@@ -8,11 +8,11 @@ import torch
 
 from lmforge.accounting.pipeline import balanced_split, bubble_fraction, micro_batches_in_flight, stage_costs
 from lmforge.config import make_config
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import Transformer
-from lmforge.parallel import check_pipeline
-from lmforge.parallel.pipeline import PipelineLayout, cut_stage
-from lmforge.parallel.schedules import Action, gpipe, one_f_one_b, peak_in_flight
+from lmforge.parallel.parallelize import check_pipeline
+from lmforge.parallel.pipeline.engine import PipelineLayout, cut_stage
+from lmforge.parallel.pipeline.schedules import Action, gpipe, one_f_one_b, peak_in_flight
 from lmforge.parallel.world import check_world
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from lmforge.accounting.plan import Setup, make_plan
+from lmforge.accounting.plan.make import Setup, make_plan
 from lmforge.cli import main
 from lmforge.config import make_config
 

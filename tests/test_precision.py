@@ -5,13 +5,15 @@ import torch
 import torch.nn as nn
 
 from lmforge.config import make_config
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.precision import LossScaler, device_notes, get_policy, prepare_model
+from lmforge.precision.loss_scaler import LossScaler
+from lmforge.precision.policy import device_notes, prepare_model
+from lmforge.modes.precision import get_policy
 from lmforge.precision.fp8 import (E4M3, E5M2, AmaxHistory, Fp8Linear, dequantize, fp8_matmul, fp8_max,
                                    quantize, scale_for)
-from lmforge.train import checkpoint as ckpt
+from lmforge.runs import checkpoint as ckpt
 from tests.conftest import tiny_overrides
 from tests.test_checkpoint import quiet_trainer
 

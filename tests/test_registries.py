@@ -10,9 +10,9 @@ import torch
 from lmforge.accounting.activations import FAMILY_ACTIVATIONS
 from lmforge.cli import main
 from lmforge.config import FAMILIES
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.model import transformer
-from lmforge.precision.policies import ALIASES, POLICIES, get_policy
+from lmforge.modes.precision import ALIASES, POLICIES, get_policy
 
 
 def test_config_imports_no_torch():

@@ -20,10 +20,10 @@ import torch
 
 from lmforge.cli import main
 from lmforge.data.prepare import open_prepared, prepare_data
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
-from lmforge.folder_lock import FolderLock, lock_path
-from lmforge.train import checkpoint as ckpt
+from lmforge.common.folder_lock import FolderLock, lock_path
+from lmforge.runs import checkpoint as ckpt
 from lmforge.train.signals import StopRequests
 from tests.conftest import tiny_overrides
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from lmforge.cli import main
-from lmforge.train.report import read_metrics
+from lmforge.runs.metrics import read_metrics
 from tests.conftest import tiny_overrides
 
 
@@ -39,7 +39,7 @@ def runs_dir(tmp_path_factory, corpus_dir, data_dir):
 def test_runs_lists_settings_progress_loss_and_status(runs_dir):
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import time
-from lmforge.folder_lock import FolderLock
+from lmforge.common.folder_lock import FolderLock
 lock = FolderLock({str(runs_dir / 'busy')!r}, "training")
 print("locked", flush=True)
 time.sleep(600)
@@ -93,7 +93,7 @@ def test_a_run_without_a_summary_is_counted_from_its_checkpoint_without_torch(ru
     (run / "summary.json").unlink()
     code = f"""
 import sys
-from lmforge.runs import find_runs
+from lmforge.runs.listing import find_runs
 (found,) = find_runs({str(tmp_path)!r})
 print(found.parameters, "torch" in sys.modules)
 """

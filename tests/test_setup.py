@@ -9,11 +9,14 @@ import torch.nn as nn
 from lmforge.config import make_config
 from lmforge.model.attention import AttentionCore
 from lmforge.model.transformer import Block, Transformer, cross_entropy_loss
-from lmforge.precision import Fp8Linear, get_policy, prepare_model
-from lmforge.precision.policies import POLICIES
+from lmforge.precision.fp8 import Fp8Linear
+from lmforge.modes.precision import get_policy
+from lmforge.precision.policy import prepare_model
+from lmforge.modes.precision import POLICIES
 from lmforge.precision.policy import Fp32Attention
-from lmforge.recompute_modes import RECOMPUTE_MODES
-from lmforge.train.recompute import Recompute, apply_recompute, canonical_name
+from lmforge.modes.recompute import RECOMPUTE_MODES
+from lmforge.model.names import canonical_name
+from lmforge.wrap.recompute import Recompute, apply_recompute
 from lmforge.train.setup import build, build_model
 
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from lmforge.accounting.pipeline import bubble_fraction
-from lmforge.parallel.timeline import KINDS, Timeline, measured_bubble, plot_timeline, write_chrome_trace
+from lmforge.parallel.pipeline.timeline import KINDS, Timeline, measured_bubble, plot_timeline, write_chrome_trace
 
 T_FORWARD, T_BACKWARD = 1.0, 2.0
 

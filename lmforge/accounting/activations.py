@@ -14,7 +14,7 @@ a recomputation mode keeps.
 from dataclasses import dataclass
 
 from lmforge.config import ModelConfig
-from lmforge.precision.policies import Policy
+from lmforge.modes.precision import Policy
 
 
 @dataclass(frozen=True)

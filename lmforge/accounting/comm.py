@@ -23,8 +23,8 @@ FSDP2 moves what ZeRO-3 does, up to its own padding (each parameter's dim 0, not
 
 from lmforge.accounting.shapes import meta_model
 from lmforge.config import ModelConfig
-from lmforge.parallel_modes import get_strategy, shard_unit
-from lmforge.precision.policies import get_policy
+from lmforge.modes.parallel import get_strategy, shard_unit
+from lmforge.modes.precision import get_policy
 
 
 def unit_sizes(cfg: ModelConfig) -> dict[str, int]:

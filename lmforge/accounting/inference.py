@@ -25,7 +25,7 @@ from lmforge.accounting import flops, memory
 from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
-from lmforge.errors import lookup
+from lmforge.common.errors import lookup
 
 WEIGHT_FORMATS = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # bytes per weight
 KV_FORMATS = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}

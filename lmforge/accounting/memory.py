@@ -23,10 +23,10 @@ from lmforge.accounting.activations import FAMILY_ACTIVATIONS
 from lmforge.accounting.optimizers import OPTIMIZERS, optimizer_state_bytes
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
-from lmforge.errors import lookup
-from lmforge.model.backends import BACKENDS
-from lmforge.precision.policies import get_policy
-from lmforge.recompute_modes import get_recompute
+from lmforge.common.errors import lookup
+from lmforge.modes.attention import BACKENDS
+from lmforge.modes.precision import get_policy
+from lmforge.modes.recompute import get_recompute
 
 
 def parameter_count(cfg: ModelConfig) -> int:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
-from lmforge.errors import lookup
-from lmforge.precision.policies import get_policy
+from lmforge.common.errors import lookup
+from lmforge.modes.precision import get_policy
 
 QUANTIZATION_BLOCK = 2048  # values per fp32 absmax in 8-bit states (Dettmers et al. 2022)
 MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 states (bitsandbytes' default)

@@ -36,8 +36,8 @@ from lmforge.accounting.comm import element_bytes
 from lmforge.accounting.flops import forward_flops_breakdown
 from lmforge.accounting.shapes import meta_model
 from lmforge.config import ModelConfig
-from lmforge.parallel_modes import parse_split
-from lmforge.precision.policies import get_policy
+from lmforge.modes.parallel import parse_split
+from lmforge.modes.precision import get_policy
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:

@@ -13,7 +13,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")  # read from folders; explicit files may be any text
 

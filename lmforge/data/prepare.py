@@ -25,8 +25,8 @@ from lmforge.config import Config
 from lmforge.data.corpus import fingerprint, load_documents, split_documents, stdlib_name
 from lmforge.data.tokenizer import encode_documents, load_tokenizer, tokenizer_hash, train_tokenizer
 from lmforge.data.tokens import META_FORMAT, open_tokens, read_meta, token_dtype, unigram_entropy, write_tokens
-from lmforge.errors import LmforgeError
-from lmforge.folder_lock import FolderLock
+from lmforge.common.errors import LmforgeError
+from lmforge.common.folder_lock import FolderLock
 
 
 @dataclass

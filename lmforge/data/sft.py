@@ -38,7 +38,7 @@ import torch
 from lmforge.data.corpus import Document, split_documents
 from lmforge.data.tokenizer import END_OF_TEXT
 from lmforge.data.tokens import unigram_entropy
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 ROLES = ("system", "user", "assistant")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 
 END_OF_TEXT = "<|endoftext|>"
 

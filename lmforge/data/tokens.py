@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 
 META_FORMAT = 1
 # what the rest of lmforge reads from meta.json; a file without one of them is refused when read

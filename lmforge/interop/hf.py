@@ -30,7 +30,7 @@ from tokenizers import Tokenizer
 from lmforge.accounting.shapes import meta_model
 from lmforge.config import ROPE_SCALING_KEYS, Config, ModelConfig, validate
 from lmforge.data.tokenizer import END_OF_TEXT
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 
 
 @dataclass(frozen=True)

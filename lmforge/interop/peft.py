@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lmforge.config import ModelConfig
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.interop.hf import LAYOUTS, hf_module, lmforge_modules
 
 PREFIX = "base_model.model."

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.kernels.flash_torch import check_flash_inputs
 
 DEFAULT_BLOCK_Q = 64

@@ -28,10 +28,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import einsum, repeat
 
-from lmforge.errors import LmforgeError, lookup
+from lmforge.common.errors import LmforgeError, lookup
 from lmforge.kernels import flash_triton
 from lmforge.kernels.flash_torch import flash_attention_torch
-from lmforge.model.backends import BACKENDS
+from lmforge.modes.attention import BACKENDS
 
 
 def attention(

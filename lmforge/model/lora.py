@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn as nn
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 
 # The attention projections: the paper's choice (section 7.1: W_q and W_v already do well; all four
 # do better at the same parameter budget in its table 5).

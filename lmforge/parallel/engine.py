@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from lmforge.optim.clip import clip_grad_norm
-from lmforge.precision import autocast
+from lmforge.precision.policy import autocast
 
 
 def unique_storages_bytes(tensors) -> int:

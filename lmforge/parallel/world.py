@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lmforge.errors import LmforgeError
-from lmforge.parallel_modes import get_strategy
+from lmforge.common.errors import LmforgeError
+from lmforge.modes.parallel import get_strategy
 
 # After a collective failed, how long a surviving rank waits for the others to say they are alive
 # (they reach the same failure within a moment: the dead rank's sockets are closed by its kernel).
@@ -193,10 +193,28 @@ def env_world() -> tuple[int, int, int] | None:
     return values
 
 
+def resolve_device(name: str, setting: str = "train.device") -> torch.device:
+    """The torch device for `name` (auto, cpu, cuda, cuda:N), checked; `setting` names the option
+    that gave it, for the message."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise LmforgeError(f"{setting}={name} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise LmforgeError(f"{setting}={name}: lmforge runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LmforgeError(f"{setting}={name} but no CUDA device is available: use cpu (or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise LmforgeError(f"{setting}={name} but this machine has {torch.cuda.device_count()} CUDA "
+                               f"device(s): use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
 def check_world(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> torch.device:
     """The device this rank trains on, once the launch fits the config; LmforgeError otherwise."""
-    from lmforge.train.setup import resolve_device
-
     parallel = get_strategy(cfg.train.parallel).name
     stages = cfg.train.pipeline_stages
     if env is None:
@@ -211,7 +229,7 @@ def check_world(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> tor
         return resolve_device(cfg.train.device)
     rank, world_size, local_rank = env
     if stages > 1:
-        from lmforge.parallel import check_pipeline
+        from lmforge.parallel.parallelize import check_pipeline
         check_pipeline(cfg, world_size)
     elif parallel == "none" and world_size > 1:
         # Refused rather than guessed: the strategies differ in memory and speed, and N ranks

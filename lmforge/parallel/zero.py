@@ -46,8 +46,8 @@ import torch
 import torch.nn as nn
 
 from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
-from lmforge.parallel_modes import shard_unit
-from lmforge.train.recompute import canonical_name
+from lmforge.modes.parallel import shard_unit
+from lmforge.model.names import canonical_name
 
 
 class Unit:

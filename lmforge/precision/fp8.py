@@ -34,8 +34,8 @@ from the hardware only in the order of the fp32 additions.
 import torch
 import torch.nn as nn
 
-from lmforge.errors import lookup
-from lmforge.precision.policies import FP8_SCALINGS
+from lmforge.common.errors import lookup
+from lmforge.modes.precision import FP8_SCALINGS
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

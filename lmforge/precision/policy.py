@@ -26,10 +26,10 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from lmforge.errors import LmforgeError, lookup
+from lmforge.common.errors import LmforgeError, lookup
 from lmforge.model.transformer import Attention
 from lmforge.precision.fp8 import Fp8Linear, hardware_fp8
-from lmforge.precision.policies import FP8_SCALINGS, Policy
+from lmforge.modes.precision import FP8_SCALINGS, Policy
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import llguidance
 from tokenizers import Tokenizer
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.generate.sampling import generate
 from lmforge.model.transformer import Transformer
 from lmforge.structured.constrain import GrammarConstraint, json_grammar
@@ -25,9 +25,9 @@ def load_model(path: str, device: str = "auto") -> LoadedModel:
     """The model in `path`, evaluation-ready: an lmforge run folder (its latest good checkpoint; a
     LoRA run as its base plus adapters) or a local Hugging Face Llama / GPT-2 folder (config.json,
     safetensors, tokenizer.json), read by lmforge/interop/hf.py into an lmforge Transformer."""
-    from lmforge.train import checkpoint as ckpt
-    from lmforge.train.finetune import model_from_checkpoint
-    from lmforge.train.setup import resolve_device
+    from lmforge.runs import checkpoint as ckpt
+    from lmforge.runs.load import model_from_checkpoint
+    from lmforge.parallel.world import resolve_device
 
     folder = Path(path)
     target = resolve_device(device, setting="--device")

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.generate.sampling import generate
 from lmforge.model.transformer import Transformer
 from lmforge.structured.parse import check_schema, parse_answer

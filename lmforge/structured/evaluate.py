@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.structured.parse import FORMATS, ParseError, parse_answer
 from lmforge.structured.tasks import KINDS, ORDERS, REASONING_KINDS, Task, conversion_prompt, make_tasks, prompt
 

@@ -20,7 +20,7 @@ import xml.etree.ElementTree as ElementTree
 import jsonschema
 import yaml
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 
 FORMATS = ("json", "yaml", "xml")
 

@@ -25,7 +25,7 @@ from xml.sax.saxutils import escape
 
 import yaml
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 
 REASONING_KINDS = ("last_letters", "addition", "counting")
 KINDS = (*REASONING_KINDS, "sentiment", "extraction")

@@ -27,29 +27,31 @@ from rich.console import Console
 
 from lmforge.accounting.flops import hardware_flops_per_token, training_flops_per_token
 from lmforge.accounting.hardware import this_device
-from lmforge.accounting.plan import Setup, make_plan, matmul_dtype
+from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
 from lmforge.config import Config, config_to_dict, config_warnings, load_config
 from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.data.prepare import PreparedData, prepare_data
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError, warn
 from lmforge.model.transformer import Transformer
 from lmforge.optim.schedule import Schedule, resume_note
 from lmforge.parallel.world import World, init_world, is_collective_failure
-from lmforge.parallel_modes import get_strategy
-from lmforge.planning import print_plan
-from lmforge.parallel import Engine
-from lmforge.parallel.timeline import Timeline
-from lmforge.precision import LossScaler, autocast, device_notes, get_policy
+from lmforge.modes.parallel import get_strategy
+from lmforge.accounting.plan.show import print_plan
+from lmforge.parallel.parallelize import Engine
+from lmforge.parallel.pipeline.timeline import Timeline
+from lmforge.precision.loss_scaler import LossScaler
+from lmforge.precision.policy import autocast, device_notes
+from lmforge.modes.precision import get_policy
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
-from lmforge.train import checkpoint as ckpt
-from lmforge.train.pipeline_report import pipeline_report
+from lmforge.runs import checkpoint as ckpt
+from lmforge.parallel.pipeline.report import pipeline_report
 from lmforge.train.report import SilentLog, StepLog, training_record
-from lmforge.train.finetune import check_same_base, prepare_finetune
+from lmforge.runs.load import check_same_base
+from lmforge.train.finetune import prepare_finetune
 from lmforge.train.setup import build_engine, check_attention, check_data
 from lmforge.train.signals import StopRequests, Stopped
-from lmforge.train.state import RunFolder, RunState
+from lmforge.runs.state import RunFolder, RunState
 from lmforge.train.summary import FirstStepMeasurement, write_summary
-from lmforge.warnings import warn
 
 # Under fp16-mixed a step with inf/NaN gradients is skipped and the loss scale halved: normal at
 # the start of a run and now and then later. This many skips in a row (the scale fell 2**64-fold)

@@ -48,18 +48,19 @@ import torch.nn as nn
 
 from lmforge.accounting.shapes import meta_model
 from lmforge.config import Config
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 from lmforge.kernels import flash_triton
-from lmforge.model.backends import FLASH_BACKENDS
+from lmforge.modes.attention import FLASH_BACKENDS
 from lmforge.model.lora import apply_lora
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.parallel import Engine, check_parallel, parallelize, pipeline_engine, pipeline_place
-from lmforge.parallel.pipeline import cut_stage
-from lmforge.precision import get_policy, prepare_model
-from lmforge.train.chunked_loss import apply_chunked_loss
-from lmforge.train.compile import apply_compile
-from lmforge.train.recompute import apply_recompute
+from lmforge.parallel.parallelize import Engine, check_parallel, parallelize, pipeline_engine, pipeline_place
+from lmforge.parallel.pipeline.engine import cut_stage
+from lmforge.modes.precision import get_policy
+from lmforge.precision.policy import prepare_model
+from lmforge.wrap.chunked_loss import apply_chunked_loss
+from lmforge.wrap.compile import apply_compile
+from lmforge.wrap.recompute import apply_recompute
 
 
 def build_model(cfg: Config, device: torch.device | str = "cpu",
@@ -132,26 +133,6 @@ def build(cfg: Config, device: torch.device | str = "cpu",
     """Model and optimizer of a one-process run, built and wrapped in the documented order."""
     model = build_model(cfg, device, base_state)
     return model, build_optimizer(cfg, model)
-
-
-def resolve_device(name: str, setting: str = "train.device") -> torch.device:
-    """The torch device for `name` (auto, cpu, cuda, cuda:N), checked; `setting` names the option
-    that gave it, for the message."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise LmforgeError(f"{setting}={name} is not a device: use auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise LmforgeError(f"{setting}={name}: lmforge runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise LmforgeError(f"{setting}={name} but no CUDA device is available: use cpu (or auto)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise LmforgeError(f"{setting}={name} but this machine has {torch.cuda.device_count()} CUDA "
-                               f"device(s): use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    return device
 
 
 def check_attention(model_cfg, device: torch.device) -> None:

@@ -15,8 +15,8 @@ import torch
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name
 from lmforge.generate.sampling import generate
 from lmforge.accounting.measure import measure_saved_bytes
-from lmforge.planning import print_comparison
-from lmforge.train.plots import plot_losses, run_title
+from lmforge.accounting.plan.show import print_comparison
+from lmforge.runs.plots import plot_losses, run_title
 from lmforge.train.report import print_table
 
 # train.sample_prompt="" starts the end-of-run sample with this many tokens of a validation document.

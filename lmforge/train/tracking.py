@@ -9,7 +9,7 @@ so `WANDB_MODE=offline` works without a network and `wandb sync` uploads later.
 
 from pathlib import Path
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 
 # Fields of a record that are not curves: the x-axis, and the wall-clock time of the record.
 NOT_SCALARS = ("step", "time")

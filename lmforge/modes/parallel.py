@@ -8,7 +8,7 @@ bytes its collectives move. A top-level module without torch, like recompute_mod
 
 from dataclasses import dataclass
 
-from lmforge.errors import LmforgeError, lookup
+from lmforge.common.errors import LmforgeError, lookup
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ at once during the first step ("activations_in_flight"), for the predicted-vs-me
 import torch.distributed as dist
 
 from lmforge.accounting.pipeline import bubble_fraction, pipeline_split
-from lmforge.parallel.timeline import measured_bubble, plot_timeline, write_chrome_trace
+from lmforge.parallel.pipeline.timeline import measured_bubble, plot_timeline, write_chrome_trace
 
 
 def pipeline_report(trainer) -> dict:

@@ -18,7 +18,7 @@ precision/policy.py says why each is what it is (Micikevicius et al. 2018 and 20
 
 from dataclasses import dataclass
 
-from lmforge.errors import lookup
+from lmforge.common.errors import lookup
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import yaml
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 # The names a setting can take, each from its one registry (light modules: no torch)
-from lmforge.model.backends import BACKENDS
-from lmforge.precision.policies import FP8_SCALINGS, POLICIES
-from lmforge.parallel_modes import PARALLEL_STRATEGIES, PIPELINE_ENGINES, PIPELINE_SCHEDULES, parse_split
-from lmforge.recompute_modes import RECOMPUTE_MODES
+from lmforge.modes.attention import BACKENDS
+from lmforge.modes.precision import FP8_SCALINGS, POLICIES
+from lmforge.modes.parallel import PARALLEL_STRATEGIES, PIPELINE_ENGINES, PIPELINE_SCHEDULES, parse_split
+from lmforge.modes.recompute import RECOMPUTE_MODES
 
 FAMILIES = ("llama", "gpt")  # model/transformer.py builds each (its FAMILIES table has these keys)
 
@@ -417,7 +417,7 @@ def _validate_rope_scaling(m: ModelConfig) -> None:
 
 
 def config_warnings(cfg: Config) -> list[str]:
-    """Settings that are valid but most likely a mistake, one line each (for lmforge.warnings.warn)."""
+    """Settings that are valid but most likely a mistake, one line each (for lmforge.common.errors.warn)."""
     o, t = cfg.optim, cfg.train
     found = []
     if o.lr > 1:

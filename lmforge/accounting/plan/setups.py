@@ -9,10 +9,10 @@ is written), measures this machine when `--hardware this` asks for it, and searc
 import itertools
 
 from lmforge.accounting.inference import PREFILL_DTYPE, InferenceSetup, make_inference_plan
-from lmforge.accounting.plan import Setup, make_plan, matmul_dtype
+from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
 from lmforge.config import Config
-from lmforge.errors import LmforgeError
-from lmforge.parallel_modes import get_strategy
+from lmforge.common.errors import LmforgeError
+from lmforge.modes.parallel import get_strategy
 
 # The options that take several comma-separated values with --compare, and the type of each value.
 LISTS = {"batch_size": int, "seq_len": int, "precision": str, "optimizer": str, "zero_stage": int, "dp": int,

@@ -22,10 +22,10 @@ from rich.table import Table
 
 from lmforge.accounting.memory import parameter_count
 from lmforge.config import SECTIONS, Config
-from lmforge.errors import LmforgeError
-from lmforge.folder_lock import is_locked
-from lmforge.train.plots import batch_label, model_label
-from lmforge.train.report import read_metrics
+from lmforge.common.errors import LmforgeError
+from lmforge.common.folder_lock import is_locked
+from lmforge.runs.plots import batch_label, model_label
+from lmforge.runs.metrics import read_metrics
 
 
 @dataclass

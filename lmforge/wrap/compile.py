@@ -22,7 +22,7 @@ kernels torch.compile would have to trace on a GPU, untried (config.py refuses i
 import torch
 import torch.nn as nn
 
-from lmforge.train.recompute import keep_canonical_names
+from lmforge.model.names import keep_canonical_names
 
 COMPILED = "_orig_mod"  # where torch.compile's wrapper holds the module
 

@@ -20,10 +20,10 @@ import yaml
 
 from lmforge.config import Config, DataConfig, config_to_dict, load_config
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.errors import LmforgeError
-from lmforge.folder_lock import FolderLock
+from lmforge.common.errors import LmforgeError
+from lmforge.common.folder_lock import FolderLock
 from lmforge.interop.hf import export_hf, import_hf, read_end_token
-from lmforge.train import checkpoint as ckpt
+from lmforge.runs import checkpoint as ckpt
 
 
 def _check_free(out: Path) -> None:
@@ -72,7 +72,7 @@ def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") 
     `peft`, a LoRA run's adapter alone in PEFT's layout, by default <run>/peft-<checkpoint>."""
     from lmforge.interop.peft import _inner, write_peft_adapter
     from lmforge.model.lora import adapter_state_dict
-    from lmforge.train.finetune import model_from_checkpoint
+    from lmforge.runs.load import model_from_checkpoint
 
     path = resolve_checkpoint(run)
     cfg = load_config(path / "config.yaml")

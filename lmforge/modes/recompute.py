@@ -9,7 +9,7 @@ read it without importing the training code.
 
 from dataclasses import dataclass
 
-from lmforge.errors import lookup
+from lmforge.common.errors import lookup
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,12 @@ Anything the user can fix (a bad config key, a missing file, a corrupt checkpoin
 `LmforgeError` with one line that names the problem and what to do. The CLI prints that line and
 exits with status 2; so does an `OSError` (a full disk, a read-only folder: the machine, not the
 program), through `os_error_message`. Any other exception is a bug and keeps its traceback.
+A warning (`warn`) is one line on stderr, `lmforge: warning: ...`, for a setting that is allowed
+but probably not meant; the command goes on.
 """
 
 import errno
+import sys
 
 
 class LmforgeError(Exception):
@@ -40,3 +43,7 @@ def lookup(registry, name: str, kind: str):
     if name not in registry:
         raise UnknownName(f"unknown {kind} {name!r}; choose one of {', '.join(registry)}")
     return registry[name]
+
+
+def warn(message: str) -> None:
+    print(f"lmforge: warning: {message}", file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 
 
 def lock_path(folder: Path) -> Path:

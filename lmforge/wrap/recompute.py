@@ -11,19 +11,16 @@ form (works with keyword arguments and with inputs that do not require grad). ac
 counts what each mode keeps and accounting/flops.py the FLOPs it adds (HFU).
 """
 
-import functools
-
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from lmforge.recompute_modes import get_recompute
+from lmforge.model.names import keep_canonical_names
+from lmforge.modes.recompute import get_recompute
 
 # The wrapped module's attribute name: the one torch's own checkpoint wrapper uses, which
 # torch.distributed.checkpoint and FSDP remove from parameter names. State dicts here drop it too,
 # so a block's parameters have the same names with and without recomputation.
 WRAPPED = "_checkpoint_wrapped_module"
-# The same for torch.compile's wrapper (train/compile.py): every segment canonical_name drops.
-WRAPPER_SEGMENTS = (WRAPPED, "_orig_mod")
 
 
 class Recompute(nn.Module):
@@ -48,31 +45,6 @@ class Recompute(nn.Module):
 
     def forward(self, *args, **kwargs):
         return checkpoint(self.wrapped, *args, use_reentrant=False, **kwargs)
-
-
-def keep_canonical_names(wrapper: nn.Module, segment: str) -> None:
-    """Make `wrapper`'s state dict leave out (and its loading put back) the `segment` under which
-    it holds the wrapped module, so that names are those of the unwrapped model."""
-    wrapper._register_state_dict_hook(functools.partial(_drop_wrapper_prefix, segment))
-    wrapper._register_load_state_dict_pre_hook(functools.partial(_add_wrapper_prefix, segment))
-
-
-def _drop_wrapper_prefix(segment, module, state_dict, prefix, local_metadata):
-    for key in [k for k in state_dict if k.startswith(f"{prefix}{segment}.")]:
-        state_dict[prefix + key[len(f"{prefix}{segment}."):]] = state_dict.pop(key)
-    return state_dict
-
-
-def _add_wrapper_prefix(segment, state_dict, prefix, *args):
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(f"{prefix}{segment}.")]:
-        state_dict[f"{prefix}{segment}.{key[len(prefix):]}"] = state_dict.pop(key)
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name as in the unwrapped model (what checkpoints store)."""
-    for segment in WRAPPER_SEGMENTS:
-        name = name.replace(f"{segment}.", "")
-    return name
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:

@@ -13,11 +13,11 @@ from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, acc
 from lmforge.accounting.optimizers import OPTIMIZERS
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
-from lmforge.errors import lookup
-from lmforge.model.backends import BACKENDS
-from lmforge.parallel_modes import PIPELINE_SCHEDULES, get_strategy, parse_split
-from lmforge.precision.policies import get_policy
-from lmforge.recompute_modes import get_recompute
+from lmforge.common.errors import lookup
+from lmforge.modes.attention import BACKENDS
+from lmforge.modes.parallel import PIPELINE_SCHEDULES, get_strategy, parse_split
+from lmforge.modes.precision import get_policy
+from lmforge.modes.recompute import get_recompute
 
 
 CHINCHILLA_TOKENS_PER_PARAMETER = 20

@@ -4,7 +4,7 @@ import dataclasses
 from pathlib import Path
 
 from lmforge.config import MODEL_PRESETS, Config, ModelConfig
-from lmforge.train.report import read_metrics
+from lmforge.runs.metrics import read_metrics
 
 
 def model_label(m: ModelConfig) -> str:

@@ -36,8 +36,8 @@ from lmforge.accounting.measure import measure_saved_bytes
 from lmforge.optim.clip import clip_grad_norm, scale_to_norm
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.engine import Engine
-from lmforge.parallel.schedules import peak_in_flight, schedule_actions
-from lmforge.precision import autocast
+from lmforge.parallel.pipeline.schedules import peak_in_flight, schedule_actions
+from lmforge.precision.policy import autocast
 
 TIED_NAME, HEAD_NAME = "tok_embeddings.weight", "lm_head.weight"
 

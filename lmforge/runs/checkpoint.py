@@ -42,9 +42,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lmforge.errors import LmforgeError, os_error_message
+from lmforge.common.errors import LmforgeError, os_error_message
 from lmforge.parallel.world import World
-from lmforge.train.recompute import canonical_name
+from lmforge.model.names import canonical_name
 from lmforge.model.lora import adapter_state_dict, has_lora
 
 CHECKPOINT_DIR = "checkpoints"

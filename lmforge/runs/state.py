@@ -17,11 +17,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lmforge.errors import LmforgeError
-from lmforge.folder_lock import FolderLock
+from lmforge.common.errors import LmforgeError
+from lmforge.common.folder_lock import FolderLock
 from lmforge.parallel.world import World
-from lmforge.train import checkpoint as ckpt
-from lmforge.train.report import MetricsLog
+from lmforge.runs import checkpoint as ckpt
+from lmforge.runs.metrics import MetricsLog
 
 
 @dataclass

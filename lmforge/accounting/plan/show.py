@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmforge.accounting.dtypes import dtype_table
-from lmforge.formatting import human_bytes, human_count, human_seconds
+from lmforge.common.formatting import human_bytes, human_count, human_seconds
 
 MEMORY_LABELS = {
     "parameters": "parameters",

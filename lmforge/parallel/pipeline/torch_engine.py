@@ -16,8 +16,8 @@ import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from lmforge.model.transformer import cross_entropy_loss
-from lmforge.parallel.pipeline import PipelineEngine
-from lmforge.precision import autocast
+from lmforge.parallel.pipeline.engine import PipelineEngine
+from lmforge.precision.policy import autocast
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

@@ -23,7 +23,7 @@ dz is rounded back to it before its two matmuls; dW is summed over chunks in fp3
 import torch
 import torch.nn as nn
 
-from lmforge.errors import LmforgeError
+from lmforge.common.errors import LmforgeError
 
 
 def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

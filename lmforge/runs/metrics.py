@@ -1,0 +1,73 @@
+"""metrics.jsonl: one JSON record per log or eval event, each with its `step`; written while a run
+trains (train/report.py), read by `lmforge runs`, the plots and resume."""
+
+import json
+import os
+from pathlib import Path
+
+from lmforge.common.errors import LmforgeError
+
+
+class MetricsLog:
+    """Append-only JSON lines, one record per log or eval event, each with its `step`.
+
+    On resume the file is first rewritten to the lines `lines_to_keep` chose (the records up to
+    the checkpoint's step: later ones belong to the part of the interrupted run that is being
+    redone), so that it reads as one uninterrupted run.
+    """
+
+    def __init__(self, path: Path, keep: list[str] | None = None):
+        self.path = path
+        if keep is not None and path.exists():
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, path)
+        self._file = open(path, "a")
+
+    @staticmethod
+    def lines_to_keep(path: Path, step: int, warn) -> list[str]:
+        """The lines of `path` with records up to `step`; reads only. A cut-off last line (what a
+        full disk or a kill mid-write leaves) is dropped with a warning; damage elsewhere stops."""
+        if not path.exists():
+            return []
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        kept = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if number == len(lines):
+                    warn(f"{path} ends in a cut-off line (a full disk or a kill while writing it): dropped it")
+                    break
+                raise LmforgeError(f"{path} line {number} is not JSON: the file is damaged; "
+                                   f"delete that line (or the file) and resume again") from None
+            if record.get("step", 0) <= step:
+                kept.append(line)
+        return kept
+
+    def write(self, record: dict) -> None:
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as err:  # a write to an open file does not name it: add the path
+            raise OSError(err.errno, err.strerror, str(self.path)) from err
+
+    def close(self) -> None:
+        try:
+            self._file.close()
+        except OSError:
+            pass  # the buffered rest could not be flushed (full disk): the write that failed said so
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl. A last line cut short (the run was killed while writing it)
+    is left out; a damaged line before it is an error."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise LmforgeError(f"{path} line {number} is not JSON: the file is damaged") from None
+    return records
