@@ -1,0 +1,131 @@
+"""Building a config in layers, each overriding the last:
+    defaults  ->  model preset (`--model NAME`)  ->  YAML file (`--config F`)  ->  `section.key=value`
+then validated; and a run's config.yaml written and read back.
+"""
+
+import copy
+import dataclasses
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from lmforge.common.errors import LmforgeError
+from lmforge.config.presets import DEFAULT_PRESET, MODEL_PRESETS
+from lmforge.config.schema import SECTIONS, Config, ModelConfig, config_to_dict
+from lmforge.config.validate import _did_you_mean, validate
+
+
+def make_config(preset: str | None = DEFAULT_PRESET, path: str | Path | None = None,
+                overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults, then the preset, then the YAML file, then `section.key=value` overrides; validated."""
+    cfg = Config()
+    if preset is not None:
+        if preset not in MODEL_PRESETS:
+            raise LmforgeError(f"unknown model preset {preset!r}{_did_you_mean(preset, MODEL_PRESETS)}; "
+                               f"presets: {', '.join(MODEL_PRESETS)}")
+        cfg.model = ModelConfig(**copy.deepcopy(MODEL_PRESETS[preset]))  # its rope_scaling is the user's to change
+    if path is not None:
+        apply_dict(cfg, read_yaml(path), origin=str(path))
+    for item in overrides:
+        key, value = parse_override(item)
+        set_value(cfg, key, value, origin="command line")
+    validate(cfg)
+    if cfg.optim.decay_steps is None:  # a new config: the schedule's length is fixed now (see OptimConfig)
+        cfg.optim.decay_steps = cfg.train.max_steps
+    return cfg
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise LmforgeError(f"config file {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise LmforgeError(f"config file {path} is not valid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise LmforgeError(f"config file {path} must hold a mapping of sections (model, data, optim, train)")
+    return data
+
+
+def apply_dict(cfg: Config, data: dict, origin: str) -> None:
+    """Apply a nested {section: {key: value}} mapping, as read from YAML."""
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise LmforgeError(f"{origin}: {section!r} must be a section holding key: value pairs")
+        for key, value in values.items():
+            set_value(cfg, f"{section}.{key}", value, origin=origin)
+
+
+def parse_override(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise LmforgeError(f"cannot read {item!r}: overrides look like section.key=value, e.g. train.max_steps=100")
+    key, value = item.split("=", 1)
+    return key.strip(), value.strip()
+
+
+def set_value(cfg: Config, key: str, value, origin: str) -> None:
+    """Set `section.key` on cfg, converting `value` to the field's type."""
+    all_keys = [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(getattr(cfg, s))]
+    if key not in all_keys:
+        raise LmforgeError(f"{origin}: unknown config key {key!r}{_did_you_mean(key, all_keys)}")
+    section, name = key.split(".")
+    target = getattr(cfg, section)
+    hint = typing.get_type_hints(type(target))[name]
+    setattr(target, name, _coerce(value, hint, key))
+
+
+def _coerce(value, hint, key: str):
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    text = value.strip().lower() if isinstance(value, str) else None
+    if type(None) in allowed and (value is None or text in ("none", "null", "~")):
+        return None
+    if bool in allowed:
+        if isinstance(value, bool):
+            return value
+        if text in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return text in ("true", "yes", "on", "1")
+    if int in allowed:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            pass
+    if float in allowed:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        try:
+            return float(str(value))
+        except ValueError:
+            pass
+    if dict in allowed:  # a YAML mapping, or one typed on the command line: key={a: 1, b: 2}
+        parsed = yaml.safe_load(value) if isinstance(value, str) else value
+        if isinstance(parsed, dict):
+            return parsed
+    if str in allowed and not isinstance(value, (dict, list, bool)):
+        return str(value)
+    if str in allowed and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)  # a YAML list of paths for data.source
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    raise LmforgeError(f"{key} must be {names}, got {value!r}")
+
+
+def config_from_dict(data: dict, origin: str) -> Config:
+    cfg = Config()
+    apply_dict(cfg, data, origin=origin)
+    validate(cfg)
+    return cfg
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def load_config(path: str | Path) -> Config:
+    return config_from_dict(read_yaml(path), origin=str(path))

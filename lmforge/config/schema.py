@@ -1,0 +1,147 @@
+"""The shape of a config: one dataclass per section, each field with its default and its meaning.
+
+Which values a field may take is checked in validate.py; presets.py gives whole model sections.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+FAMILIES = ("llama", "gpt")  # model/transformer.py builds each (its FAMILIES table has these keys)
+# model.rope_scaling's keys, as Hugging Face's config.json spells them (e.g. presets.LLAMA3_ROPE_SCALING)
+ROPE_SCALING_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass
+class ModelConfig:
+    family: str = "llama"  # llama: RMSNorm, RoPE, SwiGLU, GQA, no biases | gpt: LayerNorm, learned positions, GELU, biases
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 6
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: as many as n_heads (plain multi-head attention)
+    d_ff: int | None = None  # None: 4*d_model (gpt) or 8/3*d_model rounded up to a multiple of 64 (llama)
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    # None, or Llama 3.1's long-context rescaling of the rotary frequencies: {rope_type: llama3, factor,
+    # low_freq_factor, high_freq_factor, original_max_position_embeddings} (ROPE_SCALING_KEYS;
+    # model/transformer.py, rope_frequencies)
+    rope_scaling: dict | None = None
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    attention: str = "sdpa"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.family == "gpt":
+            return 4 * self.d_model
+        # SwiGLU has three matrices instead of two; 2/3 of 4d keeps the parameter count of a
+        # 4d GELU MLP (Shazeer 2020, section 2), rounded up for matmul-friendly shapes.
+        return -(-(8 * self.d_model // 3) // 64) * 64
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # "stdlib" (this Python's standard library) or comma-separated .txt/.jsonl files/folders
+    dir: str | None = None  # where prepared token files live; None: data/<source>-bpe<vocab_size>
+    val_fraction: float = 0.05  # fraction of documents held out for validation
+    prefetch: int = 4  # batches prepared ahead by the loader thread
+    # the tokenizer's token that ends each document and starts an empty prompt: lmforge's own tokenizers
+    # have <|endoftext|>; a model imported from Hugging Face keeps its own (Llama 3: <|end_of_text|>)
+    end_token: str = "<|endoftext|>"
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # the cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 50
+    # steps from the start to the end of the cosine (lmforge/optim/schedule.py), after which the rate
+    # stays at its floor; None: train.max_steps, fixed into the run's config.yaml when the run starts,
+    # so that extending a run with a larger train.max_steps does not re-stretch the steps already taken
+    decay_steps: int | None = None
+    weight_decay: float = 0.1  # decoupled (Loshchilov & Hutter 2019); matrices and embeddings only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 8  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seq_len: int | None = None  # None: model.max_seq_len
+    max_steps: int = 900
+    eval_interval: int = 100  # 0: evaluate only at the end
+    eval_batches: int = 8
+    checkpoint_interval: int = 300  # 0: checkpoint only at the end
+    keep_checkpoints: int = 2
+    log_interval: int = 10
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: str = "fp32"  # fp32 | bf16-mixed | fp16-mixed | bf16-pure | fp8
+    fp32_attention: bool = False  # keep the attention core (scores, softmax, P V) in fp32 under low precision
+    fp8_scaling: str = "current"  # fp8 per-tensor scales: current (this tensor's amax) | delayed (amax history)
+    max_bad_steps: int = 1  # stop after this many non-finite steps in a row (all policies but fp16-mixed)
+    recompute: str = "none"  # none | selective | full: activation recomputation in backward
+    compile: bool = False  # torch.compile each block and the head + loss (train/compile.py)
+    # LM head + cross-entropy in chunks of this many tokens, never materialising the whole
+    # (tokens x vocab) logits (train/chunked_loss.py); 0: the plain loss
+    loss_chunk_tokens: int = 0
+    sample_tokens: int = 200  # tokens generated at the end of training; 0 disables
+    sample_prompt: str = ""  # "": the start of a validation document (a prompt in the corpus's language)
+    tensorboard: bool = True  # TensorBoard event files in the run folder (tensorboard --logdir runs)
+    wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)
+    # data parallelism under torchrun (batch_size is per rank): none | ddp | zero1 | zero2 | zero3 | fsdp
+    parallel: str = "none"
+    bucket_mb: float = 25.0  # DDP/ZeRO: gradients are reduced in buckets of about this many MiB
+    dist_timeout: int = 60  # seconds a collective may wait before the run stops (a dead rank)
+    # pipeline parallelism under torchrun (lmforge/parallel/pipeline.py): the model cut into this many
+    # stages, one per rank; with more ranks than stages, the pipelines are replicated (data parallel)
+    pipeline_stages: int = 1
+    micro_batches: int = 1  # pipeline micro-batches per optimizer step, each of train.batch_size sequences
+    schedule: str = "1f1b"  # gpipe | 1f1b: the order in which each stage runs its forwards and backwards
+    pipeline_split: str = ""  # layers per stage, e.g. "4,4,4,4"; "": balanced by each layer's FLOPs
+    pipeline_engine: str = "lmforge"  # lmforge: our schedules | torch: torch.distributed.pipelining's
+
+
+@dataclass
+class FinetuneConfig:
+    """`lmforge finetune`: the base model and, with a LoRA rank, the adapters (model/lora.py)."""
+    base: str | None = None  # the model fine-tuned: an lmforge run folder; None: trained from scratch
+    lora_rank: int | None = None  # None: full fine-tuning (every weight trains)
+    lora_alpha: float | None = None  # the update is scaled by alpha / rank; None: 2 * rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # linear layers by name pattern (fnmatch), comma-separated
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+    @property
+    def seq_len(self) -> int:
+        return self.train.seq_len or self.model.max_seq_len
+
+
+
+SECTIONS = ("model", "data", "optim", "train", "finetune")
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,189 @@
+"""Checking a config: `validate` stops at the first setting that cannot work, with one line that names
+it and what is allowed; `config_warnings` lists the ones that can but are probably not meant.
+
+Only the config is read here. Whether the launch fits it (processes, devices) is checked when the
+run starts (parallel/world.py, check_world).
+"""
+
+import dataclasses
+import difflib
+import math
+
+from lmforge.common.errors import LmforgeError
+from lmforge.config.schema import (FAMILIES, ROPE_SCALING_KEYS, SECTIONS, Config, DataConfig, FinetuneConfig,
+                                   ModelConfig, OptimConfig, TrainConfig)
+# The names a setting can take, each from its one registry (light modules: no torch)
+from lmforge.modes.attention import BACKENDS
+from lmforge.modes.parallel import PARALLEL_STRATEGIES, PIPELINE_ENGINES, PIPELINE_SCHEDULES, parse_split
+from lmforge.modes.precision import FP8_SCALINGS, POLICIES
+from lmforge.modes.recompute import RECOMPUTE_MODES
+
+# The model and optimizer compute in fp32 (or narrower): a setting beyond its range would become
+# inf in the first step.
+FP32_MAX = 3.4028234663852886e38
+
+
+def validate(cfg: Config) -> None:
+    """Raise LmforgeError for the first setting that cannot work (see config_warnings for the
+    ones that can but are probably not meant)."""
+    _check_finite(cfg)
+    _check_model(cfg.model)
+    _check_data(cfg.data)
+    _check_optim(cfg.optim)
+    _check_train(cfg)
+    _check_combinations(cfg.train, cfg.model)
+    _check_finetune(cfg.finetune)
+    _check_device(cfg.train)
+
+
+def _did_you_mean(word: str, choices) -> str:
+    """' (did you mean X?)' for the choice closest to a mistyped word, or ''."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise LmforgeError(message)
+
+
+def _choose(key: str, value, choices) -> None:
+    _require(value in choices, f"{key} must be one of {', '.join(choices)}, got {value!r}"
+                               f"{_did_you_mean(str(value), choices)}")
+
+
+def _positive(key: str, value) -> None:
+    _require(value is None or value > 0, f"{key} must be positive, got {value}")
+
+
+def _check_finite(cfg: Config) -> None:
+    """nan and inf parse as floats; no setting means them."""
+    for section in SECTIONS:
+        for f in dataclasses.fields(getattr(cfg, section)):
+            value = getattr(getattr(cfg, section), f.name)
+            if isinstance(value, float):
+                _require(math.isfinite(value) and abs(value) <= FP32_MAX,
+                         f"{section}.{f.name} must be a finite number within fp32's range (|x| <= 3.4e38), "
+                         f"got {value}")
+
+
+def _check_model(m: ModelConfig) -> None:
+    _choose("model.family", m.family, FAMILIES)
+    _choose("model.attention", m.attention, BACKENDS)
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
+                "rope_theta", "norm_eps"):
+        _positive(f"model.{key}", getattr(m, key))
+    _require(257 <= m.vocab_size <= 2**32, f"model.vocab_size must be between 257 (256 bytes + end token) "
+                                           f"and 2**32, got {m.vocab_size}")
+    _require(m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    _require(m.n_heads % m.kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
+    _require(m.family != "llama" or m.head_dim % 2 == 0, f"rotary embeddings need an even head dimension, "
+                                                         f"got d_model/n_heads = {m.head_dim}")
+    _require(m.family != "gpt" or m.kv_heads == m.n_heads, "model.n_kv_heads applies to the llama family only")
+    if m.rope_scaling is not None:
+        _check_rope_scaling(m)
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
+
+
+def _check_rope_scaling(m: ModelConfig) -> None:
+    scaling = m.rope_scaling
+    _require(m.family == "llama", "model.rope_scaling applies to the llama family only (rotary embeddings)")
+    _require(scaling.get("rope_type") == "llama3",
+             f"model.rope_scaling: rope_type {scaling.get('rope_type')!r} is not supported; "
+             f"lmforge implements 'llama3' (Llama 3.1/3.2), or null for none")
+    _require(set(scaling) == set(ROPE_SCALING_KEYS), f"model.rope_scaling needs exactly the keys "
+                                                     f"{', '.join(ROPE_SCALING_KEYS)}, got {', '.join(scaling)}")
+    numbers = {key: scaling[key] for key in ROPE_SCALING_KEYS[1:]}
+    _require(all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                 for v in numbers.values()),
+             f"model.rope_scaling: factor, low_freq_factor, high_freq_factor and "
+             f"original_max_position_embeddings must be positive numbers, got {numbers}")
+    _require(numbers["low_freq_factor"] < numbers["high_freq_factor"],
+             f"model.rope_scaling: low_freq_factor ({numbers['low_freq_factor']}) must be below "
+             f"high_freq_factor ({numbers['high_freq_factor']})")
+
+
+def _check_data(d: DataConfig) -> None:
+    _require(d.source.strip() != "", "data.source is empty: use 'stdlib' or paths to .txt/.jsonl files")
+    _require(d.end_token != "", "data.end_token is empty: name the tokenizer's end-of-text token")
+    _require(0.0 < d.val_fraction <= 0.5, f"data.val_fraction must be in (0, 0.5], got {d.val_fraction}")
+    _positive("data.prefetch", d.prefetch)
+
+
+def _check_optim(o: OptimConfig) -> None:
+    _positive("optim.lr", o.lr)
+    _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    _positive("optim.decay_steps", o.decay_steps)
+    _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    for key in ("beta1", "beta2"):
+        _require(0.0 <= getattr(o, key) < 1.0, f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
+    # AdamW scales its first update by lr / (1 - beta1) (bias correction), a number it holds in fp32
+    _require(o.lr / (1.0 - o.beta1) <= FP32_MAX, f"optim.lr={o.lr:g} overflows fp32 in AdamW's first step "
+                                                 f"(lr / (1 - beta1) > 3.4e38): use a learning rate below 1")
+    _positive("optim.eps", o.eps)
+    _require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
+
+
+def _check_train(cfg: Config) -> None:
+    t = cfg.train
+    for key in ("batch_size", "grad_accum", "seq_len", "max_steps", "eval_batches", "keep_checkpoints",
+                "log_interval", "max_bad_steps", "bucket_mb", "dist_timeout", "pipeline_stages", "micro_batches"):
+        _positive(f"train.{key}", getattr(t, key))
+    for key in ("eval_interval", "checkpoint_interval", "sample_tokens", "loss_chunk_tokens"):
+        _require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
+    _require(cfg.seq_len <= cfg.model.max_seq_len, f"train.seq_len ({cfg.seq_len}) must not exceed "
+                                                   f"model.max_seq_len ({cfg.model.max_seq_len})")
+    _choose("train.precision", t.precision, POLICIES)
+    _choose("train.fp8_scaling", t.fp8_scaling, FP8_SCALINGS)
+    _choose("train.recompute", t.recompute, RECOMPUTE_MODES)
+    _choose("train.parallel", t.parallel, PARALLEL_STRATEGIES)
+    _choose("train.schedule", t.schedule, PIPELINE_SCHEDULES)
+    _choose("train.pipeline_engine", t.pipeline_engine, PIPELINE_ENGINES)
+
+
+def _check_combinations(t: TrainConfig, m: ModelConfig) -> None:
+    """Settings fine one by one that do not work together."""
+    if t.pipeline_stages > 1 or t.pipeline_split:
+        parse_split(t.pipeline_split, m.n_layers, t.pipeline_stages)  # raises on a split that does not fit
+    _require(t.pipeline_stages > 1 or t.micro_batches == 1,
+             f"train.micro_batches={t.micro_batches} applies to pipelines (train.pipeline_stages > 1); "
+             f"to accumulate gradients over micro-batches in one process use train.grad_accum")
+    _require(t.pipeline_stages == 1 or t.grad_accum == 1,
+             f"train.grad_accum={t.grad_accum} with train.pipeline_stages={t.pipeline_stages}: a pipeline "
+             f"accumulates over its micro-batches; set train.micro_batches instead")
+    # the Triton kernels under torch.compile have never run (no GPU here): not offered untried
+    _require(not (t.compile and m.attention == "flash_triton"),
+             "train.compile=true with model.attention=flash_triton is untested (its Triton kernels have never "
+             "been traced by torch.compile): use model.attention=sdpa or train.compile=false")
+
+
+def _check_finetune(f: FinetuneConfig) -> None:
+    _require(f.lora_rank is None or f.lora_rank >= 1, f"finetune.lora_rank must be >= 1, got {f.lora_rank} "
+                                                      f"(leave it out for full fine-tuning)")
+    _positive("finetune.lora_alpha", f.lora_alpha)
+    _require(0.0 <= f.lora_dropout < 1.0, f"finetune.lora_dropout must be in [0, 1), got {f.lora_dropout}")
+    _require(f.lora_targets.strip(" ,") != "", "finetune.lora_targets is empty: name linear layers, e.g. q_proj,v_proj")
+
+
+def _check_device(t: TrainConfig) -> None:
+    """The spelling only: whether this machine has that device is resolve_device's (parallel/world.py)."""
+    _require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
+             f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that are valid but most likely a mistake, one line each (for lmforge.common.errors.warn)."""
+    o, t = cfg.optim, cfg.train
+    found = []
+    if o.lr > 1:
+        found.append(f"optim.lr={o.lr:g} is above 1: AdamW moves every weight by about lr per step, "
+                     f"so training will most likely diverge (typical: 1e-4 to 1e-2)")
+    decay_steps = o.decay_steps or t.max_steps
+    if o.warmup_steps >= t.max_steps:
+        found.append(f"optim.warmup_steps={o.warmup_steps} is not below train.max_steps={t.max_steps}: "
+                     f"the whole run is warmup and the learning rate never decays")
+    elif o.warmup_steps >= decay_steps:
+        found.append(f"optim.warmup_steps={o.warmup_steps} is not below optim.decay_steps={decay_steps}: "
+                     f"the learning rate never decays and stays at its peak after the warmup")
+    return found
