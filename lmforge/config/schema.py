@@ -139,8 +139,7 @@ class Config:
         return self.train.seq_len or self.model.max_seq_len
 
 
-
-SECTIONS = ("model", "data", "optim", "train", "finetune")
+SECTIONS = ("model", "data", "optim", "train", "finetune")  # Config's fields, in order
 
 
 def config_to_dict(cfg: Config) -> dict:
