@@ -1,0 +1,256 @@
+"""The `lmforge` subcommands, one cmd_* each: glue from the parsed command line to the packages
+that do the work, and `main`. User errors print one line and exit with status 2."""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from lmforge.cli.launch import launch_train, quiet_rank
+from lmforge.cli.parser import build_parser, parse_args
+from lmforge.cli.run_config import finetune_config, resumed_config, resumed_finetune_config, train_config
+from lmforge.common.errors import LmforgeError, os_error_message
+from lmforge.config import DEFAULT_PRESET, make_config
+
+
+def cmd_prepare(args) -> int:
+    from lmforge.data.prepare import prepare_data
+
+    cfg = make_config(args.model or DEFAULT_PRESET, args.config, args.overrides)
+    data = prepare_data(cfg)
+    meta = data.meta
+    print(f"{data.dir}: tokenizer.json ({meta['tokenizer_vocab_size']} tokens), "
+          f"train.bin ({meta['splits']['train']['tokens']:,} tokens), val.bin ({meta['splits']['val']['tokens']:,} tokens)")
+    return 0
+
+
+def cmd_train(args) -> int:
+    cfg, run_dir = resumed_config(args) if args.resume else train_config(args)
+    if args.nproc is not None:
+        return launch_train(args, cfg, run_dir)
+    return _run_trainer(cfg, run_dir, args, "train")
+
+
+def cmd_finetune(args) -> int:
+    cfg, run_dir = resumed_finetune_config(args) if args.resume else finetune_config(args)
+    return _run_trainer(cfg, run_dir, args, "finetune")
+
+
+def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
+    from lmforge.accounting.hardware import this_device
+    from lmforge.parallel.world import resolve_device
+    from lmforge.runs.checkpoint import list_checkpoints
+    from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.train.loop import Trainer
+    from lmforge.train.signals import Stopped
+
+    if resolve_device(cfg.train.device).type == "cpu":
+        retain_freed_memory()  # process-wide malloc tuning, chosen here (train/host_memory.py says why)
+    # the measured matmul peak behind MFU, cached per machine (lmforge plan --hardware this --remeasure)
+    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device)
+    resume = f"lmforge {command} --resume {run_dir}"
+    try:
+        trainer.run()
+    except Stopped as stop:  # SIGTERM or a first Ctrl-C: the step finished and was saved (by all ranks)
+        if trainer.world.is_main:
+            print(f"\nlmforge: {stop}; saved {stop.checkpoint}; continue with: {resume}", file=sys.stderr)
+        return stop.exit_status
+    except KeyboardInterrupt:  # a second Ctrl-C: no save
+        if trainer.world.is_main:
+            print(f"\nlmforge: interrupted at step {trainer.step}; continue from the last checkpoint with: "
+                  f"{resume}", file=sys.stderr)
+        return 130
+    except OSError as err:
+        if not list_checkpoints(run_dir):
+            raise
+        raise LmforgeError(f"{os_error_message(err)}; then continue from the last checkpoint with: {resume}") from None
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from lmforge.generate.texts import print_samples, samples
+    from lmforge.parallel.world import resolve_device
+    from lmforge.runs import checkpoint as ckpt
+    from lmforge.runs.load import model_from_checkpoint
+
+    if args.max_new_tokens < 1 or args.temperature < 0 or args.num_samples < 1:
+        raise LmforgeError("--max-new-tokens and --num-samples must be >= 1 and --temperature >= 0")
+    if args.top_k is not None and args.top_k < 1 or not 0 < args.top_p <= 1:
+        raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
+    json_answer = _json_answer(args)  # before loading the model: a bad --schema stops at once
+    device = resolve_device(args.device, setting="--device")
+    path = ckpt.find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
+    cfg, model, tokenizer = model_from_checkpoint(path, merge=args.merge)  # a LoRA run: its base + adapters
+    model.to(device)
+    end = tokenizer.token_to_id(cfg.data.end_token)
+    constrained = None
+    if json_answer is not None:
+        from lmforge.structured.constrain import JsonMode
+
+        constrained = JsonMode(tokenizer, end, *json_answer)
+    texts = samples(model, tokenizer, args.prompt, end, args.max_new_tokens, num_samples=args.num_samples,
+                    seed=args.seed, constrained=constrained, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, use_cache=not args.no_cache)
+    print_samples(texts, args.num_samples)
+    return 0
+
+
+def _json_answer(args):
+    """--format json (and --schema): the schema (or None) and grammar each answer must match; None
+    without --format."""
+    if args.format is None and args.schema is None:
+        return None
+    from lmforge.structured.constrain import CONSTRAINED_FORMATS, json_grammar, load_schema
+
+    if args.format is None:
+        raise LmforgeError("--schema needs --format json")
+    if args.format not in CONSTRAINED_FORMATS:
+        raise LmforgeError(f"--format {args.format}: constrained decoding supports "
+                           f"{', '.join(CONSTRAINED_FORMATS)} (the grammar engine has no YAML or XML grammar)")
+    schema = load_schema(args.schema) if args.schema else None
+    return schema, json_grammar(schema)
+def cmd_plan(args) -> int:
+    import json
+
+    from rich.console import Console
+
+    from lmforge.accounting.plan.show import plot_comparison, plot_memory, print_comparison_table, print_dtypes, print_plan
+    from lmforge.accounting.plan.setups import plan_overrides, plan_setups
+
+    console = Console()
+    if args.dtypes:
+        print_dtypes(console)
+        return 0
+    name = args.model or DEFAULT_PRESET
+    cfg = make_config(name, args.config, plan_overrides(args))
+    if args.plot and not Path(args.plot).parent.is_dir():
+        raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
+                           f"or pick another path")
+    plans, varying, note = plan_setups(cfg, args)  # LmforgeError for bad input, before anything is written
+    if args.compare:
+        if args.plot:
+            plot_comparison(plans, varying, args.plot, name=name)
+        if args.json:
+            print(json.dumps(plans, indent=2))
+        else:
+            print_comparison_table(console, plans, varying, title=f"lmforge plan --compare: {name}")
+            if args.plot:
+                console.print(f"comparison chart: {args.plot}")
+        return 0
+    plan, = plans
+    if args.plot:
+        plot_memory(plan, args.plot, name=name)
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        print_plan(console, plan, title=f"lmforge plan{' --inference' if args.inference else ''}: {name}")
+        if note:
+            console.print(note)
+        if args.plot:
+            console.print(f"memory chart: {args.plot}")
+    return 0
+
+
+def cmd_runs(args) -> int:
+    from lmforge.runs.listing import find_runs, plot_runs, print_runs
+
+    if args.plot is None:
+        print_runs(find_runs(args.dir), args.dir)
+        return 0
+    plot_runs(args.dir, args.plot, args.out)
+    print(f"loss curves: {args.out}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from lmforge.runs.folders import export_run
+
+    out = export_run(args.run, args.out, args.format)
+    if args.format == "peft":
+        print(f"{out}: a PEFT LoRA adapter; load it with peft.PeftModel.from_pretrained(<the base, exported with "
+              f"--format hf from the base run>, {str(out)!r})")
+    else:
+        print(f"{out}: a Hugging Face folder; load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    from lmforge.runs.folders import import_run
+
+    if args.name and args.out:
+        raise LmforgeError("give --name or --out, not both")
+    out = Path(args.out) if args.out else Path("runs") / (args.name or Path(args.folder).resolve().name)
+    import_run(args.folder, out)
+    print(f"{out}: imported; try lmforge generate {out} --prompt \"...\"")
+    return 0
+
+
+def cmd_tasks(args) -> int:
+    import json
+
+    from lmforge.structured.tasks import TRAINING_MIX, training_documents
+
+    if args.n < 1:
+        raise LmforgeError("-n must be >= 1")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise LmforgeError(f"--out {out}: folder {out.parent} does not exist; create it or pick another path")
+    docs = training_documents(args.n, args.seed)
+    staging = out.with_name(out.name + ".tmp")
+    staging.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs), encoding="utf-8")
+    staging.replace(out)  # whole or not at all
+    mix = ", ".join(f"{share:.0%} {name}" for name, share in TRAINING_MIX.items())
+    print(f"{out}: {len(docs):,} documents ({mix}), seed {args.seed}")
+    return 0
+
+
+def cmd_eval_format(args) -> int:
+    from lmforge.structured.evaluate import conditions, run_study, study_plan
+
+    words = {name: [word.strip() for word in getattr(args, name).split(",") if word.strip()]
+             for name in ("kinds", "modes", "formats")}
+    conds = conditions(words["modes"], words["formats"])
+    if not conds:
+        raise LmforgeError("nothing to evaluate: give at least one mode (and a format for modes other than free)")
+    if args.max_new_tokens < 1:
+        raise LmforgeError("--max-new-tokens must be >= 1")
+    tasks = study_plan(words["kinds"], args.tasks, args.seed)
+    if not Path(args.run).is_dir():
+        raise LmforgeError(f"run folder {args.run} does not exist")
+    out = Path(args.out) if args.out else Path(args.run) / "eval-format"
+    run_study(args.run, tasks, conds, out, args.max_new_tokens, args.device, progress=not args.no_progress)
+    print(f"results: {out}/table.md, {out}/results.png, {out}/results.jsonl")
+    return 0
+
+
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "finetune": cmd_finetune, "generate": cmd_generate,
+            "plan": cmd_plan, "runs": cmd_runs, "export": cmd_export, "import-hf": cmd_import_hf, "tasks": cmd_tasks,
+            "eval-format": cmd_eval_format}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what `train --nproc` hands to torchrun
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        status = COMMANDS[args.command](args)
+        sys.stdout.flush()  # here, where a closed pipe can still be handled below
+        return status
+    except LmforgeError as err:
+        if not quiet_rank(err):
+            print(f"lmforge: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # Whoever read our output stopped (`lmforge plan --json | head`): stop quietly, as cat does,
+        # with the status of a process killed by SIGPIPE. Python's exit flush must not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except OSError as err:  # a full disk, a read-only folder: the machine's state, not a bug
+        print(f"lmforge: error: {os_error_message(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nlmforge: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,58 @@
+"""`lmforge train --nproc N`: N local processes started through torchrun's own launcher."""
+
+import os
+from pathlib import Path
+
+from lmforge.common.errors import LmforgeError
+
+
+def launch_train(args, cfg, run_dir: Path) -> int:
+    """Check that `cfg` can share its work over --nproc processes, then start them, each running
+    the command line typed less --nproc (and, for a new run, with the run folder named here)."""
+    if args.nproc < 1:
+        raise LmforgeError(f"--nproc {args.nproc}: start at least 1 process")
+    if cfg.train.parallel == "none" and cfg.train.pipeline_stages == 1:
+        raise LmforgeError(f"--nproc {args.nproc} needs a way to share the work: add train.parallel=ddp "
+                           f"(or zero1, zero2, zero3, fsdp)")
+    if "WORLD_SIZE" in os.environ:
+        raise LmforgeError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
+    words = _without_nproc(args.argv)
+    if not args.resume and not (args.name or args.out):  # one folder for all ranks, named here
+        words += ["--out", str(run_dir)]
+    return launch(args.nproc, words)
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """torchrun's own launcher (standalone: a rendezvous on a free local port) starting N processes
+    of `lmforge ARGV`; the exit status of the first that failed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    options = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "--module", "lmforge", *argv])
+    try:
+        run(options)
+    except ChildFailedError as err:
+        code = err.get_first_failure()[1].exitcode
+        return 128 - code if code < 0 else code  # killed by signal S: 128 + S, as a shell says
+    except SignalException as err:  # the launcher itself got SIGTERM/SIGINT; the ranks stopped on it too
+        return 128 + err.sigval
+    return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--nproc":
+            skip = True
+        elif not word.startswith("--nproc="):
+            out.append(word)
+    return out
+
+
+def quiet_rank(err: LmforgeError) -> bool:
+    """Under torchrun every rank stops on a bad setting, but one line is enough: the first process
+    of each node prints it, and an error rank 0 reports for the whole run only rank 0 prints."""
+    return getattr(err, "reported_on_rank0", False) or os.environ.get("LOCAL_RANK", "0") != "0"
