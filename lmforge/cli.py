@@ -440,7 +440,7 @@ def cmd_finetune(args) -> int:
 
 def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     from lmforge.accounting.hardware import this_device
-    from lmforge.runs.checkpoint import list_checkpoints
+    from lmforge.runs.checkpoint.find import list_checkpoints
     from lmforge.train.host_memory import retain_freed_memory
     from lmforge.train.loop import Trainer
     from lmforge.parallel.world import resolve_device
@@ -471,7 +471,7 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
 
 def cmd_generate(args) -> int:
     from lmforge.generate.sampling import generate
-    from lmforge.runs import checkpoint as ckpt
+    from lmforge.runs.checkpoint.find import find_checkpoint
     from lmforge.runs.load import model_from_checkpoint
     from lmforge.parallel.world import resolve_device
 
@@ -491,7 +491,7 @@ def cmd_generate(args) -> int:
         schema = load_schema(args.schema) if args.schema else None
         grammar = json_grammar(schema)
     device = resolve_device(args.device, setting="--device")
-    path = ckpt.find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
+    path = find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
     cfg, model, tokenizer = model_from_checkpoint(path, merge=args.merge)  # a LoRA run: its base + adapters
     model.to(device)
     end = tokenizer.token_to_id(cfg.data.end_token)
