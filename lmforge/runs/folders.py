@@ -24,11 +24,9 @@ from lmforge.interop.hf import export_hf, import_hf
 from lmforge.interop.hf_tokenizer import read_end_token
 from lmforge.interop.peft import lora_target, write_peft_adapter
 from lmforge.model.lora import adapter_state_dict
-from lmforge.runs.checkpoint.find import (CHECKPOINT_DIR, FORMAT, find_checkpoint, list_checkpoints, read_state,
-                                          verify_checkpoint)
+from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, find_checkpoint, list_checkpoints, read_state, verify_checkpoint
 from lmforge.runs.checkpoint.read import read_tensors
-from lmforge.runs.checkpoint.tensors import save_tensors
-from lmforge.runs.checkpoint.write import seal
+from lmforge.runs.checkpoint.write import write_weights_checkpoint
 from lmforge.runs.load import merged_weights, model_from_checkpoint
 from lmforge.runs.staging import write_staged
 
@@ -106,24 +104,19 @@ def import_run(hf_folder: str | Path, out: str | Path) -> Path:
     model_cfg, state, tokenizer = import_hf(hf_folder)
     end_token = read_end_token(hf_folder, tokenizer)
     cfg = Config(model=model_cfg, data=DataConfig(end_token=end_token))
-    if model_cfg.tie_embeddings:
-        state = {name: t for name, t in state.items() if name != "lm_head.weight"}  # stored once
+    tied = {"lm_head.weight"} if model_cfg.tie_embeddings else set()  # a tied head is stored once
+    weights = {name: t.contiguous() for name, t in state.items() if name not in tied}
     config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    files = {"config.yaml": config_yaml.encode(), "tokenizer.json": tokenizer.to_str(pretty=True).encode()}
     lock = FolderLock(out, "importing")
     try:
         _check_free(out)  # again, now that no other process can be writing it
+
         def write(folder: Path) -> None:
-            (folder / "config.yaml").write_text(config_yaml)
-            tokenizer.save(str(folder / "tokenizer.json"))
-            step = folder / CHECKPOINT_DIR / "step_0000000"
-            step.mkdir(parents=True)
-            save_tensors({name: t.contiguous() for name, t in state.items()}, step / "model")
-            (step / "config.yaml").write_text(config_yaml)
-            tokenizer.save(str(step / "tokenizer.json"))
-            # no optimizer, RNG or run state: this is a model to start from, not a run to resume
-            (step / "state.json").write_text(json.dumps({"format": FORMAT, "step": 0,
-                                                         "imported_from": str(hf_folder.resolve())}, indent=2))
-            seal(step)
+            for name, content in files.items():  # the run folder's copies; the checkpoint holds its own
+                (folder / name).write_bytes(content)
+            write_weights_checkpoint(folder / CHECKPOINT_DIR / "step_0000000", weights,
+                                     {"step": 0, "imported_from": str(hf_folder.resolve())}, files)
 
         write_staged(out, write)
     finally:

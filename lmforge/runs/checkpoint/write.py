@@ -89,8 +89,9 @@ def save_checkpoint(run_dir: Path, step: int, engine, state: dict, extra_files: 
     if error is not None:
         if world.is_main:
             shutil.rmtree(partial, ignore_errors=True)
-        raise world.raised(LmforgeError(f"checkpoint {final} could not be written ({failure_reason(error)}); its "
-                                        f"partial folder is removed and " + kept_checkpoint(run_dir, "make room"))) from None
+        message = (f"checkpoint {final} could not be written ({failure_reason(error)}); its partial folder is "
+                   f"removed and " + kept_checkpoint(run_dir, "make room"))
+        raise world.raised(LmforgeError(message)) from None
     if world.is_main:
         seal(partial)
         move_into_place(partial, final)  # the same step may be saved again (the last step after a resume)
@@ -114,9 +115,24 @@ def _write_checkpoint(partial: Path, model_state: dict, optimizer_state: dict, s
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
     save_file(rng, str(partial / "rng.safetensors"))
-    (partial / "state.json").write_text(json.dumps(state, indent=2))
+    _write_state(partial, state, extra_files)
+
+
+def _write_state(path: Path, state: dict, extra_files: dict[str, bytes]) -> None:
+    """state.json, and the files given as bytes (config.yaml, tokenizer.json)."""
+    (path / "state.json").write_text(json.dumps(state, indent=2))
     for name, content in extra_files.items():
-        (partial / name).write_bytes(content)
+        (path / name).write_bytes(content)
+
+
+def write_weights_checkpoint(path: Path, tensors: dict[str, torch.Tensor], state: dict,
+                             extra_files: dict[str, bytes]) -> None:
+    """A sealed checkpoint folder `path` of model weights alone, written by one process (inside a
+    staged folder): no optimizer or RNG state, a model to start from rather than a run to resume."""
+    path.mkdir(parents=True)
+    save_tensors(tensors, path / "model")
+    _write_state(path, {"format": FORMAT, **state}, extra_files)
+    seal(path)
 
 
 def seal(partial: Path) -> None:
