@@ -25,7 +25,7 @@ from rich.console import Console
 
 from lmforge.config import load_config, make_config
 from lmforge.data.corpus import stdlib_documents
-from lmforge.runs.load import _base_checkpoint
+from lmforge.runs.load import base_checkpoint
 from lmforge.train.loop import Trainer
 
 OUT = Path(__file__).parent / "out"
@@ -68,7 +68,7 @@ def main() -> None:
     data = OUT / "signatures.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in signature_pairs(args.examples)))
     base = Path(args.base).resolve()
-    base_model = load_config(_base_checkpoint(base) / "config.yaml").model
+    base_model = load_config(base_checkpoint(base) / "config.yaml").model
     stamp = time.strftime("%Y%m%d-%H%M%S")
     rows = []
     for label, rank in SETUPS:

@@ -45,11 +45,12 @@ def stdlib_texts(limit: int = 600_000):
 
 def load(args):
     if args.run:
-        from lmforge.runs import checkpoint as ckpt
+        from lmforge.runs.checkpoint.find import find_checkpoint
+        from lmforge.runs.checkpoint.read import load_model_weights
 
-        path = ckpt.find_checkpoint(args.run)
+        path = find_checkpoint(args.run)
         model = Transformer(load_config(path / "config.yaml").model)
-        ckpt.load_model_weights(model, path)
+        load_model_weights(model, path)
         return model, load_tokenizer(path / "tokenizer.json"), f"run {args.run}"
     cfg = make_config(args.model).model
     torch.manual_seed(0)

@@ -7,7 +7,10 @@ from lmforge.config import make_config
 from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.parallelize import Engine
-from lmforge.runs import checkpoint as ckpt
+from lmforge.runs.checkpoint import write as checkpoint_write
+from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, list_checkpoints, verify_checkpoint
+from lmforge.runs.checkpoint.read import load_model_weights, load_optimizer_state
+from lmforge.runs.checkpoint.tensors import stored_tensors
 from lmforge.train.loop import Trainer
 
 
@@ -72,7 +75,7 @@ def test_resume_gives_the_same_parameters_as_an_uninterrupted_run(tiny_config, t
     straight.run()
 
     run_until_killed(cfg, tmp_path / "resumed", kill_at_step=8, monkeypatch=monkeypatch)
-    assert ckpt.find_checkpoint(tmp_path / "resumed").name == "step_0000005"
+    assert find_checkpoint(tmp_path / "resumed").name == "step_0000005"
     resumed = quiet_trainer(cfg, tmp_path / "resumed", resume=True)
     assert resumed.step == 5
     resumed.run()
@@ -92,37 +95,37 @@ def test_a_kill_during_a_save_keeps_the_previous_checkpoint(tiny_config, tmp_pat
     cfg = tiny_config(max_steps=8, checkpoint_interval=4)
     run_dir = tmp_path / "run"
     trainer = quiet_trainer(cfg, run_dir)
-    real_save_tensors = ckpt.save_tensors
+    real_save_tensors = checkpoint_write.save_tensors
 
     def save_tensors_or_die(tensors, folder):
         if "step_0000008" in str(folder) and folder.name == "optimizer":
             raise Killed  # the model of step 8 is already on disk, half a checkpoint
         return real_save_tensors(tensors, folder)
 
-    monkeypatch.setattr(ckpt, "save_tensors", save_tensors_or_die)
+    monkeypatch.setattr(checkpoint_write, "save_tensors", save_tensors_or_die)
     with pytest.raises(Killed):
         trainer.run()
-    monkeypatch.setattr(ckpt, "save_tensors", real_save_tensors)
-    assert [p.name for p in ckpt.list_checkpoints(run_dir)] == ["step_0000004"]
-    assert ckpt.find_checkpoint(run_dir).name == "step_0000004"
+    monkeypatch.setattr(checkpoint_write, "save_tensors", real_save_tensors)
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_0000004"]
+    assert find_checkpoint(run_dir).name == "step_0000004"
     assert (run_dir / "checkpoints" / ".step_0000008.partial").is_dir()  # the half-written one, ignored
     resumed = quiet_trainer(cfg, run_dir, resume=True)
     assert resumed.step == 4
     resumed.run()
-    assert ckpt.find_checkpoint(run_dir).name == "step_0000008"
+    assert find_checkpoint(run_dir).name == "step_0000008"
     assert not any(p.name.endswith(".partial") for p in (run_dir / "checkpoints").iterdir())
 
 
 def test_old_checkpoints_are_pruned(tiny_config, tmp_path):
     cfg = tiny_config(max_steps=8, checkpoint_interval=2, keep_checkpoints=2)
     quiet_trainer(cfg, tmp_path / "run").run()
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step_0000006", "step_0000008"]
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_0000006", "step_0000008"]
 
 
 def test_corrupt_checkpoint_is_refused(tiny_config, tmp_path):
     cfg = tiny_config(max_steps=4)
     quiet_trainer(cfg, tmp_path / "run").run()
-    path = ckpt.find_checkpoint(tmp_path / "run")
+    path = find_checkpoint(tmp_path / "run")
     weights = path / "model" / "__0_0.distcp"
     original = weights.read_bytes()
     data = bytearray(original)
@@ -131,47 +134,47 @@ def test_corrupt_checkpoint_is_refused(tiny_config, tmp_path):
     with pytest.raises(LmforgeError, match="model/__0_0.distcp does not match its checksum"):
         quiet_trainer(tiny_config(max_steps=8), tmp_path / "run", resume=True)
     weights.write_bytes(original)
-    ckpt.verify_checkpoint(path)
+    verify_checkpoint(path)
     (path / "optimizer" / "__0_0.distcp").unlink()
     with pytest.raises(LmforgeError, match="optimizer/__0_0.distcp is missing"):
-        ckpt.verify_checkpoint(path)
+        verify_checkpoint(path)
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tiny_config, tmp_path):
     cfg = tiny_config(max_steps=8, checkpoint_interval=4)
     quiet_trainer(cfg, tmp_path / "run").run()
-    newest = ckpt.find_checkpoint(tmp_path / "run")
+    newest = find_checkpoint(tmp_path / "run")
     assert newest.name == "step_0000008"
     with open(newest / "optimizer" / "__0_0.distcp", "r+b") as f:
         f.truncate(64)
     warnings = []
-    assert ckpt.find_checkpoint(tmp_path / "run", warn=warnings.append).name == "step_0000004"
+    assert find_checkpoint(tmp_path / "run", warn=warnings.append).name == "step_0000004"
     assert len(warnings) == 1 and "step_0000008 is corrupt: optimizer/__0_0.distcp" in warnings[0]
 
 
 def test_truncated_weights_are_reported_not_crashed(tiny_config, tmp_path):
     cfg = tiny_config(max_steps=2, checkpoint_interval=2)
     quiet_trainer(cfg, tmp_path / "run").run()
-    path = ckpt.find_checkpoint(tmp_path / "run")
+    path = find_checkpoint(tmp_path / "run")
     with open(path / "model" / "__0_0.distcp", "r+b") as f:
         f.truncate(100)
     with pytest.raises(LmforgeError, match="is corrupt"):
-        ckpt.load_model_weights(Transformer(cfg.model), path)
+        load_model_weights(Transformer(cfg.model), path)
 
 
 def test_checkpoint_from_another_shape_is_refused(tiny_config, tmp_path):
     cfg = tiny_config(max_steps=2)
     quiet_trainer(cfg, tmp_path / "run").run()
-    path = ckpt.find_checkpoint(tmp_path / "run")
+    path = find_checkpoint(tmp_path / "run")
     wider = make_config("tiny", overrides=["model.d_model=128"]).model
     with pytest.raises(LmforgeError, match=r"different shape: tok_embeddings.weight is \(512, 64\) there, \(512, 128\) here"):
-        ckpt.load_model_weights(Transformer(wider), path)
+        load_model_weights(Transformer(wider), path)
     deeper = make_config("tiny", overrides=["model.n_layers=3"]).model
     with pytest.raises(LmforgeError, match=r"lacks 9 \(blocks.2.attn_norm.weight, blocks.2.attn.q_proj.weight, "):
-        ckpt.load_model_weights(Transformer(deeper), path)
+        load_model_weights(Transformer(deeper), path)
     shallower = make_config("tiny", overrides=["model.n_layers=1"]).model
     with pytest.raises(LmforgeError, match=r"holds 9 \(blocks.1.attn.k_proj.weight, .*\) tensors this model does not have"):
-        ckpt.load_model_weights(Transformer(shallower), path)
+        load_model_weights(Transformer(shallower), path)
 
 
 def test_state_is_loaded_by_name_and_a_partial_load_is_an_explicit_choice(tiny_config, tmp_path):
@@ -182,23 +185,23 @@ def test_state_is_loaded_by_name_and_a_partial_load_is_an_explicit_choice(tiny_c
     cfg = tiny_config(max_steps=2)
     trainer = quiet_trainer(cfg, tmp_path / "run")
     trainer.run()
-    path = ckpt.find_checkpoint(tmp_path / "run")
-    keys = set(ckpt.stored_tensors(path, "optimizer"))
+    path = find_checkpoint(tmp_path / "run")
+    keys = set(stored_tensors(path, "optimizer"))
     assert "blocks.1.mlp.down_proj.weight.exp_avg" in keys and "tok_embeddings.weight.step" in keys
     state = json.loads((path / "state.json").read_text())
     assert state["param_groups"][0]["params"][:2] == ["tok_embeddings.weight", "blocks.0.attn.q_proj.weight"]
 
     deeper = make_config("tiny", overrides=["model.n_layers=3"]).model
     model = Transformer(deeper)
-    missing, unexpected = ckpt.load_model_weights(model, path, strict=False)
+    missing, unexpected = load_model_weights(model, path, strict=False)
     assert unexpected == [] and len(missing) == 9 and all(n.startswith("blocks.2.") for n in missing)
     torch.testing.assert_close(model.blocks["1"].mlp.up_proj.weight, trainer.model.blocks["1"].mlp.up_proj.weight)
 
     # full recomputation wraps the blocks; the names, and so the state, are the same
     wrapped_cfg = tiny_config("train.recompute=full", max_steps=2)
     model, optimizer = build(wrapped_cfg)
-    ckpt.load_model_weights(model, path)
-    ckpt.load_optimizer_state(Engine(model, optimizer), path, state["param_groups"])
+    load_model_weights(model, path)
+    load_optimizer_state(Engine(model, optimizer), path, state["param_groups"])
     assert optimizer.state_dict()["param_groups"] == trainer.optimizer.state_dict()["param_groups"]
     param = model.blocks["1"].attn.v_proj.weight
     torch.testing.assert_close(optimizer.state[param]["exp_avg"],
@@ -207,7 +210,7 @@ def test_state_is_loaded_by_name_and_a_partial_load_is_an_explicit_choice(tiny_c
     # an optimizer over other parameters is refused, naming them
     other, other_optimizer = build(make_config("tiny", overrides=["model.n_layers=1"]))
     with pytest.raises(LmforgeError, match=r"only in the checkpoint: 9 \(blocks.1"):
-        ckpt.load_optimizer_state(Engine(other, other_optimizer), path, state["param_groups"])
+        load_optimizer_state(Engine(other, other_optimizer), path, state["param_groups"])
 
 
 def test_a_checkpoint_keyed_by_position_is_refused_with_one_line(tiny_config, tmp_path, capsys):
@@ -215,12 +218,12 @@ def test_a_checkpoint_keyed_by_position_is_refused_with_one_line(tiny_config, tm
 
     cfg = tiny_config(max_steps=2)
     quiet_trainer(cfg, tmp_path / "run").run()
-    path = ckpt.find_checkpoint(tmp_path / "run")
+    path = find_checkpoint(tmp_path / "run")
     state = json.loads((path / "state.json").read_text())
     del state["format"]  # what an older lmforge wrote
     (path / "state.json").write_text(json.dumps(state))
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["state.json"] = {"bytes": (path / "state.json").stat().st_size, "sha256": ckpt.file_sha256(path / "state.json")}
+    manifest["state.json"] = {"bytes": (path / "state.json").stat().st_size, "sha256": file_sha256(path / "state.json")}
     (path / "manifest.json").write_text(json.dumps(manifest))
     assert main(["train", "--resume", str(tmp_path / "run"), "train.max_steps=4"]) == 2
     assert "written by an older lmforge" in capsys.readouterr().err
@@ -230,9 +233,9 @@ def test_tied_weights_are_stored_once_and_reloaded_tied(tiny_config, tmp_path):
     cfg = tiny_config(max_steps=2)
     trainer = quiet_trainer(cfg, tmp_path / "run")
     trainer.run()
-    path = ckpt.find_checkpoint(tmp_path / "run")
+    path = find_checkpoint(tmp_path / "run")
     model = Transformer(cfg.model)
-    ckpt.load_model_weights(model, path)
+    load_model_weights(model, path)
     assert model.lm_head.weight is model.tok_embeddings.weight
     assert torch.equal(model.lm_head.weight, trainer.model.lm_head.weight)
 
@@ -256,9 +259,9 @@ def test_a_run_folder_is_never_overwritten(tiny_config, tmp_path):
 def test_run_without_any_checkpoint(tmp_path):
     (tmp_path / "run").mkdir()
     with pytest.raises(LmforgeError, match="has no checkpoint"):
-        ckpt.find_checkpoint(tmp_path / "run")
+        find_checkpoint(tmp_path / "run")
     with pytest.raises(LmforgeError, match="does not exist"):
-        ckpt.find_checkpoint(tmp_path / "missing")
+        find_checkpoint(tmp_path / "missing")
 
 
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_config, tmp_path, monkeypatch):
@@ -276,7 +279,7 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny
     with pytest.raises(LmforgeError, match=r"the loss became nan at step 3; the last good checkpoint is kept: "
                                            r"\S*step_0000002;"):
         trainer.run()
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step_0000002"]
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_0000002"]
 
 
 @pytest.mark.parametrize("bad_step, poison, kept", [
@@ -300,7 +303,7 @@ def test_a_checkpoint_never_holds_inf_or_nan(tiny_config, tmp_path, monkeypatch,
     what = "tok_embeddings.weight" if poison == "parameter" else "optimizer state exp_avg of tok_embeddings.weight"
     with pytest.raises(LmforgeError, match=rf"step {bad_step} left inf/NaN in {what}, so it was not saved; {kept}"):
         trainer.run()
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == [f"step_{s:07d}" for s in range(1, bad_step)]
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == [f"step_{s:07d}" for s in range(1, bad_step)]
     assert not list((tmp_path / "run" / "checkpoints").glob(".*"))
 
 
@@ -310,20 +313,20 @@ def test_a_save_that_does_not_fit_keeps_the_previous_checkpoint_and_no_partial(t
     cfg = tiny_config(max_steps=8, checkpoint_interval=2)
     run_dir = tmp_path / "run"
     trainer = quiet_trainer(cfg, run_dir)
-    real_save_tensors = ckpt.save_tensors
+    real_save_tensors = checkpoint_write.save_tensors
 
     def save_tensors_or_full(tensors, folder):
         if "step_0000004" in str(folder) and folder.name == "optimizer":
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save_tensors(tensors, folder)
 
-    monkeypatch.setattr(ckpt, "save_tensors", save_tensors_or_full)
+    monkeypatch.setattr(checkpoint_write, "save_tensors", save_tensors_or_full)
     with pytest.raises(LmforgeError, match=r"checkpoint \S*step_0000004 could not be written \(No space left on "
                                            r"device .*\); its partial folder is removed and the last good "
                                            r"checkpoint is kept: \S*step_0000002;"):
         trainer.run()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_0000002"]
-    ckpt.verify_checkpoint(run_dir / "checkpoints" / "step_0000002")
+    verify_checkpoint(run_dir / "checkpoints" / "step_0000002")
 
 
 def test_a_run_killed_between_its_last_checkpoint_and_its_summary_can_be_finished(tiny_config, tmp_path, monkeypatch):
@@ -384,6 +387,6 @@ def test_checkpoints_take_config_and_tokenizer_from_memory_not_the_run_folder(ti
     (tmp_path / "run" / "tokenizer.json").write_text("{ damaged")
     (tmp_path / "run" / "config.yaml").write_text("model: {n_layers: 99}\n")
     trainer.run()
-    path = ckpt.find_checkpoint(tmp_path / "run")
+    path = find_checkpoint(tmp_path / "run")
     assert tokenizer_hash(load_tokenizer(path / "tokenizer.json")) == trainer.data.meta["tokenizer_sha256"]
     assert load_config(path / "config.yaml") == cfg

@@ -58,7 +58,8 @@ def test_a_compiled_run_resumes_bit_for_bit(corpus_dir, data_dir, tmp_path):
     import subprocess
     import sys
 
-    from lmforge.runs import checkpoint as ckpt
+    from lmforge.runs.checkpoint.find import find_checkpoint
+    from lmforge.runs.checkpoint.read import read_tensors
     from tests.conftest import tiny_overrides
 
     common = [*tiny_overrides(corpus_dir, data_dir, max_steps=4, checkpoint_interval=2, log_interval=1,
@@ -74,7 +75,7 @@ def test_a_compiled_run_resumes_bit_for_bit(corpus_dir, data_dir, tmp_path):
     lmforge("--model", "tiny", *common, "train.max_steps=2", "--out", "cut")
     lmforge("--resume", "cut", "train.max_steps=4")
     for folder in ("model", "optimizer"):
-        a, b = (ckpt.read_tensors(ckpt.find_checkpoint(tmp_path / run), folder) for run in ("straight", "cut"))
+        a, b = (read_tensors(find_checkpoint(tmp_path / run), folder) for run in ("straight", "cut"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), folder
     assert "_orig_mod" not in " ".join(a)
     losses = [[r["train_loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())

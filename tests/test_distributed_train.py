@@ -26,7 +26,8 @@ import torch
 
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
-from lmforge.runs import checkpoint as ckpt
+from lmforge.runs.checkpoint.find import find_checkpoint, list_checkpoints
+from lmforge.runs.checkpoint.read import load_model_weights
 from tests.conftest import tiny_overrides
 
 pytestmark = pytest.mark.dist
@@ -71,9 +72,9 @@ def settings(corpus_dir, data_dir):
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
-    path = ckpt.find_checkpoint(run_dir)
+    path = find_checkpoint(run_dir)
     model = Transformer(make_config("tiny").model)
-    ckpt.load_model_weights(model, path)
+    load_model_weights(model, path)
     return model.state_dict()
 
 
@@ -113,7 +114,7 @@ def test_two_ranks_train_as_one_process_with_their_global_batch_and_rank_0_alone
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["tokens_trained"] == STEPS * 6 * 64  # all ranks: 2 x 3 windows of 64 tokens per step
     # one distributed checkpoint: each rank wrote its file of the model and optimizer folders
-    path = ckpt.find_checkpoint(run_dir)
+    path = find_checkpoint(run_dir)
     assert {p.name for p in (path / "model").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     assert json.loads((path / "state.json").read_text())["world_size"] == 2
 
@@ -128,7 +129,7 @@ def test_a_checkpoint_of_2_ranks_resumes_on_2_bit_for_bit_and_on_1_and_3_to_the_
     saved = tmp_path / "saved"
     run([sys.executable, "-m", "lmforge", "train", "--nproc", "2", "--no-progress", "--model", "tiny",
          *settings(3, max_steps=3), "train.parallel=ddp", "--out", str(saved)], tmp_path)
-    assert [p.name for p in ckpt.list_checkpoints(saved)] == ["step_0000003"]
+    assert [p.name for p in list_checkpoints(saved)] == ["step_0000003"]
     for ranks in (2, 1, 3):
         resumed = tmp_path / f"on{ranks}"
         shutil.copytree(saved, resumed)
@@ -170,7 +171,7 @@ def kill_rank_after_first_checkpoint(command: list[str], run_dir, cwd, rank: int
     proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
     try:
         deadline = time.monotonic() + TIMEOUT
-        while not ckpt.list_checkpoints(run_dir):
+        while not list_checkpoints(run_dir):
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the deadline"
             time.sleep(0.2)
         victim = rank_pid(proc.pid, rank)
@@ -194,7 +195,7 @@ def test_a_killed_rank_stops_the_others_with_one_line_and_the_run_resumes(tmp_pa
     assert len(errors) == 1, errors
     assert errors[0].startswith("lmforge: error: rank 1 stopped answering (died or hangs); rank 0 stops too")
     # the run continues from its last checkpoint
-    step = int(ckpt.find_checkpoint(run_dir).name.split("_")[1])
+    step = int(find_checkpoint(run_dir).name.split("_")[1])
     run(torchrun(2, "--resume", str(run_dir), f"train.max_steps={step + 2}", "train.parallel=ddp"), tmp_path)
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == step + 2
 

@@ -253,21 +253,22 @@ def test_trained_run_exports_to_transformers_and_imports_back(corpus_dir, data_d
     """The commands as README shows them, on a run `lmforge train` wrote (tied head, lmforge's tokenizer)."""
     from conftest import tiny_overrides
     from lmforge.cli import main
-    from lmforge.runs import checkpoint as ckpt
+    from lmforge.runs.checkpoint.find import find_checkpoint
+    from lmforge.runs.checkpoint.read import load_model_weights
 
     run = tmp_path / "runs" / "tiny"
     assert main(["train", "--model", "tiny", "--out", str(run), "--no-progress",
                  *tiny_overrides(corpus_dir, data_dir, max_steps=4)]) == 0
     assert main(["export", "--format", "hf", str(run)]) == 0
-    path = ckpt.find_checkpoint(run)
+    path = find_checkpoint(run)
     model = Transformer(make_config("tiny").model).eval()
-    ckpt.load_model_weights(model, path)
+    load_model_weights(model, path)
     ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (hf_logits(run / "hf-step_0000004", ids) - model(ids)).abs().max().item() < 1e-5
     assert main(["import-hf", str(run / "hf-step_0000004"), "--out", str(tmp_path / "runs" / "back")]) == 0
     back = Transformer(make_config("tiny").model).eval()
-    ckpt.load_model_weights(back, ckpt.find_checkpoint(tmp_path / "runs" / "back"))
+    load_model_weights(back, find_checkpoint(tmp_path / "runs" / "back"))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
     capsys.readouterr()
     assert main(["runs", str(tmp_path / "runs")]) == 0

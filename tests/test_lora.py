@@ -17,7 +17,8 @@ from lmforge.common.errors import LmforgeError
 from lmforge.model.lora import (LoRALinear, adapter_state_dict, apply_lora, load_adapter_state_dict, merge_lora,
                                 unmerge_lora)
 from lmforge.precision.fp8 import Fp8Linear
-from lmforge.runs import checkpoint as ckpt
+from lmforge.runs.checkpoint.read import read_tensors
+from lmforge.runs.checkpoint.tensors import stored_tensors
 from lmforge.runs.load import load_run_model
 from lmforge.train.loop import Trainer
 from lmforge.train.setup import build_model
@@ -184,7 +185,7 @@ def test_a_lora_run_changes_only_the_adapters_and_its_bytes_match_the_plan(base_
     assert comparison["gradients_bytes"]["measured"] == 4 * trainable
     assert comparison["optimizer_states_bytes"]["measured"] == 2 * 4 * trainable
     # a LoRA checkpoint holds the adapters only
-    stored = ckpt.stored_tensors(tmp_path / "ft" / "checkpoints" / "step_0000006", "model")
+    stored = stored_tensors(tmp_path / "ft" / "checkpoints" / "step_0000006", "model")
     assert set(stored) == set(adapter_state_dict(trainer.model))
 
 
@@ -208,8 +209,8 @@ def test_finetune_end_to_end_resumes_exactly_and_generates(base_run, tmp_path, c
     resumed = lmforge("finetune", "--resume", "b", "train.max_steps=6", "--no-progress", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     for name in ("model", "optimizer"):
-        a = ckpt.read_tensors(tmp_path / "a" / "checkpoints" / "step_0000006", name)
-        b = ckpt.read_tensors(tmp_path / "b" / "checkpoints" / "step_0000006", name)
+        a = read_tensors(tmp_path / "a" / "checkpoints" / "step_0000006", name)
+        b = read_tensors(tmp_path / "b" / "checkpoints" / "step_0000006", name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     strip = lambda run: [{k: v for k, v in json.loads(line).items() if k not in
                           ("tokens_per_s", "mfu", "time", "elapsed_s", "peak_memory_bytes")}

@@ -164,7 +164,7 @@ def test_finetune_an_hf_folder_with_lora_and_load_the_adapter_in_peft(tokenizer,
     import random
 
     from lmforge.cli import main
-    from lmforge.runs import checkpoint as ckpt
+    from lmforge.runs.checkpoint.find import find_checkpoint
     from lmforge.runs.load import model_from_checkpoint
     from test_interop import hf_model
 
@@ -179,7 +179,7 @@ def test_finetune_an_hf_folder_with_lora_and_load_the_adapter_in_peft(tokenizer,
                    "train.sample_tokens=0", "train.tensorboard=false", "optim.lr=1e-2", "optim.warmup_steps=1"])
     assert status == 0
     assert main(["export", "--format", "peft", str(tmp_path / "ft"), "--out", str(tmp_path / "adapter")]) == 0
-    _, ours, _ = model_from_checkpoint(ckpt.find_checkpoint(tmp_path / "ft"))
+    _, ours, _ = model_from_checkpoint(find_checkpoint(tmp_path / "ft"))
     assert any(p.abs().max() > 0 for n, p in ours.named_parameters() if n.endswith("lora_B"))  # it trained
     theirs = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"),
                                             tmp_path / "adapter").eval()

@@ -13,7 +13,7 @@ from lmforge.precision.policy import device_notes, prepare_model
 from lmforge.modes.precision import get_policy
 from lmforge.precision.fp8 import (E4M3, E5M2, AmaxHistory, Fp8Linear, dequantize, fp8_matmul, fp8_max,
                                    quantize, scale_for)
-from lmforge.runs import checkpoint as ckpt
+from lmforge.runs.checkpoint.find import find_checkpoint, list_checkpoints
 from tests.conftest import tiny_overrides
 from tests.test_checkpoint import quiet_trainer
 
@@ -410,7 +410,7 @@ def test_fp16_skips_bad_steps_lowers_the_scale_and_resumes_with_its_state(tiny_c
     scales = {r["step"]: r["loss_scale"] for r in records if "loss_scale" in r}
     assert scales[1] == 2.0**16 and scales[2] == 2.0**15 and scales[3] == 2.0**14 and scales[6] == 2.0**14
     assert {r["step"]: r["skipped_steps"] for r in records if "skipped_steps" in r}[6] == 2
-    state = json.loads((ckpt.find_checkpoint(tmp_path / "run") / "state.json").read_text())
+    state = json.loads((find_checkpoint(tmp_path / "run") / "state.json").read_text())
     assert state["precision"]["policy"] == "fp16-mixed"
     assert state["precision"]["loss_scaler"]["scale"] == 2.0**14
 
@@ -428,7 +428,7 @@ def test_other_policies_skip_bad_steps_then_stop_after_max_bad_steps(tiny_config
     with pytest.raises(LmforgeError, match=r"the loss became nan at step 6; the last good checkpoint is kept"):
         trainer.run()
     assert trainer.skipped_steps == 3
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")][-1] == "step_0000004"
+    assert [p.name for p in list_checkpoints(tmp_path / "run")][-1] == "step_0000004"
 
 
 def test_resume_with_another_precision_is_refused(tiny_config, tmp_path):

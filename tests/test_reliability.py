@@ -23,7 +23,7 @@ from lmforge.data.prepare import open_prepared, prepare_data
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.common.folder_lock import FolderLock, lock_path
-from lmforge.runs import checkpoint as ckpt
+from lmforge.runs.checkpoint.find import find_checkpoint, list_checkpoints, verify_checkpoint
 from lmforge.train.signals import StopRequests
 from tests.conftest import tiny_overrides
 
@@ -100,7 +100,7 @@ def test_sigterm_saves_and_says_how_to_resume_and_a_second_writer_is_refused(tmp
     step = int(step)
     assert name == "SIGTERM" and step >= 1 and resume == str(run)
     assert Path(saved) == run / "checkpoints" / f"step_{step:07d}"
-    ckpt.verify_checkpoint(Path(saved))
+    verify_checkpoint(Path(saved))
     assert not lock_path(run).exists()  # released, and the file removed (the next test resumes a run)
 
 
@@ -109,12 +109,12 @@ def test_kill_9_leaves_no_stale_lock_and_ctrl_c_saves(tmp_path, corpus_dir, data
     overrides = tiny_overrides(corpus_dir, data_dir, max_steps=1000, log_interval=1, eval_interval=1000,
                                checkpoint_interval=2)
     proc = start("train", "--model", "tiny", "--out", str(run), "--no-progress", *overrides)
-    wait_until(proc, lambda: ckpt.list_checkpoints(run), "first checkpoint")
+    wait_until(proc, lambda: list_checkpoints(run), "first checkpoint")
     os.kill(proc.pid, signal.SIGKILL)
     finish(proc)
     assert lock_path(run).exists()  # the file stays behind; its lock died with the process
 
-    first = int(ckpt.find_checkpoint(run).name.removeprefix("step_"))
+    first = int(find_checkpoint(run).name.removeprefix("step_"))
     killed_metrics = (run / "metrics.jsonl").stat().st_ino  # it may log steps past `first`: not ours
 
     def resumed_a_step():  # the resume replaces metrics.jsonl (a new file) with the records up to `first`
@@ -128,7 +128,7 @@ def test_kill_9_leaves_no_stale_lock_and_ctrl_c_saves(tmp_path, corpus_dir, data
     assert status == 130, err
     name, step, saved, _ = STOPPED.match(one_line(err)).groups()
     assert name == "SIGINT" and int(step) > first
-    assert ckpt.find_checkpoint(run) == Path(saved)
+    assert find_checkpoint(run) == Path(saved)
 
 
 def test_a_second_ctrl_c_interrupts_at_once():

@@ -39,7 +39,7 @@ def cmd_finetune(args) -> int:
 def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     from lmforge.accounting.hardware import this_device
     from lmforge.parallel.world import resolve_device
-    from lmforge.runs.checkpoint import list_checkpoints
+    from lmforge.runs.checkpoint.find import list_checkpoints
     from lmforge.train.host_memory import retain_freed_memory
     from lmforge.train.loop import Trainer
     from lmforge.train.signals import Stopped
@@ -70,7 +70,7 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
 def cmd_generate(args) -> int:
     from lmforge.generate.texts import print_samples, samples
     from lmforge.parallel.world import resolve_device
-    from lmforge.runs import checkpoint as ckpt
+    from lmforge.runs.checkpoint.find import find_checkpoint
     from lmforge.runs.load import model_from_checkpoint
 
     if args.max_new_tokens < 1 or args.temperature < 0 or args.num_samples < 1:
@@ -79,7 +79,7 @@ def cmd_generate(args) -> int:
         raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
     json_answer = _json_answer(args)  # before loading the model: a bad --schema stops at once
     device = resolve_device(args.device, setting="--device")
-    path = ckpt.find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
+    path = find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
     cfg, model, tokenizer = model_from_checkpoint(path, merge=args.merge)  # a LoRA run: its base + adapters
     model.to(device)
     end = tokenizer.token_to_id(cfg.data.end_token)

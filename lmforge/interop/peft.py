@@ -7,9 +7,9 @@ module path:
     base_model.model.<hf module>.lora_B.weight   (out, r)
 The layer computes W x + (alpha / r) B A x (Hu et al. 2021), as lmforge's LoRA does; lmforge names
 the same tensors `<lmforge module>.lora_A` / `.lora_B` (`blocks.0.attn.q_proj.lora_A`), and the
-module paths map through interop/hf.py's `hf_module` / `lmforge_modules`.
+module paths map through interop/hf_names.py's `hf_module` / `lmforge_modules`.
 
-GPT-2 fuses q, k and v into one `c_attn` (interop/hf.py), so three lmforge adapters become one:
+GPT-2 fuses q, k and v into one `c_attn` (interop/hf_names.py), so three lmforge adapters become one:
   - with one A shared by q, k and v (what reading a PEFT adapter of c_attn gives), c_attn gets
     that A and B = [B_q; B_k; B_v], rank r;
   - otherwise A = [A_q; A_k; A_v] and B = blockdiag(B_q, B_k, B_v): rank 3r, written as
@@ -26,9 +26,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lmforge.config import ModelConfig
+from lmforge.accounting.shapes import meta_model
 from lmforge.common.errors import LmforgeError
-from lmforge.interop.hf import LAYOUTS, hf_module, lmforge_modules
+from lmforge.config import ModelConfig
+from lmforge.interop.hf_names import LAYOUTS, hf_module, lmforge_modules
 
 PREFIX = "base_model.model."
 FUSED_LINEARS = ("attn.q_proj", "attn.k_proj", "attn.v_proj")  # GPT-2's c_attn, in its order
@@ -36,13 +37,11 @@ FUSED_LINEARS = ("attn.q_proj", "attn.k_proj", "attn.v_proj")  # GPT-2's c_attn,
 
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out, in) of every linear layer of lmforge's model for `cfg`, by module path."""
-    from lmforge.accounting.shapes import meta_model
-
     return {name: tuple(module.weight.shape) for name, module in meta_model(cfg).named_modules()
             if isinstance(module, torch.nn.Linear)}
 
 
-def _inner(module: str) -> str:
+def lora_target(module: str) -> str:
     """"blocks.3.attn.q_proj" -> "attn.q_proj" (what a target names: the same layer in every block)."""
     return module.split(".", 2)[2] if module.startswith("blocks.") else module
 
@@ -78,7 +77,7 @@ def write_peft_adapter(adapter_state: dict[str, torch.Tensor], model_cfg: ModelC
     """Write `adapter_state` (lmforge names) as a PEFT LoRA adapter folder. `targets` names the adapted
     layers as their module path inside a block ("attn.q_proj") or its last part ("q_proj")."""
     adapted = _adapted_modules(adapter_state, model_cfg, rank, where="the adapter to write")
-    wanted = {_inner(module) for module in adapted}
+    wanted = {lora_target(module) for module in adapted}
     named = {t for t in wanted if any(t == target or t.endswith("." + target) for target in targets)}
     if named != wanted or not wanted:
         raise LmforgeError(f"the adapter holds layers {', '.join(sorted(wanted)) or 'none'}, not the targets "
@@ -173,7 +172,7 @@ def read_peft_adapter(folder: str | Path, model_cfg: ModelConfig) -> tuple[dict[
                 raise LmforgeError(f"{folder}: {hf} has {kind} but not its partner")
             state.update(_split_fused(modules, kind, tensor, stored[partner], rank, where=f"{folder}: {hf}"))
     adapted = _adapted_modules(state, model_cfg, rank, where=str(folder))
-    return state, rank, alpha, sorted({_inner(module) for module in adapted})
+    return state, rank, alpha, sorted({lora_target(module) for module in adapted})
 
 
 def _split_fused(modules: tuple[str, ...], kind: str, tensor: torch.Tensor, other: torch.Tensor, rank: int,

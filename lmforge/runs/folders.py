@@ -11,19 +11,24 @@ staging folder, and rename it into place: a failure leaves nothing half-written.
 """
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 import yaml
 
-from lmforge.config import Config, DataConfig, config_to_dict, load_config
-from lmforge.data.tokenizer import load_tokenizer
 from lmforge.common.errors import LmforgeError
 from lmforge.common.folder_lock import FolderLock
-from lmforge.interop.hf import export_hf, import_hf, read_end_token
-from lmforge.runs import checkpoint as ckpt
+from lmforge.config import Config, DataConfig, config_to_dict, load_config
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.interop.hf import export_hf, import_hf
+from lmforge.interop.hf_tokenizer import read_end_token
+from lmforge.interop.peft import lora_target, write_peft_adapter
+from lmforge.model.lora import adapter_state_dict
+from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, find_checkpoint, list_checkpoints, read_state, verify_checkpoint
+from lmforge.runs.checkpoint.read import read_tensors
+from lmforge.runs.checkpoint.write import write_weights_checkpoint
+from lmforge.runs.load import merged_weights, model_from_checkpoint
+from lmforge.runs.staging import write_staged
 
 
 def _check_free(out: Path) -> None:
@@ -31,34 +36,19 @@ def _check_free(out: Path) -> None:
         raise LmforgeError(f"{out} already exists: pick another --out, or remove it first")
 
 
-def _staged(out: Path, write) -> None:
-    """Call write(folder) on a hidden staging folder beside `out`, then rename it to `out`."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)  # left by a killed earlier attempt
-    try:
-        staging.mkdir()
-        write(staging)
-        if out.is_dir():
-            out.rmdir()  # empty (checked before): replaced by the staged folder
-        os.rename(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder as given, or the newest intact checkpoint of a run folder."""
     path = Path(path)
     if (path / "manifest.json").is_file():
-        ckpt.verify_checkpoint(path)
+        verify_checkpoint(path)
         return path
-    return ckpt.find_checkpoint(path)
+    return find_checkpoint(path)
 
 
 def read_checkpoint_weights(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
     """A checkpoint's model tensors by lmforge name, in their stored dtype (not cast to a model's).
     A tied head is stored once, under either name: both names are filled."""
-    state = ckpt.read_tensors(path)
+    state = read_tensors(path)
     if cfg.model.tie_embeddings:
         shared = state.get("tok_embeddings.weight", state.get("lm_head.weight"))
         if shared is not None:
@@ -70,10 +60,6 @@ def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") 
     """Export the newest checkpoint of a run folder (or the checkpoint given): `hf`, a Hugging Face
     folder (a LoRA run's adapters folded into its base's weights), by default <run>/hf-<checkpoint>;
     `peft`, a LoRA run's adapter alone in PEFT's layout, by default <run>/peft-<checkpoint>."""
-    from lmforge.interop.peft import _inner, write_peft_adapter
-    from lmforge.model.lora import adapter_state_dict
-    from lmforge.runs.load import model_from_checkpoint
-
     path = resolve_checkpoint(run)
     cfg = load_config(path / "config.yaml")
     lora = cfg.finetune.lora_rank is not None
@@ -85,26 +71,25 @@ def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") 
     if fmt == "peft":
         _, model, _ = model_from_checkpoint(path)  # base + adapters, checked to belong together
         adapter = adapter_state_dict(model)
-        targets = sorted({_inner(name.rsplit(".", 1)[0]) for name in adapter})
+        targets = sorted({lora_target(name.rsplit(".", 1)[0]) for name in adapter})
         f = cfg.finetune
-        _staged(out, lambda folder: write_peft_adapter(adapter, cfg.model, f.lora_rank, f.lora_alpha, targets,
-                                                       folder, dropout=f.lora_dropout))
+        write_staged(out, lambda folder: write_peft_adapter(adapter, cfg.model, f.lora_rank, f.lora_alpha, targets,
+                                                            folder, dropout=f.lora_dropout))
         return out
     if lora:  # the base with the adapters folded in: a plain model transformers loads alone
-        _, model, _ = model_from_checkpoint(path, merge=True)
-        state = {name: t for name, t in model.state_dict().items() if not name.endswith((".lora_A", ".lora_B"))}
+        _, state, _ = merged_weights(path)
     else:
         state = read_checkpoint_weights(path, cfg)
-    _staged(out, lambda folder: export_hf(cfg.model, state, tokenizer, folder, end_token=cfg.data.end_token))
+    write_staged(out, lambda folder: export_hf(cfg.model, state, tokenizer, folder, end_token=cfg.data.end_token))
     return out
 
 
 def check_not_imported(run_dir: Path) -> None:
     """Stop with one line if the run folder holds a model written by `import_run` (weights, no run
     state to resume); checked before `lmforge train --resume` prepares any data."""
-    found = ckpt.list_checkpoints(Path(run_dir))
+    found = list_checkpoints(Path(run_dir))
     try:
-        state = json.loads((found[-1] / "state.json").read_text()) if found else {}
+        state = read_state(found[-1]) if found else {}
     except (OSError, json.JSONDecodeError):
         return  # a damaged checkpoint: resuming reports it, with the checkpoints it can use instead
     if "imported_from" in state:
@@ -119,26 +104,21 @@ def import_run(hf_folder: str | Path, out: str | Path) -> Path:
     model_cfg, state, tokenizer = import_hf(hf_folder)
     end_token = read_end_token(hf_folder, tokenizer)
     cfg = Config(model=model_cfg, data=DataConfig(end_token=end_token))
-    if model_cfg.tie_embeddings:
-        state = {name: t for name, t in state.items() if name != "lm_head.weight"}  # stored once
+    tied = {"lm_head.weight"} if model_cfg.tie_embeddings else set()  # a tied head is stored once
+    weights = {name: t.contiguous() for name, t in state.items() if name not in tied}
     config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    files = {"config.yaml": config_yaml.encode(), "tokenizer.json": tokenizer.to_str(pretty=True).encode()}
     lock = FolderLock(out, "importing")
     try:
         _check_free(out)  # again, now that no other process can be writing it
-        def write(folder: Path) -> None:
-            (folder / "config.yaml").write_text(config_yaml)
-            tokenizer.save(str(folder / "tokenizer.json"))
-            step = folder / ckpt.CHECKPOINT_DIR / "step_0000000"
-            step.mkdir(parents=True)
-            ckpt.save_tensors({name: t.contiguous() for name, t in state.items()}, step / "model")
-            (step / "config.yaml").write_text(config_yaml)
-            tokenizer.save(str(step / "tokenizer.json"))
-            # no optimizer, RNG or run state: this is a model to start from, not a run to resume
-            (step / "state.json").write_text(json.dumps({"format": ckpt.FORMAT, "step": 0,
-                                                         "imported_from": str(hf_folder.resolve())}, indent=2))
-            ckpt.seal(step)
 
-        _staged(out, write)
+        def write(folder: Path) -> None:
+            for name, content in files.items():  # the run folder's copies; the checkpoint holds its own
+                (folder / name).write_bytes(content)
+            write_weights_checkpoint(folder / CHECKPOINT_DIR / "step_0000000", weights,
+                                     {"step": 0, "imported_from": str(hf_folder.resolve())}, files)
+
+        write_staged(out, write)
     finally:
         lock.release()
     return out

@@ -2,7 +2,7 @@
 
 A run folder holds config.yaml (its settings), metrics.jsonl (one record per log or evaluation)
 and, once a session ends normally, summary.json. A training process holds an OS lock on the
-run folder while it runs (lmforge/folder_lock.py); the lock dies with the process, so a run whose
+run folder while it runs (common/folder_lock.py); the lock dies with the process, so a run whose
 lock can be taken is not running, however it ended. Imports no torch: listing finished runs answers
 at once; a run without a summary has its parameters counted from its model built on the meta
 device (accounting/shapes.py), which loads torch (about 2 s, once), unless it has a checkpoint,
@@ -21,11 +21,12 @@ from rich.console import Console
 from rich.table import Table
 
 from lmforge.accounting.memory import parameter_count
-from lmforge.config import SECTIONS, Config
 from lmforge.common.errors import LmforgeError
 from lmforge.common.folder_lock import is_locked
-from lmforge.runs.plots import batch_label, model_label
+from lmforge.config import SECTIONS, Config
+from lmforge.runs.checkpoint.find import list_checkpoints, read_state
 from lmforge.runs.metrics import read_metrics
+from lmforge.runs.plots import batch_label, model_label
 
 
 @dataclass
@@ -47,11 +48,11 @@ def is_run(path: Path) -> bool:
 
 def checkpoint_parameters(path: Path) -> int | None:
     """Parameters of the newest checkpoint (tied tensors counted once), from its state.json. No torch."""
-    files = sorted((path / "checkpoints").glob("step_*/state.json"))
-    if not files:
+    found = list_checkpoints(path)
+    if not found:
         return None
     try:
-        return json.loads(files[-1].read_text()).get("parameters")
+        return read_state(found[-1]).get("parameters")
     except (OSError, ValueError):
         return None
 

@@ -7,7 +7,6 @@ never resumed or sampled on another base.
 """
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -16,23 +15,27 @@ from tokenizers import Tokenizer
 from lmforge.common.errors import LmforgeError
 from lmforge.config import Config, ModelConfig, load_config
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.interop.hf import _read_json, import_hf, model_config_from_hf, read_end_token, read_hf_tokenizer
+from lmforge.interop.hf import import_hf
+from lmforge.interop.hf_config import read_model_config
+from lmforge.interop.hf_tokenizer import read_end_token, read_hf_tokenizer
 from lmforge.model.lora import apply_lora, has_lora, merge_lora
 from lmforge.model.transformer import Transformer
-from lmforge.runs import checkpoint as ckpt
+from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, read_manifest, read_state
+from lmforge.runs.checkpoint.read import load_model_weights
 
 
 def is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
-def _base_checkpoint(path: Path) -> Path:
+def base_checkpoint(path: Path) -> Path:
+    """The newest good checkpoint of lmforge run folder `path` (a fine-tuning base, or a run to load)."""
     if not path.is_dir():
         raise LmforgeError(f"base {path} does not exist: give an lmforge run folder")
     if not (path / "config.yaml").is_file():
         raise LmforgeError(f"base {path} is not an lmforge run folder (no config.yaml) nor a Hugging Face "
                            f"folder (no config.json)")
-    return ckpt.find_checkpoint(path)
+    return find_checkpoint(path)
 
 
 def base_settings(path: str | Path) -> tuple[ModelConfig, str]:
@@ -40,9 +43,9 @@ def base_settings(path: str | Path) -> tuple[ModelConfig, str]:
     an lmforge run folder's config.yaml, or a Hugging Face folder's config and tokenizer."""
     path = Path(path)
     if is_hf_folder(path):
-        model_cfg = model_config_from_hf(_read_json(path / "config.json"), str(path))
+        model_cfg = read_model_config(path)
         return model_cfg, read_end_token(path, read_hf_tokenizer(path, model_cfg.vocab_size))
-    cfg = load_config(_base_checkpoint(path) / "config.yaml")
+    cfg = load_config(base_checkpoint(path) / "config.yaml")
     return cfg.model, cfg.data.end_token
 
 
@@ -53,8 +56,7 @@ def load_base(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
     path = Path(path)
     if is_hf_folder(path):  # a Hugging Face Llama or GPT-2 folder, read as lmforge names
         return import_hf(path)
-    cfg, model, tokenizer = load_run_model(path, merge=True)
-    state = {name: value for name, value in model.state_dict().items() if not name.endswith((".lora_A", ".lora_B"))}
+    cfg, state, tokenizer = merged_weights(base_checkpoint(path))
     return cfg.model, state, tokenizer
 
 
@@ -66,10 +68,10 @@ def base_identity(path: str | Path) -> dict:
         digest = hashlib.sha256()
         for file in sorted(path.glob("*.safetensors")):
             if file.name != "adapter_model.safetensors":
-                digest.update(ckpt.file_sha256(file).encode())
+                digest.update(file_sha256(file).encode())
         return {"path": str(path), "checkpoint": "hugging face folder", "sha256": digest.hexdigest()}
-    checkpoint = _base_checkpoint(path)
-    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    checkpoint = base_checkpoint(path)
+    manifest = read_manifest(checkpoint)
     # the model's files of the distributed checkpoint (one per rank that wrote it, and .metadata)
     digest = hashlib.sha256()
     for name in sorted(n for n in manifest if n.startswith("model/")):
@@ -91,7 +93,7 @@ def check_same_base(saved: dict | None, current: dict | None, where: Path) -> No
 
 def load_run_model(path: str | Path, merge: bool = False) -> tuple[Config, torch.nn.Module, Tokenizer]:
     """The model of a run's newest good checkpoint (see `model_from_checkpoint`)."""
-    return model_from_checkpoint(_base_checkpoint(Path(path)), merge)
+    return model_from_checkpoint(base_checkpoint(Path(path)), merge)
 
 
 def model_from_checkpoint(checkpoint: Path, merge: bool = False) -> tuple[Config, torch.nn.Module, Tokenizer]:
@@ -102,12 +104,19 @@ def model_from_checkpoint(checkpoint: Path, merge: bool = False) -> tuple[Config
     model = Transformer(cfg.model)
     f = cfg.finetune
     if f.base is not None and f.lora_rank is not None:
-        saved = json.loads((checkpoint / "state.json").read_text()).get("base")
+        saved = read_state(checkpoint).get("base")
         check_same_base(saved, base_identity(f.base), checkpoint)
         _, base_state, _ = load_base(f.base)
         model.load_state_dict(base_state)
         apply_lora(model, f.lora_targets, f.lora_rank, f.lora_alpha, f.lora_dropout)
-    ckpt.load_model_weights(model, checkpoint)  # the adapters alone when LoRA is applied
+    load_model_weights(model, checkpoint)  # the adapters alone when LoRA is applied
     if merge and has_lora(model):
         merge_lora(model)
     return cfg, model, tokenizer
+
+
+def merged_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor], Tokenizer]:
+    """A checkpoint's model as plain weights by lmforge name: a LoRA run's adapters folded into its base."""
+    cfg, model, tokenizer = model_from_checkpoint(checkpoint, merge=True)
+    state = {name: value for name, value in model.state_dict().items() if not name.endswith((".lora_A", ".lora_B"))}
+    return cfg, state, tokenizer

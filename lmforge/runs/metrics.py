@@ -30,20 +30,10 @@ class MetricsLog:
         full disk or a kill mid-write leaves) is dropped with a warning; damage elsewhere stops."""
         if not path.exists():
             return []
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-        kept = []
-        for number, line in enumerate(lines, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                if number == len(lines):
-                    warn(f"{path} ends in a cut-off line (a full disk or a kill while writing it): dropped it")
-                    break
-                raise LmforgeError(f"{path} line {number} is not JSON: the file is damaged; "
-                                   f"delete that line (or the file) and resume again") from None
-            if record.get("step", 0) <= step:
-                kept.append(line)
-        return kept
+        records, cut = _read_lines(path, advice="; delete that line (or the file) and resume again")
+        if cut:
+            warn(f"{path} ends in a cut-off line (a full disk or a kill while writing it): dropped it")
+        return [line for line, record in records if record.get("step", 0) <= step]
 
     def write(self, record: dict) -> None:
         try:
@@ -62,12 +52,19 @@ class MetricsLog:
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl. A last line cut short (the run was killed while writing it)
     is left out; a damaged line before it is an error."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in _read_lines(path)[0]]
+
+
+def _read_lines(path: Path, advice: str = "") -> tuple[list[tuple[str, dict]], bool]:
+    """(line, record) for each line of a metrics.jsonl, and whether a cut-off last line was left
+    out; a damaged line before the last stops, followed by `advice`."""
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            records.append((line, json.loads(line)))
         except json.JSONDecodeError:
-            if number < len(lines):
-                raise LmforgeError(f"{path} line {number} is not JSON: the file is damaged") from None
-    return records
+            if number == len(lines):
+                return records, True
+            raise LmforgeError(f"{path} line {number} is not JSON: the file is damaged{advice}") from None
+    return records, False

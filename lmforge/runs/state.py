@@ -1,9 +1,9 @@
 """A run's folder and the state that makes it resumable.
 
-    runs/<name>/                 one folder per run, one writer at a time (lmforge/folder_lock.py)
+    runs/<name>/                 one folder per run, one writer at a time (common/folder_lock.py)
       config.yaml, tokenizer.json   what the run was started (or last resumed) with
       metrics.jsonl                 one record per log or evaluation (train/report.py)
-      checkpoints/step_NNNNNNN/     model, optimizer, RNG and `RunState` (train/checkpoint.py)
+      checkpoints/step_NNNNNNN/     model, optimizer, RNG and `RunState` (runs/checkpoint/)
 
 `RunState` is everything besides tensors that the loop needs to continue exactly: the step, the
 logging window (so that a record logged after a resume averages what it would have averaged),
@@ -13,14 +13,15 @@ Under torchrun every rank has a `RunFolder`, but rank 0 alone holds the lock and
 others read checkpoints, and write their part of each one through `torch.distributed.checkpoint`).
 """
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
 from lmforge.common.folder_lock import FolderLock
 from lmforge.parallel.world import World
-from lmforge.runs import checkpoint as ckpt
+from lmforge.runs.checkpoint.find import check_format, find_checkpoint, read_state
+from lmforge.runs.checkpoint.read import load_engine_weights, load_optimizer_state, load_rng_states
+from lmforge.runs.checkpoint.write import remove_partials, save_checkpoint
 from lmforge.runs.metrics import MetricsLog
 
 
@@ -53,10 +54,10 @@ class RunFolder:
 
     def latest_checkpoint(self) -> tuple[Path, dict]:
         """The newest good checkpoint and its state.json; a checkpoint of an older format stops here."""
-        ckpt.remove_partials(self.path)  # a save killed half way: ours to clean now that we hold the lock
-        path = ckpt.find_checkpoint(self.path, warn=self.warn)
-        state = json.loads((path / "state.json").read_text())
-        ckpt.check_format(path, state)
+        remove_partials(self.path)  # a save killed half way: ours to clean now that we hold the lock
+        path = find_checkpoint(self.path, warn=self.warn)
+        state = read_state(path)
+        check_format(path, state)
         return path, state
 
     def restore(self, path: Path, state: dict, engine, cfg, policy: str, data) -> tuple[RunState, list[str]]:
@@ -75,9 +76,9 @@ class RunFolder:
             raise LmforgeError(f"{self.path} already reached step {step} of train.max_steps={max_steps}: "
                                f"pass a larger train.max_steps to continue")
         metrics_kept = MetricsLog.lines_to_keep(self.path / "metrics.jsonl", state["step"], warn=self.warn)
-        ckpt.load_engine_weights(engine, path)
-        ckpt.load_optimizer_state(engine, path, state["param_groups"])
-        ckpt.load_rng_states(path, self.world.device)
+        load_engine_weights(engine, path)
+        load_optimizer_state(engine, path, state["param_groups"])
+        load_rng_states(path, self.world.device)
         fields = RunState.__dataclass_fields__
         return RunState(**{key: value for key, value in state["run"].items() if key in fields}), metrics_kept
 
@@ -90,7 +91,7 @@ class RunFolder:
 
     def save(self, run: RunState, engine, extra_state: dict, files: dict[str, bytes], keep: int) -> Path:
         state = {"run": asdict(run), **extra_state}
-        return ckpt.save_checkpoint(self.path, run.step, engine, state, files, keep=keep, world=self.world)
+        return save_checkpoint(self.path, run.step, engine, state, files, keep=keep, world=self.world)
 
     def release(self) -> None:
         if self.lock is not None:

@@ -25,21 +25,22 @@ def load_model(path: str, device: str = "auto") -> LoadedModel:
     """The model in `path`, evaluation-ready: an lmforge run folder (its latest good checkpoint; a
     LoRA run as its base plus adapters) or a local Hugging Face Llama / GPT-2 folder (config.json,
     safetensors, tokenizer.json), read by lmforge/interop/hf.py into an lmforge Transformer."""
-    from lmforge.runs import checkpoint as ckpt
+    from lmforge.runs.checkpoint.find import find_checkpoint
     from lmforge.runs.load import model_from_checkpoint
     from lmforge.parallel.world import resolve_device
 
     folder = Path(path)
     target = resolve_device(device, setting="--device")
     if (folder / "config.json").is_file() and not (folder / "config.yaml").is_file():
-        from lmforge.interop.hf import import_hf, read_end_token
+        from lmforge.interop.hf import import_hf
+        from lmforge.interop.hf_tokenizer import read_end_token
 
         model_cfg, state, tokenizer = import_hf(folder)
         model = Transformer(model_cfg)
         model.load_state_dict(state)
         end = tokenizer.token_to_id(read_end_token(folder, tokenizer))
     else:
-        found = ckpt.find_checkpoint(path, warn=lambda message: print(f"warning: {message}"))
+        found = find_checkpoint(path, warn=lambda message: print(f"warning: {message}"))
         cfg, model, tokenizer = model_from_checkpoint(found)
         end = tokenizer.token_to_id(cfg.data.end_token)
     return LoadedModel(model.float().to(target).eval(), tokenizer, end, folder.name)

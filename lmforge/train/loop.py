@@ -43,7 +43,7 @@ from lmforge.precision.loss_scaler import LossScaler
 from lmforge.precision.policy import autocast, device_notes
 from lmforge.modes.precision import get_policy
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
-from lmforge.runs import checkpoint as ckpt
+from lmforge.runs.checkpoint.find import kept_checkpoint
 from lmforge.parallel.pipeline.report import pipeline_report
 from lmforge.train.report import SilentLog, StepLog, training_record
 from lmforge.runs.load import check_same_base
@@ -386,10 +386,10 @@ class Trainer:
             if state.bad_in_a_row >= FP16_MAX_SKIPS_IN_A_ROW:
                 raise LmforgeError(f"{state.bad_in_a_row} steps in a row had inf/NaN gradients up to step "
                                    f"{state.step} (loss scale now {self.scaler.scale_value:g}): fp16 overflows in "
-                                   f"the forward pass; " + ckpt.kept_checkpoint(
+                                   f"the forward pass; " + kept_checkpoint(
                                        self.run_dir, "use bf16-mixed or lower optim.lr"))
         elif state.bad_in_a_row >= self.cfg.train.max_bad_steps:
             what = f"the loss became {loss}" if not math.isfinite(loss) else f"the gradient norm became {grad_norm}"
-            raise LmforgeError(f"{what} at step {state.step}; " + ckpt.kept_checkpoint(
+            raise LmforgeError(f"{what} at step {state.step}; " + kept_checkpoint(
                 self.run_dir, f"lower optim.lr or raise optim.warmup_steps (train.max_bad_steps="
                               f"{self.cfg.train.max_bad_steps} bad steps in a row allowed)"))

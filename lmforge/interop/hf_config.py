@@ -1,0 +1,98 @@
+"""config.json of a Hugging Face model folder to and from lmforge's ModelConfig, and the one way the
+folder's JSON files are read. Both families' GELU is GPT-2's tanh approximation ("gelu_new")."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from lmforge.common.errors import LmforgeError
+from lmforge.config import ROPE_SCALING_KEYS, Config, ModelConfig, validate
+from lmforge.interop.hf_names import ARCHITECTURES, LAYOUTS
+
+
+def read_json(path: Path) -> dict:
+    """One JSON file of a Hugging Face folder; one line if it is missing or damaged."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise LmforgeError(f"{path} is unreadable ({err}): is the folder a complete Hugging Face download?") from None
+
+
+def read_model_config(folder: Path) -> ModelConfig:
+    """lmforge's ModelConfig for the HF model in `folder`, from its config.json."""
+    if not (folder / "config.json").is_file():
+        raise LmforgeError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    return model_config_from_hf(read_json(folder / "config.json"), where=str(folder))
+
+
+def hf_config(cfg: ModelConfig, end_id: int, dtype: torch.dtype) -> dict:
+    """config.json for `cfg`. The end-of-text token serves as BOS and EOS (lmforge adds no BOS)."""
+    common = {"architectures": [LAYOUTS[cfg.family].architecture], "model_type": LAYOUTS[cfg.family].model_type,
+              "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
+              "bos_token_id": end_id, "eos_token_id": end_id, "torch_dtype": str(dtype).removeprefix("torch.")}
+    if cfg.family == "gpt":
+        return {**common, "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
+                "n_positions": cfg.max_seq_len, "n_inner": cfg.ffn_dim, "layer_norm_epsilon": cfg.norm_eps,
+                "activation_function": "gelu_new", "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+                "attn_pdrop": cfg.dropout, "scale_attn_weights": True}
+    return {**common, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
+            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+            # the keys of Llama 3.x's released config.json, which transformers 4 and 5 both read
+            "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling, "attention_bias": False,
+            "mlp_bias": False, "attention_dropout": cfg.dropout}
+
+
+def model_config_from_hf(config: dict, where: str) -> ModelConfig:
+    """lmforge's ModelConfig for an HF config.json; one line for what lmforge cannot represent."""
+    arch = (config.get("architectures") or [None])[0] or config.get("model_type")
+    family = ARCHITECTURES.get(arch) or {"llama": "llama", "gpt2": "gpt"}.get(arch)
+    if family is None:
+        raise LmforgeError(f"{where}: architecture {arch} is not supported; lmforge reads "
+                           f"{' and '.join(ARCHITECTURES)}")
+
+    def require(ok: bool, what: str) -> None:
+        if not ok:
+            raise LmforgeError(f"{where}: {what}, which lmforge's {family} family does not have")
+
+    if family == "gpt":
+        require(config.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
+                f"activation_function {config.get('activation_function')}")
+        require(config.get("scale_attn_weights", True), "attention scores not scaled by 1/sqrt(d)")
+        require(not config.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx")
+        model = ModelConfig(family="gpt", vocab_size=config["vocab_size"], d_model=config["n_embd"],
+                            n_layers=config["n_layer"], n_heads=config["n_head"], d_ff=config.get("n_inner"),
+                            max_seq_len=config["n_positions"], norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                            tie_embeddings=config.get("tie_word_embeddings", True))
+    else:
+        heads = config["num_attention_heads"]
+        require(config.get("hidden_act", "silu") == "silu", f"hidden_act {config.get('hidden_act')}")
+        require(not config.get("attention_bias") and not config.get("mlp_bias"), "biases")
+        require(config.get("head_dim") in (None, config["hidden_size"] // heads),
+                f"head_dim {config.get('head_dim')} != hidden_size / num_attention_heads")
+        theta, scaling = _rope(config, where)
+        model = ModelConfig(family="llama", vocab_size=config["vocab_size"], d_model=config["hidden_size"],
+                            n_layers=config["num_hidden_layers"], n_heads=heads,
+                            n_kv_heads=config.get("num_key_value_heads"), d_ff=config["intermediate_size"],
+                            max_seq_len=config["max_position_embeddings"], rope_theta=theta,
+                            rope_scaling=scaling, norm_eps=config.get("rms_norm_eps", 1e-6),
+                            tie_embeddings=config.get("tie_word_embeddings", False))
+    try:
+        validate(Config(model=model))
+    except LmforgeError as err:
+        raise LmforgeError(f"{where}: {err}") from None
+    return model
+
+
+def _rope(config: dict, where: str) -> tuple[float, dict | None]:
+    """rope_theta and rope_scaling, from transformers 5's "rope_parameters" or the older separate keys."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise LmforgeError(f"{where}: rope scaling of type {kind} is not supported (lmforge implements llama3)")
+    return theta, {"rope_type": "llama3", **{key: params[key] for key in ROPE_SCALING_KEYS[1:]}}

@@ -1,0 +1,54 @@
+"""Folders written whole or not at all: written under a hidden staging name beside their place,
+then renamed into it, so that a kill at any moment leaves either the old folder or the new one.
+
+Checkpoints (runs/checkpoint/write.py) and exported or imported run folders (runs/folders.py) are
+written this way: `.<name>.partial` while being written, `.<name>.stale` for the moment an old
+folder of the same name is swapped out.
+"""
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+
+def staging_path(final: Path) -> Path:
+    """The hidden folder `final` is written in before it is renamed into place."""
+    return final.parent / f".{final.name}.partial"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of folder `path` (a rename into it included) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def move_into_place(staging: Path, final: Path) -> None:
+    """Rename the complete folder `staging` to `final`, replacing a folder already there (the same
+    checkpoint step saved again, an empty --out); the rename is synced to disk."""
+    if final.exists():
+        stale = final.parent / f".{final.name}.stale"
+        shutil.rmtree(stale, ignore_errors=True)
+        os.rename(final, stale)
+        os.rename(staging, final)
+        shutil.rmtree(stale)
+    else:
+        os.rename(staging, final)
+    fsync_dir(final.parent)
+
+
+def write_staged(out: Path, write: Callable[[Path], None]) -> None:
+    """Call write(folder) on a fresh staging folder for `out` (one process), then move it into
+    place; on any failure the staging folder is removed and `out` is left as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_path(out)
+    shutil.rmtree(staging, ignore_errors=True)  # left by a killed earlier attempt
+    try:
+        staging.mkdir()
+        write(staging)
+        move_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
