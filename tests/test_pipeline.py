@@ -1,4 +1,4 @@
-"""Pipeline parallelism (lmforge/parallel/pipeline.py) against one process, against
+"""Pipeline parallelism (lmforge/parallel/pipeline/) against one process, against
 torch.distributed.pipelining, and against the schedules' memory bound: real processes under
 torchrun, gloo, the `tiny` model (2 layers; 4 for four stages).
 
