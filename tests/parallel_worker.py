@@ -56,8 +56,9 @@ class TorchDDP(Engine):
     """torch.nn.parallel.DistributedDataParallel behind the engine interface: the reference."""
 
     def __init__(self, cfg):
-        model = build_model(cfg)
-        super().__init__(nn.parallel.DistributedDataParallel(model), build_optimizer(cfg, model))
+        policy = get_policy(cfg.train.precision)
+        model = build_model(cfg, policy)
+        super().__init__(nn.parallel.DistributedDataParallel(model), build_optimizer(cfg, policy, model))
         self.inner = model
 
     def no_sync(self):
@@ -81,7 +82,7 @@ def main(out: str, strategies: str, grad_accum: int, steps: int):
         strategy, precision = key.split("@")
         cfg = config(strategy if strategy != "torch_ddp" else "ddp", precision, grad_accum)
         torch.manual_seed(cfg.train.seed)
-        engine = TorchDDP(cfg) if strategy == "torch_ddp" else build_engine(cfg)
+        engine = TorchDDP(cfg) if strategy == "torch_ddp" else build_engine(cfg, get_policy(precision))
         held = {}
         losses, norms = train(engine, cfg, steps, rank, ranks,
                               on_grads=lambda e: held.update(e.state_bytes(), sent=e.comm.sent_bytes("model")
@@ -95,7 +96,7 @@ def main(out: str, strategies: str, grad_accum: int, steps: int):
         reloaded = None
         if strategy in ("zero1", "zero3", "ddp"):
             torch.manual_seed(cfg.train.seed + 1)
-            fresh = build_engine(cfg)
+            fresh = build_engine(cfg, get_policy(precision))
             fresh.load_model_state_dict(model_state)
             fresh.load_optimizer_state_dict(optimizer_state)
             reloaded = (fresh.model_state_dict(), fresh.optimizer_state_dict())

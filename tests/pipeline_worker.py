@@ -53,7 +53,7 @@ def main(out: str, runs: str):
     for key, overrides in json.loads(runs).items():
         cfg = config(overrides)
         torch.manual_seed(cfg.train.seed)
-        engine = build_engine(cfg)
+        engine = build_engine(cfg, get_policy(cfg.train.precision))
         losses, norms = train(engine, cfg, cfg.train.micro_batches, engine.replica, engine.replicas)
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, {"stage": engine.layout.stage, "replica": engine.replica,

@@ -10,7 +10,9 @@ from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.common.errors import LmforgeError
-from lmforge.parallel.world import check_world, env_world
+from lmforge.modes.parallel import PARALLEL_STRATEGIES, PIPELINE_ENGINES
+from lmforge.parallel.parallelize import DATA_PARALLEL_ENGINES, PIPELINE_STAGE_ENGINES
+from lmforge.parallel.world import check_launch, env_world
 
 TOKENS = np.arange(10_000, dtype=np.uint16) % 4093
 
@@ -55,14 +57,19 @@ def cfg(*overrides):
 ])
 def test_a_launch_that_cannot_work_is_refused(env, overrides, cuda, message):
     with pytest.raises(LmforgeError, match=message):
-        check_world(cfg(*overrides), env, cuda_devices=cuda)
+        check_launch(cfg(*overrides), env, cuda_devices=cuda)
 
 
 def test_launches_that_work_get_their_device():
-    assert check_world(cfg(), None, 0) == torch.device("cpu")
-    assert check_world(cfg("train.parallel=ddp"), (1, 2, 1), 0) == torch.device("cpu")  # auto, no GPU: gloo
-    assert check_world(cfg("train.parallel=zero3"), (5, 8, 1), 2) == torch.device("cuda", 1)  # auto: nccl
-    assert check_world(cfg("train.parallel=ddp"), (0, 1, 0), 0) == torch.device("cpu")  # torchrun of one
+    assert check_launch(cfg(), None, 0) == torch.device("cpu")
+    assert check_launch(cfg("train.parallel=ddp"), (1, 2, 1), 0) == torch.device("cpu")  # auto, no GPU: gloo
+    assert check_launch(cfg("train.parallel=zero3"), (5, 8, 1), 2) == torch.device("cuda", 1)  # auto: nccl
+    assert check_launch(cfg("train.parallel=ddp"), (0, 1, 0), 0) == torch.device("cpu")  # torchrun of one
+
+
+def test_every_strategy_and_pipeline_engine_has_its_builder():
+    assert set(DATA_PARALLEL_ENGINES) | {"none"} == set(PARALLEL_STRATEGIES)
+    assert set(PIPELINE_STAGE_ENGINES) == set(PIPELINE_ENGINES)
 
 
 def test_torchrun_environment(monkeypatch):

@@ -29,6 +29,7 @@ from parallel_worker import ROWS, config, train  # noqa: E402
 from lmforge.accounting.comm import step_communication  # noqa: E402
 from lmforge.accounting.memory import model_state_bytes  # noqa: E402
 from lmforge.modes.parallel import get_strategy  # noqa: E402
+from lmforge.modes.precision import get_policy  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -59,7 +60,7 @@ def single_process(ranks: int, precision: str = "fp32") -> tuple[dict, list, lis
     """One process on the same global batches of ranks * ROWS rows."""
     cfg = config("none", precision, ACCUM)
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(cfg)
+    engine = build_engine(cfg, get_policy(precision))
     losses, norms = train(engine, cfg, STEPS, rank=0, ranks=1, rows=ranks * ROWS)
     return engine.model_state_dict(), losses, norms
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (lmforge/parallel/pipeline.py) against one process, against
+"""Pipeline parallelism (lmforge/parallel/pipeline/) against one process, against
 torch.distributed.pipelining, and against the schedules' memory bound: real processes under
 torchrun, gloo, the `tiny` model (2 layers; 4 for four stages).
 
@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_worker import ROWS, STEPS, config, train  # noqa: E402
 
+from lmforge.modes.precision import get_policy  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 from tests.test_distributed_train import env, free_port  # noqa: E402
 
@@ -52,7 +53,7 @@ def single_process(m: int, replicas: int = 1, *extra: str) -> dict:
     """One process accumulating the same m micro-batches of replicas * ROWS rows."""
     cfg = config([f"train.grad_accum={m}", *extra])
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(cfg)
+    engine = build_engine(cfg, get_policy(cfg.train.precision))
     losses, norms = train(engine, cfg, m, 0, 1, rows=replicas * ROWS)
     return dict(model=engine.model_state_dict(), losses=losses, norms=norms)
 

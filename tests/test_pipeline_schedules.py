@@ -10,10 +10,9 @@ from lmforge.accounting.pipeline import balanced_split, bubble_fraction, micro_b
 from lmforge.config import make_config
 from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import Transformer
-from lmforge.parallel.parallelize import check_pipeline
-from lmforge.parallel.pipeline.engine import PipelineLayout, cut_stage
+from lmforge.parallel.pipeline.layout import PipelineLayout, cut_stage
 from lmforge.parallel.pipeline.schedules import Action, gpipe, one_f_one_b, peak_in_flight
-from lmforge.parallel.world import check_world
+from lmforge.parallel.world import check_launch
 
 
 def test_1f1b_is_warm_up_then_one_forward_one_backward_then_cool_down():
@@ -82,12 +81,12 @@ def test_a_stage_keeps_its_layers_under_the_whole_models_names():
 ])
 def test_a_pipeline_that_cannot_run_is_refused_with_one_line(overrides, world_size, message):
     with pytest.raises(LmforgeError, match=re.escape(message)):
-        check_pipeline(make_config("tiny", overrides=overrides), world_size)
+        check_launch(make_config("tiny", overrides=overrides), (0, world_size, 0), cuda_devices=0)
 
 
 def test_a_pipeline_without_torchrun_is_refused():
     with pytest.raises(LmforgeError, match="needs one process per stage: launch with torchrun --nproc_per_node=2"):
-        check_world(make_config("tiny", overrides=["train.pipeline_stages=2"]), None, 0)
+        check_launch(make_config("tiny", overrides=["train.pipeline_stages=2"]), None, 0)
 
 
 @pytest.mark.parametrize("overrides,message", [

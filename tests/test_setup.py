@@ -55,19 +55,19 @@ def test_wrapped_module_tree_follows_the_documented_order(precision, recompute):
 
 
 def test_wrapping_twice_is_refused():
-    model = build_model(config("train.precision=fp8", "train.recompute=selective"))
+    model = build_model(config("train.precision=fp8", "train.recompute=selective"), get_policy("fp8"))
     with pytest.raises(ValueError, match="precision policy is already applied"):
         prepare_model(model, get_policy("fp8"))
     with pytest.raises(ValueError, match="recomputation is already applied"):
         apply_recompute(model, "full")
-    pure = build_model(config("train.precision=bf16-pure"))
+    pure = build_model(config("train.precision=bf16-pure"), get_policy("bf16-pure"))
     with pytest.raises(ValueError, match="precision policy is already applied"):
         prepare_model(pure, get_policy("bf16-pure"))
 
 
 def test_meta_build_allocates_nothing_and_has_the_real_shapes():
     cfg = make_config("llama3-70b", overrides=["train.precision=bf16-mixed", "train.recompute=full"])
-    model = build_model(cfg, device="meta")
+    model = build_model(cfg, get_policy(cfg.train.precision), device="meta")
     assert all(p.is_meta for p in model.parameters())
     assert model.num_params() == 70_553_706_496  # the preset's published count (README table)
 
@@ -77,7 +77,7 @@ def test_recomputation_keeps_parameter_names_and_loads_plain_state(family):
     cfg = config("train.recompute=full", family=family)
     torch.manual_seed(0)
     plain = Transformer(cfg.model)
-    wrapped = build_model(cfg)
+    wrapped = build_model(cfg, get_policy(cfg.train.precision))
     assert list(wrapped.state_dict()) == list(plain.state_dict())
     assert [canonical_name(n) for n, _ in wrapped.named_parameters()] == [n for n, _ in plain.named_parameters()]
     wrapped.load_state_dict(plain.state_dict())

@@ -5,7 +5,7 @@ One optimizer step, whatever the strategy (train/loop.py, `train_step`):
     engine.forward_backward(...)         the step's micro-batches:
         for each micro-batch but the last:   with engine.no_sync(): backward  (no communication)
         last micro-batch:                    backward                         (reductions start)
-                                         (a pipeline stage runs its schedule instead: pipeline.py)
+                                         (a pipeline stage runs its schedule instead: pipeline/engine.py)
     engine.finish_gradients()            wait for the reductions: gradients averaged over ranks
     engine.unscale_and_clip(scaler, c)   fp16 found-inf and the global gradient norm, over all ranks
     engine.step()                        the optimizer (and, for ZeRO, the parameter all-gather)
@@ -118,7 +118,7 @@ class Engine:
     def load_optimizer_state_dict(self, state: dict) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state)
 
-    # -- a model cut into stages (parallel/pipeline.py) sums and merges these over its stages -----------
+    # -- a model cut into stages (parallel/pipeline/) sums and merges these over its stages -----------
 
     def num_params(self) -> int:
         """Parameters of the whole model (shared tensors once)."""

@@ -11,7 +11,8 @@ torchrun starts one process per device and tells each its place through the envi
 cuda:LOCAL_RANK), with train.dist_timeout as the collective timeout, so that a rank that died or
 hangs makes the others stop instead of waiting forever. Without torchrun's environment it returns
 a one-process `World` and initialises nothing: today's single-process training, unchanged.
-Every setting that cannot work is refused here, before any data is read or folder written.
+Every launch that cannot work is refused here (`check_launch`, the one check of strategy, pipeline
+and device), before any process group exists or any data is read or folder written.
 """
 
 import datetime
@@ -213,8 +214,10 @@ def resolve_device(name: str, setting: str = "train.device") -> torch.device:
     return device
 
 
-def check_world(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> torch.device:
-    """The device this rank trains on, once the launch fits the config; LmforgeError otherwise."""
+def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> torch.device:
+    """The device this rank trains on, once the launch fits the config (strategy, pipeline
+    stages and replicas, device); LmforgeError otherwise. The one check of a launch: `init_world`
+    runs it before any process group exists, and what it accepts the engines can build."""
     parallel = get_strategy(cfg.train.parallel).name
     stages = cfg.train.pipeline_stages
     if env is None:
@@ -229,34 +232,61 @@ def check_world(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> tor
         return resolve_device(cfg.train.device)
     rank, world_size, local_rank = env
     if stages > 1:
-        from lmforge.parallel.parallelize import check_pipeline
-        check_pipeline(cfg, world_size)
+        _check_pipeline(cfg, world_size)
     elif parallel == "none" and world_size > 1:
         # Refused rather than guessed: the strategies differ in memory and speed, and N ranks
         # training alone would write one folder N times.
         raise LmforgeError(f"train.parallel=none under torchrun with {world_size} processes: choose how they share "
                            f"the work, e.g. train.parallel=ddp (or zero1, zero2, zero3, fsdp)")
-    name = cfg.train.device
+    return _rank_device(cfg.train.device, local_rank, cuda_devices)
+
+
+def _check_pipeline(cfg, world_size: int) -> None:
+    """What a pipeline of train.pipeline_stages stages on `world_size` ranks cannot do."""
+    t = cfg.train
+    p, parallel = t.pipeline_stages, get_strategy(t.parallel).name
+    launch = f"launch with torchrun --nproc_per_node={p} -m lmforge train ... (or lmforge train --nproc {p} ...)"
+    if world_size < p or world_size % p:
+        raise LmforgeError(f"train.pipeline_stages={p} needs one process per stage (or a multiple of {p}: replicas), "
+                           f"not {world_size}: {launch}")
+    replicas = world_size // p
+    if replicas > 1 and parallel != "ddp":
+        raise LmforgeError(f"{world_size} ranks = {p} stages x {replicas} replicas: the replicas average their "
+                           f"gradients as DDP does; set train.parallel=ddp (ZeRO and FSDP do not combine with "
+                           f"pipelines here)")
+    if parallel not in ("none", "ddp"):
+        raise LmforgeError(f"train.parallel={parallel} does not combine with train.pipeline_stages={p}: use "
+                           f"train.parallel=none (or ddp with replicas)")
+    if cfg.finetune.lora_rank is not None:
+        raise LmforgeError("LoRA fine-tuning does not run on a pipeline: set train.pipeline_stages=1 "
+                           "(adapters are small: data parallelism fits them)")
+    if t.precision == "fp16-mixed" and t.pipeline_engine == "torch":
+        raise LmforgeError("train.pipeline_engine=torch does not scale the loss (fp16-mixed): use "
+                           "train.pipeline_engine=lmforge or bf16-mixed")
+
+
+def _rank_device(name: str, local_rank: int, cuda_devices: int) -> torch.device:
+    """The device of train.device=`name` for the rank LOCAL_RANK=`local_rank` under torchrun."""
     if name == "auto":
         name = "cuda" if cuda_devices else "cpu"
-    if name.startswith("cuda"):
-        if name != "cuda":
-            raise LmforgeError(f"train.device={name} under torchrun: each rank takes its own GPU "
-                               f"(cuda:LOCAL_RANK); use train.device=cuda or auto")
-        if cuda_devices == 0:
-            raise LmforgeError("train.device=cuda under torchrun but no CUDA device is available: "
-                               "use train.device=cpu (gloo)")
-        if local_rank >= cuda_devices:
-            raise LmforgeError(f"LOCAL_RANK {local_rank} but this node has {cuda_devices} CUDA device(s): start at "
-                               f"most {cuda_devices} processes per node (--nproc_per_node={cuda_devices})")
-        return torch.device("cuda", local_rank)
-    return resolve_device(name)
+    if not name.startswith("cuda"):
+        return resolve_device(name)
+    if name != "cuda":
+        raise LmforgeError(f"train.device={name} under torchrun: each rank takes its own GPU "
+                           f"(cuda:LOCAL_RANK); use train.device=cuda or auto")
+    if cuda_devices == 0:
+        raise LmforgeError("train.device=cuda under torchrun but no CUDA device is available: "
+                           "use train.device=cpu (gloo)")
+    if local_rank >= cuda_devices:
+        raise LmforgeError(f"LOCAL_RANK {local_rank} but this node has {cuda_devices} CUDA device(s): start at "
+                           f"most {cuda_devices} processes per node (--nproc_per_node={cuda_devices})")
+    return torch.device("cuda", local_rank)
 
 
 def init_world(cfg) -> World:
     """This process's place in the run, with the process group joined (see the module docstring)."""
     env = env_world()
-    device = check_world(cfg, env, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    device = check_launch(cfg, env, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if env is None:
         return World(device=device)
     rank, world_size, local_rank = env

@@ -4,11 +4,8 @@ Trillion Parameter Models", section 5), written on collectives.
 Data parallelism keeps a full copy of every model state on each of the N ranks. ZeRO partitions
 them instead: each rank owns 1/N of every state and updates only that.
 
-Units. The parameters are grouped into units that are flattened, sharded and communicated
-together: each block (`blocks.0` ... `blocks.L-1`) is a unit, and everything else (embeddings,
-final norm, head) is the unit "rest". A unit's parameters are laid end to end in one flat buffer,
-padded to a multiple of N, and rank r owns the slice [r S, (r+1) S) of it, S = ceil(numel / N).
-Parameters become views of that buffer, so a collective on the buffer moves all of them at once.
+The parameters are grouped into units (each block, and "rest") laid end to end in flat buffers,
+each rank owning 1/N of every buffer (parallel/shards.py).
 
 The step, for each stage (all of them shard the optimizer):
     stage 1  the optimizer states (AdamW's m and v, and fp32 master weights) are sharded. Each
@@ -45,43 +42,10 @@ stage 3, (N-1)/N (2 Psi_blocks + Psi_rest gathered + Psi reduce-scattered): 3 Ps
 import torch
 import torch.nn as nn
 
-from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
-from lmforge.modes.parallel import shard_unit
 from lmforge.model.names import canonical_name
-
-
-class Unit:
-    """Parameters sharded and communicated together (one block, or "rest")."""
-
-    def __init__(self, name: str, params: list[nn.Parameter], names: list[str], world: int, rank: int):
-        self.name, self.params, self.names = name, params, names
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        self.shard_numel = -(-self.offsets[-1] // world)  # S = ceil(numel / N)
-        self.padded = self.shard_numel * world
-        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        self.ready = 0  # gradients complete in this backward
-        self.reduce = None  # (work, input buffer) of the reduce-scatter in flight
-        self.gather = None  # the all-gather in flight (stage 3)
-        self.gathered = True
-
-    def pieces(self):
-        """(parameter index, start, end) in the flat buffer, for each part of a parameter in this rank's slice."""
-        for i in range(len(self.params)):
-            start, end = max(self.offsets[i], self.lo), min(self.offsets[i + 1], self.hi)
-            if start < end:
-                yield i, start, end
-
-    def flatten(self, tensors, dtype) -> torch.Tensor:
-        """The tensors end to end, padded to N S elements."""
-        flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)
-        for i, t in enumerate(tensors):
-            flat[self.offsets[i]:self.offsets[i + 1]].copy_(t.reshape(-1))
-        return flat
-
-    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[self.offsets[i]:self.offsets[i + 1]].view(p.shape) for i, p in enumerate(self.params)]
+from lmforge.modes.parallel import shard_unit
+from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
+from lmforge.parallel.shards import Unit, model_units, shard_groups
 
 
 class ZeroEngine(DistributedEngine):
@@ -92,29 +56,13 @@ class ZeroEngine(DistributedEngine):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.stage = stage
         self.broadcast_from_rank0()
-        names = {p: canonical_name(n) for n, p in model.named_parameters()}  # tied: the first name
-        by_unit: dict[str, list] = {}
-        for p, name in names.items():
-            by_unit.setdefault(shard_unit(name), []).append(p)
-        self.units = [Unit(u, ps, [names[p] for p in ps], self.world_size, self.rank) for u, ps in by_unit.items()]
+        self.units, names = model_units(model, self.world_size, self.rank)
         self.unit_of = {p: unit for unit in self.units for p in unit.params}
         master_dtype = next(iter(names)).dtype  # what the precision policy stores (fp32 or bf16)
         self.separate_master = master_dtype != working_dtype
         for unit in self.units:
-            self._shard(unit, master_dtype, working_dtype)
-
-        # the optimizer: this rank's pieces, each in its parameter's weight-decay group
-        self.group_names = []
-        groups = []
-        for group in weight_decay_groups:
-            pieces = []
-            for p in group["params"]:
-                unit = self.unit_of[p]
-                index = next(i for i, q in enumerate(unit.params) if q is p)
-                if index in unit.piece_tensors:  # the part of p in this rank's slice, if any
-                    pieces.append(unit.piece_tensors[index])
-            groups.append({**group, "params": pieces})
-            self.group_names.append([names[p] for p in group["params"]])
+            unit.shard(stage, master_dtype, working_dtype)
+        groups, self.group_names = shard_groups(self.units, weight_decay_groups, names)
         self.optimizer = make_optimizer(groups)
 
         self._hooks = []
@@ -123,36 +71,7 @@ class ZeroEngine(DistributedEngine):
         if stage == 3:
             self._hook_blocks(model)
 
-    # -- layout ---------------------------------------------------------------------------------------
-
-    def _shard(self, unit: Unit, master_dtype: torch.dtype, working_dtype: torch.dtype) -> None:
-        """Flatten the unit, keep this rank's slice as the master shard, make the parameters views
-        of the working buffer (stage 3: free it)."""
-        full = unit.flatten([p.detach() for p in unit.params], master_dtype)
-        unit.flat = full.to(working_dtype) if self.separate_master else full
-        for p, view in zip(unit.params, unit.split(unit.flat)):
-            p.data = view
-        if self.stage == 3:  # this rank's slice persists on its own; the full buffer only while gathered
-            unit.working_shard = unit.flat[unit.lo:unit.hi].clone()
-            self._free(unit)
-        else:
-            unit.working_shard = unit.flat[unit.lo:unit.hi]
-        unit.master = full[unit.lo:unit.hi].clone() if self.separate_master else unit.working_shard
-        if self.stage == 1:  # full gradients, in one buffer per unit: param.grad are views of it
-            unit.grad_flat = torch.zeros(unit.padded, dtype=working_dtype, device=full.device)
-            unit.grad_shard = unit.grad_flat[unit.lo:unit.hi]
-            for p, view in zip(unit.params, unit.split(unit.grad_flat)):
-                p.grad = view
-        else:
-            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=working_dtype, device=full.device)
-        unit.piece_list = list(unit.pieces())
-        unit.piece_tensors = {i: unit.master[start - unit.lo:end - unit.lo] for i, start, end in unit.piece_list}
-
     # -- stage 3: gather before use, free after -------------------------------------------------------
-
-    def _free(self, unit: Unit) -> None:
-        unit.flat.untyped_storage().resize_(0)
-        unit.gathered = False
 
     def _gather(self, unit: Unit, wait: bool = True) -> None:
         if not unit.gathered and unit.gather is None:
@@ -179,13 +98,13 @@ class ZeroEngine(DistributedEngine):
 
         for i, block in enumerate(blocks):
             self._hooks.append(block.register_forward_pre_hook(gathering(i, +1)))
-            self._hooks.append(block.register_forward_hook(lambda *_, unit=block_units[i]: self._free(unit)))
+            self._hooks.append(block.register_forward_hook(lambda *_, unit=block_units[i]: unit.free()))
             self._hooks.append(block.register_full_backward_pre_hook(gathering(i, -1)))
         if rest is not None:
             self._hooks.append(model.register_forward_pre_hook(lambda *_: self._gather(rest)))
             # evaluation and sampling: no backward will come to free it
             self._hooks.append(model.register_forward_hook(
-                lambda *_: None if torch.is_grad_enabled() else self._free(rest)))
+                lambda *_: None if torch.is_grad_enabled() else rest.free()))
 
     # -- gradients --------------------------------------------------------------------------------------
 
@@ -202,7 +121,7 @@ class ZeroEngine(DistributedEngine):
                 p.grad = None
             unit.reduce = (self.comm.reduce_scatter(unit.grad_shard, flat, async_op=True), flat)
         if self.stage == 3:
-            self._free(unit)
+            unit.free()
 
     def finish_gradients(self) -> None:
         if self.stage == 1:  # in place: this rank's slice of the buffer receives the sum

@@ -4,7 +4,7 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
     1. build      Transformer(cfg) on `device` (or on the meta device: shapes only, no memory),
                   with the weights of a base model when fine-tuning
     1b. cut       a pipeline stage keeps its blocks (and the embedding, or the head) of the model
-                  initialised whole (parallel/pipeline.py)
+                  initialised whole (parallel/pipeline/layout.py)
     2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
@@ -54,23 +54,24 @@ from lmforge.modes.attention import FLASH_BACKENDS
 from lmforge.model.lora import apply_lora
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.parallel.parallelize import Engine, check_parallel, parallelize, pipeline_engine, pipeline_place
-from lmforge.parallel.pipeline.engine import cut_stage
-from lmforge.modes.precision import get_policy
+from lmforge.modes.precision import Policy, get_policy
+from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine, require_process_group
+from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place
 from lmforge.precision.policy import prepare_model
 from lmforge.wrap.chunked_loss import apply_chunked_loss
 from lmforge.wrap.compile import apply_compile
 from lmforge.wrap.recompute import apply_recompute
 
 
-def build_model(cfg: Config, device: torch.device | str = "cpu",
+def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
                 base_state: dict[str, torch.Tensor] | None = None, stage=None) -> nn.Module:
-    """The model of `cfg` on `device`, wrapped for training (steps 1-6 above). On the meta device
+    """The model of `cfg` on `device`, wrapped for training (steps 1-6 above) under `policy`
+    (cfg.train.precision's, resolved once by the caller). On the meta device
     nothing is allocated: parameter shapes and the module tree only, in milliseconds even for 70B.
     Elsewhere the weights are initialised on the CPU and moved, so that a seed gives the same
     initial model on every device; `base_state` (a fine-tuning base, by parameter name) replaces them.
     `stage` = (layers, first, last): a pipeline stage, cut from the whole model once initialised (so
-    that its weights are those of one process: parallel/pipeline.py)."""
+    that its weights are those of one process: parallel/pipeline/layout.py)."""
     if torch.device(device).type == "meta":
         model = meta_model(cfg.model)  # the accounting's own meta build: no initialisation to skip
     else:
@@ -81,7 +82,7 @@ def build_model(cfg: Config, device: torch.device | str = "cpu",
         cut_stage(model, *stage)
     if torch.device(device).type != "meta":
         model.to(device)
-    prepare_model(model, get_policy(cfg.train.precision), fp32_attention=cfg.train.fp32_attention,
+    prepare_model(model, policy, fp32_attention=cfg.train.fp32_attention,
                   fp8_scaling=cfg.train.fp8_scaling)
     apply_recompute(model, cfg.train.recompute)
     apply_chunked_loss(model, cfg.train.loss_chunk_tokens)
@@ -101,38 +102,42 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
-def adamw(cfg: Config, param_groups: list[dict]) -> AdamW:
+def adamw(cfg: Config, policy: Policy, param_groups: list[dict]) -> AdamW:
     """AdamW with the config's hyper-parameters over `param_groups`."""
     o = cfg.optim
     return AdamW(param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                 count_lost_updates=get_policy(cfg.train.precision).lossy_updates)
+                 count_lost_updates=policy.lossy_updates)
 
 
-def build_optimizer(cfg: Config, model: nn.Module) -> AdamW:
-    return adamw(cfg, weight_decay_groups(model, cfg.optim.weight_decay))
+def build_optimizer(cfg: Config, policy: Policy, model: nn.Module) -> AdamW:
+    return adamw(cfg, policy, weight_decay_groups(model, cfg.optim.weight_decay))
 
 
-def build_engine(cfg: Config, device: torch.device | str = "cpu",
+def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
                  base_state: dict[str, torch.Tensor] | None = None, timeline=None) -> Engine:
     """Steps 1-8: the model wrapped in the engine of train.parallel, with its optimizer. Under a
     strategy other than none, torch.distributed must already be initialised (torchrun). With
     train.pipeline_stages > 1 each rank builds its stage (the model cut after step 1) and the
-    pipeline engine (`timeline` records its step: parallel/timeline.py)."""
+    pipeline engine (`timeline` records its step: parallel/pipeline/timeline.py). `policy` is
+    cfg.train.precision's; the launch was checked by parallel/world.py's `check_launch`."""
     if cfg.train.pipeline_stages > 1:
-        world_size = torch.distributed.get_world_size()
-        check_parallel(cfg, world_size)
-        layout, layers = pipeline_place(cfg, torch.distributed.get_rank(), world_size)
-        model = build_model(cfg, device, base_state, stage=(layers, layout.first, layout.last))
-        return pipeline_engine(model, cfg, layout, build_optimizer(cfg, model), torch.device(device), timeline)
-    return parallelize(build_model(cfg, device, base_state), cfg, make_optimizer=lambda groups: adamw(cfg, groups),
+        require_process_group(f"train.pipeline_stages={cfg.train.pipeline_stages}")
+        layout, layers = pipeline_place(cfg, torch.distributed.get_rank(), torch.distributed.get_world_size())
+        model = build_model(cfg, policy, device, base_state, stage=(layers, layout.first, layout.last))
+        return pipeline_engine(model, cfg, policy, layout, build_optimizer(cfg, policy, model), torch.device(device),
+                               timeline)
+    return parallelize(build_model(cfg, policy, device, base_state), cfg, policy,
+                       make_optimizer=lambda groups: adamw(cfg, policy, groups),
                        weight_decay_groups=lambda model: weight_decay_groups(model, cfg.optim.weight_decay))
 
 
 def build(cfg: Config, device: torch.device | str = "cpu",
           base_state: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, AdamW]:
-    """Model and optimizer of a one-process run, built and wrapped in the documented order."""
-    model = build_model(cfg, device, base_state)
-    return model, build_optimizer(cfg, model)
+    """Model and optimizer of a one-process run, built and wrapped in the documented order (the
+    precision policy resolved here, once, from cfg.train.precision)."""
+    policy = get_policy(cfg.train.precision)
+    model = build_model(cfg, policy, device, base_state)
+    return model, build_optimizer(cfg, policy, model)
 
 
 def check_attention(model_cfg, device: torch.device) -> None:

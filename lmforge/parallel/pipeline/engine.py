@@ -1,15 +1,8 @@
-"""Pipeline parallelism: the model cut into p stages, one per rank, and micro-batches flowing through.
-
-    rank = replica * p + stage          p = train.pipeline_stages; with more ranks than p, the
-                                        pipelines are replicated (data parallel across replicas)
-
-Stage s holds a contiguous range of blocks (accounting/pipeline.py splits them by cost or as
-train.pipeline_split says); the first also holds the embedding, the last the final norm, the LM head
-and the loss. A stage is the model with the other pieces removed (model/transformer.py): parameter
-names stay those of the whole model, so checkpoints are keyed as in one process.
+"""Pipeline parallelism: the model cut into p stages, one per rank, and micro-batches flowing
+through (which rank holds which stage: pipeline/layout.py).
 
 One optimizer step on every rank (`PipelineEngine.forward_backward`): the m micro-batches of the
-step go through the stage's schedule (parallel/schedules.py: GPipe or 1F1B), each forward
+step go through the stage's schedule (pipeline/schedules.py: GPipe or 1F1B), each forward
 receiving its input from the stage before and sending its output to the stage after
 (`torch.distributed` point-to-point send/recv), each backward receiving the gradient of its output
 and sending the gradient of its input. Then `finish_gradients`:
@@ -21,11 +14,10 @@ The gradient norm for clipping is summed over the stages (the tied matrix counte
 fp16 found-inf over all ranks, and the loss (known on the last stage) averaged over the replicas.
 
 What it costs: every stage idles while the pipeline fills and drains, (p - 1) / (m + p - 1) of the
-step (accounting/pipeline.py); the timeline (parallel/timeline.py) measures it.
+step (accounting/pipeline.py); the timeline (pipeline/timeline.py) measures it.
 """
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,74 +28,15 @@ from lmforge.accounting.measure import measure_saved_bytes
 from lmforge.optim.clip import clip_grad_norm, scale_to_norm
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.engine import Engine
+from lmforge.parallel.pipeline.layout import PipelineLayout, new_groups
 from lmforge.parallel.pipeline.schedules import peak_in_flight, schedule_actions
 from lmforge.precision.policy import autocast
 
 TIED_NAME, HEAD_NAME = "tok_embeddings.weight", "lm_head.weight"
 
 
-@dataclass(frozen=True)
-class PipelineLayout:
-    """Where this rank sits: its stage in the pipeline, and which replica of the pipeline."""
-    stages: int
-    replicas: int
-    stage: int
-    replica: int
-
-    @classmethod
-    def of(cls, rank: int, world_size: int, stages: int) -> "PipelineLayout":
-        return cls(stages, world_size // stages, rank % stages, rank // stages)
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.stages - 1
-
-    def rank_of(self, stage: int) -> int:
-        """The global rank of `stage` in this rank's pipeline."""
-        return self.replica * self.stages + stage
-
-
-def new_groups(layout: PipelineLayout):
-    """(this pipeline's ranks, this stage's replicas, this pipeline's first and last stage) as
-    process groups. Every rank must create every group, in the same order (torch.distributed's rule)."""
-    p, n = layout.stages, layout.replicas
-    mine = {}
-    for replica in range(n):
-        group = dist.new_group([replica * p + s for s in range(p)])
-        if replica == layout.replica:
-            mine["pipeline"] = group
-    for stage in range(p):
-        group = dist.new_group([replica * p + stage for replica in range(n)])
-        if stage == layout.stage:
-            mine["data"] = group
-    for replica in range(n):
-        group = dist.new_group([replica * p, replica * p + p - 1])
-        if replica == layout.replica:
-            mine["tied"] = group
-    return mine["pipeline"], mine["data"], mine["tied"]
-
-
-def cut_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
-    """Keep, in place, the blocks of `layers` and the pieces a stage at that place needs: the
-    embedding on the first stage, the final norm, head and loss on the last. A tied LM head on a
-    last stage that is not the first keeps the matrix as its own parameter (the copy whose gradient
-    is summed with the first stage's)."""
-    for key in list(model.blocks.keys()):
-        if int(key) not in layers:
-            del model.blocks[key]
-    if not first:
-        model.tok_embeddings = model.pos_embeddings = None
-    if not last:
-        model.norm = model.lm_head = model.loss = None
-    return model
-
-
 class NoTimeline:
-    """What the engine records into when no timeline is kept (parallel/timeline.py's interface)."""
+    """What the engine records into when no timeline is kept (pipeline/timeline.py's interface)."""
 
     def begin_step(self) -> None:
         pass

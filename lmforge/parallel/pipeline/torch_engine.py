@@ -1,6 +1,6 @@
 """torch.distributed.pipelining's schedules behind the pipeline engine (train.pipeline_engine=torch).
 
-The reference our schedules (pipeline.py) are tested against, and an option for users: the same
+The reference our schedules (pipeline/engine.py) are tested against, and an option for users: the same
 stage (the cut model), the same micro-batches, PyTorch's `PipelineStage` and its `ScheduleGPipe`
 or `Schedule1F1B` instead of our action lists. Everything around the step (replicas, tied
 embeddings, clipping, checkpoints) is PipelineEngine's.
