@@ -40,8 +40,8 @@ def rank_main(args) -> None:
         cfg = make_config(args.model, overrides=[f"train.parallel={strategy}", f"train.precision={args.precision}",
                                                  f"train.batch_size={ROWS}", f"train.seq_len={SEQ}"])
         torch.manual_seed(0)
-        engine = build_engine(cfg)
         policy = get_policy(cfg.train.precision)
+        engine = build_engine(cfg, policy)
         scaler = LossScaler(enabled=policy.loss_scaling)
         g = torch.Generator().manual_seed(rank)
 

@@ -21,6 +21,7 @@ from lmforge.runs.checkpoint.read import read_tensors
 from lmforge.runs.checkpoint.tensors import stored_tensors
 from lmforge.runs.load import load_run_model
 from lmforge.train.loop import Trainer
+from lmforge.modes.precision import get_policy
 from lmforge.train.setup import build_model
 from tests.conftest import tiny_overrides
 
@@ -29,7 +30,8 @@ ALL_LINEARS = "attn.*,mlp.*"
 
 def tiny_model(*overrides):
     torch.manual_seed(0)
-    return build_model(make_config("tiny", overrides=list(overrides)))
+    cfg = make_config("tiny", overrides=list(overrides))
+    return build_model(cfg, get_policy(cfg.train.precision))
 
 
 def randomize_adapters(model):
