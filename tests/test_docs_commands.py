@@ -2,7 +2,7 @@
 
 A command is a line in a ``` code block (not a python, yaml or json one) that starts with `lmforge`
 (after an optional `$ ` prompt and `VAR=value` words), or a `torchrun ... -m lmforge ...` line, of
-which the words after `-m lmforge` count. `\\` continues a line, `# ...` ends it. A placeholder in
+which the words after `-m lmforge` count; in a table row, a code span that starts with `lmforge `. `\\` continues a line, `# ...` ends it. A placeholder in
 angle brackets (`runs/<name>`) stands for one word. Nothing runs: the words go through the
 command's own parser, and those of train, prepare, plan and finetune (without --resume) through
 the config they build, as lmforge/cli's command functions build it; a `--config FILE` that is not
@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_SHELL = {"python", "py", "yaml", "yml", "json"}
 COMMAND = re.compile(r"^(\$ )?(\w+=\S*\s+)*(lmforge(\s|$)|torchrun\s.*-m lmforge(\s|$))")
+TABLE_COMMAND = re.compile(r"`(lmforge [^`]*)`")
 PLACEHOLDER = re.compile(r"<([^<>]+)>")
 
 
@@ -41,6 +42,9 @@ def command_lines(text: str) -> list[tuple[int, list[str], str | None]]:
     for number, line in enumerate(text.splitlines(), 1):
         if line.lstrip().startswith("```"):
             language = None if language is not None else line.strip()[3:].strip().lower()
+            continue
+        if language is None and line.startswith("|"):  # a table row: its `lmforge ...` code spans
+            commands += [(number, command_words(span), None) for span in TABLE_COMMAND.findall(line)]
             continue
         if language is None or language in NOT_SHELL:
             continue
@@ -170,6 +174,7 @@ def test_extraction():
         "make test",
         "```",
         "lmforge train outside a block",
+        "| train | `lmforge train --model tiny` | `lmforge.config` |",
         "```python",
         "lmforge = 1",
         "```",
@@ -179,6 +184,7 @@ def test_extraction():
         (3, ["generate", "runs/my-run", "--prompt", "a # b"], None),
         (4, ["train", "train.parallel=fsdp"], None),
         (6, ["train", "train.wandb=true"], "command line: a shown error"),
+        (12, ["train", "--model", "tiny"], None),
     ]
 
 
