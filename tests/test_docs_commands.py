@@ -136,7 +136,7 @@ def check(words: list[str]) -> None:
         with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
             args = parse_args(build_parser(), words)
     except SystemExit as stop:  # argparse: --help exits 0, a bad option 2 (its message on stderr)
-        assert stop.code == 0 and ("--help" in words or "-h" in words), errors.getvalue().strip()
+        assert stop.code == 0 and ("--help" in words or "-h" in words), errors.getvalue().strip().splitlines()[-1]
         return
     if args.command in CONFIG_CHECKS:
         CONFIG_CHECKS[args.command](args)
