@@ -1,12 +1,13 @@
 """Every `lmforge ...` command that README.md and docs/*.md show parses, and builds a valid config.
 
 A command is a line in a ``` code block (not a python, yaml or json one) that starts with `lmforge`
-(after an optional `$ ` prompt and `VAR=value` words), or a `torchrun ... -m lmforge ...` line, of
-which the words after `-m lmforge` count; in a table row, a code span that starts with `lmforge `. `\\` continues a line, `# ...` ends it. A placeholder in
-angle brackets (`runs/<name>`) stands for one word. Nothing runs: the words go through the
-command's own parser, and those of train, prepare, plan and finetune (without --resume) through
-the config they build, as lmforge/cli's command functions build it; a `--config FILE` that is not
-in the repository is the reader's own and is left out. No torch is loaded.
+(after an optional `$ ` prompt and `VAR=value` words), or a `torchrun ... -m lmforge ...` (or
+`python -m lmforge ...`) line, of which the words after `-m lmforge` count; in a table row, a code
+span that starts with `lmforge `. `\\` continues a line, `# ...` ends it. A placeholder in angle
+brackets (`runs/<name>`) stands for one word. Nothing runs: the words go through the command's own
+parser, and those of train, prepare, plan and finetune (without --resume) through the config they
+build, as lmforge/cli's command functions build it; a `--config FILE` that is not in the
+repository is the reader's own and is left out. No torch is loaded.
 
 A command shown with its error (`$ lmforge ...` followed by a line `lmforge: error: MESSAGE`) must
 fail with that message.
@@ -30,7 +31,7 @@ from lmforge.modes.recompute import RECOMPUTE_MODES
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_SHELL = {"python", "py", "yaml", "yml", "json"}
-COMMAND = re.compile(r"^(\$ )?(\w+=\S*\s+)*(lmforge(\s|$)|torchrun\s.*-m lmforge(\s|$))")
+COMMAND = re.compile(r"^(\$ )?(\w+=\S*\s+)*(lmforge(\s|$)|(torchrun|\S*python3?)\s.*-m lmforge(\s|$))")
 TABLE_COMMAND = re.compile(r"`(lmforge [^`]*)`")
 PLACEHOLDER = re.compile(r"<([^<>]+)>")
 
@@ -68,12 +69,10 @@ def command_lines(text: str) -> list[tuple[int, list[str], str | None]]:
 def command_words(line: str) -> list[str]:
     words = shlex.split(PLACEHOLDER.sub(lambda m: re.sub(r"\W+", "-", m.group(1)), line.removeprefix("$ ")),
                         comments=True)
-    if "torchrun" in words:
-        at = words.index("-m")
-        return words[at + 2:]
-    while words[0] != "lmforge":  # VAR=value words before the command
-        words.pop(0)
-    return words[1:]
+    for at in range(len(words) - 1):
+        if words[at:at + 2] == ["-m", "lmforge"]:  # torchrun ... -m lmforge, python -m lmforge
+            return words[at + 2:]
+    return words[words.index("lmforge") + 1:]  # after any VAR=value words
 
 
 def config_file(args) -> str | None:
@@ -136,7 +135,8 @@ def check(words: list[str]) -> None:
         with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
             args = parse_args(build_parser(), words)
     except SystemExit as stop:  # argparse: --help exits 0, a bad option 2 (its message on stderr)
-        assert stop.code == 0 and ("--help" in words or "-h" in words), errors.getvalue().strip().splitlines()[-1]
+        message = errors.getvalue().strip().splitlines()
+        assert stop.code == 0 and ("--help" in words or "-h" in words), message[-1] if message else stop.code
         return
     if args.command in CONFIG_CHECKS:
         CONFIG_CHECKS[args.command](args)
@@ -172,6 +172,7 @@ def test_extraction():
         "lmforge: error: command line: a shown error",
         "lmforge: error: not a command",
         "make test",
+        "$ .venv/bin/python -m lmforge runs",
         "```",
         "lmforge train outside a block",
         "| train | `lmforge train --model tiny` | `lmforge.config` |",
@@ -184,7 +185,8 @@ def test_extraction():
         (3, ["generate", "runs/my-run", "--prompt", "a # b"], None),
         (4, ["train", "train.parallel=fsdp"], None),
         (6, ["train", "train.wandb=true"], "command line: a shown error"),
-        (12, ["train", "--model", "tiny"], None),
+        (10, ["runs"], None),
+        (13, ["train", "--model", "tiny"], None),
     ]
 
 
