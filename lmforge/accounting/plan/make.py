@@ -2,8 +2,10 @@
 
 Everything here is arithmetic on a ModelConfig, the shapes of its model (read from it built on
 the meta device: shapes.py) and a few numbers (batch, sequence, precision, parallel degrees); it
-imports no training code. `lmforge plan` prints it, and the trainer prints
-the same plan before it starts and sets its measurements beside it at the end.
+imports no training code. `lmforge plan` prints it (show.py), and the trainer prints the same
+plan before it starts and sets its measurements beside it at the end. The setup's precision name
+is resolved once (Setup.policy) and the Policy handed to the formulas; a pipeline's stages are
+counted in pipeline.py.
 """
 
 from dataclasses import asdict, dataclass
