@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lmforge.accounting.hardware import this_bandwidth, this_device  # noqa: E402
-from lmforge.accounting.inference import InferenceSetup, make_inference_plan  # noqa: E402
+from lmforge.accounting.plan.inference import InferenceSetup, make_inference_plan  # noqa: E402
 from lmforge.config import make_config  # noqa: E402
 from lmforge.generate.sampling import KVCache  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402

@@ -84,7 +84,7 @@ def test_plan_shows_hardware_flops_only_with_recomputation(capsys):
 
 
 def test_plan_plot_names_the_model_and_setup(tmp_path, capsys):
-    from lmforge.accounting.plan.show import setup_label
+    from lmforge.accounting.plan.chart import setup_label
 
     png = tmp_path / "plan.png"
     assert main(["plan", "--model", "llama3-8b", "--hardware", "h100-sxm", "--precision", "bf16-mixed",

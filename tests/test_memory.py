@@ -45,7 +45,7 @@ def test_activation_bytes_match_what_autograd_saves(name, attention, precision):
     cfg = make_config("tiny", overrides=[*CONFIGS[name], f"model.attention={attention}"]).model
     batch, seq = 3, 48
     measured = saved_activation_bytes(build(cfg, precision), batch, seq, precision)
-    predicted = activation_breakdown(cfg, batch, seq, precision, attention)
+    predicted = activation_breakdown(cfg, batch, seq, get_policy(precision), attention)
     predicted.pop("recomputed_layer", None)
     assert sum(predicted.values()) == pytest.approx(measured, rel=0.05)
     assert abs(sum(predicted.values()) - measured) <= 8  # counted tensor by tensor: exact but the loss's scalar
@@ -58,7 +58,7 @@ def test_every_precision_policy_saves_what_the_formula_says(family, recompute, p
     """Issue "mixed precision", part 4: each policy's bytes per activation, against autograd."""
     cfg = make_config("tiny", overrides=[f"model.family={family}"] + (["model.n_kv_heads=null"] if family == "gpt" else [])).model
     measured = saved_activation_bytes(build(cfg, precision, recompute), 3, 48, precision)
-    predicted = activation_breakdown(cfg, 3, 48, precision, "sdpa", recompute)
+    predicted = activation_breakdown(cfg, 3, 48, get_policy(precision), "sdpa", recompute)
     predicted.pop("recomputed_layer", None)
     assert sum(predicted.values()) == pytest.approx(measured, rel=0.05)
     assert abs(sum(predicted.values()) - measured) <= 8  # counted tensor by tensor, for both families
@@ -73,10 +73,10 @@ def test_fp32_attention_saves_what_the_formula_says(attention, recompute, precis
     prepare_model(model, get_policy(precision), fp32_attention=True)
     apply_recompute(model, recompute)
     measured = saved_activation_bytes(model, 3, 48, precision)
-    predicted = activation_breakdown(cfg, 3, 48, precision, attention, recompute, fp32_attention=True)
+    predicted = activation_breakdown(cfg, 3, 48, get_policy(precision), attention, recompute, fp32_attention=True)
     assert abs(sum(predicted.values()) - measured) <= 8
     if precision != "fp32" and recompute == "none":  # the fp32 copies cost bytes
-        assert measured > sum(activation_breakdown(cfg, 3, 48, precision, attention, recompute).values())
+        assert measured > sum(activation_breakdown(cfg, 3, 48, get_policy(precision), attention, recompute).values())
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -88,11 +88,11 @@ def test_every_precision_policy_stores_the_predicted_model_states(precision):
         loss = model(*torch.randint(0, cfg.vocab_size, (2, 2, 16)))
     loss.backward()
     optimizer.step()
-    predicted = model_state_bytes(cfg, precision, "adamw")
+    predicted = model_state_bytes(cfg, get_policy(precision), "adamw")
     assert model_state_bytes_measured(model, optimizer) == {
         "parameters": predicted["parameters"], "gradients": predicted["gradients"],
         "optimizer_states": predicted["optimizer_states"]}
-    fp32 = model_state_bytes(cfg, "fp32", "adamw")
+    fp32 = model_state_bytes(cfg, get_policy("fp32"), "adamw")
     assert sum(predicted.values()) == sum(fp32.values()) * (0.5 if precision == "bf16-pure" else 1)
 
 
@@ -112,16 +112,16 @@ def test_recomputation_saves_what_the_formula_says_and_the_same_gradients(recomp
     loss.backward()
     for param, expected in zip(model.parameters(), reference):
         torch.testing.assert_close(param.grad, expected, rtol=1e-5, atol=1e-6)
-    predicted = activation_breakdown(cfg, 3, 48, "fp32", attention, recompute)
+    predicted = activation_breakdown(cfg, 3, 48, get_policy("fp32"), attention, recompute)
     predicted.pop("recomputed_layer", None)
     assert abs(sum(predicted.values()) - saved.activations) <= 8
-    none = sum(activation_breakdown(cfg, 3, 48, "fp32", attention).values())
+    none = sum(activation_breakdown(cfg, 3, 48, get_policy("fp32"), attention).values())
     assert saved.activations < none
 
 
 def test_naive_attention_grows_quadratically_and_sdpa_linearly():
     cfg = make_config("tiny", overrides=["model.max_seq_len=4096"]).model
-    per_layer = {a: [activation_breakdown(cfg, 1, s, "fp32", a)["layers"] for s in (1024, 2048, 4096)]
+    per_layer = {a: [activation_breakdown(cfg, 1, s, get_policy("fp32"), a)["layers"] for s in (1024, 2048, 4096)]
                  for a in ("naive", "sdpa")}
     assert per_layer["sdpa"][2] / per_layer["sdpa"][1] == 2.0  # every term is linear in s
     assert per_layer["naive"][2] / per_layer["naive"][1] > 3.5  # dominated by s^2: tends to 4
@@ -136,7 +136,7 @@ def test_parameters_gradients_and_adamw_states_are_exact(name):
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     optimizer.step()
     measured = model_state_bytes_measured(model, optimizer)
-    predicted = model_state_bytes(cfg, "fp32", "adamw")
+    predicted = model_state_bytes(cfg, get_policy("fp32"), "adamw")
     assert measured == {"parameters": predicted["parameters"], "gradients": predicted["gradients"],
                         "optimizer_states": predicted["optimizer_states"]}
     assert predicted["master_weights"] == 0
@@ -151,7 +151,7 @@ def test_sgd_states_match_torch_sgd(optimizer, states):
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     sgd.step()
     assert model_state_bytes_measured(model, sgd)["optimizer_states"] == \
-        model_state_bytes(cfg, "fp32", optimizer)["optimizer_states"]
+        model_state_bytes(cfg, get_policy("fp32"), optimizer)["optimizer_states"]
 
 
 def test_zero_paper_figures():
@@ -165,8 +165,8 @@ def test_zero_paper_figures():
 
 def test_zero_stages_divide_the_right_terms():
     cfg = make_config("llama3-8b").model
-    full = model_state_bytes(cfg, "bf16-mixed", "adamw", zero_stage=0, dp=8)
-    stage = {s: model_state_bytes(cfg, "bf16-mixed", "adamw", zero_stage=s, dp=8) for s in (1, 2, 3)}
+    full = model_state_bytes(cfg, get_policy("bf16-mixed"), "adamw", zero_stage=0, dp=8)
+    stage = {s: model_state_bytes(cfg, get_policy("bf16-mixed"), "adamw", zero_stage=s, dp=8) for s in (1, 2, 3)}
     assert stage[1]["optimizer_states"] == full["optimizer_states"] / 8
     # under a mixed policy the stages use the paper's layout (section 3.1): 16-bit weights and
     # gradients, the fp32 master weights sharded with m and v -> 2 + 2 + 12/N_d bytes per parameter
@@ -180,7 +180,7 @@ def test_zero_stages_divide_the_right_terms():
     with pytest.raises(ValueError, match="unknown optimizer"):
         model_state_bytes(cfg, optimizer="adam9")
     with pytest.raises(ValueError, match="unknown precision"):
-        model_state_bytes(cfg, precision="int4")
+        model_state_bytes(cfg, get_policy("int4"))
 
 
 def test_gpt3_175b_worked_example():

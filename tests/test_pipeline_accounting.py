@@ -22,7 +22,7 @@ from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.accounting.plan.show import print_comparison
+from lmforge.accounting.plan.predicted_vs_measured import print_comparison
 from lmforge.modes.precision import get_policy
 from lmforge.precision.policy import autocast, prepare_model
 from lmforge.wrap.recompute import apply_recompute
@@ -121,9 +121,9 @@ def test_stages_activations_add_up_to_the_whole_models():
     the whole model's; only the rotary tables are kept by every stage."""
     cfg = make_config("tiny", overrides=["model.n_layers=5"]).model
     for split in ([1, 4], [2, 2, 1], [1, 1, 1, 1, 1]):
-        stages = [activation_breakdown(cfg, 2, 32, "bf16-mixed", layers=len(layers), first=s == 0,
+        stages = [activation_breakdown(cfg, 2, 32, get_policy("bf16-mixed"), layers=len(layers), first=s == 0,
                                        last=s == len(split) - 1) for s, layers in enumerate(stage_layers(split))]
-        whole = activation_breakdown(cfg, 2, 32, "bf16-mixed")
+        whole = activation_breakdown(cfg, 2, 32, get_policy("bf16-mixed"))
         for key in whole:
             copies = len(split) if key == "rope_tables" else 1
             assert sum(stage[key] for stage in stages) == copies * whole[key], key

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmforge.accounting.hardware import ACCELERATORS
-from lmforge.accounting.inference import InferenceSetup, make_inference_plan
+from lmforge.accounting.plan.inference import InferenceSetup, make_inference_plan
 from lmforge.accounting.shapes import model_shapes
 from lmforge.cli import main
 from lmforge.config import make_config

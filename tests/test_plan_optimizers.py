@@ -10,6 +10,7 @@ from lmforge.accounting.memory import model_state_bytes, parameter_count
 from lmforge.accounting.optimizers import optimizer_state_bytes
 from lmforge.cli import main
 from lmforge.config import make_config
+from lmforge.modes.precision import get_policy
 from lmforge.model.transformer import Transformer
 
 
@@ -24,7 +25,7 @@ def test_bytes_per_parameter_as_transformer_math_101_lists_them(optimizer, bytes
     states. 8-bit states add one fp32 absmax per 2048 values (Dettmers et al. 2022): 2 * 4 / 2048."""
     cfg = make_config("llama3-8b").model
     n = parameter_count(cfg)
-    per_parameter = 4 + optimizer_state_bytes(cfg, optimizer, "bf16-mixed") / n
+    per_parameter = 4 + optimizer_state_bytes(cfg, optimizer, get_policy("bf16-mixed")) / n
     scales = 2 * 4 / 2048 if optimizer == "adamw-8bit" else 0
     assert per_parameter == pytest.approx(bytes_per_parameter + scales, rel=1e-4)
 
@@ -39,15 +40,16 @@ def test_adafactor_states_are_what_hugging_faces_adafactor_holds():
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     optimizer.step()
     measured = model_state_bytes_measured(model, optimizer)["optimizer_states"]
-    assert measured == optimizer_state_bytes(cfg, "adafactor", "fp32")
+    assert measured == optimizer_state_bytes(cfg, "adafactor", get_policy("fp32"))
     # factored: far below one fp32 state per parameter
     assert measured < 0.1 * 4 * parameter_count(cfg)
 
 
 def test_optimizer_states_shard_and_split_like_the_others():
     cfg = make_config("llama3-8b").model
-    full = model_state_bytes(cfg, "bf16-mixed", "lion")["optimizer_states"]
-    assert model_state_bytes(cfg, "bf16-mixed", "lion", zero_stage=1, dp=8, tp=2)["optimizer_states"] == full / 16
+    bf16 = get_policy("bf16-mixed")
+    full = model_state_bytes(cfg, bf16, "lion")["optimizer_states"]
+    assert model_state_bytes(cfg, bf16, "lion", zero_stage=1, dp=8, tp=2)["optimizer_states"] == full / 16
 
 
 def test_plan_optimizer_option(capsys):

@@ -7,6 +7,7 @@ import pytest
 from lmforge.accounting.memory import activation_breakdown, korthikanti_activation_bytes
 from lmforge.cli import main
 from lmforge.config import make_config
+from lmforge.modes.precision import get_policy
 
 # GPT-3 175B as the paper plans it (section 6: s=2048, h=12288, a=96, L=96, t=8), b=1
 S, B, H, A, L, T = 2048, 1, 12288, 96, 96, 8
@@ -43,11 +44,11 @@ def test_lmforge_layers_keep_the_papers_replicated_terms_whole_without_sequence_
     cfg = make_config("tiny", overrides=["model.family=gpt", "model.n_kv_heads=null"]).model
     b, s, t = 2, 32, 2
     sbh, bs = s * b * cfg.d_model, b * s
-    with_sp = activation_breakdown(cfg, b, s, "bf16-pure", tp=t, sequence_parallel=True)["layers"]
-    without = activation_breakdown(cfg, b, s, "bf16-pure", tp=t, sequence_parallel=False)["layers"]
+    with_sp = activation_breakdown(cfg, b, s, get_policy("bf16-pure"), tp=t, sequence_parallel=True)["layers"]
+    without = activation_breakdown(cfg, b, s, get_policy("bf16-pure"), tp=t, sequence_parallel=False)["layers"]
     assert without - with_sp == cfg.n_layers * (8 * sbh + 8 * bs) * (1 - 1 / t)
     # full recomputation: the block input (bf16 residual, 2sbh) is whole without SP, split with it
-    full = {sp: activation_breakdown(cfg, b, s, "bf16-pure", "sdpa", "full", tp=t, sequence_parallel=sp)
+    full = {sp: activation_breakdown(cfg, b, s, get_policy("bf16-pure"), "sdpa", "full", tp=t, sequence_parallel=sp)
             for sp in (True, False)}
     assert full[False]["layers"] == cfg.n_layers * 2 * sbh == full[True]["layers"] * t
 

@@ -24,7 +24,7 @@ FSDP2 moves what ZeRO-3 does, up to its own padding (each parameter's dim 0, not
 from lmforge.accounting.shapes import meta_model
 from lmforge.config import ModelConfig
 from lmforge.modes.parallel import get_strategy, shard_unit
-from lmforge.modes.precision import get_policy
+from lmforge.modes.precision import POLICIES, Policy
 
 
 def unit_sizes(cfg: ModelConfig) -> dict[str, int]:
@@ -35,15 +35,15 @@ def unit_sizes(cfg: ModelConfig) -> dict[str, int]:
     return sizes
 
 
-def element_bytes(strategy: str, precision: str) -> int:
+def element_bytes(strategy: str, policy: Policy) -> int:
     """Bytes of each gradient and parameter element the collectives of `strategy` move."""
-    policy = get_policy(precision)
     if get_strategy(strategy).zero_stage >= 1 and policy.autocast:
         return policy.bytes.compute  # 16-bit working weights and gradients
     return policy.bytes.gradient
 
 
-def step_communication(cfg: ModelConfig, strategy: str, dp: int, precision: str = "fp32", grad_accum: int = 1) -> dict:
+def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy = POLICIES["fp32"],
+                       grad_accum: int = 1) -> dict:
     """Per rank per step: `ring_elements` (sum of S over the collectives, S in elements, twice for
     an all-reduce), `sent_bytes` = (N-1)/N of it in bytes, and the paper's figure `paper_elements`
     (2 Psi or 3 Psi, the N -> infinity limit, no padding). Gradients are reduced once per step
@@ -61,7 +61,11 @@ def step_communication(cfg: ModelConfig, strategy: str, dp: int, precision: str 
     else:  # zero3, fsdp: gather for forward and for backward ("rest" once), reduce-scatter
         gathers = sum((2 if u != "rest" else 1) * n for u, n in padded.items())
         ring, paper = grad_accum * gathers + sum(padded.values()), 3 * psi
-    size = element_bytes(strategy, precision)
-    factor = (dp - 1) / dp if dp > 1 else 0.0
+    return communication(strategy, dp, element_bytes(strategy, policy), ring, paper)
+
+
+def communication(strategy: str, dp: int, size: int, ring: float, paper: float) -> dict:
+    """The count of one rank's collectives per step, JSON-ready: `ring` elements of `size` bytes,
+    of which a ring of dp ranks sends (dp-1)/dp, beside the paper's `paper` elements."""
     return {"strategy": strategy, "ranks": dp, "element_bytes": size, "ring_elements": ring,
-            "sent_bytes": ring * size * factor, "paper_elements": paper, "paper_bytes": paper * size}
+            "sent_bytes": ring * size * (dp - 1) / dp, "paper_elements": paper, "paper_bytes": paper * size}

@@ -105,6 +105,12 @@ def accelerator_peak(name: str, dtype: str) -> float:
     return peaks[dtype]
 
 
+def check_hardware(name: str) -> None:
+    """ValueError unless `name` is "this" (the machine at hand, measured) or a known accelerator."""
+    if name != "this" and name not in ACCELERATORS:
+        raise ValueError(f"unknown hardware {name!r}; known: this, {', '.join(ACCELERATORS)}")
+
+
 def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> float:
     """Model FLOPs utilisation (Chowdhery et al. 2022, appendix B); with hardware FLOPs per token
     (recomputation counted) the same ratio is HFU."""

@@ -1,4 +1,5 @@
-"""An inference plan: weights, KV cache, prefill and decode time, the largest batch that fits.
+"""What serving costs, by formula: weights, KV cache, the bytes a decode step reads (the plan that
+puts them together, with prefill and decode time and the largest batch that fits: plan/inference.py).
 
 Serving a model runs two phases (Pope et al. 2022, "Efficiently Scaling Transformer Inference",
 section 2; the same split as vLLM's and TensorRT-LLM's sizing guides):
@@ -19,10 +20,7 @@ embedding, LM head and norms stay 16-bit, as those tools leave them. Activations
 are left out: beside the KV cache they are small at decode, and a server prefills in chunks.
 """
 
-from dataclasses import asdict, dataclass
-
-from lmforge.accounting import flops, memory
-from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak
+from lmforge.accounting import memory
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.common.errors import lookup
@@ -34,33 +32,9 @@ PREFILL_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8
 SCALE_BYTES = 2  # one fp16 scale per group
 
 
-@dataclass
-class InferenceSetup:
-    batch_size: int = 1  # sequences decoded together
-    seq_len: int = 2048  # context: the prompt prefilled, and the context each decode step reads
-    weights: str = "bf16"  # a key of WEIGHT_FORMATS
-    group_size: int = 128  # weights per quantisation scale (int8, int4)
-    kv_dtype: str = "bf16"  # a key of KV_FORMATS
-    tp: int = 1  # tensor-parallel degree: weights and KV heads split tp ways
-    hardware: str = "this"
-    mfu: float = 0.5  # utilisation assumed for prefill, which is compute-bound
-    reserve_bytes: float = DEFAULT_RESERVE_BYTES
-
-    def validate(self, model: ModelConfig) -> None:
-        for key in ("batch_size", "seq_len", "group_size", "tp"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        lookup(WEIGHT_FORMATS, self.weights, "weight format")
-        lookup(KV_FORMATS, self.kv_dtype, "KV cache format")
-        if not 0 < self.mfu <= 1:
-            raise ValueError(f"mfu must be in (0, 1], got {self.mfu}")
-        if self.reserve_bytes < 0:
-            raise ValueError(f"reserve must be >= 0, got {self.reserve_bytes}")
-        if self.hardware != "this" and self.hardware not in ACCELERATORS:
-            raise ValueError(f"unknown hardware {self.hardware!r}; known: this, {', '.join(ACCELERATORS)}")
-        if model.n_heads % self.tp or model.kv_heads % self.tp:
-            raise ValueError(f"tp {self.tp} must divide the {model.n_heads} attention heads and {model.kv_heads} "
-                             f"KV heads (each rank holds whole heads)")
+def unquantised_bytes(weights: str) -> int:
+    """Bytes per element of what no format quantises (embedding, LM head, norms): 16-bit unless fp32."""
+    return 4 if weights == "fp32" else 2
 
 
 def weight_bytes(cfg: ModelConfig, weights: str = "bf16", group_size: int = 128) -> dict[str, float]:
@@ -73,78 +47,17 @@ def weight_bytes(cfg: ModelConfig, weights: str = "bf16", group_size: int = 128)
     return {
         "block_linear": block * per_weight,
         "scales": block / group_size * SCALE_BYTES if quantised else 0.0,
-        "embedding_head_norms": (shapes.parameters - block) * (4 if weights == "fp32" else 2),
+        "embedding_head_norms": (shapes.parameters - block) * unquantised_bytes(weights),
     }
 
 
-def decode_step_bytes(cfg: ModelConfig, setup: InferenceSetup, context: int | None = None) -> float:
-    """Bytes one device reads per decode step: its share of the weights, less the token embedding
-    table (a step gathers b rows of it) unless the LM head shares it, and of the KV cache of b
-    sequences at `context` tokens (default: the setup's seq_len)."""
-    weights = sum(weight_bytes(cfg, setup.weights, setup.group_size).values())
+def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, weights: str = "bf16", group_size: int = 128,
+                      kv_dtype: str = "bf16", tp: int = 1) -> float:
+    """Bytes one of tp devices reads per decode step: its share of the weights in `weights` format,
+    less the token embedding table (a step gathers `batch` rows of it) unless the LM head shares
+    it, and of the KV cache in `kv_dtype` of `batch` sequences at `context` tokens."""
+    weight_total = sum(weight_bytes(cfg, weights, group_size).values())
     if not cfg.tie_embeddings:
-        weights -= cfg.vocab_size * cfg.d_model * (4 if setup.weights == "fp32" else 2)
-    kv = memory.kv_cache_bytes(cfg, setup.batch_size, context or setup.seq_len, KV_FORMATS[setup.kv_dtype])
-    return (weights + kv) / setup.tp
-
-
-def make_inference_plan(cfg: ModelConfig, setup: InferenceSetup,
-                        this_machine: tuple[str, float, float, float] | None = None) -> dict:
-    """The inference plan as a JSON-ready dict. `this_machine` = (name, peak FLOP/s, memory bytes,
-    memory bandwidth bytes/s), needed when setup.hardware is "this" (the caller measures it)."""
-    setup.validate(cfg)
-    b, s, tp = setup.batch_size, setup.seq_len, setup.tp
-    if setup.hardware == "this":
-        if this_machine is None:
-            raise ValueError("hardware 'this' needs the measured (name, peak FLOP/s, memory, bandwidth)")
-        hardware, peak, device_memory, bandwidth = this_machine
-    else:
-        accelerator = ACCELERATORS[setup.hardware]
-        hardware, device_memory, bandwidth = setup.hardware, accelerator.memory_bytes, accelerator.memory_bandwidth
-        peak = accelerator_peak(setup.hardware, PREFILL_DTYPE[setup.weights])
-
-    weights = {k: v / tp for k, v in weight_bytes(cfg, setup.weights, setup.group_size).items()}
-    kv_per_sequence = memory.kv_cache_bytes(cfg, 1, s, KV_FORMATS[setup.kv_dtype]) / tp
-    total = sum(weights.values()) + b * kv_per_sequence
-    room = device_memory - setup.reserve_bytes - sum(weights.values())
-    largest_batch = max(0, int(room // kv_per_sequence))
-
-    prefill_flops = b * s * flops.forward_flops_per_token(cfg, s, causal=True)
-    prefill_compute = prefill_flops / (tp * peak * setup.mfu)
-    prefill_seconds = max(prefill_compute, sum(weights.values()) / bandwidth)
-
-    # one new token per sequence, attending to all s positions before it
-    step_flops = b * flops.forward_flops_per_token(cfg, s)
-    step_bytes = decode_step_bytes(cfg, setup)
-    memory_seconds, compute_seconds = step_bytes / bandwidth, step_flops / (tp * peak)
-    step_seconds = max(memory_seconds, compute_seconds)
-    return {
-        "model": {"family": cfg.family, "parameters": model_shapes(cfg).parameters, "layers": cfg.n_layers,
-                  "d_model": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                  "vocab_size": cfg.vocab_size},
-        "setup": {**asdict(setup), "devices": tp},
-        "memory": {
-            "weights_bytes": weights,
-            "kv_cache_bytes": b * kv_per_sequence,
-            "kv_cache_per_sequence_bytes": kv_per_sequence,
-            "kv_cache_per_token_bytes": kv_per_sequence / s,
-            "per_device_bytes": total,
-            "reserve_bytes": setup.reserve_bytes,
-            "device_memory_bytes": device_memory,
-            "fits": total + setup.reserve_bytes <= device_memory,
-            "largest_batch": largest_batch,
-        },
-        "prefill": {"flops": prefill_flops, "seconds": prefill_seconds,
-                    "bound": "compute" if prefill_compute >= sum(weights.values()) / bandwidth else "memory",
-                    "tokens_per_second": b * s / prefill_seconds},
-        "decode": {
-            "bytes_per_step": step_bytes,
-            "flops_per_step": step_flops,
-            "seconds_per_step": step_seconds,
-            "bound": "memory bandwidth" if memory_seconds >= compute_seconds else "compute",
-            "tokens_per_second": b / step_seconds,
-            "tokens_per_second_per_device": b / step_seconds / tp,
-        },
-        "hardware": {"name": hardware, "peak_flops": peak, "memory_bandwidth": bandwidth,
-                     "prefill_dtype": PREFILL_DTYPE[setup.weights]},
-    }
+        weight_total -= cfg.vocab_size * cfg.d_model * unquantised_bytes(weights)
+    kv = memory.kv_cache_bytes(cfg, batch, context, KV_FORMATS[kv_dtype])
+    return (weight_total + kv) / tp

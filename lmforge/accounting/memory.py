@@ -25,7 +25,7 @@ from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.common.errors import lookup
 from lmforge.modes.attention import BACKENDS
-from lmforge.modes.precision import get_policy
+from lmforge.modes.precision import POLICIES, Policy
 from lmforge.modes.recompute import get_recompute
 
 
@@ -55,7 +55,7 @@ def lora_parameters(cfg: ModelConfig, rank: int, targets: str) -> int:
     return trainable_parameters(apply_lora(meta_model(cfg), targets, rank))
 
 
-def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str = "adamw", zero_stage: int = 0,
+def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optimizer: str = "adamw", zero_stage: int = 0,
                       dp: int = 1, tp: int = 1, lora_trainable: int | None = None,
                       parameter_shapes: tuple | None = None) -> dict[str, float]:
     """Bytes per device of parameters, gradients, master weights and optimizer states.
@@ -72,7 +72,6 @@ def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str 
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage}")
-    policy = get_policy(precision)
     p = policy.bytes
     parameter, gradient, master = p.parameter, p.gradient, p.master
     if zero_stage >= 1 and policy.autocast:
@@ -83,7 +82,7 @@ def model_state_bytes(cfg: ModelConfig, precision: str = "fp32", optimizer: str 
     n = held / tp
     if lora_trainable is None:
         weights, trained, grad = n * parameter, n, gradient
-        optimizer_bytes = optimizer_state_bytes(cfg, optimizer, precision, parameter_shapes) / tp
+        optimizer_bytes = optimizer_state_bytes(cfg, optimizer, policy, parameter_shapes) / tp
     else:
         trained = lora_trainable / tp
         weights, grad, master = n * p.parameter + trained * 4, 4, 0
@@ -143,14 +142,14 @@ def attention_saved_bytes(b: int, s: int, heads: int, kv_heads: int, head_dim: i
     return (2 * bsq + 2 * bskv) * element_bytes + b * heads * s * 4
 
 
-def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp32",
+def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLICIES["fp32"],
                                attention: str = "sdpa", recompute: str = "none",
                                fp32_attention: bool = False) -> dict[str, int]:
     """Bytes one transformer block saves for backward, by part, counted tensor by tensor from
     model/transformer.py (and checked against autograd in tests/test_memory.py); the family's own
     terms come from activations.py. fp32_attention: the attention core runs on fp32 copies of q,
     k, v (train.fp32_attention)."""
-    policy, mode = get_policy(precision), get_recompute(recompute)
+    mode = get_recompute(recompute)
     p = policy.bytes
     bsd, bsq = b * s * cfg.d_model, b * s * cfg.n_heads * cfg.head_dim
     if mode.blocks:  # torch.utils.checkpoint keeps only the block's input
@@ -194,7 +193,7 @@ def split_over_tensor_ranks(layer: dict[str, int], tp: int, sequence_parallel: b
     return whole + (sum(layer.values()) - whole) / tp
 
 
-def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", attention: str = "sdpa",
+def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLICIES["fp32"], attention: str = "sdpa",
                          recompute: str = "none", tp: int = 1, fp32_attention: bool = False,
                          loss_chunk_tokens: int = 0, sequence_parallel: bool = True, *, layers: int | None = None,
                          first: bool = True, last: bool = True) -> dict[str, float]:
@@ -209,11 +208,11 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp3
     terms only if it is the `first` stage and the head's and loss's only if it is the `last`;
     the rotary tables on every stage (each keeps its own). The default is the whole model.
     """
-    policy, mode, shapes = get_policy(precision), get_recompute(recompute), model_shapes(cfg)
+    mode, shapes = get_recompute(recompute), model_shapes(cfg)
     p = policy.bytes
     layers = cfg.n_layers if layers is None else layers
     family = FAMILY_ACTIVATIONS[cfg.family](cfg, b, s, policy)
-    layer = layer_activation_breakdown(cfg, b, s, precision, attention, recompute, fp32_attention)
+    layer = layer_activation_breakdown(cfg, b, s, policy, attention, recompute, fp32_attention)
     bs, bsd = b * s, b * s * cfg.d_model
     head_input = p.compute if policy.autocast else p.linear_input  # the LM head is never fp8
     head_weights = shapes.linear_weights["lm_head"]
@@ -233,16 +232,17 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, precision: str = "fp3
                           + (0 if loss_chunk_tokens or not last else head_weights * p.head_weight_copy)) / tp,
     }
     if mode.blocks:  # backward reruns one block at a time: its activations come back
-        recomputed = layer_activation_breakdown(cfg, b, s, precision, attention, fp32_attention=fp32_attention)
+        recomputed = layer_activation_breakdown(cfg, b, s, policy, attention, fp32_attention=fp32_attention)
         result["recomputed_layer"] = split_over_tensor_ranks(recomputed, tp, sequence_parallel)
     return result
 
 
-def logits_bytes(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", loss_chunk_tokens: int = 0) -> float:
+def logits_bytes(cfg: ModelConfig, b: int, s: int, policy: Policy = POLICIES["fp32"],
+                 loss_chunk_tokens: int = 0) -> float:
     """The LM head's logits and their fp32 copy for the loss: alive at the end of the forward
     pass beside everything saved; for small models with large vocabularies the largest tensor.
     The chunked loss holds those of one chunk of `loss_chunk_tokens` tokens at a time."""
-    p = get_policy(precision).bytes
+    p = policy.bytes
     tokens = min(loss_chunk_tokens, b * s) if loss_chunk_tokens else b * s
     return tokens * cfg.vocab_size * (p.compute + (4 if p.compute < 4 else 0))
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.common.errors import lookup
-from lmforge.modes.precision import get_policy
+from lmforge.modes.precision import POLICIES, Policy
 
 QUANTIZATION_BLOCK = 2048  # values per fp32 absmax in 8-bit states (Dettmers et al. 2022)
 MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 states (bitsandbytes' default)
@@ -48,13 +48,13 @@ OPTIMIZERS: dict[str, Optimizer] = {
 }
 
 
-def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw", precision: str = "fp32",
+def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw", policy: Policy = POLICIES["fp32"],
                           parameter_shapes: tuple | None = None) -> float:
     """Bytes of every optimizer state of the whole model (unsharded), or of the parameters of
-    `parameter_shapes` (a pipeline stage's: accounting/pipeline.py); the policy gives the bytes of a
+    `parameter_shapes` (a pipeline stage's: accounting/pipeline.py); `policy` gives the bytes of a
     full-precision state element (fp32, or bf16 under bf16-pure)."""
     opt = lookup(OPTIMIZERS, optimizer, "optimizer")
-    element = get_policy(precision).bytes.optimizer_state
+    element = policy.bytes.optimizer_state
     total = 0.0
     for shape in parameter_shapes if parameter_shapes is not None else model_shapes(cfg).parameter_shapes:
         n = math.prod(shape)

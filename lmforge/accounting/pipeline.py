@@ -11,7 +11,7 @@ Of that time each stage computes m(t_f + t_b), so the idle fraction, the bubble,
 
 Stages that cost unequal time make it worse: the pipeline runs at its slowest stage's pace, and
 the plan takes a step to last (m + p - 1) x the slowest stage's time per micro-batch
-(`pipeline_plan`): exact for equal stages, an upper bound otherwise (a schedule played out with
+(accounting/plan/pipeline.py): exact for equal stages, an upper bound otherwise (a schedule played out with
 unequal stages, tests/test_pipeline_accounting.py, ends between m and m + p - 1 slowest slots).
 
 1F1B changes memory, not time: stage s (0-based) runs p - s warm-up forwards, then alternates, so
@@ -31,13 +31,12 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from lmforge.accounting import memory
-from lmforge.accounting.comm import element_bytes
+from lmforge.accounting.comm import communication, element_bytes
 from lmforge.accounting.flops import forward_flops_breakdown
 from lmforge.accounting.shapes import meta_model
 from lmforge.config import ModelConfig
 from lmforge.modes.parallel import parse_split
-from lmforge.modes.precision import get_policy
+from lmforge.modes.precision import Policy
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
@@ -164,107 +163,10 @@ def _named_parameters(values: str, lora_rank: int | None, lora_targets: str) -> 
                  for name, tensor in model.named_parameters(remove_duplicate=False))
 
 
-# -- the plan's pipeline section -------------------------------------------------------------------
-
-def pipeline_plan(cfg: ModelConfig, setup, flops_per_second: float) -> dict:
-    """plan["pipeline"] for a setup (accounting/plan.py's Setup) with pp > 1 stages, each device
-    doing `flops_per_second` (its peak at the assumed MFU). JSON-ready:
-
-    stages, micro_batches, schedule, split (layers per stage), split_source ("given" or
-    "balanced"), bubble_fraction ((p-1)/(m+p-1)), slowest_stage, seconds_per_step ((m+p-1) x the
-    slowest stage's seconds per micro-batch), ideal_seconds_per_step (the same FLOPs spread evenly
-    over every device, no bubble), best_mfu (assumed MFU x ideal / real: what the schedule leaves),
-    largest_stage (the one with the most memory: the plan's per-device memory), and stages_detail,
-    one dict per stage:
-
-      stage, layers ([first, last] layer index), parameter_count (held, the tied copy included),
-      breakdown_bytes (the plan's memory parts for this stage: parameters, gradients,
-      master_weights, optimizer_states, weight_copies and activations of the micro-batches in
-      flight, a fully recomputed layer, the logits on the last stage), total_bytes (their sum),
-      activations_per_micro_batch_bytes (saved for backward by one micro-batch's forward, weight
-      casts included: what measure_saved_bytes sees), activation_breakdown_bytes (that by part,
-      less the casts), micro_batches_in_flight,
-      activations_in_flight_bytes (their product: the peak alive at once), forward_flops_per_token,
-      seconds_per_micro_batch (forward + backward), sent_bytes_per_step (by what: activations
-      forward, their gradients backward, the tied matrix's gradient between the end stages, the
-      data-parallel all-reduce of the stage's gradients).
-    """
-    p, m = setup.pp, setup.micro_batches
-    split = pipeline_split(cfg, p, setup.pipeline_split, setup.seq_len)
-    tokens = setup.batch_size * setup.seq_len  # per micro-batch
-    costs = stage_costs(cfg, setup.seq_len, split)
-    details = []
-    saved: dict = {}  # what one micro-batch saves, by (layers, first, last): stages repeat (80 layers, 40 stages)
-    for stage, (layers, params, cost) in enumerate(zip(stage_layers(split), stage_parameters(
-            cfg, split, setup.lora_rank, setup.lora_targets), costs)):
-        first, last = stage == 0, stage == p - 1
-        if (len(layers), first, last) not in saved:
-            saved[len(layers), first, last] = memory.activation_breakdown(
-                cfg, setup.batch_size, setup.seq_len, setup.precision, setup.attention, setup.recompute, setup.tp,
-                setup.fp32_attention, setup.loss_chunk_tokens, setup.sequence_parallel, layers=len(layers),
-                first=first, last=last)
-        details.append({"stage": stage, "layers": [layers.start, layers.stop - 1],
-                        "parameter_count": params.count,
-                        **stage_memory(cfg, setup, stage, params, dict(saved[len(layers), first, last])),
-                        "forward_flops_per_token": cost,
-                        # forward + backward, 3x the forward (flops.py); tensor ranks share it
-                        "seconds_per_micro_batch": 3 * cost * tokens / setup.tp / flops_per_second,
-                        "sent_bytes_per_step": stage_sends(cfg, setup, stage, params)})
-    times = [d["seconds_per_micro_batch"] for d in details]
-    slowest = max(range(p), key=times.__getitem__)
-    step = (m + p - 1) * times[slowest]
-    ideal = m * sum(times) / p
-    return {"stages": p, "micro_batches": m, "schedule": setup.schedule, "split": split,
-            "split_source": "given" if setup.pipeline_split.strip() else "balanced",
-            "bubble_fraction": bubble_fraction(p, m), "slowest_stage": slowest,
-            "seconds_per_step": step, "ideal_seconds_per_step": ideal, "best_mfu": setup.mfu * ideal / step,
-            "largest_stage": max(range(p), key=lambda s: details[s]["total_bytes"]),
-            "stages_detail": details}
-
-
-def stage_memory(cfg: ModelConfig, setup, stage: int, params: StageParameters, saved: dict) -> dict:
-    """Bytes on one device of stage `stage` (see pipeline_plan for the keys), which holds `params`
-    and saves `saved` for one micro-batch (memory.activation_breakdown of its layers)."""
-    p, last = setup.pp, stage == setup.pp - 1
-    states = memory.model_state_bytes(cfg, setup.precision, setup.optimizer, 0, setup.dp, setup.tp,
-                                      params.adapters, params.shapes)
-    # alive one at a time, not per micro-batch in flight: a block rerun in backward, the logits
-    recomputed = saved.pop("recomputed_layer", 0)
-    in_flight = micro_batches_in_flight(setup.schedule, p, setup.micro_batches, stage)
-    per_micro_batch = sum(saved.values())  # weight casts included: each forward keeps its own
-    breakdown = {**states,
-                 "weight_copies": saved["weight_copies"] * in_flight,
-                 "activations": (per_micro_batch - saved["weight_copies"]) * in_flight + recomputed,
-                 "logits": memory.logits_bytes(cfg, setup.batch_size, setup.seq_len, setup.precision,
-                                               setup.loss_chunk_tokens) / setup.tp if last else 0}
-    return {"breakdown_bytes": breakdown, "total_bytes": sum(breakdown.values()),
-            "activation_breakdown_bytes": {k: v for k, v in saved.items() if k != "weight_copies"},
-            "activations_per_micro_batch_bytes": per_micro_batch, "micro_batches_in_flight": in_flight,
-            "activations_in_flight_bytes": per_micro_batch * in_flight}
-
-
-def stage_sends(cfg: ModelConfig, setup, stage: int, params: StageParameters) -> dict:
-    """Bytes one rank of stage `stage` sends per optimizer step, by what. The hidden states (b, s, d)
-    travel in the residual stream's dtype (fp32 under the autocast policies); with tensor
-    parallelism each tensor rank sends its 1/tp of them (Narayanan et al. 2021, section 4.1). The
-    tied matrix's two gradient copies are summed between the end stages (each sends one copy);
-    the data-parallel replicas of a stage all-reduce its gradients (a ring: 2 (N-1)/N of them)."""
-    p, m = setup.pp, setup.micro_batches
-    policy = get_policy(setup.precision)
-    hidden = m * setup.batch_size * setup.seq_len * cfg.d_model * policy.bytes.residual / setup.tp
-    tied = cfg.tie_embeddings and stage in (0, p - 1) and setup.lora_rank is None
-    return {"activations": hidden if stage < p - 1 else 0,
-            "activation_gradients": hidden if stage > 0 else 0,
-            "tied_embedding_gradient": cfg.vocab_size * cfg.d_model * policy.bytes.gradient / setup.tp if tied else 0,
-            "data_parallel": data_parallel_communication(setup, params)["sent_bytes"]}
-
-
-def data_parallel_communication(setup, params: StageParameters) -> dict:
-    """One stage's gradient all-reduce among its setup.dp replicas, per rank per step, in
-    comm.step_communication's terms (a ring sends 2 (N-1)/N of the elements)."""
-    dp = setup.dp
-    trained = (params.count if params.adapters is None else params.adapters) / setup.tp
+def stage_communication(params: StageParameters, dp: int, tp: int, policy: Policy) -> dict:
+    """One stage's gradient all-reduce among its dp replicas, per rank per step, in
+    comm.step_communication's terms (a ring sends 2 (N-1)/N of the elements); tensor ranks each
+    hold 1/tp of the stage's trained parameters."""
+    trained = (params.count if params.adapters is None else params.adapters) / tp
     ring = 2 * trained if dp > 1 else 0
-    size = element_bytes("ddp", setup.precision)
-    return {"strategy": "ddp" if dp > 1 else "none", "ranks": dp, "element_bytes": size, "ring_elements": ring,
-            "sent_bytes": ring * size * (dp - 1) / dp, "paper_elements": ring, "paper_bytes": ring * size}
+    return communication("ddp" if dp > 1 else "none", dp, element_bytes("ddp", policy), ring, ring)

@@ -59,6 +59,12 @@ def model_shapes(cfg: ModelConfig) -> Shapes:
     return _shapes(json.dumps(dataclasses.asdict(cfg), sort_keys=True))
 
 
+def tensor_parallel_degrees(cfg: ModelConfig) -> list[int]:
+    """The tensor-parallel degrees that split attention by whole heads: those that divide the
+    query and the KV heads alike (Shoeybi et al. 2019, section 3)."""
+    return [tp for tp in range(1, cfg.kv_heads + 1) if cfg.n_heads % tp == 0 and cfg.kv_heads % tp == 0]
+
+
 def meta_model(cfg: ModelConfig):
     """lmforge's Transformer for `cfg` on the meta device: shapes, no storage, no initialisation."""
     import torch

@@ -114,7 +114,9 @@ def cmd_plan(args) -> int:
 
     from rich.console import Console
 
-    from lmforge.accounting.plan.show import plot_comparison, plot_memory, print_comparison_table, print_dtypes, print_plan
+    from lmforge.accounting.plan.chart import plot_comparison, plot_memory
+    from lmforge.accounting.plan.compare import print_comparison_table
+    from lmforge.accounting.plan.show import print_dtypes, print_plan
     from lmforge.accounting.plan.setups import plan_overrides, plan_setups
 
     console = Console()

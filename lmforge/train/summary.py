@@ -15,7 +15,7 @@ import torch
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name
 from lmforge.generate.sampling import generate
 from lmforge.accounting.measure import measure_saved_bytes
-from lmforge.accounting.plan.show import print_comparison
+from lmforge.accounting.plan.predicted_vs_measured import print_comparison
 from lmforge.runs.plots import plot_losses, run_title
 from lmforge.train.report import print_table
 

@@ -2,21 +2,25 @@
 
 Everything here is arithmetic on a ModelConfig, the shapes of its model (read from it built on
 the meta device: shapes.py) and a few numbers (batch, sequence, precision, parallel degrees); it
-imports no training code. `lmforge plan` prints it, and the trainer prints
-the same plan before it starts and sets its measurements beside it at the end.
+imports no training code. `lmforge plan` prints it (show.py), and the trainer prints the same
+plan before it starts and sets its measurements beside it at the end. The setup's precision name
+is resolved once (Setup.policy) and the Policy handed to the formulas; a pipeline's stages are
+counted in pipeline.py.
 """
 
 from dataclasses import asdict, dataclass
 
-from lmforge.accounting import comm, flops, memory, pipeline
-from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak
+from lmforge.accounting import comm, flops, memory
+from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak, check_hardware
 from lmforge.accounting.optimizers import OPTIMIZERS
-from lmforge.accounting.shapes import model_shapes
+from lmforge.accounting.pipeline import stage_communication, stage_parameters
+from lmforge.accounting.plan.pipeline import pipeline_plan
+from lmforge.accounting.shapes import model_shapes, tensor_parallel_degrees
 from lmforge.config import ModelConfig
 from lmforge.common.errors import lookup
 from lmforge.modes.attention import BACKENDS
 from lmforge.modes.parallel import PIPELINE_SCHEDULES, get_strategy, parse_split
-from lmforge.modes.precision import get_policy
+from lmforge.modes.precision import Policy, get_policy
 from lmforge.modes.recompute import get_recompute
 
 
@@ -56,6 +60,19 @@ class Setup:
     lora_rank: int | None = None  # LoRA adapters of this rank on a frozen base (None: every weight trains)
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # the linear layers LoRA wraps (model/lora.py)
 
+    @property
+    def policy(self) -> Policy:
+        """The precision policy `precision` names (aliases resolved): what the formulas are given."""
+        return get_policy(self.precision)
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len * self.grad_accum * self.micro_batches * self.dp
+
     @classmethod
     def from_config(cls, cfg, **changes) -> "Setup":
         """The setup a Config trains with (one device), with `changes` applied."""
@@ -89,8 +106,7 @@ class Setup:
             require(self.grad_accum == 1, f"grad_accum {self.grad_accum} with pp {self.pp}: a pipeline "
                                           f"accumulates over its micro-batches; set train.micro_batches instead")
         lookup(BACKENDS, self.attention, "attention backend")
-        require(self.hardware == "this" or self.hardware in ACCELERATORS,
-                f"unknown hardware {self.hardware!r}; known: this, {', '.join(ACCELERATORS)}")
+        check_hardware(self.hardware)
         require(0 < self.mfu <= 1, f"mfu must be in (0, 1], got {self.mfu}")
         require(self.tokens is None or self.tokens > 0, f"tokens must be positive, got {self.tokens}")
         require(self.price_per_hour is None or self.price_per_hour >= 0,
@@ -100,8 +116,8 @@ class Setup:
                                                                f"(leave it out for full fine-tuning)")
         if model is not None and self.pp > 1:  # one line for more stages than layers, or a split that does not fit
             parse_split(self.pipeline_split, model.n_layers, self.pp)
-        if model is not None:  # tensor parallelism splits attention by whole heads (Shoeybi et al. 2019, section 3)
-            fitting = [tp for tp in range(1, model.kv_heads + 1) if model.n_heads % tp == 0 and model.kv_heads % tp == 0]
+        if model is not None:  # tensor parallelism splits attention by whole heads
+            fitting = tensor_parallel_degrees(model)
             require(self.tp in fitting, f"tp {self.tp} must divide the {model.n_heads} attention heads and "
                                         f"{model.kv_heads} KV heads (each rank holds whole heads): use one of "
                                         f"{', '.join(map(str, fitting))}")
@@ -114,129 +130,162 @@ def strategy_of(setup: Setup) -> str:
     return f"zero{setup.zero_stage}" if setup.zero_stage else ("ddp" if setup.dp > 1 else "none")
 
 
+@dataclass
+class Cost:
+    """What a setup's step costs per device, before the plan lays it out."""
+    breakdown: dict  # the plan's memory parts (memory.breakdown_bytes)
+    activations: dict  # saved for backward, by part (memory.activation_breakdown_bytes)
+    communication: dict  # sent per step per rank (comm.py's terms)
+    step_seconds: float
+    pipeline: dict | None = None  # plan["pipeline"] when pp > 1
+    largest_shapes: tuple | None = None  # the parameters of the largest stage (None: the whole model)
+
+
 def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, float] | None = None) -> dict:
     """The plan as a JSON-ready dict. `this_machine` = (name, peak FLOP/s, memory bytes) is needed
     when setup.hardware is "this" (the caller measures it; accounting stays pure)."""
     setup.validate(cfg)
-    policy = get_policy(setup.precision)
-    precision = policy.name
-    b, s = setup.batch_size, setup.seq_len
-    devices = setup.dp * setup.tp * setup.pp
-    tokens_per_step = b * s * setup.grad_accum * setup.micro_batches * setup.dp
-
-    model_flops = flops.training_flops_per_token(cfg, s)
-    hardware_flops = flops.hardware_flops_per_token(cfg, s, setup.recompute)
+    policy = setup.policy
+    hardware_name, peak, device_memory = _hardware(setup, policy, this_machine)
     n_params = memory.parameter_count(cfg)
-
-    if setup.hardware == "this":
-        if this_machine is None:
-            raise ValueError("hardware 'this' needs the measured (name, peak FLOP/s, memory bytes)")
-        hardware_name, peak, device_memory = this_machine
-    else:
-        hardware_name = setup.hardware
-        peak = accelerator_peak(setup.hardware, policy.matmul_dtype)
-        device_memory = ACCELERATORS[setup.hardware].memory_bytes
-    step_flops = tokens_per_step * model_flops
-
     lora = None
     if setup.lora_rank is not None:
         lora = memory.lora_parameters(cfg, setup.lora_rank, setup.lora_targets)
+    step_flops = setup.tokens_per_step * flops.training_flops_per_token(cfg, setup.seq_len)
     if setup.pp > 1:
-        # every stage counted on its own (accounting/pipeline.py); a device holds the largest
-        piped = pipeline.pipeline_plan(cfg, setup, peak * setup.mfu)
-        largest = piped["stages_detail"][piped["largest_stage"]]
-        breakdown, activations = largest["breakdown_bytes"], largest["activation_breakdown_bytes"]
-        held = pipeline.stage_parameters(cfg, piped["split"], setup.lora_rank, setup.lora_targets)
-        largest_shapes = held[piped["largest_stage"]].shapes
-        communication = pipeline.data_parallel_communication(setup, held[0])  # rank 0's, as the trainer counts
-        step_seconds = piped["seconds_per_step"]
+        cost = _pipelined_cost(cfg, setup, policy, peak)
     else:
-        piped, largest_shapes = None, None
-        states = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
-                                          lora_trainable=lora)
-        activations = memory.activation_breakdown(cfg, b, s, precision, setup.attention, setup.recompute,
-                                                  setup.tp, setup.fp32_attention, setup.loss_chunk_tokens,
-                                                  setup.sequence_parallel)
-        # A ZeRO-3 implementation gathers each layer's weights when it needs them and frees them
-        # after: it keeps its shard of the casts, not all of them.
-        weight_copies = activations.pop("weight_copies") / (setup.dp if setup.zero_stage == 3 else 1)
-        breakdown = {**states,
-                     "weight_copies": weight_copies,
-                     "activations": sum(activations.values()),
-                     "logits": memory.logits_bytes(cfg, b, s, precision, setup.loss_chunk_tokens) / setup.tp}
-        communication = comm.step_communication(cfg, strategy_of(setup), setup.dp, precision, setup.grad_accum)
-        step_seconds = step_flops / (peak * setup.mfu * devices)
-    total = sum(breakdown.values())
-
-    # Without a budget, the compute-optimal one: about 20 training tokens per parameter (Hoffmann
-    # et al. 2022, "Training Compute-Optimal Large Language Models", table 3).
-    budget = setup.tokens or CHINCHILLA_TOKENS_PER_PARAMETER * n_params
-    seconds_for_budget = budget / tokens_per_step * step_seconds
-    device_hours = seconds_for_budget * devices / 3600
-    # The paper's reference figure (standard attention, 16-bit), and its FlashAttention variant.
-    korthikanti = memory.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_heads, cfg.n_layers,
-                                                      setup.recompute, setup.tp, setup.sequence_parallel)
-    korthikanti_flash = memory.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_heads, cfg.n_layers,
-                                                            setup.recompute, setup.tp, setup.sequence_parallel,
-                                                            flash=True)
+        cost = _single_stage_cost(cfg, setup, policy, lora, step_flops / (peak * setup.mfu * setup.devices))
     plan = {
         "model": {"family": cfg.family, "parameters": n_params, "matmul_parameters": model_shapes(cfg).matmul_weights,
                   "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads,
                   "ffn_dim": cfg.ffn_dim, "vocab_size": cfg.vocab_size},
-        "setup": {**asdict(setup), "precision": precision, "devices": devices, "tokens_per_step": tokens_per_step},
-        "flops": {
-            "forward_per_token_by_component": flops.forward_flops_breakdown(cfg, s),
-            "training_per_token": model_flops,
-            "training_per_token_causal_halved": flops.training_flops_per_token(cfg, s, causal=True),
-            "hardware_per_token": hardware_flops,
-            "six_n_per_token": flops.six_n_flops_per_token(cfg),
-            "palm_per_token": flops.palm_flops_per_token(cfg, s),
-            "training_per_step": step_flops,
-        },
-        "memory": {
-            "per_device_bytes": total,
-            "breakdown_bytes": breakdown,
-            "activation_breakdown_bytes": activations,
-            "device_memory_bytes": device_memory,
-            "reserve_bytes": setup.reserve_bytes,
-            "fits": total + setup.reserve_bytes <= device_memory,
-            "kv_cache_inference_bytes": memory.kv_cache_bytes(cfg, b, s, policy.bytes.compute),
-            "zero_paper_model_state_bytes": memory.zero_paper_model_state_bytes(n_params, setup.zero_stage, setup.dp),
-            "activations_korthikanti_bytes": korthikanti,
-            "activations_korthikanti_flash_bytes": korthikanti_flash,
-            "parameters_16bit_bytes": 2 * n_params,
-            "activations_to_16bit_parameters_ratio": korthikanti / (2 * n_params),
-        },
-        "communication": communication,
-        "time": {
-            "hardware": hardware_name,
-            "peak_flops_per_device": peak,
-            "matmul_dtype": policy.matmul_dtype,
-            "assumed_mfu": setup.mfu,
-            "seconds_per_step": step_seconds,
-            "tokens_per_second": tokens_per_step / step_seconds,
-            "tokens": budget,
-            "tokens_source": "given" if setup.tokens else f"Chinchilla: {CHINCHILLA_TOKENS_PER_PARAMETER} tokens "
-                                                          "per parameter (Hoffmann et al. 2022)",
-            "seconds_for_tokens": seconds_for_budget,
-        },
-        "budget": {
-            "training_flops": budget * model_flops,
-            "device_hours": device_hours,
-            "price_per_device_hour": setup.price_per_hour,
-            "cost": device_hours * setup.price_per_hour if setup.price_per_hour is not None else None,
-        },
+        "setup": {**asdict(setup), "precision": policy.name, "devices": setup.devices,
+                  "tokens_per_step": setup.tokens_per_step},
+        "flops": _flops(cfg, setup, step_flops),
+        "memory": _memory(cfg, setup, policy, cost, device_memory, n_params),
+        "communication": cost.communication,
+        **_time_and_budget(cfg, setup, policy, hardware_name, peak, cost.step_seconds, n_params),
     }
     if lora is not None:
-        # what LoRA saves against training every weight: gradients, master copies and moments of the
-        # frozen base. Activations stay in the plan as for full fine-tuning: the gradient of an
-        # early adapter flows back through every later layer, which therefore keeps its inputs.
-        full = memory.model_state_bytes(cfg, precision, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
-                                        parameter_shapes=largest_shapes)
-        plan["lora"] = {"rank": setup.lora_rank, "targets": setup.lora_targets, "trainable_parameters": lora,
-                        "trainable_fraction": lora / n_params,
-                        "full_finetune_state_bytes": full,
-                        "saved_bytes": {key: full[key] - breakdown[key] for key in full}}
-    if piped is not None:
-        plan["pipeline"] = piped
+        plan["lora"] = _lora(cfg, setup, policy, cost, lora, n_params)
+    if cost.pipeline is not None:
+        plan["pipeline"] = cost.pipeline
     return plan
+
+
+def _hardware(setup: Setup, policy: Policy, this_machine: tuple | None) -> tuple[str, float, float]:
+    """(name, peak FLOP/s at the policy's matmul dtype, memory bytes) of setup.hardware."""
+    if setup.hardware == "this":
+        if this_machine is None:
+            raise ValueError("hardware 'this' needs the measured (name, peak FLOP/s, memory bytes)")
+        return this_machine
+    return (setup.hardware, accelerator_peak(setup.hardware, policy.matmul_dtype),
+            ACCELERATORS[setup.hardware].memory_bytes)
+
+
+def _pipelined_cost(cfg: ModelConfig, setup: Setup, policy: Policy, peak: float) -> Cost:
+    """Every stage counted on its own (plan/pipeline.py); a device holds the largest."""
+    piped = pipeline_plan(cfg, setup, policy, peak * setup.mfu)
+    largest = piped["stages_detail"][piped["largest_stage"]]
+    held = stage_parameters(cfg, piped["split"], setup.lora_rank, setup.lora_targets)
+    return Cost(largest["breakdown_bytes"], largest["activation_breakdown_bytes"],
+                stage_communication(held[0], setup.dp, setup.tp, policy),  # rank 0's, as the trainer counts
+                piped["seconds_per_step"], piped, held[piped["largest_stage"]].shapes)
+
+
+def _single_stage_cost(cfg: ModelConfig, setup: Setup, policy: Policy, lora: int | None,
+                       step_seconds: float) -> Cost:
+    """The whole model on each device (split tp ways, sharded by ZeRO over dp)."""
+    b, s = setup.batch_size, setup.seq_len
+    states = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
+                                      lora_trainable=lora)
+    activations = memory.activation_breakdown(cfg, b, s, policy, setup.attention, setup.recompute,
+                                              setup.tp, setup.fp32_attention, setup.loss_chunk_tokens,
+                                              setup.sequence_parallel)
+    # A ZeRO-3 implementation gathers each layer's weights when it needs them and frees them
+    # after: it keeps its shard of the casts, not all of them.
+    weight_copies = activations.pop("weight_copies") / (setup.dp if setup.zero_stage == 3 else 1)
+    breakdown = {**states,
+                 "weight_copies": weight_copies,
+                 "activations": sum(activations.values()),
+                 "logits": memory.logits_bytes(cfg, b, s, policy, setup.loss_chunk_tokens) / setup.tp}
+    communication = comm.step_communication(cfg, strategy_of(setup), setup.dp, policy, setup.grad_accum)
+    return Cost(breakdown, activations, communication, step_seconds)
+
+
+def _flops(cfg: ModelConfig, setup: Setup, step_flops: float) -> dict:
+    s = setup.seq_len
+    return {
+        "forward_per_token_by_component": flops.forward_flops_breakdown(cfg, s),
+        "training_per_token": flops.training_flops_per_token(cfg, s),
+        "training_per_token_causal_halved": flops.training_flops_per_token(cfg, s, causal=True),
+        "hardware_per_token": flops.hardware_flops_per_token(cfg, s, setup.recompute),
+        "six_n_per_token": flops.six_n_flops_per_token(cfg),
+        "palm_per_token": flops.palm_flops_per_token(cfg, s),
+        "training_per_step": step_flops,
+    }
+
+
+def _memory(cfg: ModelConfig, setup: Setup, policy: Policy, cost: Cost, device_memory: float, n_params: int) -> dict:
+    """plan["memory"]: the cost's parts per device, whether they fit, and the papers' figures beside them."""
+    b, s = setup.batch_size, setup.seq_len
+    total = sum(cost.breakdown.values())
+    # The paper's reference figure (standard attention, 16-bit), and its FlashAttention variant.
+    korthikanti, korthikanti_flash = (
+        memory.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_heads, cfg.n_layers, setup.recompute, setup.tp,
+                                            setup.sequence_parallel, flash=flash) for flash in (False, True))
+    return {
+        "per_device_bytes": total,
+        "breakdown_bytes": cost.breakdown,
+        "activation_breakdown_bytes": cost.activations,
+        "device_memory_bytes": device_memory,
+        "reserve_bytes": setup.reserve_bytes,
+        "fits": total + setup.reserve_bytes <= device_memory,
+        "kv_cache_inference_bytes": memory.kv_cache_bytes(cfg, b, s, policy.bytes.compute),
+        "zero_paper_model_state_bytes": memory.zero_paper_model_state_bytes(n_params, setup.zero_stage, setup.dp),
+        "activations_korthikanti_bytes": korthikanti,
+        "activations_korthikanti_flash_bytes": korthikanti_flash,
+        "parameters_16bit_bytes": 2 * n_params,
+        "activations_to_16bit_parameters_ratio": korthikanti / (2 * n_params),
+    }
+
+
+def _time_and_budget(cfg: ModelConfig, setup: Setup, policy: Policy, hardware_name: str, peak: float,
+                     step_seconds: float, n_params: int) -> dict:
+    """plan["time"] and plan["budget"]: a step at the assumed MFU, and the token budget's time and cost."""
+    # Without a budget, the compute-optimal one: about 20 training tokens per parameter (Hoffmann
+    # et al. 2022, "Training Compute-Optimal Large Language Models", table 3).
+    budget = setup.tokens or CHINCHILLA_TOKENS_PER_PARAMETER * n_params
+    seconds_for_budget = budget / setup.tokens_per_step * step_seconds
+    device_hours = seconds_for_budget * setup.devices / 3600
+    time = {
+        "hardware": hardware_name,
+        "peak_flops_per_device": peak,
+        "matmul_dtype": policy.matmul_dtype,
+        "assumed_mfu": setup.mfu,
+        "seconds_per_step": step_seconds,
+        "tokens_per_second": setup.tokens_per_step / step_seconds,
+        "tokens": budget,
+        "tokens_source": "given" if setup.tokens else f"Chinchilla: {CHINCHILLA_TOKENS_PER_PARAMETER} tokens "
+                                                      "per parameter (Hoffmann et al. 2022)",
+        "seconds_for_tokens": seconds_for_budget,
+    }
+    return {"time": time, "budget": {
+        "training_flops": budget * flops.training_flops_per_token(cfg, setup.seq_len),
+        "device_hours": device_hours,
+        "price_per_device_hour": setup.price_per_hour,
+        "cost": device_hours * setup.price_per_hour if setup.price_per_hour is not None else None,
+    }}
+
+
+def _lora(cfg: ModelConfig, setup: Setup, policy: Policy, cost: Cost, lora: int, n_params: int) -> dict:
+    """plan["lora"]: what LoRA saves against training every weight: gradients, master copies and
+    moments of the frozen base. Activations stay in the plan as for full fine-tuning: the gradient
+    of an early adapter flows back through every later layer, which therefore keeps its inputs."""
+    full = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
+                                    parameter_shapes=cost.largest_shapes)
+    return {"rank": setup.lora_rank, "targets": setup.lora_targets, "trainable_parameters": lora,
+            "trainable_fraction": lora / n_params,
+            "full_finetune_state_bytes": full,
+            "saved_bytes": {key: full[key] - cost.breakdown[key] for key in full}}

@@ -1,15 +1,17 @@
 """From `lmforge plan`'s options to plans: one setup, every combination of several (--compare), or the
 one a search finds (--solve: the largest micro-batch, or the fewest devices, that fit).
 
-The plans themselves are arithmetic in accounting/ (plan.py for training, inference.py for
-serving); this module reads the options, checks them (one LmforgeError line each, before anything
-is written), measures this machine when `--hardware this` asks for it, and searches.
+The plans themselves are arithmetic (make.py for training, inference.py for serving); this module
+reads the options, checks them (one LmforgeError line each, before anything is written), measures
+this machine when `--hardware this` asks for it, and searches.
 """
 
 import itertools
 
-from lmforge.accounting.inference import PREFILL_DTYPE, InferenceSetup, make_inference_plan
-from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
+from lmforge.accounting.inference import PREFILL_DTYPE
+from lmforge.accounting.plan.inference import InferenceSetup, make_inference_plan
+from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.shapes import tensor_parallel_degrees
 from lmforge.config import Config
 from lmforge.common.errors import LmforgeError
 from lmforge.modes.parallel import get_strategy
@@ -129,7 +131,7 @@ def _plan(cfg: Config, args, chosen: dict, machines: Machines) -> dict:
         setup.validate(cfg.model)
         machine = None
         if setup.hardware == "this":
-            name, peak, memory = machines.training(matmul_dtype(setup.precision))
+            name, peak, memory = machines.training(setup.policy.matmul_dtype)
             machine = (f"this machine: {name}", peak, memory)
         return make_plan(cfg.model, setup, machine)
     except ValueError as err:
@@ -161,7 +163,7 @@ def _solve_devices(cfg: Config, args, chosen: dict, machines: Machines) -> tuple
     """The fewest devices that fit: tp (whole heads, at most one node) for serving; dp x tp x pp for
     training (dp shrinks memory only under ZeRO), fewest devices first, then the least tp and pp."""
     m = cfg.model
-    tps = [t for t in range(1, min(m.kv_heads, MAX_TP) + 1) if m.n_heads % t == 0 and m.kv_heads % t == 0]
+    tps = [t for t in tensor_parallel_degrees(m) if t <= MAX_TP]
     if args.inference:
         candidates = [{"tp": t} for t in tps]
     else:

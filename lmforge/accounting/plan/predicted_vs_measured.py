@@ -1,0 +1,35 @@
+"""The trainer's end-of-run table: what the plan predicted beside what the run measured
+(train/summary.py pairs them)."""
+
+from rich.console import Console
+from rich.table import Table
+
+from lmforge.common.formatting import human_bytes
+
+def print_comparison(console: Console, comparison: dict) -> None:
+    """The trainer's end-of-run table: each {"predicted", "measured"} pair and their ratio."""
+    table = Table(title="predicted (plan) vs measured", title_justify="left")
+    for column in ("", "predicted", "measured", "measured / predicted"):
+        table.add_column(column, justify="right" if column else "left")
+    labels = {"tokens_per_s": "tokens/s (predicted at 100% MFU)", "mfu": "MFU", "hfu": "HFU (with recomputation)",
+              "parameters_bytes": "parameters", "gradients_bytes": "gradients",
+              "optimizer_states_bytes": "optimizer states",
+              "activations_bytes": "saved for backward, one micro-batch", "peak_memory_bytes": "peak memory (CUDA)",
+              "sent_bytes_per_step": "sent per step per rank (collectives)",
+              "activations_in_flight_bytes": "saved for backward, peak alive at once"}
+    for key, row in comparison.items():
+        predicted, measured = row["predicted"], row["measured"]
+        if key.startswith("stage "):  # a pipeline stage's row: "stage 1 activations_bytes"
+            _, stage, name = key.split(" ", 2)
+            label = f"stage {stage}: {labels[name]}"
+        else:
+            label = labels[key]
+        if "_bytes" in key:
+            shown = (human_bytes(predicted), human_bytes(measured) if measured is not None else "-")
+        elif key == "tokens_per_s":
+            shown = (f"{predicted:,.0f}", f"{measured:,.0f}")
+        else:
+            shown = (f"{predicted:.0%}", f"{measured:.1%}")
+        ratio = f"{measured / predicted:.3f}" if measured is not None and predicted else "-"
+        table.add_row(label, *shown, ratio)
+    console.print(table)
