@@ -27,6 +27,8 @@ from lmforge.runs.state import RunState
 
 @dataclass
 class RunMeasurements:
+    """What the reports read of a run: the rates fixed at setup, then what the session measures."""
+
     state: RunState  # the checkpointed counters: step, skipped steps, loss history, the logging window
     device: torch.device
     precision: str  # the policy's name (aliases resolved)
@@ -56,6 +58,7 @@ class RunMeasurements:
 
     @property
     def tokens_per_s(self) -> float:
+        """The session's throughput, over the steps `train_seconds` timed."""
         return self.timed_steps * self.tokens_per_step / self.train_seconds if self.train_seconds else 0.0
 
     def mfu(self, tokens_per_s: float) -> float:
@@ -71,7 +74,7 @@ def rank_share(machine: tuple[str, float, int], device: torch.device) -> tuple[s
     alone), so each has its share of that peak."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     sharing = max(1.0, local_ranks * torch.get_num_threads() / (os.cpu_count() or 1))
-    if device.type != "cpu" or sharing == 1:
+    if device.type != "cpu" or sharing <= 1:
         return machine
     name, peak, memory = machine
     return f"{name} (shared by {local_ranks} ranks)", peak / sharing, memory / local_ranks
