@@ -147,7 +147,7 @@ def main() -> None:
     m = cfg.model
     print(f"\nmodel: preset {args.model} reduced to d_model {m.d_model}, {m.n_layers} layers, context "
           f"{cfg.seq_len}, vocab {m.vocab_size} ({trainer.model.num_params() / 1e6:.2f}M parameters); "
-          f"{args.steps} steps of {trainer.tokens_per_step:,} tokens, seed {cfg.train.seed}, same batches for all")
+          f"{args.steps} steps of {trainer.measurements.tokens_per_step:,} tokens, seed {cfg.train.seed}, same batches for all")
     base = results.get("fp32")
     header = (f"{'policy':<11} {'train loss':>10} {'val loss':>9} {'val/fp32':>9} {'tokens/s':>9} {'speed/fp32':>10} "
               f"{'param+opt MB':>12} {'bytes/fp32':>10} {'skipped':>7}  lost updates")

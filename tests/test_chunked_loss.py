@@ -91,17 +91,18 @@ def test_the_plan_counts_what_the_chunked_loss_saves(family, precision, recomput
         loss = model(tokens, targets)
     loss.backward()
     measured = saved.activations
-    predicted = activation_breakdown(cfg, 3, 48, precision, "sdpa", recompute, loss_chunk_tokens=64)
+    predicted = activation_breakdown(cfg, 3, 48, get_policy(precision), "sdpa", recompute, loss_chunk_tokens=64)
     predicted.pop("recomputed_layer", None)
     assert abs(sum(predicted.values()) - measured) <= 8  # the loss's scalar, as in test_memory
 
 
 def test_the_logits_the_plan_counts_shrink_to_one_chunk():
     cfg = make_config("gpt2-124m").model
-    whole = logits_bytes(cfg, 8, 1024, "bf16-mixed")
+    bf16, fp32 = get_policy("bf16-mixed"), get_policy("fp32")
+    whole = logits_bytes(cfg, 8, 1024, bf16)
     assert whole == 8 * 1024 * 50257 * (2 + 4)
-    assert logits_bytes(cfg, 8, 1024, "bf16-mixed", loss_chunk_tokens=1024) == whole / 8
-    assert logits_bytes(cfg, 1, 100, "fp32", loss_chunk_tokens=1024) == logits_bytes(cfg, 1, 100, "fp32")
+    assert logits_bytes(cfg, 8, 1024, bf16, loss_chunk_tokens=1024) == whole / 8
+    assert logits_bytes(cfg, 1, 100, fp32, loss_chunk_tokens=1024) == logits_bytes(cfg, 1, 100, fp32)
 
 
 def test_a_head_it_cannot_chunk_is_refused():

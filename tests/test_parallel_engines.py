@@ -132,7 +132,7 @@ def test_per_rank_bytes_equal_the_plan(two_ranks):
     # tiny's units (32,832 and 49,280 parameters) split evenly in two: no padding at N = 2
     cfg = config("none", "fp32", ACCUM).model
     for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
-        plan = model_state_bytes(cfg, "fp32", zero_stage=get_strategy(strategy).zero_stage, dp=2)
+        plan = model_state_bytes(cfg, get_policy("fp32"), zero_stage=get_strategy(strategy).zero_stage, dp=2)
         held = two_ranks[f"{strategy}@fp32"]["held"]
         for key in ("parameters", "gradients", "master_weights", "optimizer_states"):
             assert held[key] == plan[key], (strategy, key)
@@ -144,7 +144,7 @@ def test_counted_collective_bytes_equal_the_formula(two_ranks, three_ranks):
         for strategy in ("ddp", "zero1", "zero2", "zero3"):
             if f"{strategy}@fp32" not in results:
                 continue
-            formula = step_communication(cfg, strategy, ranks, "fp32", grad_accum=ACCUM)
+            formula = step_communication(cfg, strategy, ranks, get_policy("fp32"), grad_accum=ACCUM)
             held = results[f"{strategy}@fp32"]["held"]
             assert held["ring"]["model"] == formula["ring_elements"] * formula["element_bytes"], (ranks, strategy)
             assert held["sent"] == pytest.approx(formula["sent_bytes"], rel=1e-12)
@@ -159,9 +159,9 @@ def test_bf16_mixed_uses_the_papers_layout_and_trains(two_ranks):
         assert result["losses"] == pytest.approx(reference[1], rel=2e-2), strategy
         assert all(t.dtype == torch.float32 for t in result["model"].values()), strategy  # the fp32 masters
     for strategy in ("zero1", "zero3"):
-        plan = model_state_bytes(cfg, "bf16-mixed", zero_stage=get_strategy(strategy).zero_stage, dp=2)
+        plan = model_state_bytes(cfg, get_policy("bf16-mixed"), zero_stage=get_strategy(strategy).zero_stage, dp=2)
         held = bf16[strategy]["held"]
         for key in ("parameters", "gradients", "master_weights", "optimizer_states"):
             assert held[key] == plan[key], (strategy, key)
-        formula = step_communication(cfg, strategy, 2, "bf16-mixed", grad_accum=ACCUM)
+        formula = step_communication(cfg, strategy, 2, get_policy("bf16-mixed"), grad_accum=ACCUM)
         assert held["ring"]["model"] == formula["ring_elements"] * 2  # 16-bit on the wire

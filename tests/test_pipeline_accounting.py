@@ -7,7 +7,6 @@ import copy
 import io
 import itertools
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +25,8 @@ from lmforge.accounting.plan.predicted_vs_measured import print_comparison
 from lmforge.modes.precision import get_policy
 from lmforge.precision.policy import autocast, prepare_model
 from lmforge.wrap.recompute import apply_recompute
+from lmforge.runs.state import RunState
+from lmforge.train.measurements import RunMeasurements
 from lmforge.train.summary import predicted_vs_measured
 
 
@@ -317,14 +318,14 @@ def test_plan_command_refuses_pipelines_in_one_line(args, message, capsys):
 
 # -- predicted vs measured -------------------------------------------------------------------------
 
-def fake_trainer(plan: dict, measured_by_stage=None):
-    """What predicted_vs_measured reads of a Trainer."""
-    trainer = SimpleNamespace(plan=plan, measured=SimpleNamespace(bytes={}), cfg=make_config("small"),
-                              flops_per_token=plan["flops"]["training_per_token"], world_peak_flops=4e12,
-                              engine=SimpleNamespace(comm=None))
-    if measured_by_stage is not None:
-        trainer.measured_by_stage = measured_by_stage
-    return trainer
+def fake_measurements(plan: dict, measured_by_stage=None) -> RunMeasurements:
+    """A run's measurements as predicted_vs_measured reads them: no memory measured yet, a
+    pipeline's per stage."""
+    return RunMeasurements(state=RunState(), device=torch.device("cpu"), precision="fp32", parameters=0,
+                           tokens_per_step=0, flops_per_token=plan["flops"]["training_per_token"],
+                           hardware_flops_per_token=None, peak_dtype="float32", peak_flops=4e12,
+                           world_peak_flops=4e12, start_step=0,
+                           pipeline=None if measured_by_stage is None else {"measured_by_stage": measured_by_stage})
 
 
 def test_predicted_vs_measured_has_a_row_per_stage():
@@ -332,7 +333,7 @@ def test_predicted_vs_measured_has_a_row_per_stage():
     stages = plan["pipeline"]["stages_detail"]
     measured = [{"parameters": 11, "gradients": 12, "optimizer_states": 13, "activations": 14,
                  "activations_in_flight": 15 + stage} for stage in range(2)]
-    rows = predicted_vs_measured(fake_trainer(plan, measured), tokens_per_s=1000.0)
+    rows = predicted_vs_measured(plan, fake_measurements(plan, measured), tokens_per_s=1000.0)
     for stage in range(2):
         assert rows[f"stage {stage} parameters_bytes"] == {"predicted": stages[stage]["breakdown_bytes"]["parameters"],
                                                           "measured": 11}
@@ -347,9 +348,9 @@ def test_predicted_vs_measured_has_a_row_per_stage():
     text = console.file.getvalue()
     assert "stage 1: saved for backward, peak alive at once" in text and "stage 0: optimizer states" in text
     # before the trainer measures stages, the predictions stand alone
-    rows = predicted_vs_measured(fake_trainer(plan), tokens_per_s=1000.0)
+    rows = predicted_vs_measured(plan, fake_measurements(plan), tokens_per_s=1000.0)
     assert rows["stage 1 gradients_bytes"]["measured"] is None
     # a run without a pipeline keeps its one-device rows
     flat = make_plan(make_config("small").model, Setup(hardware="h100-sxm"))
-    rows = predicted_vs_measured(fake_trainer(flat), tokens_per_s=1000.0)
+    rows = predicted_vs_measured(flat, fake_measurements(flat), tokens_per_s=1000.0)
     assert "parameters_bytes" in rows and not any(key.startswith("stage ") for key in rows)

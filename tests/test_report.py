@@ -67,7 +67,8 @@ def test_building_a_trainer_changes_nothing_outside_its_run(tiny_config, tmp_pat
     trainer = Trainer(tiny_config(max_steps=2), tmp_path / "run", console=Console(quiet=True), progress=False)
     assert not cache.exists()
     trainer.run()
-    assert trainer.measured.bytes["activations"] > 0 and trainer.measured.bytes["optimizer_states"] > 0
+    measured = trainer.measurements.first_step
+    assert measured["activations"] > 0 and measured["optimizer_states"] > 0
     assert not trainer.model._forward_hooks and not trainer.model._forward_pre_hooks
     assert not trainer.optimizer._optimizer_step_post_hooks
     assert not cache.exists()

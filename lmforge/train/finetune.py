@@ -9,6 +9,8 @@ A fine-tuning run (`lmforge finetune`, config section `finetune`) trains on the 
   - the run records which base it was trained on (`base_identity`: the base checkpoint's name and
     the sha256 of its weights), so that a LoRA run, whose checkpoints hold only the adapters, is
     never resumed or sampled on another base.
+
+`prepare_run_data` gives the Trainer either: data/prepare.py's prepared data, or this.
 """
 
 from dataclasses import dataclass, field
@@ -22,11 +24,14 @@ from tokenizers import Tokenizer
 from lmforge.config import Config
 from lmforge.data.corpus import load_documents, split_documents
 from lmforge.data.loader import window_batch
+from lmforge.data.prepare import PreparedData, prepare_data
 from lmforge.data.sft import IGNORE_INDEX, example_batch, is_example_source, load_examples
 from lmforge.data.tokenizer import encode_documents, tokenizer_hash
 from lmforge.data.tokens import unigram_entropy
 from lmforge.common.errors import LmforgeError
+from lmforge.parallel.world import World
 from lmforge.runs.load import base_identity, load_base
+from lmforge.train.setup import check_data
 
 
 @dataclass
@@ -74,3 +79,15 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
     meta.update(tokenizer_sha256=tokenizer_hash(tokenizer), tokenizer_vocab_size=tokenizer.get_vocab_size())
     data = FinetuneData(Path(source), meta, tokenizer, train, val, batches, prompt)
     return data, state, identity
+
+
+def prepare_run_data(cfg: Config, world: World, log, warn, progress: bool
+                     ) -> tuple[PreparedData | FinetuneData, dict[str, torch.Tensor] | None, dict | None]:
+    """The data of any run, made by rank 0 first (once, under the data folder's lock), then opened
+    by the others; with the weights and identity of a fine-tuning run's base (None for a run from
+    scratch, whose prepared data is checked against its model here)."""
+    if cfg.finetune.base is None:
+        data = world.main_first(lambda: prepare_data(cfg, log=log, progress=progress))
+        check_data(cfg, data, warn=warn)
+        return data, None, None
+    return world.main_first(lambda: prepare_finetune(cfg, log=log))

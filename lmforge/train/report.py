@@ -10,23 +10,14 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 from tqdm import tqdm
 
 from lmforge.config import Config, config_to_dict
-from lmforge.common.errors import LmforgeError
 from lmforge.common.formatting import format_duration, human_bytes
+from lmforge.accounting.measure import peak_memory_bytes
 from lmforge.runs.metrics import MetricsLog
+from lmforge.train.measurements import RunMeasurements
 from lmforge.train.tracking import Trackers
-
-
-def print_table(console: Console, rows: list[tuple[str, str]], title: str) -> None:
-    table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column("what", style="bold")
-    table.add_column("value", justify="right")
-    for name, value in rows:
-        table.add_row(name, value)
-    console.print(table)
 
 
 def format_mfu(mfu: float) -> str:
@@ -111,26 +102,23 @@ class SilentLog:
         pass
 
 
-def training_record(trainer, grad_norm: float, steps_per_second: float, session_start: float) -> dict:
-    """The metrics record of the logging window that ends at the trainer's current step (and the
+def training_record(run: RunMeasurements, grad_norm: float, lr: float, steps_per_second: float) -> dict:
+    """The metrics record of the logging window that ends at the run's current step (and the
     window's mean loss, kept in its run state)."""
-    from lmforge.accounting.measure import peak_memory_bytes  # torch: not at import (`lmforge runs` reads this file)
-
-    state, window = trainer.state, trainer.state.window
+    state, window = run.state, run.state.window
     if window["good_steps"]:  # mean over the window's good steps: less noisy than one step's
         window["last_loss"] = window["loss_sum"] / window["good_steps"]
-    tokens_per_s = steps_per_second * trainer.tokens_per_step
-    record = {"step": state.step, "train_loss": window["last_loss"], "grad_norm": grad_norm,
-              "lr": trainer.optimizer.param_groups[0]["lr"], "tokens_per_s": tokens_per_s,
-              "mfu": tokens_per_s * trainer.flops_per_token / trainer.world_peak_flops,
-              "tokens_seen": state.step * trainer.tokens_per_step, "skipped_steps": state.skipped_steps,
-              "time": time.time(), "elapsed_s": time.time() - session_start,
-              "peak_memory_bytes": peak_memory_bytes(trainer.device)}
-    if trainer.cfg.train.recompute != "none":  # hardware FLOPs include the recomputed forward
-        record["hfu"] = tokens_per_s * trainer.hardware_flops_per_token / trainer.world_peak_flops
-    if trainer.scaler.enabled:
-        record["loss_scale"] = trainer.scaler.scale_value
-    if trainer.optimizer.count_lost_updates:
+    tokens_per_s = steps_per_second * run.tokens_per_step
+    record = {"step": state.step, "train_loss": window["last_loss"], "grad_norm": grad_norm, "lr": lr,
+              "tokens_per_s": tokens_per_s, "mfu": run.mfu(tokens_per_s),
+              "tokens_seen": state.step * run.tokens_per_step, "skipped_steps": state.skipped_steps,
+              "time": time.time(), "elapsed_s": time.time() - run.started,
+              "peak_memory_bytes": peak_memory_bytes(run.device)}
+    if run.hardware_flops_per_token is not None:  # hardware FLOPs include the recomputed forward
+        record["hfu"] = run.hfu(tokens_per_s)
+    if run.loss_scale is not None:
+        record["loss_scale"] = run.loss_scale
+    if run.lost_updates is not None:
         lost, updated = window["lost_updates"]
         record["lost_update_fraction"] = lost / updated if updated else 0.0
     return record

@@ -1,152 +1,124 @@
 """The end of a run: the summary (summary.json, the table, loss.png, a sample) and the plan printed
-at the start set beside what the session measured.
-
-`FirstStepMeasurement` takes those measurements in the first optimizer step of a session through
-hooks (a forward pre/post hook on the model for the first micro-batch, a step post-hook on the
-optimizer), so the training loop itself holds no measuring code; each hook removes itself once it
-has run.
+at the start set beside what the session measured (train/measurements.py).
 """
 
 import json
 import math
+from pathlib import Path
 
-import torch
+from rich.console import Console
+from rich.table import Table
 
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name
-from lmforge.generate.sampling import generate
-from lmforge.accounting.measure import measure_saved_bytes
 from lmforge.accounting.plan.predicted_vs_measured import print_comparison
+from lmforge.config import Config
+from lmforge.generate.sampling import generate
 from lmforge.runs.plots import plot_losses, run_title
-from lmforge.train.report import print_table
+from lmforge.train.measurements import RunMeasurements
 
 # train.sample_prompt="" starts the end-of-run sample with this many tokens of a validation document.
 SAMPLE_PROMPT_TOKENS = 8
 
 
-class FirstStepMeasurement:
-    """`bytes`: activations saved for backward by the first micro-batch's forward, this rank's
-    parameter, gradient and optimizer-state bytes after the first applied step (as the data-parallel
-    engine holds them: shards, flat buffers), and on CUDA the peak allocated."""
-
-    def __init__(self, engine, device: torch.device):
-        self.engine, self.model, self.optimizer, self.device = engine, engine.model, engine.optimizer, device
-        model, optimizer = self.model, self.optimizer
-        self.bytes: dict = {}
-        self._saving = None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        self._hooks = {"step": optimizer.register_step_post_hook(self._after_step)}
-        if not engine.measures_activations:  # a pipeline stage measures its micro-batches itself
-            self._hooks.update(forward_pre=model.register_forward_pre_hook(self._start_forward),
-                               forward=model.register_forward_hook(self._end_forward))
-
-    def _start_forward(self, module, args):
-        if torch.is_grad_enabled():  # a training forward (evaluation runs under no_grad)
-            self._saving = measure_saved_bytes(self.model.parameters())
-            self._saved = self._saving.__enter__()
-
-    def _end_forward(self, module, args, output):
-        if self._saving is not None:
-            self._saving.__exit__(None, None, None)
-            self.bytes["activations"] = self._saved.activations
-            self._saving = None
-            for name in ("forward_pre", "forward"):
-                self._hooks.pop(name).remove()
-
-    def _after_step(self, optimizer, args, kwargs):
-        self.bytes.update(self.engine.state_bytes())
-        if self.device.type == "cuda":
-            self.bytes["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
-        self._hooks.pop("step").remove()
-
-    def close(self) -> None:
-        for handle in self._hooks.values():
-            handle.remove()
-        self._hooks.clear()
+def write_summary(run: RunMeasurements, cfg: Config, plan: dict, data, model, run_dir: Path, console: Console,
+                  is_main: bool) -> dict:
+    """The end of a session: summary.json, loss.png, sample.txt, the summary table and the `plan`
+    set beside what was measured (written by rank 0, `is_main`; every rank calls it). `data` (its
+    tokenizer and validation split) and `model` give the sample."""
+    summary = summary_of(run, data.meta, run_dir)
+    summary["predicted_vs_measured"] = predicted_vs_measured(plan, run, summary["tokens_per_s"])
+    # the sample: on every rank (a sharded model needs all of them in each forward); a pipeline's
+    # stages are not a model that generates: `lmforge generate` reads its checkpoint whole
+    if cfg.train.sample_tokens and run.pipeline is None:
+        end = data.tokenizer.token_to_id(cfg.data.end_token)
+        summary["sample_prompt"] = cfg.train.sample_prompt or default_prompt(data, end)
+        summary["sample"] = sample(model, data.tokenizer, summary["sample_prompt"], cfg.train.sample_tokens, end)
+    if not is_main:  # rank 0 alone writes and prints
+        return summary
+    plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png", title=run_title(run_dir.name, cfg, run.parameters),
+                unigram_entropy=data.meta["unigram_entropy_nats"], tokens_per_step=run.tokens_per_step)
+    if "sample" in summary:
+        (run_dir / "sample.txt").write_text(summary["sample"])
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_summary(console, summary, run, cfg.train.fp32_attention)
+    return summary
 
 
-def write_summary(trainer, start_step: int, train_seconds: float) -> dict:
-    """The end of a session: summary.json, loss.png, sample.txt, the summary table and the plan set
-    beside what was measured (written by rank 0; every rank calls it)."""
-    cfg = trainer.cfg
-    compile_seconds = getattr(trainer, "compile_seconds", None)
-    steps = trainer.step - start_step - (1 if compile_seconds is not None else 0)  # the steps train_seconds timed
-    tokens_per_s = steps * trainer.tokens_per_step / train_seconds if train_seconds else 0.0
-    meta = trainer.data.meta
-    val_split = meta["splits"]["val"]
-    val_loss = trainer.history["val_loss"]
+def summary_of(run: RunMeasurements, meta: dict, run_dir: Path) -> dict:
+    """summary.json's numbers (the prepared data's `meta` gives the corpus's)."""
+    state, tokens_per_s = run.state, run.tokens_per_s
+    val_split, val_loss = meta["splits"]["val"], state.history["val_loss"]
+    lost = run.lost_updates
     summary = {
-        "run_dir": str(trainer.run_dir),
-        "device": device_name(trainer.device),
-        "parameters": trainer.parameters,
-        "steps": trainer.step,
-        "tokens_trained": trainer.step * trainer.tokens_per_step,
-        "train_seconds_this_session": train_seconds,
-        "compile_seconds": compile_seconds,
+        "run_dir": str(run_dir),
+        "device": device_name(run.device),
+        "parameters": run.parameters,
+        "steps": state.step,
+        "tokens_trained": state.step * run.tokens_per_step,
+        "train_seconds_this_session": run.train_seconds,
+        "compile_seconds": run.compile_seconds,
         "tokens_per_s": tokens_per_s,
-        "flops_per_token": trainer.flops_per_token,
-        "peak_flops_measured": trainer.peak_flops,
-        "mfu": tokens_per_s * trainer.flops_per_token / trainer.world_peak_flops,
-        "data_wait_fraction": trainer.loader.wait_seconds / train_seconds if train_seconds else 0.0,
-        "precision": trainer.policy.name,
-        "skipped_steps": trainer.skipped_steps,
-        "lost_update_fraction": (trainer.lost_updates_total[0] / trainer.lost_updates_total[1]
-                                 if trainer.lost_updates_total[1] else None),
-        "train_loss": trainer.history["train_loss"],
+        "flops_per_token": run.flops_per_token,
+        "peak_flops_measured": run.peak_flops,
+        "mfu": run.mfu(tokens_per_s),
+        "data_wait_fraction": run.data_wait_seconds / run.train_seconds if run.train_seconds else 0.0,
+        "precision": run.precision,
+        "skipped_steps": state.skipped_steps,
+        "lost_update_fraction": lost[0] / lost[1] if lost and lost[1] else None,
+        "train_loss": state.history["train_loss"],
         "val_loss": val_loss,
         "val_perplexity": math.exp(val_loss),
         "val_bits_per_byte": val_loss * val_split["tokens"] / val_split["bytes"] / math.log(2),
         "unigram_entropy_nats": meta["unigram_entropy_nats"],
     }
-    pipeline = getattr(trainer, "pipeline", None)  # train/pipeline_report.py, on a pipeline run
-    if pipeline is not None:
-        summary["pipeline"] = pipeline
-        trainer.measured_by_stage = pipeline["measured_by_stage"]
-    summary["predicted_vs_measured"] = comparison = predicted_vs_measured(trainer, tokens_per_s)
-    # the sample: on every rank (a sharded model needs all of them in each forward); a pipeline's
-    # stages are not a model that generates: `lmforge generate` reads its checkpoint whole
-    if cfg.train.sample_tokens and pipeline is None:
-        summary["sample_prompt"] = cfg.train.sample_prompt or default_prompt(trainer)
-        summary["sample"] = sample(trainer, summary["sample_prompt"], cfg.train.sample_tokens)
-    if not trainer.world.is_main:  # rank 0 alone writes and prints
-        return summary
-    plot_losses(trainer.run_dir / "metrics.jsonl", trainer.run_dir / "loss.png",
-                title=run_title(trainer.run_dir.name, cfg, summary["parameters"]),
-                unigram_entropy=meta["unigram_entropy_nats"], tokens_per_step=trainer.tokens_per_step)
-    if "sample" in summary:
-        (trainer.run_dir / "sample.txt").write_text(summary["sample"])
-    (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print_table(trainer.console, [
+    if run.pipeline is not None:
+        summary["pipeline"] = run.pipeline
+    return summary
+
+
+def print_summary(console: Console, summary: dict, run: RunMeasurements, fp32_attention: bool) -> None:
+    """The summary table, the plan beside what was measured, a pipeline's bubble and the sample."""
+    compiled = run.compile_seconds is not None
+    print_table(console, [
         ("parameters", f"{summary['parameters'] / 1e6:.2f} M"),
-        ("steps", f"{trainer.step:,} ({summary['tokens_trained']:,} tokens)"),
-        ("training time (this session)", f"{train_seconds:.0f} s"),
-        *([("compile (first step, included)", f"{compile_seconds:.1f} s")] if compile_seconds is not None else []),
-        ("throughput", f"{tokens_per_s:,.0f} tokens/s" + (", after the compile" if compile_seconds is not None else "")),
+        ("steps", f"{summary['steps']:,} ({summary['tokens_trained']:,} tokens)"),
+        ("training time (this session)", f"{run.train_seconds:.0f} s"),
+        *([("compile (first step, included)", f"{run.compile_seconds:.1f} s")] if compiled else []),
+        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s" + (", after the compile" if compiled else "")),
         ("MFU", f"{summary['mfu']:.1%}"),
-        ("peak, measured", f"{trainer.peak_flops / 1e9:,.0f} GFLOP/s ({timed_dtype(trainer.peak_dtype)} matmul)"),
+        ("peak, measured", f"{run.peak_flops / 1e9:,.0f} GFLOP/s ({timed_dtype(run.peak_dtype)} matmul)"),
         ("device", summary["device"]),
-        ("precision", trainer.policy.name + (", attention in fp32" if cfg.train.fp32_attention else "")),
-        ("skipped steps (non-finite)", f"{trainer.skipped_steps:,}" + (
-            f", loss scale now {trainer.scaler.scale_value:g}" if trainer.scaler.enabled else "")),
+        ("precision", run.precision + (", attention in fp32" if fp32_attention else "")),
+        ("skipped steps (non-finite)", f"{summary['skipped_steps']:,}" + (
+            f", loss scale now {run.loss_scale:g}" if run.loss_scale is not None else "")),
         *([("updates rounded to zero (bf16 weights)", f"{summary['lost_update_fraction']:.2%}")]
           if summary["lost_update_fraction"] is not None else []),
         ("data loader waiting", f"{summary['data_wait_fraction']:.2%} of step time"),
         ("train loss", f"{summary['train_loss']:.4f} nats/token"),
-        ("validation loss", f"{val_loss:.4f} nats/token"),
+        ("validation loss", f"{summary['val_loss']:.4f} nats/token"),
         ("validation perplexity", f"{summary['val_perplexity']:.1f} ({summary['val_bits_per_byte']:.3f} bits/byte)"),
-        ("unigram entropy of the corpus", f"{meta['unigram_entropy_nats']:.4f} nats/token"),
-        ("run folder", str(trainer.run_dir)),
+        ("unigram entropy of the corpus", f"{summary['unigram_entropy_nats']:.4f} nats/token"),
+        ("run folder", summary["run_dir"]),
     ], title="lmforge train: summary")
-    print_comparison(trainer.console, comparison)
+    print_comparison(console, summary["predicted_vs_measured"])
+    pipeline = run.pipeline
     if pipeline is not None and pipeline["bubble_measured"] is not None:
-        trainer.console.print(f"pipeline ({pipeline['schedule']}, p={pipeline['stages']}, m={pipeline['micro_batches']}): "
-                              f"bubble measured {pipeline['bubble_measured']:.1%} of the step, (p-1)/(m+p-1) = "
-                              f"{pipeline['bubble_formula']:.1%}; timeline of step {pipeline['timeline_step']} in "
-                              f"{trainer.run_dir / 'pipeline.png'} and pipeline_trace.json", soft_wrap=True)
+        console.print(f"pipeline ({pipeline['schedule']}, p={pipeline['stages']}, m={pipeline['micro_batches']}): "
+                      f"bubble measured {pipeline['bubble_measured']:.1%} of the step, (p-1)/(m+p-1) = "
+                      f"{pipeline['bubble_formula']:.1%}; timeline of step {pipeline['timeline_step']} in "
+                      f"{Path(summary['run_dir']) / 'pipeline.png'} and pipeline_trace.json", soft_wrap=True)
     if "sample" in summary:
-        trainer.console.rule("sample")
-        trainer.console.print(summary["sample"], markup=False, highlight=False)
-    return summary
+        console.rule("sample")
+        console.print(summary["sample"], markup=False, highlight=False)
+
+
+def print_table(console: Console, rows: list[tuple[str, str]], title: str) -> None:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
 
 
 def timed_dtype(peak_dtype: str) -> str:
@@ -155,13 +127,13 @@ def timed_dtype(peak_dtype: str) -> str:
     return timed if timed == peak_dtype else f"{timed}, standing in for {peak_dtype}"
 
 
-def predicted_vs_measured(trainer, tokens_per_s: float) -> dict:
+def predicted_vs_measured(plan: dict, run: RunMeasurements, tokens_per_s: float) -> dict:
     """The plan printed at the start beside what this session measured. A pipeline's plan gets its
     memory rows per stage ("stage 1 parameters_bytes", ...) instead of one device's, measured from
-    `trainer.measured_by_stage` (one dict per stage, from replica 0's rank of it; "parameters",
-    "gradients", "optimizer_states", "activations": one micro-batch's forward, "activations_in_flight":
-    the peak alive at once)."""
-    plan, measured = trainer.plan, trainer.measured.bytes
+    the pipeline report's `measured_by_stage` (one dict per stage, from replica 0's rank of it;
+    "parameters", "gradients", "optimizer_states", "activations": one micro-batch's forward,
+    "activations_in_flight": the peak alive at once)."""
+    measured = run.first_step
     breakdown = plan["memory"]["breakdown_bytes"]
     activations = plan["memory"]["activation_breakdown_bytes"]
     stages = plan["pipeline"]["stages_detail"] if "pipeline" in plan else None
@@ -169,12 +141,12 @@ def predicted_vs_measured(trainer, tokens_per_s: float) -> dict:
         "tokens_per_s": (plan["time"]["tokens_per_second"], tokens_per_s),
         # a pipeline's bubble and unequal stages leave less than 100% at best
         "mfu": (plan["pipeline"]["best_mfu"] if stages else 1.0,
-                tokens_per_s * trainer.flops_per_token / trainer.world_peak_flops),
+                run.mfu(tokens_per_s)),
     }
-    if trainer.cfg.train.recompute != "none":
-        rows["hfu"] = (1.0, tokens_per_s * trainer.hardware_flops_per_token / trainer.world_peak_flops)
+    if run.hardware_flops_per_token is not None:
+        rows["hfu"] = (1.0, run.hfu(tokens_per_s))
     if stages:
-        by_stage = getattr(trainer, "measured_by_stage", None) or [None] * len(stages)
+        by_stage = run.pipeline["measured_by_stage"] if run.pipeline is not None else [None] * len(stages)
         for stage, got in zip(stages, by_stage):
             got = got or {}
             for key in ("parameters", "gradients", "optimizer_states"):
@@ -189,28 +161,26 @@ def predicted_vs_measured(trainer, tokens_per_s: float) -> dict:
         # what one micro-batch saves for backward: the layers, embedding, head and the weight casts
         rows["activations_bytes"] = (sum(activations.values()) - activations.get("recomputed_layer", 0)
                                      + breakdown["weight_copies"], measured.get("activations"))
-    if trainer.engine.comm is not None:  # counted by the engine's collectives (fsdp's own are not seen)
-        steps = max(trainer.step - trainer.session_start_step, 1)
-        rows["sent_bytes_per_step"] = (plan["communication"]["sent_bytes"], trainer.engine.comm.sent_bytes() / steps)
+    if run.sent_bytes is not None:  # counted by the engine's collectives (fsdp's own are not seen)
+        steps = max(run.state.step - run.start_step, 1)
+        rows["sent_bytes_per_step"] = (plan["communication"]["sent_bytes"], run.sent_bytes / steps)
     if "peak_allocated" in measured:  # rank 0's: in a pipeline, stage 0's
         rows["peak_memory_bytes"] = (stages[0]["total_bytes"] if stages else plan["memory"]["per_device_bytes"],
                                      measured["peak_allocated"])
     return {key: {"predicted": p, "measured": m} for key, (p, m) in rows.items()}
 
 
-def default_prompt(trainer) -> str:
-    """The start of the first validation document: a sample prompt in the corpus's own language."""
-    if getattr(trainer.data, "default_prompt", ""):  # fine-tuning data says its own (train/finetune.py)
-        return trainer.data.default_prompt
-    tokenizer = trainer.data.tokenizer
-    end = tokenizer.token_to_id(trainer.cfg.data.end_token)
-    start = trainer.data.val[:SAMPLE_PROMPT_TOKENS].tolist()
-    return tokenizer.decode(start[:start.index(end)] if end in start else start)
+def default_prompt(data, end: int) -> str:
+    """The start of the first validation document (before the `end` token): a sample prompt in the
+    corpus's own language."""
+    if getattr(data, "default_prompt", ""):  # fine-tuning data says its own (train/finetune.py)
+        return data.default_prompt
+    start = data.val[:SAMPLE_PROMPT_TOKENS].tolist()
+    return data.tokenizer.decode(start[:start.index(end)] if end in start else start)
 
-def sample(trainer, prompt: str, max_new_tokens: int, seed: int = 0) -> str:
-    """`prompt` and its continuation."""
-    tokenizer = trainer.data.tokenizer
-    end = tokenizer.token_to_id(trainer.cfg.data.end_token)
-    ids = generate(trainer.model, tokenizer.encode(prompt).ids or [end], max_new_tokens, temperature=0.8,
+
+def sample(model, tokenizer, prompt: str, max_new_tokens: int, end: int, seed: int = 0) -> str:
+    """`prompt` and its continuation, until the `end` token."""
+    ids = generate(model, tokenizer.encode(prompt).ids or [end], max_new_tokens, temperature=0.8,
                    top_p=0.95, stop_token=end, seed=seed)
     return prompt + tokenizer.decode(ids)

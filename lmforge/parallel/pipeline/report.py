@@ -10,18 +10,23 @@ gradients, optimizer states), the activations one micro-batch's forward saved, a
 at once during the first step ("activations_in_flight"), for the predicted-vs-measured table.
 """
 
+from pathlib import Path
+
 import torch.distributed as dist
 
 from lmforge.accounting.pipeline import bubble_fraction, pipeline_split
+from lmforge.config import Config
 from lmforge.parallel.pipeline.timeline import measured_bubble, plot_timeline, write_chrome_trace
 
 
-def pipeline_report(trainer) -> dict:
-    """Gather every rank's timeline and measurements; rank 0 writes the files. Every rank calls it."""
-    engine, t = trainer.engine, trainer.cfg.train
-    layout = engine.layout
-    mine = {"stage": layout.stage, "replica": layout.replica, "events": trainer.timeline.events,
-            "bytes": {**trainer.measured.bytes, "activations": engine.in_flight.get("one_micro_batch_bytes"),
+def pipeline_report(engine, events: list[dict], cfg: Config, first_step_bytes: dict, step: int, run_dir: Path,
+                    is_main: bool) -> dict:
+    """Gather every rank's timeline `events` (of `step`, the last) and its measurements (those of
+    the session's first step, `first_step_bytes`, and the pipeline engine's); rank 0 (`is_main`)
+    writes the files into `run_dir`. Every rank calls it."""
+    t, layout = cfg.train, engine.layout
+    mine = {"stage": layout.stage, "replica": layout.replica, "events": events,
+            "bytes": {**first_step_bytes, "activations": engine.in_flight.get("one_micro_batch_bytes"),
                       "activations_in_flight": engine.in_flight.get("activation_bytes"),
                       "micro_batches_in_flight": engine.in_flight["micro_batches"]}}
     everyone = [None] * dist.get_world_size()
@@ -35,16 +40,16 @@ def pipeline_report(trainer) -> dict:
     formula = bubble_fraction(layout.stages, t.micro_batches)
     report = {"schedule": t.schedule, "engine": t.pipeline_engine, "stages": layout.stages,
               "replicas": layout.replicas, "micro_batches": t.micro_batches,
-              "split": pipeline_split(trainer.cfg.model, layout.stages, t.pipeline_split, trainer.cfg.seq_len),
+              "split": pipeline_split(cfg.model, layout.stages, t.pipeline_split, cfg.seq_len),
               "bubble_formula": formula, "bubble_measured": measured["bubble"],
               "idle_fraction_per_stage": measured["idle_fraction_per_stage"],
-              "step_seconds": measured["step_seconds"], "timeline_step": trainer.step,
+              "step_seconds": measured["step_seconds"], "timeline_step": step,
               "measured_by_stage": [r["bytes"] for r in first_pipeline]}
-    if trainer.world.is_main and timed:
+    if is_main and timed:
         title = (f"{t.schedule} pipeline: p={layout.stages} stages, m={t.micro_batches} micro-batches "
-                 f"(step {trainer.step}, replica 0)")
-        plot_timeline(events_by_stage, trainer.run_dir / "pipeline.png", title, formula, measured)
-        write_chrome_trace(events_by_stage, trainer.run_dir / "pipeline_trace.json",
+                 f"(step {step}, replica 0)")
+        plot_timeline(events_by_stage, run_dir / "pipeline.png", title, formula, measured)
+        write_chrome_trace(events_by_stage, run_dir / "pipeline_trace.json",
                            {key: report[key] for key in ("schedule", "stages", "micro_batches", "bubble_formula",
                                                          "bubble_measured")})
     return report
