@@ -413,7 +413,7 @@ def run_training(ctx, batch: int, results: dict, checks: list) -> None:
     for mode in ("eager", "compiled"):
         ctx.check_time(f"train {mode}")
         if mode == "compiled":
-            # what train.compile=true does (train/compile.py): each block and the loss piece
+            # what train.compile=true does (wrap/compile.py): each block and the loss piece
             # compiled in place of itself (torchtitan's way); the 16 identical blocks share a graph
             apply_compile(model, backend=s.compile_backend)
         say(f"  train {mode}: {s.train_warmup} warm-up + {s.train_steps} timed steps")

@@ -1,4 +1,4 @@
-"""The chunked head + loss (train/chunked_loss.py) against the plain loss, and its memory in the plan.
+"""The chunked head + loss (wrap/chunked_loss.py) against the plain loss, and its memory in the plan.
 
 Tolerances: in fp32 the two compute the same sums in another grouping (chunks of rows, dW summed
 chunk by chunk), so they agree to a few fp32 roundings (rel 1e-5, where fp32's eps is 1.2e-7 and

@@ -2,7 +2,7 @@
 trace and pipeline.png.
 
 The bubble is checked against an ideal pipeline laid out by a small simulator here (not in the
-package: the engine's real schedules live in parallel/pipeline.py): every forward takes 1, every
+package: the engine's real schedules live in parallel/pipeline/engine.py): every forward takes 1, every
 backward 2, communication takes no time, and each action starts as soon as its stage is free and
 its input has arrived. Both schedules then last (m + p - 1)(t_f + t_b) and every stage computes
 m(t_f + t_b), so the measured bubble must be (p-1)/(m+p-1) exactly: the times are whole numbers and

@@ -13,7 +13,7 @@ Recomputation in Large Transformer Models", section 4) count s*b*h*(34 + 5*a*s/h
 layer for GPT-3 in 16-bit with dropout; `korthikanti_activation_bytes` is that count with its
 variants. `activation_breakdown` counts, tensor by tensor, what lmforge's model saves, in the
 dtypes each precision policy gives those tensors (the family's own terms: activations.py; the
-bytes per element: precision/policies.py); tests/test_memory.py checks it against the bytes
+bytes per element: modes/precision.py); tests/test_memory.py checks it against the bytes
 autograd really saves (accounting/measure.py).
 """
 
@@ -199,7 +199,7 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
                          first: bool = True, last: bool = True) -> dict[str, float]:
     """Bytes saved for backward over one micro-batch of b sequences of s tokens, per device.
 
-    With `loss_chunk_tokens` (train/chunked_loss.py) the head and loss keep their finished
+    With `loss_chunk_tokens` (wrap/chunked_loss.py) the head and loss keep their finished
     gradients instead: dh in the residual stream's dtype and dW in fp32, no logits, no head cast.
 
     Layers: tensor parallelism with sequence parallelism divides each layer's activations by tp

@@ -4,7 +4,7 @@ EleutherAI's "Transformer Math 101" (Anthony, Biderman and Schoelkopf 2023, "Opt
 counts, per parameter in mixed precision, an fp32 copy of the weights (4 bytes) plus the states:
 AdamW 4 + 8 = 12 bytes (momentum and variance, fp32), 8-bit AdamW 4 + 2 = 6 (bitsandbytes),
 SGD with momentum 4 + 4 = 8. lmforge's mixed-precision policies keep fp32 parameters that are
-their own master copy (precision/policies.py), so the states alone are counted here and the copy
+their own master copy (modes/precision.py), so the states alone are counted here and the copy
 is the policy's parameter bytes. The others:
 
 - Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", algorithm 2) keeps only

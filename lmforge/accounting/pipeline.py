@@ -18,7 +18,7 @@ unequal stages, tests/test_pipeline_accounting.py, ends between m and m + p - 1 
 at most min(m, p - s) micro-batches of activations are alive on it; GPipe keeps all m until the
 backwards start.
 
-How the model is cut (parallel/pipeline.py): stage s holds the blocks stage_layers(split)[s], the
+How the model is cut (parallel/pipeline/engine.py): stage s holds the blocks stage_layers(split)[s], the
 first stage also the token (and learned position) embeddings, the last the final norm, LM head
 and loss; with tied embeddings the first and the last stage each hold a full copy of the shared
 matrix. Pipelines replicate whole stages for data parallelism (DDP-style, no ZeRO sharding).

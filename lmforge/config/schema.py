@@ -95,9 +95,9 @@ class TrainConfig:
     fp8_scaling: str = "current"  # fp8 per-tensor scales: current (this tensor's amax) | delayed (amax history)
     max_bad_steps: int = 1  # stop after this many non-finite steps in a row (all policies but fp16-mixed)
     recompute: str = "none"  # none | selective | full: activation recomputation in backward
-    compile: bool = False  # torch.compile each block and the head + loss (train/compile.py)
+    compile: bool = False  # torch.compile each block and the head + loss (wrap/compile.py)
     # LM head + cross-entropy in chunks of this many tokens, never materialising the whole
-    # (tokens x vocab) logits (train/chunked_loss.py); 0: the plain loss
+    # (tokens x vocab) logits (wrap/chunked_loss.py); 0: the plain loss
     loss_chunk_tokens: int = 0
     sample_tokens: int = 200  # tokens generated at the end of training; 0 disables
     sample_prompt: str = ""  # "": the start of a validation document (a prompt in the corpus's language)
@@ -107,7 +107,7 @@ class TrainConfig:
     parallel: str = "none"
     bucket_mb: float = 25.0  # DDP/ZeRO: gradients are reduced in buckets of about this many MiB
     dist_timeout: int = 60  # seconds a collective may wait before the run stops (a dead rank)
-    # pipeline parallelism under torchrun (lmforge/parallel/pipeline.py): the model cut into this many
+    # pipeline parallelism under torchrun (lmforge/parallel/pipeline/engine.py): the model cut into this many
     # stages, one per rank; with more ranks than stages, the pipelines are replicated (data parallel)
     pipeline_stages: int = 1
     micro_batches: int = 1  # pipeline micro-batches per optimizer step, each of train.batch_size sequences

@@ -12,10 +12,10 @@ update about the same when r changes, so alpha need not be re-tuned with it.
 
 Only A and B need gradients and AdamW moments: for a d x d projection that is 2 r d numbers
 instead of d^2. The activations of the frozen layers are still kept wherever the gradient of an
-earlier adapter has to flow back through them (accounting/plan.py counts this).
+earlier adapter has to flow back through them (accounting/plan/make.py counts this).
 
 Names: `LoRALinear` holds the base layer as its child `base`, but its state dict drops that
-segment (as train/recompute.py drops its wrapper's), so the wrapped weight keeps its canonical
+segment (as wrap/recompute.py drops its wrapper's), so the wrapped weight keeps its canonical
 name (`blocks.0.attn.q_proj.weight`) and the adapters are `blocks.0.attn.q_proj.lora_A` / `lora_B`.
 A checkpoint of the base loads into the wrapped model and the merged model saves as a plain one.
 """
@@ -113,7 +113,7 @@ def _add_base_prefix(state_dict, prefix, *args):
         state_dict[f"{prefix}{BASE}.{key[len(prefix):]}"] = state_dict.pop(key)
 
 
-# train/recompute.py's wrapper segment (torch's checkpoint wrapper's name), spelt out here so that
+# wrap/recompute.py's wrapper segment (torch's checkpoint wrapper's name), spelt out here so that
 # the model package (and accounting/, which counts adapters) imports nothing of train/
 RECOMPUTE_SEGMENT = "_checkpoint_wrapped_module."
 

@@ -1,9 +1,9 @@
 """The data-parallel strategies by name, and what each shards across the N_d ranks
 (Rajbhandari et al. 2020, "ZeRO", figure 1).
 
-lmforge/parallel/ applies a strategy to a model (the torch side); config.py validates
+lmforge/parallel/ applies a strategy to a model (the torch side); config/validate.py validates
 `train.parallel` against these names; accounting/ counts the bytes each keeps per rank and the
-bytes its collectives move. A top-level module without torch, like recompute_modes.py.
+bytes its collectives move. A module without torch, like modes/recompute.py.
 """
 
 from dataclasses import dataclass
@@ -40,7 +40,7 @@ def shard_unit(name: str) -> str:
     return f"blocks.{parts[1]}" if parts[0] == "blocks" else "rest"
 
 
-# -- pipeline parallelism (lmforge/parallel/pipeline.py) -----------------------------------------
+# -- pipeline parallelism (lmforge/parallel/pipeline/engine.py) -----------------------------------------
 
 @dataclass(frozen=True)
 class PipelineSchedule:
@@ -57,7 +57,7 @@ PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
     PipelineSchedule("1f1b", "warm-up forwards, then one forward one backward (1F1B)"),
 )}
 
-PIPELINE_ENGINES = {"lmforge": "our schedules on send/recv (parallel/pipeline.py)",
+PIPELINE_ENGINES = {"lmforge": "our schedules on send/recv (parallel/pipeline/engine.py)",
                     "torch": "torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B"}
 
 

@@ -1,6 +1,6 @@
 """The precision policies by name: what each stores and computes in, and what that costs in bytes.
 
-One entry per policy carries everything the rest of lmforge asks of it: config.py validates
+One entry per policy carries everything the rest of lmforge asks of it: config/validate.py validates
 `train.precision` against these names, precision/policy.py applies a policy to a model (the torch
 side: it turns the dtype names here into torch dtypes), and accounting/ reads the bytes per
 element (memory.py) and the dtype of the matmul peak (plan.py). Light on purpose: no torch, so

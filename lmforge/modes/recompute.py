@@ -1,9 +1,9 @@
 """The activation recomputation modes by name (Chen et al. 2016; Korthikanti et al. 2022), and
 what each reruns in backward.
 
-train/recompute.py applies a mode to a model (the torch side); config.py validates
+wrap/recompute.py applies a mode to a model (the torch side); config/validate.py validates
 `train.recompute` against these names; accounting/ counts what each keeps (memory.py) and the
-FLOPs it adds (flops.py). A top-level module without torch, so that config.py and accounting/ can
+FLOPs it adds (flops.py). A module without torch, so that config/ and accounting/ can
 read it without importing the training code.
 """
 

@@ -1,1 +1,3 @@
-"""Training: setup.py (build and wrap), loop.py (the steps), state.py and checkpoint.py (the run folder), report.py, tracking.py, plots.py and summary.py (what a run reports)."""
+"""Training: setup.py builds and wraps the model (the one ordered list), loop.py runs the steps;
+measurements.py, report.py and summary.py are what a run reports (the run folder itself is
+lmforge/runs/)."""

@@ -48,6 +48,7 @@ from lmforge.train.setup import build_engine, check_attention
 from lmforge.train.signals import StopRequests, Stopped
 from lmforge.train.summary import write_summary
 
+
 def train_step(engine: Engine, next_batch, grad_accum: int, lr: float, grad_clip: float, scaler: LossScaler,
                policy: Policy, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """One optimizer step of any data-parallel engine (lmforge/parallel/): `grad_accum` micro-batches

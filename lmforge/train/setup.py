@@ -8,11 +8,11 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
     2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
-                  (train/recompute.py)
-    4. loss       the chunked head + loss in place of the plain one (train/chunked_loss.py)
+                  (wrap/recompute.py)
+    4. loss       the chunked head + loss in place of the plain one (wrap/chunked_loss.py)
     5. LoRA       with finetune.lora_rank: freeze everything, wrap the targeted linears in
                   LoRALinear (model/lora.py)
-    6. compile    each block and the loss piece in a torch.compile wrapper (train/compile.py)
+    6. compile    each block and the loss piece in a torch.compile wrapper (wrap/compile.py)
     7. parallel   pipeline parallelism: the stage's engine (its schedule, point-to-point sends);
                   data parallelism: `parallelize` wraps the model in the engine of train.parallel
                   (lmforge/parallel/): none and ddp keep the model whole; zero1-3 flatten each

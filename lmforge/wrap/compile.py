@@ -3,7 +3,7 @@ and the loss piece (final norm, LM head, cross-entropy: model.loss), is replaced
 `torch.compile(module)`, a wrapper module holding the original under `_orig_mod`.
 
 - Names stay canonical: torch.distributed.checkpoint drops `_orig_mod` from the names it gives
-  optimizer state, and the wrapper's state dict drops it too (train/recompute.py
+  optimizer state, and the wrapper's state dict drops it too (wrap/recompute.py
   keep_canonical_names), so a checkpoint of a compiled run has the names of an uncompiled one.
 - One compile for all blocks: they run the same code and torch.compile passes parameters as graph
   inputs, so the graph of block 0 serves every layer (and one more for the loss piece).
@@ -16,7 +16,7 @@ and the loss piece (final norm, LM head, cross-entropy: model.loss), is replaced
 
 Combinations: every precision policy, recomputation mode and attention backend compiles
 (recomputation's torch.utils.checkpoint is traced as one region) except flash_triton, whose
-kernels torch.compile would have to trace on a GPU, untried (config.py refuses it with one line).
+kernels torch.compile would have to trace on a GPU, untried (config/validate.py refuses it with one line).
 """
 
 import torch

@@ -40,16 +40,16 @@ class Setup:
     precision: str = "fp32"
     optimizer: str = "adamw"
     zero_stage: int = 0
-    parallel: str = "none"  # train.parallel (parallel_modes.py); "none" with zero_stage > 0 means that ZeRO stage
+    parallel: str = "none"  # train.parallel (modes/parallel.py); "none" with zero_stage > 0 means that ZeRO stage
     dp: int = 1  # data-parallel degree
     tp: int = 1  # tensor-parallel degree
     sequence_parallel: bool = True  # with tp: norms and dropout split along the sequence (Korthikanti et al. 2022)
     pp: int = 1  # pipeline stages (train.pipeline_stages); devices = dp x tp x pp
     micro_batches: int = 1  # pipeline micro-batches per optimizer step, each of batch_size sequences
-    schedule: str = "1f1b"  # gpipe | 1f1b (parallel_modes.PIPELINE_SCHEDULES): how many are in flight
+    schedule: str = "1f1b"  # gpipe | 1f1b (modes/parallel.py's PIPELINE_SCHEDULES): how many are in flight
     pipeline_split: str = ""  # layers per stage, "4,4,4,4"; "": balanced by FLOPs (accounting/pipeline.py)
     recompute: str = "none"
-    attention: str = "sdpa"  # a name in model/backends.py: naive keeps the s x s scores, the fused ones do not
+    attention: str = "sdpa"  # a name in modes/attention.py: naive keeps the s x s scores, the fused ones do not
     fp32_attention: bool = False  # the attention core in fp32 under a low-precision policy
     loss_chunk_tokens: int = 0  # head + loss in chunks of this many tokens (0: whole logits)
     hardware: str = "this"  # a name in hardware.ACCELERATORS, or "this" (peak and memory given below)
@@ -99,7 +99,7 @@ class Setup:
         require(self.zero_stage in (0, 1, 2, 3), f"zero stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         get_recompute(self.recompute)
         lookup(PIPELINE_SCHEDULES, self.schedule, "pipeline schedule")
-        if self.pp > 1:  # what the pipeline engine (parallel/pipeline.py) composes with
+        if self.pp > 1:  # what the pipeline engine (parallel/pipeline/engine.py) composes with
             require(self.zero_stage == 0 and self.parallel in ("none", "ddp"),
                     f"pp {self.pp} with {strategy_of(self)}: pipeline stages are replicated whole for data "
                     f"parallelism (DDP-style); use zero stage 0")

@@ -45,7 +45,7 @@ def one_f_one_b(stages: int, micro_batches: int, stage: int) -> list[Action]:
     return actions + [Action("B", i) for i in range(micro_batches - warmup, micro_batches)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}  # the names of parallel_modes.PIPELINE_SCHEDULES
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}  # the names of modes/parallel.py's PIPELINE_SCHEDULES
 
 
 def schedule_actions(schedule: str, stages: int, micro_batches: int, stage: int) -> list[Action]:
