@@ -72,7 +72,13 @@ def assert_same_training(result: dict, reference: tuple, lr: float):
     assert set(result["model"]) == set(ref_model)
     diff = torch.cat([(result["model"][k].float() - ref_model[k].float()).abs().flatten() for k in ref_model])
     assert diff.max().item() <= 2 * STEPS * lr
-    assert (diff > 1e-6).float().mean().item() <= 1e-3
+    # Summed in another order, a gradient near zero can flip its sign, and Adam turns that into an
+    # lr-sized step: a few elements of each tensor may differ by more than rounding. Per tensor, so
+    # that one tensor left out of the reduction (all of its elements off) cannot hide in the total;
+    # the worst measured is 0.44% (tok_embeddings, 3 ranks, 2-core AMD EPYC).
+    for name in ref_model:
+        off = ((result["model"][name].float() - ref_model[name].float()).abs() > 1e-6).float().mean().item()
+        assert off <= 1e-2, (name, off)
 
 
 def state_equal(a: dict, b: dict) -> bool:
@@ -101,9 +107,15 @@ def test_every_strategy_equals_one_process_on_the_global_batch(two_ranks, three_
 
 
 def test_our_ddp_equals_torch_ddp(two_ranks):
-    # the same sum over the same two ranks: the same numbers, bit for bit
-    assert state_equal(two_ranks["ddp@fp32"]["model"], two_ranks["torch_ddp@fp32"]["model"])
-    assert two_ranks["ddp@fp32"]["norms"] == two_ranks["torch_ddp@fp32"]["norms"]
+    # The same sum over the same two ranks. The first step's gradient norm is bit-identical; later
+    # steps were too on a 2-core Intel Xeon, but on a 2-core AMD EPYC the two drift apart by a last
+    # bit from step 2 on (norms within 1e-7 relative, weights within 6e-8 after 3 steps, measured).
+    ours, torch_ddp = two_ranks["ddp@fp32"], two_ranks["torch_ddp@fp32"]
+    assert ours["norms"][0] == torch_ddp["norms"][0]
+    assert ours["norms"] == pytest.approx(torch_ddp["norms"], rel=1e-6)
+    assert set(ours["model"]) == set(torch_ddp["model"])
+    for name, value in ours["model"].items():
+        torch.testing.assert_close(value, torch_ddp["model"][name], rtol=0, atol=1e-6)
 
 
 def test_our_zero3_equals_fsdp2(two_ranks):
