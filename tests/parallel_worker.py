@@ -1,6 +1,8 @@
 """Run by tests/test_parallel_engines.py under torchrun (not a test module itself): trains the
 `tiny` model a few steps under each strategy given, every rank on its rows of one global batch,
-and rank 0 saves what the test compares (full state by name, losses, bytes held, bytes sent)."""
+and rank 0 saves what the test compares (full state by name, losses, bytes held, bytes sent).
+A strategy's key is `name@precision`, optionally followed by variants (`+lora`, `+torch_adamw`:
+VARIANTS), e.g. `zero3@fp32+lora`."""
 
 import datetime
 import sys
@@ -11,17 +13,43 @@ import torch.nn as nn
 
 from lmforge.config import make_config
 from lmforge.parallel.engine import Engine
+from lmforge.parallel.parallelize import parallelize
 from lmforge.precision.loss_scaler import LossScaler
 from lmforge.modes.precision import get_policy
 from lmforge.train.loop import train_step
-from lmforge.train.setup import build_engine, build_model, build_optimizer
+from lmforge.train.setup import build_engine, build_model, build_optimizer, weight_decay_groups
 
 SEQ, ROWS = 32, 2  # tokens per row; rows per rank per micro-batch
+VARIANTS = {"lora": ["finetune.lora_rank=4"],  # config overrides of each variant
+            "torch_adamw": []}  # the engine built around torch.optim.AdamW instead of lmforge's
 
 
 def config(strategy: str, precision: str, grad_accum: int, extra=()):
     return make_config("tiny", overrides=[f"train.parallel={strategy}", f"train.precision={precision}",
                                           f"train.grad_accum={grad_accum}", *extra])
+
+
+def parse_key(key: str) -> tuple[str, str, list[str]]:
+    """"zero3@fp32+lora" -> ("zero3", "fp32", ["lora"])."""
+    strategy, rest = key.split("@")
+    precision, *variants = rest.split("+")
+    return strategy, precision, variants
+
+
+def variant_config(strategy: str, precision: str, grad_accum: int, variants: list[str]):
+    return config(strategy, precision, grad_accum, [o for v in variants for o in VARIANTS[v]])
+
+
+def make_engine(cfg, variants: list[str]) -> Engine:
+    """train/setup.py's engine of `cfg`; with torch_adamw, the same around torch.optim.AdamW."""
+    policy = get_policy(cfg.train.precision)
+    if "torch_adamw" not in variants:
+        return build_engine(cfg, policy)
+    o = cfg.optim
+    return parallelize(build_model(cfg, policy), cfg, policy,
+                       make_optimizer=lambda groups: torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2),
+                                                                      eps=o.eps),
+                       weight_decay_groups=lambda model: weight_decay_groups(model, o.weight_decay))
 
 
 def global_batches(step: int, grad_accum: int, rows: int, vocab: int):
@@ -74,15 +102,15 @@ class TorchDDP(Engine):
 
 
 def main(out: str, strategies: str, grad_accum: int, steps: int):
-    """strategies: comma-separated `name@precision` (torch_ddp: DistributedDataParallel)."""
+    """strategies: comma-separated keys (parse_key; torch_ddp: DistributedDataParallel)."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, ranks = dist.get_rank(), dist.get_world_size()
     results = {}
     for key in strategies.split(","):
-        strategy, precision = key.split("@")
-        cfg = config(strategy if strategy != "torch_ddp" else "ddp", precision, grad_accum)
+        strategy, precision, variants = parse_key(key)
+        cfg = variant_config(strategy if strategy != "torch_ddp" else "ddp", precision, grad_accum, variants)
         torch.manual_seed(cfg.train.seed)
-        engine = TorchDDP(cfg) if strategy == "torch_ddp" else build_engine(cfg, get_policy(precision))
+        engine = TorchDDP(cfg) if strategy == "torch_ddp" else make_engine(cfg, variants)
         held = {}
         losses, norms = train(engine, cfg, steps, rank, ranks,
                               on_grads=lambda e: held.update(e.state_bytes(), sent=e.comm.sent_bytes("model")
@@ -94,7 +122,7 @@ def main(out: str, strategies: str, grad_accum: int, steps: int):
         optimizer_state = engine.optimizer_state_dict() if strategy != "torch_ddp" else None
         # a fresh engine loads the state back: each rank keeps its shard of the same full tensors
         reloaded = None
-        if strategy in ("zero1", "zero3", "ddp"):
+        if strategy in ("zero1", "zero3", "ddp") and "torch_adamw" not in variants:
             torch.manual_seed(cfg.train.seed + 1)
             fresh = build_engine(cfg, get_policy(precision))
             fresh.load_model_state_dict(model_state)

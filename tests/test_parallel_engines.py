@@ -24,13 +24,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parallel_worker import ROWS, config, train  # noqa: E402
+from parallel_worker import ROWS, config, make_engine, train, variant_config  # noqa: E402
 
 from lmforge.accounting.comm import step_communication  # noqa: E402
 from lmforge.accounting.memory import model_state_bytes  # noqa: E402
 from lmforge.modes.parallel import get_strategy  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
-from lmforge.train.setup import build_engine  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -56,11 +55,11 @@ def run_worker(tmp_path, ranks: int, strategies: str) -> dict:
     return torch.load(out, weights_only=False)
 
 
-def single_process(ranks: int, precision: str = "fp32") -> tuple[dict, list, list]:
-    """One process on the same global batches of ranks * ROWS rows."""
-    cfg = config("none", precision, ACCUM)
+def single_process(ranks: int, precision: str = "fp32", variants=()) -> tuple[dict, list, list]:
+    """One process on the same global batches of ranks * ROWS rows (parallel_worker's variants)."""
+    cfg = variant_config("none", precision, ACCUM, list(variants))
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(cfg, get_policy(precision))
+    engine = make_engine(cfg, list(variants))
     losses, norms = train(engine, cfg, STEPS, rank=0, ranks=1, rows=ranks * ROWS)
     return engine.model_state_dict(), losses, norms
 

@@ -152,3 +152,8 @@ class AdamW(torch.optim.Optimizer):
         intended = (m != 0) | ((before != 0) & decaying)
         counts[0] = counts[0] + (intended & (param == before)).sum()
         counts[1] = counts[1] + intended.sum()
+
+
+def counts_lost_updates(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` counts lost updates (lmforge's AdamW asked to); any other counts nothing."""
+    return isinstance(optimizer, AdamW) and optimizer.count_lost_updates

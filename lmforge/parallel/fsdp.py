@@ -1,13 +1,17 @@
 """FSDP2: PyTorch's `fully_shard`, the path to run at scale (what parallel/zero.py's stage 3 does,
 in C++-backed DTensors, with its own streams and prefetching).
 
-`fully_shard` is applied to each block and then to the whole model (whose own group is then the
-embeddings, final norm and head: the same units as zero.py). Parameters become DTensors sharded
+`fully_shard` is applied to each unit module (parallel/shards.py's `unit_modules`: lmforge's
+blocks, or any other model's direct children; one that shares a parameter with another is left to
+the model's group) and then to the whole model (whose own group is then the embeddings, final norm
+and head: the same units as zero.py). Parameters become DTensors sharded
 on dim 0; each group is all-gathered before its forward and backward and resharded after, and its
 gradients reduce-scattered. The MixedPrecisionPolicy follows the precision policy as zero.py's
 layout does: under bf16-mixed, fp16-mixed and fp8 the gathered parameters and the reduced
 gradients are 16-bit, the sharded parameters (the master weights) and AdamW's m and v fp32.
-lmforge's AdamW steps the sharded parameters directly (its foreach operations run on DTensors).
+lmforge's AdamW steps the sharded parameters directly (its foreach operations run on DTensors),
+as any torch optimizer does. Frozen parameters (a LoRA base) are sharded and gathered like the
+others; only the trainable ones get gradients and optimizer states.
 """
 
 import contextlib
@@ -20,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
+from lmforge.parallel.shards import parameter_units, unit_modules
 
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -34,8 +39,10 @@ class FSDPEngine(DistributedEngine):
         self.broadcast_from_rank0()
         param_dtype = None if working_dtype == next(model.parameters()).dtype else working_dtype
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)
-        for block in model.blocks.values():
-            fully_shard(block, mp_policy=policy)
+        unit_of = parameter_units(model)
+        for name, module in unit_modules(model).items():
+            if all(unit_of[p] == name for p in module.parameters()):  # a shared one: the model's group
+                fully_shard(module, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         self.optimizer = make_optimizer(weight_decay_groups_of(model))  # over the sharded parameters
 

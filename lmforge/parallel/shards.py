@@ -1,8 +1,11 @@
 """The flat-buffer layout ZeRO shards over (parallel/zero.py): units, their buffers and this rank's slices.
 
-Units. The parameters are grouped into units that are flattened, sharded and communicated
-together: each block (`blocks.0` ... `blocks.L-1`) is a unit, and everything else (embeddings,
-final norm, head) is the unit "rest". A unit's parameters are laid end to end in one flat buffer,
+Units. The trainable parameters are grouped into units that are flattened, sharded and
+communicated together: each unit module (`unit_modules`: lmforge's blocks `blocks.0` ...
+`blocks.L-1`, or any other model's direct children) is a unit, and everything else (lmforge's
+embeddings, final norm, head; a parameter shared by two unit modules) is the unit "rest". Frozen
+parameters (requires_grad False, e.g. a LoRA base) are in no unit: see parallel/zero.py. A unit's
+parameters are laid end to end in one flat buffer,
 padded to a multiple of N, and rank r owns the slice [r S, (r+1) S) of it, S = ceil(numel / N).
 Parameters become views of that buffer, so a collective on the buffer moves all of them at once.
 
@@ -21,8 +24,6 @@ Per unit, after `Unit.shard`:
 import torch
 import torch.nn as nn
 
-from lmforge.model.names import canonical_name
-from lmforge.modes.parallel import shard_unit
 
 
 class Unit:
@@ -88,12 +89,45 @@ class Unit:
         self.gathered = False
 
 
+def unit_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules gathered, sharded and freed one at a time: lmforge's blocks ("blocks.3", the
+    names modes/parallel.py's `shard_unit` gives, which accounting/ counts by), or for any other
+    model its direct children that hold parameters. The model's other parameters form "rest"."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleDict):
+        return {f"blocks.{name}": block for name, block in blocks.items()}
+    return {name: child for name, child in model.named_children() if any(True for _ in child.parameters())}
+
+
+def parameter_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Each parameter's name in the model's state_dict (tied: the first), in its order; the state
+    dict's names are the canonical ones, whatever wrapper or adapter holds the parameter."""
+    names = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if isinstance(t, nn.Parameter):
+            names.setdefault(t, name)
+    return names
+
+
+def parameter_units(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Each parameter's unit: the unit module holding it, or "rest" (held by none, or by more than
+    one: a shared parameter must be there whenever either runs)."""
+    holders: dict[nn.Parameter, set[str]] = {}
+    for unit, module in unit_modules(model).items():
+        for p in module.parameters():
+            holders.setdefault(p, set()).add(unit)
+    return {p: next(iter(holders.get(p, ()))) if len(holders.get(p, ())) == 1 else "rest"
+            for p in model.parameters()}
+
+
 def model_units(model: nn.Module, world: int, rank: int) -> tuple[list[Unit], dict[nn.Parameter, str]]:
-    """The model's units (shard_unit of each canonical name), and each parameter's name (tied: the first)."""
-    names = {p: canonical_name(n) for n, p in model.named_parameters()}
+    """The units of the model's trainable parameters (in the state_dict's order), and every
+    parameter's name."""
+    unit_of, names = parameter_units(model), parameter_names(model)
     by_unit: dict[str, list] = {}
-    for p, name in names.items():
-        by_unit.setdefault(shard_unit(name), []).append(p)
+    for p in names:
+        if p.requires_grad:
+            by_unit.setdefault(unit_of[p], []).append(p)
     return [Unit(u, ps, [names[p] for p in ps], world, rank) for u, ps in by_unit.items()], names
 
 

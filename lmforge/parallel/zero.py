@@ -4,8 +4,15 @@ Trillion Parameter Models", section 5), written on collectives.
 Data parallelism keeps a full copy of every model state on each of the N ranks. ZeRO partitions
 them instead: each rank owns 1/N of every state and updates only that.
 
-The parameters are grouped into units (each block, and "rest") laid end to end in flat buffers,
-each rank owning 1/N of every buffer (parallel/shards.py).
+The trainable parameters are grouped into units (each block, and "rest"; for a model other than
+lmforge's, its direct children and "rest") laid end to end in flat buffers, each rank owning 1/N
+of every buffer (parallel/shards.py).
+
+Frozen parameters (requires_grad False: a LoRA base) are in no unit: every rank keeps them whole,
+as broadcast from rank 0, under every stage. They get no gradient hook, no gradient, no master
+copy and no optimizer state, are never updated, so the ranks' copies stay equal, and never need
+gathering. The simplest correct layout; its price is that stage 3 shards only what trains: with
+LoRA the base model is whole on every rank (FSDP, fsdp.py, shards it too).
 
 The step, for each stage (all of them shard the optimizer):
     stage 1  the optimizer states (AdamW's m and v, and fp32 master weights) are sharded. Each
@@ -30,7 +37,8 @@ slice into its 16-bit slice. Under fp32 and bf16-pure the working parameters are
 weights (K = 8 or 4). The update itself is lmforge's AdamW (optim/adamw.py) over this rank's
 pieces: the part of each parameter that falls in its slice, a view of the master shard, in the
 parameter's weight-decay group; elementwise, so each element gets the same update as in one
-process.
+process. Any torch optimizer works the same way (it sees plain tensors with gradients); when it
+is lmforge's AdamW counting lost updates (bf16-pure), the engine adds up the ranks' counts.
 
 Communication per step per rank (parallel/comm.py, accounting/comm.py): stages 1 and 2,
 (N-1)/N (Psi reduce-scattered + Psi all-gathered) = 2 Psi in the limit, as much as DDP;
@@ -42,10 +50,9 @@ stage 3, (N-1)/N (2 Psi_blocks + Psi_rest gathered + Psi reduce-scattered): 3 Ps
 import torch
 import torch.nn as nn
 
-from lmforge.model.names import canonical_name
-from lmforge.modes.parallel import shard_unit
+from lmforge.optim.adamw import counts_lost_updates
 from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
-from lmforge.parallel.shards import Unit, model_units, shard_groups
+from lmforge.parallel.shards import Unit, model_units, shard_groups, unit_modules
 
 
 class ZeroEngine(DistributedEngine):
@@ -58,12 +65,14 @@ class ZeroEngine(DistributedEngine):
         self.broadcast_from_rank0()
         self.units, names = model_units(model, self.world_size, self.rank)
         self.unit_of = {p: unit for unit in self.units for p in unit.params}
-        master_dtype = next(iter(names)).dtype  # what the precision policy stores (fp32 or bf16)
+        self.frozen = {p: name for p, name in names.items() if not p.requires_grad}  # kept whole
+        master_dtype = next(iter(self.unit_of)).dtype  # what the precision policy stores (fp32 or bf16)
         self.separate_master = master_dtype != working_dtype
         for unit in self.units:
             unit.shard(stage, master_dtype, working_dtype)
         groups, self.group_names = shard_groups(self.units, weight_decay_groups, names)
         self.optimizer = make_optimizer(groups)
+        self.sum_lost_updates = counts_lost_updates(self.optimizer)  # each rank counts its slice
 
         self._hooks = []
         if stage >= 2:
@@ -84,9 +93,11 @@ class ZeroEngine(DistributedEngine):
             unit.gather, unit.gathered = None, True
 
     def _hook_blocks(self, model: nn.Module) -> None:
-        blocks = [model.blocks[name] for name in model.blocks]
         units = {unit.name: unit for unit in self.units}
-        block_units = [units[shard_unit(f"blocks.{name}.")] for name in model.blocks]
+        # a unit module with nothing trainable has no unit: its (frozen) parameters are whole
+        modules = {name: module for name, module in unit_modules(model).items() if name in units}
+        blocks = list(modules.values())
+        block_units = [units[name] for name in modules]
         rest = units.get("rest")
 
         def gathering(i, step):  # before block i runs (forward: step +1, backward: -1): it, then prefetch the next
@@ -146,7 +157,7 @@ class ZeroEngine(DistributedEngine):
 
     def step(self) -> None:
         self.optimizer.step()
-        if self.optimizer.count_lost_updates:  # this rank counted its slice: add the others'
+        if self.sum_lost_updates:  # this rank counted its slice: add the others'
             counts = torch.tensor([self.optimizer.lost_updates, self.optimizer.updated_elements], dtype=torch.float64)
             self.comm.all_reduce(counts, kind="scalar")
             self.optimizer.lost_updates, self.optimizer.updated_elements = (int(c) for c in counts.tolist())
@@ -180,13 +191,8 @@ class ZeroEngine(DistributedEngine):
         full = {}
         for unit in self.units:
             full.update(zip(unit.params, self._gather_full(unit, unit.master)))
-        state = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            state[canonical_name(name)] = full[p]
-        for name, buffer in self.model.named_buffers():
-            if canonical_name(name) in self.model.state_dict():
-                state[canonical_name(name)] = buffer.detach().clone()
-        return state
+        return {name: full[t] if t in full else t.detach().clone()  # frozen parameters and buffers: whole
+                for name, t in self.model.state_dict(keep_vars=True).items()}
 
     def optimizer_state_dict(self) -> dict:
         state = {}
@@ -219,6 +225,9 @@ class ZeroEngine(DistributedEngine):
                 unit.working_shard.copy_(unit.master)
             if self.stage < 3:
                 unit.flat.copy_(full)
+        with torch.no_grad():
+            for p, name in self.frozen.items():
+                p.copy_(state[name])
 
     def load_optimizer_state_dict(self, state: dict) -> None:
         for unit in self.units:
@@ -236,10 +245,9 @@ class ZeroEngine(DistributedEngine):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
     def state_bytes(self) -> dict[str, int]:
-        if self.stage == 3:  # the gathered buffers come and go; what persists is the shards
-            params = unique_storages_bytes(u.working_shard for u in self.units)
-        else:
-            params = unique_storages_bytes(u.flat for u in self.units)
+        # stage 3: the gathered buffers come and go; what persists is the shards
+        shards = [u.working_shard if self.stage == 3 else u.flat for u in self.units]
+        params = unique_storages_bytes([*shards, *self.frozen])
         grads = unique_storages_bytes(u.grad_flat if self.stage == 1 else u.grad_shard for u in self.units)
         return {"parameters": params, "gradients": grads,
                 "master_weights": unique_storages_bytes(u.master for u in self.units) if self.separate_master else 0,
