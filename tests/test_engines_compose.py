@@ -25,6 +25,14 @@ def composed(tmp_path_factory):
     return run_worker(tmp_path_factory.mktemp("compose"), 2, ",".join(keys))
 
 
+# LoRA's B starts at zero, so A's first non-zero gradient (step 2) is a product with an lr-sized
+# B: small, with cancellations, where Adam's g / (|g| + eps) follows the rounding of g. Measured
+# (2 ranks, every strategy, DDP included, alike): 5 of lora_A's 256 elements of a tensor differ
+# from one process by more than 1e-6, at most 1.9e-6. An element counts as differing above 1e-5
+# here; a wrong shard or a missing average moves them by about lr (3e-3).
+ADAPTER_ATOL = 1e-5
+
+
 def test_lora_trains_under_every_strategy_as_in_one_process(composed):
     lr = variant_config("none", "fp32", ACCUM, ["lora"]).optim.lr
     cfg = variant_config("none", "fp32", ACCUM, ["lora"])
@@ -35,7 +43,7 @@ def test_lora_trains_under_every_strategy_as_in_one_process(composed):
     assert adapters and all(not torch.equal(reference[0][k], initial[k]) for k in adapters if "lora_B" in k)
     for strategy in STRATEGIES:
         result = composed[f"{strategy}@fp32+lora"]
-        assert_same_training(result, reference, lr), strategy
+        assert_same_training(result, reference, lr, atol=ADAPTER_ATOL), strategy
         for name, tensor in result["model"].items():
             if name not in adapters:  # the frozen base: exactly as initialised
                 assert torch.equal(tensor, initial[name]), (strategy, name)

@@ -64,7 +64,7 @@ def single_process(ranks: int, precision: str = "fp32", variants=()) -> tuple[di
     return engine.model_state_dict(), losses, norms
 
 
-def assert_same_training(result: dict, reference: tuple, lr: float):
+def assert_same_training(result: dict, reference: tuple, lr: float, atol: float = 1e-6):
     ref_model, ref_losses, ref_norms = reference
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
     assert result["norms"] == pytest.approx(ref_norms, rel=1e-5)
@@ -74,9 +74,10 @@ def assert_same_training(result: dict, reference: tuple, lr: float):
     # Summed in another order, a gradient near zero can flip its sign, and Adam turns that into an
     # lr-sized step: a few elements of each tensor may differ by more than rounding. Per tensor, so
     # that one tensor left out of the reduction (all of its elements off) cannot hide in the total;
-    # the worst measured is 0.44% (tok_embeddings, 3 ranks, 2-core AMD EPYC).
+    # the worst measured is 0.44% (tok_embeddings, 3 ranks, 2-core AMD EPYC). `atol`: what counts
+    # as differing (tests/test_engines_compose.py's LoRA adapters need more: see there).
     for name in ref_model:
-        off = ((result["model"][name].float() - ref_model[name].float()).abs() > 1e-6).float().mean().item()
+        off = ((result["model"][name].float() - ref_model[name].float()).abs() > atol).float().mean().item()
         assert off <= 1e-2, (name, off)
 
 
