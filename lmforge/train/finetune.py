@@ -90,4 +90,6 @@ def prepare_run_data(cfg: Config, world: World, log, warn, progress: bool
         data = world.main_first(lambda: prepare_data(cfg, log=log, progress=progress))
         check_data(cfg, data, warn=warn)
         return data, None, None
+    # rank 0 reads the base while the others wait: a local file read on each rank (runs/checkpoint/
+    # read.py), never a collective that would wait for them
     return world.main_first(lambda: prepare_finetune(cfg, log=log))

@@ -22,10 +22,12 @@ def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) 
     """Load the checkpoint's weights into `model` by parameter name (one process: generation,
     fine-tuning bases, tests); returns the names the model has and the checkpoint lacks, and those
     the checkpoint has and the model lacks. With `strict` (the default) either is an error that
-    lists them; without, the rest is loaded. A shape that differs always stops."""
+    lists them; without, the rest is loaded. A shape that differs always stops. A local file read,
+    never a collective, also under torchrun: rank 0 reads a fine-tuning base alone first
+    (World.main_first), while the others wait for it."""
     # a model with LoRA adapters is checkpointed as its adapters alone (its base is loaded apart)
     expected = adapter_state_dict(model) if has_lora(model) else model.state_dict()
-    tensors, missing, unexpected = _read_by_name(path, expected, strict)
+    tensors, missing, unexpected = _read_by_name(path, expected, strict, local=True)
     model.load_state_dict(tensors, strict=False)
     return missing, unexpected
 
@@ -57,7 +59,7 @@ def _tied_names(model: torch.nn.Module) -> dict[str, str]:
 
 
 def _read_by_name(path: Path, expected: dict[str, torch.Tensor], strict: bool, aliases: dict[str, str] | None = None,
-                  known: set[str] | None = None):
+                  known: set[str] | None = None, local: bool = False):
     """The checkpoint's model tensors that `expected` names (shapes checked), the names it lacks
     (a tied weight's second name does not count) and those it has beyond `known` (by default the
     expected names; a pipeline stage expects its own but knows every stage's)."""
@@ -78,14 +80,14 @@ def _read_by_name(path: Path, expected: dict[str, torch.Tensor], strict: bool, a
     if strict and missing:
         raise LmforgeError(f"checkpoint {path} lacks {_listed(missing)} of this model's tensors: it was "
                            f"saved from a different model")
-    return _load(path, "model", wanted), missing, unexpected
+    return _load(path, "model", wanted, local), missing, unexpected
 
 
 def read_tensors(path: Path, folder: str = "model") -> dict[str, torch.Tensor]:
     """Checkpoint `path`'s tensors of `folder` (model or optimizer) by name, in their stored dtype,
-    on the CPU (one process)."""
+    on the CPU (this process's own read)."""
     _refuse_old_format(path)
-    return _load(path, folder, stored_tensors(path, folder))
+    return _load(path, folder, stored_tensors(path, folder), local=True)
 
 
 def _refuse_old_format(path: Path) -> None:
@@ -94,11 +96,13 @@ def _refuse_old_format(path: Path) -> None:
                            f"distributed checkpoints): this version cannot read it; train it again")
 
 
-def _load(path: Path, folder: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
-    """The tensors `specs` names (name -> shape, dtype), read from checkpoint `path`'s `folder`."""
+def _load(path: Path, folder: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+          local: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors `specs` names (name -> shape, dtype), read from checkpoint `path`'s `folder`
+    (by this process alone with `local`, else by every rank together: tensors.load_tensors)."""
     tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
     try:
-        load_tensors(tensors, path / folder)
+        load_tensors(tensors, path / folder, local)
     except CheckpointException as err:
         raise LmforgeError(f"checkpoint {path} is corrupt: {folder} could not be read ({failure_reason(err)})") from None
     return tensors

@@ -20,11 +20,14 @@ def save_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> None:
         dcp.save(tensors, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
 
 
-def load_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> None:
-    """Fill `tensors` in place from a folder `save_tensors` wrote (any number of ranks wrote it)."""
+def load_tensors(tensors: dict[str, torch.Tensor], folder: Path, local: bool = False) -> None:
+    """Fill `tensors` in place from a folder `save_tensors` wrote (any number of ranks wrote it):
+    collective when a process group is up (every rank restoring an engine calls it together), or
+    with `local` this process's own file read (a fine-tuning base, which rank 0 reads before the
+    others; generation)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+        dcp.load(tensors, checkpoint_id=str(folder), no_dist=local or not dist.is_initialized())
 
 
 def stored_tensors(path: Path, folder: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
