@@ -21,6 +21,7 @@ from lmforge.accounting.flops import hardware_flops_per_token, training_flops_pe
 from lmforge.accounting.measure import measure_saved_bytes
 from lmforge.accounting.plan.make import matmul_dtype
 from lmforge.config import Config
+from lmforge.optim.adamw import counts_lost_updates
 from lmforge.parallel.world import World
 from lmforge.runs.state import RunState
 
@@ -91,7 +92,7 @@ def start_measurements(cfg: Config, engine, world: World, state: RunState, preci
                                   if recompute != "none" else None),
         peak_dtype=matmul_dtype(cfg.train.precision), peak_flops=peak_flops,
         world_peak_flops=peak_flops * world.world_size, start_step=state.step, loss_scale=loss_scale,
-        lost_updates=[0, 0] if engine.optimizer.count_lost_updates else None)
+        lost_updates=[0, 0] if counts_lost_updates(engine.optimizer) else None)
 
 
 class FirstStepMeasurement:
