@@ -200,14 +200,13 @@ def _single_stage_cost(cfg: ModelConfig, setup: Setup, policy: Policy, lora: int
     b, s = setup.batch_size, setup.seq_len
     states = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
                                       lora_trainable=lora)
-    activations = memory.activation_breakdown(cfg, b, s, policy, setup.attention, setup.recompute,
+    # the sharding engines compute on 16-bit working weights under a mixed policy: no weight casts
+    layout = memory.sharded_layout(policy, get_strategy(strategy_of(setup)).zero_stage)
+    activations = memory.activation_breakdown(cfg, b, s, layout, setup.attention, setup.recompute,
                                               setup.tp, setup.fp32_attention, setup.loss_chunk_tokens,
                                               setup.sequence_parallel)
-    # A ZeRO-3 implementation gathers each layer's weights when it needs them and frees them
-    # after: it keeps its shard of the casts, not all of them.
-    weight_copies = activations.pop("weight_copies") / (setup.dp if setup.zero_stage == 3 else 1)
     breakdown = {**states,
-                 "weight_copies": weight_copies,
+                 "weight_copies": activations.pop("weight_copies"),
                  "activations": sum(activations.values()),
                  "logits": memory.logits_bytes(cfg, b, s, policy, setup.loss_chunk_tokens) / setup.tp}
     communication = comm.step_communication(cfg, strategy_of(setup), setup.dp, policy, setup.grad_accum)
