@@ -115,3 +115,42 @@ def test_a_changed_model_is_counted_without_touching_the_accounting(monkeypatch)
         assert training_flops_per_token(cfg, 32) == counter.get_total_flops() / tokens[:, :-1].numel()
     finally:
         shapes._shapes.cache_clear()
+
+
+@pytest.mark.parametrize("overrides, targets", [
+    ([], "q_proj,k_proj,v_proj,o_proj"),          # the default: the first block's q, k, v get no input gradient
+    ([], "down_proj"),                             # nothing before block 0's down projection needs a gradient
+    ([], "v_proj"),                                # dQ and dK of the first block's QK^T are skipped
+    ([], "*"),                                     # every linear of the blocks
+    ([], "blocks.1.mlp.*"),                        # block 0 runs no backward at all
+    (["model.family=gpt", "model.n_kv_heads=null"], "q_proj,v_proj"),
+    (["model.tie_embeddings=false"], "up_proj,o_proj"),
+])
+def test_lora_training_flops_match_flop_counter(overrides, targets):
+    """Issue 26, part 3: a frozen linear layer computes no weight gradient, an adapter adds its own
+    matmuls, and autograd skips the gradients nothing trainable needs; counted exactly."""
+    from lmforge.modes.precision import get_policy
+    from lmforge.train.setup import build_model
+
+    cfg = make_config("tiny", overrides=[*overrides, "model.attention=naive", "finetune.lora_rank=4",
+                                         f"finetune.lora_targets={targets}"])
+    model = build_model(cfg, get_policy("fp32"))
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 65))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    lora = training_flops_per_token(cfg.model, 64, lora=(4, targets))
+    assert lora == counter.get_total_flops() / tokens[:, :-1].numel()
+    assert lora < training_flops_per_token(cfg.model, 64)
+
+
+def test_the_plan_prints_lora_flops_and_times_with_them():
+    from lmforge.accounting.plan.make import Setup, make_plan
+
+    cfg = make_config("small").model
+    full, lora = (make_plan(cfg, Setup(hardware="h100-sxm", lora_rank=rank)) for rank in (None, 16))
+    assert full["flops"]["training_per_token"] == pytest.approx(37.55e6, rel=1e-3)
+    assert lora["flops"]["training_per_token"] == training_flops_per_token(cfg, 256, lora=(16, Setup().lora_targets))
+    ratio = lora["flops"]["training_per_token"] / full["flops"]["training_per_token"]
+    assert lora["time"]["seconds_per_step"] == pytest.approx(full["time"]["seconds_per_step"] * ratio)
+    assert lora["budget"]["training_flops"] == pytest.approx(full["budget"]["training_flops"] * ratio)

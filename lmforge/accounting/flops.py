@@ -48,18 +48,77 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False
     return sum(forward_flops_breakdown(cfg, seq_len, causal).values())
 
 
-def training_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
-    """Forward + backward matmul FLOPs per trained token: the model FLOPs of MFU."""
+def training_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False,
+                             lora: tuple[int, str] | None = None) -> float:
+    """Forward + backward matmul FLOPs per trained token: the model FLOPs of MFU. `lora` = (rank,
+    targets): adapters on a frozen base (model/lora.py), counted by lora_training_flops_per_token."""
+    if lora is not None:
+        return lora_training_flops_per_token(cfg, seq_len, *lora, causal=causal)
     return 3 * forward_flops_per_token(cfg, seq_len, causal)
 
 
-def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> float:
+def lora_training_flops_per_token(cfg: ModelConfig, seq_len: int, rank: int, targets: str,
+                                  causal: bool = False) -> float:
+    """Forward + backward matmul FLOPs per token of LoRA on a frozen base (model/lora.py).
+
+    Forward: every linear layer, and per adapted one x A^T then (.) B^T, 2*r*(in + out). Backward
+    runs only what autograd needs: a layer's input gradient (2 per weight, as the forward) where
+    its input depends on something trainable, which the frozen embedding's output does not (so
+    the first block's early layers skip theirs), and weight gradients only for the adapters
+    (dB, and du = g B to reach A: 2*r*out each; dA: 2*r*in; dx through the adapter: 2*r*in where
+    needed). The attention core's backward likewise computes dQ, dK, dP, dV only for what needs
+    them. Checked against FlopCounterMode in tests/test_flops.py."""
+    from lmforge.accounting.shapes import meta_model
+    from lmforge.model.lora import apply_lora, lora_layers
+
+    model = apply_lora(meta_model(cfg), targets, rank)
+    adapted = set(lora_layers(model))
+    linears = {name: module.weight.shape for name, module in _linears(model)}
+    attention = 2 * seq_len * cfg.n_heads * cfg.head_dim * (0.5 if causal else 1.0)  # QK^T or AV, per token
+    total = 0.0
+
+    def linear(name: str, input_needs_grad: bool) -> bool:
+        """Add one linear layer's FLOPs; whether its output needs a gradient."""
+        nonlocal total
+        out_features, in_features = linears[name]
+        total += 2 * in_features * out_features * (1 + input_needs_grad)
+        if name in adapted:
+            total += 2 * rank * (in_features + out_features) + 2 * rank * (2 * out_features + in_features)
+            total += 2 * rank * in_features * input_needs_grad
+        return input_needs_grad or name in adapted
+
+    residual = False  # the frozen embedding's output needs no gradient
+    for block in model.blocks:
+        prefix = f"blocks.{block}."
+        layers = [name for name in linears if name.startswith(prefix)]
+        q, k, v = (linear(f"{prefix}attn.{n}", residual) for n in ("q_proj", "k_proj", "v_proj"))
+        total += 2 * attention + attention * (q + k) + attention * ((q or k) + v)  # forward; dQ dK; dP dV
+        residual = linear(f"{prefix}attn.o_proj", q or k or v) or residual
+        hidden = any([linear(name, residual) for name in layers  # every MLP layer reading the normalised input
+                      if name.startswith(f"{prefix}mlp.") and name != f"{prefix}mlp.down_proj"])
+        residual = linear(f"{prefix}mlp.down_proj", hidden) or residual
+    linear("lm_head", residual)
+    return total
+
+
+def _linears(model):
+    """The model's linear layers by canonical name (an adapted one under its own name, not its base's)."""
+    import torch.nn as nn
+    from lmforge.model.lora import BASE, canonical
+
+    return [(canonical(name).removesuffix(f".{BASE}"), module) for name, module in model.named_modules()
+            if isinstance(module, nn.Linear)]
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none",
+                             lora: tuple[int, str] | None = None) -> float:
     """FLOPs the hardware executes per token, counting recomputation (the numerator of HFU,
     Chowdhery et al. 2022, appendix B). Full recomputation runs each block's forward twice, except
     its last matmul: torch.utils.checkpoint stops recomputing once every tensor backward needs is
     back, and the MLP's down projection output is needed by no one. Selective recomputation
     (Korthikanti et al. 2022, section 4.2) reruns the attention core: QK^T and AV where it is one
-    fused op (sdpa, flash_*), QK^T alone with `naive`, whose AV output backward does not need."""
+    fused op (sdpa, flash_*), QK^T alone with `naive`, whose AV output backward does not need.
+    With `lora` the training FLOPs are LoRA's; the recomputed forward is still the base's alone."""
     parts, mode = forward_flops_breakdown(cfg, seq_len), get_recompute(recompute)
     extra = 0.0
     if mode.blocks:
@@ -68,7 +127,7 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "n
     elif mode.attention_cores:
         fused = lookup(BACKENDS, cfg.attention, "attention backend").fused
         extra = parts["attention_scores_qk"] + (parts["attention_values_av"] if fused else 0)
-    return training_flops_per_token(cfg, seq_len) + extra
+    return training_flops_per_token(cfg, seq_len, lora=lora) + extra
 
 
 def six_n_flops_per_token(cfg: ModelConfig) -> float:

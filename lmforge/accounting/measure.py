@@ -3,7 +3,10 @@
 `saved_tensors_hooks` sees every tensor an operation saves for its backward. Several saved tensors
 can share one storage (a view and its base, the same input saved by two ops), so each storage is
 counted once, at its full size. Storages that belong to parameters are reported apart: they are
-the weights themselves, already counted as parameter memory, not activations.
+the weights themselves, already counted as parameter memory, not activations. ZeRO-3 and FSDP2
+gather a block's weights just before it runs (parallel/zero.py, fsdp.py) and free them after:
+given a function that returns the parameters (`model.parameters`), the parameters are read again
+when a tensor is saved that matches none, so the gathered weights count as parameters too.
 """
 
 import resource
@@ -31,13 +34,15 @@ def _storage_key(tensor: torch.Tensor):
 @contextmanager
 def measure_saved_bytes(parameters=()):
     """Context manager yielding a SavedBytes filled in as the forward pass inside it runs.
+    `parameters`: the parameters, or a function returning them as they are at each save.
 
-        with measure_saved_bytes(model.parameters()) as saved:
+        with measure_saved_bytes(model.parameters) as saved:
             loss = model(x, y)
         saved.activations  # bytes autograd holds until backward
     """
     result = SavedBytes()
-    parameter_keys = {_storage_key(p) for p in parameters}
+    current = parameters if callable(parameters) else (lambda listed=list(parameters): listed)
+    parameter_keys = {_storage_key(p) for p in current()}
     seen: set = set()
     keep_alive: list = []  # holds each seen tensor so its storage address cannot be reused meanwhile
 
@@ -48,6 +53,8 @@ def measure_saved_bytes(parameters=()):
                 seen.add(key)
                 keep_alive.append(tensor)
                 nbytes = key[2]
+                if key not in parameter_keys and callable(parameters):  # a block's weights, gathered since
+                    parameter_keys.update(_storage_key(p) for p in current())
                 if key in parameter_keys:
                     result.parameters += nbytes
                 else:

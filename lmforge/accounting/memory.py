@@ -18,6 +18,7 @@ autograd really saves (accounting/measure.py).
 """
 
 import math
+from dataclasses import replace
 
 from lmforge.accounting.activations import FAMILY_ACTIVATIONS
 from lmforge.accounting.optimizers import OPTIMIZERS, optimizer_state_bytes
@@ -32,6 +33,20 @@ from lmforge.modes.recompute import get_recompute
 def parameter_count(cfg: ModelConfig) -> int:
     """Parameters of lmforge's Transformer for cfg (tied embeddings counted once), read from the model."""
     return model_shapes(cfg).parameters
+
+
+def sharded_layout(policy: Policy, zero_stage: int) -> Policy:
+    """`policy` as the sharding engines run it: ZeRO stages 1-3 and FSDP (parallel/zero.py,
+    fsdp.py) under a mixed policy compute on 16-bit working weights with fp32 master weights
+    (Rajbhandari et al. 2020, section 3.1), so every parameter, the embedding's output and the
+    residual stream are 16-bit, and autocast casts no weight for a matmul (an fp8 linear still
+    quantises its own, from the gathered weight: whole, under stage 3 too). Measured against the
+    engines in tests/test_memory_engines.py. Other policies and zero stage 0 are returned as they are."""
+    if zero_stage == 0 or not policy.autocast:
+        return policy
+    p = policy.bytes
+    return replace(policy, bytes=replace(p, parameter=p.compute, gradient=p.compute, master=4, residual=p.compute,
+                                         weight_copy=p.weight_copy if policy.fp8 else 0, head_weight_copy=0))
 
 
 # -- model states --------------------------------------------------------------------------------
@@ -73,11 +88,10 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage}")
     p = policy.bytes
-    parameter, gradient, master = p.parameter, p.gradient, p.master
-    if zero_stage >= 1 and policy.autocast:
-        # ZeRO's layout (section 3.1; lmforge/parallel/zero.py): 16-bit working weights and
-        # gradients, fp32 master weights sharded with m and v: 2 + 2 + K bytes, K = 12
-        parameter, gradient, master = p.compute, p.compute, 4
+    # ZeRO's layout (section 3.1): 16-bit working weights and gradients under a mixed policy, fp32
+    # master weights sharded with m and v: 2 + 2 + K bytes, K = 12
+    layout = sharded_layout(policy, zero_stage).bytes
+    parameter, gradient, master = layout.parameter, layout.gradient, layout.master
     held = parameter_count(cfg) if parameter_shapes is None else sum(math.prod(shape) for shape in parameter_shapes)
     n = held / tp
     if lora_trainable is None:
@@ -155,10 +169,11 @@ def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy 
     if mode.blocks:  # torch.utils.checkpoint keeps only the block's input
         return {"block_input": bsd * p.residual}
     family = FAMILY_ACTIVATIONS[cfg.family](cfg, b, s, policy)
-    # Without autocast a normalised input is one tensor shared by its readers; autocast casts it
-    # once per linear layer, and each cast is kept. These are the layer's full-width inputs to
-    # column-parallel layers: without sequence parallelism every tensor rank holds all of them.
-    norm_outputs = (family.norm_readers if policy.autocast else 2) * bsd * p.linear_input
+    # A normalised input (in the residual stream's dtype) already in the linear layers' input
+    # dtype is one tensor shared by its readers; in another, each reader casts it (autocast, fp8
+    # quantisation) and keeps its cast. These are the layer's full-width inputs to column-parallel
+    # layers: without sequence parallelism every tensor rank holds all of them.
+    norm_outputs = (family.norm_readers if p.linear_input != p.residual else 2) * bsd * p.linear_input
     linears = family.norm_readers + 2  # and the output and down projections
     # fp32 attention below fp32 casts q, k, v up and the output back down: the core keeps fp32
     # tensors (unless recomputed: then it keeps its inputs, cast inside), the output is a new tensor.
@@ -207,6 +222,7 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
     (eq. 4). A pipeline stage (accounting/pipeline.py) holds `layers` blocks, the embedding's
     terms only if it is the `first` stage and the head's and loss's only if it is the `last`;
     the rotary tables on every stage (each keeps its own). The default is the whole model.
+    Under ZeRO or FSDP, `policy` is the engine's (sharded_layout): no weight casts under autocast.
     """
     mode, shapes = get_recompute(recompute), model_shapes(cfg)
     p = policy.bytes

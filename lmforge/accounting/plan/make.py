@@ -66,6 +66,11 @@ class Setup:
         return get_policy(self.precision)
 
     @property
+    def lora(self) -> tuple[int, str] | None:
+        """(rank, targets) under LoRA, for the FLOP count; None for full training."""
+        return None if self.lora_rank is None else (self.lora_rank, self.lora_targets)
+
+    @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp
 
@@ -151,7 +156,7 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
     lora = None
     if setup.lora_rank is not None:
         lora = memory.lora_parameters(cfg, setup.lora_rank, setup.lora_targets)
-    step_flops = setup.tokens_per_step * flops.training_flops_per_token(cfg, setup.seq_len)
+    step_flops = setup.tokens_per_step * flops.training_flops_per_token(cfg, setup.seq_len, lora=setup.lora)
     if setup.pp > 1:
         cost = _pipelined_cost(cfg, setup, policy, peak)
     else:
@@ -200,14 +205,13 @@ def _single_stage_cost(cfg: ModelConfig, setup: Setup, policy: Policy, lora: int
     b, s = setup.batch_size, setup.seq_len
     states = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
                                       lora_trainable=lora)
-    activations = memory.activation_breakdown(cfg, b, s, policy, setup.attention, setup.recompute,
+    # the sharding engines compute on 16-bit working weights under a mixed policy: no weight casts
+    layout = memory.sharded_layout(policy, get_strategy(strategy_of(setup)).zero_stage)
+    activations = memory.activation_breakdown(cfg, b, s, layout, setup.attention, setup.recompute,
                                               setup.tp, setup.fp32_attention, setup.loss_chunk_tokens,
                                               setup.sequence_parallel)
-    # A ZeRO-3 implementation gathers each layer's weights when it needs them and frees them
-    # after: it keeps its shard of the casts, not all of them.
-    weight_copies = activations.pop("weight_copies") / (setup.dp if setup.zero_stage == 3 else 1)
     breakdown = {**states,
-                 "weight_copies": weight_copies,
+                 "weight_copies": activations.pop("weight_copies"),
                  "activations": sum(activations.values()),
                  "logits": memory.logits_bytes(cfg, b, s, policy, setup.loss_chunk_tokens) / setup.tp}
     communication = comm.step_communication(cfg, strategy_of(setup), setup.dp, policy, setup.grad_accum)
@@ -218,9 +222,9 @@ def _flops(cfg: ModelConfig, setup: Setup, step_flops: float) -> dict:
     s = setup.seq_len
     return {
         "forward_per_token_by_component": flops.forward_flops_breakdown(cfg, s),
-        "training_per_token": flops.training_flops_per_token(cfg, s),
-        "training_per_token_causal_halved": flops.training_flops_per_token(cfg, s, causal=True),
-        "hardware_per_token": flops.hardware_flops_per_token(cfg, s, setup.recompute),
+        "training_per_token": flops.training_flops_per_token(cfg, s, lora=setup.lora),
+        "training_per_token_causal_halved": flops.training_flops_per_token(cfg, s, causal=True, lora=setup.lora),
+        "hardware_per_token": flops.hardware_flops_per_token(cfg, s, setup.recompute, lora=setup.lora),
         "six_n_per_token": flops.six_n_flops_per_token(cfg),
         "palm_per_token": flops.palm_flops_per_token(cfg, s),
         "training_per_step": step_flops,
@@ -272,7 +276,7 @@ def _time_and_budget(cfg: ModelConfig, setup: Setup, policy: Policy, hardware_na
         "seconds_for_tokens": seconds_for_budget,
     }
     return {"time": time, "budget": {
-        "training_flops": budget * flops.training_flops_per_token(cfg, setup.seq_len),
+        "training_flops": budget * flops.training_flops_per_token(cfg, setup.seq_len, lora=setup.lora),
         "device_hours": device_hours,
         "price_per_device_hour": setup.price_per_hour,
         "cost": device_hours * setup.price_per_hour if setup.price_per_hour is not None else None,

@@ -53,8 +53,10 @@ def head_table(plan: dict, title: str) -> Table:
         ("tokens per step", f"{st['tokens_per_step']:,}"),
         ("sent per step per rank", communication_line(plan["communication"])
          + ("; between stages: see below" if piped else "")),
-        ("training FLOPs per token", f"{human_count(f['training_per_token'])} "
-                                     f"(PaLM 6N+12LHQT: {human_count(f['palm_per_token'])})"),
+        # LoRA: no weight gradients for the frozen base (flops.lora_training_flops_per_token)
+        ("training FLOPs per token", f"{human_count(f['training_per_token'])}"
+                                     + (" with LoRA (full: " if "lora" in plan else " (PaLM 6N+12LHQT: ")
+                                     + f"{human_count(f['palm_per_token'])})"),
         # N is not the parameter count above: say which parameters it leaves out
         ("6N", f"{human_count(f['six_n_per_token'])}, N = {human_count(m['matmul_parameters'])} matmul weights "
                f"(norms, biases, embedding lookups left out)"),
