@@ -38,7 +38,9 @@ class FSDPEngine(DistributedEngine):
         super().__init__(model, None, comm)
         self.broadcast_from_rank0()
         param_dtype = None if working_dtype == next(model.parameters()).dtype else working_dtype
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)
+        # cast_forward_inputs=False: the blocks' fp32 inputs that are not activations (the rotary
+        # cos/sin tables) stay fp32, as under ZeRO; autocast casts what the matmuls read
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype, cast_forward_inputs=False)
         unit_of = parameter_units(model)
         for name, module in unit_modules(model).items():
             if all(unit_of[p] == name for p in module.parameters()):  # a shared one: the model's group

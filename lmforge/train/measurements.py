@@ -84,11 +84,12 @@ def rank_share(machine: tuple[str, float, int], device: torch.device) -> tuple[s
 def start_measurements(cfg: Config, engine, world: World, state: RunState, precision: str,
                        loss_scale: float | None, tokens_per_step: int, peak_flops: float) -> RunMeasurements:
     """The record of a session about to train `engine` from `state`; `peak_flops`: one rank's."""
-    recompute = cfg.train.recompute
+    recompute, f = cfg.train.recompute, cfg.finetune
+    lora = (f.lora_rank, f.lora_targets) if f.lora_rank is not None else None  # counted as the plan counts it
     return RunMeasurements(
         state=state, device=world.device, precision=precision, parameters=engine.num_params(),
-        tokens_per_step=tokens_per_step, flops_per_token=training_flops_per_token(cfg.model, cfg.seq_len),
-        hardware_flops_per_token=(hardware_flops_per_token(cfg.model, cfg.seq_len, recompute)
+        tokens_per_step=tokens_per_step, flops_per_token=training_flops_per_token(cfg.model, cfg.seq_len, lora=lora),
+        hardware_flops_per_token=(hardware_flops_per_token(cfg.model, cfg.seq_len, recompute, lora=lora)
                                   if recompute != "none" else None),
         peak_dtype=matmul_dtype(cfg.train.precision), peak_flops=peak_flops,
         world_peak_flops=peak_flops * world.world_size, start_step=state.step, loss_scale=loss_scale,
@@ -113,7 +114,7 @@ class FirstStepMeasurement:
 
     def _start_forward(self, module, args):
         if torch.is_grad_enabled():  # a training forward (evaluation runs under no_grad)
-            self._saving = measure_saved_bytes(self.model.parameters())
+            self._saving = measure_saved_bytes(self.model.parameters)
             self._saved = self._saving.__enter__()
 
     def _end_forward(self, module, args, output):

@@ -113,7 +113,7 @@ class PipelineEngine(Engine):
             if action.kind == "F":
                 x, y = batches[i]
                 inputs = x if layout.first else self._recv(layout.stage - 1, "recv_forward", i).requires_grad_()
-                measuring = measure_saved_bytes(self.model.parameters()) if in_flight_bytes \
+                measuring = measure_saved_bytes(self.model.parameters) if in_flight_bytes \
                     else contextlib.nullcontext()
                 with self._span("forward", i), measuring as measured, autocast(policy, device):
                     output = self.model(inputs, y if layout.last else None)
