@@ -48,9 +48,14 @@ def default_data_dir(cfg: Config) -> Path:
     return Path("data") / f"{name}-bpe{cfg.model.vocab_size}"
 
 
+def data_dir_of(cfg: Config) -> Path:
+    """The folder cfg's data is prepared in: data.dir, or the default for its source and vocabulary."""
+    return Path(cfg.data.dir) if cfg.data.dir else default_data_dir(cfg)
+
+
 def prepare_data(cfg: Config, log: Callable[[str], None] = print, progress: bool = True) -> PreparedData:
     """Prepared data for cfg, reused when it exists with the same settings, else built."""
-    data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir(cfg)
+    data_dir = data_dir_of(cfg)
     docs = load_documents(cfg.data.source)
     settings = {"source": cfg.data.source, "source_sha256": fingerprint(docs),
                 "vocab_size": cfg.model.vocab_size, "val_fraction": cfg.data.val_fraction}

@@ -16,8 +16,11 @@ and device), before any process group exists or any data is read or folder writt
 """
 
 import datetime
+import itertools
 import os
 import signal
+import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +32,14 @@ from lmforge.modes.parallel import get_strategy
 # After a collective failed, how long a surviving rank waits for the others to say they are alive
 # (they reach the same failure within a moment: the dead rank's sockets are closed by its kernel).
 ROLL_CALL_SECONDS = 10
+
+# A rank waiting for rank 0 in `World.main_first` polls the store this often, says so once rank 0
+# has taken this long, and again at this interval.
+WAIT_POLL_SECONDS = 0.2
+WAIT_FIRST_NOTE_SECONDS = 2
+WAIT_NOTE_SECONDS = 30
+# Every rank calls main_first in the same order: the n-th call's store key is the same on all.
+_MAIN_FIRST_CALLS = itertools.count()
 
 
 class ReportedOnRank0(LmforgeError):
@@ -78,18 +89,49 @@ class World:
             raise ReportedOnRank0(value)
         return value
 
-    def main_first(self, make):
+    def main_first(self, make, doing: str = ""):
         """Rank 0 runs `make()` first (it may write: prepare the data, lock the run folder); once it
-        has succeeded the other ranks run it (and find what rank 0 wrote). An LmforgeError on rank
-        0 stops every rank."""
-        error, result = None, None
-        if self.is_main:
-            try:
-                result = make()
-            except LmforgeError as err:
-                error = err
-        self.agree(error)
-        return result if self.is_main else make()
+        has succeeded the other ranks run it (and find what rank 0 wrote). An error on rank 0 stops
+        every rank. The others wait through the rendezvous store, not a collective: rank 0 may take
+        longer than train.dist_timeout (preparing a large corpus). `doing` (e.g. "prepare data/x")
+        is what the first waiting process of each node says it waits for."""
+        if not self.distributed:
+            return make()
+        key = f"lmforge/main_first/{next(_MAIN_FIRST_CALLS)}"
+        store = dist.distributed_c10d._get_default_store()
+        if not self.is_main:
+            self._wait_for_main(store, key, doing)
+            return make()
+        try:
+            result = make()
+        except BaseException as err:
+            store.set(key, "error\n" + (str(err).strip() or type(err).__name__))  # the others stop too
+            raise
+        store.set(key, "ok\n")
+        return result
+
+    def _wait_for_main(self, store, key: str, doing: str) -> None:
+        """Poll `key` until rank 0 sets it (no timeout: rank 0's work may take long). If rank 0 dies,
+        torchrun's agent stops this process, or the store's host is gone and `check` raises."""
+        says = doing and (self.rank == 1 or self.local_rank == 0)  # once per node
+        started = time.monotonic()
+        next_note = WAIT_FIRST_NOTE_SECONDS
+        try:
+            while not store.check([key]):
+                waited = time.monotonic() - started
+                if says and waited >= next_note:  # a quick rank 0 makes no noise
+                    more = "still " if next_note > WAIT_FIRST_NOTE_SECONDS else ""
+                    print(f"rank {self.rank}: {more}waiting for rank 0 to {doing} ({waited:.0f}s)",
+                          file=sys.stderr, flush=True)
+                    next_note += WAIT_NOTE_SECONDS
+                time.sleep(WAIT_POLL_SECONDS)
+            kind, message = store.get(key).decode().split("\n", 1)
+        except dist.DistError as err:  # the store's host (rank 0's node) is gone
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise LmforgeError(f"rank {self.rank} lost the rendezvous store while waiting for rank 0 "
+                               f"({first_line[:200]}): rank 0 or its node stopped; run the launch again") from None
+        if kind == "error":
+            raise ReportedOnRank0(message)
 
     def first_error(self, error: BaseException | None) -> BaseException | None:
         """Every rank passes its own error (or None) and gets back the same answer: None, or the

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from lmforge.config import Config
 from lmforge.data.corpus import load_documents, split_documents
 from lmforge.data.loader import window_batch
-from lmforge.data.prepare import PreparedData, prepare_data
+from lmforge.data.prepare import PreparedData, data_dir_of, prepare_data
 from lmforge.data.sft import IGNORE_INDEX, example_batch, is_example_source, load_examples
 from lmforge.data.tokenizer import encode_documents, tokenizer_hash
 from lmforge.data.tokens import unigram_entropy
@@ -84,12 +84,15 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
 def prepare_run_data(cfg: Config, world: World, log, warn, progress: bool
                      ) -> tuple[PreparedData | FinetuneData, dict[str, torch.Tensor] | None, dict | None]:
     """The data of any run, made by rank 0 first (once, under the data folder's lock), then opened
-    by the others; with the weights and identity of a fine-tuning run's base (None for a run from
-    scratch, whose prepared data is checked against its model here)."""
+    by the others, who wait for it however long it takes (World.main_first); with the weights and
+    identity of a fine-tuning run's base (None for a run from scratch, whose prepared data is
+    checked against its model here)."""
     if cfg.finetune.base is None:
-        data = world.main_first(lambda: prepare_data(cfg, log=log, progress=progress))
+        data = world.main_first(lambda: prepare_data(cfg, log=log, progress=progress),
+                                doing=f"prepare {data_dir_of(cfg)}")
         check_data(cfg, data, warn=warn)
         return data, None, None
     # rank 0 reads the base while the others wait: a local file read on each rank (runs/checkpoint/
     # read.py), never a collective that would wait for them
-    return world.main_first(lambda: prepare_finetune(cfg, log=log))
+    return world.main_first(lambda: prepare_finetune(cfg, log=log),
+                            doing=f"read the base {cfg.finetune.base} and the data {cfg.data.source}")
