@@ -38,7 +38,7 @@ def cmd_finetune(args) -> int:
 
 def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     from lmforge.accounting.hardware import this_device
-    from lmforge.parallel.world import resolve_device
+    from lmforge.parallel.launch import resolve_device
     from lmforge.runs.checkpoint.find import list_checkpoints
     from lmforge.train.host_memory import retain_freed_memory
     from lmforge.train.loop import Trainer
@@ -69,7 +69,7 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
 
 def cmd_generate(args) -> int:
     from lmforge.generate.texts import print_samples, samples
-    from lmforge.parallel.world import resolve_device
+    from lmforge.parallel.launch import resolve_device
     from lmforge.runs.checkpoint.find import find_checkpoint
     from lmforge.runs.load import model_from_checkpoint
 

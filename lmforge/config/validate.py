@@ -167,7 +167,7 @@ def _check_finetune(f: FinetuneConfig) -> None:
 
 
 def _check_device(t: TrainConfig) -> None:
-    """The spelling only: whether this machine has that device is resolve_device's (parallel/world.py)."""
+    """The spelling only: whether this machine has that device is resolve_device's (parallel/launch.py)."""
     _require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
              f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
 

@@ -12,7 +12,7 @@ rank one stage, its replicas (more ranks than stages, train.parallel=ddp) averag
 
 `parallelize` is step 7 of train/setup.py: it takes the model as the steps before left it
 (precision, recomputation, ...) and the process group that the launcher set up (torchrun;
-parallel/world.py's `init_world`, whose `check_launch` has already refused what cannot run: the
+parallel/world.py's `init_world`, whose `check_launch` (parallel/launch.py) has already refused what cannot run: the
 engines do not check the launch again).
 """
 

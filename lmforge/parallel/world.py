@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.common.errors import LmforgeError
-from lmforge.modes.parallel import get_strategy
+from lmforge.parallel.launch import check_launch
 
 # After a collective failed, how long a surviving rank waits for the others to say they are alive
 # (they reach the same failure within a moment: the dead rank's sockets are closed by its kernel).
@@ -234,95 +234,6 @@ def env_world() -> tuple[int, int, int] | None:
         raise LmforgeError(f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank} do not fit together: "
                            f"launch with torchrun or lmforge train --nproc N")
     return values
-
-
-def resolve_device(name: str, setting: str = "train.device") -> torch.device:
-    """The torch device for `name` (auto, cpu, cuda, cuda:N), checked; `setting` names the option
-    that gave it, for the message."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise LmforgeError(f"{setting}={name} is not a device: use auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise LmforgeError(f"{setting}={name}: lmforge runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise LmforgeError(f"{setting}={name} but no CUDA device is available: use cpu (or auto)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise LmforgeError(f"{setting}={name} but this machine has {torch.cuda.device_count()} CUDA "
-                               f"device(s): use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    return device
-
-
-def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> torch.device:
-    """The device this rank trains on, once the launch fits the config (strategy, pipeline
-    stages and replicas, device); LmforgeError otherwise. The one check of a launch: `init_world`
-    runs it before any process group exists, and what it accepts the engines can build."""
-    parallel = get_strategy(cfg.train.parallel).name
-    stages = cfg.train.pipeline_stages
-    if env is None:
-        if stages > 1:
-            raise LmforgeError(f"train.pipeline_stages={stages} needs one process per stage: launch with "
-                               f"torchrun --nproc_per_node={stages} -m lmforge train ... or lmforge train "
-                               f"--nproc {stages} ...")
-        if parallel != "none":
-            raise LmforgeError(f"train.parallel={parallel} needs one process per device: launch with "
-                               f"torchrun --nproc_per_node=N -m lmforge train ... or lmforge train --nproc N ... "
-                               f"(or set train.parallel=none for one process)")
-        return resolve_device(cfg.train.device)
-    rank, world_size, local_rank = env
-    if stages > 1:
-        _check_pipeline(cfg, world_size)
-    elif parallel == "none" and world_size > 1:
-        # Refused rather than guessed: the strategies differ in memory and speed, and N ranks
-        # training alone would write one folder N times.
-        raise LmforgeError(f"train.parallel=none under torchrun with {world_size} processes: choose how they share "
-                           f"the work, e.g. train.parallel=ddp (or zero1, zero2, zero3, fsdp)")
-    return _rank_device(cfg.train.device, local_rank, cuda_devices)
-
-
-def _check_pipeline(cfg, world_size: int) -> None:
-    """What a pipeline of train.pipeline_stages stages on `world_size` ranks cannot do."""
-    t = cfg.train
-    p, parallel = t.pipeline_stages, get_strategy(t.parallel).name
-    launch = f"launch with torchrun --nproc_per_node={p} -m lmforge train ... (or lmforge train --nproc {p} ...)"
-    if world_size < p or world_size % p:
-        raise LmforgeError(f"train.pipeline_stages={p} needs one process per stage (or a multiple of {p}: replicas), "
-                           f"not {world_size}: {launch}")
-    replicas = world_size // p
-    if replicas > 1 and parallel != "ddp":
-        raise LmforgeError(f"{world_size} ranks = {p} stages x {replicas} replicas: the replicas average their "
-                           f"gradients as DDP does; set train.parallel=ddp (ZeRO and FSDP do not combine with "
-                           f"pipelines here)")
-    if parallel not in ("none", "ddp"):
-        raise LmforgeError(f"train.parallel={parallel} does not combine with train.pipeline_stages={p}: use "
-                           f"train.parallel=none (or ddp with replicas)")
-    if cfg.finetune.lora_rank is not None:
-        raise LmforgeError("LoRA fine-tuning does not run on a pipeline: set train.pipeline_stages=1 "
-                           "(adapters are small: data parallelism fits them)")
-    if t.precision == "fp16-mixed" and t.pipeline_engine == "torch":
-        raise LmforgeError("train.pipeline_engine=torch does not scale the loss (fp16-mixed): use "
-                           "train.pipeline_engine=lmforge or bf16-mixed")
-
-
-def _rank_device(name: str, local_rank: int, cuda_devices: int) -> torch.device:
-    """The device of train.device=`name` for the rank LOCAL_RANK=`local_rank` under torchrun."""
-    if name == "auto":
-        name = "cuda" if cuda_devices else "cpu"
-    if not name.startswith("cuda"):
-        return resolve_device(name)
-    if name != "cuda":
-        raise LmforgeError(f"train.device={name} under torchrun: each rank takes its own GPU "
-                           f"(cuda:LOCAL_RANK); use train.device=cuda or auto")
-    if cuda_devices == 0:
-        raise LmforgeError("train.device=cuda under torchrun but no CUDA device is available: "
-                           "use train.device=cpu (gloo)")
-    if local_rank >= cuda_devices:
-        raise LmforgeError(f"LOCAL_RANK {local_rank} but this node has {cuda_devices} CUDA device(s): start at "
-                           f"most {cuda_devices} processes per node (--nproc_per_node={cuda_devices})")
-    return torch.device("cuda", local_rank)
 
 
 def init_world(cfg) -> World:

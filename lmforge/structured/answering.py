@@ -27,7 +27,7 @@ def load_model(path: str, device: str = "auto") -> LoadedModel:
     safetensors, tokenizer.json), read by lmforge/interop/hf.py into an lmforge Transformer."""
     from lmforge.runs.checkpoint.find import find_checkpoint
     from lmforge.runs.load import model_from_checkpoint
-    from lmforge.parallel.world import resolve_device
+    from lmforge.parallel.launch import resolve_device
 
     folder = Path(path)
     target = resolve_device(device, setting="--device")

@@ -119,7 +119,7 @@ def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu"
     strategy other than none, torch.distributed must already be initialised (torchrun). With
     train.pipeline_stages > 1 each rank builds its stage (the model cut after step 1) and the
     pipeline engine (`timeline` records its step: parallel/pipeline/timeline.py). `policy` is
-    cfg.train.precision's; the launch was checked by parallel/world.py's `check_launch`."""
+    cfg.train.precision's; the launch was checked by parallel/launch.py's `check_launch`."""
     if cfg.train.pipeline_stages > 1:
         require_process_group(f"train.pipeline_stages={cfg.train.pipeline_stages}")
         layout, layers = pipeline_place(cfg, torch.distributed.get_rank(), torch.distributed.get_world_size())
