@@ -12,9 +12,10 @@ Chat messages are rendered with a plain template, one header line per message:
 (the headers are ordinary text to the tokenizer, not special tokens). Every example ends with the
 end-of-text token. The model learns to produce the responses (every assistant message, and the
 end-of-text token after the last one: it learns to stop), not the prompts: the target of every
-other position is IGNORE_INDEX, which cross-entropy leaves out of its mean. So the loss of a batch
-is the mean over its response tokens. To ask a chat-trained model, end the prompt with
-"<|assistant|>\\n".
+other position is IGNORE_INDEX, which cross-entropy leaves out of its mean. So the loss of a step
+is the mean over its response tokens, all micro-batches and ranks together (the engine weighs each
+micro-batch by its count of them: parallel/engine.py, loss_divisors). To ask a chat-trained model,
+end the prompt with "<|assistant|>\\n".
 
 Each part (prompt, response, header, content) is tokenized by itself, so the boundary between
 what is trained and what is not falls between tokens, and a prompt encodes the same way at

@@ -2,7 +2,8 @@
 
 One optimizer step, whatever the strategy (train/loop.py, `train_step`):
 
-    engine.forward_backward(...)         the step's micro-batches:
+    engine.forward_backward(...)         the step's micro-batches, each loss divided by its share of
+                                         the step's target tokens (`loss_divisors`):
         for each micro-batch but the last:   with engine.no_sync(): backward  (no communication)
         last micro-batch:                    backward                         (reductions start)
                                          (a pipeline stage runs its schedule instead: pipeline/engine.py)
@@ -30,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from lmforge.data.sft import IGNORE_INDEX
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.precision.policy import autocast
 
@@ -59,17 +61,37 @@ class Engine:
 
     def forward_backward(self, next_batch, grad_accum: int, scaler, policy, device: torch.device) -> torch.Tensor:
         """Forward and backward of the step's `grad_accum` micro-batches from `next_batch()`, each
-        loss divided by grad_accum so that the summed gradient is that of the batch's mean loss,
+        loss divided by its `loss_divisors` so that the gradient is that of the step's mean loss,
         communicating only in the last one's backward. Returns the sum of those losses."""
+        batches = [next_batch() for _ in range(grad_accum)]  # their target counts come first
+        divisors = self.loss_divisors([y for _, y in batches])
         loss_sum = torch.zeros((), device=device)
-        for micro in range(grad_accum):
-            x, y = next_batch()
+        for micro, ((x, y), divisor) in enumerate(zip(batches, divisors)):
             with self.no_sync() if micro < grad_accum - 1 else contextlib.nullcontext():
                 with autocast(policy, device):
-                    loss = self.model(x, y) / grad_accum
+                    loss = self.model(x, y) / divisor
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         return loss_sum
+
+    def loss_divisors(self, targets: list[torch.Tensor]) -> list[float]:
+        """What each micro-batch loss of this rank is divided by, for the step's loss to be the mean
+        over all its target tokens: every micro-batch's, every replica's.
+
+        The model's loss of micro-batch i is the mean over its n_i targets (those not IGNORE_INDEX),
+        and the step has n on all replicas, so the step's loss is sum_i n_i mean_i / n; the engines
+        average gradients (sum / replicas), so mean_i is divided by n / (replicas n_i). Where every
+        micro-batch holds as many targets (text windows: every position), that is grad_accum
+        exactly, and the step is what dividing by grad_accum gave, bit for bit; fine-tuning examples
+        hold as many as their responses, and a plain mean of the means would weigh the tokens of
+        short responses more. Every micro-batch holds a target (data/sft.py refuses an example
+        without one). One all-reduce of an integer and one host sync per step."""
+        counts = torch.stack([(y != IGNORE_INDEX).sum() for y in targets])
+        total = counts.sum()
+        if self.replicas > 1:
+            self.comm.all_reduce(total, kind="scalar")
+        *counts, total = torch.cat([counts, total[None]]).tolist()
+        return [total / (self.replicas * n) for n in counts]
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The loss of one batch, without gradients (evaluation)."""

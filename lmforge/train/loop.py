@@ -56,8 +56,9 @@ def train_step(engine: Engine, next_batch, grad_accum: int, lr: float, grad_clip
     the global gradient norm, and the AdamW step at `lr` unless the loss or the gradients are not
     finite. Returns (loss of the step averaged over ranks, gradient norm before clipping, skipped).
 
-    Each micro-batch loss is divided by grad_accum, so that the summed gradient is the gradient of
-    the mean loss over the batch; the engine averages it over the ranks."""
+    The step's loss is the mean over all its target tokens (every micro-batch, every rank): the
+    engine divides each micro-batch loss by its share of them (parallel/engine.py, loss_divisors;
+    grad_accum where the micro-batches hold as many) and averages the gradients over the ranks."""
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
     loss_sum = engine.forward_backward(next_batch, grad_accum, scaler, policy, device)

@@ -99,9 +99,10 @@ class PipelineEngine(Engine):
 
     def forward_backward(self, next_batch, grad_accum: int, scaler, policy, device) -> torch.Tensor:
         """The schedule's actions for the step's m micro-batches; returns the sum of the
-        micro-batch losses / m on the last stage (zero elsewhere)."""
+        micro-batch losses, each divided by its `loss_divisors`, on the last stage (zero elsewhere)."""
         layout, m = self.layout, self.micro_batches
         batches = [next_batch() for _ in range(m)]  # every stage draws them: the loader stays in step
+        divisors = self.loss_divisors([y for _, y in batches]) if layout.last else None
         saved: dict[int, tuple] = {}
         # the first step measures the bytes each micro-batch's forward saves, and the most alive at once
         alive, peak, first_micro, in_flight_bytes = {}, 0, 0, self.measure_in_flight
@@ -118,7 +119,7 @@ class PipelineEngine(Engine):
                 with self._span("forward", i), measuring as measured, autocast(policy, device):
                     output = self.model(inputs, y if layout.last else None)
                     if layout.last:
-                        output = output / m  # the mean over the step's micro-batches, as grad_accum divides
+                        output = output / divisors[i]  # m where the micro-batches hold as many targets
                 if in_flight_bytes:
                     alive[i] = measured.activations
                     first_micro = first_micro or measured.activations  # micro-batch 0 runs first
