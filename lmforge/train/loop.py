@@ -1,8 +1,9 @@
 """The training loop: data -> model -> AdamW, with evaluation, checkpoints and logs.
 
 One optimizer step = `grad_accum` micro-batches of `batch_size` windows of `seq_len` tokens; each
-micro-batch loss is divided by grad_accum so that the summed gradient equals the gradient of the
-mean loss over the whole batch. Then: clip the global gradient norm, set the scheduled learning
+micro-batch loss is divided by its share of the step's target tokens (over every micro-batch and
+rank: grad_accum for text windows, where every position is a target), so that the summed gradient
+is the gradient of the mean loss over all the step's targets. Then: clip the global gradient norm, set the scheduled learning
 rate, AdamW step. Cost figures (FLOPs per token, peak FLOP/s, MFU) come from `accounting/`.
 
 Under torchrun every rank runs this loop in lockstep (forward, backward, evaluation, checkpoints:
