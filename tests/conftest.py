@@ -23,14 +23,21 @@ def _isolated_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory) -> Path:
     """About 600 KB of real Python: the first modules of this interpreter's standard library."""
+    return stdlib_corpus(tmp_path_factory.mktemp("corpus"), 600_000)
+
+
+def stdlib_corpus(folder: Path, characters: int, recursive: bool = False) -> Path:
+    """`folder` filled with this interpreter's standard-library modules (its packages' too with
+    `recursive`, flattened to one folder) until about `characters` characters of real Python."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    folder = tmp_path_factory.mktemp("corpus")
     total = 0
-    for path in sorted(root.glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="strict")
-        (folder / path.name).write_text(text)
+    for path in sorted(root.rglob("*.py") if recursive else root.glob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace" if recursive else "strict")
+        (folder / "_".join(path.relative_to(root).parts)).write_text(text)
         total += len(text)
-        if total > 600_000:
+        if total > characters:
             break
     return folder
 

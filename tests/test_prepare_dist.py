@@ -8,13 +8,12 @@ prepare on any machine: a wait by collective (as before) dies at the timeout, wi
 import json
 import re
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import pytest
 
 from test_distributed_train import env, torchrun
-from tests.conftest import tiny_overrides
+from tests.conftest import stdlib_corpus, tiny_overrides
 
 pytestmark = pytest.mark.dist
 
@@ -25,18 +24,7 @@ DIST_TIMEOUT = 3
 @pytest.fixture(scope="module")
 def big_corpus(tmp_path_factory) -> Path:
     """About 8 MB of the standard library's Python, flattened into one folder."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    folder = tmp_path_factory.mktemp("big_corpus")
-    total = 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        (folder / "_".join(path.relative_to(root).parts)).write_text(text)
-        total += len(text)
-        if total > 8_000_000:
-            break
-    return folder
+    return stdlib_corpus(tmp_path_factory.mktemp("big_corpus"), 8_000_000, recursive=True)
 
 
 def launch(cwd: Path, corpus: Path, data_dir: Path) -> subprocess.CompletedProcess:
