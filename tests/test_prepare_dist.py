@@ -3,7 +3,8 @@ prepares a fresh folder while the others wait through the rendezvous store, howe
 and the first waiting process says so; an error on rank 0 stops every rank with one line.
 
 The collective timeout is set to 3 s and the corpus (20 MB of Python) takes longer than that to
-prepare on a 2-core machine (the test checks it): a wait by collective (as before) dies at the timeout, with a traceback."""
+prepare on a 2-core machine (the test checks it): a wait by collective (as before) dies at the
+timeout, with a traceback."""
 
 import json
 import re
