@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lmforge.accounting.memory import activation_breakdown, logits_bytes
 from lmforge.config import make_config
 from lmforge.common.errors import LmforgeError
-from lmforge.model.transformer import Transformer, cross_entropy_loss
+from lmforge.model.transformer import IGNORE_INDEX, Transformer, cross_entropy_loss
 from lmforge.modes.precision import POLICIES, get_policy
 from lmforge.precision.policy import autocast, prepare_model
 from lmforge.wrap.chunked_loss import ChunkedHeadLoss, _ChunkedCrossEntropy, apply_chunked_loss
@@ -51,6 +51,18 @@ def test_loss_and_gradients_equal_the_plain_loss(chunk, bf16_autocast):
     else:
         for error, plain_error in zip(_relative_errors(chunked, reference), _relative_errors(plain, reference)):
             assert error <= 1.25 * plain_error + 1e-6
+
+
+@pytest.mark.parametrize("chunk", [1, 37, 1000])
+def test_targets_left_out_are_left_out_as_the_plain_loss_does(chunk):
+    # fine-tuning examples: prompt tokens and padding are IGNORE_INDEX; the mean is over the rest
+    torch.manual_seed(0)
+    h0, w0, y = torch.randn(N, D), torch.randn(V, D) * 0.3, torch.randint(0, V, (N,))
+    y[torch.rand(N) < 0.6] = IGNORE_INDEX
+    plain = _grads(lambda h, w: cross_entropy_loss(F.linear(h, w)[None], y[None]), h0, w0, torch.float32)
+    chunked = _grads(lambda h, w: _ChunkedCrossEntropy.apply(h, w, y, chunk), h0, w0, torch.float32)
+    assert max(_relative_errors(chunked, plain)) < 1e-5
+    assert not chunked[1][y == IGNORE_INDEX].any()  # a left-out token sends no gradient back
 
 
 @pytest.mark.parametrize("precision", list(POLICIES))

@@ -11,7 +11,8 @@ from rich.console import Console
 
 from lmforge.cli import main
 from lmforge.config import make_config
-from lmforge.data.sft import IGNORE_INDEX, encode_example, example_parts, pad_examples
+from lmforge.data.sft import encode_example, example_parts, pad_examples
+from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.data.tokenizer import END_OF_TEXT
 from lmforge.common.errors import LmforgeError
 from lmforge.model.lora import (LoRALinear, adapter_state_dict, apply_lora, load_adapter_state_dict, merge_lora,

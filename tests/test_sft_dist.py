@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from lmforge.config import make_config
-from lmforge.data.sft import IGNORE_INDEX, ExampleSet, example_batch, pad_examples
+from lmforge.data.sft import ExampleSet, example_batch, pad_examples
+from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.modes.precision import get_policy
 from lmforge.precision.loss_scaler import LossScaler
 from lmforge.train.setup import build_engine

@@ -40,8 +40,8 @@ from lmforge.data.corpus import Document, split_documents
 from lmforge.data.tokenizer import END_OF_TEXT
 from lmforge.data.tokens import unigram_entropy
 from lmforge.common.errors import LmforgeError
+from lmforge.model.transformer import IGNORE_INDEX
 
-IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 ROLES = ("system", "user", "assistant")
 
 

@@ -199,11 +199,14 @@ class Block(nn.Module):
         return x + self.residual_dropout(self.mlp(self.mlp_norm(x)))
 
 
+IGNORE_INDEX = -100  # a target the loss leaves out (a prompt token, padding: data/sft.py)
+
+
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, in fp32 whatever the compute dtype: log-softmax over a large
-    vocabulary is where low precision hurts most."""
+    """Mean next-token cross-entropy over the targets that are not IGNORE_INDEX, in fp32 whatever the
+    compute dtype: log-softmax over a large vocabulary is where low precision hurts most."""
     return F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
-                           targets.flatten())
+                           targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
 class HeadLoss(nn.Module):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from lmforge.data.sft import IGNORE_INDEX
+from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.precision.policy import autocast
 

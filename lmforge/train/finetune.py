@@ -25,7 +25,8 @@ from lmforge.config import Config
 from lmforge.data.corpus import load_documents, split_documents
 from lmforge.data.loader import window_batch
 from lmforge.data.prepare import PreparedData, data_dir_of, prepare_data
-from lmforge.data.sft import IGNORE_INDEX, example_batch, is_example_source, load_examples
+from lmforge.data.sft import example_batch, is_example_source, load_examples
+from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.data.tokenizer import encode_documents, tokenizer_hash
 from lmforge.data.tokens import unigram_entropy
 from lmforge.common.errors import LmforgeError

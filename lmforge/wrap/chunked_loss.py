@@ -4,7 +4,10 @@ their gradient never exist whole (`train.loss_chunk_tokens`; 0 keeps the plain l
 For N tokens, hidden states h (N, d) after the final norm and the head's weight W (V, d):
 
     z = h W^T,   loss = (1/N) sum_i [logsumexp(z_i) - z_i[y_i]],
-    dloss/dz_i = (softmax(z_i) - onehot(y_i)) / N,   dh_i = dz_i W,   dW = sum_i dz_i^T h_i.
+    dloss/dz_i = (softmax(z_i) - onehot(y_i)) / N,   dh_i = dz_i W,   dW = sum_i dz_i^T h_i,
+
+the sums over the targets that are not IGNORE_INDEX (a fine-tuning example's prompt and padding)
+and N their count, as in the plain loss; a left-out token's row of dz is zero.
 
 The gradient of a row of z needs only that row, so the forward takes the tokens C at a time:
 logits of C tokens, their loss and their gradient dz, folded at once into dh and dW; then the
@@ -24,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from lmforge.common.errors import LmforgeError
+from lmforge.model.transformer import IGNORE_INDEX
 
 
 def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -37,22 +41,24 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
                           with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Mean cross-entropy of the logits h @ weight^T (never all formed), and, `with_grads`, its
     gradients with respect to h (in h's dtype) and weight (in fp32)."""
-    n = h.shape[0]
+    kept = targets != IGNORE_INDEX
+    n = kept.sum()  # a tensor: no host sync; 0 gives NaN, as the plain loss does
     dtype = _compute_dtype(h, weight)
     with torch.autocast(h.device.type, enabled=False):
         w = weight.to(dtype)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if with_grads else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if with_grads else None
-        for start in range(0, n, chunk):
-            h_c, y_c = h[start:start + chunk].to(dtype), targets[start:start + chunk]
+        for start in range(0, h.shape[0], chunk):
+            h_c, kept_c = h[start:start + chunk].to(dtype), kept[start:start + chunk]
+            y_c = targets[start:start + chunk].where(kept_c, 0)  # a left-out target reads row 0, then is masked
             logits = (h_c @ w.t()).float()  # rounded to the compute dtype by the matmul, as plain
             lse = torch.logsumexp(logits, dim=-1)
-            loss += (lse - logits.gather(1, y_c[:, None]).squeeze(1)).sum()
+            loss += ((lse - logits.gather(1, y_c[:, None]).squeeze(1)) * kept_c).sum()
             if with_grads:  # in place: one chunk of fp32 logits (and its cast) at a time, no more
                 grad_z = logits.sub_(lse[:, None]).exp_()  # softmax
                 grad_z[torch.arange(len(y_c), device=h.device), y_c] -= 1.0
-                grad_z = grad_z.div_(n).to(dtype)
+                grad_z = grad_z.mul_(kept_c[:, None]).div_(n).to(dtype)
                 grad_h[start:start + chunk] = grad_z @ w
                 grad_w += (grad_z.t() @ h_c).float()
     return loss / n, grad_h, grad_w
