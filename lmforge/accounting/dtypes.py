@@ -8,7 +8,7 @@ gradients. `bytes` is what every memory figure in accounting/memory.py multiplie
 """
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -33,9 +33,6 @@ class DtypeInfo:
     smallest_normal: float
     eps: float  # gap between 1.0 and the next representable number
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def dtype_info(dtype: str | torch.dtype) -> DtypeInfo:
     if isinstance(dtype, str):
@@ -51,7 +48,3 @@ def dtype_info(dtype: str | torch.dtype) -> DtypeInfo:
 
 def dtype_table() -> list[DtypeInfo]:
     return [dtype_info(name) for name in DTYPES]
-
-
-def bytes_of(dtype: str | torch.dtype) -> int:
-    return dtype_info(dtype).bytes
