@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -43,14 +44,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# An intermittent abort of a whole rank, seen once in CI (1 launch in many hundred; 30 reruns here
+# did not repeat it): libstdc++'s "terminate called without an active exception", a C++ thread torn
+# down while still joinable. It is no wrong number: the worker is launched once more, and only for
+# that message; PYTHONFAULTHANDLER makes the aborting rank print its Python stack if it comes back.
+ABORT = "terminate called without an active exception"
+
+
 def run_worker(tmp_path, ranks: int, strategies: str) -> dict:
     """{"zero3@fp32": results, ...} of the worker's run of `strategies` (name@precision, ...)."""
     out = tmp_path / f"{ranks}.pt"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-                             f"--master_port={free_port()}", str(WORKER), str(out), strategies,
-                             str(ACCUM), str(STEPS)],
-                            capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for attempt in (1, 2):
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+                                 f"--master_port={free_port()}", str(WORKER), str(out), strategies,
+                                 str(ACCUM), str(STEPS)],
+                                capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
+        if result.returncode == 0 or ABORT not in result.stderr or attempt == 2:
+            break
+        warnings.warn(f"a rank aborted ({ABORT}); launching the worker again:\n{result.stderr[-2000:]}")
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out, weights_only=False)
 
