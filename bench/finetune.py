@@ -10,7 +10,10 @@ and the loss is taken on the response only (lmforge/data/sft.py). Every setup tr
 base (the default `lmforge train` model: give its run folder) with the same seed, batches, steps and
 learning-rate schedule; the script prints trainable parameters, the gradient + optimizer bytes
 measured after the first step (beside the plan's), tokens/s and the validation loss after the same
-number of steps, and draws the validation curves and the bytes.
+number of steps, and draws the validation curves and the bytes. It also prints the bytes each rank
+would send per step under DDP on 8 ranks (accounting/comm.py; tests/test_engines_compose.py checks
+that count equal to the collectives our DDP and ZeRO really call, at 2 ranks): they follow the
+trainable parameters, so LoRA sends a small fraction of full fine-tuning's gradients.
 
     python bench/finetune.py --base runs/<default run> [--steps 100] [--lr 1e-3]
 """
@@ -23,12 +26,14 @@ from pathlib import Path
 
 from rich.console import Console
 
+from lmforge.accounting.comm import step_communication
 from lmforge.config import load_config, make_config
 from lmforge.data.corpus import stdlib_documents
 from lmforge.runs.load import base_checkpoint
 from lmforge.train.loop import Trainer
 
 OUT = Path(__file__).parent / "out"
+COMM_RANKS = 8  # the data-parallel degree of the bytes-sent column
 SETUPS = [("full", None), ("LoRA r=4", 4), ("LoRA r=16", 16), ("LoRA r=64", 64)]
 
 
@@ -90,19 +95,23 @@ def main() -> None:
         planned = compared["gradients_bytes"]["predicted"] + compared["optimizer_states_bytes"]["predicted"]
         curve = [(r["step"], r["val_loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                  if "val_loss" in r]
+        lora = (rank, cfg.finetune.lora_targets) if rank else None
+        sent = step_communication(base_model, "ddp", COMM_RANKS, lora=lora)["sent_bytes"]
         rows.append({"setup": label, "trainable": trainable, "grad_opt_bytes": measured, "planned_bytes": planned,
+                     "ddp_sent_bytes": sent,
                      "tokens_per_s": summary["tokens_per_s"], "val_loss": summary["val_loss"], "curve": curve})
         print(f"{label:10s} trainable {trainable:>9,}  grad+opt {measured / 2**20:8.2f} MiB (plan "
-              f"{planned / 2**20:.2f})  {summary['tokens_per_s']:>8,.0f} tok/s  val loss {summary['val_loss']:.4f}",
-              flush=True)
+              f"{planned / 2**20:.2f})  DDP x{COMM_RANKS} sends {sent / 2**20:8.2f} MiB/step  "
+              f"{summary['tokens_per_s']:>8,.0f} tok/s  val loss {summary['val_loss']:.4f}", flush=True)
     full = rows[0]
-    print(f"\n| setup | trainable params | grad + optimizer bytes (measured = plan) | / full | tokens/s | / full | "
-          f"val loss after {args.steps} steps |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n| setup | trainable params | grad + optimizer bytes (measured = plan) | / full | "
+          f"sent per step per rank, DDP x{COMM_RANKS} | / full | tokens/s | / full | val loss after {args.steps} steps |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         same = "yes" if r["grad_opt_bytes"] == r["planned_bytes"] else "NO"
         print(f"| {r['setup']} | {r['trainable']:,} | {r['grad_opt_bytes'] / 2**20:.2f} MiB ({same}) | "
-              f"{r['grad_opt_bytes'] / full['grad_opt_bytes']:.3f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['grad_opt_bytes'] / full['grad_opt_bytes']:.3f} | {r['ddp_sent_bytes'] / 2**20:.2f} MiB | "
+              f"{r['ddp_sent_bytes'] / full['ddp_sent_bytes']:.4f} | {r['tokens_per_s']:,.0f} | "
               f"{r['tokens_per_s'] / full['tokens_per_s']:.2f} | {r['val_loss']:.4f} |")
     (OUT / "finetune.json").write_text(json.dumps(rows, indent=2))
     plot(rows, Path(__file__).parent / "finetune.png", args)

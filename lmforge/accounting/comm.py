@@ -27,11 +27,19 @@ from lmforge.modes.parallel import get_strategy, shard_unit
 from lmforge.modes.precision import POLICIES, Policy
 
 
-def unit_sizes(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters per ZeRO unit ("rest", "blocks.0", ...), tied tensors once."""
+def unit_sizes(cfg: ModelConfig, lora: tuple[int, str] | None = None,
+               trainable_only: bool = True) -> dict[str, int]:
+    """Parameters per ZeRO unit ("rest", "blocks.0", ...), tied tensors once. With `lora` = (rank,
+    targets) the base is frozen (model/lora.py): only the adapters train, and `trainable_only` keeps
+    just them (what ZeRO shards and DDP reduces; frozen weights stay whole on every rank)."""
+    model = meta_model(cfg)
+    if lora is not None:
+        from lmforge.model.lora import apply_lora
+        model = apply_lora(model, lora[1], lora[0])
     sizes: dict[str, int] = {}
-    for name, p in meta_model(cfg).named_parameters():
-        sizes[shard_unit(name)] = sizes.get(shard_unit(name), 0) + p.numel()
+    for name, p in model.named_parameters():
+        if p.requires_grad or not trainable_only:
+            sizes[shard_unit(name)] = sizes.get(shard_unit(name), 0) + p.numel()
     return sizes
 
 
@@ -43,13 +51,15 @@ def element_bytes(strategy: str, policy: Policy) -> int:
 
 
 def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy = POLICIES["fp32"],
-                       grad_accum: int = 1) -> dict:
+                       grad_accum: int = 1, lora: tuple[int, str] | None = None) -> dict:
     """Per rank per step: `ring_elements` (sum of S over the collectives, S in elements, twice for
     an all-reduce), `sent_bytes` = (N-1)/N of it in bytes, and the paper's figure `paper_elements`
     (2 Psi or 3 Psi, the N -> infinity limit, no padding). Gradients are reduced once per step
-    (accumulation micro-steps do not communicate); ZeRO-3 gathers parameters in every micro-step."""
+    (accumulation micro-steps do not communicate); ZeRO-3 gathers parameters in every micro-step.
+    With `lora` = (rank, targets) Psi is the adapters' count: only their gradients cross, and our
+    ZeRO keeps frozen weights whole; FSDP2 shards (so gathers) the frozen base too."""
     stage = get_strategy(strategy).zero_stage
-    sizes = unit_sizes(cfg)
+    sizes = unit_sizes(cfg, lora)
     psi = sum(sizes.values())
     padded = {u: -(-n // dp) * dp for u, n in sizes.items()}
     if strategy == "none" or dp == 1:
@@ -59,8 +69,10 @@ def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy 
     elif stage in (1, 2):
         ring, paper = 2 * sum(padded.values()), 2 * psi  # reduce-scatter + all-gather
     else:  # zero3, fsdp: gather for forward and for backward ("rest" once), reduce-scatter
-        gathers = sum((2 if u != "rest" else 1) * n for u, n in padded.items())
-        ring, paper = grad_accum * gathers + sum(padded.values()), 3 * psi
+        held = sizes if strategy != "fsdp" or lora is None else unit_sizes(cfg, lora, trainable_only=False)
+        gathered = {u: -(-n // dp) * dp for u, n in held.items()}
+        gathers = sum((2 if u != "rest" else 1) * n for u, n in gathered.items())
+        ring, paper = grad_accum * gathers + sum(padded.values()), 2 * sum(held.values()) + psi
     return communication(strategy, dp, element_bytes(strategy, policy), ring, paper)
 
 
