@@ -9,6 +9,7 @@ from pathlib import Path
 from lmforge.cli.launch import launch_train, quiet_rank
 from lmforge.cli.parser import build_parser, parse_args
 from lmforge.cli.run_config import finetune_config, resumed_config, resumed_finetune_config, train_config
+from lmforge.cli.scaling import cmd_scaling
 from lmforge.common.errors import LmforgeError, os_error_message
 from lmforge.config import DEFAULT_PRESET, make_config
 
@@ -129,6 +130,13 @@ def cmd_plan(args) -> int:
         raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
                            f"or pick another path")
     plans, varying, note = plan_setups(cfg, args)  # LmforgeError for bad input, before anything is written
+    if args.scaling:  # the loss the budget buys (accounting/scaling.py)
+        from lmforge.accounting.scaling import predicted_loss, read_fit
+        from lmforge.accounting.shapes import model_shapes
+
+        fit = read_fit(args.scaling)
+        for plan in plans:
+            plan["scaling"] = predicted_loss(fit, model_shapes(cfg.model).matmul_weights, plan["time"]["tokens"])
     if args.compare:
         if args.plot:
             plot_comparison(plans, varying, args.plot, name=name)
@@ -148,6 +156,11 @@ def cmd_plan(args) -> int:
         print_plan(console, plan, title=f"lmforge plan{' --inference' if args.inference else ''}: {name}")
         if note:
             console.print(note)
+        if "scaling" in plan:
+            s = plan["scaling"]
+            console.print(f"predicted final loss (--scaling fit): {s['loss']:.4f} for N {s['parameters']:,} on "
+                          f"{s['tokens']:,.0f} tokens; the same compute spent optimally: N {s['compute_optimal_parameters']:,.0f} "
+                          f"on {s['compute_optimal_tokens']:,.0f} tokens, loss {s['compute_optimal_loss']:.4f}")
         if args.plot:
             console.print(f"memory chart: {args.plot}")
     return 0
@@ -227,7 +240,7 @@ def cmd_eval_format(args) -> int:
 
 COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "finetune": cmd_finetune, "generate": cmd_generate,
             "plan": cmd_plan, "runs": cmd_runs, "export": cmd_export, "import-hf": cmd_import_hf, "tasks": cmd_tasks,
-            "eval-format": cmd_eval_format}
+            "eval-format": cmd_eval_format, "scaling": cmd_scaling}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import argparse
 
 from lmforge.cli.arguments import RAW, add_config_args, add_overrides, add_run, add_training_outputs, one_run
 from lmforge.cli.plan_parser import add_plan
+from lmforge.cli.scaling import add_scaling
 from lmforge.config import MODEL_PRESETS, _did_you_mean
 
 EXAMPLES = """\
@@ -186,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES, formatter_class=RAW)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in (add_prepare, add_train, add_finetune, add_generate, add_plan, add_runs, add_export, add_import_hf,
-                add_tasks, add_eval_format):
+                add_tasks, add_eval_format, add_scaling):
         add(commands)
     # parse_args looks up the subcommand's parser: its RUN argument, and which of its options a misspelt one resembles
     parser.subcommands = commands.choices

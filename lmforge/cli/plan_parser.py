@@ -69,6 +69,8 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
                            "rtx4090, mi300x")
     plan.add_argument("--mfu", type=float, default=0.5,
                       help="MFU assumed for the time estimate, and for prefill with --inference (default 0.5)")
+    plan.add_argument("--scaling", metavar="FIT.json", help="a fit of lmforge scaling fit: add the final loss "
+                                                          "it predicts for this model and --tokens")
     plan.add_argument("--tokens", type=float, help="token budget for the total time, FLOPs and cost (default: "
                                                    "Chinchilla's 20 tokens per parameter)")
     plan.add_argument("--price-per-hour", type=float, help="price of one device-hour, for the cost of the budget")
