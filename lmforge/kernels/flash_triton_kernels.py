@@ -106,6 +106,8 @@ def flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale,
     # Lines 12 and 14. The output is laid out (batch, q_len, heads, d_head), as sdpa returns it, so
     # that the model's output projection reads it without a transposing copy.
     out_base = out_ptr + (batch.to(tl.int64) * q_len * heads + head) * d_head
+    # (padding rows past q_len may see no key through a window: a sum of 1 keeps them finite; never stored)
+    row_sum = tl.where(row_sum == 0.0, 1.0, row_sum)
     _store_tile(out_base, acc / row_sum[:, None], row_start, q_len, d_head, heads * d_head, BLOCK_M, BLOCK_D)
     rows = row_start + tl.arange(0, BLOCK_M)
     tl.store(lse_ptr + batch_head.to(tl.int64) * q_len + rows, row_max + tl.log(row_sum),
