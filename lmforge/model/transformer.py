@@ -142,8 +142,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
 
     def forward(self, x, rope=None, cache=None, start_pos=0):
-        q = self.q_norm(rearrange(self.q_proj(x), "b t (h d) -> b h t d", h=self.n_heads))
-        k = self.k_norm(rearrange(self.k_proj(x), "b t (h d) -> b h t d", h=self.n_kv_heads))
+        # QK-norm (where built) normalises each head's d_head features before the transpose, so q and k
+        # keep the (b, t, h, d) memory that sdpa's kernels read, and its output is laid out alike
+        q = self.q_norm(rearrange(self.q_proj(x), "b t (h d) -> b t h d", h=self.n_heads)).transpose(1, 2)
+        k = self.k_norm(rearrange(self.k_proj(x), "b t (h d) -> b t h d", h=self.n_kv_heads)).transpose(1, 2)
         v = rearrange(self.v_proj(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
         if rope is not None:  # rotary families rotate queries and keys by position
             cos, sin = rope
