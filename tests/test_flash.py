@@ -238,9 +238,9 @@ def test_training_with_flash_torch_follows_the_sdpa_loss_curve(tiny_config, tmp_
     # counter proves the flash run really went through flash_torch.
     calls = []
 
-    def small_blocks(q, k, v, causal):
+    def small_blocks(q, k, v, causal, window=None):
         calls.append(q.shape)
-        return flash_attention_torch(q, k, v, causal=causal, block_q=16, block_k=16)
+        return flash_attention_torch(q, k, v, causal=causal, window=window, block_q=16, block_k=16)
 
     monkeypatch.setattr(attention_module, "flash_attention_torch", small_blocks)
     curves = {}

@@ -205,11 +205,11 @@ def one_line_error(done) -> str:
 def test_bad_hf_folders_stop_with_one_line(tokenizer, tmp_path, capsys):
     hf_model("gpt", tmp_path / "hf", tokenizer)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    (tmp_path / "mistral").mkdir()
-    (tmp_path / "mistral" / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"],
-                                                                   "model_type": "mistral"}))
-    assert "architecture MistralForCausalLM is not supported" in one_line_error(
-        run_cli("import-hf", "mistral", cwd=tmp_path))
+    (tmp_path / "gemma").mkdir()
+    (tmp_path / "gemma" / "config.json").write_text(json.dumps({**config, "architectures": ["GemmaForCausalLM"],
+                                                                 "model_type": "gemma"}))
+    assert "architecture GemmaForCausalLM is not supported" in one_line_error(
+        run_cli("import-hf", "gemma", cwd=tmp_path))
     (tmp_path / "hf" / "tokenizer.json").unlink()
     assert "has no tokenizer.json" in one_line_error(run_cli("import-hf", "hf", "--out", "x", cwd=tmp_path,
                                                              capsys=capsys))

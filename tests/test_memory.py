@@ -19,6 +19,8 @@ CONFIGS = {
     "deeper-wider": ["model.n_layers=3", "model.d_model=96", "model.n_heads=6", "model.n_kv_heads=3"],
     "mqa-odd-ffn": ["model.n_kv_heads=1", "model.d_ff=200", "model.vocab_size=300", "model.tie_embeddings=false"],
     "gpt": ["model.family=gpt", "model.n_kv_heads=null"],
+    "qwen-choices": ["model.qk_norm=true", "model.d_head=32", "model.qkv_bias=true"],  # QK-norm's saved tensors
+    "window": ["model.sliding_window=8"],  # sdpa keeps the band as an s x s mask
 }
 PRECISIONS = list(POLICIES)
 

@@ -29,14 +29,17 @@ class FamilyActivations:
 
 
 def llama_activations(cfg: ModelConfig, b: int, s: int, policy: Policy) -> FamilyActivations:
-    """RMSNorm, SwiGLU and RotaryTables (model/transformer.py), no biases."""
+    """RMSNorm, SwiGLU and RotaryTables (model/transformer.py); biases (model.qkv_bias) keep nothing."""
     p, bsd, bs, bsf = policy.bytes, b * s * cfg.d_model, b * s, b * s * cfg.ffn_dim
     # RMSNorm runs in fp32 (F.rms_norm decomposes under autograd): the input, 1/rms per row and
     # the normalised x (for the gain's gradient); a gain stored below fp32 is cast up with the
     # input, and the cast is kept too.
     rms_norm = 2 * bsd * 4 + bs * 4 + (cfg.d_model * 4 if p.parameter < 4 else 0)
+    # QK-norm (model.qk_norm): the same three tensors for each head's query and key, one per head and row
+    heads = cfg.n_heads + cfg.kv_heads
+    qk_norms = 2 * bs * heads * cfg.head_dim * 4 + bs * heads * 4 + (2 * cfg.head_dim * 4 if p.parameter < 4 else 0)
     return FamilyActivations(
-        block_norms=2 * rms_norm,
+        block_norms=2 * rms_norm + (qk_norms if cfg.qk_norm else 0),
         # gate and up outputs and silu(gate); their product is the down projection's input
         mlp=3 * bsf * p.compute + bsf * p.linear_input,
         norm_readers=5,  # q, k, v, gate and up

@@ -139,7 +139,7 @@ def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, layers: int, re
 
 
 def attention_saved_bytes(b: int, s: int, heads: int, kv_heads: int, head_dim: int, element_bytes: int,
-                          attention: str = "sdpa", recompute: str = "none") -> int:
+                          attention: str = "sdpa", recompute: str = "none", window: int | None = None) -> int:
     """Bytes one attention core (q, k, v -> output; model/attention.py) saves for backward, for
     b sequences of s tokens with q, k, v of `element_bytes` per element."""
     bsq, bskv = b * s * heads * head_dim, b * s * kv_heads * head_dim
@@ -152,8 +152,10 @@ def attention_saved_bytes(b: int, s: int, heads: int, kv_heads: int, head_dim: i
         probs = b * heads * s * s * (4 + (element_bytes if element_bytes < 4 else 0))
         return 3 * bsq * element_bytes + probs + s * s
     # Fused kernels keep q, k, v, the output and one fp32 log-sum-exp per row (Dao 2023,
-    # algorithm 1, line 12): no s x s term.
-    return (2 * bsq + 2 * bskv) * element_bytes + b * heads * s * 4
+    # algorithm 1, line 12): no s x s term, but for sdpa's sliding-window band (model.sliding_window
+    # below s), which it takes as an s x s additive mask in the inputs' dtype and keeps.
+    band = s * s * element_bytes if window is not None and window < s and attention in ("sdpa", "auto") else 0
+    return (2 * bsq + 2 * bskv) * element_bytes + b * heads * s * 4 + band
 
 
 def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLICIES["fp32"],
@@ -190,7 +192,7 @@ def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy 
         "norm_outputs": norm_outputs,
         "linear_inputs": linears * p.fp8_scales + out_proj_input,
         "attention": attention_saved_bytes(b, s, cfg.n_heads, cfg.kv_heads, cfg.head_dim, core_bytes, attention,
-                                           recompute),
+                                           recompute, cfg.sliding_window),
         "mlp": family.mlp,
     }
 

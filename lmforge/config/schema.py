@@ -30,10 +30,17 @@ class ModelConfig:
     dropout: float = 0.0
     tie_embeddings: bool = True
     attention: str = "sdpa"
+    # Architecture choices of the llama family, each realised by which modules are built
+    # (model/transformer.py), never asked in a forward pass:
+    d_head: int | None = None  # width of each attention head; None: d_model / n_heads (Qwen3 and Gemma set their own)
+    qkv_bias: bool = False  # biases on the query, key and value projections, none on the output (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
+    # each query sees itself and the sliding_window - 1 positions before it (Mistral); None: all before it
+    sliding_window: int | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_head or self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:

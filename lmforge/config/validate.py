@@ -28,6 +28,7 @@ def validate(cfg: Config) -> None:
     ones that can but are probably not meant)."""
     _check_finite(cfg)
     _check_model(cfg.model)
+    _check_architecture_choices(cfg.model)
     _check_data(cfg.data)
     _check_optim(cfg.optim)
     _check_train(cfg)
@@ -75,14 +76,27 @@ def _check_model(m: ModelConfig) -> None:
         _positive(f"model.{key}", getattr(m, key))
     _require(257 <= m.vocab_size <= 2**32, f"model.vocab_size must be between 257 (256 bytes + end token) "
                                            f"and 2**32, got {m.vocab_size}")
-    _require(m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    _require(m.d_head is not None or m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     _require(m.n_heads % m.kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
     _require(m.family != "llama" or m.head_dim % 2 == 0, f"rotary embeddings need an even head dimension, "
-                                                         f"got d_model/n_heads = {m.head_dim}")
+                                                         f"got a head dimension of {m.head_dim}")
     _require(m.family != "gpt" or m.kv_heads == m.n_heads, "model.n_kv_heads applies to the llama family only")
     if m.rope_scaling is not None:
         _check_rope_scaling(m)
     _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
+
+
+def _check_architecture_choices(m: ModelConfig) -> None:
+    """The llama family's build-time choices (Qwen2's q/k/v biases, Qwen3's QK-norm, a head width of
+    its own, Mistral's sliding window) and the backends that can run them."""
+    _positive("model.d_head", m.d_head)
+    _positive("model.sliding_window", m.sliding_window)
+    for key in ("qkv_bias", "qk_norm"):
+        _require(isinstance(getattr(m, key), bool), f"model.{key} must be true or false, got {getattr(m, key)!r}")
+    _require(m.family == "llama" or not (m.qkv_bias or m.qk_norm or m.d_head or m.sliding_window),
+             "model.qkv_bias, qk_norm, d_head and sliding_window apply to the llama family only "
+             "(gpt has biases everywhere and d_model / n_heads wide heads)")
+    # (every attention backend implements the window, model/attention.py: none is refused for it)
 
 
 def _check_rope_scaling(m: ModelConfig) -> None:

@@ -1,4 +1,5 @@
-"""Hugging Face model folders in and out: the llama family as `LlamaForCausalLM`, gpt as `GPT2LMHeadModel`.
+"""Hugging Face model folders in and out: the llama family as `LlamaForCausalLM`, `MistralForCausalLM`,
+`Qwen2ForCausalLM` or `Qwen3ForCausalLM` (by its build-time choices: hf_config.py), gpt as `GPT2LMHeadModel`.
 
 A Hugging Face folder holds config.json (architecture and shapes: hf_config.py), model.safetensors
 (weights by HF's names, hf_names.py; a large model shards it, listed in model.safetensors.index.json)
@@ -39,7 +40,7 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """An HF Llama or GPT-2 folder as lmforge's config, state dict (lmforge's names, the file's dtype)
+    """An HF Llama, Mistral, Qwen2, Qwen3 or GPT-2 folder as lmforge's config, state dict (lmforge's names, the file's dtype)
     and tokenizer. The end-of-text token is `read_end_token(folder, tokenizer)` (hf_tokenizer.py)."""
     folder = Path(folder)
     cfg = read_model_config(folder)
@@ -59,10 +60,10 @@ def export_hf(model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], token
     end_id = tokenizer.token_to_id(end_token)
     if end_id is None:
         raise LmforgeError(f"the tokenizer has no {end_token} token to end documents with (data.end_token)")
+    config = hf_config(model_cfg, end_id, state_dict["tok_embeddings.weight"].dtype)  # (may refuse: before writing)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = state_dict["tok_embeddings.weight"].dtype
-    (out / "config.json").write_text(json.dumps(hf_config(model_cfg, end_id, dtype), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": end_id, "eos_token_id": end_id}) + "\n")
     # transformers refuses a safetensors file whose metadata does not say which framework wrote it
     save_file(to_hf_state(model_cfg, state_dict), str(out / "model.safetensors"), metadata={"format": "pt"})

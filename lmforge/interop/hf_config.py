@@ -1,5 +1,8 @@
 """config.json of a Hugging Face model folder to and from lmforge's ModelConfig, and the one way the
-folder's JSON files are read. Both families' GELU is GPT-2's tanh approximation ("gelu_new")."""
+folder's JSON files are read. GPT-2's GELU is the tanh approximation ("gelu_new"). Llama, Mistral,
+Qwen2 and Qwen3 are one family here: their config.json files differ only in the keys that say
+which of lmforge's build-time choices (q/k/v biases, QK-norm, a sliding window, the head width)
+they make."""
 
 import json
 from pathlib import Path
@@ -8,7 +11,7 @@ import torch
 
 from lmforge.common.errors import LmforgeError
 from lmforge.config import ROPE_SCALING_KEYS, Config, ModelConfig, validate
-from lmforge.interop.hf_names import ARCHITECTURES, LAYOUTS
+from lmforge.interop.hf_names import ARCHITECTURES, LAYOUTS, LLAMA_ARCHITECTURES, MODEL_TYPES
 
 
 def read_json(path: Path) -> dict:
@@ -26,9 +29,22 @@ def read_model_config(folder: Path) -> ModelConfig:
     return model_config_from_hf(read_json(folder / "config.json"), where=str(folder))
 
 
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The HF architecture that holds `cfg`'s build-time choices: Qwen3 has QK-norm, Qwen2 q/k/v
+    biases, Mistral a sliding window, Llama none of them (the plainest that fits is written)."""
+    if cfg.family == "gpt":
+        return LAYOUTS["gpt"].architecture
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise LmforgeError("no Hugging Face architecture has both model.qk_norm and model.qkv_bias (Qwen3's "
+                           "attention_bias biases the output projection too): this model cannot be exported")
+    return ("Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.qkv_bias
+            else "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM")
+
+
 def hf_config(cfg: ModelConfig, end_id: int, dtype: torch.dtype) -> dict:
     """config.json for `cfg`. The end-of-text token serves as BOS and EOS (lmforge adds no BOS)."""
-    common = {"architectures": [LAYOUTS[cfg.family].architecture], "model_type": LAYOUTS[cfg.family].model_type,
+    arch = hf_architecture(cfg)
+    common = {"architectures": [arch], "model_type": LLAMA_ARCHITECTURES.get(arch, LAYOUTS["gpt"].model_type),
               "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "bos_token_id": end_id, "eos_token_id": end_id, "torch_dtype": str(dtype).removeprefix("torch.")}
     if cfg.family == "gpt":
@@ -36,54 +52,83 @@ def hf_config(cfg: ModelConfig, end_id: int, dtype: torch.dtype) -> dict:
                 "n_positions": cfg.max_seq_len, "n_inner": cfg.ffn_dim, "layer_norm_epsilon": cfg.norm_eps,
                 "activation_function": "gelu_new", "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
                 "attn_pdrop": cfg.dropout, "scale_attn_weights": True}
-    return {**common, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
-            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
-            # the keys of Llama 3.x's released config.json, which transformers 4 and 5 both read
-            "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling, "attention_bias": False,
-            "mlp_bias": False, "attention_dropout": cfg.dropout}
+    llama = {**common, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
+             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+             "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+             "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+             # the keys of Llama 3.x's released config.json, which transformers 4 and 5 both read
+             "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling, "attention_dropout": cfg.dropout}
+    if arch == "LlamaForCausalLM":
+        return {**llama, "attention_bias": False, "mlp_bias": False}
+    if arch == "MistralForCausalLM":
+        return {**llama, "sliding_window": cfg.sliding_window}
+    # Qwen2 and Qwen3 put the window on layers from max_window_layers on: 0 puts it on every layer
+    window = cfg.sliding_window
+    qwen = {**llama, "use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0,
+            "layer_types": [("sliding_attention" if window else "full_attention")] * cfg.n_layers}
+    return {**qwen, "attention_bias": False} if arch == "Qwen3ForCausalLM" else qwen
 
 
 def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     """lmforge's ModelConfig for an HF config.json; one line for what lmforge cannot represent."""
     arch = (config.get("architectures") or [None])[0] or config.get("model_type")
-    family = ARCHITECTURES.get(arch) or {"llama": "llama", "gpt2": "gpt"}.get(arch)
-    if family is None:
+    arch = MODEL_TYPES.get(arch, arch)
+    if arch not in ARCHITECTURES:
         raise LmforgeError(f"{where}: architecture {arch} is not supported; lmforge reads "
-                           f"{' and '.join(ARCHITECTURES)}")
+                           f"{', '.join(ARCHITECTURES)}")
+    family = ARCHITECTURES[arch]
 
     def require(ok: bool, what: str) -> None:
         if not ok:
             raise LmforgeError(f"{where}: {what}, which lmforge's {family} family does not have")
 
-    if family == "gpt":
-        require(config.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
-                f"activation_function {config.get('activation_function')}")
-        require(config.get("scale_attn_weights", True), "attention scores not scaled by 1/sqrt(d)")
-        require(not config.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx")
-        model = ModelConfig(family="gpt", vocab_size=config["vocab_size"], d_model=config["n_embd"],
-                            n_layers=config["n_layer"], n_heads=config["n_head"], d_ff=config.get("n_inner"),
-                            max_seq_len=config["n_positions"], norm_eps=config.get("layer_norm_epsilon", 1e-5),
-                            tie_embeddings=config.get("tie_word_embeddings", True))
-    else:
-        heads = config["num_attention_heads"]
-        require(config.get("hidden_act", "silu") == "silu", f"hidden_act {config.get('hidden_act')}")
-        require(not config.get("attention_bias") and not config.get("mlp_bias"), "biases")
-        require(config.get("head_dim") in (None, config["hidden_size"] // heads),
-                f"head_dim {config.get('head_dim')} != hidden_size / num_attention_heads")
-        theta, scaling = _rope(config, where)
-        model = ModelConfig(family="llama", vocab_size=config["vocab_size"], d_model=config["hidden_size"],
-                            n_layers=config["num_hidden_layers"], n_heads=heads,
-                            n_kv_heads=config.get("num_key_value_heads"), d_ff=config["intermediate_size"],
-                            max_seq_len=config["max_position_embeddings"], rope_theta=theta,
-                            rope_scaling=scaling, norm_eps=config.get("rms_norm_eps", 1e-6),
-                            tie_embeddings=config.get("tie_word_embeddings", False))
+    model = _gpt_config(config, require) if family == "gpt" else _llama_config(arch, config, require, where)
     try:
         validate(Config(model=model))
     except LmforgeError as err:
         raise LmforgeError(f"{where}: {err}") from None
     return model
+
+
+def _gpt_config(config: dict, require) -> ModelConfig:
+    require(config.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
+            f"activation_function {config.get('activation_function')}")
+    require(config.get("scale_attn_weights", True), "attention scores not scaled by 1/sqrt(d)")
+    require(not config.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx")
+    return ModelConfig(family="gpt", vocab_size=config["vocab_size"], d_model=config["n_embd"],
+                       n_layers=config["n_layer"], n_heads=config["n_head"], d_ff=config.get("n_inner"),
+                       max_seq_len=config["n_positions"], norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                       tie_embeddings=config.get("tie_word_embeddings", True))
+
+
+def _llama_config(arch: str, config: dict, require, where: str) -> ModelConfig:
+    """Llama, Mistral, Qwen2 and Qwen3: the llama family with the choices `arch` makes."""
+    heads, width = config["num_attention_heads"], config["hidden_size"]
+    require(config.get("hidden_act", "silu") == "silu", f"hidden_act {config.get('hidden_act')}")
+    require(not config.get("attention_bias") and not config.get("mlp_bias"),
+            "biases on every attention projection or in the MLP")
+    theta, scaling = _rope(config, where)
+    head_dim = config.get("head_dim") or width // heads
+    window = config.get("sliding_window") if arch == "MistralForCausalLM" else _qwen_window(config, require)
+    return ModelConfig(family="llama", vocab_size=config["vocab_size"], d_model=width,
+                       n_layers=config["num_hidden_layers"], n_heads=heads,
+                       n_kv_heads=config.get("num_key_value_heads"), d_ff=config["intermediate_size"],
+                       max_seq_len=config["max_position_embeddings"], rope_theta=theta,
+                       rope_scaling=scaling, norm_eps=config.get("rms_norm_eps", 1e-6),
+                       tie_embeddings=config.get("tie_word_embeddings", False),
+                       d_head=None if head_dim * heads == width else head_dim,
+                       qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM", sliding_window=window)
+
+
+def _qwen_window(config: dict, require) -> int | None:
+    """Qwen2/3's window: on the layers from max_window_layers on, when use_sliding_window (Llama: none)."""
+    if not config.get("use_sliding_window"):
+        return None
+    layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types") or ["sliding_attention" if i >= config.get("max_window_layers", 28)
+                                          else "full_attention" for i in range(layers)]
+    require(len(set(kinds)) == 1, "a sliding window on some layers only (layer_types / max_window_layers)")
+    return config.get("sliding_window") if kinds[0] == "sliding_attention" else None
 
 
 def _rope(config: dict, where: str) -> tuple[float, dict | None]:

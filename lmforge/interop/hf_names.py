@@ -1,5 +1,7 @@
 """lmforge's parameter names and layouts against Hugging Face's, for the llama family as
-`LlamaForCausalLM` and gpt as `GPT2LMHeadModel`.
+`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM` (one layout:
+the same module names, with biases or q/k norms where the config's choices build them) and gpt
+as `GPT2LMHeadModel`.
 
 The two models correspond module for module, renamed (`LAYOUTS`), with two differences in GPT-2:
   - its linear layers are `Conv1D`, which stores the weight as (in, out), the transpose of
@@ -39,7 +41,7 @@ LAYOUTS = {
         top={"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"},
         layer="model.layers.{}",
         block={"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-               **{f"attn.{p}": f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+               **{f"attn.{p}": f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")},
                **{f"mlp.{p}": f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}},
         fused={}, conv1d=False),
     "gpt": Layout(
@@ -51,7 +53,12 @@ LAYOUTS = {
                "mlp.down_proj": "mlp.c_proj"},
         fused={"attn.c_attn": ("attn.q_proj", "attn.k_proj", "attn.v_proj")}, conv1d=True),
 }
-ARCHITECTURES = {layout.architecture: family for family, layout in LAYOUTS.items()}
+# The llama family's HF architectures, by config.json "architectures" -> "model_type": the layout
+# above, each with its own build-time choices (hf_config.py reads and writes them).
+LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                       "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {**{arch: "llama" for arch in LLAMA_ARCHITECTURES}, LAYOUTS["gpt"].architecture: "gpt"}
+MODEL_TYPES = {**{kind: arch for arch, kind in LLAMA_ARCHITECTURES.items()}, "gpt2": LAYOUTS["gpt"].architecture}
 # buffers some checkpoints hold besides weights: older GPT-2's causal mask, older Llama's rotary
 # frequencies (lmforge computes its own from config.json)
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")

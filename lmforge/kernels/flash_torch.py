@@ -22,6 +22,11 @@ mask aligned to the end of the keys (query i sits at position kv_len - q_len + i
 attention is done by broadcasting: the queries are viewed as (batch, kv_heads, group, q_len,
 d_head) and each key/value tile as (batch, kv_heads, 1, block_k, d_head), so the repeated K and V
 are never materialised. Ragged last tiles are simply shorter slices; no padding is needed here.
+A sliding window w (model/attention.py) narrows the causal mask to a band: query position p sees
+keys p - w + 1 .. p. The loops then also skip the tiles wholly outside the band, so the work per
+query is O(w) instead of O(kv_len); a row whose keys all lie in later tiles keeps a running max
+of -inf until it meets them, and its exponentials are taken against 0 meanwhile (as FA2's
+kernels do) rather than -inf - -inf = nan.
 All tile arithmetic runs in fp32 (softmax statistics and accumulators) whatever the input dtype;
 only O, dQ, dK, dV are cast back to it.
 """
@@ -34,13 +39,13 @@ DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
 
 
-def flash_attention_torch(q, k, v, *, causal=True, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
+def flash_attention_torch(q, k, v, *, causal=True, window=None, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
     """Attention output (batch, heads, q_len, d_head), computed tile by tile; differentiable."""
-    check_flash_inputs(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
-    return FlashAttentionTorch.apply(q, k, v, causal, block_q, block_k)
+    check_flash_inputs(q, k, v, causal=causal, block_q=block_q, block_k=block_k, window=window)
+    return FlashAttentionTorch.apply(q, k, v, causal, block_q, block_k, window)
 
 
-def check_flash_inputs(q, k, v, *, causal, block_q, block_k):
+def check_flash_inputs(q, k, v, *, causal, block_q, block_k, window=None):
     """Shape rules shared by both flash backends; raises ValueError naming the problem."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"flash attention expects 4-d q, k, v (batch, heads, len, d_head), got "
@@ -58,6 +63,8 @@ def check_flash_inputs(q, k, v, *, causal, block_q, block_k):
         raise ValueError(f"causal attention needs q_len <= kv_len, got {q.shape[2]} > {k.shape[2]}")
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"a sliding window needs causal=True and a size >= 1, got causal={causal}, window={window}")
 
 
 def visible_key_end(row_end: int, q_len: int, kv_len: int, causal: bool) -> int:
@@ -65,19 +72,31 @@ def visible_key_end(row_end: int, q_len: int, kv_len: int, causal: bool) -> int:
     return min(kv_len, row_end + kv_len - q_len) if causal else kv_len
 
 
+def first_visible_key(row_start: int, q_len: int, kv_len: int, window: int | None) -> int:
+    """First key row `row_start` sees through a sliding window (later rows see only later keys)."""
+    return 0 if window is None else max(0, row_start + kv_len - q_len - window + 1)
+
+
 def first_visible_row(key_start: int, q_len: int, kv_len: int, causal: bool) -> int:
     """First query row that sees key `key_start`: rows above it skip this key block entirely."""
     return max(0, key_start - (kv_len - q_len)) if causal else 0
 
 
-def tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, device):
+def visible_row_end(key_end: int, q_len: int, kv_len: int, window: int | None) -> int:
+    """One past the last query row whose window still reaches key `key_end - 1`."""
+    return q_len if window is None else min(q_len, key_end - 1 + window - (kv_len - q_len))
+
+
+def tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, device, window=None):
     """Boolean (rows, keys) mask of one tile, True where the query may attend, or None if all may."""
     offset = kv_len - q_len  # query i sits at absolute position i + offset
-    if key_end - 1 <= row_start + offset:  # the tile's last key is visible to its first row
+    before_all = key_end - 1 <= row_start + offset  # the tile's last key is visible to its first row
+    in_all_windows = window is None or key_start > row_end - 1 + offset - window  # its first key, to its last row
+    if before_all and in_all_windows:
         return None
     rows = torch.arange(row_start, row_end, device=device)[:, None] + offset
     keys = torch.arange(key_start, key_end, device=device)[None, :]
-    return keys <= rows
+    return (keys <= rows) if window is None else (keys <= rows) & (keys > rows - window)
 
 
 def grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -88,7 +107,7 @@ def grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 class FlashAttentionTorch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, block_q, block_k):
+    def forward(ctx, q, k, v, causal, block_q, block_k, window):
         batch, heads, q_len, d_head = q.shape
         kv_heads, kv_len = k.shape[1], k.shape[2]
         scale = 1.0 / math.sqrt(d_head)
@@ -108,18 +127,22 @@ class FlashAttentionTorch(torch.autograd.Function):
             row_sum = torch.zeros(q_tile.shape[:-1], dtype=torch.float32, device=q.device)
             row_max = torch.full_like(row_sum, float("-inf"))
             # Line 6: the key/value blocks; with a causal mask, blocks wholly above the diagonal
-            # (every key later than every query of this block) are skipped, halving the work.
-            for key_start in range(0, visible_key_end(row_end, q_len, kv_len, causal), block_k):
+            # (every key later than every query of this block) are skipped, halving the work, and
+            # with a sliding window those wholly before the band.
+            first_key = first_visible_key(row_start, q_len, kv_len, window) // block_k * block_k
+            for key_start in range(first_key, visible_key_end(row_end, q_len, kv_len, causal), block_k):
                 key_end = min(key_start + block_k, kv_len)
                 k_tile, v_tile = k5[..., key_start:key_end, :], v5[..., key_start:key_end, :]  # line 7
                 scores = (q_tile @ k_tile.transpose(-1, -2)) * scale  # line 8: S_i^(j) = Q_i K_j^T
-                mask = tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, q.device) if causal else None
+                mask = tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, q.device, window) if causal else None
                 if mask is not None:
                     scores = scores.masked_fill(~mask, float("-inf"))
-                # Line 9: new running max; exp(S - m_new) is at most 1, so it cannot overflow.
+                # Line 9: new running max; exp(S - m_new) is at most 1, so it cannot overflow. A row
+                # that has seen no key yet (a sliding window's) exponentiates against 0: all zeros.
                 new_max = torch.maximum(row_max, scores.amax(dim=-1))
-                probs = torch.exp(scores - new_max[..., None])  # P~_i^(j), unnormalised
-                correction = torch.exp(row_max - new_max)  # e^(m^(j-1) - m^(j)); 0 on the first block
+                shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
+                probs = torch.exp(scores - shift[..., None])  # P~_i^(j), unnormalised
+                correction = torch.exp(row_max - shift)  # e^(m^(j-1) - m^(j)); 0 on the first block
                 row_sum = correction * row_sum + probs.sum(dim=-1)
                 # Line 10: rescale what was accumulated under the old max, then add this block.
                 acc = correction[..., None] * acc + probs @ v_tile
@@ -136,13 +159,13 @@ class FlashAttentionTorch(torch.autograd.Function):
         lse = lse.view(batch, heads, q_len)
         # Saved for backward: the inputs, O (input dtype) and L (fp32): O(N), never an N x N tensor.
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.block_q, ctx.block_k = causal, block_q, block_k
+        ctx.causal, ctx.block_q, ctx.block_k, ctx.window = causal, block_q, block_k, window
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, block_q, block_k = ctx.causal, ctx.block_q, ctx.block_k
+        causal, block_q, block_k, window = ctx.causal, ctx.block_q, ctx.block_k, ctx.window
         batch, heads, q_len, d_head = q.shape
         kv_heads, kv_len = k.shape[1], k.shape[2]
         scale = 1.0 / math.sqrt(d_head)
@@ -163,15 +186,16 @@ class FlashAttentionTorch(torch.autograd.Function):
             k_tile, v_tile = k5[..., key_start:key_end, :], v5[..., key_start:key_end, :]  # line 6
             grad_k_tile = torch.zeros_like(k_tile.squeeze(2))  # line 7: dK_j = 0, dV_j = 0
             grad_v_tile = torch.zeros_like(grad_k_tile)
-            # Line 8: query blocks; causal rows that see none of these keys are skipped.
+            # Line 8: query blocks; causal rows that see none of these keys are skipped, and rows
+            # whose window has moved past them.
             first_row = first_visible_row(key_start, q_len, kv_len, causal) // block_q * block_q
-            for row_start in range(first_row, q_len, block_q):
+            for row_start in range(first_row, visible_row_end(key_end, q_len, kv_len, window), block_q):
                 row_end = min(row_start + block_q, q_len)
                 rows = slice(row_start, row_end)
                 q_tile, do_tile = q5[:, :, :, rows], do5[:, :, :, rows]  # line 9
                 # Lines 10-11: recompute the probabilities from L, already normalised.
                 scores = (q_tile @ k_tile.transpose(-1, -2)) * scale
-                mask = tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, q.device) if causal else None
+                mask = tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, q.device, window) if causal else None
                 if mask is not None:
                     scores = scores.masked_fill(~mask, float("-inf"))
                 probs = torch.exp(scores - lse5[:, :, :, rows, None])
@@ -187,4 +211,4 @@ class FlashAttentionTorch(torch.autograd.Function):
             grad_v[:, :, key_start:key_end] = grad_v_tile
 
         grad_q = grad_q.view(batch, heads, q_len, d_head).to(q.dtype)
-        return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
+        return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None

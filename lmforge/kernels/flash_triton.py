@@ -72,15 +72,16 @@ def _check_block(name: str, size: int) -> None:
         raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernels, got {size}")
 
 
-def flash_attention_triton(q, k, v, *, causal=True, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
-    """Attention output (batch, heads, q_len, d_head) from the Triton kernels; differentiable."""
+def flash_attention_triton(q, k, v, *, causal=True, window=None, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
+    """Attention output (batch, heads, q_len, d_head) from the Triton kernels; differentiable.
+    `window`: a sliding window (flash_torch.py); None passes one wider than any band."""
     reason = unavailable_reason(q.device)
     if reason:
         raise LmforgeError(reason)
-    check_flash_inputs(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
+    check_flash_inputs(q, k, v, causal=causal, block_q=block_q, block_k=block_k, window=window)
     _check_block("block_q", block_q)
     _check_block("block_k", block_k)
-    return FlashAttentionTriton.apply(q, k, v, causal, block_q, block_k)
+    return FlashAttentionTriton.apply(q, k, v, causal, block_q, block_k, window or q.shape[2] + k.shape[2])
 
 
 def _launch_settings(q, causal, block_q, block_k):
@@ -92,7 +93,7 @@ def _launch_settings(q, causal, block_q, block_k):
 
 class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, block_q, block_k):
+    def forward(ctx, q, k, v, causal, block_q, block_k, window):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         batch, heads, q_len, d_head = q.shape
         kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -101,10 +102,10 @@ class FlashAttentionTriton(torch.autograd.Function):
         lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
         grid = (triton_cdiv(q_len, block_q), batch * heads)
         _kernels().flash_forward_kernel[grid](
-            q, k, v, out, lse, 1.0 / math.sqrt(d_head), heads, kv_heads, q_len, kv_len, d_head,
+            q, k, v, out, lse, 1.0 / math.sqrt(d_head), heads, kv_heads, q_len, kv_len, d_head, window,
             **_launch_settings(q, causal, block_q, block_k), num_stages=NUM_STAGES["forward"])
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.block_q, ctx.block_k = causal, block_q, block_k
+        ctx.causal, ctx.block_q, ctx.block_k, ctx.window = causal, block_q, block_k, window
         return out
 
     @staticmethod
@@ -116,13 +117,13 @@ class FlashAttentionTriton(torch.autograd.Function):
         delta = (grad_out.float() * out.float()).sum(dim=-1)  # Algorithm 2, line 4
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         settings = _launch_settings(q, ctx.causal, ctx.block_q, ctx.block_k)
-        shape_args = (1.0 / math.sqrt(d_head), heads, kv_heads, q_len, kv_len, d_head)
+        shape_args = (1.0 / math.sqrt(d_head), heads, kv_heads, q_len, kv_len, d_head, ctx.window)
         kernels = _kernels()
         kernels.flash_backward_dkdv_kernel[(triton_cdiv(kv_len, ctx.block_k), batch * kv_heads)](
             q, k, v, grad_out, lse, delta, grad_k, grad_v, *shape_args, **settings, num_stages=NUM_STAGES["dkdv"])
         kernels.flash_backward_dq_kernel[(triton_cdiv(q_len, ctx.block_q), batch * heads)](
             q, k, v, grad_out, lse, delta, grad_q, *shape_args, **settings, num_stages=NUM_STAGES["dq"])
-        return grad_q, grad_k, grad_v, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -9,6 +9,11 @@ key/value head j // (heads / kv_heads)).
 The causal mask is aligned to the *end* of the keys: query i sits at absolute position
 kv_len - q_len + i and sees every key at or before it. With q_len == kv_len this is the usual
 lower-triangular mask; with a KV cache (q_len < kv_len) the new queries see all cached keys.
+A sliding window of w (Beltagy et al. 2020; Mistral 7B, Jiang et al. 2023, section 2) narrows it to
+a band: the query at position p sees the keys at p - w + 1 .. p, itself and the w - 1 before it
+(transformers' sliding_window convention), so each layer reads w positions back and a stack of L
+layers about L * w. Every backend implements it (naive and sdpa by the band mask, the flash
+kernels by the same band in their tile masks, skipping tiles wholly outside it).
 
 Backends:
   naive         materialises the (q_len x kv_len) score matrix and its softmax: the reference.
@@ -40,6 +45,7 @@ def attention(
     v: torch.Tensor,
     *,
     causal: bool = True,
+    window: int | None = None,
     backend: str = "sdpa",
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
@@ -53,28 +59,32 @@ def attention(
         # RNG state; they do not implement that.
         raise LmforgeError(f"attention backend {backend!r} does not support attention dropout "
                            f"(dropout_p={dropout_p}): set model.dropout=0 or use sdpa or naive")
+    if window is not None and not causal:
+        raise ValueError("a sliding window narrows the causal mask: it needs causal=True")
     if backend == "flash_torch":
-        return flash_attention_torch(q, k, v, causal=causal)
+        return flash_attention_torch(q, k, v, causal=causal, window=window)
     if backend == "flash_triton":
-        return flash_triton.flash_attention_triton(q, k, v, causal=causal)
+        return flash_triton.flash_attention_triton(q, k, v, causal=causal, window=window)
     if backend == "naive":
-        return naive_attention(q, k, v, causal=causal, dropout_p=dropout_p)
-    return sdpa_attention(q, k, v, causal=causal, dropout_p=dropout_p)
+        return naive_attention(q, k, v, causal=causal, window=window, dropout_p=dropout_p)
+    return sdpa_attention(q, k, v, causal=causal, window=window, dropout_p=dropout_p)
 
 
 class AttentionCore(nn.Module):
     """`attention` as a module: a child of each attention layer that wrappers from outside
-    (fp32 attention, selective recomputation) can wrap. Dropout applies only in training."""
+    (fp32 attention, selective recomputation) can wrap. Dropout applies only in training;
+    `window` is the sliding window (None: every earlier position)."""
 
-    def __init__(self, backend: str = "sdpa", dropout: float = 0.0):
+    def __init__(self, backend: str = "sdpa", dropout: float = 0.0, window: int | None = None):
         super().__init__()
-        self.backend, self.dropout = backend, dropout
+        self.backend, self.dropout, self.window = backend, dropout, window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention(q, k, v, causal=True, backend=self.backend, dropout_p=self.dropout if self.training else 0.0)
+        return attention(q, k, v, causal=True, window=self.window, backend=self.backend,
+                         dropout_p=self.dropout if self.training else 0.0)
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend!r}, dropout={self.dropout}"
+        return f"backend={self.backend!r}, dropout={self.dropout}" + (f", window={self.window}" if self.window else "")
 
 
 def resolve_backend(device: torch.device, *, dropout_p: float = 0.0) -> str:
@@ -93,18 +103,20 @@ def resolve_backend(device: torch.device, *, dropout_p: float = 0.0) -> str:
     return "sdpa"
 
 
-def causal_mask(q_len: int, kv_len: int, device=None) -> torch.Tensor:
-    """Boolean (q_len, kv_len) mask, True where a query may attend (end-aligned, see above)."""
-    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
+def causal_mask(q_len: int, kv_len: int, device=None, window: int | None = None) -> torch.Tensor:
+    """Boolean (q_len, kv_len) mask, True where a query may attend (end-aligned, see above); with
+    a `window`, only the band of the window's last positions."""
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
+    return mask if window is None else mask.triu(diagonal=kv_len - q_len - window + 1)
 
 
-def naive_attention(q, k, v, *, causal=True, dropout_p=0.0):
+def naive_attention(q, k, v, *, causal=True, window=None, dropout_p=0.0):
     group = q.shape[1] // k.shape[1]
     k = repeat(k, "b g t d -> b (g r) t d", r=group)
     v = repeat(v, "b g t d -> b (g r) t d", r=group)
     scores = einsum(q, k, "b h i d, b h j d -> b h i j") / math.sqrt(q.shape[-1])
     if causal:
-        mask = causal_mask(q.shape[2], k.shape[2], device=q.device)
+        mask = causal_mask(q.shape[2], k.shape[2], device=q.device, window=window)
         scores = scores.masked_fill(~mask, float("-inf"))
     # Softmax in at least fp32 whatever the input dtype: exp() of low-precision scores loses the tail.
     probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
@@ -113,10 +125,12 @@ def naive_attention(q, k, v, *, causal=True, dropout_p=0.0):
     return einsum(probs, v, "b h i j, b h j d -> b h i d")
 
 
-def sdpa_attention(q, k, v, *, causal=True, dropout_p=0.0):
+def sdpa_attention(q, k, v, *, causal=True, window=None, dropout_p=0.0):
     q_len, kv_len = q.shape[2], k.shape[2]
     attn_mask, is_causal = None, False
-    if causal and q_len == kv_len:
+    if window is not None and kv_len > window:  # the window hides some keys: the band mask says which
+        attn_mask = causal_mask(q_len, kv_len, device=q.device, window=window)
+    elif causal and q_len == kv_len:
         is_causal = True  # lets SDPA pick a fused causal kernel
     elif causal and q_len > 1:
         attn_mask = causal_mask(q_len, kv_len, device=q.device)

@@ -4,6 +4,8 @@ llama (default), after Touvron et al. 2023 (LLaMA, section 2.2):
     pre-normalisation with RMSNorm (Zhang & Sennrich 2019), rotary position embeddings
     (Su et al. 2021), SwiGLU feed-forward (Shazeer 2020), no biases, and grouped-query
     attention (Ainslie et al. 2023).
+    Build-time choices (ModelConfig) add what Qwen2 (q, k, v biases), Qwen3 (QK-norm, its own
+    head width) and Mistral (sliding-window attention) change in it: see `Attention`.
 gpt, after Radford et al. 2019 (GPT-2, section 2.3) and Brown et al. 2020 (GPT-3):
     pre-normalisation with LayerNorm, learned absolute positions, a GELU MLP of width 4d,
     biases everywhere, dropout.
@@ -118,20 +120,32 @@ class RotaryTables(nn.Module):
 
 
 class Attention(nn.Module):
+    """Multi-head (or grouped-query) attention. `bias` puts biases on all four projections (gpt);
+    the llama family's choices come from the config: `qkv_bias` on the query, key and value ones
+    (Qwen2), `qk_norm` an RMSNorm over each head's query and key before they are rotated (Qwen3;
+    Henry et al. 2020, Dehghani et al. 2023: it bounds the attention logits), and
+    `sliding_window` in the attention core (Mistral). An absent choice builds nothing or an
+    nn.Identity, so the forward is the same for every architecture."""
+
     def __init__(self, cfg: ModelConfig, bias: bool):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
+        qkv_bias = bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         # softmax(Q K^T / sqrt(d)) V as a child module: wrappers (fp32 attention, selective
         # recomputation) wrap it from outside, visibly in print(model).
-        self.core = AttentionCore(cfg.attention, cfg.dropout)
+        self.core = AttentionCore(cfg.attention, cfg.dropout, cfg.sliding_window)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
 
     def forward(self, x, rope=None, cache=None, start_pos=0):
-        q = rearrange(self.q_proj(x), "b t (h d) -> b h t d", h=self.n_heads)
-        k = rearrange(self.k_proj(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
+        # QK-norm (where built) normalises each head's d_head features before the transpose, so q and k
+        # keep the (b, t, h, d) memory that sdpa's kernels read, and its output is laid out alike
+        q = self.q_norm(rearrange(self.q_proj(x), "b t (h d) -> b t h d", h=self.n_heads)).transpose(1, 2)
+        k = self.k_norm(rearrange(self.k_proj(x), "b t (h d) -> b t h d", h=self.n_kv_heads)).transpose(1, 2)
         v = rearrange(self.v_proj(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
         if rope is not None:  # rotary families rotate queries and keys by position
             cos, sin = rope
