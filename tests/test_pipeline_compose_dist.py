@@ -121,3 +121,44 @@ def test_each_ranks_bytes_and_replica_traffic_equal_the_plans_stage(four_ranks, 
             assert held[part] == planned[part], (replica, stage, part)
         # ddp: each gradient all-reduced; zero1: reduce-scattered, the parameters all-gathered; LoRA: adapters only
         assert held["sent"] == pytest.approx(stages[stage]["sent_bytes_per_step"]["data_parallel"], rel=1e-12)
+
+
+# -- `lmforge train` itself: a LoRA pipeline checkpoints by name and resumes ------------------------
+
+def test_a_lora_pipeline_run_checkpoints_the_names_of_one_process_and_resumes_to_its_numbers(
+        tmp_path, corpus_dir, data_dir):
+    """2 stages of m = 2 micro-batches of 2 rows against one process accumulating 2 micro-batches
+    of 2 rows, LoRA rank 4 on a randomly initialised base (the same seed: the same base): saved
+    at step 3, resumed to 6. Tolerance: the tied head's and embedding's parts and the clipping
+    norm are summed in another order (tests/test_pipeline.py): the losses agree to 1e-5, the
+    adapters to 1e-5 (six steps at lr 1e-3; a wrong adapter or a lost optimizer state moves them
+    by about lr)."""
+    from lmforge.runs.checkpoint.find import find_checkpoint, list_checkpoints
+    from lmforge.runs.checkpoint.read import read_tensors
+    from lmforge.runs.checkpoint.tensors import stored_tensors
+    from tests.conftest import tiny_overrides
+    from tests.test_distributed_train import losses, run, torchrun
+
+    def settings(max_steps: int, *extra: str) -> list[str]:
+        return ["--model", "tiny", *tiny_overrides(corpus_dir, data_dir, max_steps=max_steps, batch_size=2,
+                                                   eval_interval=3, checkpoint_interval=3, log_interval=1),
+                "optim.decay_steps=6", "optim.lr=1e-3", *LORA, *extra]
+
+    one, saved = tmp_path / "one", tmp_path / "saved"
+    run([sys.executable, "-m", "lmforge", "train", "--no-progress", *settings(6, "train.grad_accum=2"),
+         "--out", str(one)], tmp_path)
+    piped = ["train.pipeline_stages=2", "train.micro_batches=2"]
+    run(torchrun(2, *settings(3, *piped), "--out", str(saved)), tmp_path)
+    (checkpoint,) = list_checkpoints(saved)
+    one_step3 = next(p for p in list_checkpoints(one) if p.name == checkpoint.name)
+    for folder in ("model", "optimizer"):  # the adapters and their moments, under one process's names
+        assert stored_tensors(checkpoint, folder).keys() == stored_tensors(one_step3, folder).keys()
+    assert all(name.endswith((".lora_A", ".lora_B")) for name in stored_tensors(checkpoint, "model"))
+    run(torchrun(2, "--resume", str(saved), "train.max_steps=6"), tmp_path)
+    mine, theirs = losses(saved), losses(one)
+    assert [s for s, _ in mine] == [s for s, _ in theirs]
+    assert all(abs(x - y) <= 1e-5 for (_, x), (_, y) in zip(mine, theirs)), (mine, theirs)
+    a, b = read_tensors(find_checkpoint(saved)), read_tensors(find_checkpoint(one))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
