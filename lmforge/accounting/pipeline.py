@@ -21,7 +21,9 @@ backwards start.
 How the model is cut (parallel/pipeline/engine.py): stage s holds the blocks stage_layers(split)[s], the
 first stage also the token (and learned position) embeddings, the last the final norm, LM head
 and loss; with tied embeddings the first and the last stage each hold a full copy of the shared
-matrix. Pipelines replicate whole stages for data parallelism (DDP-style, no ZeRO sharding).
+matrix. Pipelines replicate whole stages for data parallelism, DDP-style or with ZeRO-1 (each
+stage's optimizer states sharded over its replicas); ZeRO-2, ZeRO-3 and FSDP do not combine
+(parallel/pipeline/replicas.py says why).
 """
 
 import bisect
@@ -163,10 +165,12 @@ def _named_parameters(values: str, lora_rank: int | None, lora_targets: str) -> 
                  for name, tensor in model.named_parameters(remove_duplicate=False))
 
 
-def stage_communication(params: StageParameters, dp: int, tp: int, policy: Policy) -> dict:
-    """One stage's gradient all-reduce among its dp replicas, per rank per step, in
-    comm.step_communication's terms (a ring sends 2 (N-1)/N of the elements); tensor ranks each
-    hold 1/tp of the stage's trained parameters."""
+def stage_communication(params: StageParameters, dp: int, tp: int, policy: Policy, zero_stage: int = 0) -> dict:
+    """One stage's gradient reduction among its dp replicas, per rank per step, in
+    comm.step_communication's terms: an all-reduce (ddp), or ZeRO-1's reduce-scatter of the
+    gradients and all-gather of the parameters (zero_stage 1), 2 x the elements either way (a ring
+    sends (N-1)/N of them); tensor ranks each hold 1/tp of the stage's trained parameters."""
     trained = (params.count if params.adapters is None else params.adapters) / tp
     ring = 2 * trained if dp > 1 else 0
-    return communication("ddp" if dp > 1 else "none", dp, element_bytes("ddp", policy), ring, ring)
+    strategy = "zero1" if zero_stage == 1 else "ddp" if dp > 1 else "none"
+    return communication(strategy, dp, element_bytes(strategy, policy), ring, ring)

@@ -55,8 +55,9 @@ class Collectives:
         return dist.all_gather_single(full, shard, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, kind: str = "state"):
+        """From the group's rank `src` (a pipeline stage's data group is not ranks 0..N-1)."""
         self._count("broadcast", kind, tensor.nbytes)
-        return dist.broadcast(tensor, src=src, group=self.group)
+        return dist.broadcast(tensor, group=self.group, group_src=src)
 
     def reset(self) -> None:
         self.ring_bytes.clear()

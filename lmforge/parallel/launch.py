@@ -56,6 +56,18 @@ def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> to
     return _rank_device(cfg.train.device, local_rank, cuda_devices)
 
 
+# why each strategy a pipeline cannot take is refused (parallel/pipeline/replicas.py says more): a
+# pipeline step runs one backward per micro-batch
+PIPELINE_REFUSED = {
+    "zero2": "ZeRO-2 would reduce-scatter each gradient m times a step (once per micro-batch's backward) "
+             "or keep it whole until the last, which is ZeRO-1's memory",
+    "zero3": "ZeRO-3 would gather each block's parameters before every micro-batch's forward and backward "
+             "(2m gathers a step, not 2) or keep them gathered, which is ZeRO-1's memory",
+    "fsdp": "FSDP shards parameters as ZeRO-3 does and would gather them for every micro-batch "
+            "(2m gathers a step, not 2)",
+}
+
+
 def _check_pipeline(cfg, world_size: int) -> None:
     """What a pipeline of train.pipeline_stages stages on `world_size` ranks cannot do."""
     t = cfg.train
@@ -65,16 +77,13 @@ def _check_pipeline(cfg, world_size: int) -> None:
         raise LmforgeError(f"train.pipeline_stages={p} needs one process per stage (or a multiple of {p}: replicas), "
                            f"not {world_size}: {launch}")
     replicas = world_size // p
-    if replicas > 1 and parallel != "ddp":
-        raise LmforgeError(f"{world_size} ranks = {p} stages x {replicas} replicas: the replicas average their "
-                           f"gradients as DDP does; set train.parallel=ddp (ZeRO and FSDP do not combine with "
-                           f"pipelines here)")
-    if parallel not in ("none", "ddp"):
-        raise LmforgeError(f"train.parallel={parallel} does not combine with train.pipeline_stages={p}: use "
-                           f"train.parallel=none (or ddp with replicas)")
-    if cfg.finetune.lora_rank is not None:
-        raise LmforgeError("LoRA fine-tuning does not run on a pipeline: set train.pipeline_stages=1 "
-                           "(adapters are small: data parallelism fits them)")
+    if parallel in PIPELINE_REFUSED:
+        raise LmforgeError(f"train.parallel={parallel} does not combine with train.pipeline_stages={p}: "
+                           f"{PIPELINE_REFUSED[parallel]}; use train.parallel=zero1 (each stage's replicas shard "
+                           f"its optimizer states) or ddp")
+    if replicas > 1 and parallel == "none":
+        raise LmforgeError(f"{world_size} ranks = {p} stages x {replicas} replicas: choose how each stage's "
+                           f"replicas share its gradients: train.parallel=ddp or zero1")
     if t.precision == "fp16-mixed" and t.pipeline_engine == "torch":
         raise LmforgeError("train.pipeline_engine=torch does not scale the loss (fp16-mixed): use "
                            "train.pipeline_engine=lmforge or bf16-mixed")

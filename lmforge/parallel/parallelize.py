@@ -8,7 +8,10 @@
     fsdp   FSDPEngine             PyTorch's fully_shard (fsdp.py)
 
 and pipeline parallelism (train.pipeline_stages > 1): PipelineEngine (pipeline/engine.py), each
-rank one stage, its replicas (more ranks than stages, train.parallel=ddp) averaging their gradients.
+rank one stage; with more ranks than stages, each stage's replicas share its gradients and
+optimizer through the engine of STAGE_REPLICA_ENGINES (pipeline/replicas.py): train.parallel=ddp
+averages the gradients, zero1 shards the stage's optimizer states over its replicas (zero2, zero3
+and fsdp do not combine with pipelines: pipeline/replicas.py says why, parallel/launch.py refuses).
 
 `parallelize` is step 7 of train/setup.py: it takes the model as the steps before left it
 (precision, recomputation, ...) and the process group that the launcher set up (torchrun;
@@ -27,6 +30,7 @@ from lmforge.parallel.ddp import DDPEngine
 from lmforge.parallel.engine import Engine
 from lmforge.parallel.fsdp import FSDPEngine
 from lmforge.parallel.pipeline.engine import PipelineEngine
+from lmforge.parallel.pipeline.replicas import StageReplicas, StageZero
 from lmforge.parallel.zero import ZeroEngine
 from lmforge.precision.policy import torch_dtype
 
@@ -88,10 +92,34 @@ def _torch_pipeline_engine(*args, **kwargs) -> Engine:
 PIPELINE_STAGE_ENGINES = {"lmforge": PipelineEngine, "torch": _torch_pipeline_engine}
 
 
-def pipeline_engine(model, cfg, policy: Policy, layout, optimizer, device: torch.device, timeline=None) -> Engine:
-    """The engine of a pipeline stage (`model` already cut and wrapped)."""
+# -- how a stage's replicas share its work, by strategy: builder(model, cfg, policy, make_optimizer, weight_decay_groups, comm)
+
+def _stage_replicas(model, cfg, policy, make_optimizer, weight_decay_groups, comm) -> Engine:
+    return StageReplicas(model, make_optimizer(weight_decay_groups(model)), comm)
+
+
+def _stage_zero(model, cfg, policy, make_optimizer, weight_decay_groups, comm) -> Engine:
+    return StageZero(model, make_optimizer, weight_decay_groups(model), comm, working_dtype(policy))
+
+
+STAGE_REPLICA_ENGINES = {"none": _stage_replicas, "ddp": _stage_replicas, "zero1": _stage_zero}
+
+
+def pipeline_engine(model, cfg, policy: Policy, layout, make_optimizer, weight_decay_groups, device: torch.device,
+                    timeline=None) -> Engine:
+    """The engine of a pipeline stage (`model` already cut and wrapped); `make_optimizer` and
+    `weight_decay_groups` as `parallelize` takes them, for the engine of the stage's replicas."""
     t = cfg.train
-    hidden_dtype = torch_dtype(policy.param_dtype)  # the residual stream's
-    return PIPELINE_STAGE_ENGINES[t.pipeline_engine](
-        model, optimizer, layout, t.schedule, t.micro_batches, (t.batch_size, cfg.seq_len, cfg.model.d_model),
+    strategy = get_strategy(t.parallel).name
+    replicas = STAGE_REPLICA_ENGINES[strategy]
+    # the residual stream's: ZeRO computes on its working dtype (16-bit under the mixed policies)
+    hidden_dtype = working_dtype(policy) if strategy == "zero1" else torch_dtype(policy.param_dtype)
+
+    def replicas_engine(comm) -> Engine:  # over the stage's data group, which the pipeline engine creates
+        return replicas(model, cfg, policy, make_optimizer, weight_decay_groups, comm)
+
+    engine = PIPELINE_STAGE_ENGINES[t.pipeline_engine](
+        model, replicas_engine, layout, t.schedule, t.micro_batches, (t.batch_size, cfg.seq_len, cfg.model.d_model),
         hidden_dtype, device, tied=cfg.model.tie_embeddings, timeline=timeline)
+    engine.comm.reset()  # setup's broadcasts are not a step's traffic
+    return engine

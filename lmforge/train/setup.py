@@ -3,8 +3,6 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
 
     1. build      Transformer(cfg) on `device` (or on the meta device: shapes only, no memory),
                   with the weights of a base model when fine-tuning
-    1b. cut       a pipeline stage keeps its blocks (and the embedding, or the head) of the model
-                  initialised whole (parallel/pipeline/layout.py)
     2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
@@ -12,6 +10,8 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
     4. loss       the chunked head + loss in place of the plain one (wrap/chunked_loss.py)
     5. LoRA       with finetune.lora_rank: freeze everything, wrap the targeted linears in
                   LoRALinear (model/lora.py)
+    5b. cut       a pipeline stage keeps its blocks (and the embedding, or the head) of the model
+                  built whole on the CPU, then moves to its device (parallel/pipeline/layout.py)
     6. compile    each block and the loss piece in a torch.compile wrapper (wrap/compile.py)
     7. parallel   pipeline parallelism: the stage's engine (its schedule, point-to-point sends);
                   data parallelism: `parallelize` wraps the model in the engine of train.parallel
@@ -70,17 +70,16 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     nothing is allocated: parameter shapes and the module tree only, in milliseconds even for 70B.
     Elsewhere the weights are initialised on the CPU and moved, so that a seed gives the same
     initial model on every device; `base_state` (a fine-tuning base, by parameter name) replaces them.
-    `stage` = (layers, first, last): a pipeline stage, cut from the whole model once initialised (so
-    that its weights are those of one process: parallel/pipeline/layout.py)."""
+    `stage` = (layers, first, last): a pipeline stage, cut from the whole model after step 5 (so
+    that its weights and adapters are those of one process: parallel/pipeline/layout.py)."""
     if torch.device(device).type == "meta":
         model = meta_model(cfg.model)  # the accounting's own meta build: no initialisation to skip
     else:
         model = Transformer(cfg.model)
         if base_state is not None:
             model.load_state_dict(base_state)
-    if stage is not None:
-        cut_stage(model, *stage)
-    if torch.device(device).type != "meta":
+    on_device = torch.device(device).type != "meta"
+    if on_device and stage is None:
         model.to(device)
     prepare_model(model, policy, fp32_attention=cfg.train.fp32_attention,
                   fp8_scaling=cfg.train.fp8_scaling)
@@ -89,6 +88,12 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     f = cfg.finetune
     if f.lora_rank is not None:
         apply_lora(model, f.lora_targets, f.lora_rank, f.lora_alpha, f.lora_dropout)
+    if stage is not None:
+        # after LoRA: the adapters are drawn as one process draws them (every layer's, in its
+        # order); before the move: the device receives its stage alone
+        cut_stage(model, *stage)
+        if on_device:
+            model.to(device)
     if cfg.train.compile and torch.device(device).type != "meta":  # nothing to run on the meta device
         apply_compile(model)
     return model
@@ -117,14 +122,15 @@ def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu"
                  base_state: dict[str, torch.Tensor] | None = None, timeline=None) -> Engine:
     """Steps 1-8: the model wrapped in the engine of train.parallel, with its optimizer. Under a
     strategy other than none, torch.distributed must already be initialised (torchrun). With
-    train.pipeline_stages > 1 each rank builds its stage (the model cut after step 1) and the
+    train.pipeline_stages > 1 each rank builds its stage (the model cut after step 5) and the
     pipeline engine (`timeline` records its step: parallel/pipeline/timeline.py). `policy` is
     cfg.train.precision's; the launch was checked by parallel/launch.py's `check_launch`."""
     if cfg.train.pipeline_stages > 1:
         require_process_group(f"train.pipeline_stages={cfg.train.pipeline_stages}")
         layout, layers = pipeline_place(cfg, torch.distributed.get_rank(), torch.distributed.get_world_size())
         model = build_model(cfg, policy, device, base_state, stage=(layers, layout.first, layout.last))
-        return pipeline_engine(model, cfg, policy, layout, build_optimizer(cfg, policy, model), torch.device(device),
+        return pipeline_engine(model, cfg, policy, layout, lambda groups: adamw(cfg, policy, groups),
+                               lambda model: weight_decay_groups(model, cfg.optim.weight_decay), torch.device(device),
                                timeline)
     return parallelize(build_model(cfg, policy, device, base_state), cfg, policy,
                        make_optimizer=lambda groups: adamw(cfg, policy, groups),

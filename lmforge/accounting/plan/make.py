@@ -105,9 +105,10 @@ class Setup:
         get_recompute(self.recompute)
         lookup(PIPELINE_SCHEDULES, self.schedule, "pipeline schedule")
         if self.pp > 1:  # what the pipeline engine (parallel/pipeline/engine.py) composes with
-            require(self.zero_stage == 0 and self.parallel in ("none", "ddp"),
-                    f"pp {self.pp} with {strategy_of(self)}: pipeline stages are replicated whole for data "
-                    f"parallelism (DDP-style); use zero stage 0")
+            require(self.zero_stage <= 1 and self.parallel in ("none", "ddp", "zero1"),
+                    f"pp {self.pp} with {strategy_of(self)}: a pipeline's replicas run one backward per "
+                    f"micro-batch, so ZeRO-2/3 and FSDP would communicate m times a step "
+                    f"(parallel/pipeline/replicas.py); use zero stage 1 or 0")
             require(self.grad_accum == 1, f"grad_accum {self.grad_accum} with pp {self.pp}: a pipeline "
                                           f"accumulates over its micro-batches; set train.micro_batches instead")
         lookup(BACKENDS, self.attention, "attention backend")
@@ -195,7 +196,8 @@ def _pipelined_cost(cfg: ModelConfig, setup: Setup, policy: Policy, peak: float)
     largest = piped["stages_detail"][piped["largest_stage"]]
     held = stage_parameters(cfg, piped["split"], setup.lora_rank, setup.lora_targets)
     return Cost(largest["breakdown_bytes"], largest["activation_breakdown_bytes"],
-                stage_communication(held[0], setup.dp, setup.tp, policy),  # rank 0's, as the trainer counts
+                stage_communication(held[0], setup.dp, setup.tp, memory.sharded_layout(policy, setup.zero_stage),
+                                    setup.zero_stage),  # rank 0's, as the trainer counts
                 piped["seconds_per_step"], piped, held[piped["largest_stage"]].shapes)
 
 

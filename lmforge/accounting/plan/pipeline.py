@@ -54,11 +54,13 @@ def stage_details(cfg: ModelConfig, setup, policy: Policy, split: list[int], flo
     saved: dict = {}  # what one micro-batch saves, by (layers, first, last): stages repeat (80 layers, 40 stages)
     held = stage_parameters(cfg, split, setup.lora_rank, setup.lora_targets)
     costs = stage_costs(cfg, setup.seq_len, split)
+    # ZeRO-1 over each stage's replicas computes on 16-bit working weights under a mixed policy
+    layout = memory.sharded_layout(policy, setup.zero_stage)
     for stage, (layers, params, cost) in enumerate(zip(stage_layers(split), held, costs)):
         shape = len(layers), stage == 0, stage == p - 1
         if shape not in saved:
             saved[shape] = memory.activation_breakdown(
-                cfg, setup.batch_size, setup.seq_len, policy, setup.attention, setup.recompute, setup.tp,
+                cfg, setup.batch_size, setup.seq_len, layout, setup.attention, setup.recompute, setup.tp,
                 setup.fp32_attention, setup.loss_chunk_tokens, setup.sequence_parallel, layers=shape[0],
                 first=shape[1], last=shape[2])
         details.append({"stage": stage, "layers": [layers.start, layers.stop - 1],
@@ -67,7 +69,7 @@ def stage_details(cfg: ModelConfig, setup, policy: Policy, split: list[int], flo
                         "forward_flops_per_token": cost,
                         # forward + backward, 3x the forward (flops.py); tensor ranks share it
                         "seconds_per_micro_batch": 3 * cost * tokens / setup.tp / flops_per_second,
-                        "sent_bytes_per_step": stage_sends(cfg, setup, policy, stage, params)})
+                        "sent_bytes_per_step": stage_sends(cfg, setup, layout, stage, params)})
     return details
 
 
@@ -75,7 +77,7 @@ def stage_memory(cfg: ModelConfig, setup, policy: Policy, stage: int, params: St
     """Bytes on one device of stage `stage` (see the module's docstring for the keys), which holds
     `params` and saves `saved` for one micro-batch (memory.activation_breakdown of its layers)."""
     p, last = setup.pp, stage == setup.pp - 1
-    states = memory.model_state_bytes(cfg, policy, setup.optimizer, 0, setup.dp, setup.tp,
+    states = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
                                       params.adapters, params.shapes)
     # alive one at a time, not per micro-batch in flight: a block rerun in backward, the logits
     recomputed = saved.pop("recomputed_layer", 0)
@@ -97,11 +99,14 @@ def stage_sends(cfg: ModelConfig, setup, policy: Policy, stage: int, params: Sta
     travel in the residual stream's dtype (fp32 under the autocast policies); with tensor
     parallelism each tensor rank sends its 1/tp of them (Narayanan et al. 2021, section 4.1). The
     tied matrix's two gradient copies are summed between the end stages (each sends one copy);
-    the data-parallel replicas of a stage all-reduce its gradients (a ring: 2 (N-1)/N of them)."""
+    the data-parallel replicas of a stage all-reduce its gradients (a ring: 2 (N-1)/N of them;
+    ZeRO-1 reduce-scatters them and all-gathers the parameters: as much). `policy`: as the stage
+    runs it (memory.sharded_layout under ZeRO-1)."""
     p, m = setup.pp, setup.micro_batches
     hidden = m * setup.batch_size * setup.seq_len * cfg.d_model * policy.bytes.residual / setup.tp
     tied = cfg.tie_embeddings and stage in (0, p - 1) and setup.lora_rank is None
     return {"activations": hidden if stage < p - 1 else 0,
             "activation_gradients": hidden if stage > 0 else 0,
             "tied_embedding_gradient": cfg.vocab_size * cfg.d_model * policy.bytes.gradient / setup.tp if tied else 0,
-            "data_parallel": stage_communication(params, setup.dp, setup.tp, policy)["sent_bytes"]}
+            "data_parallel": stage_communication(params, setup.dp, setup.tp, policy,
+                                                 setup.zero_stage)["sent_bytes"]}

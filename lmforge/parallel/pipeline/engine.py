@@ -6,23 +6,27 @@ step go through the stage's schedule (pipeline/schedules.py: GPipe or 1F1B), eac
 receiving its input from the stage before and sending its output to the stage after
 (`torch.distributed` point-to-point send/recv), each backward receiving the gradient of its output
 and sending the gradient of its input. Then `finish_gradients`:
-  - across replicas, each stage's gradients are averaged over the ranks holding that stage;
   - tied embeddings (Press & Wolf 2017): the first stage embeds with the matrix, the last scores
     with it, each holding a copy; their gradients are summed between the two ranks, so both copies
-    take the same step and stay equal, as the one shared matrix would.
-The gradient norm for clipping is summed over the stages (the tied matrix counted once), the
-fp16 found-inf over all ranks, and the loss (known on the last stage) averaged over the replicas.
+    take the same step and stay equal, as the one shared matrix would (a frozen matrix, under
+    LoRA, takes no step: nothing to sum);
+  - across replicas, the stage's replicas engine (pipeline/replicas.py) reduces the gradients over
+    the ranks holding that stage: all-reduced (ddp) or reduce-scattered into ZeRO-1 shards (zero1).
+The gradient norm for clipping is summed over the stages, and with ZeRO-1 over each stage's
+shards (the tied matrix counted once), the fp16 found-inf over all ranks, and the loss (known on
+the last stage) averaged over the replicas. The optimizer step, the state by name and the bytes
+held are the replicas engine's, renamed and gathered over the stages here.
 
 What it costs: every stage idles while the pipeline fills and drains, (p - 1) / (m + p - 1) of the
 step (accounting/pipeline.py); the timeline (pipeline/timeline.py) measures it.
 """
 
 import contextlib
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from lmforge.accounting.measure import measure_saved_bytes
 from lmforge.optim.clip import clip_grad_norm, scale_to_norm
@@ -50,23 +54,28 @@ class PipelineEngine(Engine):
 
     measures_activations = True  # the first step's saved bytes, per micro-batch and alive at once
 
-    def __init__(self, model: nn.Module, optimizer, layout: PipelineLayout, schedule: str, micro_batches: int,
+    def __init__(self, model: nn.Module, replicas_engine, layout: PipelineLayout, schedule: str, micro_batches: int,
                  hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype, device: torch.device, tied: bool,
                  timeline=None):
-        super().__init__(model, optimizer)
+        """`replicas_engine(comm)`: the engine of this stage's replicas over `comm`, the counting
+        collectives of the data group (pipeline/replicas.py; parallelize.py builds it)."""
+        self.pipeline_group, self.data_group, self.tied_group = new_groups(layout)
+        self.stage_engine = replicas_engine(Collectives(self.data_group))
+        super().__init__(model, self.stage_engine.optimizer)
+        self.comm = self.stage_engine.comm  # the gradient reduction across replicas
         self.layout, self.schedule, self.micro_batches = layout, schedule, micro_batches
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.replica, self.replicas = layout.replica, layout.replicas
-        self.pipeline_group, self.data_group, self.tied_group = new_groups(layout)
-        self.comm = Collectives(self.data_group)  # the gradient average across replicas
         self.hidden_shape, self.hidden_dtype, self.device = hidden_shape, hidden_dtype, device
         # the matrix the first and the last stage both hold (each its own copy), when tied
-        self.tied_param = None
+        tied_copy = None
         if tied and layout.stages > 1:
-            self.tied_param = model.tok_embeddings.weight if layout.first else \
-                model.lm_head.weight if layout.last else None
+            tied_copy = model.tok_embeddings.weight if layout.first else model.lm_head.weight if layout.last else None
         # the last stage saves and loads its copy under the first stage's name (the one-process name)
-        self.renamed = {HEAD_NAME: TIED_NAME} if self.tied_param is not None and layout.last else {}
+        self.renamed = {HEAD_NAME: TIED_NAME} if tied_copy is not None and layout.last else {}
+        self.tied_numel = tied_copy.numel() if self.renamed else 0  # counted on the first stage only
+        # whose gradient the two copies sum: none when the matrix is frozen (a LoRA base)
+        self.tied_param = tied_copy if tied_copy is not None and tied_copy.requires_grad else None
         self.actions = schedule_actions(schedule, layout.stages, micro_batches, layout.stage)
         self.timeline = timeline or NoTimeline()
         self.measure_in_flight = True  # the first step measures the activations alive at once
@@ -161,31 +170,39 @@ class PipelineEngine(Engine):
         dist.broadcast(loss, src=layout.rank_of(layout.stages - 1), group=self.pipeline_group)
         return loss
 
+    # -- gradients, step and state: the stage's replicas engine (pipeline/replicas.py) -------------
+
     def finish_gradients(self) -> None:
-        params = self._trained()
-        if self.replicas > 1:  # the mean over the replicas of this stage
-            for p in params:
-                self.comm.all_reduce(p.grad)
-                p.grad.div_(self.replicas)
+        # the tied sum first, on the full gradients: ZeRO-1's reduce-scatter leaves only slices
         if self.tied_param is not None:  # the shared matrix: the embedding's and the head's parts
             dist.all_reduce(self.tied_param.grad, group=self.tied_group)
-
-    def _trained(self) -> list[nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
+        self.stage_engine.finish_gradients()
 
     def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
-        params = self._trained()
+        grads = self.stage_engine.local_grads()
+        holders = [SimpleNamespace(grad=g) for g in grads]  # what the scaler and clip read
         if scaler.enabled:
-            found = torch.tensor(float(scaler.unscale_(params)), device=self.device)
+            found = torch.tensor(float(scaler.unscale_(holders)), device=self.device)
             dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank skips the same steps
             if found.item():
                 return True, torch.tensor(float("inf"))
-        # ||g||^2 summed over the stages of this pipeline, the tied matrix once (the first stage's)
-        counted = [p for p in params if not (p is self.tied_param and self.layout.last)]
-        norm = clip_grad_norm(counted, 0.0,
-                              sum_across_ranks=lambda t: dist.all_reduce(t, group=self.pipeline_group))
-        scale_to_norm([p.grad for p in params], norm, max_norm)
+        # ||g||^2 summed over the stages of this pipeline (ZeRO-1: and over each stage's shards,
+        # so over every rank), the tied matrix once (the first stage's)
+        counted = self.stage_engine.local_grads(leave_out=self.tied_param if self.layout.last else None)
+        group = None if self.stage_engine.grads_sharded else self.pipeline_group
+        norm = clip_grad_norm([SimpleNamespace(grad=g) for g in counted], 0.0,
+                              sum_across_ranks=lambda t: dist.all_reduce(t, group=group))
+        scale_to_norm(grads, norm, max_norm)
         return False, norm
+
+    def step(self) -> None:
+        self.stage_engine.step()
+
+    def zero_grad(self) -> None:
+        self.stage_engine.zero_grad()
+
+    def state_bytes(self) -> dict[str, int]:
+        return self.stage_engine.state_bytes()
 
     def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """The loss, known on the last stages: summed over all ranks (zero elsewhere), averaged over replicas."""
@@ -196,10 +213,11 @@ class PipelineEngine(Engine):
     # -- state by parameter name: each stage its own tensors ---------------------------------------
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        return {self.renamed.get(name, name): t.detach() for name, t in self.model.state_dict().items()}
+        return {self.renamed.get(name, name): t for name, t in self.stage_engine.model_state_dict().items()}
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict({name: state[self.renamed.get(name, name)] for name in self.model.state_dict()})
+        self.stage_engine.load_model_state_dict({name: state[self.renamed.get(name, name)]
+                                                 for name in self.model.state_dict()})
 
     def model_names(self) -> set[str]:
         """Every name of the whole model, gathered from the stages of this pipeline."""
@@ -213,7 +231,7 @@ class PipelineEngine(Engine):
     def optimizer_state_dict(self) -> dict:
         """This stage's optimizer state, with param groups naming the parameters of every stage (in
         stage order: the order of one process)."""
-        local = get_optimizer_state_dict(self.model, self.optimizer)
+        local = self.stage_engine.optimizer_state_dict()
         state = {self.renamed.get(name, name): value for name, value in local["state"].items()}
         groups = []
         for index, group in enumerate(local["param_groups"]):
@@ -224,20 +242,20 @@ class PipelineEngine(Engine):
         return {"state": state, "param_groups": groups}
 
     def load_optimizer_state_dict(self, state: dict) -> None:
-        local = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+        local = self.stage_engine.optimizer_state_dict()["param_groups"]
         groups = [{**saved, "params": group["params"]} for saved, group in zip(state["param_groups"], local)]
         own = {name: state["state"][self.renamed.get(name, name)] for group in local for name in group["params"]
                if self.renamed.get(name, name) in state["state"]}
-        set_optimizer_state_dict(self.model, self.optimizer, {"state": own, "param_groups": groups})
+        self.stage_engine.load_optimizer_state_dict({"state": own, "param_groups": groups})
 
     def total_over_stages(self, count: int, state: dict[str, torch.Tensor]) -> int:
         """A count of this stage's `state` summed over the stages (the tied copy once)."""
-        if self.renamed:
+        if self.renamed and TIED_NAME in state:  # a LoRA run's state is its adapters alone
             count -= state[TIED_NAME].numel()
         return sum(self._gather(count))
 
     def num_params(self) -> int:
-        local = self.model.num_params() - (self.tied_param.numel() if self.renamed else 0)
+        local = self.model.num_params() - self.tied_numel
         return sum(self._gather(local))
 
     def merged_over_stages(self, per_stage: dict) -> dict:

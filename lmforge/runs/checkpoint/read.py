@@ -35,8 +35,10 @@ def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) 
 def load_engine_weights(engine, path: Path) -> None:
     """Load the checkpoint's weights into the model of `engine` (any data-parallel strategy, any
     world size: every rank reads the full tensors and keeps its part); strict, by name."""
-    if has_lora(engine.model):  # the adapters alone
-        load_model_weights(engine.model, path)
+    if has_lora(engine.model):  # the adapters alone (a pipeline stage its own, knowing every stage's names)
+        tensors, _, _ = _read_by_name(path, adapter_state_dict(engine.model), strict=True,
+                                      known=engine.model_names(), local=True)
+        engine.model.load_state_dict(tensors, strict=False)
         return
     expected = engine.model_state_dict()
     # a tied weight's second name: the same tensor in the state dict, or (FSDP2's full state dict
