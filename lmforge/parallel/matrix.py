@@ -119,19 +119,16 @@ COVERAGE = (
             "_to_the_same_numbers", ("one process", "ddp"), ("fp32",), extra="checkpoint + resume"),
     Covered("tests/test_distributed_train.py::test_a_sharded_run_checkpoints_through_its_engine_and_resumes_on_"
             "another_strategy", ("zero3", "fsdp"), ("fp32",), extra="checkpoint + resume"),
-    # this matrix's own: each strategy x each precision, each kind, compile and recomputation
+    # this matrix's own (tests/test_composition_dist.py runs exactly these cells, in one launch)
     Covered(DIST + "test_every_strategy_trains_in_every_precision_as_one_process", DP, MIXED),
-    Covered(DIST + "test_full_finetuning_trains_under_every_strategy_as_one_process", DP, ("fp32",),
-            ("full fine-tuning",)),
-    Covered(DIST + "test_each_kind_trains_in_every_precision_as_one_process", ("zero2",), MIXED,
-            ("full fine-tuning", "LoRA")),
-    Covered(DIST + "test_compiled_engines_train_as_one_process_compiled", DP, ("fp32",), extra="compiled"),
-    Covered(DIST + "test_recomputation_trains_under_every_strategy_as_one_process", DP, ("fp32",),
-            extra="recompute=selective"),
-    Covered(DIST + "test_recomputation_trains_under_every_strategy_as_one_process", DP, ("fp32",),
-            extra="recompute=full"),
-    Covered(DIST + "test_every_strategy_resumes_from_its_state_by_name", DP, ("fp32",),
-            extra="checkpoint + resume"),
+    Covered(DIST + "test_every_kind_trains_as_one_process", DP, ("fp32",), ("full fine-tuning",)),
+    # each precision with each kind once, on a different strategy each time (pairwise)
+    *(Covered(DIST + "test_every_kind_trains_as_one_process", (DP[(i + shift) % len(DP)],), (precision,), (kind,))
+      for i, precision in enumerate(MIXED) for shift, kind in ((0, "full fine-tuning"), (2, "LoRA"))),
+    Covered(DIST + "test_compiled_and_recomputed_engines_train_as_one_process", DP, ("fp32",), extra="compiled"),
+    *(Covered(DIST + "test_compiled_and_recomputed_engines_train_as_one_process", DP, ("fp32",), extra=extra)
+      for extra in EXTRAS if extra.startswith("recompute=")),
+    Covered(DIST + "test_every_strategys_state_loads_back_by_name", DP, ("fp32",), extra="checkpoint + resume"),
 )
 
 
