@@ -72,38 +72,51 @@ def lora_parameters(cfg: ModelConfig, rank: int, targets: str) -> int:
 
 def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optimizer: str = "adamw", zero_stage: int = 0,
                       dp: int = 1, tp: int = 1, lora_trainable: int | None = None,
-                      parameter_shapes: tuple | None = None) -> dict[str, float]:
-    """Bytes per device of parameters, gradients, master weights and optimizer states.
+                      parameter_shapes: tuple | None = None, fully_shard: bool = False) -> dict[str, float]:
+    """Bytes per device of parameters, gradients, master weights and optimizer states, as the
+    engine of the strategy holds them (each engine's `state_bytes`; tests/test_composition_dist.py
+    compares them in every cell it trains).
 
     `parameter_shapes`: the parameters this device holds, default the whole model; a pipeline
     stage holds its own (accounting/pipeline.py). Tensor parallelism (tp) splits the weights
     themselves, so every term is divided by tp (an even split: embeddings and norms are assumed
-    spread like the rest).
+    spread like the rest). ZeRO's and FSDP's padding to a multiple of dp is not counted (none
+    where each unit or dimension divides evenly).
+
+    `fully_shard` (train.parallel=fsdp, zero_stage 3): FSDP2 shards the parameters as the policy
+    stores them (fp32 under the mixed policies: they are the master weights) and keeps sharded
+    gradients in that dtype too; its 16-bit copies exist only while a block is gathered. ZeRO's
+    engines keep 16-bit working parameters and gradients and fp32 master shards (sharded_layout).
 
     With LoRA (`lora_trainable` adapter parameters) the base is frozen: it is stored in the
-    policy's parameter dtype and has no gradient, master copy or optimizer state; the adapters are
-    fp32 under every policy (train/setup.py creates them after the policy), with fp32 gradients
-    and moments.
+    policy's parameter dtype and has no gradient, master copy or optimizer state; ZeRO keeps it
+    whole on every rank at every stage (parallel/zero.py), FSDP shards it. The adapters are fp32
+    (train/setup.py creates them after the policy), with fp32 moments; ZeRO computes with them in
+    its working dtype (16-bit copies and gradients, the fp32 adapters as master shards) where that
+    is not fp32, the other engines in fp32.
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if fully_shard and zero_stage != 3:
+        raise ValueError(f"fully_shard shards parameters: zero stage 3, got {zero_stage}")
     p = policy.bytes
-    # ZeRO's layout (section 3.1): 16-bit working weights and gradients under a mixed policy, fp32
-    # master weights sharded with m and v: 2 + 2 + K bytes, K = 12
-    layout = sharded_layout(policy, zero_stage).bytes
-    parameter, gradient, master = layout.parameter, layout.gradient, layout.master
+    layout = (policy if fully_shard else sharded_layout(policy, zero_stage)).bytes
     held = parameter_count(cfg) if parameter_shapes is None else sum(math.prod(shape) for shape in parameter_shapes)
     n = held / tp
     if lora_trainable is None:
-        weights, trained, grad = n * parameter, n, gradient
+        frozen, trained = 0, n
+        parameter, gradient, master = layout.parameter, layout.gradient, layout.master
         optimizer_bytes = optimizer_state_bytes(cfg, optimizer, policy, parameter_shapes) / tp
     else:
-        trained = lora_trainable / tp
-        weights, grad, master = n * p.parameter + trained * 4, 4, 0
+        frozen, trained = n * p.parameter, lora_trainable / tp
+        zero = zero_stage > 0 and not fully_shard
+        parameter = layout.parameter if zero else 4  # the working adapters: ZeRO's dtype, else fp32
+        gradient, master = parameter, 4 if parameter != 4 else 0
         optimizer_bytes = trained * lookup(OPTIMIZERS, optimizer, "optimizer").states * 4
+    frozen_split = dp if fully_shard else 1  # ZeRO keeps the frozen base whole
     return {
-        "parameters": weights / (dp if zero_stage >= 3 else 1),
-        "gradients": trained * grad / (dp if zero_stage >= 2 else 1),
+        "parameters": frozen / frozen_split + trained * parameter / (dp if zero_stage >= 3 else 1),
+        "gradients": trained * gradient / (dp if zero_stage >= 2 else 1),
         "master_weights": trained * master / (dp if zero_stage >= 1 else 1),
         "optimizer_states": optimizer_bytes / (dp if zero_stage >= 1 else 1),
     }

@@ -21,12 +21,17 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
 from lmforge.parallel.shards import parameter_units, unit_modules
 
 FULL = StateDictOptions(full_state_dict=True)
+
+
+def compiled(model) -> bool:
+    """train.compile wrapped the blocks (wrap/compile.py)."""
+    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -60,13 +65,24 @@ class FSDPEngine(DistributedEngine):
         return [local(p.grad) for p in self.model.parameters() if p.grad is not None]
 
     def model_state_dict(self):
-        return get_model_state_dict(self.model, options=FULL)
+        if not compiled(self.model):
+            return get_model_state_dict(self.model, options=FULL)
+        # compile's wrappers give canonical names in the model's own state_dict, which
+        # get_model_state_dict's name lookup rejects ("Expected '_orig_mod'"): gather from that one
+        return {name: t.full_tensor() if isinstance(t, DTensor) else t.detach()
+                for name, t in self.model.state_dict().items()}
 
     def optimizer_state_dict(self):
         return get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
 
     def load_model_state_dict(self, state):
-        set_model_state_dict(self.model, state, options=FULL)
+        if not compiled(self.model):
+            return set_model_state_dict(self.model, state, options=FULL)
+        # as model_state_dict: each rank keeps its own slice of the full tensors (no communication)
+        own = self.model.state_dict()
+        self.model.load_state_dict({name: distribute_tensor(state[name].to(t.dtype), t.device_mesh, t.placements,
+                                                            src_data_rank=None) if isinstance(t, DTensor)
+                                    else state[name] for name, t in own.items()})
 
     def load_optimizer_state_dict(self, state):
         set_optimizer_state_dict(self.model, self.optimizer, state, options=FULL)

@@ -206,7 +206,7 @@ def _single_stage_cost(cfg: ModelConfig, setup: Setup, policy: Policy, lora: int
     """The whole model on each device (split tp ways, sharded by ZeRO over dp)."""
     b, s = setup.batch_size, setup.seq_len
     states = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
-                                      lora_trainable=lora)
+                                      lora_trainable=lora, fully_shard=strategy_of(setup) == "fsdp")
     # the sharding engines compute on 16-bit working weights under a mixed policy: no weight casts
     layout = memory.sharded_layout(policy, get_strategy(strategy_of(setup)).zero_stage)
     activations = memory.activation_breakdown(cfg, b, s, layout, setup.attention, setup.recompute,
@@ -291,7 +291,7 @@ def _lora(cfg: ModelConfig, setup: Setup, policy: Policy, cost: Cost, lora: int,
     moments of the frozen base. Activations stay in the plan as for full fine-tuning: the gradient
     of an early adapter flows back through every later layer, which therefore keeps its inputs."""
     full = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
-                                    parameter_shapes=cost.largest_shapes)
+                                    parameter_shapes=cost.largest_shapes, fully_shard=strategy_of(setup) == "fsdp")
     return {"rank": setup.lora_rank, "targets": setup.lora_targets, "trainable_parameters": lora,
             "trainable_fraction": lora / n_params,
             "full_finetune_state_bytes": full,

@@ -1,0 +1,70 @@
+"""The composition matrix (lmforge/parallel/matrix.py) and its page: docs/composition.md is what
+the checks say now, every test it names exists, and every refused cell is refused by the launch
+checks alone, in one line, before any process group or file exists."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from lmforge.parallel.matrix import COVERAGE, EXTRAS, KINDS, LAYOUTS, PRECISIONS, page, verdict
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_the_committed_page_is_what_the_checks_say_now():
+    committed = (ROOT / "docs" / "composition.md").read_text()
+    assert committed == page(), "regenerate: python -m lmforge.parallel.matrix > docs/composition.md"
+
+
+def test_every_test_the_page_names_exists():
+    for covered in COVERAGE:
+        path, name = covered.test.split("::")
+        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), covered.test
+
+
+def test_every_covered_cell_passes_the_checks():
+    # a test cannot train a cell the launch refuses: the coverage list and the checks agree
+    for c in COVERAGE:
+        for layout in c.layouts:
+            for precision in c.precisions:
+                for kind in c.kinds:
+                    assert verdict(LAYOUTS[layout], precision, kind, c.extra) is None, (c.test, layout, precision)
+
+
+def every_cell():
+    for layout in LAYOUTS.values():
+        for precision in PRECISIONS:
+            for kind in KINDS:
+                yield layout, precision, kind, None
+        for extra in EXTRAS:
+            yield layout, "fp32", "pretraining", extra
+
+
+def test_refused_cells_stop_before_any_process_group_or_file_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    refused = {}
+    for layout, precision, kind, extra in every_cell():
+        line = verdict(layout, precision, kind, extra)
+        if line is not None:
+            refused[(layout.name, precision, kind, extra)] = line
+    assert refused  # today: pipelines with ZeRO or FSDP replicas (and with LoRA until that lands)
+    for cell, line in refused.items():
+        assert "\n" not in line and len(line) < 300, cell
+        assert re.search(r"\b(use|set|launch)\b", line), (cell, line)  # says what to do instead
+    assert not dist.is_initialized()
+    assert list(tmp_path.iterdir()) == []  # nothing written: the checks read the config alone
+
+
+def test_the_one_process_row_and_every_strategy_pass_in_fp32():
+    for name in ("one process", "ddp", "zero1", "zero2", "zero3", "fsdp", "pipeline", "pipeline x ddp"):
+        assert verdict(LAYOUTS[name], "fp32") is None, name
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero3", "fsdp"])
+def test_a_pipeline_with_sharded_replicas_is_refused_as_check_launch_says(strategy):
+    line = verdict(LAYOUTS[f"pipeline x {strategy}"], "fp32")
+    if line is None:
+        pytest.skip("pipelines compose with this strategy now (check_launch accepts it)")
+    assert "train.parallel=ddp" in line
