@@ -62,9 +62,10 @@ def test_the_one_process_row_and_every_strategy_pass_in_fp32():
         assert verdict(LAYOUTS[name], "fp32") is None, name
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero3", "fsdp"])
-def test_a_pipeline_with_sharded_replicas_is_refused_as_check_launch_says(strategy):
-    line = verdict(LAYOUTS[f"pipeline x {strategy}"], "fp32")
-    if line is None:
-        pytest.skip("pipelines compose with this strategy now (check_launch accepts it)")
-    assert "train.parallel=ddp" in line
+def test_a_pipeline_takes_ddp_or_zero1_replicas_and_refuses_the_sharded_rest():
+    for strategy in ("ddp", "zero1"):
+        assert verdict(LAYOUTS[f"pipeline x {strategy}"], "fp32") is None, strategy
+    for strategy in ("zero2", "zero3", "fsdp"):
+        line = verdict(LAYOUTS[f"pipeline x {strategy}"], "fp32")
+        assert line.startswith(f"train.parallel={strategy} does not combine with train.pipeline_stages=2")
+        assert line.endswith("use train.parallel=zero1 (shards each stage's optimizer states) or ddp")

@@ -39,8 +39,8 @@ def test_zero2_zero3_and_fsdp_with_a_pipeline_are_refused_with_why_and_what_inst
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith(f"train.parallel={strategy} does not combine with train.pipeline_stages=2: ")
-    assert "per micro-batch" in message or "every micro-batch" in message  # why
-    assert message.endswith("use train.parallel=zero1 (each stage's replicas shard its optimizer states) or ddp")
+    assert "m times a step" in message  # why: one backward per micro-batch
+    assert message.endswith("use train.parallel=zero1 (shards each stage's optimizer states) or ddp")
 
 
 def test_every_strategy_is_either_a_stage_replicas_engine_or_refused_on_pipelines():

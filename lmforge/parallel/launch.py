@@ -58,13 +58,10 @@ def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> to
 
 # why each strategy a pipeline cannot take is refused (parallel/pipeline/replicas.py says more): a
 # pipeline step runs one backward per micro-batch
-PIPELINE_REFUSED = {
-    "zero2": "ZeRO-2 would reduce-scatter each gradient m times a step (once per micro-batch's backward) "
-             "or keep it whole until the last, which is ZeRO-1's memory",
-    "zero3": "ZeRO-3 would gather each block's parameters before every micro-batch's forward and backward "
-             "(2m gathers a step, not 2) or keep them gathered, which is ZeRO-1's memory",
-    "fsdp": "FSDP shards parameters as ZeRO-3 does and would gather them for every micro-batch "
-            "(2m gathers a step, not 2)",
+PIPELINE_REFUSED = {  # why: a pipeline step runs one backward per micro-batch (m of them)
+    "zero2": "ZeRO-2 would reduce-scatter each gradient m times a step, or keep it whole (ZeRO-1's memory)",
+    "zero3": "ZeRO-3 would gather each block 2m times a step, not 2, or keep it gathered",
+    "fsdp": "FSDP would gather each block 2m times a step, not 2 (as ZeRO-3)",
 }
 
 
@@ -79,8 +76,8 @@ def _check_pipeline(cfg, world_size: int) -> None:
     replicas = world_size // p
     if parallel in PIPELINE_REFUSED:
         raise LmforgeError(f"train.parallel={parallel} does not combine with train.pipeline_stages={p}: "
-                           f"{PIPELINE_REFUSED[parallel]}; use train.parallel=zero1 (each stage's replicas shard "
-                           f"its optimizer states) or ddp")
+                           f"{PIPELINE_REFUSED[parallel]}; use train.parallel=zero1 (shards each stage's optimizer "
+                           f"states) or ddp")
     if replicas > 1 and parallel == "none":
         raise LmforgeError(f"{world_size} ranks = {p} stages x {replicas} replicas: choose how each stage's "
                            f"replicas share its gradients: train.parallel=ddp or zero1")

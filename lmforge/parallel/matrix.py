@@ -98,6 +98,7 @@ class Covered:
 DP = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 MIXED = ("bf16-mixed", "fp16-mixed", "bf16-pure", "fp8")
 DIST = "tests/test_composition_dist.py::"
+PIPE = "tests/test_pipeline_compose_dist.py::"
 COVERAGE = (
     # tests written before the matrix
     Covered("tests/test_parallel_engines.py::test_every_strategy_equals_one_process_on_the_global_batch",
@@ -129,6 +130,12 @@ COVERAGE = (
     *(Covered(DIST + "test_compiled_and_recomputed_engines_train_as_one_process", DP, ("fp32",), extra=extra)
       for extra in EXTRAS if extra.startswith("recompute=")),
     Covered(DIST + "test_every_strategys_state_loads_back_by_name", DP, ("fp32",), extra="checkpoint + resume"),
+    # pipelines with LoRA and with ZeRO-1 over each stage's replicas
+    Covered(PIPE + "test_lora_on_a_pipeline_trains_as_one_process_with_lora", ("pipeline",), ("fp32",), ("LoRA",)),
+    Covered(PIPE + "test_zero1_over_each_stages_replicas_trains_as_ddp_replicas_bit_for_bit_and_as_one_process",
+            ("pipeline x zero1",), ("fp32",)),
+    Covered(PIPE + "test_zero1_over_each_stages_replicas_trains_as_ddp_replicas_bit_for_bit_and_as_one_process",
+            ("pipeline x zero1", "pipeline x ddp"), ("fp32",), ("LoRA",)),
 )
 
 
