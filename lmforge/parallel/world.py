@@ -11,6 +11,8 @@ torchrun starts one process per device and tells each its place through the envi
 cuda:LOCAL_RANK), with train.dist_timeout as the collective timeout, so that a rank that died or
 hangs makes the others stop instead of waiting forever. Without torchrun's environment it returns
 a one-process `World` and initialises nothing: today's single-process training, unchanged.
+A rank stops with its launcher (`watch_launcher`); a collective that fails names the ranks gone
+(`World.failure`), printed by rank 0 or, if rank 0 is gone, by the lowest rank left.
 Every launch that cannot work is refused here (`check_launch`, the one check of strategy, pipeline
 and device), before any process group exists or any data is read or folder written.
 """
