@@ -121,7 +121,7 @@ def test_ranks_of_a_killed_launcher_save_stop_and_release_the_lock(tmp_path, set
         pids = [rank_pid(proc.pid, rank) for rank in (0, 1)]
         assert None not in pids and is_locked(run_dir)
         os.kill(proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60  # a few steps and a checkpoint; before the fix: 100,000 steps
+        deadline = time.monotonic() + 120  # a few steps and a checkpoint; before the fix: 100,000 steps
         while not all(gone(pid) for pid in pids):
             assert time.monotonic() < deadline, "the ranks of a killed launcher are still training"
             time.sleep(0.2)
