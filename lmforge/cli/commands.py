@@ -6,7 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
-from lmforge.cli.launch import launch_train, quiet_rank
+from lmforge.cli.launch import launch_train, quiet_rank, resume_command
 from lmforge.cli.parser import build_parser, parse_args
 from lmforge.cli.run_config import finetune_config, resumed_config, resumed_finetune_config, train_config
 from lmforge.cli.scaling import cmd_scaling
@@ -49,7 +49,7 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
         retain_freed_memory()  # process-wide malloc tuning, chosen here (train/host_memory.py says why)
     # the measured matmul peak behind MFU, cached per machine (lmforge plan --hardware this --remeasure)
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device)
-    resume = f"lmforge {command} --resume {run_dir}"
+    resume = resume_command(command, run_dir)  # as this run was launched (one process, --nproc, torchrun)
     try:
         trainer.run()
     except Stopped as stop:  # SIGTERM or a first Ctrl-C: the step finished and was saved (by all ranks)

@@ -1,6 +1,9 @@
-"""`lmforge train --nproc N`: N local processes started through torchrun's own launcher."""
+"""`lmforge train --nproc N`: N local processes started through torchrun's own launcher; and the
+command that continues a run, as the way it was launched needs it."""
 
 import os
+import shlex
+import signal
 from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
@@ -30,6 +33,10 @@ def launch(nproc: int, argv: list[str]) -> int:
     from torch.distributed.run import get_args_parser, run
 
     options = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "--module", "lmforge", *argv])
+    os.environ[NPROC_ENV] = str(nproc)  # the ranks' resume command (resume_command) starts this launcher again
+    # torchrun's agent turns SIGTERM/SIGINT into SignalException and leaves its handlers behind: a
+    # late signal would then raise out of lmforge's own code (a traceback, status 1)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         run(options)
     except ChildFailedError as err:
@@ -37,6 +44,9 @@ def launch(nproc: int, argv: list[str]) -> int:
         return 128 - code if code < 0 else code  # killed by signal S: 128 + S, as a shell says
     except SignalException as err:  # the launcher itself got SIGTERM/SIGINT; the ranks stopped on it too
         return 128 + err.sigval
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     return 0
 
 
@@ -54,5 +64,51 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 def quiet_rank(err: LmforgeError) -> bool:
     """Under torchrun every rank stops on a bad setting, but one line is enough: the first process
-    of each node prints it, and an error rank 0 reports for the whole run only rank 0 prints."""
+    of each node prints it, and an error rank 0 reports for the whole run only rank 0 prints (unless
+    rank 0 is gone: then the rank that found it out prints, parallel/world.py's ReportedHere)."""
+    if getattr(err, "reported_here", False):
+        return False
     return getattr(err, "reported_on_rank0", False) or os.environ.get("LOCAL_RANK", "0") != "0"
+
+
+# Set by `launch` for the ranks it starts: the N of `lmforge train --nproc N`.
+NPROC_ENV = "LMFORGE_NPROC"
+
+
+def resume_command(command: str, run_dir: Path) -> str:
+    """The command that continues `run_dir` when launched as this process was: `lmforge COMMAND
+    --resume RUN` for one process, with `--nproc N` under `lmforge train --nproc N`, and under
+    torchrun its options (read from the agent's command line, this process's parent) before
+    `-m lmforge COMMAND --resume RUN`."""
+    if "WORLD_SIZE" not in os.environ:
+        return f"lmforge {command} --resume {shlex.quote(str(run_dir))}"
+    if os.environ.get(NPROC_ENV):
+        return f"lmforge {command} --nproc {os.environ[NPROC_ENV]} --resume {shlex.quote(str(run_dir))}"
+    options = _torchrun_options(command)
+    if options is None:  # no /proc: what the environment says
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        options = [f"--nnodes={int(os.environ['WORLD_SIZE']) // max(local, 1)}", f"--nproc_per_node={local}", "..."]
+    line = shlex.join(["torchrun", *options, "-m", "lmforge", command, "--resume", str(run_dir)])
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    return line + (f" (on each of the {nodes} nodes, with its own torchrun options)" if nodes > 1 else "")
+
+
+def _torchrun_options(command: str) -> list[str] | None:
+    """torchrun's options on its command line (the parent of this rank), without the entry point
+    (`-m lmforge`, or a script `.../lmforge`) and what follows it; None where it cannot be read."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            words = [word.decode(errors="replace") for word in f.read().split(b"\0") if word]
+    except OSError:
+        return None
+    for i in range(1, len(words)):
+        if words[i] == command and Path(words[i - 1]).name == "lmforge":
+            entry = i - 1 - (words[i - 2] in ("-m", "--module") if i >= 2 else 0)
+            break
+    else:
+        return None
+    # skip the launcher itself: `python -m torch.distributed.run`, `python .../torchrun`, `torchrun`
+    start = next((j + 1 for j, word in enumerate(words[:entry])
+                  if word in ("torch.distributed.run", "torch.distributed.launch") or Path(word).name == "torchrun"),
+                 None)
+    return None if start is None else [word for word in words[start:entry] if word not in ("--no-python", "--no_python")]

@@ -11,10 +11,14 @@ torchrun starts one process per device and tells each its place through the envi
 cuda:LOCAL_RANK), with train.dist_timeout as the collective timeout, so that a rank that died or
 hangs makes the others stop instead of waiting forever. Without torchrun's environment it returns
 a one-process `World` and initialises nothing: today's single-process training, unchanged.
+A rank stops with its launcher (`watch_launcher`); a collective that fails names the ranks gone
+(`World.failure`), printed by rank 0 or, if rank 0 is gone, by the lowest rank left.
 Every launch that cannot work is refused here (`check_launch`, the one check of strategy, pipeline
 and device), before any process group exists or any data is read or folder written.
 """
 
+import atexit
+import ctypes
 import datetime
 import itertools
 import os
@@ -38,8 +42,11 @@ ROLL_CALL_SECONDS = 10
 WAIT_POLL_SECONDS = 0.2
 WAIT_FIRST_NOTE_SECONDS = 2
 WAIT_NOTE_SECONDS = 30
+# prctl's option: the signal this process gets when its parent dies (linux/prctl.h)
+PR_SET_PDEATHSIG = 1
 # Every rank calls main_first in the same order: the n-th call's store key is the same on all.
 _MAIN_FIRST_CALLS = itertools.count()
+_LAUNCHER_GONE_SAID: list[bool] = []  # whether this process said that its launcher died
 
 
 class ReportedOnRank0(LmforgeError):
@@ -48,12 +55,19 @@ class ReportedOnRank0(LmforgeError):
     reported_on_rank0 = True  # what the CLI reads (it does not import this module: no torch there)
 
 
+class ReportedHere(LmforgeError):
+    """An error this rank prints although it is not rank 0: rank 0 is gone (`World.failure`)."""
+
+    reported_here = True  # what the CLI reads, as reported_on_rank0
+
+
 @dataclass(frozen=True)
 class World:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    launcher_pid: int | None = None  # torchrun's agent, which started this rank (None: not watched)
 
     @property
     def is_main(self) -> bool:
@@ -163,10 +177,23 @@ class World:
         moments."""
         if not self.distributed:
             return stop_signal
+        if self._launcher_gone():
+            stop_signal = stop_signal or signal.SIGTERM  # stop as the launcher would have asked
         flags = torch.tensor([float(stop_signal == signal.SIGTERM), float(stop_signal == signal.SIGINT)],
                              device=self.device)
         dist.all_reduce(flags)
         return signal.SIGTERM if flags[0] > 0 else signal.SIGINT if flags[1] > 0 else None
+
+    def _launcher_gone(self) -> bool:
+        """Whether the launcher died (this rank's parent changed); the first process of each node
+        says so once."""
+        if self.launcher_pid is None or os.getppid() == self.launcher_pid:
+            return False
+        if self.local_rank == 0 and not _LAUNCHER_GONE_SAID:
+            _LAUNCHER_GONE_SAID.append(True)
+            print(f"rank {self.rank}: the launcher (process {self.launcher_pid}) is gone; stopping as on SIGTERM",
+                  file=sys.stderr, flush=True)
+        return True
 
     def mean(self, value: float) -> float:
         """The mean of `value` over the ranks."""
@@ -180,9 +207,24 @@ class World:
 
     def failure(self, err: BaseException) -> LmforgeError:
         """The one-line error for a collective that failed: which ranks did not answer a roll call
-        through the rendezvous store (which torchrun's agent holds, so it outlives any rank)."""
+        through the rendezvous store (which torchrun's agent holds, so it outlives any rank). Rank 0
+        prints it; if rank 0 is among the missing, the lowest rank that answered does."""
+        missing, store_lost = self._roll_call()
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped answering "
+               f"(died or hangs)") if missing else "a collective failed on another rank"
+        message = (f"{who}; rank {self.rank} stops too ({first_line[:200]}); continue from the last checkpoint "
+                   f"with the same launch command and --resume")
+        if self.is_main:
+            return LmforgeError(message)
+        # without the store nobody knows who answered: the first process of each node speaks
+        reporter = self.local_rank == 0 if store_lost else self.rank == min(set(range(self.world_size)) - set(missing))
+        return ReportedHere(message) if 0 in missing and reporter else ReportedOnRank0(message)
+
+    def _roll_call(self) -> tuple[list[int], bool]:
+        """(the ranks that did not say they are alive within ROLL_CALL_SECONDS, whether the store
+        itself is gone)."""
         store = dist.distributed_c10d._get_default_store()
-        missing = list(range(self.world_size))
         # torchrun's agent sends SIGTERM to the survivors as soon as it sees a rank die: let it wait
         # (it allows 30 s) until this rank has said who is missing; it exits right after anyway
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -193,21 +235,14 @@ class World:
                 store.wait(keys, datetime.timedelta(seconds=ROLL_CALL_SECONDS))
             except Exception:  # noqa: BLE001 - a timeout: some rank did not answer
                 pass
-            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            return [rank for rank, key in enumerate(keys) if not store.check([key])], False
         except Exception:  # noqa: BLE001 - the store itself is gone (its host died)
-            missing = [rank for rank in missing if rank != self.rank]
+            return [rank for rank in range(self.world_size) if rank != self.rank], True
         finally:
             signal.signal(signal.SIGTERM, previous)
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped answering "
-               f"(died or hangs)") if missing else "a collective failed on another rank"
-        return (LmforgeError if self.is_main else ReportedOnRank0)(
-            f"{who}; rank {self.rank} stops too ({first_line[:200]}); continue from the last checkpoint "
-            f"with the same launch command and --resume")
 
     def close(self) -> None:
-        if self.distributed:
-            dist.destroy_process_group()
+        leave_group()
 
 
 def is_collective_failure(err: BaseException) -> bool:
@@ -249,4 +284,29 @@ def init_world(cfg) -> World:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=cfg.train.dist_timeout),
                                 device_id=device if device.type == "cuda" else None)
-    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+        # leave the group before the interpreter tears down (every exit: done, stopped, refused),
+        # not in C++'s static destructors with gloo's threads still running
+        atexit.register(leave_group)
+    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                 launcher_pid=watch_launcher())
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def watch_launcher() -> int:
+    """Make this rank stop when the launcher that started it dies (`kill -9` of torchrun's agent
+    leaves its ranks running, holding the run folder's lock): on Linux the kernel sends SIGTERM
+    (prctl PR_SET_PDEATHSIG), which the loop takes as a stop request; and `World.stop_requested`
+    compares the parent's pid with this one each step (other systems, or a launcher that died
+    before the prctl). Returns the launcher's pid."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: the per-step check remains
+            pass
+    return parent

@@ -4,9 +4,17 @@ Batch schedulers (Slurm, Kubernetes) send SIGTERM some seconds before SIGKILL, a
 SIGINT. Inside `StopRequests`, either one is only recorded: the training loop finishes the step
 it is in, writes a checkpoint and stops (exit status 128 + the signal's number: 143, 130). A
 second SIGINT means "now": it raises KeyboardInterrupt at once, as Python does by default.
+
+Under torchrun one Ctrl-C reaches each rank twice, from the terminal (the whole foreground process
+group) and forwarded by torchrun's agent a moment later: there, a SIGINT within SAME_REQUEST_SECONDS
+of the first is that same request, not the second one.
 """
 
+import os
 import signal
+import time
+
+SAME_REQUEST_SECONDS = 1.0
 
 
 class Stopped(Exception):
@@ -28,11 +36,17 @@ class StopRequests:
 
     def __init__(self):
         self.received: int | None = None
+        self._first_at = 0.0  # when the first request came (time.monotonic)
+        self._same = SAME_REQUEST_SECONDS if "WORLD_SIZE" in os.environ else -1.0  # under torchrun
         self._previous: dict = {}
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.received is not None:
-            raise KeyboardInterrupt  # the second request: do not wait for the step to end
+            if time.monotonic() - self._first_at > self._same:
+                raise KeyboardInterrupt  # the second request: do not wait for the step to end
+            return  # the same Ctrl-C, forwarded by torchrun's agent
+        if self.received is None:
+            self._first_at = time.monotonic()
         self.received = signum
 
     def __enter__(self):

@@ -1,0 +1,189 @@
+"""Faults under torchrun, each with a real signal to a real rank or launcher (issue 26, part 5).
+
+- rank 0 killed (SIGKILL) or hung (SIGSTOP): the surviving rank prints the one lmforge line;
+- torchrun's agent killed (SIGKILL): its ranks see their parent gone, save and stop, and release
+  the run folder's lock (parallel/world.py, watch_launcher);
+- SIGTERM to torchrun: the line printed says the torchrun command that resumes, and it does;
+- `lmforge train --nproc 2`: exit statuses as one process (143 SIGTERM, 130 Ctrl-C, 2 refused),
+  no traceback, and its resume command is `lmforge train --nproc 2 --resume RUN`.
+
+Every launch has a deadline and every started process is killed at the end, whatever happened.
+"""
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lmforge.common.folder_lock import is_locked
+from lmforge.runs.checkpoint.find import list_checkpoints
+from test_distributed_train import env, kill_rank_after_first_checkpoint, rank_pid, settings, torchrun  # noqa: F401
+
+pytestmark = pytest.mark.dist
+
+TIMEOUT = 180  # seconds any launch (or wait) may take before the test fails
+RESUME = re.compile(r"lmforge: stopped by (SIGTERM|SIGINT) at step (\d+); saved \S+; continue with: (.+)$", re.M)
+
+
+def endless(settings, run_dir, *extra) -> list[str]:
+    """A 2-rank ddp run that would train for ever, a checkpoint every 2 steps."""
+    return ["--model", "tiny", *settings(3, max_steps=100_000, checkpoint_interval=2), "train.parallel=ddp",
+            *extra, "--out", str(run_dir)]
+
+
+def gone(pid: int) -> bool:
+    """Whether `pid` exited (a zombie nobody reaped yet counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def start(command, cwd) -> subprocess.Popen:
+    # its own session: a signal to its process group reaches the launcher and its ranks, as Ctrl-C does
+    return subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                            start_new_session=True)
+
+
+def wait_for_checkpoint(proc, run_dir) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not list_checkpoints(run_dir):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint before the deadline"
+        time.sleep(0.2)
+
+
+def finish(proc, pids=()) -> str:
+    """The launch's stderr once it ended; it and `pids` are killed if still there at the deadline."""
+    try:
+        return proc.communicate(timeout=TIMEOUT)[1]
+    finally:
+        for pid in (proc.pid, *pids):
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.communicate()
+
+
+def errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("lmforge: error:")]
+
+
+def resume_line(stderr: str) -> tuple[int, list[str]]:
+    """(the step the run stopped at, the command it says continues it)."""
+    match = RESUME.search(stderr)
+    assert match, stderr[-3000:]
+    return int(match.group(2)), shlex.split(match.group(3))
+
+
+def test_a_killed_rank_0_is_reported_by_the_rank_that_survives(tmp_path, settings):
+    run_dir = tmp_path / "run"
+    lines = kill_rank_after_first_checkpoint(torchrun(2, *endless(settings, run_dir, "train.dist_timeout=30")),
+                                             run_dir, tmp_path, rank=0)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("lmforge: error: rank 0 stopped answering (died or hangs); rank 1 stops too")
+
+
+def test_a_hung_rank_0_is_reported_by_the_rank_that_survives(tmp_path, settings):
+    """SIGSTOP freezes rank 0: rank 1 finds out at the collective timeout (5 s), then by the roll call."""
+    run_dir = tmp_path / "run"
+    proc = start(torchrun(2, *endless(settings, run_dir, "train.dist_timeout=5")), tmp_path)
+    pids = []
+    try:
+        wait_for_checkpoint(proc, run_dir)
+        pids = [rank_pid(proc.pid, rank) for rank in (0, 1)]
+        os.kill(pids[0], signal.SIGSTOP)
+        deadline = time.monotonic() + TIMEOUT
+        while not gone(pids[1]):  # then torchrun would wait 30 s for the frozen rank 0: kill it
+            assert time.monotonic() < deadline, "rank 1 did not stop"
+            time.sleep(0.2)
+        os.kill(pids[0], signal.SIGKILL)
+    finally:
+        stderr = finish(proc, pids)
+    lines = errors(stderr)
+    assert len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith("lmforge: error: rank 0 stopped answering (died or hangs); rank 1 stops too")
+
+
+def test_ranks_of_a_killed_launcher_save_stop_and_release_the_lock(tmp_path, settings):
+    run_dir = tmp_path / "run"
+    proc = start(torchrun(2, *endless(settings, run_dir)), tmp_path)
+    pids = []
+    try:
+        wait_for_checkpoint(proc, run_dir)
+        pids = [rank_pid(proc.pid, rank) for rank in (0, 1)]
+        assert None not in pids and is_locked(run_dir)
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120  # a few steps and a checkpoint; before the fix: 100,000 steps
+        while not all(gone(pid) for pid in pids):
+            assert time.monotonic() < deadline, "the ranks of a killed launcher are still training"
+            time.sleep(0.2)
+    finally:
+        stderr = finish(proc, pids)
+    assert not is_locked(run_dir)
+    assert "rank 0: the launcher (process" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    step, _ = resume_line(stderr)
+    assert list_checkpoints(run_dir)[-1].name == f"step_{step:07d}"
+
+
+def test_sigterm_to_torchrun_prints_the_torchrun_command_that_resumes(tmp_path, settings):
+    run_dir = tmp_path / "run"
+    command = torchrun(2, *endless(settings, run_dir))
+    proc = start(command, tmp_path)
+    try:
+        wait_for_checkpoint(proc, run_dir)
+        os.kill(proc.pid, signal.SIGTERM)
+    finally:
+        stderr = finish(proc)
+    step, resume = resume_line(stderr)
+    launcher = command[:command.index("-m", 3)][3:]  # torchrun's own options, as typed
+    assert resume == ["torchrun", *launcher, "-m", "lmforge", "train", "--resume", str(run_dir)], resume
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *resume[1:], f"train.max_steps={step + 1}"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list_checkpoints(run_dir)[-1].name == f"step_{step + 1:07d}"
+
+
+def lmforge_nproc(*args) -> list[str]:
+    return [sys.executable, "-m", "lmforge", "train", "--nproc", "2", "--no-progress", *args]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_the_nproc_launcher_stops_as_one_process_does(tmp_path, settings, signum):
+    """SIGTERM to the launcher (a scheduler) or SIGINT to its process group (Ctrl-C in a terminal):
+    128 + the signal, no traceback, and the resume command of `--nproc`, which works."""
+    run_dir = tmp_path / "run"
+    proc = start(lmforge_nproc(*endless(settings, run_dir)), tmp_path)
+    try:
+        wait_for_checkpoint(proc, run_dir)
+        if signum == signal.SIGTERM:
+            os.kill(proc.pid, signum)
+        else:
+            os.killpg(proc.pid, signum)
+    finally:
+        stderr = finish(proc)
+    assert proc.returncode == 128 + signum and "Traceback" not in stderr, (proc.returncode, stderr[-3000:])
+    step, resume = resume_line(stderr)
+    assert resume == ["lmforge", "train", "--nproc", "2", "--resume", str(run_dir)]
+    if signum == signal.SIGTERM:  # the command works (once is enough)
+        result = subprocess.run([sys.executable, "-m", "lmforge", *resume[1:], "--no-progress",
+                                 f"train.max_steps={step + 1}"],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=env())
+        assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_nproc_launcher_refuses_as_one_process_does(tmp_path, settings):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("{}\n")  # an existing run: a new run into it is refused by rank 0
+    result = subprocess.run(lmforge_nproc("--model", "tiny", *settings(3), "train.parallel=ddp", "--out", str(run_dir)),
+                            cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=env())
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(errors(result.stderr)) == 1 and "already exists" in result.stderr, result.stderr[-3000:]
