@@ -70,15 +70,17 @@ def base_checkpoint(path: Path) -> Path:
     return find_checkpoint(path)
 
 
-def base_settings(path: str | Path) -> tuple[ModelConfig, str]:
-    """The model config and end-of-document token of a fine-tuning base, read without its weights:
-    an lmforge run folder's config.yaml, or a Hugging Face folder's config and tokenizer."""
+def base_settings(path: str | Path) -> tuple[ModelConfig, str, Tokenizer]:
+    """The model config, end-of-document token and tokenizer of a fine-tuning base, read without
+    its weights: an lmforge run folder's config.yaml, or a Hugging Face folder's config and tokenizer."""
     path = Path(path)
     if is_hf_folder(path):
         model_cfg = read_model_config(path)
-        return model_cfg, read_end_token(path, read_hf_tokenizer(path, model_cfg.vocab_size))
-    cfg = load_config(base_checkpoint(path) / "config.yaml")
-    return cfg.model, cfg.data.end_token
+        tokenizer = read_hf_tokenizer(path, model_cfg.vocab_size)
+        return model_cfg, read_end_token(path, tokenizer), tokenizer
+    checkpoint = base_checkpoint(path)
+    cfg = load_config(checkpoint / "config.yaml")
+    return cfg.model, cfg.data.end_token, load_tokenizer(checkpoint / "tokenizer.json", end_token=cfg.data.end_token)
 
 
 def load_base(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
