@@ -13,7 +13,6 @@ staging folder, and rename it into place: a failure leaves nothing half-written.
 import json
 from pathlib import Path
 
-import torch
 import yaml
 
 from lmforge.common.errors import LmforgeError
@@ -25,9 +24,8 @@ from lmforge.interop.hf_tokenizer import read_end_token
 from lmforge.interop.peft import lora_target, write_peft_adapter
 from lmforge.model.lora import adapter_state_dict
 from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, find_checkpoint, list_checkpoints, read_state, verify_checkpoint
-from lmforge.runs.checkpoint.read import read_tensors
 from lmforge.runs.checkpoint.write import write_weights_checkpoint
-from lmforge.runs.load import merged_weights, model_folder, model_from_checkpoint
+from lmforge.runs.load import merged_weights, model_folder, model_from_checkpoint, read_checkpoint_weights
 from lmforge.runs.staging import write_staged
 
 
@@ -43,17 +41,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
         verify_checkpoint(path)
         return path
     return find_checkpoint(path)
-
-
-def read_checkpoint_weights(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
-    """A checkpoint's model tensors by lmforge name, in their stored dtype (not cast to a model's).
-    A tied head is stored once, under either name: both names are filled."""
-    state = read_tensors(path)
-    if cfg.model.tie_embeddings:
-        shared = state.get("tok_embeddings.weight", state.get("lm_head.weight"))
-        if shared is not None:
-            state["tok_embeddings.weight"] = state["lm_head.weight"] = shared
-    return state
 
 
 def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") -> Path:

@@ -31,7 +31,7 @@ from lmforge.interop.hf_tokenizer import read_end_token, read_hf_tokenizer
 from lmforge.model.lora import apply_lora, has_lora, merge_lora
 from lmforge.model.transformer import Transformer
 from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, read_manifest, read_state, verify_checkpoint
-from lmforge.runs.checkpoint.read import load_model_weights
+from lmforge.runs.checkpoint.read import load_model_weights, read_tensors
 from lmforge.runs.checkpoint.tensors import stored_tensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype's choices, and auto
@@ -187,17 +187,39 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
     if kind == "checkpoint":
         verify_checkpoint(checkpoint)
     target = chosen or stored_dtype(checkpoint)
-    cfg, model, tokenizer = model_from_checkpoint(checkpoint, merge)
+    cfg = load_config(checkpoint / "config.yaml")
+    if cfg.finetune.lora_rank is None:  # the weights as stored, assigned: no fp32 model first
+        tokenizer = load_tokenizer(checkpoint / "tokenizer.json", end_token=cfg.data.end_token)
+        model = model_with_weights(cfg.model, read_checkpoint_weights(checkpoint, cfg), target, device,
+                                   where=f"checkpoint {checkpoint}")
+        return LoadedModel(cfg, model, tokenizer, checkpoint)
+    cfg, model, tokenizer = model_from_checkpoint(checkpoint, merge)  # its base + adapters, checked to belong
     for param in dict.fromkeys(model.parameters()):  # tied parameters once; buffers stay fp32
         param.data = param.data.to(target)
     return LoadedModel(cfg, model.to(device).eval(), tokenizer, checkpoint)
 
 
+def read_checkpoint_weights(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
+    """A checkpoint's model tensors by lmforge name, in their stored dtype (not cast to a model's).
+    A tied head is stored once, under either name: both names are filled."""
+    state = read_tensors(path)
+    if cfg.model.tie_embeddings:
+        shared = state.get("tok_embeddings.weight", state.get("lm_head.weight"))
+        if shared is not None:
+            state["tok_embeddings.weight"] = state["lm_head.weight"] = shared
+    return state
+
+
 def model_with_weights(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                       device: str | torch.device = "cpu") -> torch.nn.Module:
+                       device: str | torch.device = "cpu", where: str = "the weights") -> torch.nn.Module:
     """lmforge's Transformer holding `state` in `dtype` (no copy where it already is): built
     uninitialised, its parameters then assigned, so that a model is never held twice nor in fp32 first."""
     model = meta_model(cfg, device=str(device))
+    names = set(model.state_dict())
+    if names != set(state):
+        other = sorted(names ^ set(state))
+        raise LmforgeError(f"{where} and the model's config disagree on {len(other)} tensors ({', '.join(other[:3])}"
+                           f"{', ...' if len(other) > 3 else ''}): it was saved from a different model")
     model.load_state_dict({name: t.to(device=device, dtype=dtype) for name, t in state.items()}, assign=True)
     if cfg.tie_embeddings:  # assigned one name at a time: one tensor again, as the model was built
         model.lm_head.weight = model.tok_embeddings.weight
