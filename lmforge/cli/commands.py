@@ -73,7 +73,7 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
 
 def cmd_generate(args) -> int:
     from lmforge.generate.sampling import KVCache
-    from lmforge.generate.texts import print_samples, prompt_ids, samples
+    from lmforge.generate.texts import print_samples, print_stats, prompt_ids, samples
     from lmforge.parallel.launch import resolve_device
     from lmforge.runs.load import load_model
 
@@ -100,19 +100,8 @@ def cmd_generate(args) -> int:
                     top_p=args.top_p, use_cache=not args.no_cache, cache=cache)
     print_samples(texts, args.num_samples)
     if args.stats:
-        _print_generate_stats(loaded, cache)
+        print_stats(loaded.model, cache, loaded.source)
     return 0
-
-
-def _print_generate_stats(loaded, cache) -> None:
-    """--stats: the bytes generation held, as `lmforge plan --inference` counts them (to stderr)."""
-    params = list(dict.fromkeys(loaded.model.parameters()))
-    dtype = str(params[0].dtype).removeprefix("torch.")
-    print(f"weights: {sum(p.numel() for p in params):,} parameters in {dtype}, "
-          f"{sum(p.nbytes for p in params):,} bytes", file=sys.stderr)
-    if cache is not None:
-        print(f"KV cache: {cache.capacity:,} positions in {dtype}, {cache.nbytes:,} bytes (lmforge plan "
-              f"--inference {loaded.source} --seq-len {cache.capacity} predicts it)", file=sys.stderr)
 
 
 def _json_answer(args):
