@@ -5,7 +5,6 @@ the model's positions, or a fine-tuning row padded to them, would show. Nothing 
 
 import json
 import math
-import os
 import subprocess
 from pathlib import Path
 
