@@ -1,6 +1,7 @@
 """Texts continuing a prompt, as `lmforge generate` prints them: one per sample, sample i drawn
 with seed + i, so that each can be drawn again alone."""
 
+import sys
 from collections.abc import Iterable, Iterator
 
 from lmforge.common.errors import LmforgeError
@@ -39,3 +40,16 @@ def print_samples(texts: Iterable[str], num_samples: int) -> None:
         if num_samples > 1:
             print(f"--- sample {index + 1} ---")
         print(text)
+
+
+def print_stats(model, cache, source) -> None:
+    """`lmforge generate --stats`: the bytes of the weights and of the KV cache generation filled
+    (to stderr), as `lmforge plan --inference` counts them; `source`, the folder the model came from."""
+    params = list(dict.fromkeys(model.parameters()))  # tied parameters once
+    dtype = str(params[0].dtype).removeprefix("torch.")
+    print(f"weights: {sum(p.numel() for p in params):,} parameters in {dtype}, "
+          f"{sum(p.nbytes for p in params):,} bytes", file=sys.stderr)
+    if cache is not None:
+        print(f"KV cache: {cache.capacity:,} positions in {str(cache.keys.dtype).removeprefix('torch.')}, "
+              f"{cache.nbytes:,} bytes (lmforge plan --inference {source} --seq-len {cache.capacity} predicts it)",
+              file=sys.stderr)

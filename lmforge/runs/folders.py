@@ -13,7 +13,6 @@ staging folder, and rename it into place: a failure leaves nothing half-written.
 import json
 from pathlib import Path
 
-import torch
 import yaml
 
 from lmforge.common.errors import LmforgeError
@@ -25,9 +24,8 @@ from lmforge.interop.hf_tokenizer import read_end_token
 from lmforge.interop.peft import lora_target, write_peft_adapter
 from lmforge.model.lora import adapter_state_dict
 from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, find_checkpoint, list_checkpoints, read_state, verify_checkpoint
-from lmforge.runs.checkpoint.read import read_tensors
 from lmforge.runs.checkpoint.write import write_weights_checkpoint
-from lmforge.runs.load import merged_weights, model_from_checkpoint
+from lmforge.runs.load import merged_weights, model_folder, model_from_checkpoint, read_checkpoint_weights
 from lmforge.runs.staging import write_staged
 
 
@@ -45,21 +43,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return find_checkpoint(path)
 
 
-def read_checkpoint_weights(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
-    """A checkpoint's model tensors by lmforge name, in their stored dtype (not cast to a model's).
-    A tied head is stored once, under either name: both names are filled."""
-    state = read_tensors(path)
-    if cfg.model.tie_embeddings:
-        shared = state.get("tok_embeddings.weight", state.get("lm_head.weight"))
-        if shared is not None:
-            state["tok_embeddings.weight"] = state["lm_head.weight"] = shared
-    return state
-
-
 def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") -> Path:
     """Export the newest checkpoint of a run folder (or the checkpoint given): `hf`, a Hugging Face
     folder (a LoRA run's adapters folded into its base's weights), by default <run>/hf-<checkpoint>;
-    `peft`, a LoRA run's adapter alone in PEFT's layout, by default <run>/peft-<checkpoint>."""
+    `peft`, a LoRA run's adapter alone in PEFT's layout, by default <run>/peft-<checkpoint>. A
+    Hugging Face folder is written again as lmforge writes one (to `out`: never into the folder)."""
+    kind, folder = model_folder(run)
+    if kind == "hf":
+        return _export_hf_folder(folder, out, fmt)
     path = resolve_checkpoint(run)
     cfg = load_config(path / "config.yaml")
     lora = cfg.finetune.lora_rank is not None
@@ -81,6 +72,20 @@ def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") 
     else:
         state = read_checkpoint_weights(path, cfg)
     write_staged(out, lambda folder: export_hf(cfg.model, state, tokenizer, folder, end_token=cfg.data.end_token))
+    return out
+
+
+def _export_hf_folder(folder: Path, out: str | Path | None, fmt: str) -> Path:
+    if fmt == "peft":
+        raise LmforgeError(f"{folder} is a Hugging Face folder, not a LoRA run: --format peft writes a LoRA run's "
+                           f"adapters; use --format hf")
+    if out is None:
+        raise LmforgeError(f"{folder} is a Hugging Face folder: give --out (lmforge writes nothing into a model's folder)")
+    out = Path(out)
+    _check_free(out)
+    model_cfg, state, tokenizer = import_hf(folder)
+    end_token = read_end_token(folder, tokenizer)
+    write_staged(out, lambda staged: export_hf(model_cfg, state, tokenizer, staged, end_token=end_token))
     return out
 
 
