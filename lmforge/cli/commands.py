@@ -68,10 +68,9 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
 
 
 def cmd_generate(args) -> int:
+    from lmforge.generate.load import load_model
     from lmforge.generate.texts import print_samples, samples
     from lmforge.parallel.launch import resolve_device
-    from lmforge.runs.checkpoint.find import find_checkpoint
-    from lmforge.runs.load import model_from_checkpoint
 
     if args.max_new_tokens < 1 or args.temperature < 0 or args.num_samples < 1:
         raise LmforgeError("--max-new-tokens and --num-samples must be >= 1 and --temperature >= 0")
@@ -79,20 +78,54 @@ def cmd_generate(args) -> int:
         raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
     json_answer = _json_answer(args)  # before loading the model: a bad --schema stops at once
     device = resolve_device(args.device, setting="--device")
-    path = find_checkpoint(args.run, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
-    cfg, model, tokenizer = model_from_checkpoint(path, merge=args.merge)  # a LoRA run: its base + adapters
+    # a LoRA run: its base + adapters; a Hugging Face folder; with --adapter, a PEFT adapter on top
+    model, tokenizer, special = load_model(args.run, args.adapter, args.merge, warn=_warn)
     model.to(device)
-    end = tokenizer.token_to_id(cfg.data.end_token)
+    end = special.end_id
     constrained = None
     if json_answer is not None:
         from lmforge.structured.constrain import JsonMode
 
         constrained = JsonMode(tokenizer, end, *json_answer)
     texts = samples(model, tokenizer, args.prompt, end, args.max_new_tokens, num_samples=args.num_samples,
-                    seed=args.seed, constrained=constrained, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, use_cache=not args.no_cache)
+                    seed=args.seed, constrained=constrained, stops=special.stop_ids, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_cache)
     print_samples(texts, args.num_samples)
     return 0
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def cmd_chat(args) -> int:
+    from lmforge.generate.chat import ChatSession, run_chat
+    from lmforge.generate.load import load_model
+    from lmforge.parallel.launch import resolve_device
+
+    if args.max_new_tokens < 1 or args.temperature is not None and args.temperature < 0:
+        raise LmforgeError("--max-new-tokens must be >= 1 and --temperature >= 0")
+    if args.top_k is not None and args.top_k < 1 or args.top_p is not None and not 0 < args.top_p <= 1:
+        raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
+    json_answer = _json_answer(args)
+    device = resolve_device(args.device, setting="--device")
+    model, tokenizer, special = load_model(args.run, args.adapter, args.merge, warn=_warn)
+    model.to(device)
+    # the model's own sampling defaults (generation_config.json) where no option is given
+    defaults = special.generation_defaults
+    greedy = defaults.get("do_sample") is False
+    sampling = {"temperature": args.temperature if args.temperature is not None
+                else 0.0 if greedy else defaults.get("temperature", 0.8),
+                "top_k": args.top_k if args.top_k is not None else defaults.get("top_k"),
+                "top_p": args.top_p if args.top_p is not None else defaults.get("top_p", 0.95)}
+    constrained = None
+    if json_answer is not None:
+        from lmforge.structured.constrain import JsonMode
+
+        constrained = JsonMode(tokenizer, special.end_id, *json_answer)
+    session = ChatSession(model, tokenizer, special, args.max_new_tokens, system=args.system,
+                          constrained=constrained, seed=args.seed, **sampling)
+    return run_chat(session, Path(args.run).name)
 
 
 def _json_answer(args):
@@ -226,6 +259,7 @@ def cmd_eval_format(args) -> int:
 
 
 COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "finetune": cmd_finetune, "generate": cmd_generate,
+            "chat": cmd_chat,
             "plan": cmd_plan, "runs": cmd_runs, "export": cmd_export, "import-hf": cmd_import_hf, "tasks": cmd_tasks,
             "eval-format": cmd_eval_format}
 

@@ -9,19 +9,23 @@ When the context fills the model's max_seq_len, both paths restart from the most
 max_seq_len // 2 tokens, so cached and uncached generation always see the same context.
 """
 
+from collections.abc import Collection
+
 import torch
 
 from lmforge.model.transformer import Transformer
 
 
 class KVCache:
-    """Keys and values of every layer for positions [0, length), preallocated to max_len."""
+    """Keys and values of every layer for positions [0, length), preallocated to max_len; they are
+    those of tokens[start:start + length] of the sequence generated (a chat keeps one across turns)."""
 
     def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         shape = (n_layers, batch, kv_heads, max_len, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.start, self.length = 0, 0
 
     def layer(self, index: int) -> "LayerCache":
         """The cache of one layer, handed to that layer's attention alone."""
@@ -64,10 +68,14 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, stop_token: int | None = None,
-             seed: int = 0, use_cache: bool = True, on_logits=None, constraint=None) -> list[int]:
-    """New token ids continuing `prompt` (the stop token, if sampled, ends generation and is not
-    returned). `on_logits`, if given, is called with each step's next-token logits.
+             top_k: int | None = None, top_p: float | None = None, stop_token: int | Collection[int] | None = None,
+             seed: int = 0, use_cache: bool = True, on_logits=None, constraint=None, cache: KVCache | None = None,
+             on_token=None) -> list[int]:
+    """New token ids continuing `prompt` (a stop token, one id or any of several, if sampled, ends
+    generation and is not returned). `on_logits`, if given, is called with each step's next-token
+    logits, `on_token` with each new token (streaming). `cache`, if given, is used and left holding
+    the sequence (its start and length say which part): a later call whose prompt begins with that
+    part runs only the rest through the model.
 
     `constraint`, if given, restricts which tokens may come next (grammar-constrained decoding,
     lmforge/structured/constrain.py): before each step `constraint.finished()` may end generation,
@@ -84,9 +92,14 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
     generator = torch.Generator(device=device).manual_seed(seed)
     max_len = cfg.max_seq_len
     tokens = list(prompt)
-    start = max(0, len(tokens) - max_len)  # first position of the current context window
-    cached = 0  # positions of the window already in the cache
-    cache = KVCache(cfg.n_layers, 1, cfg.kv_heads, max_len, cfg.head_dim, dtype, device) if use_cache else None
+    stops = {stop_token} if isinstance(stop_token, int) else set(stop_token or ())
+    if use_cache and cache is None:
+        cache = KVCache(cfg.n_layers, 1, cfg.kv_heads, max_len, cfg.head_dim, dtype, device)
+    if cache is not None and cache.length:
+        start, cached = cache.start, cache.length  # the caller's cache holds tokens[start:start + cached]
+    else:
+        start = max(0, len(tokens) - max_len)  # first position of the current context window
+        cached = 0  # positions of the window already in the cache
     new_tokens: list[int] = []
     for _ in range(max_new_tokens):
         if constraint is not None and constraint.finished():
@@ -107,8 +120,12 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
         token = int(sample_next(logits, temperature, top_k, top_p, generator))
         if constraint is not None:
             constraint.consume(token)
-        if token == stop_token:
+        if token in stops:
             break
         tokens.append(token)
         new_tokens.append(token)
+        if on_token is not None:
+            on_token(token)
+    if cache is not None:
+        cache.start, cache.length = start, cached
     return new_tokens

@@ -14,10 +14,11 @@ from tokenizers import Tokenizer
 
 from lmforge.common.errors import LmforgeError
 from lmforge.config import Config, ModelConfig, load_config
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.special_tokens import SpecialTokens
+from lmforge.data.tokenizer import load_special_tokens, load_tokenizer
 from lmforge.interop.hf import import_hf
 from lmforge.interop.hf_config import read_model_config
-from lmforge.interop.hf_tokenizer import read_end_token, read_hf_tokenizer
+from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens, read_hf_tokenizer
 from lmforge.model.lora import apply_lora, has_lora, merge_lora
 from lmforge.model.transformer import Transformer
 from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, read_manifest, read_state
@@ -120,3 +121,13 @@ def merged_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor], T
     cfg, model, tokenizer = model_from_checkpoint(checkpoint, merge=True)
     state = {name: value for name, value in model.state_dict().items() if not name.endswith((".lora_A", ".lora_B"))}
     return cfg, state, tokenizer
+
+
+def model_special_tokens(path: str | Path, tokenizer: Tokenizer) -> SpecialTokens:
+    """The special tokens (stops, BOS, chat template: data/special_tokens.py) of a Hugging Face
+    folder, a checkpoint folder, or a run folder's newest good checkpoint."""
+    path = Path(path)
+    if is_hf_folder(path):
+        return read_hf_special_tokens(path, tokenizer)
+    checkpoint = path if (path / "manifest.json").is_file() else base_checkpoint(path)
+    return load_special_tokens(checkpoint, tokenizer, load_config(checkpoint / "config.yaml").data.end_token)

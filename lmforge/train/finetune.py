@@ -25,13 +25,14 @@ from lmforge.config import Config
 from lmforge.data.corpus import load_documents, split_documents
 from lmforge.data.loader import window_batch
 from lmforge.data.prepare import PreparedData, data_dir_of, prepare_data
+from lmforge.data.special_tokens import SpecialTokens
 from lmforge.data.sft import example_batch, is_example_source, load_examples
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.data.tokenizer import encode_documents, tokenizer_hash
 from lmforge.data.tokens import unigram_entropy
 from lmforge.common.errors import LmforgeError
 from lmforge.parallel.world import World
-from lmforge.runs.load import base_identity, load_base
+from lmforge.runs.load import base_identity, load_base, model_special_tokens
 from lmforge.train.setup import check_data
 
 
@@ -45,6 +46,7 @@ class FinetuneData:
     val: object
     batches: Callable = field(default=window_batch)  # loader.window_batch or sft.example_batch
     default_prompt: str = ""  # the end-of-run sample's prompt: the start of a validation document or example
+    special: SpecialTokens | None = None  # the base's stop tokens, BOS and chat template, kept in checkpoints
 
 
 def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, torch.Tensor], dict]:
@@ -55,9 +57,11 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
         raise LmforgeError(f"the run's model.{changed[0]} differs from its base's ({cfg.finetune.base}): "
                            f"a fine-tuning run keeps the base's model settings")
     identity = base_identity(cfg.finetune.base)
+    special = model_special_tokens(cfg.finetune.base, tokenizer)
     source, seq_len = cfg.data.source, cfg.seq_len
     if is_example_source(source):
-        train, val, meta = load_examples(source, tokenizer, seq_len, cfg.data.val_fraction, cfg.data.end_token)
+        train, val, meta = load_examples(source, tokenizer, seq_len, cfg.data.val_fraction, cfg.data.end_token,
+                                         special)
         batches = example_batch
         first = val.tokens[0]
         prompt_end = int(np.argmax(val.targets[0] != IGNORE_INDEX)) + 1  # tokens before the first target
@@ -78,7 +82,7 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
         batches, prompt = window_batch, ""  # "": the summary's own default, the start of a validation document
         log(f"fine-tuning data: {len(train):,} train / {len(val):,} val tokens of plain text from {source}")
     meta.update(tokenizer_sha256=tokenizer_hash(tokenizer), tokenizer_vocab_size=tokenizer.get_vocab_size())
-    data = FinetuneData(Path(source), meta, tokenizer, train, val, batches, prompt)
+    data = FinetuneData(Path(source), meta, tokenizer, train, val, batches, prompt, special)
     return data, state, identity
 
 
