@@ -114,14 +114,15 @@ def llama3_style_tokenizer(folder: Path, base: Tokenizer, chat: bool = False) ->
 def hf_model(family: str, folder: Path, tokenizer: Tokenizer, dtype=torch.float32, chat: bool = False):
     """A random HF model saved with save_pretrained, and its tokenizer, as a download would be;
     `chat` (llama): an instruct model, eos_token_id [<|end_of_text|>, <|eot_id|>] and sampling
-    defaults in generation_config.json."""
+    defaults in generation_config.json, 128 positions."""
     torch.manual_seed(1)
     if family == "llama":
         llama3_style_tokenizer(folder, tokenizer, chat)
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         eos = [tok.token_to_id("<|end_of_text|>"), *([tok.token_to_id("<|eot_id|>")] if chat else [])]
         config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=128 if chat else 32,  # room for a conversation
                              rope_parameters=dict(SCALING, rope_theta=500.0), tie_word_embeddings=True,
                              rms_norm_eps=1e-5, bos_token_id=tok.token_to_id("<|begin_of_text|>"),
                              eos_token_id=eos if chat else eos[0])

@@ -47,7 +47,8 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation (the cache is overwritten from the start)."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.tokens: list[int] = []
+        self.tokens: list[int] = []  # the conversation as the cache holds it: the last prompt and reply
+        self.prompt: list[int] = []
         self.cache.start = self.cache.length = 0
         self.turns, self.fed = 0, 0
 
@@ -91,7 +92,7 @@ class ChatSession:
         if on_text is not None and answer != shown:
             on_text(answer[len(shown):])
         self.messages.append({"role": "assistant", "content": answer})
-        self.tokens, self.turns = target + reply, self.turns + 1
+        self.prompt, self.tokens, self.turns = target, target + reply, self.turns + 1
         self.complete = complete
         return answer
 
