@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from lmforge.common.errors import LmforgeError
@@ -109,9 +111,6 @@ def _render(template: str, messages: list[dict], add_generation_prompt: bool, na
     """Render a chat template as transformers does: a sandboxed Jinja environment with trim_blocks
     and lstrip_blocks, loop controls, `raise_exception`, `strftime_now` and a `tojson` that keeps
     non-ASCII text."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise TemplateError(message)
 
