@@ -130,3 +130,20 @@ def test_chat_format_json_answers_match_the_schema(instruct, tmp_path):
     finally:
         status = term.close()
     assert status == 0
+
+
+def test_a_model_without_a_template_is_asked_as_lmforge_fine_tunes_it(tokenizer):
+    """lmforge's own model: the plain template's ids, as data/sft.py encodes the same turns."""
+    from lmforge.data.sft import encode_example, example_parts
+    from lmforge.data.special_tokens import special_tokens
+    from lmforge.model.transformer import Transformer
+    from test_interop import tiny_model_config
+
+    special = special_tokens(tokenizer, "<|endoftext|>")
+    session = ChatSession(Transformer(tiny_model_config("llama")).eval(), tokenizer, special, 4, temperature=0.0)
+    assert special.chat_template is None and special.stop_ids == (special.end_id,)
+    session.reply("def fib")
+    messages = [{"role": "user", "content": "def fib"}, {"role": "assistant", "content": "x"}]
+    ids, _ = encode_example(tokenizer, example_parts({"messages": messages}, "r"), special=special)
+    assert session.prompt == ids[:len(session.prompt)]
+    assert tokenizer.decode(session.prompt) == "<|user|>\ndef fib\n<|assistant|>\n"
