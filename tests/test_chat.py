@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from lmforge.generate.chat import ChatSession, common_prefix  # noqa: E402
-from lmforge.generate.load import load_model  # noqa: E402
+from lmforge.generate.load import load_for_sampling  # noqa: E402
 from test_interop import hf_model, tokenizer  # noqa: E402,F401  (tokenizer: the fixture)
 
 MAX_NEW = 8
@@ -43,7 +43,8 @@ def transformers_reply(folder, messages) -> str:
 
 
 def test_session_streams_and_runs_only_the_new_turn(instruct):
-    model, tok, special = load_model(instruct)
+    loaded, special = load_for_sampling(instruct)
+    model, tok = loaded.model, loaded.tokenizer
     session = ChatSession(model, tok, special, MAX_NEW, temperature=0.0)
     seen = []
     model.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))

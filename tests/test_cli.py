@@ -25,7 +25,8 @@ def test_help_lists_commands_and_presets():
                                    "gpt2-124m, gpt2-350m, gpt3-175b, llama3-1b, llama2-7b, llama3-8b, llama3-70b"),
     (["train", "data.source=/no/such/corpus.txt"], "data source /no/such/corpus.txt does not exist: give .txt/.jsonl "
                                                    "files or folders, or 'stdlib'"),
-    (["generate", "--run", "runs/none", "--prompt", "x"], "run folder runs/none does not exist"),
+    (["generate", "--run", "runs/none", "--prompt", "x"], "runs/none does not exist: give an lmforge run folder (config.yaml, "
+                  "checkpoints/) or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"),
 ])
 def test_user_errors_are_one_line_with_exit_code_2(tmp_path, args, message):
     result = lmforge(*args, cwd=tmp_path)

@@ -39,9 +39,9 @@ def test_kv_cache_bytes_are_what_lmforge_generate_allocates(monkeypatch):
     monkeypatch.setattr(sampling, "KVCache", Recorded)
     cfg = make_config("tiny").model
     sampling.generate(Transformer(cfg), [1, 2, 3], 4, temperature=0)
-    held = caches[0].keys.nbytes + caches[0].values.nbytes  # generate preallocates the model's whole context
-    plan = make_inference_plan(cfg, InferenceSetup(seq_len=cfg.max_seq_len, kv_dtype="fp32", hardware="a100"))
-    assert held == plan["memory"]["kv_cache_bytes"]
+    held = caches[0].keys.nbytes + caches[0].values.nbytes  # the prompt and the new tokens, not max_seq_len
+    plan = make_inference_plan(cfg, InferenceSetup(seq_len=3 + 4, kv_dtype="fp32", hardware="a100"))
+    assert held == caches[0].nbytes == plan["memory"]["kv_cache_bytes"]
 
 
 def test_weight_bytes_with_per_group_scales():

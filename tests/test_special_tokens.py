@@ -146,7 +146,7 @@ def test_import_finetune_export_keep_the_template_stops_and_defaults(instruct, t
 def test_peft_adapter_folders_in_generate_and_finetune(instruct, tmp_path):
     """`generate --adapter` on the base equals generating from the LoRA run the adapter came from;
     `finetune --adapter` continues it: its rank, alpha and weights are where training starts."""
-    from lmforge.generate.load import load_model
+    from lmforge.generate.load import load_for_sampling
     from lmforge.model.lora import adapter_state_dict
 
     write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 16)
@@ -165,8 +165,8 @@ def test_peft_adapter_folders_in_generate_and_finetune(instruct, tmp_path):
     done = run_cli("finetune", "hf", "--adapter", "adapter", "--out", "ft2", "train.max_steps=1", "optim.lr=1e-30",
                    *common, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    continued, _, _ = load_model(tmp_path / "ft2")
-    start, _, _ = load_model(tmp_path / "hf", adapter=tmp_path / "adapter")
+    continued, start = (load_for_sampling(tmp_path / "ft2")[0].model,
+                        load_for_sampling(tmp_path / "hf", adapter=tmp_path / "adapter")[0].model)
     ours, theirs = adapter_state_dict(continued), adapter_state_dict(start)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     layer = next(m for m in continued.modules() if hasattr(m, "lora_A"))

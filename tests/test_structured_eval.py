@@ -195,7 +195,8 @@ def test_conditions_and_unknown_names():
     (["--kinds", "poetry"], "unknown task kind 'poetry': use one or more of last_letters, addition, counting, "
                             "sentiment, extraction"),
     (["--tasks", "0"], "--tasks must be >= 1"),
-    ([], "run folder runs/none does not exist"),
+    ([], "runs/none does not exist: give an lmforge run folder (config.yaml, "
+                  "checkpoints/) or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"),
 ])
 def test_bad_eval_format_arguments_are_one_line_exit_2(tmp_path, args, message):
     result = lmforge("eval-format", "runs/none", *args, cwd=tmp_path)

@@ -65,8 +65,9 @@ def tensor_parallel_degrees(cfg: ModelConfig) -> list[int]:
     return [tp for tp in range(1, cfg.kv_heads + 1) if cfg.n_heads % tp == 0 and cfg.kv_heads % tp == 0]
 
 
-def meta_model(cfg: ModelConfig):
-    """lmforge's Transformer for `cfg` on the meta device: shapes, no storage, no initialisation."""
+def meta_model(cfg: ModelConfig, device: str = "meta"):
+    """lmforge's Transformer for `cfg` without initialisation: on the meta device shapes and no
+    storage; on a real device uninitialised storage, for weights to be assigned (runs/load.py)."""
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -86,7 +87,7 @@ def meta_model(cfg: ModelConfig):
                 return args[0] if args else kwargs["tensor"]
             return func(*args, **kwargs)
 
-    with torch.device("meta"), SkipRandomFills():
+    with torch.device(device), SkipRandomFills():
         return Transformer(cfg)
 
 

@@ -32,7 +32,11 @@ def cmd_train(args) -> int:
 
 
 def cmd_finetune(args) -> int:
+    from lmforge.accounting.hardware import this_device
+    from lmforge.train.finetune import check_step_fits
+
     cfg, run_dir = resumed_finetune_config(args) if args.resume else finetune_config(args)
+    check_step_fits(cfg, this_device)  # before the base or the data is read: a step that cannot fit stops here
     return _run_trainer(cfg, run_dir, args, "finetune")
 
 
@@ -68,8 +72,9 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
 
 
 def cmd_generate(args) -> int:
-    from lmforge.generate.load import load_model
-    from lmforge.generate.texts import print_samples, samples
+    from lmforge.generate.load import load_for_sampling
+    from lmforge.generate.sampling import KVCache
+    from lmforge.generate.texts import print_samples, prompt_ids, samples
     from lmforge.parallel.launch import resolve_device
 
     if args.max_new_tokens < 1 or args.temperature < 0 or args.num_samples < 1:
@@ -78,20 +83,36 @@ def cmd_generate(args) -> int:
         raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
     json_answer = _json_answer(args)  # before loading the model: a bad --schema stops at once
     device = resolve_device(args.device, setting="--device")
-    # a LoRA run: its base + adapters; a Hugging Face folder; with --adapter, a PEFT adapter on top
-    model, tokenizer, special = load_model(args.run, args.adapter, args.merge, warn=_warn)
-    model.to(device)
-    end = special.end_id
+    # a run folder (a LoRA run: its base + adapters) or a Hugging Face folder, in its stored dtype by
+    # default; with --adapter, a PEFT adapter on top
+    loaded, special = load_for_sampling(args.run, args.adapter, args.merge, args.dtype, device, warn=_warn)
+    model, tokenizer, end = loaded.model, loaded.tokenizer, special.end_id
     constrained = None
     if json_answer is not None:
         from lmforge.structured.constrain import JsonMode
 
         constrained = JsonMode(tokenizer, end, *json_answer)
+    # one cache for every sample, for the prompt and the new tokens (never the model's whole context)
+    positions = len(prompt_ids(tokenizer, args.prompt, end)) + args.max_new_tokens
+    cache = None if args.no_cache else KVCache.for_model(model, positions)
     texts = samples(model, tokenizer, args.prompt, end, args.max_new_tokens, num_samples=args.num_samples,
                     seed=args.seed, constrained=constrained, stops=special.stop_ids, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_cache)
+                    top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_cache, cache=cache)
     print_samples(texts, args.num_samples)
+    if args.stats:
+        _print_generate_stats(loaded, cache)
     return 0
+
+
+def _print_generate_stats(loaded, cache) -> None:
+    """--stats: the bytes generation held, as `lmforge plan --inference` counts them (to stderr)."""
+    params = list(dict.fromkeys(loaded.model.parameters()))
+    dtype = str(params[0].dtype).removeprefix("torch.")
+    print(f"weights: {sum(p.numel() for p in params):,} parameters in {dtype}, "
+          f"{sum(p.nbytes for p in params):,} bytes", file=sys.stderr)
+    if cache is not None:
+        print(f"KV cache: {cache.capacity:,} positions in {dtype}, {cache.nbytes:,} bytes (lmforge plan "
+              f"--inference {loaded.source} --seq-len {cache.capacity} predicts it)", file=sys.stderr)
 
 
 def _warn(message: str) -> None:
@@ -100,7 +121,7 @@ def _warn(message: str) -> None:
 
 def cmd_chat(args) -> int:
     from lmforge.generate.chat import ChatSession, run_chat
-    from lmforge.generate.load import load_model
+    from lmforge.generate.load import load_for_sampling
     from lmforge.parallel.launch import resolve_device
 
     if args.max_new_tokens < 1 or args.temperature is not None and args.temperature < 0:
@@ -109,8 +130,8 @@ def cmd_chat(args) -> int:
         raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
     json_answer = _json_answer(args)
     device = resolve_device(args.device, setting="--device")
-    model, tokenizer, special = load_model(args.run, args.adapter, args.merge, warn=_warn)
-    model.to(device)
+    loaded, special = load_for_sampling(args.run, args.adapter, args.merge, device=device, warn=_warn)
+    model, tokenizer = loaded.model, loaded.tokenizer
     # the model's own sampling defaults (generation_config.json) where no option is given
     defaults = special.generation_defaults
     greedy = defaults.get("do_sample") is False
@@ -156,8 +177,7 @@ def cmd_plan(args) -> int:
     if args.dtypes:
         print_dtypes(console)
         return 0
-    name = args.model or DEFAULT_PRESET
-    cfg = make_config(name, args.config, plan_overrides(args))
+    cfg, name = _plan_config(args, plan_overrides(args))
     if args.plot and not Path(args.plot).parent.is_dir():
         raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
                            f"or pick another path")
@@ -184,6 +204,34 @@ def cmd_plan(args) -> int:
         if args.plot:
             console.print(f"memory chart: {args.plot}")
     return 0
+
+
+def _plan_config(args, overrides: list[str]):
+    """The config `lmforge plan` plans and its name: a preset's, or a folder's (a run's config.yaml, a
+    Hugging Face folder's model), then --config and the overrides. With --inference a folder's
+    stored dtype is the default --weights and --kv-dtype: what `lmforge generate` holds."""
+    if args.run is None:
+        name = args.model or DEFAULT_PRESET
+        return make_config(name, args.config, overrides), name
+    if args.model:
+        raise LmforgeError(f"give RUN ({args.run}) or --model ({args.model}), not both")
+    from lmforge.accounting.inference import KV_FORMATS
+    from lmforge.config import apply_dict, parse_override, read_yaml, set_value, validate
+    from lmforge.runs.load import DTYPES, folder_config, folder_dtype
+
+    cfg = folder_config(args.run)
+    if args.config:
+        apply_dict(cfg, read_yaml(args.config), origin=args.config)
+    for item in overrides:
+        set_value(cfg, *parse_override(item), origin="command line")
+    validate(cfg)
+    if cfg.optim.decay_steps is None:  # as make_config fixes a new config's schedule
+        cfg.optim.decay_steps = cfg.train.max_steps
+    if args.inference:
+        stored = {dtype: name for name, dtype in DTYPES.items()}.get(folder_dtype(args.run), "fp32")
+        args.weights = args.weights or stored
+        args.kv_dtype = args.kv_dtype or (stored if stored in KV_FORMATS else "bf16")
+    return cfg, Path(args.run).name
 
 
 def cmd_runs(args) -> int:
@@ -250,8 +298,12 @@ def cmd_eval_format(args) -> int:
     if args.max_new_tokens < 1:
         raise LmforgeError("--max-new-tokens must be >= 1")
     tasks = study_plan(words["kinds"], args.tasks, args.seed)
-    if not Path(args.run).is_dir():
-        raise LmforgeError(f"run folder {args.run} does not exist")
+    from lmforge.runs.load import model_folder
+
+    kind, _ = model_folder(args.run)  # a run folder or a Hugging Face folder, else one line
+    if kind == "hf" and not args.out:
+        raise LmforgeError(f"{args.run} is a Hugging Face folder: give --out for the results (lmforge writes "
+                           f"nothing into a model's folder)")
     out = Path(args.out) if args.out else Path(args.run) / "eval-format"
     run_study(args.run, tasks, conds, out, args.max_new_tokens, args.device, progress=not args.no_progress)
     print(f"results: {out}/table.md, {out}/results.png, {out}/results.jsonl")

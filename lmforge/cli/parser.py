@@ -78,13 +78,17 @@ def add_finetune(commands) -> None:
 
 
 def add_generate(commands) -> None:
-    gen = commands.add_parser("generate", help="sample text from a trained run",
-                              description="Continue a prompt with the latest checkpoint of run RUN.",
+    gen = commands.add_parser("generate", help="sample text from a trained run or a Hugging Face model",
+                              description="Continue a prompt with the model of RUN: the latest checkpoint of a run "
+                                          "folder, or a Hugging Face folder (config.json, *.safetensors, "
+                                          "tokenizer.json) read as it is. The weights stay in their stored dtype "
+                                          "(--dtype to choose); the KV cache holds the prompt and --max-new-tokens.",
                               epilog="examples:\n"
                                      "  lmforge generate runs/<name> --prompt 'def fib(' --max-new-tokens 100\n"
+                                     "  lmforge generate ~/models/Llama-3.2-1B --prompt 'The capital of France' --stats\n"
                                      "  lmforge generate runs/<name> --prompt 'Q: 2+3? A: ' --format json",
                               formatter_class=RAW)
-    add_run(gen, "run folder, e.g. runs/small-20261130-120000")
+    add_run(gen, "run folder (e.g. runs/small-20261130-120000), checkpoint folder or Hugging Face folder")
     gen.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
@@ -94,6 +98,10 @@ def add_generate(commands) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    gen.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                     help="the parameters' and KV cache's dtype (default auto: as the weights are stored)")
+    gen.add_argument("--stats", action="store_true", help="print the bytes of the weights and the KV cache held "
+                                                         "(to stderr), as lmforge plan --inference counts them")
     gen.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the base weights "
                                                           "first (the same outputs, one matmul per layer)")
     gen.add_argument("--format", metavar="FMT", help="constrain the answer to FMT while decoding: json "
@@ -152,12 +160,13 @@ def add_export(commands) -> None:
         "export", help="write a run's model in another format: a Hugging Face folder",
         description="Write the newest checkpoint of RUN (or the checkpoint folder RUN) as a Hugging Face folder: "
                     "config.json, model.safetensors and tokenizer files that transformers' AutoModelForCausalLM "
-                    "and AutoTokenizer load (llama family: LlamaForCausalLM; gpt: GPT2LMHeadModel).",
+                    "and AutoTokenizer load (llama family: LlamaForCausalLM; gpt: GPT2LMHeadModel). RUN may be a "
+                    "Hugging Face folder too (then --out is needed): its model rewritten as lmforge writes one.",
         epilog="examples:\n"
                "  lmforge export runs/<name> --format hf            # -> runs/<name>/hf-step_NNNNNNN\n"
                "  lmforge export runs/<name> --format peft --out adapter   # a LoRA run's adapter alone",
         formatter_class=RAW)
-    add_run(export, "run folder or checkpoint folder")
+    add_run(export, "run folder, checkpoint folder or Hugging Face folder")
     export.add_argument("--format", required=True, choices=["hf", "peft"],
                         help="hf: Hugging Face transformers (a LoRA run: adapters merged into the base); "
                              "peft: a LoRA run's adapter alone, in PEFT's layout")

@@ -2,7 +2,7 @@
 
 import argparse
 
-from lmforge.cli.arguments import RAW, add_config_args
+from lmforge.cli.arguments import RAW, add_config_args, add_run
 from lmforge.modes.attention import BACKENDS
 from lmforge.modes.precision import ALIASES, POLICIES
 from lmforge.modes.recompute import RECOMPUTE_MODES
@@ -29,8 +29,11 @@ def add_plan(commands) -> None:
                "  lmforge plan --pp 4 train.micro_batches=8 train.schedule=1f1b   # per-stage memory, the bubble\n"
                "  lmforge plan --inference --model llama3-8b --batch-size 8 --seq-len 8192 --weights int4 \\\n"
                "      --hardware h100-sxm\n"
+               "  lmforge plan --inference ~/models/Llama-3.2-1B --seq-len 4096   # a Hugging Face folder\n"
                "  lmforge plan --dtypes",
         formatter_class=RAW)
+    add_run(plan, "plan the model of this run folder or Hugging Face folder (instead of --model); its stored "
+                  "dtype is --inference's default --weights and --kv-dtype", required=False)
     add_config_args(plan)
     _add_plan_setup(plan)
     _add_plan_costs(plan)

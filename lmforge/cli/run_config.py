@@ -3,11 +3,13 @@
 These read the parsed command line (the options train and finetune share); the config itself is
 built and checked by lmforge/config."""
 
+import os
 import time
 from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
-from lmforge.config import DEFAULT_PRESET, load_config, make_config, parse_override, set_value, validate
+from lmforge.config import (DEFAULT_PRESET, Config, apply_dict, load_config, make_config, parse_override, read_yaml,
+                            set_value, validate)
 
 # Fine-tuning starts from a trained model: fewer steps, a short warmup and a lower peak rate than
 # training from scratch (each can be overridden).
@@ -69,10 +71,11 @@ def finetune_config(args):
         key, _ = parse_override(item)
         if key.startswith(("model.", "finetune.base")):
             raise LmforgeError(f"cannot set {key}: a fine-tuning run keeps its base's model (use --base)")
-    from lmforge.runs.load import base_settings
+    from lmforge.runs.load import base_settings, model_folder
+    from lmforge.train.finetune import fitting_seq_len
 
-    base = Path(args.base).resolve()
-    base_model, end_token = base_settings(base)  # an lmforge run folder or a Hugging Face folder
+    base = model_folder(args.base)[1].resolve()  # a hub cache's models--org--name: its snapshot
+    base_model, end_token, tokenizer = base_settings(base)  # an lmforge run folder or a Hugging Face folder
     lora = {"lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets,
             "lora_dropout": args.lora_dropout}
     if args.adapter is not None:  # a PEFT adapter to continue: its settings, checked against the base
@@ -85,9 +88,22 @@ def finetune_config(args):
         lora = {**peft_settings(adapter, base_model), "adapter": str(adapter),
                 **({"lora_dropout": args.lora_dropout} if args.lora_dropout is not None else {})}
     flags = [f"finetune.{key}={value}" for key, value in lora.items() if value is not None]
-    cfg = make_config(None, args.config, [*FINETUNE_DEFAULTS, f"finetune.base={base}", *flags, *args.overrides])
+    # make_config's steps, with the base's model in place first: train.seq_len is checked against its positions
+    cfg = Config(model=base_model)
+    if args.config:
+        apply_dict(cfg, read_yaml(args.config), origin=args.config)
+        cfg.model = base_model
+    for item in [*FINETUNE_DEFAULTS, f"finetune.base={base}", *flags, *args.overrides]:
+        set_value(cfg, *parse_override(item), origin="command line")
     cfg.data.end_token = end_token  # the base's own end-of-document token
-    cfg.model = base_model
+    if cfg.train.seq_len is None:  # examples: as long as the longest, not the model's maximum
+        fitted = fitting_seq_len(cfg, tokenizer)
+        if fitted is not None:
+            cfg.train.seq_len, why = fitted
+            if os.environ.get("RANK", "0") == "0":
+                print(why)
     validate(cfg)
+    if cfg.optim.decay_steps is None:  # a new config: the schedule's length is fixed now (as make_config does)
+        cfg.optim.decay_steps = cfg.train.max_steps
     kind = f"lora{cfg.finetune.lora_rank}" if cfg.finetune.lora_rank else "full"
     return cfg, new_run_folder(args, f"{base.name}-{kind}")

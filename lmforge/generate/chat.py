@@ -40,8 +40,7 @@ class ChatSession:
         self.model, self.tokenizer, self.special = model, tokenizer, special
         self.max_new_tokens, self.system, self.constrained, self.seed = max_new_tokens, system, constrained, seed
         self.sampling = sampling
-        cfg, param = model.cfg, next(model.parameters())
-        self.cache = KVCache(cfg.n_layers, 1, cfg.kv_heads, cfg.max_seq_len, cfg.head_dim, param.dtype, param.device)
+        self.cache = KVCache.for_model(model, max_new_tokens)  # grown as the conversation grows
         self.reset()
 
     def reset(self) -> None:
@@ -69,8 +68,8 @@ class ChatSession:
         # keep what the cache holds of the shared prefix (a window moved past the start: recompute);
         # at least the last token is run, for the next token's logits
         usable = min(common_prefix(self.tokens, target), self.cache.length, len(target) - 1)
-        self.cache.length = usable if self.cache.start == 0 else 0
-        self.fed = len(target) - self.cache.length
+        usable = usable if self.cache.start == 0 else 0
+        self.fed = len(target) - usable
         reply: list[int] = []
         shown = ""
 
@@ -82,7 +81,7 @@ class ChatSession:
                 on_text(decoded[len(shown):])
                 shown = decoded
 
-        options = dict(self.sampling, seed=self.seed + self.turns, cache=self.cache, on_token=stream)
+        options = dict(self.sampling, seed=self.seed + self.turns, cache=self.cache, cached=usable, on_token=stream)
         complete = True
         if self.constrained is None:
             generate(self.model, target, self.max_new_tokens, stop_token=self.special.stop_ids, **options)

@@ -7,6 +7,12 @@ earlier positions do not depend on later tokens in a causal model).
 
 When the context fills the model's max_seq_len, both paths restart from the most recent
 max_seq_len // 2 tokens, so cached and uncached generation always see the same context.
+
+The cache holds the positions a generation can reach, the prompt plus max_new_tokens (at most
+max_seq_len), not the model's maximum: Llama 3.2's 131,072 positions would be 4 GiB of bf16 keys
+and values before the first token for a 1B model. A longer generation (a chat that continues a
+conversation in the same cache) grows it, at least doubling, so that growth copies O(T) in all.
+It is kept in the dtype of the model's parameters (bf16 weights, a bf16 cache).
 """
 
 from collections.abc import Collection
@@ -17,15 +23,47 @@ from lmforge.model.transformer import Transformer
 
 
 class KVCache:
-    """Keys and values of every layer for positions [0, length), preallocated to max_len; they are
-    those of tokens[start:start + length] of the sequence generated (a chat keeps one across turns)."""
+    """Keys and values of every layer for positions [0, length), allocated for `capacity`
+    positions and grown (`reserve`) up to `limit`, the model's max_seq_len. After generate() they
+    are those of tokens[start:start + length] of the sequence it made (a chat reuses them)."""
 
-    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (n_layers, batch, kv_heads, max_len, head_dim)
+    def __init__(self, n_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, limit: int | None = None):
+        shape = (n_layers, batch, kv_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.limit = capacity if limit is None else limit
         self.start, self.length = 0, 0
+
+    @classmethod
+    def for_model(cls, model: Transformer, positions: int, batch: int = 1) -> "KVCache":
+        """A cache for `positions` positions (at most max_seq_len) of `model`, in its parameters' dtype."""
+        cfg, param = model.cfg, next(model.parameters())
+        return cls(cfg.n_layers, batch, cfg.kv_heads, min(positions, cfg.max_seq_len), cfg.head_dim, param.dtype,
+                   param.device, limit=cfg.max_seq_len)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds: 2 (K, V) x layers x batch x kv heads x capacity x head dim x dtype bytes."""
+        return self.keys.nbytes + self.values.nbytes
+
+    def reserve(self, positions: int) -> None:
+        """Room for `positions` positions: a larger cache (at least twice as large, at most `limit`)
+        holding what this one held."""
+        if positions <= self.capacity:
+            return
+        if positions > self.limit:
+            raise ValueError(f"positions up to {positions} exceed the cache's limit of {self.limit}")
+        grown = min(max(positions, 2 * self.capacity), self.limit)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:3], grown, old.shape[4]))
+            new[:, :, :, :old.shape[3]] = old
+            setattr(self, name, new)
 
     def layer(self, index: int) -> "LayerCache":
         """The cache of one layer, handed to that layer's attention alone."""
@@ -33,7 +71,7 @@ class KVCache:
 
 
 class LayerCache:
-    """One layer's slice of a KVCache: (batch, kv_heads, max_len, head_dim) keys and values."""
+    """One layer's slice of a KVCache: (batch, kv_heads, capacity, head_dim) keys and values."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
         self.keys, self.values = keys, values
@@ -69,37 +107,38 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, stop_token: int | Collection[int] | None = None,
-             seed: int = 0, use_cache: bool = True, on_logits=None, constraint=None, cache: KVCache | None = None,
-             on_token=None) -> list[int]:
+             seed: int = 0, use_cache: bool = True, on_logits=None, constraint=None,
+             cache: KVCache | None = None, cached: int = 0, on_token=None) -> list[int]:
     """New token ids continuing `prompt` (a stop token, one id or any of several, if sampled, ends
     generation and is not returned). `on_logits`, if given, is called with each step's next-token
-    logits, `on_token` with each new token (streaming). `cache`, if given, is used and left holding
-    the sequence (its start and length say which part): a later call whose prompt begins with that
-    part runs only the rest through the model.
+    logits, `on_token` with each new token as it is chosen (streaming).
 
     `constraint`, if given, restricts which tokens may come next (grammar-constrained decoding,
     lmforge/structured/constrain.py): before each step `constraint.finished()` may end generation,
     `constraint.allowed(vocab_size)` gives a boolean mask over the vocabulary that is applied to the
     logits before temperature, top-k and top-p, and `constraint.consume(token)` is told each token
     chosen (the stop token included). The mask concerns only the tokens generated, so it works
-    unchanged with the KV cache and its context restarts."""
+    unchanged with the KV cache and its context restarts.
+
+    `cache`, if given, is the KVCache to fill from position `cached` (grown as needed: several
+    samples can share one); by default a new one for len(prompt) + max_new_tokens positions.
+    `cached` > 0: the cache already holds prompt[:cached] (a chat's earlier turns), which is not
+    run again; generate() leaves cache.start and cache.length saying what it holds."""
     if not prompt:
         raise ValueError("generation needs a prompt of at least one token")
     model.eval()
     cfg = model.cfg
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
     generator = torch.Generator(device=device).manual_seed(seed)
     max_len = cfg.max_seq_len
     tokens = list(prompt)
     stops = {stop_token} if isinstance(stop_token, int) else set(stop_token or ())
+    # first position of the current context window, and positions of it already in the cache
+    start = 0 if cached else max(0, len(tokens) - max_len)
+    if cached >= len(tokens) or cached and not use_cache:
+        raise ValueError(f"{cached} positions cached of a prompt of {len(tokens)}: at least one must be run")
     if use_cache and cache is None:
-        cache = KVCache(cfg.n_layers, 1, cfg.kv_heads, max_len, cfg.head_dim, dtype, device)
-    if cache is not None and cache.length:
-        start, cached = cache.start, cache.length  # the caller's cache holds tokens[start:start + cached]
-    else:
-        start = max(0, len(tokens) - max_len)  # first position of the current context window
-        cached = 0  # positions of the window already in the cache
+        cache = KVCache.for_model(model, len(prompt) + max_new_tokens)
     new_tokens: list[int] = []
     for _ in range(max_new_tokens):
         if constraint is not None and constraint.finished():
@@ -108,6 +147,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
             start, cached = len(tokens) - max_len // 2, 0
         if use_cache:
             feed = torch.tensor([tokens[start + cached:]], device=device)
+            cache.reserve(len(tokens) - start)
             logits = model(feed, kv_cache=cache, start_pos=cached)[:, -1]
             cached = len(tokens) - start
         else:

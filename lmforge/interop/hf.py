@@ -7,10 +7,11 @@ needed only to check the result (tests/test_interop.py loads what it writes).
 """
 
 import json
+import math
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
@@ -23,20 +24,48 @@ from lmforge.data.special_tokens import SpecialTokens, special_tokens
 from lmforge.interop.hf_tokenizer import hf_token_ids, read_hf_tokenizer, write_hf_tokenizer
 
 
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, or the shards listed in model.safetensors.index.json."""
+def weight_files(folder: Path) -> list[Path]:
+    """model.safetensors, or the shards listed in model.safetensors.index.json; one line if one is missing."""
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(read_json(index)["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
+    names = sorted(set(read_json(index)["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    for name in names:
         if not (folder / name).is_file():
             other = " (lmforge reads safetensors, not pytorch_model.bin)" if (folder / "pytorch_model.bin").is_file() else ""
             raise LmforgeError(f"{folder} has no {name}{other}")
+    return [folder / name for name in names]
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's weight files, in the dtype stored."""
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(folder):
         try:
-            state.update(load_file(str(folder / name)))
+            state.update(load_file(str(file)))
         except SafetensorError as err:
-            raise LmforgeError(f"{folder / name} is corrupt: {err}") from None
+            raise LmforgeError(f"{file} is corrupt: {err}") from None
     return state
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def hf_weights_dtype(folder: str | Path) -> torch.dtype:
+    """The floating dtype most of the folder's weights are stored in, from the safetensors headers
+    alone (no tensor is read)."""
+    elements: dict[str, int] = {}
+    for file in weight_files(Path(folder)):
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                for name in weights.keys():
+                    tensor = weights.get_slice(name)
+                    dtype = tensor.get_dtype()
+                    elements[dtype] = elements.get(dtype, 0) + math.prod(tensor.get_shape())
+        except SafetensorError as err:
+            raise LmforgeError(f"{file} is corrupt: {err}") from None
+    floating = {name: count for name, count in elements.items() if name in SAFETENSORS_DTYPES}
+    if not floating:
+        raise LmforgeError(f"{folder} holds no floating-point weights")
+    return SAFETENSORS_DTYPES[max(floating, key=floating.get)]
 
 
 def import_hf(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:

@@ -21,13 +21,13 @@ from lmforge.common.folder_lock import FolderLock
 from lmforge.config import Config, DataConfig, config_to_dict, load_config
 from lmforge.data.tokenizer import load_special_tokens, load_tokenizer
 from lmforge.interop.hf import export_hf, import_hf
-from lmforge.interop.hf_tokenizer import read_end_token, read_hf_tokenizer_files
+from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens, read_hf_tokenizer_files
 from lmforge.interop.peft import lora_target, write_peft_adapter
 from lmforge.model.lora import adapter_state_dict, lora_layers
 from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, find_checkpoint, list_checkpoints, read_state, verify_checkpoint
 from lmforge.runs.checkpoint.read import read_tensors
 from lmforge.runs.checkpoint.write import write_weights_checkpoint
-from lmforge.runs.load import merged_weights, model_from_checkpoint
+from lmforge.runs.load import merged_weights, model_folder, model_from_checkpoint
 from lmforge.runs.staging import write_staged
 
 
@@ -59,7 +59,11 @@ def read_checkpoint_weights(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
 def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") -> Path:
     """Export the newest checkpoint of a run folder (or the checkpoint given): `hf`, a Hugging Face
     folder (a LoRA run's adapters folded into its base's weights), by default <run>/hf-<checkpoint>;
-    `peft`, a LoRA run's adapter alone in PEFT's layout, by default <run>/peft-<checkpoint>."""
+    `peft`, a LoRA run's adapter alone in PEFT's layout, by default <run>/peft-<checkpoint>. A
+    Hugging Face folder is written again as lmforge writes one (to `out`: never into the folder)."""
+    kind, folder = model_folder(run)
+    if kind == "hf":
+        return _export_hf_folder(folder, out, fmt)
     path = resolve_checkpoint(run)
     cfg = load_config(path / "config.yaml")
     lora = cfg.finetune.lora_rank is not None
@@ -83,6 +87,22 @@ def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") 
         state = read_checkpoint_weights(path, cfg)
     special = load_special_tokens(path, tokenizer, cfg.data.end_token)  # the HF files it came with, if any
     write_staged(out, lambda folder: export_hf(cfg.model, state, tokenizer, folder, end_token=cfg.data.end_token,
+                                               special=special))
+    return out
+
+
+def _export_hf_folder(folder: Path, out: str | Path | None, fmt: str) -> Path:
+    if fmt == "peft":
+        raise LmforgeError(f"{folder} is a Hugging Face folder, not a LoRA run: --format peft writes a LoRA run's "
+                           f"adapters; use --format hf")
+    if out is None:
+        raise LmforgeError(f"{folder} is a Hugging Face folder: give --out (lmforge writes nothing into a model's folder)")
+    out = Path(out)
+    _check_free(out)
+    model_cfg, state, tokenizer = import_hf(folder)
+    end_token = read_end_token(folder, tokenizer)
+    special = read_hf_special_tokens(folder, tokenizer)  # its template, stop tokens, generation defaults
+    write_staged(out, lambda staged: export_hf(model_cfg, state, tokenizer, staged, end_token=end_token,
                                                special=special))
     return out
 

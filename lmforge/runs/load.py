@@ -1,5 +1,13 @@
-"""A model from a run folder or a Hugging Face folder: what `generate`, `export`, `eval-format` and a
-fine-tuning run's base read, through one loader.
+"""A model from a run folder or a Hugging Face folder: what `generate`, `export`, `plan`,
+`eval-format` and a fine-tuning run's base read, through one loader (`load_model`).
+
+A folder is one of three kinds (`model_folder`): an lmforge run folder (config.yaml, checkpoints/),
+one checkpoint of it, or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json;
+also a hub cache's models--org--name folder, read at the snapshot refs/main names). A Hugging Face
+folder is read as it is, with no copy made (`lmforge import-hf` makes a run folder of one).
+
+Weights keep the dtype they are stored in unless another is asked for (`dtype`): a bf16 download
+is built as a bf16 model, its tensors assigned, never first initialised in fp32.
 
 A fine-tuning run records which base it was trained on (`base_identity`: the base checkpoint's name
 and the sha256 of its weights), so that a LoRA run, whose checkpoints hold only the adapters, is
@@ -7,26 +15,50 @@ never resumed or sampled on another base.
 """
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from lmforge.common.errors import LmforgeError
-from lmforge.config import Config, ModelConfig, load_config
+from lmforge.accounting.shapes import meta_model
+from lmforge.common.errors import LmforgeError, lookup
+from lmforge.config import Config, DataConfig, ModelConfig, load_config
 from lmforge.data.special_tokens import SpecialTokens
 from lmforge.data.tokenizer import load_special_tokens, load_tokenizer
-from lmforge.interop.hf import import_hf
+from lmforge.interop.hf import hf_weights_dtype, import_hf
 from lmforge.interop.hf_config import read_model_config
 from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens, read_hf_tokenizer
 from lmforge.model.lora import apply_lora, has_lora, merge_lora
 from lmforge.model.transformer import Transformer
-from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, read_manifest, read_state
+from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, read_manifest, read_state, verify_checkpoint
 from lmforge.runs.checkpoint.read import load_model_weights
+from lmforge.runs.checkpoint.tensors import stored_tensors
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype's choices, and auto
+KINDS = "an lmforge run folder (config.yaml, checkpoints/) or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"
+
+
+def model_folder(path: str | Path) -> tuple[str, Path]:
+    """("run" | "checkpoint" | "hf", the folder to read) for a model folder named on the command
+    line; one line saying what was expected if it is none of them."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise LmforgeError(f"{path} does not exist: give {KINDS}" if not path.exists() else
+                           f"{path} is a file: give {KINDS}")
+    if (path / "manifest.json").is_file():
+        return "checkpoint", path
+    if (path / "config.yaml").is_file():
+        return "run", path
+    if (path / "snapshots").is_dir() and (path / "refs" / "main").is_file():  # a hub cache's models--org--name
+        path = path / "snapshots" / (path / "refs" / "main").read_text().strip()
+    if (path / "config.json").is_file():
+        return "hf", path
+    raise LmforgeError(f"{path} is neither {KINDS.replace(' or ', ' nor ')}")
 
 
 def is_hf_folder(path: Path) -> bool:
-    return (path / "config.json").is_file()
+    return (Path(path) / "config.json").is_file()
 
 
 def base_checkpoint(path: Path) -> Path:
@@ -39,15 +71,17 @@ def base_checkpoint(path: Path) -> Path:
     return find_checkpoint(path)
 
 
-def base_settings(path: str | Path) -> tuple[ModelConfig, str]:
-    """The model config and end-of-document token of a fine-tuning base, read without its weights:
-    an lmforge run folder's config.yaml, or a Hugging Face folder's config and tokenizer."""
+def base_settings(path: str | Path) -> tuple[ModelConfig, str, Tokenizer]:
+    """The model config, end-of-document token and tokenizer of a fine-tuning base, read without
+    its weights: an lmforge run folder's config.yaml, or a Hugging Face folder's config and tokenizer."""
     path = Path(path)
     if is_hf_folder(path):
         model_cfg = read_model_config(path)
-        return model_cfg, read_end_token(path, read_hf_tokenizer(path, model_cfg.vocab_size))
-    cfg = load_config(base_checkpoint(path) / "config.yaml")
-    return cfg.model, cfg.data.end_token
+        tokenizer = read_hf_tokenizer(path, model_cfg.vocab_size)
+        return model_cfg, read_end_token(path, tokenizer), tokenizer
+    checkpoint = base_checkpoint(path)
+    cfg = load_config(checkpoint / "config.yaml")
+    return cfg.model, cfg.data.end_token, load_tokenizer(checkpoint / "tokenizer.json", end_token=cfg.data.end_token)
 
 
 def load_base(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
@@ -121,6 +155,83 @@ def merged_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor], T
     cfg, model, tokenizer = model_from_checkpoint(checkpoint, merge=True)
     state = {name: value for name, value in model.state_dict().items() if not name.endswith((".lora_A", ".lora_B"))}
     return cfg, state, tokenizer
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what reading it needs: its config (a Hugging Face folder's: its
+    model and its end-of-text token as data.end_token), tokenizer, and what was read."""
+    cfg: Config
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    source: Path  # the checkpoint or Hugging Face folder read
+
+    @property
+    def end_id(self) -> int:
+        return self.tokenizer.token_to_id(self.cfg.data.end_token)
+
+
+def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu", merge: bool = False,
+               warn=None) -> LoadedModel:
+    """The model of a run folder (its newest good checkpoint, newer damaged ones reported through
+    `warn`), of one checkpoint, or of a Hugging Face folder, in eval mode on `device` with its
+    parameters in `dtype` (a key of DTYPES, or auto: the dtype its weights are stored in; buffers
+    such as the rotary tables stay fp32). A LoRA run is its base plus its adapters (folded in with `merge`)."""
+    kind, folder = model_folder(path)
+    chosen = None if dtype == "auto" else lookup(DTYPES, dtype, "dtype")
+    if kind == "hf":
+        model_cfg, state, tokenizer = import_hf(folder)
+        target = chosen or state["tok_embeddings.weight"].dtype
+        cfg = Config(model=model_cfg, data=DataConfig(end_token=read_end_token(folder, tokenizer)))
+        return LoadedModel(cfg, model_with_weights(model_cfg, state, target, device), tokenizer, folder)
+    checkpoint = folder if kind == "checkpoint" else find_checkpoint(folder, warn=warn)
+    if kind == "checkpoint":
+        verify_checkpoint(checkpoint)
+    target = chosen or stored_dtype(checkpoint)
+    cfg, model, tokenizer = model_from_checkpoint(checkpoint, merge)
+    for param in dict.fromkeys(model.parameters()):  # tied parameters once; buffers stay fp32
+        param.data = param.data.to(target)
+    return LoadedModel(cfg, model.to(device).eval(), tokenizer, checkpoint)
+
+
+def model_with_weights(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                       device: str | torch.device = "cpu") -> torch.nn.Module:
+    """lmforge's Transformer holding `state` in `dtype` (no copy where it already is): built
+    uninitialised, its parameters then assigned, so that a model is never held twice nor in fp32 first."""
+    model = meta_model(cfg, device=str(device))
+    model.load_state_dict({name: t.to(device=device, dtype=dtype) for name, t in state.items()}, assign=True)
+    if cfg.tie_embeddings:  # assigned one name at a time: one tensor again, as the model was built
+        model.lm_head.weight = model.tok_embeddings.weight
+    return model.eval()
+
+
+def stored_dtype(checkpoint: Path) -> torch.dtype:
+    """The dtype a checkpoint stores its model in (a LoRA run: its base's; its adapters are fp32)."""
+    f = load_config(checkpoint / "config.yaml").finetune
+    if f.base is not None and f.lora_rank is not None:
+        kind, base = model_folder(f.base)
+        return hf_weights_dtype(base) if kind == "hf" else stored_dtype(base_checkpoint(base))
+    dtypes = [dtype for _, dtype in stored_tensors(checkpoint, "model").values()]
+    return max(set(dtypes), key=dtypes.count)
+
+
+def folder_dtype(path: str | Path) -> torch.dtype:
+    """The dtype `load_model(path)` builds the model in by default (auto), read without the weights."""
+    kind, folder = model_folder(path)
+    if kind == "hf":
+        return hf_weights_dtype(folder)
+    return stored_dtype(folder if kind == "checkpoint" else find_checkpoint(folder))
+
+
+def folder_config(path: str | Path) -> Config:
+    """The config of the model in a folder, without its weights: a run's (or checkpoint's)
+    config.yaml, or a Hugging Face folder's model with its end-of-text token."""
+    kind, folder = model_folder(path)
+    if kind == "hf":
+        model_cfg = read_model_config(folder)
+        end_token = read_end_token(folder, read_hf_tokenizer(folder, model_cfg.vocab_size))
+        return Config(model=model_cfg, data=DataConfig(end_token=end_token))
+    return load_config(folder / "config.yaml")
 
 
 def model_special_tokens(path: str | Path, tokenizer: Tokenizer) -> SpecialTokens:

@@ -22,28 +22,15 @@ class LoadedModel:
 
 
 def load_model(path: str, device: str = "auto") -> LoadedModel:
-    """The model in `path`, evaluation-ready: an lmforge run folder (its latest good checkpoint; a
-    LoRA run as its base plus adapters) or a local Hugging Face Llama / GPT-2 folder (config.json,
-    safetensors, tokenizer.json), read by lmforge/interop/hf.py into an lmforge Transformer."""
-    from lmforge.runs.checkpoint.find import find_checkpoint
-    from lmforge.runs.load import model_from_checkpoint
+    """The model in `path`, evaluation-ready, in fp32: an lmforge run folder (its latest good
+    checkpoint; a LoRA run as its base plus adapters) or a local Hugging Face Llama / GPT-2 folder,
+    read by the one loader, lmforge/runs/load.py."""
     from lmforge.parallel.launch import resolve_device
+    from lmforge.runs.load import load_model as load_folder
 
-    folder = Path(path)
     target = resolve_device(device, setting="--device")
-    if (folder / "config.json").is_file() and not (folder / "config.yaml").is_file():
-        from lmforge.interop.hf import import_hf
-        from lmforge.interop.hf_tokenizer import read_end_token
-
-        model_cfg, state, tokenizer = import_hf(folder)
-        model = Transformer(model_cfg)
-        model.load_state_dict(state)
-        end = tokenizer.token_to_id(read_end_token(folder, tokenizer))
-    else:
-        found = find_checkpoint(path, warn=lambda message: print(f"warning: {message}"))
-        cfg, model, tokenizer = model_from_checkpoint(found)
-        end = tokenizer.token_to_id(cfg.data.end_token)
-    return LoadedModel(model.float().to(target).eval(), tokenizer, end, folder.name)
+    loaded = load_folder(path, "fp32", target, warn=lambda message: print(f"warning: {message}"))
+    return LoadedModel(loaded.model, loaded.tokenizer, loaded.end_id, Path(path).name)
 
 
 # Fixed-key YAML and XML as Lark grammars (llguidance has no general YAML or XML grammar). A YAML

@@ -11,8 +11,22 @@ A fine-tuning run (`lmforge finetune`, config section `finetune`) trains on the 
     never resumed or sampled on another base.
 
 `prepare_run_data` gives the Trainer either: data/prepare.py's prepared data, or this.
+
+Before any of it, the command settles two things from the data and the device:
+  - `train.seq_len`, if not set, fits examples: the longest one rounded up to a multiple of 8
+    (`fitting_seq_len`), never the model's maximum (131,072 positions for Llama 3.x, where every
+    padded row would cost as much as the longest context the model can read). 8, not 64: a row
+    pays for its padding, and an example of 20 tokens padded to 64 would cost three times its
+    compute; 8 keeps the token dimension of every matmul a multiple of 8, the alignment that
+    16-bit tensor-core matmuls want (NVIDIA's matrix multiplication performance guide), while
+    wasting at most 7 positions per row. Plain text is cut into windows and keeps model.max_seq_len.
+  - a step that the plan says cannot fit the device is refused (`check_step_fits`), before the
+    base's weights or the data are read.
 """
 
+import json
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -21,19 +35,26 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
+from lmforge.common.formatting import human_bytes
 from lmforge.config import Config
 from lmforge.data.corpus import load_documents, split_documents
 from lmforge.data.loader import window_batch
 from lmforge.data.prepare import PreparedData, data_dir_of, prepare_data
 from lmforge.data.special_tokens import SpecialTokens
-from lmforge.data.sft import example_batch, is_example_source, load_examples
+from lmforge.data.sft import encode_record, example_batch, is_example_source, load_examples, read_records
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.data.tokenizer import encode_documents, tokenizer_hash
 from lmforge.data.tokens import unigram_entropy
 from lmforge.common.errors import LmforgeError
+from lmforge.modes.parallel import get_strategy
+from lmforge.parallel.launch import resolve_device
 from lmforge.parallel.world import World
 from lmforge.runs.load import base_identity, load_base, model_special_tokens
+from lmforge.train.measurements import rank_share
 from lmforge.train.setup import check_data
+
+SEQ_LEN_MULTIPLE = 8  # why 8: the module docstring
 
 
 @dataclass
@@ -101,3 +122,48 @@ def prepare_run_data(cfg: Config, world: World, log, warn, progress: bool
     # read.py), never a collective that would wait for them
     return world.main_first(lambda: prepare_finetune(cfg, log=log),
                             doing=f"read the base {cfg.finetune.base} and the data {cfg.data.source}")
+
+
+def fitting_seq_len(cfg: Config, tokenizer: Tokenizer) -> tuple[int, str] | None:
+    """(train.seq_len, a line saying why) for examples in data.source: the longest example's
+    positions rounded up to a multiple of SEQ_LEN_MULTIPLE, at most model.max_seq_len; None for
+    plain text. An example of n tokens (its end token included) fills a row of n - 1 positions."""
+    source = cfg.data.source
+    if not is_example_source(source):
+        return None
+    lengths, special = [], model_special_tokens(cfg.finetune.base, tokenizer)  # as load_examples encodes them
+    for doc in read_records(source):
+        try:
+            record = json.loads(doc.text)
+        except json.JSONDecodeError as err:
+            raise LmforgeError(f"{doc.name} is not valid JSON ({err.msg})") from None
+        lengths.append(len(encode_record(tokenizer, record, doc.name, special)[0]) - 1)
+    longest, limit = max(lengths), cfg.model.max_seq_len
+    seq_len = min(math.ceil(longest / SEQ_LEN_MULTIPLE) * SEQ_LEN_MULTIPLE, limit)
+    why = (f"train.seq_len {seq_len}: the longest of {len(lengths):,} examples fills {longest:,} positions, rounded "
+           f"up to a multiple of {SEQ_LEN_MULTIPLE}")
+    if longest > limit:
+        cut = sum(length > limit for length in lengths)
+        why = f"{why}, capped at the model's {limit:,} ({cut:,} longer examples are cut)"
+    return seq_len, f"{why} (the model reads up to {limit:,}; set train.seq_len to choose)"
+
+
+def check_step_fits(cfg: Config, machine) -> dict:
+    """The plan of one step of this run on this process's device; stop with one line if it does
+    not fit (total + reserve above the device's memory), naming what to lower. `machine(matmul
+    dtype, device)` gives (name, peak FLOP/s, memory bytes), as for the Trainer's plan."""
+    device = resolve_device(cfg.train.device)
+    shared = rank_share(machine(matmul_dtype(cfg.train.precision), device), device)
+    replicas = int(os.environ.get("WORLD_SIZE", 1)) // cfg.train.pipeline_stages
+    setup = Setup.from_config(cfg, mfu=1.0, dp=max(1, replicas), zero_stage=get_strategy(cfg.train.parallel).zero_stage)
+    plan = make_plan(cfg.model, setup, shared)
+    mem = plan["memory"]
+    if not mem["fits"]:
+        parts = sorted(mem["breakdown_bytes"].items(), key=lambda item: -item[1])[:2]
+        largest = ", ".join(f"{name.replace('_', ' ')} {human_bytes(value)}" for name, value in parts)
+        raise LmforgeError(
+            f"one step needs {human_bytes(mem['per_device_bytes'] + mem['reserve_bytes'])} per device ({largest}, "
+            f"{human_bytes(mem['reserve_bytes'])} reserve), more than the {human_bytes(mem['device_memory_bytes'])} "
+            f"of {shared[0]}: lower train.batch_size (now {cfg.train.batch_size}) or train.seq_len (now "
+            f"{cfg.seq_len:,}), or add train.recompute=full (lmforge plan shows the breakdown)")
+    return plan
