@@ -4,7 +4,6 @@ folders taken by generate and finetune. Checked against transformers on tiny Lla
 models built here (tests/test_interop.py's hf_model with chat=True); nothing is downloaded."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -92,12 +91,12 @@ def stopping_prompt(folder):
     raise AssertionError("no prompt makes this model stop at <|eot_id|>")
 
 
-def test_instruct_model_stops_where_transformers_generate_stops(instruct, tmp_path):
+def test_instruct_model_stops_where_transformers_generate_stops(instruct, tmp_path, capsys):
     prompt, expected = stopping_prompt(instruct)
     hf_tok = AutoTokenizer.from_pretrained(instruct)
     for model in ("hf", "runs/x"):  # the Hugging Face folder itself, and imported as a run folder
         if model == "runs/x":
-            assert run_cli("import-hf", "hf", "--out", "runs/x", cwd=tmp_path).returncode == 0
+            assert run_cli("import-hf", "hf", "--out", "runs/x", cwd=tmp_path, capsys=capsys).returncode == 0
         done = run_cli("generate", model, "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0",
                        "--device", "cpu", cwd=tmp_path)
         assert done.returncode == 0, done.stderr
@@ -121,10 +120,12 @@ def assert_same_model_files(original, exported):
     assert (generation.eos_token_id, generation.temperature, generation.top_p) == (source["eos_token_id"], 0.6, 0.9)
 
 
-def test_import_finetune_export_keep_the_template_stops_and_defaults(instruct, tmp_path):
+def test_import_finetune_export_keep_the_template_stops_and_defaults(instruct, tmp_path, capsys):
     """HF -> run folder -> HF, and HF -> LoRA fine-tuning on messages (default alpha) -> HF and PEFT:
-    the exported folders keep what came in; the PEFT adapter says lora_alpha 2r and PEFT loads it."""
-    assert run_cli("import-hf", "hf", "--out", "runs/x", cwd=tmp_path).returncode == 0
+    the exported folders keep what came in; the PEFT adapter says lora_alpha 2r and PEFT loads it.
+    The import and fine-tuning run in this process (main(), as the console script calls it); the
+    exports, whose output is checked, as subprocesses."""
+    assert run_cli("import-hf", "hf", "--out", "runs/x", cwd=tmp_path, capsys=capsys).returncode == 0
     assert run_cli("export", "runs/x", "--format", "hf", "--out", "again", cwd=tmp_path).returncode == 0
     assert_same_model_files(instruct, tmp_path / "again")
 
@@ -132,7 +133,8 @@ def test_import_finetune_export_keep_the_template_stops_and_defaults(instruct, t
     write_jsonl(tmp_path / "chat.jsonl", [{"messages": short}] * 16)
     done = run_cli("finetune", "hf", "--lora-rank", "4", "--no-progress", "--out", "ft", "data.source=chat.jsonl",
                    "train.max_steps=2", "train.batch_size=2", "train.seq_len=32", "train.eval_batches=1",
-                   "train.sample_tokens=0", "train.tensorboard=false", "optim.warmup_steps=1", cwd=tmp_path)
+                   "train.sample_tokens=0", "train.tensorboard=false", "optim.warmup_steps=1", cwd=tmp_path,
+                   capsys=capsys)
     assert done.returncode == 0, done.stderr
     for fmt in ("hf", "peft"):
         done = run_cli("export", "ft", "--format", fmt, "--out", f"ft-{fmt}", cwd=tmp_path)
@@ -143,7 +145,7 @@ def test_import_finetune_export_keep_the_template_stops_and_defaults(instruct, t
     peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(instruct), tmp_path / "ft-peft")
 
 
-def test_peft_adapter_folders_in_generate_and_finetune(instruct, tmp_path):
+def test_peft_adapter_folders_in_generate_and_finetune(instruct, tmp_path, capsys):
     """`generate --adapter` on the base equals generating from the LoRA run the adapter came from;
     `finetune --adapter` continues it: its rank, alpha and weights are where training starts."""
     from lmforge.generate.load import load_for_sampling
@@ -153,9 +155,9 @@ def test_peft_adapter_folders_in_generate_and_finetune(instruct, tmp_path):
     common = ["--no-progress", "data.source=pairs.jsonl", "train.batch_size=2", "train.seq_len=16",
               "train.eval_batches=1", "train.sample_tokens=0", "train.tensorboard=false", "optim.warmup_steps=1"]
     done = run_cli("finetune", "hf", "--lora-rank", "2", "--lora-alpha", "3", "--out", "ft", "train.max_steps=2",
-                   "optim.lr=5e-2", *common, cwd=tmp_path)
+                   "optim.lr=5e-2", *common, cwd=tmp_path, capsys=capsys)
     assert done.returncode == 0, done.stderr
-    assert run_cli("export", "ft", "--format", "peft", "--out", "adapter", cwd=tmp_path).returncode == 0
+    assert run_cli("export", "ft", "--format", "peft", "--out", "adapter", cwd=tmp_path, capsys=capsys).returncode == 0
     outputs = [run_cli("generate", *run, "--prompt", "def fib", "--max-new-tokens", "6", "--temperature", "0",
                        "--device", "cpu", cwd=tmp_path) for run in (["ft"], ["hf", "--adapter", "adapter"])]
     assert all(done.returncode == 0 for done in outputs), [done.stderr for done in outputs]
@@ -163,7 +165,7 @@ def test_peft_adapter_folders_in_generate_and_finetune(instruct, tmp_path):
 
     # one step at a learning rate of 1e-30: the continued adapter is the PEFT one to fp32 rounding
     done = run_cli("finetune", "hf", "--adapter", "adapter", "--out", "ft2", "train.max_steps=1", "optim.lr=1e-30",
-                   *common, cwd=tmp_path)
+                   *common, cwd=tmp_path, capsys=capsys)
     assert done.returncode == 0, done.stderr
     continued, start = (load_for_sampling(tmp_path / "ft2")[0].model,
                         load_for_sampling(tmp_path / "hf", adapter=tmp_path / "adapter")[0].model)
@@ -173,12 +175,11 @@ def test_peft_adapter_folders_in_generate_and_finetune(instruct, tmp_path):
     assert (layer.rank, layer.alpha) == (2, 3.0)
 
 
-def test_bad_adapter_folders_stop_with_one_line(instruct, tmp_path):
+def test_bad_adapter_folders_stop_with_one_line(instruct, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    shutil.copytree(instruct, tmp_path / "other")
     for args in (["generate", "hf", "--adapter", "empty"], ["finetune", "hf", "--adapter", "empty",
                                                              "data.source=x.jsonl"],
                  ["finetune", "hf", "--adapter", "empty", "--lora-rank", "4", "data.source=x.jsonl"]):
-        done = run_cli(*args, cwd=tmp_path)
+        done = run_cli(*args, cwd=tmp_path, capsys=capsys)
         assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
         assert "adapter" in done.stderr

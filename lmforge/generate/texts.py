@@ -24,8 +24,8 @@ def samples(model, tokenizer, prompt: str, end: int, max_new_tokens: int, *, num
     ids = prompt_ids(tokenizer, prompt, end)
     for index in range(num_samples):
         if constrained is None:
-            yield prompt + tokenizer.decode(generate(model, ids, max_new_tokens, stop_token=stops or end, seed=seed + index,
-                                                     **sampling))
+            new = generate(model, ids, max_new_tokens, stop_token=stops or end, seed=seed + index, **sampling)
+            yield prompt + tokenizer.decode(new)
             continue
         out = constrained.generate(model, ids, max_new_tokens, seed=seed + index, **sampling)
         if not out.complete:
