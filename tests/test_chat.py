@@ -148,3 +148,11 @@ def test_a_model_without_a_template_is_asked_as_lmforge_fine_tunes_it(tokenizer)
     ids, _ = encode_example(tokenizer, example_parts({"messages": messages}, "r"), special=special)
     assert session.prompt == ids[:len(session.prompt)]
     assert tokenizer.decode(session.prompt) == "<|user|>\ndef fib\n<|assistant|>\n"
+
+
+def test_chat_samples_with_the_model_defaults_unless_told(instruct):
+    from lmforge.generate.chat import sampling_options
+
+    _, special = load_for_sampling(instruct)
+    assert sampling_options(special, None, None, None) == {"temperature": 0.6, "top_k": None, "top_p": 0.9}
+    assert sampling_options(special, 0.0, 5, None) == {"temperature": 0.0, "top_k": 5, "top_p": 0.9}

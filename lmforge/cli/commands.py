@@ -120,7 +120,7 @@ def _warn(message: str) -> None:
 
 
 def cmd_chat(args) -> int:
-    from lmforge.generate.chat import ChatSession, run_chat
+    from lmforge.generate.chat import ChatSession, run_chat, sampling_options
     from lmforge.generate.load import load_for_sampling
     from lmforge.parallel.launch import resolve_device
 
@@ -132,13 +132,7 @@ def cmd_chat(args) -> int:
     device = resolve_device(args.device, setting="--device")
     loaded, special = load_for_sampling(args.run, args.adapter, args.merge, device=device, warn=_warn)
     model, tokenizer = loaded.model, loaded.tokenizer
-    # the model's own sampling defaults (generation_config.json) where no option is given
-    defaults = special.generation_defaults
-    greedy = defaults.get("do_sample") is False
-    sampling = {"temperature": args.temperature if args.temperature is not None
-                else 0.0 if greedy else defaults.get("temperature", 0.8),
-                "top_k": args.top_k if args.top_k is not None else defaults.get("top_k"),
-                "top_p": args.top_p if args.top_p is not None else defaults.get("top_p", 0.95)}
+    sampling = sampling_options(special, args.temperature, args.top_k, args.top_p)
     constrained = None
     if json_answer is not None:
         from lmforge.structured.constrain import JsonMode

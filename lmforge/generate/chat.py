@@ -21,6 +21,18 @@ from lmforge.generate.sampling import KVCache, generate
 from lmforge.model.transformer import Transformer
 
 
+def sampling_options(special: SpecialTokens, temperature: float | None, top_k: int | None,
+                     top_p: float | None) -> dict:
+    """temperature, top_k and top_p as given, else the model's own (generation_config.json; greedy
+    where it says do_sample false), else lmforge generate's defaults (0.8, none, 0.95)."""
+    defaults = special.generation_defaults
+    greedy = defaults.get("do_sample") is False
+    return {"temperature": temperature if temperature is not None
+            else 0.0 if greedy else defaults.get("temperature", 0.8),
+            "top_k": top_k if top_k is not None else defaults.get("top_k"),
+            "top_p": top_p if top_p is not None else defaults.get("top_p", 0.95)}
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
