@@ -87,28 +87,48 @@ def test_exported_tokenizer_encodes_as_lmforge(tokenizer, tmp_path):
     assert hf.eos_token == END_OF_TEXT and hf.eos_token_id == tokenizer.token_to_id(END_OF_TEXT)
 
 
-def llama3_style_tokenizer(folder: Path, base: Tokenizer) -> None:
-    """A tokenizer shaped like Llama 3's: its own BOS and EOS names, BOS added by a post-processor."""
+# Llama 3's instruct template, in its shape: BOS, then a header and an end-of-turn token per message
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
+CHAT_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def llama3_style_tokenizer(folder: Path, base: Tokenizer, chat: bool = False) -> None:
+    """A tokenizer shaped like Llama 3's: its own BOS and EOS names, BOS added by a post-processor;
+    `chat`: an instruct model's, with header and end-of-turn tokens, eos_token <|eot_id|> and the
+    chat template in tokenizer_config.json (as a Llama 3.x download has them)."""
     tok = Tokenizer.from_str(base.to_str())
-    tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
+    tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>", *(CHAT_TOKENS if chat else [])])
     bos = tok.token_to_id("<|begin_of_text|>")
     tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
-                            eos_token="<|end_of_text|>").save_pretrained(folder)
+                            eos_token="<|eot_id|>" if chat else "<|end_of_text|>").save_pretrained(folder)
+    if chat:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.update(chat_template=LLAMA3_CHAT_TEMPLATE, clean_up_tokenization_spaces=False, padding_side="left")
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def hf_model(family: str, folder: Path, tokenizer: Tokenizer, dtype=torch.float32):
-    """A random HF model saved with save_pretrained, and its tokenizer, as a download would be."""
+def hf_model(family: str, folder: Path, tokenizer: Tokenizer, dtype=torch.float32, chat: bool = False):
+    """A random HF model saved with save_pretrained, and its tokenizer, as a download would be;
+    `chat` (llama): an instruct model, eos_token_id [<|end_of_text|>, <|eot_id|>] and sampling
+    defaults in generation_config.json, 128 positions."""
     torch.manual_seed(1)
     if family == "llama":
-        llama3_style_tokenizer(folder, tokenizer)
+        llama3_style_tokenizer(folder, tokenizer, chat)
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        eos = [tok.token_to_id("<|end_of_text|>"), *([tok.token_to_id("<|eot_id|>")] if chat else [])]
         config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=128 if chat else 32,  # room for a conversation
                              rope_parameters=dict(SCALING, rope_theta=500.0), tie_word_embeddings=True,
                              rms_norm_eps=1e-5, bos_token_id=tok.token_to_id("<|begin_of_text|>"),
-                             eos_token_id=tok.token_to_id("<|end_of_text|>"))
+                             eos_token_id=eos if chat else eos[0])
         model = LlamaForCausalLM(config)
+        if chat:
+            model.generation_config.update(eos_token_id=eos, temperature=0.6, top_p=0.9, do_sample=True)
     else:
         PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_TEXT,
                                 bos_token=END_OF_TEXT).save_pretrained(folder)

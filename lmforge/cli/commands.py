@@ -73,10 +73,10 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
 
 
 def cmd_generate(args) -> int:
+    from lmforge.generate.load import load_for_sampling
     from lmforge.generate.sampling import KVCache
     from lmforge.generate.texts import print_samples, print_stats, prompt_ids, samples
     from lmforge.parallel.launch import resolve_device
-    from lmforge.runs.load import load_model
 
     if args.max_new_tokens < 1 or args.temperature < 0 or args.num_samples < 1:
         raise LmforgeError("--max-new-tokens and --num-samples must be >= 1 and --temperature >= 0")
@@ -84,10 +84,10 @@ def cmd_generate(args) -> int:
         raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
     json_answer = _json_answer(args)  # before loading the model: a bad --schema stops at once
     device = resolve_device(args.device, setting="--device")
-    # a run folder (a LoRA run: its base + adapters) or a Hugging Face folder, in its stored dtype by default
-    loaded = load_model(args.run, args.dtype, device, merge=args.merge,
-                        warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
-    model, tokenizer, end = loaded.model, loaded.tokenizer, loaded.end_id
+    # a run folder (a LoRA run: its base + adapters) or a Hugging Face folder, in its stored dtype by
+    # default; with --adapter, a PEFT adapter on top
+    loaded, special = load_for_sampling(args.run, args.adapter, args.merge, args.dtype, device, warn=_warn)
+    model, tokenizer, end = loaded.model, loaded.tokenizer, special.end_id
     constrained = None
     if json_answer is not None:
         from lmforge.structured.constrain import JsonMode
@@ -97,12 +97,40 @@ def cmd_generate(args) -> int:
     positions = len(prompt_ids(tokenizer, args.prompt, end)) + args.max_new_tokens
     cache = None if args.no_cache else KVCache.for_model(model, positions)
     texts = samples(model, tokenizer, args.prompt, end, args.max_new_tokens, num_samples=args.num_samples,
-                    seed=args.seed, constrained=constrained, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, use_cache=not args.no_cache, cache=cache)
+                    seed=args.seed, constrained=constrained, stops=special.stop_ids, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_cache, cache=cache)
     print_samples(texts, args.num_samples)
     if args.stats:
         print_stats(loaded.model, cache, loaded.source)
     return 0
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def cmd_chat(args) -> int:
+    from lmforge.generate.chat import ChatSession, run_chat, sampling_options
+    from lmforge.generate.load import load_for_sampling
+    from lmforge.parallel.launch import resolve_device
+
+    if args.max_new_tokens < 1 or args.temperature is not None and args.temperature < 0:
+        raise LmforgeError("--max-new-tokens must be >= 1 and --temperature >= 0")
+    if args.top_k is not None and args.top_k < 1 or args.top_p is not None and not 0 < args.top_p <= 1:
+        raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
+    json_answer = _json_answer(args)
+    device = resolve_device(args.device, setting="--device")
+    loaded, special = load_for_sampling(args.run, args.adapter, args.merge, device=device, warn=_warn)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    sampling = sampling_options(special, args.temperature, args.top_k, args.top_p)
+    constrained = None
+    if json_answer is not None:
+        from lmforge.structured.constrain import JsonMode
+
+        constrained = JsonMode(tokenizer, special.end_id, *json_answer)
+    session = ChatSession(model, tokenizer, special, args.max_new_tokens, system=args.system,
+                          constrained=constrained, seed=args.seed, **sampling)
+    return run_chat(session, Path(args.run).name)
 
 
 def _json_answer(args):
@@ -279,6 +307,7 @@ def cmd_eval_format(args) -> int:
 
 
 COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "finetune": cmd_finetune, "generate": cmd_generate,
+            "chat": cmd_chat,
             "plan": cmd_plan, "runs": cmd_runs, "export": cmd_export, "import-hf": cmd_import_hf, "tasks": cmd_tasks,
             "eval-format": cmd_eval_format, "scaling": cmd_scaling}
 

@@ -20,6 +20,7 @@ examples:
   lmforge train --config my.yaml model.n_layers=8 train.max_steps=2000
   lmforge train --resume runs/<name>                 # continue where the run stopped
   lmforge generate runs/<name> --prompt "def fib(" --max-new-tokens 100
+  lmforge chat runs/<name>                           # a conversation on the model's chat template
   lmforge plan --model llama3-8b --batch-size 1 --seq-len 8192 --precision bf16-mixed --hardware h100-sxm
   lmforge runs                                       # the runs in runs/ side by side
   lmforge export runs/<name> --format hf             # a Hugging Face folder (transformers loads it)
@@ -70,6 +71,8 @@ def add_finetune(commands) -> None:
     finetune.add_argument("--lora-targets", help="linear layers to adapt, comma-separated name patterns "
                                                  "(default q_proj,k_proj,v_proj,o_proj; e.g. 'attn.*,mlp.*')")
     finetune.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input (default 0)")
+    finetune.add_argument("--adapter", metavar="DIR", help="continue training the PEFT LoRA adapter in folder DIR "
+                                                           "(its rank, alpha and targets)")
     finetune.add_argument("--config", metavar="FILE", help="YAML file with data/optim/train/finetune sections")
     add_overrides(finetune, "data.source=pairs.jsonl train.max_steps=300 optim.lr=1e-3")
     add_training_outputs(finetune, "continue the fine-tuning run in folder RUN")
@@ -105,6 +108,35 @@ def add_generate(commands) -> None:
     gen.add_argument("--format", metavar="FMT", help="constrain the answer to FMT while decoding: json "
                                                     "(prints only the answer; exit 2 if it is cut by --max-new-tokens)")
     gen.add_argument("--schema", metavar="FILE", help="JSON Schema the --format json answer must match")
+    gen.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder to put on the model")
+
+
+def add_chat(commands) -> None:
+    chat = commands.add_parser(
+        "chat", help="talk to a model on its chat template, replies streamed",
+        description="An interactive chat with the model of run RUN (or a Hugging Face folder), on the model's own "
+                    "chat template (lmforge's plain one if it has none). Replies stream as they are sampled and "
+                    "stop at any of the model's stop tokens; the KV cache is kept across turns. Type /reset to "
+                    "start over, /exit (or Ctrl-D) to end.",
+        epilog="examples:\n"
+               "  lmforge chat runs/<name>\n"
+               "  lmforge chat path/to/hf-instruct --system 'Answer briefly.' --temperature 0\n"
+               "  lmforge chat runs/<name> --format json --schema answer.schema.json",
+        formatter_class=RAW)
+    add_run(chat, "run folder or Hugging Face folder")
+    chat.add_argument("--system", help="a system message to start every conversation with")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
+    chat.add_argument("--temperature", type=float, default=None,
+                      help="0 for greedy (default: the model's generation_config.json, else 0.8)")
+    chat.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens "
+                                                              "(default: the model's)")
+    chat.add_argument("--top-p", type=float, default=None, help="nucleus mass (default: the model's, else 0.95)")
+    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    chat.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the base weights")
+    chat.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder to put on the model")
+    chat.add_argument("--format", metavar="FMT", help="answer every turn in FMT by constrained decoding: json")
+    chat.add_argument("--schema", metavar="FILE", help="JSON Schema every --format json answer must match")
 
 
 def add_runs(commands) -> None:
@@ -195,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lmforge", description="Build language models from scratch and know what every step costs.",
         epilog=EXAMPLES, formatter_class=RAW)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (add_prepare, add_train, add_finetune, add_generate, add_plan, add_runs, add_export, add_import_hf,
-                add_tasks, add_eval_format, add_scaling):
+    for add in (add_prepare, add_train, add_finetune, add_generate, add_chat, add_plan, add_runs, add_export,
+                add_import_hf, add_tasks, add_eval_format, add_scaling):
         add(commands)
     # parse_args looks up the subcommand's parser: its RUN argument, and which of its options a misspelt one resembles
     parser.subcommands = commands.choices

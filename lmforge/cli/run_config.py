@@ -52,7 +52,8 @@ def resumed_config(args):
 
 def resumed_finetune_config(args):
     """`lmforge finetune --resume RUN`: resumed_config, for a fine-tuning run with no new LoRA settings."""
-    if any(value is not None for value in (args.lora_rank, args.lora_alpha, args.lora_targets, args.lora_dropout)):
+    if any(value is not None for value in (args.lora_rank, args.lora_alpha, args.lora_targets, args.lora_dropout,
+                                           args.adapter)):
         raise LmforgeError("--resume takes its LoRA settings from the run; only train.* and optim.* overrides "
                            "may be added")
     cfg, run_dir = resumed_config(args)
@@ -77,6 +78,15 @@ def finetune_config(args):
     base_model, end_token, tokenizer = base_settings(base)  # an lmforge run folder or a Hugging Face folder
     lora = {"lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets,
             "lora_dropout": args.lora_dropout}
+    if args.adapter is not None:  # a PEFT adapter to continue: its settings, checked against the base
+        from lmforge.interop.peft import peft_settings
+
+        if any(lora[key] is not None for key in ("lora_rank", "lora_alpha", "lora_targets")):
+            raise LmforgeError("--adapter takes its rank, alpha and targets from the adapter: leave out --lora-rank, "
+                               "--lora-alpha and --lora-targets")
+        adapter = Path(args.adapter).resolve()
+        lora = {**peft_settings(adapter, base_model), "adapter": str(adapter),
+                **({"lora_dropout": args.lora_dropout} if args.lora_dropout is not None else {})}
     flags = [f"finetune.{key}={value}" for key, value in lora.items() if value is not None]
     # make_config's steps, with the base's model in place first: train.seq_len is checked against its positions
     cfg = Config(model=base_model)

@@ -131,6 +131,7 @@ class FinetuneConfig:
     lora_alpha: float | None = None  # the update is scaled by alpha / rank; None: 2 * rank
     lora_dropout: float = 0.0  # dropout on the adapters' input
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # linear layers by name pattern (fnmatch), comma-separated
+    adapter: str | None = None  # a PEFT LoRA adapter folder to continue training (its rank, alpha, targets)
 
 
 @dataclass

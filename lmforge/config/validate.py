@@ -178,6 +178,8 @@ def _check_finetune(f: FinetuneConfig) -> None:
     _positive("finetune.lora_alpha", f.lora_alpha)
     _require(0.0 <= f.lora_dropout < 1.0, f"finetune.lora_dropout must be in [0, 1), got {f.lora_dropout}")
     _require(f.lora_targets.strip(" ,") != "", "finetune.lora_targets is empty: name linear layers, e.g. q_proj,v_proj")
+    _require(f.adapter is None or f.lora_rank is not None, "finetune.adapter continues a LoRA adapter: it needs "
+                                                           "finetune.lora_rank (lmforge finetune --adapter sets it)")
 
 
 def _check_device(t: TrainConfig) -> None:

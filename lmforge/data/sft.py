@@ -5,21 +5,26 @@ A `.jsonl` file holds one example per line, either
     {"prompt": "...", "response": "..."}        the text is prompt + response, as given
     {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
 
-Chat messages are rendered with a plain template, one header line per message:
+Chat messages are rendered with the model's own chat template (data/special_tokens.py: the
+Jinja `chat_template` of its tokenizer_config.json), as transformers' apply_chat_template renders
+them, and the whole text is tokenized at once; the tokens of each assistant turn (its content and
+the template's end of turn, <|eot_id|> for Llama 3) are trained. A model without a template (one
+lmforge trained) gets a plain one, one header line per message:
 
-    <|user|>\\n{content}\\n<|assistant|>\\n{content}\\n ... <|endoftext|>
+    <|user|>\n{content}\n<|assistant|>\n{content}\n ... <|endoftext|>
 
-(the headers are ordinary text to the tokenizer, not special tokens). Every example ends with the
-end-of-text token. The model learns to produce the responses (every assistant message, and the
-end-of-text token after the last one: it learns to stop), not the prompts: the target of every
-other position is IGNORE_INDEX, which cross-entropy leaves out of its mean. So the loss of a step
-is the mean over its response tokens, all micro-batches and ranks together (the engine weighs each
-micro-batch by its count of them: parallel/engine.py, loss_divisors). To ask a chat-trained model,
-end the prompt with "<|assistant|>\\n".
+(the headers are ordinary text to the tokenizer, not special tokens); to ask such a model, end the
+prompt with "<|assistant|>\n". Prompt and response, and the plain template's parts, are each
+tokenized by themselves without the special tokens a tokenizer's post-processor adds, so the
+boundary between what is trained and what is not falls between tokens; the sequence starts with
+the model's BOS once, if its tokenizer adds one (as `generate --prompt` encodes a prompt).
 
-Each part (prompt, response, header, content) is tokenized by itself, so the boundary between
-what is trained and what is not falls between tokens, and a prompt encodes the same way at
-generation time as in training.
+An example that does not end with one of the model's stop tokens gets its end-of-text token. The
+model learns to produce the responses (every assistant turn, and the stop token after the last one:
+it learns to stop), not the prompts: the target of every other position is IGNORE_INDEX, which
+cross-entropy leaves out of its mean. So the loss of a step is the mean over its response tokens,
+all micro-batches and ranks together (the engine weighs each micro-batch by its count of them:
+parallel/engine.py, loss_divisors).
 
 Padded, not packed: each example is one row of train.seq_len + 1 tokens, cut at the end if longer
 and padded with end-of-text tokens (targets IGNORE_INDEX) if shorter. The model has no attention
@@ -37,6 +42,7 @@ import numpy as np
 import torch
 
 from lmforge.data.corpus import Document, split_documents
+from lmforge.data.special_tokens import SpecialTokens, encode_plain, special_tokens
 from lmforge.data.tokenizer import END_OF_TEXT
 from lmforge.data.tokens import unigram_entropy
 from lmforge.common.errors import LmforgeError
@@ -49,24 +55,29 @@ def chat_header(role: str) -> str:
     return f"<|{role}|>\n"
 
 
+def check_messages(record: dict, where: str) -> list[dict]:
+    """The record's "messages", checked: roles and string contents, the assistant's last."""
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise LmforgeError(f'{where}: "messages" must be a non-empty list')
+    for index, message in enumerate(messages):
+        if (not isinstance(message, dict) or message.get("role") not in ROLES
+                or not isinstance(message.get("content"), str)):
+            raise LmforgeError(f"{where}: message {index + 1} must be {{\"role\": one of {', '.join(ROLES)}, "
+                               f"\"content\": a string}}")
+    if messages[-1]["role"] != "assistant":
+        raise LmforgeError(f"{where}: the last message must be the assistant's (the response to learn)")
+    return messages
+
+
 def example_parts(record, where: str) -> list[tuple[str, bool]]:
-    """An example record as (text, trained) parts, in order."""
+    """An example record as (text, trained) parts, in order, under lmforge's plain chat template."""
     if not isinstance(record, dict):
         raise LmforgeError(f'{where} must be an object with "prompt" and "response", or "messages"')
     if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise LmforgeError(f'{where}: "messages" must be a non-empty list')
         parts = []
-        for index, message in enumerate(messages):
-            if (not isinstance(message, dict) or message.get("role") not in ROLES
-                    or not isinstance(message.get("content"), str)):
-                raise LmforgeError(f"{where}: message {index + 1} must be {{\"role\": one of {', '.join(ROLES)}, "
-                                   f"\"content\": a string}}")
-            trained = message["role"] == "assistant"
-            parts += [(chat_header(message["role"]), False), (message["content"] + "\n", trained)]
-        if not parts[-1][1]:
-            raise LmforgeError(f"{where}: the last message must be the assistant's (the response to learn)")
+        for message in check_messages(record, where):
+            parts += [(chat_header(message["role"]), False), (message["content"] + "\n", message["role"] == "assistant")]
         return parts
     if not isinstance(record.get("prompt"), str) or not isinstance(record.get("response"), str):
         raise LmforgeError(f'{where} must have "prompt" and "response" strings, or "messages"')
@@ -75,14 +86,56 @@ def example_parts(record, where: str) -> list[tuple[str, bool]]:
     return [(record["prompt"], False), (record["response"], True)]
 
 
-def encode_example(tokenizer, parts: list[tuple[str, bool]], end_token: str = END_OF_TEXT) -> tuple[list[int], list[bool]]:
-    """Token ids of the parts, then `end_token`, and whether each token is trained (a target)."""
-    ids, trained = [], []
+def encode_example(tokenizer, parts: list[tuple[str, bool]], end_token: str = END_OF_TEXT,
+                   special: SpecialTokens | None = None) -> tuple[list[int], list[bool]]:
+    """The model's leading tokens (its BOS, if its tokenizer adds one), the parts' token ids with
+    no special tokens between them, then `end_token` unless the last part ends with a stop token;
+    and whether each token is trained (a target)."""
+    special = special or special_tokens(tokenizer, end_token)
+    ids, trained = list(special.bos_ids), [False] * len(special.bos_ids)
     for text, train in parts:
-        part = tokenizer.encode(text).ids if text else []
+        part = encode_plain(tokenizer, text)
         ids += part
         trained += [train] * len(part)
-    return ids + [tokenizer.token_to_id(end_token)], trained + [True]
+    if not special.ends(ids):
+        ids, trained = ids + [special.end_id], trained + [True]
+    return ids, trained
+
+
+def encode_chat(tokenizer, special: SpecialTokens, messages: list[dict],
+                where: str) -> tuple[list[int], list[bool], int]:
+    """A conversation under the model's own chat template: the token ids of the rendered text (what
+    transformers' apply_chat_template(tokenize=True) gives), whether each is trained, and the bytes
+    trained. Assistant turn i is the text between the conversation up to it with the generation
+    prompt and the conversation including it: its content and the template's end of turn."""
+    text = special.render_chat(messages)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = special.render_chat(messages[:index], add_generation_prompt=True) if index else ""
+        through = special.render_chat(messages[:index + 1])
+        if not through.startswith(before) or not text.startswith(through):
+            raise LmforgeError(f"{where}: the model's chat template does not render the conversation as its "
+                               f"beginning followed by each turn, so the assistant's turns cannot be told apart")
+        spans.append((len(before), len(through)))
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    ids = list(encoding.ids)
+    trained = [any(start < span_end and span_start < end for span_start, span_end in spans)
+               for start, end in encoding.offsets]
+    if not special.ends(ids):
+        ids, trained = ids + [special.end_id], trained + [True]
+    return ids, trained, sum(len(text[start:end].encode()) for start, end in spans)
+
+
+def encode_record(tokenizer, record, where: str, special: SpecialTokens) -> tuple[list[int], list[bool], int]:
+    """An example record's token ids, trained flags and trained bytes: "messages" under the model's
+    chat template (lmforge's plain one if it has none), prompt and response as given."""
+    if isinstance(record, dict) and "messages" in record and special.chat_template is not None:
+        return encode_chat(tokenizer, special, check_messages(record, where), where)
+    parts = example_parts(record, where)
+    ids, trained = encode_example(tokenizer, parts, special=special)
+    return ids, trained, sum(len(text.encode()) for text, train in parts if train)
 
 
 @dataclass
@@ -178,12 +231,14 @@ def read_records(source: str) -> list[Document]:
     return records
 
 
-def load_examples(source: str, tokenizer, seq_len: int, val_fraction: float,
-                  end_token: str = END_OF_TEXT) -> tuple[ExampleSet, ExampleSet, dict]:
+def load_examples(source: str, tokenizer, seq_len: int, val_fraction: float, end_token: str = END_OF_TEXT,
+                  special: SpecialTokens | None = None) -> tuple[ExampleSet, ExampleSet, dict]:
     """Train and validation examples of `source`, and their statistics (meta.json's fields); each
-    example ends with `end_token` (data.end_token: the base model's own)."""
+    example ends with a stop token of the model (`special`, by default lmforge's own: `end_token`,
+    data.end_token)."""
+    special = special or special_tokens(tokenizer, end_token)
     train_docs, val_docs = split_documents(read_records(source), val_fraction)
-    end = tokenizer.token_to_id(end_token)
+    end = special.end_id
     sets, splits, trained_ids = {}, {}, []
     for split, docs in (("train", train_docs), ("val", val_docs)):
         encoded, trained_bytes = [], 0
@@ -192,10 +247,9 @@ def load_examples(source: str, tokenizer, seq_len: int, val_fraction: float,
                 record = json.loads(doc.text)
             except json.JSONDecodeError as err:
                 raise LmforgeError(f"{doc.name} is not valid JSON ({err.msg})") from None
-            parts = example_parts(record, doc.name)
-            ids, trained = encode_example(tokenizer, parts, end_token)
+            ids, trained, n_bytes = encode_record(tokenizer, record, doc.name, special)
             encoded.append((doc.name, ids, trained))
-            trained_bytes += sum(len(text.encode()) for text, train in parts if train)
+            trained_bytes += n_bytes
         sets[split] = pad_examples(encoded, seq_len, end)
         targets = sets[split].targets
         splits[split] = {"tokens": int((targets != IGNORE_INDEX).sum()), "documents": len(docs),

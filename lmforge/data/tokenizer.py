@@ -13,6 +13,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lmforge.common.errors import LmforgeError
+from lmforge.data.special_tokens import HF_TOKENIZER_FILES, SpecialTokens, special_tokens
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -70,3 +71,11 @@ def encode_documents(tokenizer: Tokenizer, texts: Iterable[str], batch_size: int
             yield flush()
     if batch:
         yield flush()
+
+
+def load_special_tokens(folder: str | Path, tokenizer: Tokenizer, end_token: str = END_OF_TEXT) -> SpecialTokens:
+    """The special tokens of the model whose tokenizer.json is in `folder` (a checkpoint): the
+    Hugging Face files kept beside it, if any (data/special_tokens.py)."""
+    folder = Path(folder)
+    files = {name: (folder / name).read_bytes() for name in HF_TOKENIZER_FILES if (folder / name).is_file()}
+    return special_tokens(tokenizer, end_token, files)

@@ -15,6 +15,8 @@ conversation in the same cache) grows it, at least doubling, so that growth copi
 It is kept in the dtype of the model's parameters (bf16 weights, a bf16 cache).
 """
 
+from collections.abc import Collection
+
 import torch
 
 from lmforge.model.transformer import Transformer
@@ -22,7 +24,8 @@ from lmforge.model.transformer import Transformer
 
 class KVCache:
     """Keys and values of every layer for positions [0, length), allocated for `capacity`
-    positions and grown (`reserve`) up to `limit`, the model's max_seq_len."""
+    positions and grown (`reserve`) up to `limit`, the model's max_seq_len. After generate() they
+    are those of tokens[start:start + length] of the sequence it made (a chat reuses them)."""
 
     def __init__(self, n_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, limit: int | None = None):
@@ -30,6 +33,7 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.limit = capacity if limit is None else limit
+        self.start, self.length = 0, 0
 
     @classmethod
     def for_model(cls, model: Transformer, positions: int, batch: int = 1) -> "KVCache":
@@ -102,11 +106,12 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, stop_token: int | None = None,
+             top_k: int | None = None, top_p: float | None = None, stop_token: int | Collection[int] | None = None,
              seed: int = 0, use_cache: bool = True, on_logits=None, constraint=None,
-             cache: KVCache | None = None) -> list[int]:
-    """New token ids continuing `prompt` (the stop token, if sampled, ends generation and is not
-    returned). `on_logits`, if given, is called with each step's next-token logits.
+             cache: KVCache | None = None, cached: int = 0, on_token=None) -> list[int]:
+    """New token ids continuing `prompt` (a stop token, one id or any of several, if sampled, ends
+    generation and is not returned). `on_logits`, if given, is called with each step's next-token
+    logits, `on_token` with each new token as it is chosen (streaming).
 
     `constraint`, if given, restricts which tokens may come next (grammar-constrained decoding,
     lmforge/structured/constrain.py): before each step `constraint.finished()` may end generation,
@@ -115,8 +120,10 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
     chosen (the stop token included). The mask concerns only the tokens generated, so it works
     unchanged with the KV cache and its context restarts.
 
-    `cache`, if given, is the KVCache to fill from position 0 (grown as needed: several samples can
-    share one); by default a new one for len(prompt) + max_new_tokens positions."""
+    `cache`, if given, is the KVCache to fill from position `cached` (grown as needed: several
+    samples can share one); by default a new one for len(prompt) + max_new_tokens positions.
+    `cached` > 0: the cache already holds prompt[:cached] (a chat's earlier turns), which is not
+    run again; generate() leaves cache.start and cache.length saying what it holds."""
     if not prompt:
         raise ValueError("generation needs a prompt of at least one token")
     model.eval()
@@ -125,8 +132,11 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
     generator = torch.Generator(device=device).manual_seed(seed)
     max_len = cfg.max_seq_len
     tokens = list(prompt)
-    start = max(0, len(tokens) - max_len)  # first position of the current context window
-    cached = 0  # positions of the window already in the cache
+    stops = {stop_token} if isinstance(stop_token, int) else set(stop_token or ())
+    # first position of the current context window, and positions of it already in the cache
+    start = 0 if cached else max(0, len(tokens) - max_len)
+    if cached >= len(tokens) or cached and not use_cache:
+        raise ValueError(f"{cached} positions cached of a prompt of {len(tokens)}: at least one must be run")
     if use_cache and cache is None:
         cache = KVCache.for_model(model, len(prompt) + max_new_tokens)
     new_tokens: list[int] = []
@@ -150,8 +160,12 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
         token = int(sample_next(logits, temperature, top_k, top_p, generator))
         if constraint is not None:
             constraint.consume(token)
-        if token == stop_token:
+        if token in stops:
             break
         tokens.append(token)
         new_tokens.append(token)
+        if on_token is not None:
+            on_token(token)
+    if cache is not None:
+        cache.start, cache.length = start, cached
     return new_tokens

@@ -14,9 +14,10 @@ def prompt_ids(tokenizer, prompt: str, end: int) -> list[int]:
 
 
 def samples(model, tokenizer, prompt: str, end: int, max_new_tokens: int, *, num_samples: int = 1, seed: int = 0,
-            constrained=None, **sampling) -> Iterator[str]:
-    """The prompt followed by each sample's continuation, which ends at the token `end` or after
-    max_new_tokens. `sampling`: generate's temperature, top_k, top_p and use_cache.
+            constrained=None, stops=None, **sampling) -> Iterator[str]:
+    """The prompt followed by each sample's continuation, which ends at a stop token (`stops`, the
+    model's: by default `end`) or after max_new_tokens. `sampling`: generate's temperature, top_k,
+    top_p and use_cache.
 
     `constrained`, if given, decodes instead: its generate(model, ids, max_new_tokens, seed=..., **sampling)
     returns the answer alone, .text, and whether it was finished, .complete (structured/constrain.py's
@@ -24,8 +25,8 @@ def samples(model, tokenizer, prompt: str, end: int, max_new_tokens: int, *, num
     ids = prompt_ids(tokenizer, prompt, end)
     for index in range(num_samples):
         if constrained is None:
-            yield prompt + tokenizer.decode(generate(model, ids, max_new_tokens, stop_token=end, seed=seed + index,
-                                                     **sampling))
+            new = generate(model, ids, max_new_tokens, stop_token=stops or end, seed=seed + index, **sampling)
+            yield prompt + tokenizer.decode(new)
             continue
         out = constrained.generate(model, ids, max_new_tokens, seed=seed + index, **sampling)
         if not out.complete:

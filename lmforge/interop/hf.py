@@ -21,7 +21,8 @@ from lmforge.config import ModelConfig
 from lmforge.data.tokenizer import END_OF_TEXT
 from lmforge.interop.hf_config import hf_config, read_json, read_model_config
 from lmforge.interop.hf_names import check_state, from_hf_state, to_hf_state
-from lmforge.interop.hf_tokenizer import read_hf_tokenizer, write_hf_tokenizer
+from lmforge.data.special_tokens import SpecialTokens, special_tokens
+from lmforge.interop.hf_tokenizer import hf_token_ids, read_hf_tokenizer, write_hf_tokenizer
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -79,21 +80,24 @@ def import_hf(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor],
 
 
 def export_hf(model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer: Tokenizer,
-              out_dir: str | Path, family: str | None = None, end_token: str = END_OF_TEXT) -> None:
+              out_dir: str | Path, family: str | None = None, end_token: str = END_OF_TEXT,
+              special: SpecialTokens | None = None) -> None:
     """Write an HF folder that transformers' Auto classes load: config.json, generation_config.json,
-    model.safetensors and the tokenizer as a PreTrainedTokenizerFast. `out_dir` is written into as
-    given (runs/folders.py stages it). `family` defaults to, and must equal, model_cfg.family."""
+    model.safetensors and the tokenizer as a PreTrainedTokenizerFast, with the model's own token
+    files (`special`: its chat template, eos list, bos, generation defaults) as they came in.
+    `out_dir` is written into as given (runs/folders.py stages it). `family` defaults to, and must
+    equal, model_cfg.family."""
     if family is not None and family != model_cfg.family:
         raise LmforgeError(f"cannot export a {model_cfg.family} model as the {family} family")
     check_state(model_cfg, state_dict, where="the model to export")
-    end_id = tokenizer.token_to_id(end_token)
-    if end_id is None:
+    if tokenizer.token_to_id(end_token) is None:
         raise LmforgeError(f"the tokenizer has no {end_token} token to end documents with (data.end_token)")
-    config = hf_config(model_cfg, end_id, state_dict["tok_embeddings.weight"].dtype)  # (may refuse: before writing)
+    special = special or special_tokens(tokenizer, end_token)
+    dtype = state_dict["tok_embeddings.weight"].dtype
+    config = {**hf_config(model_cfg, special.end_id, dtype), **hf_token_ids(special)}  # (may refuse: before writing)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": end_id, "eos_token_id": end_id}) + "\n")
     # transformers refuses a safetensors file whose metadata does not say which framework wrote it
     save_file(to_hf_state(model_cfg, state_dict), str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_hf_tokenizer(tokenizer, out, end_token, model_cfg.max_seq_len)
+    write_hf_tokenizer(tokenizer, out, model_cfg.max_seq_len, special)

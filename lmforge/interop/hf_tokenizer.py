@@ -1,5 +1,7 @@
 """The tokenizer files of a Hugging Face folder: tokenizer.json, the `tokenizers` format lmforge
-saves its own tokenizer in, with tokenizer_config.json naming the special tokens."""
+saves its own tokenizer in, and the files beside it that name the special tokens, hold the chat
+template and the generation defaults (data/special_tokens.py's HF_TOKENIZER_FILES), read and
+written back byte for byte."""
 
 import json
 from pathlib import Path
@@ -7,6 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from lmforge.common.errors import LmforgeError
+from lmforge.data.special_tokens import HF_TOKENIZER_FILES, SpecialTokens, special_tokens
 from lmforge.interop.hf_config import read_json
 
 
@@ -42,9 +45,41 @@ def read_end_token(folder: Path, tokenizer: Tokenizer) -> str:
     raise LmforgeError(f"{folder} names no end-of-text token (eos_token_id in config.json): add it there")
 
 
-def write_hf_tokenizer(tokenizer: Tokenizer, out: Path, end_token: str, max_length: int) -> None:
-    """tokenizer.json and a tokenizer_config.json that makes it a PreTrainedTokenizerFast."""
+def read_hf_tokenizer_files(folder: Path) -> dict[str, bytes]:
+    """The files of HF_TOKENIZER_FILES that `folder` has, as bytes. Without generation_config.json,
+    one made of config.json's bos_token_id and eos_token_id, as transformers makes it."""
+    files = {name: (folder / name).read_bytes() for name in HF_TOKENIZER_FILES if (folder / name).is_file()}
+    if "generation_config.json" not in files and (folder / "config.json").is_file():
+        config = read_json(folder / "config.json")
+        ids = {key: config[key] for key in ("bos_token_id", "eos_token_id") if config.get(key) is not None}
+        files["generation_config.json"] = (json.dumps(ids, indent=2) + "\n").encode()
+    return files
+
+
+def read_hf_special_tokens(folder: Path, tokenizer: Tokenizer) -> SpecialTokens:
+    """The special tokens, stop tokens and chat template of HF folder `folder`."""
+    return special_tokens(tokenizer, read_end_token(folder, tokenizer), read_hf_tokenizer_files(folder))
+
+
+def hf_token_ids(special: SpecialTokens) -> dict:
+    """config.json's bos_token_id and eos_token_id: the model's own (an eos list stays a list);
+    lmforge's models start and end with their end-of-text token."""
+    eos = json.loads(special.files.get("generation_config.json", b"{}")).get("eos_token_id")
+    return {"bos_token_id": special.bos_ids[0] if special.bos_ids else special.end_id,
+            "eos_token_id": eos if eos is not None else special.end_id}
+
+
+def write_hf_tokenizer(tokenizer: Tokenizer, out: Path, max_length: int, special: SpecialTokens) -> None:
+    """tokenizer.json with the model's own files beside it (HF_TOKENIZER_FILES, as they came in);
+    a model lmforge trained gets a tokenizer_config.json that makes it a PreTrainedTokenizerFast
+    and a generation_config.json naming its end-of-text token."""
     tokenizer.save(str(out / "tokenizer.json"))
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": end_token, "eos_token": end_token,
-                        "model_max_length": max_length, "clean_up_tokenization_spaces": False}
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    for name, content in special.files.items():
+        (out / name).write_bytes(content)
+    if "tokenizer_config.json" not in special.files:
+        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": special.end,
+                            "eos_token": special.end, "model_max_length": max_length,
+                            "clean_up_tokenization_spaces": False}
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    if "generation_config.json" not in special.files:
+        (out / "generation_config.json").write_text(json.dumps(hf_token_ids(special)) + "\n")

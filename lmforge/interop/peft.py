@@ -30,6 +30,7 @@ from lmforge.accounting.shapes import meta_model
 from lmforge.common.errors import LmforgeError
 from lmforge.config import ModelConfig
 from lmforge.interop.hf_names import LAYOUTS, hf_module, lmforge_modules
+from lmforge.model.lora import adapter_state_dict, apply_lora, has_lora, load_adapter_state_dict
 
 PREFIX = "base_model.model."
 FUSED_LINEARS = ("attn.q_proj", "attn.k_proj", "attn.v_proj")  # GPT-2's c_attn, in its order
@@ -146,7 +147,10 @@ def read_peft_adapter(folder: str | Path, model_cfg: ModelConfig) -> tuple[dict[
         unsupported.append(f"bias={config['bias']}")
     if unsupported:
         raise LmforgeError(f"{folder} uses {', '.join(unsupported)}, which lmforge's LoRA does not have")
-    rank, alpha = config["r"], config["lora_alpha"]
+    rank, alpha = config["r"], config.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise LmforgeError(f"{folder}/adapter_config.json has r {rank!r} and lora_alpha {alpha!r}: both must be "
+                           f"positive numbers")
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     fused_rank = ranks.get("attn.c_attn", ranks.get("c_attn", rank))
     if set(ranks) - {"attn.c_attn", "c_attn"} or set(alphas) - {"attn.c_attn", "c_attn"} \
@@ -191,3 +195,33 @@ def _split_fused(modules: tuple[str, ...], kind: str, tensor: torch.Tensor, othe
                            f"(its B is not block-diagonal)")
     parts = a.chunk(n) if kind == "lora_A" else [blocks[i][i] for i in range(n)]
     return {f"{m}.{kind}": part.contiguous() for m, part in zip(modules, parts)}
+
+
+def apply_peft_adapter(model: torch.nn.Module, folder: str | Path, model_cfg: ModelConfig) -> None:
+    """Put the PEFT LoRA adapter in `folder` on `model` (lmforge's model for `model_cfg`, in place):
+    its targeted layers wrapped in LoRALinear with the adapter's rank, alpha and weights."""
+    if has_lora(model):
+        raise LmforgeError(f"the model already has LoRA adapters (a LoRA run): give --merge to fold them in "
+                           f"before adding {folder}")
+    state, rank, alpha, targets = read_peft_adapter(folder, model_cfg)
+    apply_lora(model, targets, rank, alpha)
+    load_adapter_state_dict(model, state, origin=str(folder))
+
+
+def peft_settings(folder: str | Path, model_cfg: ModelConfig) -> dict:
+    """A PEFT adapter's LoRA settings as lmforge's finetune section names them (read and checked
+    against the base: `finetune --adapter` continues training it)."""
+    _, rank, alpha, targets = read_peft_adapter(folder, model_cfg)
+    config = json.loads((Path(folder) / "adapter_config.json").read_text())
+    return {"lora_rank": rank, "lora_alpha": float(alpha), "lora_targets": ",".join(targets),
+            "lora_dropout": float(config.get("lora_dropout") or 0.0)}
+
+
+def load_peft_weights(model: torch.nn.Module, folder: str | Path, model_cfg: ModelConfig) -> None:
+    """Copy the PEFT adapter's weights into `model`'s LoRA layers (applied with its settings); a
+    pipeline stage takes the layers it holds."""
+    state, _, _, _ = read_peft_adapter(folder, model_cfg)
+    held = adapter_state_dict(model)
+    if len(held) < len(state):  # a pipeline stage (train/setup.py cuts the model before LoRA)
+        state = {name: value for name, value in state.items() if name in held}
+    load_adapter_state_dict(model, state, origin=str(folder))

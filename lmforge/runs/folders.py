@@ -18,11 +18,11 @@ import yaml
 from lmforge.common.errors import LmforgeError
 from lmforge.common.folder_lock import FolderLock
 from lmforge.config import Config, DataConfig, config_to_dict, load_config
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.tokenizer import load_special_tokens, load_tokenizer
 from lmforge.interop.hf import export_hf, import_hf
-from lmforge.interop.hf_tokenizer import read_end_token
+from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens, read_hf_tokenizer_files
 from lmforge.interop.peft import lora_target, write_peft_adapter
-from lmforge.model.lora import adapter_state_dict
+from lmforge.model.lora import adapter_state_dict, lora_layers
 from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, find_checkpoint, list_checkpoints, read_state, verify_checkpoint
 from lmforge.runs.checkpoint.write import write_weights_checkpoint
 from lmforge.runs.load import merged_weights, model_folder, model_from_checkpoint, read_checkpoint_weights
@@ -64,14 +64,17 @@ def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") 
         adapter = adapter_state_dict(model)
         targets = sorted({lora_target(name.rsplit(".", 1)[0]) for name in adapter})
         f = cfg.finetune
-        write_staged(out, lambda folder: write_peft_adapter(adapter, cfg.model, f.lora_rank, f.lora_alpha, targets,
+        alpha = next(iter(lora_layers(model).values())).alpha  # what training used (None in the config: 2 r)
+        write_staged(out, lambda folder: write_peft_adapter(adapter, cfg.model, f.lora_rank, alpha, targets,
                                                             folder, dropout=f.lora_dropout))
         return out
     if lora:  # the base with the adapters folded in: a plain model transformers loads alone
         _, state, _ = merged_weights(path)
     else:
         state = read_checkpoint_weights(path, cfg)
-    write_staged(out, lambda folder: export_hf(cfg.model, state, tokenizer, folder, end_token=cfg.data.end_token))
+    special = load_special_tokens(path, tokenizer, cfg.data.end_token)  # the HF files it came with, if any
+    write_staged(out, lambda folder: export_hf(cfg.model, state, tokenizer, folder, end_token=cfg.data.end_token,
+                                               special=special))
     return out
 
 
@@ -85,7 +88,9 @@ def _export_hf_folder(folder: Path, out: str | Path | None, fmt: str) -> Path:
     _check_free(out)
     model_cfg, state, tokenizer = import_hf(folder)
     end_token = read_end_token(folder, tokenizer)
-    write_staged(out, lambda staged: export_hf(model_cfg, state, tokenizer, staged, end_token=end_token))
+    special = read_hf_special_tokens(folder, tokenizer)  # its template, stop tokens, generation defaults
+    write_staged(out, lambda staged: export_hf(model_cfg, state, tokenizer, staged, end_token=end_token,
+                                               special=special))
     return out
 
 
@@ -112,7 +117,8 @@ def import_run(hf_folder: str | Path, out: str | Path) -> Path:
     tied = {"lm_head.weight"} if model_cfg.tie_embeddings else set()  # a tied head is stored once
     weights = {name: t.contiguous() for name, t in state.items() if name not in tied}
     config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
-    files = {"config.yaml": config_yaml.encode(), "tokenizer.json": tokenizer.to_str(pretty=True).encode()}
+    files = {"config.yaml": config_yaml.encode(), "tokenizer.json": tokenizer.to_str(pretty=True).encode(),
+             **read_hf_tokenizer_files(hf_folder)}  # its chat template, stop tokens, generation defaults
     lock = FolderLock(out, "importing")
     try:
         _check_free(out)  # again, now that no other process can be writing it

@@ -24,10 +24,11 @@ from tokenizers import Tokenizer
 from lmforge.accounting.shapes import meta_model
 from lmforge.common.errors import LmforgeError, lookup
 from lmforge.config import Config, DataConfig, ModelConfig, load_config
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.special_tokens import SpecialTokens
+from lmforge.data.tokenizer import load_special_tokens, load_tokenizer
 from lmforge.interop.hf import hf_weights_dtype, import_hf
 from lmforge.interop.hf_config import read_model_config
-from lmforge.interop.hf_tokenizer import read_end_token, read_hf_tokenizer
+from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens, read_hf_tokenizer
 from lmforge.model.lora import apply_lora, has_lora, merge_lora
 from lmforge.model.transformer import Transformer
 from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, read_manifest, read_state, verify_checkpoint
@@ -253,3 +254,13 @@ def folder_config(path: str | Path) -> Config:
         end_token = read_end_token(folder, read_hf_tokenizer(folder, model_cfg.vocab_size))
         return Config(model=model_cfg, data=DataConfig(end_token=end_token))
     return load_config(folder / "config.yaml")
+
+
+def model_special_tokens(path: str | Path, tokenizer: Tokenizer) -> SpecialTokens:
+    """The special tokens (stops, BOS, chat template: data/special_tokens.py) of a Hugging Face
+    folder, a checkpoint folder, or a run folder's newest good checkpoint."""
+    path = Path(path)
+    if is_hf_folder(path):
+        return read_hf_special_tokens(path, tokenizer)
+    checkpoint = path if (path / "manifest.json").is_file() else base_checkpoint(path)
+    return load_special_tokens(checkpoint, tokenizer, load_config(checkpoint / "config.yaml").data.end_token)

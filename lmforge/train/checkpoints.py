@@ -27,6 +27,8 @@ class Checkpoints:
         self.policy, self.scaler, self.base_identity, self.global_batch = policy, scaler, base_identity, global_batch
         self.config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
         self.tokenizer_json = data.tokenizer.to_str(pretty=True)
+        special = getattr(data, "special", None)  # a fine-tuning base's own token files (train/finetune.py)
+        self.token_files = dict(special.files) if special is not None else {}
 
     def write_start(self) -> None:
         """The run folder's first files (every check has passed)."""
@@ -68,5 +70,6 @@ class Checkpoints:
         if self.base_identity is not None:
             extra["base"] = self.base_identity  # a LoRA checkpoint holds only the adapters: which base they fit
         return self.folder.save(state, self.engine, extra,
-                                {"config.yaml": self.config_yaml.encode(), "tokenizer.json": self.tokenizer_json.encode()},
+                                {"config.yaml": self.config_yaml.encode(), "tokenizer.json": self.tokenizer_json.encode(),
+                                 **self.token_files},
                                 keep=self.cfg.train.keep_checkpoints)

@@ -41,7 +41,8 @@ from lmforge.config import Config
 from lmforge.data.corpus import load_documents, split_documents
 from lmforge.data.loader import window_batch
 from lmforge.data.prepare import PreparedData, data_dir_of, prepare_data
-from lmforge.data.sft import encode_example, example_batch, example_parts, is_example_source, load_examples, read_records
+from lmforge.data.special_tokens import SpecialTokens
+from lmforge.data.sft import encode_record, example_batch, is_example_source, load_examples, read_records
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.data.tokenizer import encode_documents, tokenizer_hash
 from lmforge.data.tokens import unigram_entropy
@@ -49,7 +50,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.modes.parallel import get_strategy
 from lmforge.parallel.launch import resolve_device
 from lmforge.parallel.world import World
-from lmforge.runs.load import base_identity, load_base
+from lmforge.runs.load import base_identity, load_base, model_special_tokens
 from lmforge.train.measurements import rank_share
 from lmforge.train.setup import check_data
 
@@ -66,6 +67,7 @@ class FinetuneData:
     val: object
     batches: Callable = field(default=window_batch)  # loader.window_batch or sft.example_batch
     default_prompt: str = ""  # the end-of-run sample's prompt: the start of a validation document or example
+    special: SpecialTokens | None = None  # the base's stop tokens, BOS and chat template, kept in checkpoints
 
 
 def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, torch.Tensor], dict]:
@@ -76,9 +78,11 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
         raise LmforgeError(f"the run's model.{changed[0]} differs from its base's ({cfg.finetune.base}): "
                            f"a fine-tuning run keeps the base's model settings")
     identity = base_identity(cfg.finetune.base)
+    special = model_special_tokens(cfg.finetune.base, tokenizer)
     source, seq_len = cfg.data.source, cfg.seq_len
     if is_example_source(source):
-        train, val, meta = load_examples(source, tokenizer, seq_len, cfg.data.val_fraction, cfg.data.end_token)
+        train, val, meta = load_examples(source, tokenizer, seq_len, cfg.data.val_fraction, cfg.data.end_token,
+                                         special)
         batches = example_batch
         first = val.tokens[0]
         prompt_end = int(np.argmax(val.targets[0] != IGNORE_INDEX)) + 1  # tokens before the first target
@@ -99,7 +103,7 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
         batches, prompt = window_batch, ""  # "": the summary's own default, the start of a validation document
         log(f"fine-tuning data: {len(train):,} train / {len(val):,} val tokens of plain text from {source}")
     meta.update(tokenizer_sha256=tokenizer_hash(tokenizer), tokenizer_vocab_size=tokenizer.get_vocab_size())
-    data = FinetuneData(Path(source), meta, tokenizer, train, val, batches, prompt)
+    data = FinetuneData(Path(source), meta, tokenizer, train, val, batches, prompt, special)
     return data, state, identity
 
 
@@ -127,13 +131,13 @@ def fitting_seq_len(cfg: Config, tokenizer: Tokenizer) -> tuple[int, str] | None
     source = cfg.data.source
     if not is_example_source(source):
         return None
-    lengths = []
+    lengths, special = [], model_special_tokens(cfg.finetune.base, tokenizer)  # as load_examples encodes them
     for doc in read_records(source):
         try:
             record = json.loads(doc.text)
         except json.JSONDecodeError as err:
             raise LmforgeError(f"{doc.name} is not valid JSON ({err.msg})") from None
-        lengths.append(len(encode_example(tokenizer, example_parts(record, doc.name), cfg.data.end_token)[0]) - 1)
+        lengths.append(len(encode_record(tokenizer, record, doc.name, special)[0]) - 1)
     longest, limit = max(lengths), cfg.model.max_seq_len
     seq_len = min(math.ceil(longest / SEQ_LEN_MULTIPLE) * SEQ_LEN_MULTIPLE, limit)
     why = (f"train.seq_len {seq_len}: the longest of {len(lengths):,} examples fills {longest:,} positions, rounded "

@@ -51,6 +51,7 @@ from lmforge.config import Config
 from lmforge.common.errors import LmforgeError
 from lmforge.kernels import flash_triton
 from lmforge.modes.attention import FLASH_BACKENDS
+from lmforge.interop.peft import load_peft_weights
 from lmforge.model.lora import apply_lora
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
@@ -88,6 +89,8 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     f = cfg.finetune
     if f.lora_rank is not None:
         apply_lora(model, f.lora_targets, f.lora_rank, f.lora_alpha, f.lora_dropout)
+        if f.adapter is not None and torch.device(device).type != "meta":  # continue a PEFT adapter
+            load_peft_weights(model, f.adapter, cfg.model)
     if stage is not None:
         # after LoRA: the adapters are drawn as one process draws them (every layer's, in its
         # order); before the move: the device receives its stage alone
