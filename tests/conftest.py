@@ -3,8 +3,15 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
-from lmforge.config import make_config
+# Triton reads TRITON_INTERPRET once, when it is first imported, and peft imports it: set here,
+# before any test module loads, so the kernels run in Triton's interpreter on a machine without CUDA
+# whatever order the test files are collected in (a GPU runs them compiled).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from lmforge.config import make_config  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
