@@ -3,13 +3,17 @@
 Anything the user can fix (a bad config key, a missing file, a corrupt checkpoint) is raised as
 `LmforgeError` with one line that names the problem and what to do. The CLI prints that line and
 exits with status 2; so does an `OSError` (a full disk, a read-only folder: the machine, not the
-program), through `os_error_message`. Any other exception is a bug and keeps its traceback.
+program), through `os_error_message`, and memory that cannot be allocated (`MemoryError`, or
+torch's allocator refusing), through `memory_error_message`. Any other exception is a bug and
+keeps its traceback.
 A warning (`warn`) is one line on stderr, `lmforge: warning: ...`, for a setting that is allowed
 but probably not meant; the command goes on.
 """
 
 import errno
+import re
 import sys
+import traceback
 
 
 class LmforgeError(Exception):
@@ -30,6 +34,31 @@ def os_error_message(err: OSError) -> str:
     }.get(err.errno, "check the path and run again")
     where = f"{err.filename}: " if err.filename else ""
     return f"{where}{err.strerror or err} ({advice})"
+
+
+# torch's allocators refuse with a RuntimeError (CPU: "DefaultCPUAllocator: can't allocate memory: you
+# tried to allocate N bytes"; CUDA: torch.OutOfMemoryError, a RuntimeError too, "Tried to allocate 2.00 GiB")
+_ALLOCATOR_REFUSALS = ("can't allocate memory", "out of memory", "not enough memory")
+_BYTES_TRIED = re.compile(r"allocate (\d+) bytes")
+
+
+def memory_error_message(err: BaseException) -> str | None:
+    """One line for memory that could not be allocated: how much (when the allocator says), where
+    in lmforge it was asked for, and what to lower; None for an exception that is not that."""
+    text = str(err)
+    if not (isinstance(err, MemoryError) or (isinstance(err, RuntimeError)
+                                             and any(words in text for words in _ALLOCATOR_REFUSALS))):
+        return None
+    tried = _BYTES_TRIED.search(text)
+    how_much = f" {int(tried.group(1)) / 2**30:,.1f} GiB" if tried else ""
+    # the innermost lmforge frame: what asked for the memory (a file name, not a traceback)
+    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if "/lmforge/" in frame.filename]
+    where = ""
+    if frames:
+        frame = frames[-1]
+        where = f" in lmforge/{frame.filename.rsplit('/lmforge/', 1)[1]}:{frame.lineno} ({frame.name})"
+    return (f"out of memory: could not allocate{how_much}{where}; lower train.batch_size, train.seq_len or the "
+            f"model's size (lmforge plan shows what a setup needs)")
 
 
 class UnknownName(LmforgeError, ValueError):

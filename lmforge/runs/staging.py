@@ -1,9 +1,11 @@
 """Folders written whole or not at all: written under a hidden staging name beside their place,
 then renamed into it, so that a kill at any moment leaves either the old folder or the new one.
 
-Checkpoints (runs/checkpoint/write.py) and exported or imported run folders (runs/folders.py) are
-written this way: `.<name>.partial` while being written, `.<name>.stale` for the moment an old
-folder of the same name is swapped out.
+Checkpoints (runs/checkpoint/write.py), exported or imported run folders (runs/folders.py) and
+eval-format's results (structured/evaluate.py) are written this way: `.<name>.partial` while being
+written, `.<name>.stale` for the moment an old folder of the same name is swapped out. A single
+file (`lmforge tasks`' .jsonl) is written the same way by `write_file_staged`. A failure (a full
+disk: OSError) leaves no partial file or folder behind.
 """
 
 import os
@@ -52,3 +54,15 @@ def write_staged(out: Path, write: Callable[[Path], None]) -> None:
         move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_file_staged(out: Path, write: Callable[[Path], None]) -> None:
+    """Call write(path) on a hidden staging file beside `out`, then rename it onto `out`; on any
+    failure the staging file is removed and `out` is left as it was."""
+    staging = out.parent / f".{out.name}.partial"
+    try:
+        write(staging)
+        os.replace(staging, out)
+        fsync_dir(out.parent)
+    finally:
+        staging.unlink(missing_ok=True)
