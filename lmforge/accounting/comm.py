@@ -21,18 +21,16 @@ A step also reduces a few scalars (loss, gradient norm, found-inf): counted apar
 FSDP2 moves what ZeRO-3 does, up to its own padding (each parameter's dim 0, not each unit).
 """
 
-from lmforge.accounting.shapes import meta_model
+from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
-from lmforge.modes.parallel import get_strategy, shard_unit
+from lmforge.modes.parallel import get_strategy
 from lmforge.modes.precision import POLICIES, Policy
 
 
 def unit_sizes(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters per ZeRO unit ("rest", "blocks.0", ...), tied tensors once."""
-    sizes: dict[str, int] = {}
-    for name, p in meta_model(cfg).named_parameters():
-        sizes[shard_unit(name)] = sizes.get(shard_unit(name), 0) + p.numel()
-    return sizes
+    """Parameters per ZeRO unit ("rest", "blocks.0", ...), tied tensors once (read with the model's
+    other shapes from its one meta build)."""
+    return dict(model_shapes(cfg).unit_sizes)
 
 
 def element_bytes(strategy: str, policy: Policy) -> int:

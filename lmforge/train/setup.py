@@ -169,3 +169,17 @@ def check_data(cfg: Config, data, warn) -> None:
         raise LmforgeError(f"the corpus is too small for windows of {cfg.seq_len} tokens "
                            f"({len(data.train)} train, {len(data.val)} val tokens): "
                            f"add text or lower train.seq_len")
+
+
+def check_memory(plan: dict, cfg: Config) -> None:
+    """A setup its plan says needs more memory than the whole device has stops before its first
+    batch is drawn (train.batch_size=10**9 would otherwise grind for minutes, then be killed).
+    The plan's bytes are tested against measured ones (tests/test_memory.py); only a setup beyond
+    the device's total is refused, so a prediction near the limit never stops a run that fits."""
+    memory = plan["memory"]
+    needed, has = memory["per_device_bytes"], memory["device_memory_bytes"]
+    if needed > has:
+        raise LmforgeError(f"train.batch_size={cfg.train.batch_size}, train.seq_len={cfg.seq_len}: the plan needs "
+                           f"{needed / 2**30:,.1f} GiB per device, {plan['time']['hardware']} has "
+                           f"{has / 2**30:,.1f} GiB; lower the batch, the sequence or the model "
+                           f"(lmforge plan shows the breakdown)")
