@@ -19,7 +19,7 @@ def cmd_prepare(args) -> int:
     from lmforge.data.prepare import prepare_data
 
     cfg = make_config(args.model or DEFAULT_PRESET, args.config, args.overrides)
-    data = prepare_data(cfg)
+    data = prepare_data(cfg, progress=sys.stderr.isatty())  # no progress bar in a log
     meta = data.meta
     print(f"{data.dir}: tokenizer.json ({meta['tokenizer_vocab_size']} tokens), "
           f"train.bin ({meta['splits']['train']['tokens']:,} tokens), val.bin ({meta['splits']['val']['tokens']:,} tokens)")

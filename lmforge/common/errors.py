@@ -11,6 +11,7 @@ but probably not meant; the command goes on.
 """
 
 import errno
+import os
 import re
 import sys
 import traceback
@@ -31,9 +32,31 @@ def os_error_message(err: OSError) -> str:
         errno.ENOTDIR: "a file stands where a folder is needed: use another path",
         errno.EISDIR: "a folder stands where a file is needed: use another path",
         errno.EEXIST: "something already exists at that path: use another path",
+        errno.EFBIG: "the file would pass the largest size allowed (ulimit -f, or the file system's): "
+                     "raise the limit or use another disk",
     }.get(err.errno, "check the path and run again")
     where = f"{err.filename}: " if err.filename else ""
     return f"{where}{err.strerror or err} ({advice})"
+
+
+# tokenizers and safetensors (Rust) raise a plain Exception for a failed write: "File too large (os
+# error 27)" (std::io::Error's text), or "... IoError(Os { code: 28, kind: StorageFull, ... })"
+_RUST_OS_ERROR = re.compile(r"os error (\d+)|Os \{ code: (\d+)")
+
+
+def as_os_error(err: BaseException, path) -> BaseException:
+    """`err` as the OSError it is, naming `path` if it names no file (a write() on a full disk names
+    none): also the plain Exception of a Rust library that carries an OS error code. Any other
+    exception is returned unchanged."""
+    if isinstance(err, OSError):
+        if err.filename is None:
+            err.filename = str(path)
+        return err
+    found = _RUST_OS_ERROR.search(str(err)) if type(err).__name__ in ("Exception", "SafetensorError") else None
+    if found is None:
+        return err
+    code = int(found.group(1) or found.group(2))
+    return OSError(code, os.strerror(code), str(path))
 
 
 # torch's allocators refuse with a RuntimeError (CPU: "DefaultCPUAllocator: can't allocate memory: you

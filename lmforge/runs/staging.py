@@ -13,6 +13,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from lmforge.common.errors import as_os_error
+
 
 def staging_path(final: Path) -> Path:
     """The hidden folder `final` is written in before it is renamed into place."""
@@ -44,7 +46,8 @@ def move_into_place(staging: Path, final: Path) -> None:
 
 def write_staged(out: Path, write: Callable[[Path], None]) -> None:
     """Call write(folder) on a fresh staging folder for `out` (one process), then move it into
-    place; on any failure the staging folder is removed and `out` is left as it was."""
+    place; on any failure the staging folder is removed and `out` is left as it was. A failed write
+    is raised as an OSError naming `out` (common/errors.as_os_error), for the CLI's one line."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_path(out)
     shutil.rmtree(staging, ignore_errors=True)  # left by a killed earlier attempt
@@ -52,6 +55,8 @@ def write_staged(out: Path, write: Callable[[Path], None]) -> None:
         staging.mkdir()
         write(staging)
         move_into_place(staging, out)
+    except Exception as err:
+        raise as_os_error(err, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -64,5 +69,8 @@ def write_file_staged(out: Path, write: Callable[[Path], None]) -> None:
         write(staging)
         os.replace(staging, out)
         fsync_dir(out.parent)
+    except Exception as err:
+        raise as_os_error(err, out)
     finally:
         staging.unlink(missing_ok=True)
+

@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from lmforge.accounting.shapes import meta_model
 from lmforge.config import Config
+from lmforge.data.loader import check_windows
 from lmforge.common.errors import LmforgeError
 from lmforge.kernels import flash_triton
 from lmforge.modes.attention import FLASH_BACKENDS
@@ -165,10 +166,7 @@ def check_data(cfg: Config, data, warn) -> None:
                            f"model.vocab_size is {cfg.model.vocab_size}: the other "
                            f"{cfg.model.vocab_size - tokenizer_vocab} embedding rows are never "
                            f"used (set model.vocab_size={tokenizer_vocab} unless that padding is on purpose)")
-    if len(data.val) < cfg.seq_len + 1 or len(data.train) < cfg.seq_len + 1:
-        raise LmforgeError(f"the corpus is too small for windows of {cfg.seq_len} tokens "
-                           f"({len(data.train)} train, {len(data.val)} val tokens): "
-                           f"add text or lower train.seq_len")
+    check_windows(len(data.train), len(data.val), cfg.seq_len)  # a folder prepared for a shorter train.seq_len
 
 
 def check_memory(plan: dict, cfg: Config) -> None:
