@@ -23,6 +23,8 @@ from lmforge.modes.recompute import RECOMPUTE_MODES
 FP32_MAX = 3.4028234663852886e38
 INT64_MAX = 2**63 - 1  # torch's and numpy's integers: a larger count, size or seed overflows in them
 
+MAX_TIMEOUT_SECONDS = 365 * 86400  # datetime.timedelta's own limit is 999,999,999 days
+
 # Sizes beyond these are refused: each is 2x (layers) or 4x and more the largest published model's
 # (Llama 3.1 405B: 126 layers, d_model 16384, d_ff 53248, 128k positions, 128256 tokens), and within
 # them `lmforge plan` answers in about a second (it builds the model on the meta device, ~2 ms per
@@ -148,6 +150,10 @@ def _check_train(cfg: Config) -> None:
     for key in ("batch_size", "grad_accum", "seq_len", "max_steps", "eval_batches", "keep_checkpoints",
                 "log_interval", "max_bad_steps", "bucket_mb", "dist_timeout", "pipeline_stages", "micro_batches"):
         _positive(f"train.{key}", getattr(t, key))
+    # numpy's generators take no negative seed (data/loader.py seeds one with it); a timeout is a timedelta
+    _require(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
+    _require(t.dist_timeout <= MAX_TIMEOUT_SECONDS, f"train.dist_timeout must be at most {MAX_TIMEOUT_SECONDS:,} "
+                                                    f"seconds (a year), got {t.dist_timeout}")
     for key in ("eval_interval", "checkpoint_interval", "sample_tokens", "loss_chunk_tokens"):
         _require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
     _require(cfg.seq_len <= cfg.model.max_seq_len, f"train.seq_len ({cfg.seq_len}) must not exceed "
