@@ -194,7 +194,6 @@ def test_conditions_and_unknown_names():
     (["--formats", "json,toml"], "unknown format 'toml': use one or more of json, yaml, xml"),
     (["--kinds", "poetry"], "unknown task kind 'poetry': use one or more of last_letters, addition, counting, "
                             "sentiment, extraction"),
-    (["--tasks", "0"], "--tasks must be >= 1"),
     ([], "run folder runs/none does not exist"),
 ])
 def test_bad_eval_format_arguments_are_one_line_exit_2(tmp_path, args, message):
