@@ -95,6 +95,8 @@ CASES = [
 # config, below token files, weights, charts and the tests' tokenizer (21 KB); 60 KB above that.
 FULL_DISK = [
     (Case("tasks", "--out t.jsonl -n 2000", "t.jsonl: File too large"), 16_000),
+    (Case("plan", "--model tiny --hardware h100-sxm --plot plan.png", "plan.png: File too large"), 16_000),
+    (Case("runs", "--plot r --out cmp.png", "cmp.png: File too large"), 16_000),
     (Case("prepare", "--model tiny data.source=CORPUS data.dir=data/full", "data/full: File too large"), 16_000),
     (Case("export", "RUN --format hf --out exported", "exported: File too large"), 16_000),
     (Case("eval-format", "RUN --tasks 1 --kinds addition --modes free --max-new-tokens 2 --no-progress",

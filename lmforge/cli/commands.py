@@ -116,6 +116,7 @@ def cmd_plan(args) -> int:
     from lmforge.accounting.plan.compare import print_comparison_table
     from lmforge.accounting.plan.show import print_dtypes, print_plan
     from lmforge.accounting.plan.setups import plan_overrides, plan_setups
+    from lmforge.runs.staging import write_file_staged
 
     console = Console()
     if args.dtypes:
@@ -129,7 +130,7 @@ def cmd_plan(args) -> int:
     plans, varying, note = plan_setups(cfg, args)  # LmforgeError for bad input, before anything is written
     if args.compare:
         if args.plot:
-            plot_comparison(plans, varying, args.plot, name=name)
+            write_file_staged(Path(args.plot), lambda path: plot_comparison(plans, varying, path, name=name))
         if args.json:
             print(json.dumps(plans, indent=2))
         else:
@@ -139,7 +140,7 @@ def cmd_plan(args) -> int:
         return 0
     plan, = plans
     if args.plot:
-        plot_memory(plan, args.plot, name=name)
+        write_file_staged(Path(args.plot), lambda path: plot_memory(plan, path, name=name))
     if args.json:
         print(json.dumps(plan, indent=2))
     else:
@@ -153,11 +154,12 @@ def cmd_plan(args) -> int:
 
 def cmd_runs(args) -> int:
     from lmforge.runs.listing import find_runs, plot_runs, print_runs
+    from lmforge.runs.staging import write_file_staged
 
     if args.plot is None:
         print_runs(find_runs(args.dir), args.dir)
         return 0
-    plot_runs(args.dir, args.plot, args.out)
+    write_file_staged(Path(args.out), lambda path: plot_runs(args.dir, args.plot, path))
     print(f"loss curves: {args.out}")
     return 0
 

@@ -4,7 +4,8 @@ then renamed into it, so that a kill at any moment leaves either the old folder 
 Checkpoints (runs/checkpoint/write.py), exported or imported run folders (runs/folders.py) and
 eval-format's results (structured/evaluate.py) are written this way: `.<name>.partial` while being
 written, `.<name>.stale` for the moment an old folder of the same name is swapped out. A single
-file (`lmforge tasks`' .jsonl) is written the same way by `write_file_staged`. A failure (a full
+file (`lmforge tasks`' .jsonl, the charts of `plan --plot` and `runs --plot`, a run's config.yaml
+and tokenizer.json) is written the same way by `write_file_staged`. A failure (a full
 disk: OSError) leaves no partial file or folder behind.
 """
 
@@ -64,7 +65,7 @@ def write_staged(out: Path, write: Callable[[Path], None]) -> None:
 def write_file_staged(out: Path, write: Callable[[Path], None]) -> None:
     """Call write(path) on a hidden staging file beside `out`, then rename it onto `out`; on any
     failure the staging file is removed and `out` is left as it was."""
-    staging = out.parent / f".{out.name}.partial"
+    staging = out.parent / f".{out.stem}.partial{out.suffix}"  # the suffix kept: matplotlib reads the format from it
     try:
         write(staging)
         os.replace(staging, out)
