@@ -36,7 +36,8 @@ class Shapes:
     # the blocks) or outside them ("lm_head"): a token costs 2 FLOPs per weight in forward.
     linear_weights: MappingProxyType
     parameter_shapes: tuple = ()  # the shape of every parameter, a tied one once (optimizers.py)
-    unit_sizes: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # per ZeRO unit (comm.py)
+    # parameters per ZeRO unit ("rest", "blocks.0", ...), a tied one once (comm.py)
+    unit_sizes: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def matmul_weights(self) -> int:

@@ -64,7 +64,8 @@ def add_finetune(commands) -> None:
         formatter_class=RAW)
     add_run(finetune, "the model to fine-tune: an lmforge run folder (or a Hugging Face folder)",
             dest="base", flag="--base", required=False)  # --resume names no base
-    finetune.add_argument("--lora-rank", type=number(int), help="train LoRA adapters of this rank (default: full fine-tuning)")
+    finetune.add_argument("--lora-rank", type=number(int),
+                          help="train LoRA adapters of this rank (default: full fine-tuning)")
     finetune.add_argument("--lora-alpha", type=number(float), help="LoRA scale alpha: the update is alpha/rank * B A "
                                                            "(default 2 * rank)")
     finetune.add_argument("--lora-targets", help="linear layers to adapt, comma-separated name patterns "
@@ -87,7 +88,8 @@ def add_generate(commands) -> None:
     gen.add_argument("--max-new-tokens", type=COUNT, default=200)
     gen.add_argument("--temperature", type=number(float, at_least=0), default=0.8, help="0 for greedy decoding")
     gen.add_argument("--top-k", type=COUNT, default=None, help="sample among the k most likely tokens")
-    gen.add_argument("--top-p", type=number(float, above=0, at_most=1), default=0.95, help="nucleus sampling mass (1 disables)")
+    gen.add_argument("--top-p", type=number(float, above=0, at_most=1), default=0.95,
+                     help="nucleus sampling mass (1 disables)")
     gen.add_argument("--num-samples", type=COUNT, default=1)
     gen.add_argument("--seed", type=SEED, default=0)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")

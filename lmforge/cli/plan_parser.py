@@ -69,9 +69,11 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
                            "rtx4090, mi300x")
     plan.add_argument("--mfu", type=number(float, above=0, at_most=1), default=0.5,
                       help="MFU assumed for the time estimate, and for prefill with --inference (default 0.5)")
-    plan.add_argument("--tokens", type=number(float, above=0), help="token budget for the total time, FLOPs and cost (default: "
-                                                   "Chinchilla's 20 tokens per parameter)")
-    plan.add_argument("--price-per-hour", type=number(float, at_least=0), help="price of one device-hour, for the cost of the budget")
+    plan.add_argument("--tokens", type=number(float, above=0),
+                      help="token budget for the total time, FLOPs and cost (default: Chinchilla's 20 tokens per "
+                           "parameter)")
+    plan.add_argument("--price-per-hour", type=number(float, at_least=0),
+                      help="price of one device-hour, for the cost of the budget")
     plan.add_argument("--reserve", type=number(float, at_least=0), default=2.0, metavar="GIB",
                       help="GiB per device kept free for the CUDA context and allocator fragmentation (default 2)")
     plan.add_argument("--inference", action="store_true",
