@@ -194,7 +194,6 @@ def test_conditions_and_unknown_names():
     (["--formats", "json,toml"], "unknown format 'toml': use one or more of json, yaml, xml"),
     (["--kinds", "poetry"], "unknown task kind 'poetry': use one or more of last_letters, addition, counting, "
                             "sentiment, extraction"),
-    (["--tasks", "0"], "--tasks must be >= 1"),
     ([], "runs/none does not exist: give an lmforge run folder (config.yaml, "
                   "checkpoints/) or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"),
 ])

@@ -21,23 +21,24 @@ A step also reduces a few scalars (loss, gradient norm, found-inf): counted apar
 FSDP2 moves what ZeRO-3 does, up to its own padding (each parameter's dim 0, not each unit).
 """
 
-from lmforge.accounting.shapes import meta_model
+from lmforge.accounting.shapes import meta_model, model_shapes
 from lmforge.config import ModelConfig
-from lmforge.modes.parallel import get_strategy, shard_unit
+from lmforge.modes.parallel import get_strategy
 from lmforge.modes.precision import POLICIES, Policy
 
 
 def unit_sizes(cfg: ModelConfig, lora: tuple[int, str] | None = None,
                trainable_only: bool = True) -> dict[str, int]:
-    """Parameters per ZeRO unit ("rest", "blocks.0", ...), tied tensors once. With `lora` = (rank,
-    targets) the base is frozen (model/lora.py): only the adapters train, and `trainable_only` keeps
-    just them (what ZeRO shards and DDP reduces; frozen weights stay whole on every rank)."""
-    model = meta_model(cfg)
-    if lora is not None:
-        from lmforge.model.lora import apply_lora
-        model = apply_lora(model, lora[1], lora[0])
+    """Parameters per ZeRO unit ("rest", "blocks.0", ...), tied tensors once (read with the model's
+    other shapes from its one meta build). With `lora` = (rank, targets) the base is frozen
+    (model/lora.py): only the adapters train, and `trainable_only` keeps just them (what ZeRO shards
+    and DDP reduces; frozen weights stay whole on every rank)."""
+    if lora is None:
+        return dict(model_shapes(cfg).unit_sizes)
+    from lmforge.model.lora import apply_lora
+
     sizes: dict[str, int] = {}
-    for name, p in model.named_parameters():
+    for name, p in apply_lora(meta_model(cfg), lora[1], lora[0]).named_parameters():
         if p.requires_grad or not trainable_only:
             sizes[shard_unit(name)] = sizes.get(shard_unit(name), 0) + p.numel()
     return sizes

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from lmforge.config import ModelConfig
+from lmforge.modes.parallel import shard_unit
 
 # The FLOP component of each linear layer, by its name inside a block ("lm_head" outside them).
 # A linear layer not named here is refused: a new layer must be given its component on purpose.
@@ -35,6 +36,8 @@ class Shapes:
     # the blocks) or outside them ("lm_head"): a token costs 2 FLOPs per weight in forward.
     linear_weights: MappingProxyType
     parameter_shapes: tuple = ()  # the shape of every parameter, a tied one once (optimizers.py)
+    # parameters per ZeRO unit ("rest", "blocks.0", ...), a tied one once (comm.py)
+    unit_sizes: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def matmul_weights(self) -> int:
@@ -105,5 +108,9 @@ def _shapes(values: str) -> Shapes:
                 raise ValueError(f"accounting/shapes.py has no FLOP component for the linear layer {name}: "
                                  f"add {key!r} to COMPONENTS")
             linear_weights[key] = linear_weights.get(key, 0) + module.weight.numel()
+    units: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        units[shard_unit(name)] = units.get(shard_unit(name), 0) + p.numel()
     return Shapes(parameters=model.num_params(), linear_weights=MappingProxyType(linear_weights),
-                  parameter_shapes=tuple(tuple(p.shape) for p in model.parameters()))
+                  parameter_shapes=tuple(tuple(p.shape) for p in model.parameters()),
+                  unit_sizes=MappingProxyType(units))

@@ -1,11 +1,51 @@
 """Arguments several subcommands share: the config and its overrides, the run folder (RUN), a
-training's outputs."""
+training's outputs; the parser class, which reports a mistake in one line; and `number`, the type
+of every numeric option, which checks it (finite, in range) as it is read."""
 
 import argparse
+import math
 
 from lmforge.config import DEFAULT_PRESET, MODEL_PRESETS
 
 RAW = argparse.RawDescriptionHelpFormatter
+INT64_MAX = 2**63 - 1  # torch's and numpy's integers: a larger count or seed overflows in them
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a mistake is one line, `lmforge CMD: error: ...`, exit status 2 (argparse
+    prints its usage first; `lmforge CMD --help` shows it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def number(kind: type, at_least=None, above=None, at_most=None):
+    """The argparse type of a numeric option: `kind` (int or float) read from the word, finite, and
+    within the bounds given (an int also within int64). Every numeric option of the CLI has one, so a
+    bad number stops in one line before any work (tests/test_bad_input.py checks that all do)."""
+    if kind is int and at_most is None:
+        at_most = INT64_MAX
+
+    def convert(word: str):
+        try:
+            value = kind(word)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{word!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {word}")
+        for ok, bound in ((at_least is None or value >= at_least, f">= {at_least}"),
+                          (above is None or value > above, f"> {above}"),
+                          (at_most is None or value <= at_most, f"<= {at_most}")):
+            if not ok:
+                raise argparse.ArgumentTypeError(f"must be {bound}, got {word}")
+        return value
+
+    convert.bounds = (kind, at_least, above, at_most)  # read by the tests and docs/bad-input.md's table
+    return convert
+
+
+SEED = number(int, at_least=0)
+COUNT = number(int, at_least=1)
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

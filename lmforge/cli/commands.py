@@ -1,5 +1,7 @@
 """The `lmforge` subcommands, one cmd_* each: glue from the parsed command line to the packages
-that do the work, and `main`. User errors print one line and exit with status 2."""
+that do the work, and `main`. User errors print one line and exit with status 2, as do a failed
+write (OSError) and memory that cannot be allocated; numeric options were checked as they were
+read (arguments.number), a config by config/validate.py."""
 
 import os
 import signal
@@ -10,7 +12,7 @@ from lmforge.cli.launch import launch_train, quiet_rank, resume_command
 from lmforge.cli.parser import build_parser, parse_args
 from lmforge.cli.run_config import finetune_config, resumed_config, resumed_finetune_config, train_config
 from lmforge.cli.scaling import cmd_scaling
-from lmforge.common.errors import LmforgeError, os_error_message
+from lmforge.common.errors import LmforgeError, memory_error_message, os_error_message
 from lmforge.config import DEFAULT_PRESET, make_config
 
 
@@ -18,7 +20,7 @@ def cmd_prepare(args) -> int:
     from lmforge.data.prepare import prepare_data
 
     cfg = make_config(args.model or DEFAULT_PRESET, args.config, args.overrides)
-    data = prepare_data(cfg)
+    data = prepare_data(cfg, progress=sys.stderr.isatty())  # no progress bar in a log
     meta = data.meta
     print(f"{data.dir}: tokenizer.json ({meta['tokenizer_vocab_size']} tokens), "
           f"train.bin ({meta['splits']['train']['tokens']:,} tokens), val.bin ({meta['splits']['val']['tokens']:,} tokens)")
@@ -78,10 +80,6 @@ def cmd_generate(args) -> int:
     from lmforge.generate.texts import print_samples, print_stats, prompt_ids, samples
     from lmforge.parallel.launch import resolve_device
 
-    if args.max_new_tokens < 1 or args.temperature < 0 or args.num_samples < 1:
-        raise LmforgeError("--max-new-tokens and --num-samples must be >= 1 and --temperature >= 0")
-    if args.top_k is not None and args.top_k < 1 or not 0 < args.top_p <= 1:
-        raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
     json_answer = _json_answer(args)  # before loading the model: a bad --schema stops at once
     device = resolve_device(args.device, setting="--device")
     # a run folder (a LoRA run: its base + adapters) or a Hugging Face folder, in its stored dtype by
@@ -114,10 +112,6 @@ def cmd_chat(args) -> int:
     from lmforge.generate.load import load_for_sampling
     from lmforge.parallel.launch import resolve_device
 
-    if args.max_new_tokens < 1 or args.temperature is not None and args.temperature < 0:
-        raise LmforgeError("--max-new-tokens must be >= 1 and --temperature >= 0")
-    if args.top_k is not None and args.top_k < 1 or args.top_p is not None and not 0 < args.top_p <= 1:
-        raise LmforgeError("--top-k must be >= 1 and --top-p in (0, 1]")
     json_answer = _json_answer(args)
     device = resolve_device(args.device, setting="--device")
     loaded, special = load_for_sampling(args.run, args.adapter, args.merge, device=device, warn=_warn)
@@ -156,6 +150,7 @@ def cmd_plan(args) -> int:
     from lmforge.accounting.plan.compare import print_comparison_table
     from lmforge.accounting.plan.show import print_dtypes, print_plan
     from lmforge.accounting.plan.setups import plan_overrides, plan_setups
+    from lmforge.runs.staging import write_file_staged
 
     console = Console()
     if args.dtypes:
@@ -175,7 +170,7 @@ def cmd_plan(args) -> int:
             plan["scaling"] = predicted_loss(fit, model_shapes(cfg.model).matmul_weights, plan["time"]["tokens"])
     if args.compare:
         if args.plot:
-            plot_comparison(plans, varying, args.plot, name=name)
+            write_file_staged(Path(args.plot), lambda path: plot_comparison(plans, varying, path, name=name))
         if args.json:
             print(json.dumps(plans, indent=2))
         else:
@@ -185,7 +180,7 @@ def cmd_plan(args) -> int:
         return 0
     plan, = plans
     if args.plot:
-        plot_memory(plan, args.plot, name=name)
+        write_file_staged(Path(args.plot), lambda path: plot_memory(plan, path, name=name))
     if args.json:
         print(json.dumps(plan, indent=2))
     else:
@@ -232,11 +227,12 @@ def _plan_config(args, overrides: list[str]):
 
 def cmd_runs(args) -> int:
     from lmforge.runs.listing import find_runs, plot_runs, print_runs
+    from lmforge.runs.staging import write_file_staged
 
     if args.plot is None:
         print_runs(find_runs(args.dir), args.dir)
         return 0
-    plot_runs(args.dir, args.plot, args.out)
+    write_file_staged(Path(args.out), lambda path: plot_runs(args.dir, args.plot, path))
     print(f"loss curves: {args.out}")
     return 0
 
@@ -267,32 +263,28 @@ def cmd_import_hf(args) -> int:
 def cmd_tasks(args) -> int:
     import json
 
+    from lmforge.runs.staging import write_file_staged
     from lmforge.structured.tasks import TRAINING_MIX, training_documents
 
-    if args.n < 1:
-        raise LmforgeError("-n must be >= 1")
     out = Path(args.out)
     if not out.parent.is_dir():
         raise LmforgeError(f"--out {out}: folder {out.parent} does not exist; create it or pick another path")
     docs = training_documents(args.n, args.seed)
-    staging = out.with_name(out.name + ".tmp")
-    staging.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs), encoding="utf-8")
-    staging.replace(out)  # whole or not at all
+    text = "".join(json.dumps({"text": doc}) + "\n" for doc in docs)
+    write_file_staged(out, lambda path: path.write_text(text, encoding="utf-8"))  # whole or not at all
     mix = ", ".join(f"{share:.0%} {name}" for name, share in TRAINING_MIX.items())
     print(f"{out}: {len(docs):,} documents ({mix}), seed {args.seed}")
     return 0
 
 
 def cmd_eval_format(args) -> int:
-    from lmforge.structured.evaluate import conditions, run_study, study_plan
+    from lmforge.structured.evaluate import RESULT_FILES, conditions, run_study, study_plan
 
     words = {name: [word.strip() for word in getattr(args, name).split(",") if word.strip()]
              for name in ("kinds", "modes", "formats")}
     conds = conditions(words["modes"], words["formats"])
     if not conds:
         raise LmforgeError("nothing to evaluate: give at least one mode (and a format for modes other than free)")
-    if args.max_new_tokens < 1:
-        raise LmforgeError("--max-new-tokens must be >= 1")
     tasks = study_plan(words["kinds"], args.tasks, args.seed)
     from lmforge.runs.load import model_folder
 
@@ -301,6 +293,11 @@ def cmd_eval_format(args) -> int:
         raise LmforgeError(f"{args.run} is a Hugging Face folder: give --out for the results (lmforge writes "
                            f"nothing into a model's folder)")
     out = Path(args.out) if args.out else Path(args.run) / "eval-format"
+    # the results replace `out` whole (runs/staging.py): a folder holding anything else is not ours to replace
+    others = sorted(p.name for p in out.iterdir() if p.name not in RESULT_FILES) if out.is_dir() else []
+    if others or out.exists() and not out.is_dir():
+        raise LmforgeError(f"--out {out} holds {', '.join(others) or 'a file'}, not only eval-format's results: "
+                           f"use a new folder")
     run_study(args.run, tasks, conds, out, args.max_new_tokens, args.device, progress=not args.no_progress)
     print(f"results: {out}/table.md, {out}/results.png, {out}/results.jsonl")
     return 0
@@ -334,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
     except OSError as err:  # a full disk, a read-only folder: the machine's state, not a bug
         print(f"lmforge: error: {os_error_message(err)}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as err:  # more memory than there is: one line; any other RuntimeError is a bug
+        message = memory_error_message(err)
+        if message is None:
+            raise
+        print(f"lmforge: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nlmforge: interrupted", file=sys.stderr)

@@ -12,8 +12,6 @@ from lmforge.common.errors import LmforgeError
 def launch_train(args, cfg, run_dir: Path) -> int:
     """Check that `cfg` can share its work over --nproc processes, then start them, each running
     the command line typed less --nproc (and, for a new run, with the run folder named here)."""
-    if args.nproc < 1:
-        raise LmforgeError(f"--nproc {args.nproc}: start at least 1 process")
     if cfg.train.parallel == "none" and cfg.train.pipeline_stages == 1:
         raise LmforgeError(f"--nproc {args.nproc} needs a way to share the work: add train.parallel=ddp "
                            f"(or zero1, zero2, zero3, fsdp)")

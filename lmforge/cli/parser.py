@@ -8,7 +8,8 @@ Building the parser imports no torch, so that `lmforge --help` answers at once.
 
 import argparse
 
-from lmforge.cli.arguments import RAW, add_config_args, add_overrides, add_run, add_training_outputs, one_run
+from lmforge.cli.arguments import (COUNT, RAW, SEED, Parser, add_config_args, add_overrides, add_run,
+                                   add_training_outputs, number, one_run)
 from lmforge.cli.plan_parser import add_plan
 from lmforge.cli.scaling import add_scaling
 from lmforge.config import MODEL_PRESETS, _did_you_mean
@@ -43,7 +44,7 @@ def add_train(commands) -> None:
     add_config_args(train)
     add_training_outputs(train, "continue the run in folder RUN from its latest checkpoint; "
                                 "only train.* and optim.* may be overridden")
-    train.add_argument("--nproc", type=int, metavar="N",
+    train.add_argument("--nproc", type=COUNT, metavar="N",
                        help="start N processes on this machine through torchrun's launcher (with train.parallel=ddp, "
                             "zero1, zero2, zero3 or fsdp); the same as torchrun --standalone --nproc_per_node=N "
                             "-m lmforge train ...")
@@ -65,12 +66,13 @@ def add_finetune(commands) -> None:
         formatter_class=RAW)
     add_run(finetune, "the model to fine-tune: an lmforge run folder (or a Hugging Face folder)",
             dest="base", flag="--base", required=False)  # --resume names no base
-    finetune.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank (default: full fine-tuning)")
-    finetune.add_argument("--lora-alpha", type=float, help="LoRA scale alpha: the update is alpha/rank * B A "
+    finetune.add_argument("--lora-rank", type=number(int),
+                          help="train LoRA adapters of this rank (default: full fine-tuning)")
+    finetune.add_argument("--lora-alpha", type=number(float), help="LoRA scale alpha: the update is alpha/rank * B A "
                                                            "(default 2 * rank)")
     finetune.add_argument("--lora-targets", help="linear layers to adapt, comma-separated name patterns "
                                                  "(default q_proj,k_proj,v_proj,o_proj; e.g. 'attn.*,mlp.*')")
-    finetune.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input (default 0)")
+    finetune.add_argument("--lora-dropout", type=number(float), help="dropout on the adapters' input (default 0)")
     finetune.add_argument("--adapter", metavar="DIR", help="continue training the PEFT LoRA adapter in folder DIR "
                                                            "(its rank, alpha and targets)")
     finetune.add_argument("--config", metavar="FILE", help="YAML file with data/optim/train/finetune sections")
@@ -91,12 +93,13 @@ def add_generate(commands) -> None:
                               formatter_class=RAW)
     add_run(gen, "run folder (e.g. runs/small-20261130-120000), checkpoint folder or Hugging Face folder")
     gen.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
-    gen.add_argument("--max-new-tokens", type=int, default=200)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
-    gen.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1 disables)")
-    gen.add_argument("--num-samples", type=int, default=1)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=COUNT, default=200)
+    gen.add_argument("--temperature", type=number(float, at_least=0), default=0.8, help="0 for greedy decoding")
+    gen.add_argument("--top-k", type=COUNT, default=None, help="sample among the k most likely tokens")
+    gen.add_argument("--top-p", type=number(float, above=0, at_most=1), default=0.95,
+                     help="nucleus sampling mass (1 disables)")
+    gen.add_argument("--num-samples", type=COUNT, default=1)
+    gen.add_argument("--seed", type=SEED, default=0)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     gen.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
@@ -125,13 +128,13 @@ def add_chat(commands) -> None:
         formatter_class=RAW)
     add_run(chat, "run folder or Hugging Face folder")
     chat.add_argument("--system", help="a system message to start every conversation with")
-    chat.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
-    chat.add_argument("--temperature", type=float, default=None,
+    chat.add_argument("--max-new-tokens", type=COUNT, default=256, help="per reply (default 256)")
+    chat.add_argument("--temperature", type=number(float, at_least=0), default=None,
                       help="0 for greedy (default: the model's generation_config.json, else 0.8)")
-    chat.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens "
+    chat.add_argument("--top-k", type=COUNT, default=None, help="sample among the k most likely tokens "
                                                               "(default: the model's)")
-    chat.add_argument("--top-p", type=float, default=None, help="nucleus mass (default: the model's, else 0.95)")
-    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--top-p", type=number(float, above=0, at_most=1), default=None, help="nucleus mass (default: the model's, else 0.95)")
+    chat.add_argument("--seed", type=SEED, default=0)
     chat.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     chat.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the base weights")
     chat.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder to put on the model")
@@ -193,8 +196,8 @@ def add_tasks(commands) -> None:
                     "free-text replies, 40%% JSON/YAML/XML replies (both key orders), 20%% free replies converted "
                     "to a format. Train on them with: lmforge train data.source=FILE ...")
     tasks.add_argument("--out", required=True, metavar="FILE", help="the .jsonl file to write")
-    tasks.add_argument("-n", type=int, default=20000, help="number of documents (default 20000)")
-    tasks.add_argument("--seed", type=int, default=0)
+    tasks.add_argument("-n", type=COUNT, default=20000, help="number of documents (default 20000)")
+    tasks.add_argument("--seed", type=SEED, default=0)
 
 
 def add_eval_format(commands) -> None:
@@ -209,21 +212,21 @@ def add_eval_format(commands) -> None:
                "  lmforge eval-format runs/tasks --modes free,constrained --formats json --kinds addition",
         formatter_class=RAW)
     add_run(evalf, "an lmforge run folder, or a local Hugging Face Llama or GPT-2 folder")
-    evalf.add_argument("--tasks", type=int, default=20, help="tasks of each kind (default 20)")
-    evalf.add_argument("--seed", type=int, default=0, help="which test tasks are drawn (default 0)")
+    evalf.add_argument("--tasks", type=COUNT, default=20, help="tasks of each kind (default 20)")
+    evalf.add_argument("--seed", type=SEED, default=0, help="which test tasks are drawn (default 0)")
     evalf.add_argument("--kinds", default="last_letters,addition,counting,sentiment,extraction",
                        help="comma-separated task kinds (default all five)")
     evalf.add_argument("--modes", default="free,instructed,constrained,converted",
                        help="comma-separated: free, instructed, constrained, converted (default all)")
     evalf.add_argument("--formats", default="json,yaml,xml", help="comma-separated: json, yaml, xml (default all)")
-    evalf.add_argument("--max-new-tokens", type=int, default=160, help="per reply (default 160)")
+    evalf.add_argument("--max-new-tokens", type=COUNT, default=160, help="per reply (default 160)")
     evalf.add_argument("--out", metavar="DIR", help="where the results go (default RUN/eval-format)")
     evalf.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     evalf.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="lmforge", description="Build language models from scratch and know what every step costs.",
         epilog=EXAMPLES, formatter_class=RAW)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")

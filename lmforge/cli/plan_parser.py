@@ -2,7 +2,7 @@
 
 import argparse
 
-from lmforge.cli.arguments import RAW, add_config_args, add_run
+from lmforge.cli.arguments import COUNT, RAW, add_config_args, add_run, number
 from lmforge.modes.attention import BACKENDS
 from lmforge.modes.precision import ALIASES, POLICIES
 from lmforge.modes.recompute import RECOMPUTE_MODES
@@ -45,7 +45,7 @@ def _add_plan_setup(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--batch-size", metavar="LIST", help="sequences per micro-batch per data-parallel rank "
                                                            "(--inference: sequences decoded together)")
     plan.add_argument("--seq-len", metavar="LIST", help="tokens per sequence (--inference: the context)")
-    plan.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
+    plan.add_argument("--grad-accum", type=COUNT, help="micro-batches per optimizer step")
     aliases = ", ".join(f"{alias} = {name}" for alias, name in ALIASES.items())
     plan.add_argument("--precision", metavar="LIST", help=f"{', '.join(POLICIES)} (or {aliases})")
     plan.add_argument("--optimizer", metavar="LIST", help="adamw (default), adamw-8bit, adafactor, lion, "
@@ -70,19 +70,21 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--hardware", metavar="LIST", default="this",
                       help="this (measure this machine) or one of: a100, h100-sxm, h100-pcie, h200, b200, l4, "
                            "rtx4090, mi300x")
-    plan.add_argument("--mfu", type=float, default=0.5,
+    plan.add_argument("--mfu", type=number(float, above=0, at_most=1), default=0.5,
                       help="MFU assumed for the time estimate, and for prefill with --inference (default 0.5)")
     plan.add_argument("--scaling", metavar="FIT.json", help="a fit of lmforge scaling fit: add the final loss "
                                                           "it predicts for this model and --tokens")
-    plan.add_argument("--tokens", type=float, help="token budget for the total time, FLOPs and cost (default: "
-                                                   "Chinchilla's 20 tokens per parameter)")
-    plan.add_argument("--price-per-hour", type=float, help="price of one device-hour, for the cost of the budget")
-    plan.add_argument("--reserve", type=float, default=2.0, metavar="GIB",
+    plan.add_argument("--tokens", type=number(float, above=0),
+                      help="token budget for the total time, FLOPs and cost (default: Chinchilla's 20 tokens per "
+                           "parameter)")
+    plan.add_argument("--price-per-hour", type=number(float, at_least=0),
+                      help="price of one device-hour, for the cost of the budget")
+    plan.add_argument("--reserve", type=number(float, at_least=0), default=2.0, metavar="GIB",
                       help="GiB per device kept free for the CUDA context and allocator fragmentation (default 2)")
     plan.add_argument("--inference", action="store_true",
                       help="plan serving instead of training: weights, KV cache, prefill, decode, largest batch")
     plan.add_argument("--weights", metavar="LIST", help="--inference: fp32, bf16 (default), fp16, int8 or int4")
-    plan.add_argument("--group-size", type=int, help="--inference: weights per int8/int4 scale (default 128)")
+    plan.add_argument("--group-size", type=COUNT, help="--inference: weights per int8/int4 scale (default 128)")
     plan.add_argument("--kv-dtype", metavar="LIST", help="--inference: KV cache in fp32, bf16 (default), fp16, "
                                                          "fp8 or int8")
     plan.add_argument("--compare", action="store_true",
@@ -90,7 +92,7 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--solve", choices=("batch", "devices"),
                       help="find the largest micro-batch that fits, or the fewest devices (dp x tp x pp; "
                            "--inference: tp) that fit")
-    plan.add_argument("--lora-rank", type=int, help="LoRA fine-tuning at this rank: count the trainable adapters "
+    plan.add_argument("--lora-rank", type=COUNT, help="LoRA fine-tuning at this rank: count the trainable adapters "
                                                     "and the gradient and optimizer bytes saved")
     plan.add_argument("--lora-targets", help="linear layers LoRA wraps, comma-separated name patterns "
                                              "(default q_proj,k_proj,v_proj,o_proj)")

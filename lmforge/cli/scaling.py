@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lmforge.cli.arguments import RAW, add_overrides
+from lmforge.cli.arguments import COUNT, RAW, add_overrides, number
 from lmforge.common.errors import LmforgeError
 
 EXAMPLES = """\
@@ -29,10 +29,10 @@ def add_scaling(commands) -> None:
     sweep.add_argument("--depths", default="2,3,4,5,6", help="layers of each model; d_model = 32 x layers, "
                                                              "heads of 32 (default 2,3,4,5,6)")
     sweep.add_argument("--budgets", default="3e12,1e13,3e13", help="compute budgets C = 6 N D in FLOPs")
-    sweep.add_argument("--seq-len", type=int, default=128)
-    sweep.add_argument("--vocab-size", type=int, default=4096,
+    sweep.add_argument("--seq-len", type=COUNT, default=128)
+    sweep.add_argument("--vocab-size", type=number(int, at_least=257), default=4096,
                        help="the tokenizer's (default 4096, the default model's: its prepared data is shared)")
-    sweep.add_argument("--nproc", type=int, help="run each model under torchrun with N processes (ddp)")
+    sweep.add_argument("--nproc", type=COUNT, help="run each model under torchrun with N processes (ddp)")
     sweep.add_argument("--dry-run", action="store_true", help="print the grid and stop")
     add_overrides(sweep, "train.batch_size=16 optim.lr=1e-3")
     fit = actions.add_parser("fit", help="fit L(N, D) = E + A/N^alpha + B/D^beta to finished runs",
@@ -42,7 +42,7 @@ def add_scaling(commands) -> None:
     fit.add_argument("--plot", metavar="PNG", help="draw the IsoFLOP curves and the fit")
     fit.add_argument("--grid", choices=("coarse", "paper"), default="coarse",
                      help="L-BFGS starts: coarse (108) or the paper's 4,500 (default coarse)")
-    fit.add_argument("--bootstrap", type=int, default=100, help="refits on resampled runs (default 100)")
+    fit.add_argument("--bootstrap", type=number(int, at_least=0), default=100, help="refits on resampled runs (default 100)")
     fit.add_argument("--check", action="append", default=[], metavar="RUN",
                      help="a finished run outside the fit: its loss beside the prediction")
 
@@ -71,7 +71,6 @@ def sweep(args) -> int:
 
     console = Console()
     depths, budgets = _numbers(args.depths, "--depths", int), _numbers(args.budgets, "--budgets")
-    _numbers(f"{args.seq_len},{args.vocab_size}", "--seq-len/--vocab-size", int)
     train = make_config("tiny", overrides=list(args.overrides)).train  # the user's batch settings, checked
     tokens_per_step = train.batch_size * train.grad_accum * args.seq_len * (args.nproc or 1)
     runs, left_out = sweep_grid(depths, budgets, args.vocab_size, args.seq_len, tokens_per_step)

@@ -3,13 +3,18 @@
 Anything the user can fix (a bad config key, a missing file, a corrupt checkpoint) is raised as
 `LmforgeError` with one line that names the problem and what to do. The CLI prints that line and
 exits with status 2; so does an `OSError` (a full disk, a read-only folder: the machine, not the
-program), through `os_error_message`. Any other exception is a bug and keeps its traceback.
+program), through `os_error_message`, and memory that cannot be allocated (`MemoryError`, or
+torch's allocator refusing), through `memory_error_message`. Any other exception is a bug and
+keeps its traceback.
 A warning (`warn`) is one line on stderr, `lmforge: warning: ...`, for a setting that is allowed
 but probably not meant; the command goes on.
 """
 
 import errno
+import os
+import re
 import sys
+import traceback
 
 
 class LmforgeError(Exception):
@@ -27,9 +32,56 @@ def os_error_message(err: OSError) -> str:
         errno.ENOTDIR: "a file stands where a folder is needed: use another path",
         errno.EISDIR: "a folder stands where a file is needed: use another path",
         errno.EEXIST: "something already exists at that path: use another path",
+        errno.EFBIG: "the file would pass the largest size allowed (ulimit -f, or the file system's): "
+                     "raise the limit or use another disk",
     }.get(err.errno, "check the path and run again")
     where = f"{err.filename}: " if err.filename else ""
     return f"{where}{err.strerror or err} ({advice})"
+
+
+# tokenizers and safetensors (Rust) raise a plain Exception for a failed write: "File too large (os
+# error 27)" (std::io::Error's text), or "... IoError(Os { code: 28, kind: StorageFull, ... })"
+_RUST_OS_ERROR = re.compile(r"os error (\d+)|Os \{ code: (\d+)")
+
+
+def as_os_error(err: BaseException, path) -> BaseException:
+    """`err` as the OSError it is, naming `path` if it names no file (a write() on a full disk names
+    none): also the plain Exception of a Rust library that carries an OS error code. Any other
+    exception is returned unchanged."""
+    if isinstance(err, OSError):
+        if err.filename is None:
+            err.filename = str(path)
+        return err
+    found = _RUST_OS_ERROR.search(str(err)) if type(err).__name__ in ("Exception", "SafetensorError") else None
+    if found is None:
+        return err
+    code = int(found.group(1) or found.group(2))
+    return OSError(code, os.strerror(code), str(path))
+
+
+# torch's allocators refuse with a RuntimeError (CPU: "DefaultCPUAllocator: can't allocate memory: you
+# tried to allocate N bytes"; CUDA: torch.OutOfMemoryError, a RuntimeError too, "Tried to allocate 2.00 GiB")
+_ALLOCATOR_REFUSALS = ("can't allocate memory", "out of memory", "not enough memory")
+_BYTES_TRIED = re.compile(r"allocate (\d+) bytes")
+
+
+def memory_error_message(err: BaseException) -> str | None:
+    """One line for memory that could not be allocated: how much (when the allocator says), where
+    in lmforge it was asked for, and what to lower; None for an exception that is not that."""
+    text = str(err)
+    if not (isinstance(err, MemoryError) or (isinstance(err, RuntimeError)
+                                             and any(words in text for words in _ALLOCATOR_REFUSALS))):
+        return None
+    tried = _BYTES_TRIED.search(text)
+    how_much = f" {int(tried.group(1)) / 2**30:,.1f} GiB" if tried else ""
+    # the innermost lmforge frame: what asked for the memory (a file name, not a traceback)
+    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if "/lmforge/" in frame.filename]
+    where = ""
+    if frames:
+        frame = frames[-1]
+        where = f" in lmforge/{frame.filename.rsplit('/lmforge/', 1)[1]}:{frame.lineno} ({frame.name})"
+    return (f"out of memory: could not allocate{how_much}{where}; lower train.batch_size, train.seq_len or the "
+            f"model's size (lmforge plan shows what a setup needs)")
 
 
 class UnknownName(LmforgeError, ValueError):

@@ -42,7 +42,9 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise LmforgeError(f"config file {path} not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise LmforgeError(f"config file {path} is not UTF-8 text (byte {err.start}): save it as UTF-8") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -21,12 +21,24 @@ from lmforge.modes.recompute import RECOMPUTE_MODES
 # The model and optimizer compute in fp32 (or narrower): a setting beyond its range would become
 # inf in the first step.
 FP32_MAX = 3.4028234663852886e38
+INT64_MAX = 2**63 - 1  # torch's and numpy's integers: a larger count, size or seed overflows in them
+
+MAX_TIMEOUT_SECONDS = 365 * 86400  # datetime.timedelta's own limit is 999,999,999 days
+
+# Sizes beyond these are refused: each is 2x (layers) or 4x and more the largest published model's
+# (Llama 3.1 405B: 126 layers, d_model 16384, d_ff 53248, 128k positions, 128256 tokens), and within
+# them `lmforge plan` answers in about a second (it builds the model on the meta device, ~2 ms per
+# block: accounting/shapes.py) and every product of two sizes stays far inside int64.
+MODEL_SIZE_LIMITS = {"n_layers": 256, "d_model": 2**17, "d_ff": 2**19, "max_seq_len": 2**24,
+                     # the BPE trainer (tokenizers) reserves ~70 bytes per token up front and aborts the
+                     # process, uncatchably, when that fails: 2**32 tokens asked for 283 GB here
+                     "vocab_size": 2**24}
 
 
 def validate(cfg: Config) -> None:
     """Raise LmforgeError for the first setting that cannot work (see config_warnings for the
     ones that can but are probably not meant)."""
-    _check_finite(cfg)
+    _check_numbers(cfg)
     _check_model(cfg.model)
     _check_architecture_choices(cfg.model)
     _check_data(cfg.data)
@@ -57,8 +69,9 @@ def _positive(key: str, value) -> None:
     _require(value is None or value > 0, f"{key} must be positive, got {value}")
 
 
-def _check_finite(cfg: Config) -> None:
-    """nan and inf parse as floats; no setting means them."""
+def _check_numbers(cfg: Config) -> None:
+    """Every number of every section: nan and inf parse as floats, and no setting means them; an
+    integer must fit in int64. The per-setting ranges follow in the _check_* below."""
     for section in SECTIONS:
         for f in dataclasses.fields(getattr(cfg, section)):
             value = getattr(getattr(cfg, section), f.name)
@@ -66,6 +79,9 @@ def _check_finite(cfg: Config) -> None:
                 _require(math.isfinite(value) and abs(value) <= FP32_MAX,
                          f"{section}.{f.name} must be a finite number within fp32's range (|x| <= 3.4e38), "
                          f"got {value}")
+            elif isinstance(value, int) and not isinstance(value, bool):
+                _require(abs(value) <= INT64_MAX, f"{section}.{f.name} must fit in 64 bits (|x| <= 2**63 - 1), "
+                                                  f"got {value}")
 
 
 def _check_model(m: ModelConfig) -> None:
@@ -74,8 +90,12 @@ def _check_model(m: ModelConfig) -> None:
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
                 "rope_theta", "norm_eps"):
         _positive(f"model.{key}", getattr(m, key))
-    _require(257 <= m.vocab_size <= 2**32, f"model.vocab_size must be between 257 (256 bytes + end token) "
-                                           f"and 2**32, got {m.vocab_size}")
+    _require(m.vocab_size >= 257, f"model.vocab_size must be between 257 (256 bytes + end token) "
+                                  f"and 2**24, got {m.vocab_size}")
+    for key, limit in MODEL_SIZE_LIMITS.items():
+        value = getattr(m, key)
+        _require(value is None or value <= limit, f"model.{key}={value} is beyond lmforge's limit of {limit:,} "
+                                                  f"(docs/bad-input.md says why)")
     _require(m.d_head is not None or m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     _require(m.n_heads % m.kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
     _require(m.family != "llama" or m.head_dim % 2 == 0, f"rotary embeddings need an even head dimension, "
@@ -144,6 +164,10 @@ def _check_train(cfg: Config) -> None:
     for key in ("batch_size", "grad_accum", "seq_len", "max_steps", "eval_batches", "keep_checkpoints",
                 "log_interval", "max_bad_steps", "bucket_mb", "dist_timeout", "pipeline_stages", "micro_batches"):
         _positive(f"train.{key}", getattr(t, key))
+    # numpy's generators take no negative seed (data/loader.py seeds one with it); a timeout is a timedelta
+    _require(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
+    _require(t.dist_timeout <= MAX_TIMEOUT_SECONDS, f"train.dist_timeout must be at most {MAX_TIMEOUT_SECONDS:,} "
+                                                    f"seconds (a year), got {t.dist_timeout}")
     for key in ("eval_interval", "checkpoint_interval", "sample_tokens", "loss_chunk_tokens"):
         _require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
     _require(cfg.seq_len <= cfg.model.max_seq_len, f"train.seq_len ({cfg.seq_len}) must not exceed "

@@ -20,6 +20,15 @@ import time
 import numpy as np
 import torch
 
+from lmforge.common.errors import LmforgeError
+
+
+def check_windows(train_tokens: int, val_tokens: int, seq_len: int) -> None:
+    """LmforgeError unless both splits hold one window of seq_len + 1 tokens (inputs and targets)."""
+    if min(train_tokens, val_tokens) < seq_len + 1:
+        raise LmforgeError(f"the corpus is too small for windows of {seq_len} tokens ({train_tokens} train, "
+                           f"{val_tokens} val tokens): add text or lower train.seq_len")
+
 
 def window_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, index: int,
                  pin_memory: bool = False, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,9 +23,10 @@ from tqdm import tqdm
 
 from lmforge.config import Config
 from lmforge.data.corpus import fingerprint, load_documents, split_documents, stdlib_name
+from lmforge.data.loader import check_windows
 from lmforge.data.tokenizer import encode_documents, load_tokenizer, tokenizer_hash, train_tokenizer
 from lmforge.data.tokens import META_FORMAT, open_tokens, read_meta, token_dtype, unigram_entropy, write_tokens
-from lmforge.common.errors import LmforgeError
+from lmforge.common.errors import LmforgeError, as_os_error
 from lmforge.common.folder_lock import FolderLock
 
 
@@ -61,13 +62,19 @@ def prepare_data(cfg: Config, log: Callable[[str], None] = print, progress: bool
                 "vocab_size": cfg.model.vocab_size, "val_fraction": cfg.data.val_fraction}
     if data_dir.exists():
         return _reuse(data_dir, settings)
-    # One process prepares a folder; the lock also covers the check above's "not there yet".
-    with FolderLock(data_dir, "preparing data"):
-        if data_dir.exists():  # prepared by another process while we gathered the documents
-            return _reuse(data_dir, settings)
-        for leftover in data_dir.parent.glob(f".{data_dir.name}.partial-*"):  # from a killed prepare
-            shutil.rmtree(leftover, ignore_errors=True)
-        _build(data_dir, docs, settings, cfg, log, progress)
+    new_parent = not data_dir.parent.exists()
+    try:
+        # One process prepares a folder; the lock also covers the check above's "not there yet".
+        with FolderLock(data_dir, "preparing data"):
+            if data_dir.exists():  # prepared by another process while we gathered the documents
+                return _reuse(data_dir, settings)
+            for leftover in data_dir.parent.glob(f".{data_dir.name}.partial-*"):  # from a killed prepare
+                shutil.rmtree(leftover, ignore_errors=True)
+            _build(data_dir, docs, settings, cfg, log, progress)
+    except BaseException:
+        if new_parent and not any(data_dir.parent.iterdir()):  # a refusal or failure leaves no empty data/
+            data_dir.parent.rmdir()
+        raise
     return open_prepared(data_dir)
 
 
@@ -104,15 +111,16 @@ def _build(data_dir: Path, docs: list, settings: dict, cfg: Config, log: Callabl
                                      encode_documents(tokenizer, _counted(split_docs, bar)), dtype)
                 splits[split] = {"tokens": count, "documents": len(split_docs),
                                  "bytes": sum(len(d.text.encode()) for d in split_docs)}
+        check_windows(splits["train"]["tokens"], splits["val"]["tokens"], cfg.seq_len)  # refused: nothing kept
         meta = {"format": META_FORMAT, **settings, "tokenizer_sha256": tokenizer_hash(tokenizer),
                 "tokenizer_vocab_size": tokenizer.get_vocab_size(), "dtype": dtype.name, "splits": splits}
         meta["unigram_entropy_nats"] = unigram_entropy(open_tokens(staging, "train", meta),
                                                        tokenizer.get_vocab_size())
         (staging / "meta.json").write_text(json.dumps(meta, indent=2))
         os.rename(staging, data_dir)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        raise as_os_error(err, data_dir)  # a full disk: an OSError naming the folder
     log(f"  tokens: {splits['train']['tokens']:,} train, {splits['val']['tokens']:,} val ({dtype.name}), "
         f"{splits['train']['bytes'] / splits['train']['tokens']:.2f} bytes/token, "
         f"unigram entropy {meta['unigram_entropy_nats']:.3f} nats ({time.perf_counter() - started:.1f}s)")

@@ -110,7 +110,10 @@ class RotaryTables(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         device = torch.get_default_device()
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        if device.type == "meta":  # a shapes-only build (accounting/shapes.py): no values to compute on the CPU
+            cos = sin = torch.empty(cfg.max_seq_len, cfg.head_dim)
+        else:
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
 

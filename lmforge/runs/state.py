@@ -22,6 +22,7 @@ from lmforge.parallel.world import World
 from lmforge.runs.checkpoint.find import check_format, find_checkpoint, read_state
 from lmforge.runs.checkpoint.read import load_engine_weights, load_optimizer_state, load_rng_states
 from lmforge.runs.checkpoint.write import remove_partials, save_checkpoint
+from lmforge.runs.staging import write_file_staged
 from lmforge.runs.metrics import MetricsLog
 
 
@@ -86,8 +87,8 @@ class RunFolder:
         """The first writes of a session: the folder, and the config and tokenizer it runs with (on
         resume the config may carry new train.* settings, and a damaged copy is repaired)."""
         self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "config.yaml").write_text(config_yaml)
-        (self.path / "tokenizer.json").write_text(tokenizer_json)
+        for name, text in (("config.yaml", config_yaml), ("tokenizer.json", tokenizer_json)):  # whole or not at all
+            write_file_staged(self.path / name, lambda path, text=text: path.write_text(text))
 
     def save(self, run: RunState, engine, extra_state: dict, files: dict[str, bytes], keep: int) -> Path:
         state = {"run": asdict(run), **extra_state}

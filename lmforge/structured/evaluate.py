@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
+from lmforge.runs.staging import write_staged
 from lmforge.structured.parse import FORMATS, ParseError, parse_answer
 from lmforge.structured.tasks import KINDS, ORDERS, REASONING_KINDS, Task, conversion_prompt, make_tasks, prompt
 
@@ -222,6 +223,22 @@ def study_plan(kinds: list[str], n: int, seed: int) -> list[Task]:
     return [task for kind in kinds for task in make_tasks(kind, n, seed, split="test")]
 
 
+RESULT_FILES = ("results.jsonl", "table.md", "summary.json", "results.png")  # what a study writes into --out
+
+
+def _write_results(out: Path, records: list[dict], rows: list, title: str) -> None:
+    """The study's files, RESULT_FILES, in folder `out`."""
+    with open(out / "results.jsonl", "w", encoding="utf-8") as file:
+        file.writelines(json.dumps(record) + "\n" for record in records)
+    (out / "table.md").write_text(f"{title}\n\n{table_markdown(rows)}", encoding="utf-8")
+    (out / "summary.json").write_text(json.dumps([{**asdict(row), "accuracy": row.accuracy,
+                                                   "accuracy_ci": wilson(row.correct, row.n),
+                                                   "parse_error_rate": row.parse_error_rate,
+                                                   "parse_error_ci": wilson(row.parse_errors, row.n)}
+                                                  for row in rows], indent=1), encoding="utf-8")
+    plot_rows(rows, out / "results.png", title)
+
+
 def run_study(model_path: str, tasks: list[Task], conds: list[Condition], out: Path, max_new_tokens: int = 160,
               device: str = "auto", progress: bool = True) -> list[Row]:
     """Answer every task under every condition; write results.jsonl, table.md, summary.json and
@@ -255,15 +272,6 @@ def run_study(model_path: str, tasks: list[Task], conds: list[Condition], out: P
                 bar.update()
     rows = summarize(records)
     title = f"lmforge eval-format {loaded.name}: {len(tasks)} tasks, greedy, max {max_new_tokens} new tokens"
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w", encoding="utf-8") as file:
-        file.writelines(json.dumps(record) + "\n" for record in records)
-    (out / "table.md").write_text(f"{title}\n\n{table_markdown(rows)}", encoding="utf-8")
-    (out / "summary.json").write_text(json.dumps([{**asdict(row), "accuracy": row.accuracy,
-                                                   "accuracy_ci": wilson(row.correct, row.n),
-                                                   "parse_error_rate": row.parse_error_rate,
-                                                   "parse_error_ci": wilson(row.parse_errors, row.n)}
-                                                  for row in rows], indent=1), encoding="utf-8")
-    plot_rows(rows, out / "results.png", title)
+    write_staged(out, lambda folder: _write_results(folder, records, rows, title))  # all four files or none
     print_table(rows, title)
     return rows

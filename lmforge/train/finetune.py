@@ -39,7 +39,7 @@ from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
 from lmforge.common.formatting import human_bytes
 from lmforge.config import Config
 from lmforge.data.corpus import load_documents, split_documents
-from lmforge.data.loader import window_batch
+from lmforge.data.loader import check_windows, window_batch
 from lmforge.data.prepare import PreparedData, data_dir_of, prepare_data
 from lmforge.data.special_tokens import SpecialTokens
 from lmforge.data.sft import encode_record, example_batch, is_example_source, load_examples, read_records
@@ -93,9 +93,7 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
         train_docs, val_docs = split_documents(load_documents(source), cfg.data.val_fraction)
         train, val = (np.concatenate(list(encode_documents(tokenizer, (d.text for d in docs), end_token=cfg.data.end_token)))
                       for docs in (train_docs, val_docs))
-        if min(len(train), len(val)) < seq_len + 1:
-            raise LmforgeError(f"the corpus is too small for windows of {seq_len} tokens ({len(train)} train, "
-                               f"{len(val)} val tokens): add text or lower train.seq_len")
+        check_windows(len(train), len(val), seq_len)
         meta = {"source": source, "splits": {
             split: {"tokens": len(tokens), "documents": len(docs), "bytes": sum(len(d.text.encode()) for d in docs)}
             for split, tokens, docs in (("train", train, train_docs), ("val", val, val_docs))},

@@ -45,7 +45,7 @@ from lmforge.train.finetune import prepare_run_data
 from lmforge.train.guard import check_bad_steps
 from lmforge.train.measurements import FirstStepMeasurement, WindowClock, rank_share, start_measurements
 from lmforge.train.report import SilentLog, StepLog, training_record
-from lmforge.train.setup import build_engine, check_attention
+from lmforge.train.setup import build_engine, check_attention, check_memory
 from lmforge.train.signals import StopRequests, Stopped
 from lmforge.train.summary import write_summary
 
@@ -123,13 +123,14 @@ class Trainer:
                                        self.base_identity, self.global_batch)
         self.state, metrics_kept = (self.checkpoints.restore(*checkpoint, self.console) if resume
                                     else (RunState(), None))
+        self._measure(machine)
+        check_memory(self.plan, cfg)  # before the loader draws a batch that cannot fit
         # fine-tuning examples draw their own batches (train/finetune.py); text, windows of its tokens
         self.make_batch = getattr(self.data, "batches", window_batch)
         # each replica of the model draws its rows of the global batch (every stage of a pipeline the same)
         self.loader = BatchLoader(self.data.train, cfg.train.batch_size, cfg.seq_len, seed=cfg.train.seed,
                                   start=self.state.loader_position, prefetch=cfg.data.prefetch, device=self.device,
                                   rank=engine.replica, world_size=engine.replicas, make_batch=self.make_batch)
-        self._measure(machine)
         # every check has passed: only now is anything in the run folder written, by rank 0 alone
         if self.world.is_main:
             self.checkpoints.write_start()

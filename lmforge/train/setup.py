@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from lmforge.accounting.shapes import meta_model
 from lmforge.config import Config
+from lmforge.data.loader import check_windows
 from lmforge.common.errors import LmforgeError
 from lmforge.kernels import flash_triton
 from lmforge.modes.attention import FLASH_BACKENDS
@@ -174,7 +175,18 @@ def check_data(cfg: Config, data, warn) -> None:
                            f"model.vocab_size is {cfg.model.vocab_size}: the other "
                            f"{cfg.model.vocab_size - tokenizer_vocab} embedding rows are never "
                            f"used (set model.vocab_size={tokenizer_vocab} unless that padding is on purpose)")
-    if len(data.val) < cfg.seq_len + 1 or len(data.train) < cfg.seq_len + 1:
-        raise LmforgeError(f"the corpus is too small for windows of {cfg.seq_len} tokens "
-                           f"({len(data.train)} train, {len(data.val)} val tokens): "
-                           f"add text or lower train.seq_len")
+    check_windows(len(data.train), len(data.val), cfg.seq_len)  # a folder prepared for a shorter train.seq_len
+
+
+def check_memory(plan: dict, cfg: Config) -> None:
+    """A setup its plan says needs more memory than the whole device has stops before its first
+    batch is drawn (train.batch_size=10**9 would otherwise grind for minutes, then be killed).
+    The plan's bytes are tested against measured ones (tests/test_memory.py); only a setup beyond
+    the device's total is refused, so a prediction near the limit never stops a run that fits."""
+    memory = plan["memory"]
+    needed, has = memory["per_device_bytes"], memory["device_memory_bytes"]
+    if needed > has:
+        raise LmforgeError(f"train.batch_size={cfg.train.batch_size}, train.seq_len={cfg.seq_len}: the plan needs "
+                           f"{needed / 2**30:,.1f} GiB per device, {plan['time']['hardware']} has "
+                           f"{has / 2**30:,.1f} GiB; lower the batch, the sequence or the model "
+                           f"(lmforge plan shows the breakdown)")
