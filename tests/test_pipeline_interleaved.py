@@ -1,0 +1,185 @@
+"""Interleaved 1F1B without processes (the runs are in test_pipeline_interleaved_dist.py): the
+action lists played out on p simulated ranks (every action once, its dependencies met, no
+deadlock, the step's length against the formula), the round-robin layout and the chunk views, the
+accounting, and the settings refused before anything runs."""
+
+import itertools
+import re
+
+import pytest
+import torch
+
+from lmforge.accounting.pipeline import (bubble_fraction, chunks_in_flight, micro_batches_in_flight, rank_chunks,
+                                         virtual_split)
+from lmforge.common.errors import LmforgeError
+from lmforge.config import make_config
+from lmforge.model.transformer import Transformer
+from lmforge.parallel.pipeline.layout import PipelineLayout, chunk_views, cut_stage, pipeline_place
+from lmforge.parallel.pipeline.schedules import Action, interleaved_1f1b, one_f_one_b, peak_in_flight, schedule_actions
+
+
+def play(schedule: str, p: int, m: int, v: int, forward: float, backward: float, latency: float = 0.0,
+         actions: list | None = None):
+    """Run every rank's action list (`schedule`'s, or `actions` by rank) in order as the engine
+    does (a recv blocks, a send does not; a message arrives `latency` after its sender finished):
+    returns (the step's length, the most (micro-batch, chunk) pairs alive on each rank). Raises on
+    a deadlock (no rank can go on) and on a backward before its forward on the same rank."""
+    queues = [list(actions[s] if actions else schedule_actions(schedule, p, m, s, v)) for s in range(p)]
+    done: dict = {}  # (virtual stage, kind, micro) -> the time it finished
+    free, alive, most = [0.0] * p, [0] * p, [0] * p
+    last = p * v - 1
+    while any(queues):
+        moved = False
+        for s in range(p):
+            if not queues[s]:
+                continue
+            kind, i, c = queues[s][0]
+            here = c * p + s
+            if kind == "B" and (here, "F", i) not in done:
+                raise AssertionError(f"rank {s} runs B{i}c{c} before its forward")
+            needs = (here - 1, "F", i) if kind == "F" and here > 0 else \
+                (here + 1, "B", i) if kind == "B" and here < last else None
+            if needs is not None and needs not in done:
+                continue  # blocked in a recv
+            start = max(free[s], done[needs] + latency if needs else 0.0)
+            free[s] = done[here, kind, i] = start + (forward if kind == "F" else backward)
+            alive[s] += 1 if kind == "F" else -1
+            most[s] = max(most[s], alive[s])
+            queues[s].pop(0)
+            moved = True
+        if not moved:
+            raise AssertionError(f"deadlock: every rank waits ({[q[0] for q in queues if q]})")
+    return max(free), most
+
+
+def test_interleaved_is_megatrons_figure_4_bottom():
+    # Narayanan et al. 2021, figure 4 (bottom): 4 devices, 8 micro-batches, 2 chunks; device 1 (rank 0)
+    # runs micro-batches 1-4 through chunk 1, 1-4 through chunk 2, 5-7, then the first backward (chunk 2)
+    assert repr(interleaved_1f1b(4, 8, 0, 2)[:13]) == \
+        "[F0, F1, F2, F3, F0c1, F1c1, F2c1, F3c1, F4, F5, F6, B0c1, F7]"
+    assert repr(interleaved_1f1b(2, 2, 1, 2)) == "[F0, F1, F0c1, B0c1, F1c1, B1c1, B0, B1]"
+
+
+@pytest.mark.parametrize("p,v,rounds", list(itertools.product((2, 3, 4), (1, 2, 3), (1, 2, 3))))
+def test_every_action_runs_once_in_dependency_order_without_deadlock(p, v, rounds):
+    m = rounds * p
+    for s in range(p):
+        actions = interleaved_1f1b(p, m, s, v)
+        every = [Action(kind, i, c) for kind in "FB" for i in range(m) for c in range(v)]
+        assert sorted(actions) == sorted(every)
+        # backwards in micro-batch order on each chunk: gradients sum as one process accumulating them
+        for c in range(v):
+            assert [a.micro for a in actions if a.kind == "B" and a.chunk == c] == list(range(m))
+        assert peak_in_flight(actions) == chunks_in_flight("interleaved-1f1b", p, m, s, v)
+    # unit forward, double backward per chunk of 1/v of the layers: (v m + p - 1) chunk slots
+    length, most = play("interleaved-1f1b", p, m, v, 1.0 / v, 2.0 / v)
+    assert length == pytest.approx((v * m + p - 1) * 3.0 / v, abs=1e-9)
+    assert 1 - m * 3.0 / length == pytest.approx(bubble_fraction(p, m, v), abs=1e-9)
+    assert most == [chunks_in_flight("interleaved-1f1b", p, m, s, v) for s in range(p)]
+
+
+def test_the_bubble_shrinks_v_fold_and_v_1_is_1f1bs():
+    p, m = 4, 8
+    ideal = m * 3.0
+    for v in (1, 2, 4):
+        length, _ = play("interleaved-1f1b", p, m, v, 1.0 / v, 2.0 / v)
+        assert (length - ideal) / ideal == pytest.approx((p - 1) / (v * m))  # the paper's (p-1)/(v m)
+    assert all(bubble_fraction(p, m, 1) == bubble_fraction(p, m) for p in range(1, 9) for m in range(1, 17))
+    one_chunk, _ = play("1f1b", p, m, 1, 1.0, 2.0)
+    assert one_chunk == play("interleaved-1f1b", p, m, 1, 1.0, 2.0)[0]
+
+
+def test_megatrons_longer_warm_up_hides_communication_latency():
+    """With 1F1B's warm-up per chunk (p - s, not 2 (p - s - 1) + 1) the schedule is as short when
+    messages are free but stretches when they take time: why the schedule keeps Megatron's."""
+    p, m, v, latency = 4, 8, 2, 0.1
+    ours, _ = play("interleaved-1f1b", p, m, v, 0.5, 1.0, latency)
+    # the shorter warm-up, built from the same order of forwards and backwards
+    lean = [_with_warmup(p, m, s, v, (p - s - 1) + (v - 1) * p + 1) for s in range(p)]
+    assert play("", p, m, v, 0.5, 1.0, 0.0, lean)[0] == play("interleaved-1f1b", p, m, v, 0.5, 1.0)[0]
+    theirs, _ = play("", p, m, v, 0.5, 1.0, latency, lean)
+    assert ours < theirs
+
+
+def _with_warmup(p: int, m: int, s: int, v: int, warmup: int) -> list[Action]:
+    forwards = [a for a in interleaved_1f1b(p, m, s, v) if a.kind == "F"]
+    backwards = [a for a in interleaved_1f1b(p, m, s, v) if a.kind == "B"]
+    actions = forwards[:warmup]
+    for k in range(m * v - warmup):
+        actions += [backwards[k], forwards[warmup + k]]
+    return actions + backwards[m * v - warmup:]
+
+
+def test_activations_in_flight_on_the_first_rank_are_p_plus_p_minus_1_over_v_micro_batches():
+    p, m = 4, 16
+    assert [micro_batches_in_flight("1f1b", p, m, s) for s in range(p)] == [4, 3, 2, 1]
+    assert [micro_batches_in_flight("interleaved-1f1b", p, m, s, 2) for s in range(p)] == [5.5, 4.5, 3.5, 2.5]
+    assert micro_batches_in_flight("interleaved-1f1b", p, m, 0, 4) == p + (p - 1) / 4
+    assert micro_batches_in_flight("interleaved-1f1b", 2, 2, 0, 2) == 2  # capped: every chunk of every micro-batch
+
+
+def test_rank_s_holds_chunks_s_s_plus_p_round_robin():
+    cfg = make_config("tiny", overrides=["model.n_layers=8", "train.pipeline_stages=2", "train.micro_batches=2",
+                                         "train.schedule=interleaved-1f1b", "train.pipeline_virtual_stages=2"])
+    split = virtual_split(cfg.model, 2, 2, "", cfg.seq_len)
+    assert split == [2, 2, 2, 2]
+    assert rank_chunks(split, 2, 0) == [range(0, 2), range(4, 6)]
+    assert rank_chunks(split, 2, 1) == [range(2, 4), range(6, 8)]
+    layout, layers = pipeline_place(cfg, 1, 2)
+    assert layout.chunks == 2 and layers == [2, 3, 6, 7]
+    assert [layout.virtual_stage(c) for c in range(2)] == [1, 3] and layout.gives_loss(1) and not layout.gives_loss(0)
+    assert layout.rank_of_virtual(2) == 0 and layout.rank_of_virtual(3) == 1
+    assert PipelineLayout.of(2, 4, 2, 2).rank_of_virtual(1) == 3  # replica 1's rank of virtual stage 1
+
+
+def test_chunk_views_run_the_whole_model_in_virtual_stage_order():
+    """Rank 0's and rank 1's chunks (p = 2, v = 2), run 0 -> 1 -> 2 -> 3, give one model's loss
+    exactly: the same modules in the same order. The views share the rank model's parameters."""
+    cfg = make_config("tiny", overrides=["model.n_layers=4"]).model
+    torch.manual_seed(0)
+    whole = Transformer(cfg)
+    ranks = []
+    for stage in (0, 1):
+        torch.manual_seed(0)
+        layout = PipelineLayout.of(stage, 2, 2, 2)
+        layers = [layer for chunk in rank_chunks([1, 1, 1, 1], 2, stage) for layer in chunk]
+        model = cut_stage(Transformer(cfg), layers, layout.first, layout.last)
+        ranks.append((model, chunk_views(model, layout)))
+    (rank0, (c0, c2)), (rank1, (c1, c3)) = ranks
+    assert list(rank0.blocks.keys()) == ["0", "2"] and list(c2.blocks.keys()) == ["2"]
+    assert c0.tok_embeddings is rank0.tok_embeddings and c2.tok_embeddings is None and c1.lm_head is None
+    assert {id(p) for view in (c0, c2) for p in view.parameters()} == {id(p) for p in rank0.parameters()}
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+    targets = torch.randint(0, cfg.vocab_size, (2, 8))
+    assert torch.equal(c3(c2(c1(c0(tokens))), targets), whole(tokens, targets))
+    assert list(rank0.state_dict()) == [n for n in whole.state_dict() if not n.startswith(
+        ("blocks.1.", "blocks.3.", "norm.", "lm_head."))]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.pipeline_virtual_stages=3", "model.n_layers=4"], "cuts the model.n_layers=4 layers into 2 stages x 3 "
+                                                              "virtual stages = 6 equal chunks"),
+    (["train.pipeline_virtual_stages=2", "model.n_layers=4", "train.micro_batches=3"],
+     "train.micro_batches=3 must be a multiple of 2"),
+    (["train.pipeline_virtual_stages=2", "model.n_layers=4", "train.pipeline_split=1,3"],
+     "its chunks are equal; leave it unset"),
+])
+def test_interleaved_settings_that_do_not_fit_are_refused_in_one_line(overrides, message):
+    base = ["train.pipeline_stages=2", "train.micro_batches=2", "train.schedule=interleaved-1f1b"]
+    with pytest.raises(LmforgeError, match=re.escape(message)):
+        make_config("tiny", overrides=base + overrides)
+
+
+def test_virtual_stages_without_the_interleaved_schedule_are_refused():
+    with pytest.raises(LmforgeError, match="train.pipeline_virtual_stages=2 applies to train.schedule=interleaved-1f1b"):
+        make_config("tiny", overrides=["train.pipeline_stages=2", "train.pipeline_virtual_stages=2"])
+    with pytest.raises(LmforgeError, match="train.pipeline_virtual_stages must be"):
+        make_config("tiny", overrides=["train.pipeline_stages=2", "train.schedule=interleaved-1f1b",
+                                       "train.pipeline_virtual_stages=0"])
+
+
+def test_one_f_one_b_is_unchanged_by_the_chunk_field():
+    assert one_f_one_b(4, 8, 0) == [Action("F", 0), Action("F", 1), Action("F", 2), Action("F", 3), Action("B", 0),
+                                    Action("F", 4), Action("B", 1), Action("F", 5), Action("B", 2), Action("F", 6),
+                                    Action("B", 3), Action("F", 7), Action("B", 4), Action("B", 5), Action("B", 6),
+                                    Action("B", 7)]
