@@ -11,9 +11,13 @@ import torch
 
 from lmforge.accounting.pipeline import (bubble_fraction, chunks_in_flight, micro_batches_in_flight, rank_chunks,
                                          virtual_split)
+from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
+from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
+from lmforge.optim.adamw import AdamW
 from lmforge.parallel.pipeline.layout import PipelineLayout, chunk_views, cut_stage, pipeline_place
 from lmforge.parallel.pipeline.schedules import Action, interleaved_1f1b, one_f_one_b, peak_in_flight, schedule_actions
 
@@ -183,3 +187,67 @@ def test_one_f_one_b_is_unchanged_by_the_chunk_field():
                                     Action("F", 4), Action("B", 1), Action("F", 5), Action("B", 2), Action("F", 6),
                                     Action("B", 3), Action("F", 7), Action("B", 4), Action("B", 5), Action("B", 6),
                                     Action("B", 7)]
+
+
+# -- the plan ----------------------------------------------------------------------------------------
+
+def interleaved_plan(cfg, v: int, m: int = 8, b: int = 3, s: int = 48, p: int = 2, schedule="interleaved-1f1b"):
+    return make_plan(cfg, Setup(batch_size=b, seq_len=s, pp=p, micro_batches=m, schedule=schedule,
+                                virtual_stages=v, hardware="h100-sxm"))["pipeline"]
+
+
+def test_the_plans_stages_hold_and_save_what_their_chunks_do():
+    """Each rank's parameters, AdamW's states and the activations one micro-batch saves through
+    its chunks, planned, against the rank's model cut and run chunk by chunk (measured with the
+    saved-tensor hooks; within 8 bytes, the loss's scalar, as test_pipeline_accounting.py)."""
+    cfg = make_config("tiny", overrides=["model.n_layers=4"]).model
+    piped = interleaved_plan(cfg, 2)
+    assert piped["split"] == [1, 1, 1, 1] and piped["split_source"] == "interleaved"
+    b, s = 3, 48
+    for stage, planned in enumerate(piped["stages_detail"]):
+        layout = PipelineLayout.of(stage, 2, 2, 2)
+        layers = [layer for chunk in rank_chunks(piped["split"], 2, stage) for layer in chunk]
+        assert planned["chunk_layers"] == [[layers[0], layers[0]], [layers[1], layers[1]]]
+        torch.manual_seed(0)
+        model = cut_stage(Transformer(cfg), layers, layout.first, layout.last)
+        optimizer = AdamW(model.parameters(), lr=1e-3)
+        saved = 0
+        for c, chunk in enumerate(chunk_views(model, layout)):
+            x = torch.randint(0, cfg.vocab_size, (b, s)) if layout.takes_tokens(c) else \
+                torch.randn(b, s, cfg.d_model, requires_grad=True)
+            with measure_saved_bytes(model.parameters()) as measured:
+                out = chunk(x, torch.randint(0, cfg.vocab_size, (b, s)) if layout.gives_loss(c) else None)
+            out.float().sum().backward()
+            saved += measured.activations
+        optimizer.step()
+        states = model_state_bytes_measured(model, optimizer)
+        assert states == {key: planned["breakdown_bytes"][key] for key in states}, stage
+        assert planned["parameter_count"] == sum(p.numel() for p in model.parameters())
+        assert abs(planned["activations_per_micro_batch_bytes"] - saved) <= 8, stage
+        assert planned["chunks_in_flight"] == chunks_in_flight("interleaved-1f1b", 2, 8, stage, 2)
+
+
+def test_the_plans_bubble_step_and_traffic_for_v_chunks():
+    cfg = make_config("tiny", overrides=["model.n_layers=8", "model.tie_embeddings=false"]).model
+    one = interleaved_plan(cfg, 1, schedule="1f1b")
+    for v in (1, 2, 4):
+        piped = interleaved_plan(cfg, v)
+        assert piped["bubble_fraction"] == bubble_fraction(2, 8, v) == 1 / (8 * v + 1)
+        first, last = piped["stages_detail"]
+        sent, sent_1f1b = first["sent_bytes_per_step"], one["stages_detail"][0]["sent_bytes_per_step"]
+        # a micro-batch leaves each of rank 0's v chunks, and comes back to all but its first
+        assert sent["activations"] == v * sent_1f1b["activations"]
+        assert sent["activation_gradients"] == (v - 1) * last["sent_bytes_per_step"]["activation_gradients"] / v
+        assert piped["seconds_per_step"] == pytest.approx((8 + 1 / v) * max(
+            d["seconds_per_micro_batch"] for d in piped["stages_detail"]))
+    v1 = interleaved_plan(cfg, 1)
+    assert v1["bubble_fraction"] == one["bubble_fraction"] and v1["seconds_per_step"] == one["seconds_per_step"]
+
+
+def test_lmforge_plan_prints_the_interleaved_pipeline(capsys):
+    main(["plan", "--model", "tiny", "model.n_layers=8", "--pp", "4", "train.micro_batches=8",
+          "train.schedule=interleaved-1f1b", "train.pipeline_virtual_stages=2"])
+    out = capsys.readouterr().out
+    assert "interleaved-1f1b, 8 micro-batches, 2 chunks per stage" in out
+    assert "(p - 1) / (v m + p - 1) = 3/19" in out
+    assert " 0,4 " in out and "x 5.5" in out  # rank 0 holds layers 0 and 4, 11 chunks = 5.5 micro-batches
