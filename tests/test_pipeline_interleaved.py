@@ -251,3 +251,25 @@ def test_lmforge_plan_prints_the_interleaved_pipeline(capsys):
     assert "interleaved-1f1b, 8 micro-batches, 2 chunks per stage" in out
     assert "(p - 1) / (v m + p - 1) = 3/19" in out
     assert " 0,4 " in out and "x 5.5" in out  # rank 0 holds layers 0 and 4, 11 chunks = 5.5 micro-batches
+
+
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2),
+                                             ("interleaved-1f1b", 3)])
+def test_two_ranks_send_their_messages_in_the_order_the_receiver_takes_them(schedule, chunks):
+    """The engine tags each message (micro-batch, chunk, direction), so gloo matches them by name;
+    a backend that ignores tags (NCCL) matches a pair of ranks' messages in order, which the
+    schedules also get right: for every (sender, receiver), the sender's sends in its action order
+    are the receiver's recvs in its own (with p = 2 interleaved, activations and gradients mixed)."""
+    for p, rounds in itertools.product((2, 3, 4), (1, 2, 3)):
+        m, last = rounds * p, p * chunks - 1
+        sent: dict = {}
+        taken: dict = {}
+        for s in range(p):
+            for kind, i, c in schedule_actions(schedule, p, m, s, chunks):
+                here = c * p + s
+                ahead, behind = (here + 1, here - 1) if kind == "F" else (here - 1, here + 1)
+                if (here > 0) if kind == "F" else (here < last):  # received from behind
+                    taken.setdefault((behind % p, s), []).append((kind, i, here))
+                if (here < last) if kind == "F" else (here > 0):  # sent ahead
+                    sent.setdefault((s, ahead % p), []).append((kind, i, ahead))
+        assert sent == taken, (p, m)

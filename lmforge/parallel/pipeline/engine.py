@@ -82,7 +82,9 @@ class PipelineEngine(Engine):
 
     # `stage` is the virtual stage sent to or received from (the stage itself with one chunk per rank);
     # the tag names the message, as two ranks exchange several kinds when interleaved (p = 2: both
-    # activations and gradients), which a recv must not take for one another
+    # activations and gradients, of the same shape), which a recv must not take for one another. The
+    # schedules also send in the order the receiver takes (tests/test_pipeline_interleaved.py), for
+    # backends that ignore tags (NCCL)
     def _send(self, tensor: torch.Tensor, stage: int, kind: str, micro: int, tag: int = 0) -> None:
         tensor = tensor.detach().to(self.hidden_dtype).contiguous()
         with self._span(kind, micro):
