@@ -1,7 +1,8 @@
 """Interleaved 1F1B under torchrun (gloo, 2 ranks, the `tiny` model with 4 layers: 2 stages x 2
 chunks of one layer, rank 0 holding layers 0 and 2, rank 1 layers 1 and 3) against one process
-accumulating the same micro-batches, and against torch.distributed.pipelining's
-ScheduleInterleaved1F1B driven with the same chunks.
+accumulating the same micro-batches (also with full recomputation, and 2 replicas of the pipeline
+on 4 ranks), and against torch.distributed.pipelining's ScheduleInterleaved1F1B driven with the
+same chunks.
 
 Tolerances are test_pipeline.py's, for its reasons: the backwards run in micro-batch order on
 every chunk, so each gradient is summed as in one process; untied and unclipped the run is
@@ -31,6 +32,15 @@ def runs(tmp_path_factory):
         "interleaved": pipeline(2, "interleaved-1f1b", M, *INTERLEAVED),
         "torch": pipeline(2, "interleaved-1f1b", M, *INTERLEAVED, "train.pipeline_engine=torch"),
         "exact": pipeline(2, "interleaved-1f1b", M, *INTERLEAVED, "model.tie_embeddings=false", "optim.grad_clip=0"),
+        "recompute": pipeline(2, "interleaved-1f1b", M, *INTERLEAVED, "train.recompute=full"),
+    })
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    # 4 ranks = 2 stages x 2 chunks x 2 replicas: replica 1's chunks send to replica 1's ranks
+    return run_worker(tmp_path_factory.mktemp("interleaved_dp"), 4, {
+        "p2_dp2": pipeline(2, "interleaved-1f1b", 2, *INTERLEAVED, "train.parallel=ddp"),
     })
 
 
@@ -38,6 +48,14 @@ def test_interleaved_1f1b_trains_as_one_process_accumulating_the_micro_batches(r
     reference = single_process(M, 1, "model.n_layers=4")
     assert_same_training(runs["interleaved"], reference)
     assert_same_training(runs["torch"], reference)
+
+
+def test_interleaved_with_full_recomputation_trains_as_one_process(runs):
+    assert_same_training(runs["recompute"], single_process(M, 1, "model.n_layers=4", "train.recompute=full"))
+
+
+def test_interleaved_replicas_train_as_one_process_on_both_replicas_rows(replicated):
+    assert_same_training(replicated["p2_dp2"], single_process(2, 2, "model.n_layers=4"))
 
 
 def test_untied_and_unclipped_interleaved_is_bit_identical_to_one_process(runs):

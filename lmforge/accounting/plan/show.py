@@ -114,10 +114,15 @@ def print_stages(console: Console, piped: dict) -> None:
         table.add_row(str(d["stage"]), layers,
                       human_bytes(parts["parameters"]), human_bytes(parts["gradients"]),
                       human_bytes(parts["master_weights"] + parts["optimizer_states"]),
-                      f"{human_bytes(d['activations_per_micro_batch_bytes'])} x {d['micro_batches_in_flight']}",
+                      f"{human_bytes(d['activations_per_micro_batch_bytes'])} x {_count(d['micro_batches_in_flight'])}",
                       human_bytes(d["total_bytes"]), human_bytes(sum(d["sent_bytes_per_step"].values())),
                       style="bold" if d["stage"] == piped["largest_stage"] else None)
     Console(file=console.file, width=max(console.width, 120)).print(table)
+
+
+def _count(n: float) -> str:
+    """Micro-batches: 4, or 5.5 / 2.33 where interleaving makes them fractions."""
+    return f"{n:g}" if float(n).is_integer() or n * 2 == int(n * 2) else f"{n:.2f}"
 
 
 def add_bubble_rows(timing: Table, piped: dict, assumed_mfu: float) -> None:
@@ -129,7 +134,7 @@ def add_bubble_rows(timing: Table, piped: dict, assumed_mfu: float) -> None:
         step = f"(m + p - 1) x slowest stage = {m + p - 1} x {each}"
         bubble = f"(p - 1) / (m + p - 1) = {p - 1}/{m + p - 1}"
     else:  # interleaved: the fill and drain are p - 1 chunks of 1/v of a stage
-        step = f"(m + (p - 1) / v) x slowest stage = {m + (p - 1) / v:g} x {each}"
+        step = f"(m + (p - 1) / v) x slowest stage = {_count(m + (p - 1) / v)} x {each}"
         bubble = f"(p - 1) / (v m + p - 1) = {p - 1}/{v * m + p - 1}"
     timing.add_row("pipeline step", f"{step}; no bubble: {human_seconds(piped['ideal_seconds_per_step'])}")
     timing.add_row("bubble", f"{bubble} = {piped['bubble_fraction']:.1%} of the step idle")
