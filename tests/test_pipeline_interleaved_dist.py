@@ -39,8 +39,11 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def replicated(tmp_path_factory):
     # 4 ranks = 2 stages x 2 chunks x 2 replicas: replica 1's chunks send to replica 1's ranks
+    exact = ["model.n_layers=4", "train.parallel=ddp", "model.tie_embeddings=false", "optim.grad_clip=0"]
     return run_worker(tmp_path_factory.mktemp("interleaved_dp"), 4, {
-        "p2_dp2": pipeline(2, "interleaved-1f1b", 2, *INTERLEAVED, "train.parallel=ddp"),
+        "p2_dp2": pipeline(2, "interleaved-1f1b", M, *INTERLEAVED, "train.parallel=ddp"),
+        "exact": pipeline(2, "interleaved-1f1b", M, *exact, "train.pipeline_virtual_stages=2"),
+        "exact_1f1b": pipeline(2, "1f1b", M, *exact),
     })
 
 
@@ -55,7 +58,12 @@ def test_interleaved_with_full_recomputation_trains_as_one_process(runs):
 
 
 def test_interleaved_replicas_train_as_one_process_on_both_replicas_rows(replicated):
-    assert_same_training(replicated["p2_dp2"], single_process(2, 2, "model.n_layers=4"))
+    assert_same_training(replicated["p2_dp2"], single_process(M, 2, "model.n_layers=4"))
+    # untied and unclipped, each parameter's gradient is the same sum as under 1F1B's replicas
+    # (micro-batch order, then the two replicas'), whichever rank holds it: bit for bit
+    ours, theirs = replicated["exact"], replicated["exact_1f1b"]
+    assert ours["losses"] == theirs["losses"] and set(ours["model"]) == set(theirs["model"])
+    assert all(torch.equal(ours["model"][k], theirs["model"][k]) for k in ours["model"])
 
 
 def test_untied_and_unclipped_interleaved_is_bit_identical_to_one_process(runs):
