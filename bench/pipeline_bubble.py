@@ -1,4 +1,5 @@
-"""The pipeline bubble measured against the formula (p-1)/(m+p-1) (issue 12's evidence).
+"""The pipeline bubble measured against the formula (p-1)/(m+p-1), (p-1)/(vm+p-1) interleaved
+(issue 12's and issue 26's evidence).
 
 For each number of stages p and micro-batches m (and each schedule), trains a small model a few
 steps with the real command, `python -m lmforge train --nproc p train.pipeline_stages=p
@@ -9,7 +10,11 @@ the measured points beside the formula's curves to --out, and keeps the run's pi
 (p, m) per schedule next to it (--timeline).
 
     nice -n 10 python bench/pipeline_bubble.py [--stages 2,4] [--micro-batches 1,2,4,8,16]
-        [--schedule 1f1b,gpipe] [--steps 4] [--model-args "model.n_layers=8 ..."] [--out bench/pipeline_bubble.png]
+        [--schedule 1f1b,gpipe,interleaved-1f1b] [--virtual-stages 2] [--steps 4]
+        [--model-args "model.n_layers=8 ..."] [--out bench/pipeline_bubble.png]
+
+interleaved-1f1b runs with train.pipeline_virtual_stages=V (--virtual-stages) and only where m is
+a multiple of p (its rounds of p micro-batches); the others are skipped.
 
 The data is a small corpus (the first ~600 KB of this Python's standard library), prepared once
 in the temporary folder. The model is untied (model.tie_embeddings=false), so that the bubble
@@ -62,10 +67,12 @@ def common_args(corpus: Path, data_dir: Path, model_args: list[str], steps: int)
             "train.checkpoint_interval=0", "train.log_interval=1", "train.sample_tokens=0"]
 
 
-def train_command(stages: int, micro_batches: int, schedule: str, run_dir: Path, common: list[str]) -> list[str]:
+def train_command(stages: int, micro_batches: int, schedule: str, run_dir: Path, common: list[str],
+                  virtual_stages: int = 1) -> list[str]:
+    chunks = [f"train.pipeline_virtual_stages={virtual_stages}"] if schedule == "interleaved-1f1b" else []
     return [sys.executable, "-m", "lmforge", "train", "--nproc", str(stages), "--out", str(run_dir), "--no-progress",
             *common, f"train.pipeline_stages={stages}", f"train.micro_batches={micro_batches}",
-            f"train.schedule={schedule}"]
+            f"train.schedule={schedule}", *chunks]
 
 
 def read_result(run_dir: Path) -> dict:
@@ -80,22 +87,24 @@ def read_result(run_dir: Path) -> dict:
 
 
 def format_table(results: list[dict]) -> str:
-    """A Markdown table, one row per run: schedule, p, m, formula, measured, measured / formula, and
-    each stage's idle share."""
-    lines = ["| schedule | p | m | formula (p-1)/(m+p-1) | measured | measured / formula | idle per stage |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    """A Markdown table, one row per run: schedule, p, v (chunks per stage), m, formula, measured,
+    measured / formula, and each stage's idle share."""
+    lines = ["| schedule | p | v | m | formula (p-1)/(vm+p-1) | measured | measured / formula | idle per stage |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
         formula, measured = r["bubble_formula"], r["bubble_measured"]
         ratio = f"{measured / formula:.2f}" if formula > 0 else "-"  # p = 1 has no bubble to compare with
         idle = " ".join(f"{x:.3f}" for x in r["idle_fraction_per_stage"])
-        lines.append(f"| {r['schedule']} | {r['stages']} | {r['micro_batches']} | {formula:.3f} | {measured:.3f} | "
+        lines.append(f"| {r['schedule']} | {r['stages']} | {r.get('virtual_stages', 1)} | {r['micro_batches']} | "
+                     f"{formula:.3f} | {measured:.3f} | "
                      f"{ratio} | {idle} |")
     return "\n".join(lines)
 
 
 def plot_bubbles(results: list[dict], path: Path, title: str) -> None:
     """The measured bubble against m (log 2 axis): the formula's curve and the measured points,
-    one colour per p, one marker per schedule (filled: 1f1b, open: gpipe)."""
+    one colour per p, one marker per schedule (filled: 1f1b, open: gpipe); interleaved runs add
+    their own formula's curve, dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,6 +122,9 @@ def plot_bubbles(results: list[dict], path: Path, title: str) -> None:
         colour = f"C{i}"
         ax.plot(curve_m, [(p - 1) / (m + p - 1) for m in curve_m], color=colour, linewidth=1.2,
                 label=f"p={p}: formula (p-1)/(m+p-1)")
+        for v in sorted({r.get("virtual_stages", 1) for r in results if r["stages"] == p} - {1}):
+            ax.plot(curve_m, [(p - 1) / (v * m + p - 1) for m in curve_m], color=colour, linewidth=1.2,
+                    linestyle="--", label=f"p={p}: formula (p-1)/(vm+p-1), v={v}")
         for schedule in schedules:
             points = sorted((r["micro_batches"] * shift[schedule], r["bubble_measured"]) for r in results
                             if r["stages"] == p and r["schedule"] == schedule)
@@ -140,6 +152,8 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int_list, default=[1, 2, 4, 8, 16],
                         help="comma-separated m (default 1,2,4,8,16)")
     parser.add_argument("--schedule", default="1f1b,gpipe", help="comma-separated schedules (default 1f1b,gpipe)")
+    parser.add_argument("--virtual-stages", type=int, default=2,
+                        help="chunks per stage of interleaved-1f1b runs (default 2)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (default 4)")
     parser.add_argument("--model-args", default=DEFAULT_MODEL_ARGS,
                         help=f"overrides after --model tiny (default: {DEFAULT_MODEL_ARGS!r})")
@@ -161,10 +175,13 @@ def main() -> None:
         for schedule in schedules:
             for p in args.stages:
                 for m in args.micro_batches:
+                    if schedule == "interleaved-1f1b" and m % p:
+                        print(f"{schedule}, p={p}, m={m}: skipped (m not a multiple of p)", file=sys.stderr)
+                        continue
                     run_dir = Path(tmp) / f"{schedule}-p{p}-m{m}"
                     print(f"{schedule}, p={p}, m={m} ...", file=sys.stderr, flush=True)
-                    done = subprocess.run(train_command(p, m, schedule, run_dir, common), env=env, timeout=TIMEOUT,
-                                          capture_output=True, text=True)
+                    done = subprocess.run(train_command(p, m, schedule, run_dir, common, args.virtual_stages),
+                                          env=env, timeout=TIMEOUT, capture_output=True, text=True)
                     if done.returncode != 0:
                         raise SystemExit(f"{schedule} p={p} m={m} failed (exit {done.returncode}):\n"
                                          f"{done.stderr[-3000:]}")

@@ -36,15 +36,17 @@ def fake_results() -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("stages,micro_batches,schedule", [(2, 1, "gpipe"), (4, 16, "1f1b")])
+@pytest.mark.parametrize("stages,micro_batches,schedule", [(2, 1, "gpipe"), (4, 16, "1f1b"),
+                                                          (4, 8, "interleaved-1f1b")])
 def test_train_command_is_a_valid_pipeline_run(bench, tmp_path, stages, micro_batches, schedule):
     common = bench.common_args(tmp_path / "corpus", tmp_path / "data", shlex.split(bench.DEFAULT_MODEL_ARGS), 3)
-    command = bench.train_command(stages, micro_batches, schedule, tmp_path / "run", common)
+    command = bench.train_command(stages, micro_batches, schedule, tmp_path / "run", common, virtual_stages=2)
     assert command[1:4] == ["-m", "lmforge", "train"]
     args = build_parser().parse_args(command[3:])
     assert args.nproc == stages and args.out == str(tmp_path / "run") and args.no_progress
     cfg = make_config(args.model, args.config, args.overrides)  # validates: the split fits, m applies
     assert (cfg.train.pipeline_stages, cfg.train.micro_batches, cfg.train.schedule) == (stages, micro_batches, schedule)
+    assert cfg.train.pipeline_virtual_stages == (2 if schedule == "interleaved-1f1b" else 1)
     assert cfg.train.max_steps == 3 and cfg.train.sample_tokens == 0 and cfg.train.eval_batches == 1
     assert cfg.model.n_layers == 8 and not cfg.model.tie_embeddings
     assert cfg.data.source == str(tmp_path / "corpus") and cfg.data.dir == str(tmp_path / "data")
@@ -66,13 +68,16 @@ def test_table_has_one_row_per_run(bench):
     lines = bench.format_table(results).splitlines()
     assert len(lines) == 2 + len(results)
     cells = [cell.strip() for cell in lines[2 + 6].strip("|").split("|")]  # 1f1b, p=4, m=2
-    assert cells == ["1f1b", "4", "2", "0.600", "0.660", "1.10", "0.630 0.640 0.650 0.660"]
+    assert cells == ["1f1b", "4", "1", "2", "0.600", "0.660", "1.10", "0.630 0.640 0.650 0.660"]
     assert all(line.count("|") == lines[0].count("|") for line in lines)
 
 
 def test_plot_is_written(bench, tmp_path):
     path = tmp_path / "bubble.png"
-    bench.plot_bubbles(fake_results(), path, "made-up results")
+    interleaved = [{**r, "schedule": "interleaved-1f1b", "virtual_stages": 2,
+                    "bubble_formula": bubble_fraction(r["stages"], r["micro_batches"], 2)}
+                   for r in fake_results() if r["schedule"] == "1f1b" and r["micro_batches"] % r["stages"] == 0]
+    bench.plot_bubbles(fake_results() + interleaved, path, "made-up results")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 

@@ -18,6 +18,17 @@ unequal stages, tests/test_pipeline_accounting.py, ends between m and m + p - 1 
 at most min(m, p - s) micro-batches of activations are alive on it; GPipe keeps all m until the
 backwards start.
 
+Interleaved 1F1B (section 2.2.2) cuts the layers into p v equal chunks, rank s holding chunks
+s, s + p, ...: a chunk's forward and backward take (t_f + t_b) / v, the fill and drain (p - 1) of
+those, so the step lasts (v m + p - 1)(t_f + t_b) / v and the bubble is
+
+    (p - 1) / (v m + p - 1)          (p - 1) / (v m) of the ideal m (t_f + t_b); v = 1: 1F1B's
+
+Rank s holds min(2 (p - s - 1) + (v - 1) p + 1, m v) chunk activations at once (its warm-up,
+parallel/pipeline/schedules.py), each 1/v of its layers' (about p + (p - 1)/v micro-batches' worth
+on rank 0, against 1F1B's p), and sends v times as many activations and gradients (a micro-batch
+crosses every rank v times).
+
 How the model is cut (parallel/pipeline/engine.py): stage s holds the blocks stage_layers(split)[s], the
 first stage also the token (and learned position) embeddings, the last the final norm, LM head
 and loss; with tied embeddings the first and the last stage each hold a full copy of the shared
@@ -41,14 +52,24 @@ from lmforge.modes.parallel import parse_split
 from lmforge.modes.precision import Policy
 
 
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """(p - 1) / (m + p - 1): the idle share of a pipeline step (GPipe and 1F1B)."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def bubble_fraction(stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """(p - 1) / (v m + p - 1): the idle share of a pipeline step (GPipe and 1F1B: v = 1 chunk per rank)."""
+    return (stages - 1) / (chunks * micro_batches + stages - 1)
 
 
-def micro_batches_in_flight(schedule: str, stages: int, micro_batches: int, stage: int) -> int:
-    """Micro-batches whose activations stage `stage` holds at once: m for GPipe, min(m, p - stage) for 1F1B."""
+def chunks_in_flight(schedule: str, stages: int, micro_batches: int, stage: int, chunks: int = 1) -> int:
+    """(micro-batch, chunk) activations stage `stage` holds at once: m for GPipe, min(m, p - stage)
+    for 1F1B, the warm-up min(2 (p - s - 1) + (v - 1) p + 1, m v) interleaved."""
+    if schedule == "interleaved-1f1b":
+        return min(2 * (stages - stage - 1) + (chunks - 1) * stages + 1, micro_batches * chunks)
     return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)
+
+
+def micro_batches_in_flight(schedule: str, stages: int, micro_batches: int, stage: int, chunks: int = 1) -> float:
+    """Micro-batches' worth of activations (of all the stage's layers) that stage `stage` holds at
+    once: chunks_in_flight / v (an int with one chunk; 5.5 for p=4, v=2 on stage 0)."""
+    held = chunks_in_flight(schedule, stages, micro_batches, stage, chunks)
+    return held if chunks == 1 else held / chunks
 
 
 def stage_costs(cfg: ModelConfig, seq_len: int, split: list[int]) -> list[float]:
@@ -91,6 +112,19 @@ def balanced_split(cfg: ModelConfig, stages: int, seq_len: int) -> list[int]:
 def pipeline_split(cfg: ModelConfig, stages: int, split_text: str, seq_len: int) -> list[int]:
     """Layers per stage: `train.pipeline_split` if given (checked), else balanced by cost."""
     return parse_split(split_text, cfg.n_layers, stages) or balanced_split(cfg, stages, seq_len)
+
+
+def virtual_split(cfg: ModelConfig, stages: int, chunks: int, split_text: str, seq_len: int) -> list[int]:
+    """Layers per virtual stage: pipeline_split's p stages with one chunk per rank; p v equal
+    chunks interleaved (config/validate.py checks that they divide the layers)."""
+    if chunks == 1:
+        return pipeline_split(cfg, stages, split_text, seq_len)
+    return [cfg.n_layers // (stages * chunks)] * (stages * chunks)
+
+
+def rank_chunks(split: list[int], stages: int, stage: int) -> list[range]:
+    """The layers of each chunk rank `stage` holds, virtual stages stage, stage + p, ... of `split`."""
+    return stage_layers(split)[stage::stages]
 
 
 def stage_layers(split: list[int]) -> list[range]:

@@ -118,7 +118,8 @@ class TrainConfig:
     # stages, one per rank; with more ranks than stages, the pipelines are replicated (data parallel)
     pipeline_stages: int = 1
     micro_batches: int = 1  # pipeline micro-batches per optimizer step, each of train.batch_size sequences
-    schedule: str = "1f1b"  # gpipe | 1f1b: the order in which each stage runs its forwards and backwards
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b: the order in which each stage runs its forwards and backwards
+    pipeline_virtual_stages: int = 1  # interleaved-1f1b: model chunks per rank (v; the layers cut into p x v)
     pipeline_split: str = ""  # layers per stage, e.g. "4,4,4,4"; "": balanced by each layer's FLOPs
     pipeline_engine: str = "lmforge"  # lmforge: our schedules | torch: torch.distributed.pipelining's
 

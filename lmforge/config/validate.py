@@ -162,7 +162,8 @@ def _check_optim(o: OptimConfig) -> None:
 def _check_train(cfg: Config) -> None:
     t = cfg.train
     for key in ("batch_size", "grad_accum", "seq_len", "max_steps", "eval_batches", "keep_checkpoints",
-                "log_interval", "max_bad_steps", "bucket_mb", "dist_timeout", "pipeline_stages", "micro_batches"):
+                "log_interval", "max_bad_steps", "bucket_mb", "dist_timeout", "pipeline_stages", "micro_batches",
+                "pipeline_virtual_stages"):
         _positive(f"train.{key}", getattr(t, key))
     # numpy's generators take no negative seed (data/loader.py seeds one with it); a timeout is a timedelta
     _require(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
@@ -180,10 +181,28 @@ def _check_train(cfg: Config) -> None:
     _choose("train.pipeline_engine", t.pipeline_engine, PIPELINE_ENGINES)
 
 
+def _check_interleaved(t: TrainConfig, m: ModelConfig) -> None:
+    """train.schedule=interleaved-1f1b: p x v equal chunks, rounds of p micro-batches (Megatron-LM's rules)."""
+    p, v = t.pipeline_stages, t.pipeline_virtual_stages
+    if t.schedule != "interleaved-1f1b":
+        _require(v == 1, f"train.pipeline_virtual_stages={v} applies to train.schedule=interleaved-1f1b, "
+                         f"not {t.schedule}")
+        return
+    _require(m.n_layers % (p * v) == 0, f"train.schedule=interleaved-1f1b cuts the model.n_layers={m.n_layers} "
+                                        f"layers into {p} stages x {v} virtual stages = {p * v} equal chunks: "
+                                        f"use a number of layers divisible by {p * v}, or other stages")
+    _require(t.micro_batches % p == 0, f"train.schedule=interleaved-1f1b runs micro-batches in rounds of "
+                                       f"train.pipeline_stages={p}: train.micro_batches={t.micro_batches} "
+                                       f"must be a multiple of {p}")
+    _require(not t.pipeline_split.strip(), f"train.pipeline_split={t.pipeline_split} with "
+                                           f"train.schedule=interleaved-1f1b: its chunks are equal; leave it unset")
+
+
 def _check_combinations(t: TrainConfig, m: ModelConfig) -> None:
     """Settings fine one by one that do not work together."""
     if t.pipeline_stages > 1 or t.pipeline_split:
         parse_split(t.pipeline_split, m.n_layers, t.pipeline_stages)  # raises on a split that does not fit
+    _check_interleaved(t, m)
     _require(t.pipeline_stages > 1 or t.micro_batches == 1,
              f"train.micro_batches={t.micro_batches} applies to pipelines (train.pipeline_stages > 1); "
              f"to accumulate gradients over micro-batches in one process use train.grad_accum")

@@ -55,10 +55,13 @@ PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
     # Narayanan et al. 2021, section 2.2: after a warm-up, one forward then one backward; stage s keeps
     # at most p - s micro-batches of activations alive; the same bubble as GPipe
     PipelineSchedule("1f1b", "warm-up forwards, then one forward one backward (1F1B)"),
+    # Narayanan et al. 2021, section 2.2.2: each rank holds train.pipeline_virtual_stages chunks (round
+    # robin); the bubble shrinks v-fold, for v times the point-to-point traffic
+    PipelineSchedule("interleaved-1f1b", "1F1B over v model chunks per rank (interleaved 1F1B)"),
 )}
 
 PIPELINE_ENGINES = {"lmforge": "our schedules on send/recv (parallel/pipeline/engine.py)",
-                    "torch": "torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B"}
+                    "torch": "torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B"}
 
 
 def parse_split(text: str, n_layers: int, stages: int) -> list[int] | None:

@@ -103,8 +103,10 @@ def print_summary(console: Console, summary: dict, run: RunMeasurements, fp32_at
     print_comparison(console, summary["predicted_vs_measured"])
     pipeline = run.pipeline
     if pipeline is not None and pipeline["bubble_measured"] is not None:
-        console.print(f"pipeline ({pipeline['schedule']}, p={pipeline['stages']}, m={pipeline['micro_batches']}): "
-                      f"bubble measured {pipeline['bubble_measured']:.1%} of the step, (p-1)/(m+p-1) = "
+        v = pipeline.get("virtual_stages", 1)
+        console.print(f"pipeline ({pipeline['schedule']}, p={pipeline['stages']}, m={pipeline['micro_batches']}"
+                      f"{f', v={v}' if v > 1 else ''}): bubble measured {pipeline['bubble_measured']:.1%} of the step, "
+                      f"{'(p-1)/(vm+p-1)' if v > 1 else '(p-1)/(m+p-1)'} = "
                       f"{pipeline['bubble_formula']:.1%}; timeline of step {pipeline['timeline_step']} in "
                       f"{Path(summary['run_dir']) / 'pipeline.png'} and pipeline_trace.json", soft_wrap=True)
     if "sample" in summary:

@@ -48,6 +48,7 @@ class Setup:
     micro_batches: int = 1  # pipeline micro-batches per optimizer step, each of batch_size sequences
     schedule: str = "1f1b"  # gpipe | 1f1b (modes/parallel.py's PIPELINE_SCHEDULES): how many are in flight
     pipeline_split: str = ""  # layers per stage, "4,4,4,4"; "": balanced by FLOPs (accounting/pipeline.py)
+    virtual_stages: int = 1  # interleaved-1f1b: model chunks per stage (train.pipeline_virtual_stages)
     recompute: str = "none"
     attention: str = "sdpa"  # a name in modes/attention.py: naive keeps the s x s scores, the fused ones do not
     fp32_attention: bool = False  # the attention core in fp32 under a low-precision policy
@@ -88,7 +89,7 @@ class Setup:
                       loss_chunk_tokens=cfg.train.loss_chunk_tokens, lora_rank=cfg.finetune.lora_rank,
                       lora_targets=cfg.finetune.lora_targets, pp=cfg.train.pipeline_stages,
                       micro_batches=cfg.train.micro_batches, schedule=cfg.train.schedule,
-                      pipeline_split=cfg.train.pipeline_split)
+                      pipeline_split=cfg.train.pipeline_split, virtual_stages=cfg.train.pipeline_virtual_stages)
         values.update({k: v for k, v in changes.items() if v is not None})
         return cls(**values)
 
@@ -97,7 +98,7 @@ class Setup:
         def require(ok, message):
             if not ok:
                 raise ValueError(message)
-        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "micro_batches"):
+        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "micro_batches", "virtual_stages"):
             require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         get_policy(self.precision)
         lookup(OPTIMIZERS, self.optimizer, "optimizer")
@@ -122,6 +123,11 @@ class Setup:
                                                                f"(leave it out for full fine-tuning)")
         if model is not None and self.pp > 1:  # one line for more stages than layers, or a split that does not fit
             parse_split(self.pipeline_split, model.n_layers, self.pp)
+            require(self.schedule == "interleaved-1f1b" or self.virtual_stages == 1,
+                    f"{self.virtual_stages} virtual stages apply to the interleaved-1f1b schedule, not {self.schedule}")
+            require(self.schedule != "interleaved-1f1b" or model.n_layers % (self.pp * self.virtual_stages) == 0,
+                    f"pp {self.pp} x {self.virtual_stages} virtual stages = {self.pp * self.virtual_stages} equal "
+                    f"chunks do not divide the {model.n_layers} layers")
         if model is not None:  # tensor parallelism splits attention by whole heads
             fitting = tensor_parallel_degrees(model)
             require(self.tp in fitting, f"tp {self.tp} must divide the {model.n_heads} attention heads and "

@@ -3,27 +3,31 @@ formulas of accounting/pipeline.py (the split, the bubble, micro-batches in flig
 stage holds) and accounting/memory.py.
 
 pipeline_plan's dict, JSON-ready: stages, micro_batches, schedule, split (layers per stage),
-split_source ("given" or "balanced"), bubble_fraction ((p-1)/(m+p-1)), slowest_stage,
-seconds_per_step ((m+p-1) x the slowest stage's seconds per micro-batch), ideal_seconds_per_step
+split_source ("given", "balanced" or "interleaved": p x v equal chunks, `split` then layers per
+virtual stage), virtual_stages (v, chunks per rank), bubble_fraction ((p-1)/(vm+p-1)), slowest_stage,
+seconds_per_step ((m+(p-1)/v) x the slowest stage's seconds per micro-batch), ideal_seconds_per_step
 (the same FLOPs spread evenly over every device, no bubble), best_mfu (assumed MFU x ideal / real:
 what the schedule leaves), largest_stage (the one with the most memory: the plan's per-device
 memory), and stages_detail, one dict per stage:
 
-  stage, layers ([first, last] layer index), parameter_count (held, the tied copy included),
+  stage, layers ([first, last] layer index), chunk_layers ([first, last] of each of its chunks;
+  interleaved, a rank's chunks are not contiguous), parameter_count (held, the tied copy included),
   breakdown_bytes (the plan's memory parts for this stage: parameters, gradients, master_weights,
   optimizer_states, weight_copies and activations of the micro-batches in flight, a fully
   recomputed layer, the logits on the last stage), total_bytes (their sum),
   activations_per_micro_batch_bytes (saved for backward by one micro-batch's forward, weight casts
   included: what measure_saved_bytes sees), activation_breakdown_bytes (that by part, less the
   casts), micro_batches_in_flight, activations_in_flight_bytes (their product: the peak alive at
-  once), forward_flops_per_token, seconds_per_micro_batch (forward + backward),
+  once; interleaved, chunks_in_flight / v micro-batches' worth, the chunks taken as saving equal
+  bytes), chunks_in_flight, forward_flops_per_token, seconds_per_micro_batch (forward + backward),
   sent_bytes_per_step (by what: activations forward, their gradients backward, the tied matrix's
   gradient between the end stages, the data-parallel all-reduce of the stage's gradients).
 """
 
 from lmforge.accounting import memory
-from lmforge.accounting.pipeline import (StageParameters, bubble_fraction, micro_batches_in_flight, pipeline_split,
-                                         stage_communication, stage_costs, stage_layers, stage_parameters)
+from lmforge.accounting.pipeline import (StageParameters, bubble_fraction, chunks_in_flight, micro_batches_in_flight,
+                                         rank_chunks, stage_communication, stage_costs, stage_parameters,
+                                         virtual_split)
 from lmforge.config import ModelConfig
 from lmforge.modes.precision import Policy
 
@@ -31,23 +35,24 @@ from lmforge.modes.precision import Policy
 def pipeline_plan(cfg: ModelConfig, setup, policy: Policy, flops_per_second: float) -> dict:
     """plan["pipeline"] (see the module's docstring) for a setup (plan/make.py's Setup) with pp > 1
     stages under `policy`, each device doing `flops_per_second` (its peak at the assumed MFU)."""
-    p, m = setup.pp, setup.micro_batches
-    split = pipeline_split(cfg, p, setup.pipeline_split, setup.seq_len)
+    p, m, v = setup.pp, setup.micro_batches, setup.virtual_stages
+    split = virtual_split(cfg, p, v, setup.pipeline_split, setup.seq_len)
     details = stage_details(cfg, setup, policy, split, flops_per_second)
     times = [d["seconds_per_micro_batch"] for d in details]
     slowest = max(range(p), key=times.__getitem__)
-    step = (m + p - 1) * times[slowest]
+    step = (m + (p - 1) / v) * times[slowest]  # the fill and drain: p - 1 chunks of 1/v of a stage
     ideal = m * sum(times) / p
-    return {"stages": p, "micro_batches": m, "schedule": setup.schedule, "split": split,
-            "split_source": "given" if setup.pipeline_split.strip() else "balanced",
-            "bubble_fraction": bubble_fraction(p, m), "slowest_stage": slowest,
+    return {"stages": p, "micro_batches": m, "schedule": setup.schedule, "split": split, "virtual_stages": v,
+            "split_source": "interleaved" if v > 1 else "given" if setup.pipeline_split.strip() else "balanced",
+            "bubble_fraction": bubble_fraction(p, m, v), "slowest_stage": slowest,
             "seconds_per_step": step, "ideal_seconds_per_step": ideal, "best_mfu": setup.mfu * ideal / step,
             "largest_stage": max(range(p), key=lambda s: details[s]["total_bytes"]),
             "stages_detail": details}
 
 
 def stage_details(cfg: ModelConfig, setup, policy: Policy, split: list[int], flops_per_second: float) -> list[dict]:
-    """pipeline_plan's stages_detail: one dict per stage of `split`."""
+    """pipeline_plan's stages_detail: one dict per stage (rank) of the pipeline, `split` giving the
+    layers of each virtual stage (each stage itself with one chunk per rank)."""
     p = setup.pp
     tokens = setup.batch_size * setup.seq_len  # per micro-batch
     details = []
@@ -56,16 +61,27 @@ def stage_details(cfg: ModelConfig, setup, policy: Policy, split: list[int], flo
     costs = stage_costs(cfg, setup.seq_len, split)
     # ZeRO-1 over each stage's replicas computes on 16-bit working weights under a mixed policy
     layout = memory.sharded_layout(policy, setup.zero_stage)
-    for stage, (layers, params, cost) in enumerate(zip(stage_layers(split), held, costs)):
-        shape = len(layers), stage == 0, stage == p - 1
-        if shape not in saved:
-            saved[shape] = memory.activation_breakdown(
-                cfg, setup.batch_size, setup.seq_len, layout, setup.attention, setup.recompute, setup.tp,
-                setup.fp32_attention, setup.loss_chunk_tokens, setup.sequence_parallel, layers=shape[0],
-                first=shape[1], last=shape[2])
-        details.append({"stage": stage, "layers": [layers.start, layers.stop - 1],
+    for stage in range(p):
+        chunks = rank_chunks(split, p, stage)
+        virtual = range(stage, len(split), p)  # the virtual stages of its chunks
+        params = StageParameters(tuple(shape for vs in virtual for shape in held[vs].shapes),
+                                 None if setup.lora_rank is None else sum(held[vs].adapters for vs in virtual))
+        parts: dict = {}  # one micro-batch through all the stage's chunks
+        for vs, layers in zip(virtual, chunks):
+            shape = len(layers), vs == 0, vs == len(split) - 1
+            if shape not in saved:
+                saved[shape] = memory.activation_breakdown(
+                    cfg, setup.batch_size, setup.seq_len, layout, setup.attention, setup.recompute, setup.tp,
+                    setup.fp32_attention, setup.loss_chunk_tokens, setup.sequence_parallel, layers=shape[0],
+                    first=shape[1], last=shape[2])
+            for key, value in saved[shape].items():
+                # one recomputed layer alive at a time, whichever chunk it is in
+                parts[key] = max(parts.get(key, 0), value) if key == "recomputed_layer" else parts.get(key, 0) + value
+        cost = sum(costs[vs] for vs in virtual)
+        details.append({"stage": stage, "layers": [chunks[0].start, chunks[-1].stop - 1],
+                        "chunk_layers": [[c.start, c.stop - 1] for c in chunks],
                         "parameter_count": params.count,
-                        **stage_memory(cfg, setup, policy, stage, params, dict(saved[shape])),
+                        **stage_memory(cfg, setup, policy, stage, params, parts),
                         "forward_flops_per_token": cost,
                         # forward + backward, 3x the forward (flops.py); tensor ranks share it
                         "seconds_per_micro_batch": 3 * cost * tokens / setup.tp / flops_per_second,
@@ -81,7 +97,7 @@ def stage_memory(cfg: ModelConfig, setup, policy: Policy, stage: int, params: St
                                       params.adapters, params.shapes)
     # alive one at a time, not per micro-batch in flight: a block rerun in backward, the logits
     recomputed = saved.pop("recomputed_layer", 0)
-    in_flight = micro_batches_in_flight(setup.schedule, p, setup.micro_batches, stage)
+    in_flight = micro_batches_in_flight(setup.schedule, p, setup.micro_batches, stage, setup.virtual_stages)
     per_micro_batch = sum(saved.values())  # weight casts included: each forward keeps its own
     breakdown = {**states,
                  "weight_copies": saved["weight_copies"] * in_flight,
@@ -91,6 +107,7 @@ def stage_memory(cfg: ModelConfig, setup, policy: Policy, stage: int, params: St
     return {"breakdown_bytes": breakdown, "total_bytes": sum(breakdown.values()),
             "activation_breakdown_bytes": {k: v for k, v in saved.items() if k != "weight_copies"},
             "activations_per_micro_batch_bytes": per_micro_batch, "micro_batches_in_flight": in_flight,
+            "chunks_in_flight": chunks_in_flight(setup.schedule, p, setup.micro_batches, stage, setup.virtual_stages),
             "activations_in_flight_bytes": per_micro_batch * in_flight}
 
 
@@ -101,12 +118,14 @@ def stage_sends(cfg: ModelConfig, setup, policy: Policy, stage: int, params: Sta
     tied matrix's two gradient copies are summed between the end stages (each sends one copy);
     the data-parallel replicas of a stage all-reduce its gradients (a ring: 2 (N-1)/N of them;
     ZeRO-1 reduce-scatters them and all-gathers the parameters: as much). `policy`: as the stage
-    runs it (memory.sharded_layout under ZeRO-1)."""
-    p, m = setup.pp, setup.micro_batches
+    runs it (memory.sharded_layout under ZeRO-1). Interleaved, a micro-batch leaves each of the
+    stage's v chunks (but the model's last) and its gradient each chunk (but the first): v times
+    1F1B's traffic, less one chunk on the end stages."""
+    p, m, v = setup.pp, setup.micro_batches, setup.virtual_stages
     hidden = m * setup.batch_size * setup.seq_len * cfg.d_model * policy.bytes.residual / setup.tp
     tied = cfg.tie_embeddings and stage in (0, p - 1) and setup.lora_rank is None
-    return {"activations": hidden if stage < p - 1 else 0,
-            "activation_gradients": hidden if stage > 0 else 0,
+    return {"activations": hidden * (v - (stage == p - 1)),
+            "activation_gradients": hidden * (v - (stage == 0)),
             "tied_embedding_gradient": cfg.vocab_size * cfg.d_model * policy.bytes.gradient / setup.tp if tied else 0,
             "data_parallel": stage_communication(params, setup.dp, setup.tp, policy,
                                                  setup.zero_stage)["sent_bytes"]}

@@ -102,32 +102,42 @@ def time_table(plan: dict) -> Table:
 
 def print_stages(console: Console, piped: dict) -> None:
     """plan["pipeline"]'s stages, one row each: what each device of that stage holds."""
-    table = Table(title=f"pipeline stages ({piped['schedule']}, {piped['micro_batches']} micro-batches)",
+    chunks = f", {piped['virtual_stages']} chunks per stage" if piped.get("virtual_stages", 1) > 1 else ""
+    table = Table(title=f"pipeline stages ({piped['schedule']}, {piped['micro_batches']} micro-batches{chunks})",
                   title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("stage", "layers", "weights", "grads", "optimizer", "activations x in flight", "total",
                    "sent/step"):
         table.add_column(column, justify="right", no_wrap=True)
     for d in piped["stages_detail"]:
         parts = d["breakdown_bytes"]
-        first, last = d["layers"]
-        table.add_row(str(d["stage"]), f"{first}-{last}" if last > first else str(first),
+        layers = ",".join(f"{first}-{last}" if last > first else str(first) for first, last in d["chunk_layers"])
+        table.add_row(str(d["stage"]), layers,
                       human_bytes(parts["parameters"]), human_bytes(parts["gradients"]),
                       human_bytes(parts["master_weights"] + parts["optimizer_states"]),
-                      f"{human_bytes(d['activations_per_micro_batch_bytes'])} x {d['micro_batches_in_flight']}",
+                      f"{human_bytes(d['activations_per_micro_batch_bytes'])} x {_count(d['micro_batches_in_flight'])}",
                       human_bytes(d["total_bytes"]), human_bytes(sum(d["sent_bytes_per_step"].values())),
                       style="bold" if d["stage"] == piped["largest_stage"] else None)
     Console(file=console.file, width=max(console.width, 120)).print(table)
 
 
+def _count(n: float) -> str:
+    """Micro-batches: 4, or 5.5 / 2.33 where interleaving makes them fractions."""
+    return f"{n:g}" if float(n).is_integer() or n * 2 == int(n * 2) else f"{n:.2f}"
+
+
 def add_bubble_rows(timing: Table, piped: dict, assumed_mfu: float) -> None:
     """The bubble by its formula, the slowest stage that sets the pace, and the MFU that leaves."""
-    p, m = piped["stages"], piped["micro_batches"]
+    p, m, v = piped["stages"], piped["micro_batches"], piped.get("virtual_stages", 1)
     slowest = piped["stages_detail"][piped["slowest_stage"]]
-    timing.add_row("pipeline step", f"(m + p - 1) x slowest stage = {m + p - 1} x "
-                                    f"{human_seconds(slowest['seconds_per_micro_batch'])} (stage {slowest['stage']}); "
-                                    f"no bubble: {human_seconds(piped['ideal_seconds_per_step'])}")
-    timing.add_row("bubble", f"(p - 1) / (m + p - 1) = {p - 1}/{m + p - 1} = {piped['bubble_fraction']:.1%} of the "
-                             f"step idle")
+    each = f"{human_seconds(slowest['seconds_per_micro_batch'])} (stage {slowest['stage']})"
+    if v == 1:
+        step = f"(m + p - 1) x slowest stage = {m + p - 1} x {each}"
+        bubble = f"(p - 1) / (m + p - 1) = {p - 1}/{m + p - 1}"
+    else:  # interleaved: the fill and drain are p - 1 chunks of 1/v of a stage
+        step = f"(m + (p - 1) / v) x slowest stage = {_count(m + (p - 1) / v)} x {each}"
+        bubble = f"(p - 1) / (v m + p - 1) = {p - 1}/{v * m + p - 1}"
+    timing.add_row("pipeline step", f"{step}; no bubble: {human_seconds(piped['ideal_seconds_per_step'])}")
+    timing.add_row("bubble", f"{bubble} = {piped['bubble_fraction']:.1%} of the step idle")
     timing.add_row("MFU at best", f"{piped['best_mfu']:.1%} = {assumed_mfu:.0%} x no bubble / pipeline step: the "
                                   f"bubble and unequal stages cost {assumed_mfu - piped['best_mfu']:.1%}")
 

@@ -2,7 +2,8 @@
 through (which rank holds which stage: pipeline/layout.py).
 
 One optimizer step on every rank (`PipelineEngine.forward_backward`): the m micro-batches of the
-step go through the stage's schedule (pipeline/schedules.py: GPipe or 1F1B), each forward
+step go through the stage's schedule (pipeline/schedules.py: GPipe, 1F1B or interleaved 1F1B, whose
+actions name one of the rank's model chunks, pipeline/layout.py's `chunk_views`), each forward
 receiving its input from the stage before and sending its output to the stage after
 (`torch.distributed` point-to-point send/recv), each backward receiving the gradient of its output
 and sending the gradient of its input. Then `finish_gradients`:
@@ -32,7 +33,7 @@ from lmforge.accounting.measure import measure_saved_bytes
 from lmforge.optim.clip import clip_grad_norm, scale_to_norm
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.engine import Engine
-from lmforge.parallel.pipeline.layout import PipelineLayout, new_groups
+from lmforge.parallel.pipeline.layout import PipelineLayout, chunk_views, new_groups
 from lmforge.parallel.pipeline.schedules import peak_in_flight, schedule_actions
 from lmforge.precision.policy import autocast
 
@@ -45,7 +46,7 @@ class NoTimeline:
     def begin_step(self) -> None:
         pass
 
-    def span(self, kind: str, micro: int):
+    def span(self, kind: str, micro: int, chunk: int = 0):
         return contextlib.nullcontext()
 
 
@@ -76,28 +77,42 @@ class PipelineEngine(Engine):
         self.tied_numel = tied_copy.numel() if self.renamed else 0  # counted on the first stage only
         # whose gradient the two copies sum: none when the matrix is frozen (a LoRA base)
         self.tied_param = tied_copy if tied_copy is not None and tied_copy.requires_grad else None
-        self.actions = schedule_actions(schedule, layout.stages, micro_batches, layout.stage)
+        # -- the schedule's chunks (interleaved 1F1B: several per rank; else [model]) --
+        self.chunks = chunk_views(model, layout)
+        self.actions = schedule_actions(schedule, layout.stages, micro_batches, layout.stage, layout.chunks)
         self.timeline = timeline or NoTimeline()
         self.measure_in_flight = True  # the first step measures the activations alive at once
-        self.in_flight: dict = {"micro_batches": peak_in_flight(self.actions)}
+        held = peak_in_flight(self.actions)  # (micro-batch, chunk) pairs; micro-batches' worth below
+        self.in_flight: dict = {"micro_batches": held if layout.chunks == 1 else held / layout.chunks,
+                                "chunks": held}
         self._sends: list = []
 
     # -- point to point ----------------------------------------------------------------------------
 
-    def _send(self, tensor: torch.Tensor, stage: int, kind: str, micro: int) -> None:
+    # `stage` is the virtual stage sent to or received from (the stage itself with one chunk per rank);
+    # the tag names the message, as two ranks exchange several kinds when interleaved (p = 2: both
+    # activations and gradients, of the same shape), which a recv must not take for one another. The
+    # schedules also send in the order the receiver takes (tests/test_pipeline_interleaved.py), for
+    # backends that ignore tags (NCCL)
+    def _send(self, tensor: torch.Tensor, stage: int, kind: str, micro: int, tag: int = 0) -> None:
         tensor = tensor.detach().to(self.hidden_dtype).contiguous()
         with self._span(kind, micro):
-            self._sends.append((dist.isend(tensor, self.layout.rank_of(stage)), tensor))
+            self._sends.append((dist.isend(tensor, self.layout.rank_of_virtual(stage), tag=tag), tensor))
 
-    def _recv(self, stage: int, kind: str, micro: int) -> torch.Tensor:
+    def _recv(self, stage: int, kind: str, micro: int, tag: int = 0) -> torch.Tensor:
         buffer = torch.empty(self.hidden_shape, dtype=self.hidden_dtype, device=self.device)
         with self._span(kind, micro):
-            dist.recv(buffer, self.layout.rank_of(stage))
+            dist.recv(buffer, self.layout.rank_of_virtual(stage), tag=tag)
         return buffer
 
-    def _span(self, kind: str, micro: int):
+    def _tag(self, kind: str, micro: int, receiver: int) -> int:
+        """The tag of micro-batch `micro`'s activation ("F") or gradient ("B") sent to virtual stage
+        `receiver` in a training step: one per message, all above evaluation's 0."""
+        return 1 + 2 * (micro * self.layout.stages * self.layout.chunks + receiver) + (kind == "B")
+
+    def _span(self, kind: str, micro: int, chunk: int = 0):
         """A timeline record of a training step's event (evaluation, micro -1, is not recorded)."""
-        return self.timeline.span(kind, micro) if micro >= 0 else contextlib.nullcontext()
+        return self.timeline.span(kind, micro, chunk) if micro >= 0 else contextlib.nullcontext()
 
     def _wait_sends(self) -> None:
         for work, _ in self._sends:
@@ -112,48 +127,53 @@ class PipelineEngine(Engine):
         layout, m = self.layout, self.micro_batches
         batches = [next_batch() for _ in range(m)]  # every stage draws them: the loader stays in step
         divisors = self.loss_divisors([y for _, y in batches]) if layout.last else None
-        saved: dict[int, tuple] = {}
+        saved: dict[tuple[int, int], tuple] = {}  # by (micro-batch, chunk)
         # the first step measures the bytes each micro-batch's forward saves, and the most alive at once
-        alive, peak, first_micro, in_flight_bytes = {}, 0, 0, self.measure_in_flight
+        alive, peak, first_micro, in_flight_bytes = {}, 0, {}, self.measure_in_flight
         loss_sum = torch.zeros((), device=device)
         dist.barrier(group=self.pipeline_group)
         self.timeline.begin_step()
         for action in self.actions:
-            i = action.micro
+            i, c = action.micro, action.chunk
+            here = layout.virtual_stage(c)  # with one chunk per rank: the stage
+            tokens, loss = layout.takes_tokens(c), layout.gives_loss(c)
             if action.kind == "F":
                 x, y = batches[i]
-                inputs = x if layout.first else self._recv(layout.stage - 1, "recv_forward", i).requires_grad_()
+                inputs = x if tokens else self._recv(here - 1, "recv_forward", i,
+                                                     self._tag("F", i, here)).requires_grad_()
                 measuring = measure_saved_bytes(self.model.parameters) if in_flight_bytes \
                     else contextlib.nullcontext()
-                with self._span("forward", i), measuring as measured, autocast(policy, device):
-                    output = self.model(inputs, y if layout.last else None)
-                    if layout.last:
+                with self._span("forward", i, c), measuring as measured, autocast(policy, device):
+                    output = self.chunks[c](inputs, y if loss else None)
+                    if loss:
                         output = output / divisors[i]  # m where the micro-batches hold as many targets
                 if in_flight_bytes:
-                    alive[i] = measured.activations
-                    first_micro = first_micro or measured.activations  # micro-batch 0 runs first
+                    alive[i, c] = measured.activations
+                    if i == 0:  # micro-batch 0 runs first, through each chunk
+                        first_micro[c] = measured.activations
                     peak = max(peak, sum(alive.values()))
-                if layout.last:
+                if loss:
                     loss_sum += output.detach()
                 else:
-                    self._send(output, layout.stage + 1, "send_forward", i)
-                saved[i] = (inputs, output)
+                    self._send(output, here + 1, "send_forward", i, self._tag("F", i, here + 1))
+                saved[i, c] = (inputs, output)
             else:
-                inputs, output = saved.pop(i)
-                if layout.last:
-                    with self._span("backward", i):
+                inputs, output = saved.pop((i, c))
+                if loss:
+                    with self._span("backward", i, c):
                         scaler.scale(output).backward()
                 else:
-                    grad = self._recv(layout.stage + 1, "recv_backward", i)
-                    with self._span("backward", i):
+                    grad = self._recv(here + 1, "recv_backward", i, self._tag("B", i, here))
+                    with self._span("backward", i, c):
                         output.backward(grad.to(output.dtype))
-                if not layout.first:
-                    self._send(inputs.grad, layout.stage - 1, "send_backward", i)
-                alive.pop(i, None)
+                if not tokens:
+                    self._send(inputs.grad, here - 1, "send_backward", i, self._tag("B", i, here - 1))
+                alive.pop((i, c), None)
         self._wait_sends()
         if in_flight_bytes:
             self.in_flight["activation_bytes"] = peak  # the most saved for backward at once
-            self.in_flight["one_micro_batch_bytes"] = first_micro
+            self.in_flight["one_micro_batch_bytes"] = sum(first_micro.values())  # through all the rank's chunks
+            self.in_flight["chunk_bytes"] = [first_micro[c] for c in range(layout.chunks)]
             self.measure_in_flight = False
         return loss_sum
 
@@ -161,11 +181,13 @@ class PipelineEngine(Engine):
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The loss of one batch through the whole pipeline, known on every stage of it."""
         layout = self.layout
-        inputs = x if layout.first else self._recv(layout.stage - 1, "recv_forward", -1)
-        output = self.model(inputs, y if layout.last else None)
+        for c, chunk in enumerate(self.chunks):  # in virtual-stage order: one pass through the pipeline per chunk
+            here = layout.virtual_stage(c)
+            inputs = x if layout.takes_tokens(c) else self._recv(here - 1, "recv_forward", -1)
+            output = chunk(inputs, y if layout.gives_loss(c) else None)
+            if not layout.gives_loss(c):
+                self._send(output, here + 1, "send_forward", -1)
         loss = output.float() if layout.last else torch.zeros((), device=self.device)
-        if not layout.last:
-            self._send(output, layout.stage + 1, "send_forward", -1)
         self._wait_sends()
         dist.broadcast(loss, src=layout.rank_of(layout.stages - 1), group=self.pipeline_group)
         return loss

@@ -7,27 +7,51 @@ Stage s holds a contiguous range of blocks (accounting/pipeline.py splits them b
 train.pipeline_split says); the first also holds the embedding, the last the final norm, the LM head
 and the loss. A stage is the model with the other pieces removed (`cut_stage`): parameter names
 stay those of the whole model, so checkpoints are keyed as in one process.
+
+Interleaved (train.schedule=interleaved-1f1b, v = train.pipeline_virtual_stages chunks per rank;
+Narayanan et al. 2021, section 2.2.2): the layers are cut into p v equal chunks, the virtual
+stages, and rank s holds chunks s, s + p, s + 2p, ... (round robin), so a micro-batch goes
+0 -> 1 -> ... -> p-1 -> 0 -> ... through the ranks v times. The rank's model holds all its chunks'
+blocks (one optimizer, one state dict); `chunk_views` gives the engine one module per chunk.
 """
 
+import copy
 from dataclasses import dataclass
 
 import torch.distributed as dist
 import torch.nn as nn
 
-from lmforge.accounting.pipeline import pipeline_split, stage_layers
+from lmforge.accounting.pipeline import rank_chunks, virtual_split
 
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """Where this rank sits: its stage in the pipeline, and which replica of the pipeline."""
+    """Where this rank sits: its stage in the pipeline, and which replica of the pipeline; with
+    `chunks` > 1 (interleaved), its chunk c is the virtual stage c * stages + stage."""
     stages: int
     replicas: int
     stage: int
     replica: int
+    chunks: int = 1
 
     @classmethod
-    def of(cls, rank: int, world_size: int, stages: int) -> "PipelineLayout":
-        return cls(stages, world_size // stages, rank % stages, rank // stages)
+    def of(cls, rank: int, world_size: int, stages: int, chunks: int = 1) -> "PipelineLayout":
+        return cls(stages, world_size // stages, rank % stages, rank // stages, chunks)
+
+    def virtual_stage(self, chunk: int) -> int:
+        return chunk * self.stages + self.stage
+
+    def takes_tokens(self, chunk: int) -> bool:
+        """Whether `chunk` is the model's first (embeds tokens; no input gradient to send)."""
+        return self.virtual_stage(chunk) == 0
+
+    def gives_loss(self, chunk: int) -> bool:
+        """Whether `chunk` is the model's last (the head and the loss)."""
+        return self.virtual_stage(chunk) == self.stages * self.chunks - 1
+
+    def rank_of_virtual(self, virtual_stage: int) -> int:
+        """The global rank holding `virtual_stage` in this rank's pipeline."""
+        return self.rank_of(virtual_stage % self.stages)
 
     @property
     def first(self) -> bool:
@@ -42,11 +66,12 @@ class PipelineLayout:
         return self.replica * self.stages + stage
 
 
-def pipeline_place(cfg, rank: int, world_size: int) -> tuple[PipelineLayout, range]:
-    """(this rank's PipelineLayout, the layers its stage holds)."""
-    layout = PipelineLayout.of(rank, world_size, cfg.train.pipeline_stages)
-    split = pipeline_split(cfg.model, layout.stages, cfg.train.pipeline_split, cfg.seq_len)
-    return layout, stage_layers(split)[layout.stage]
+def pipeline_place(cfg, rank: int, world_size: int) -> tuple[PipelineLayout, list[int]]:
+    """(this rank's PipelineLayout, the layers its stage holds: those of all its chunks)."""
+    t = cfg.train
+    layout = PipelineLayout.of(rank, world_size, t.pipeline_stages, t.pipeline_virtual_stages)
+    split = virtual_split(cfg.model, layout.stages, layout.chunks, t.pipeline_split, cfg.seq_len)
+    return layout, [layer for chunk in rank_chunks(split, layout.stages, layout.stage) for layer in chunk]
 
 
 def new_groups(layout: PipelineLayout):
@@ -69,7 +94,7 @@ def new_groups(layout: PipelineLayout):
     return mine["pipeline"], mine["data"], mine["tied"]
 
 
-def cut_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+def cut_stage(model: nn.Module, layers, first: bool, last: bool) -> nn.Module:
     """Keep, in place, the blocks of `layers` and the pieces a stage at that place needs: the
     embedding on the first stage, the final norm, head and loss on the last. A tied LM head on a
     last stage that is not the first keeps the matrix as its own parameter (the copy whose gradient
@@ -82,3 +107,23 @@ def cut_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Mo
     if not last:
         model.norm = model.lm_head = model.loss = None
     return model
+
+
+def chunk_views(model: nn.Module, layout: PipelineLayout) -> list[nn.Module]:
+    """One module per chunk of this rank (`model` itself with one chunk): the rank's blocks, in
+    layer order, in `layout.chunks` equal runs (the chunks are equal: config/validate.py), each a
+    view of `model` with only that run, the embedding only on the model's first chunk, the head
+    only on its last. A view shares `model`'s modules (the same parameters, the wrappers applied
+    to it), so the optimizer, the state dict and the gradients stay `model`'s."""
+    if layout.chunks == 1:
+        return [model]
+    keys = sorted(model.blocks.keys(), key=int)
+    size = len(keys) // layout.chunks
+    views = []
+    for chunk in range(layout.chunks):
+        view = copy.copy(model)  # the attributes (config, hooks) shared; its own table of children:
+        view._modules = dict(model._modules)
+        view.blocks = nn.ModuleDict(dict(model.blocks.items()))  # cut_stage deletes from this one
+        layers = {int(key) for key in keys[chunk * size:(chunk + 1) * size]}
+        views.append(cut_stage(view, layers, layout.takes_tokens(chunk), layout.gives_loss(chunk)))
+    return views

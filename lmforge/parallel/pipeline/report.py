@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lmforge.accounting.pipeline import bubble_fraction, pipeline_split
+from lmforge.accounting.pipeline import bubble_fraction, virtual_split
 from lmforge.config import Config
 from lmforge.parallel.pipeline.timeline import measured_bubble, plot_timeline, write_chrome_trace
 
@@ -37,10 +37,11 @@ def pipeline_report(engine, events: list[dict], cfg: Config, first_step_bytes: d
     timed = all(events_by_stage)
     measured = measured_bubble(events_by_stage) if timed else \
         {"bubble": None, "idle_fraction_per_stage": None, "step_seconds": None}
-    formula = bubble_fraction(layout.stages, t.micro_batches)
+    formula = bubble_fraction(layout.stages, t.micro_batches, layout.chunks)
     report = {"schedule": t.schedule, "engine": t.pipeline_engine, "stages": layout.stages,
-              "replicas": layout.replicas, "micro_batches": t.micro_batches,
-              "split": pipeline_split(cfg.model, layout.stages, t.pipeline_split, cfg.seq_len),
+              "replicas": layout.replicas, "micro_batches": t.micro_batches, "virtual_stages": layout.chunks,
+              # layers per virtual stage: per stage with one chunk per rank
+              "split": virtual_split(cfg.model, layout.stages, layout.chunks, t.pipeline_split, cfg.seq_len),
               "bubble_formula": formula, "bubble_measured": measured["bubble"],
               "idle_fraction_per_stage": measured["idle_fraction_per_stage"],
               "step_seconds": measured["step_seconds"], "timeline_step": step,
@@ -48,7 +49,10 @@ def pipeline_report(engine, events: list[dict], cfg: Config, first_step_bytes: d
     if is_main and timed:
         title = (f"{t.schedule} pipeline: p={layout.stages} stages, m={t.micro_batches} micro-batches "
                  f"(step {step}, replica 0)")
-        plot_timeline(events_by_stage, run_dir / "pipeline.png", title, formula, measured)
+        if layout.chunks > 1:
+            title += f", v={layout.chunks} chunks per rank"
+        plot_timeline(events_by_stage, run_dir / "pipeline.png", title, formula, measured,
+                      "(p-1)/(vm+p-1)" if layout.chunks > 1 else "(p-1)/(m+p-1)")
         write_chrome_trace(events_by_stage, run_dir / "pipeline_trace.json",
                            {key: report[key] for key in ("schedule", "stages", "micro_batches", "bubble_formula",
                                                          "bubble_measured")})

@@ -19,18 +19,20 @@ KINDS = COMPUTE + COMMUNICATION
 class _Span:
     """One event being timed: `with timeline.span("forward", 3): ...`."""
 
-    __slots__ = ("events", "t0", "kind", "micro", "start")
+    __slots__ = ("events", "t0", "kind", "micro", "chunk", "start")
 
-    def __init__(self, events: list, t0: float, kind: str, micro: int):
-        self.events, self.t0, self.kind, self.micro = events, t0, kind, micro
+    def __init__(self, events: list, t0: float, kind: str, micro: int, chunk: int = 0):
+        self.events, self.t0, self.kind, self.micro, self.chunk = events, t0, kind, micro, chunk
 
     def __enter__(self):
         self.start = time.perf_counter()
 
     def __exit__(self, *exc):
         end = time.perf_counter()
-        self.events.append({"kind": self.kind, "micro": self.micro,
-                            "start": self.start - self.t0, "end": end - self.t0})
+        event = {"kind": self.kind, "micro": self.micro, "start": self.start - self.t0, "end": end - self.t0}
+        if self.chunk:  # interleaved schedules: which of the rank's model chunks
+            event["chunk"] = self.chunk
+        self.events.append(event)
 
 
 class Timeline:
@@ -48,11 +50,12 @@ class Timeline:
         self._events = []
         self._t0 = time.perf_counter()
 
-    def span(self, kind: str, micro: int = -1) -> _Span:
-        """A context manager recording one event: `kind` one of KINDS, `micro` the micro-batch (-1: none)."""
+    def span(self, kind: str, micro: int = -1, chunk: int = 0) -> _Span:
+        """A context manager recording one event: `kind` one of KINDS, `micro` the micro-batch (-1:
+        none), `chunk` the rank's model chunk (interleaved schedules)."""
         if kind not in KINDS:
             raise ValueError(f"unknown timeline event kind {kind!r}; one of {', '.join(KINDS)}")
-        return _Span(self._events, self._t0, kind, micro)
+        return _Span(self._events, self._t0, kind, micro, chunk)
 
     @property
     def events(self) -> list[dict]:
@@ -91,9 +94,10 @@ def measured_bubble(events_by_stage: list[list[dict]]) -> dict:
 
 
 def event_label(event: dict) -> str:
-    """"F3", "B3", "send F3", "recv B3" (no number for micro -1)."""
+    """"F3", "B3", "send F3", "recv B3" (no number for micro -1), "F3c1" through chunk 1."""
     kind, micro = event["kind"], event["micro"]
     name = ("F" if kind.endswith("forward") else "B") + (str(micro) if micro >= 0 else "")
+    name += f"c{event['chunk']}" if event.get("chunk") else ""
     return name if kind in COMPUTE else f"{kind.split('_')[0]} {name}"
 
 
@@ -107,7 +111,7 @@ def write_chrome_trace(events_by_stage: list[list[dict]], path, meta: dict) -> N
         for e in events:
             trace.append({"name": event_label(e), "cat": e["kind"], "ph": "X", "pid": 0, "tid": stage,
                           "ts": e["start"] * 1e6, "dur": (e["end"] - e["start"]) * 1e6,
-                          "args": {"micro": e["micro"], "kind": e["kind"]}})
+                          "args": {"micro": e["micro"], "kind": e["kind"], **({"chunk": e["chunk"]} if "chunk" in e else {})}})
     Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms", "otherData": meta}))
 
 
@@ -121,11 +125,12 @@ _ROW_IN, _TOP_IN, _BOTTOM_IN = 0.5, 0.75, 0.85
 
 
 def plot_timeline(events_by_stage: list[list[dict]], path, title: str, formula_bubble: float,
-                  measured: dict) -> None:
+                  measured: dict, formula_name: str = "(p-1)/(m+p-1)") -> None:
     """pipeline.png: one row per stage (stage 0 on top), a block per forward and backward labelled
     with its micro-batch where it fits, send (dark) and recv (hatched: waiting) as thin bars under
     the blocks, idle left blank; x in milliseconds; each stage's idle share at the right of its
-    row, the mean beside the formula's (p-1)/(m+p-1) in the title."""
+    row, the mean beside the formula's (`formula_name`) in the title. Interleaved, odd chunks are
+    drawn lighter."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,7 +149,7 @@ def plot_timeline(events_by_stage: list[list[dict]], path, title: str, formula_b
             start, width = e["start"] * 1e3, (e["end"] - e["start"]) * 1e3
             if e["kind"] in COMPUTE:
                 ax.broken_barh([(start, width)], (stage - 0.4, 0.7), facecolor=_COLOURS[e["kind"]],
-                               edgecolor="white", linewidth=0.5)
+                               edgecolor="white", linewidth=0.5, alpha=0.55 if e.get("chunk", 0) % 2 else 1.0)
                 label = event_label(e)[1:]  # the micro-batch: the colour says F or B
                 if label and width * px_per_ms >= 7 * len(label) + 4:
                     ax.text(start + width / 2, stage - 0.05, label, ha="center", va="center", fontsize=8,
@@ -163,7 +168,7 @@ def plot_timeline(events_by_stage: list[list[dict]], path, title: str, formula_b
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     ax.set_title(f"{title}\nbubble measured {measured['bubble']:.3f} (mean idle of the stages), "
-                 f"formula (p-1)/(m+p-1) = {formula_bubble:.3f}", fontsize=10)
+                 f"formula {formula_name} = {formula_bubble:.3f}", fontsize=10)
     handles = [Patch(facecolor=_COLOURS["forward"], label="forward"),
                Patch(facecolor=_COLOURS["backward"], label="backward"),
                Patch(facecolor="#555555", label="send"),

@@ -2,7 +2,8 @@
 
 The reference our schedules (pipeline/engine.py) are tested against, and an option for users: the same
 stage (the cut model), the same micro-batches, PyTorch's `PipelineStage` and its `ScheduleGPipe`
-or `Schedule1F1B` instead of our action lists. Everything around the step (replicas, tied
+or `Schedule1F1B` instead of our action lists; interleaved, one `PipelineStage` per chunk (our
+`chunk_views`, stage index the virtual stage) under `ScheduleInterleaved1F1B`. Everything around the step (replicas, tied
 embeddings, clipping, checkpoints) is PipelineEngine's.
 
 Two differences from ours, both for the reference's sake: the last stage returns logits and the
@@ -13,21 +14,23 @@ PyTorch's.
 """
 
 import torch
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from lmforge.model.transformer import cross_entropy_loss
 from lmforge.parallel.pipeline.engine import PipelineEngine
 from lmforge.precision.policy import autocast
 
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
 
 class TorchPipelineEngine(PipelineEngine):
     def __init__(self, model, optimizer, layout, schedule: str, micro_batches: int, *args, **kwargs):
         super().__init__(model, optimizer, layout, schedule, micro_batches, *args, **kwargs)
-        self.stage = PipelineStage(model, layout.stage, layout.stages, self.device, group=self.pipeline_group)
-        self.torch_schedule = TORCH_SCHEDULES[schedule](self.stage, micro_batches, loss_fn=self._loss,
-                                                        scale_grads=False)
+        stages = [PipelineStage(chunk, layout.virtual_stage(c), layout.stages * layout.chunks, self.device,
+                                group=self.pipeline_group) for c, chunk in enumerate(self.chunks)]
+        # the single-stage schedules take the stage, the multi-stage ones the list
+        self.torch_schedule = TORCH_SCHEDULES[schedule](stages if schedule == "interleaved-1f1b" else stages[0],
+                                                        micro_batches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy_loss(logits, targets) / self.micro_batches
