@@ -23,7 +23,7 @@ FSDP2 moves what ZeRO-3 does, up to its own padding (each parameter's dim 0, not
 
 from lmforge.accounting.shapes import meta_model, model_shapes
 from lmforge.config import ModelConfig
-from lmforge.modes.parallel import get_strategy
+from lmforge.modes.parallel import get_strategy, shard_unit
 from lmforge.modes.precision import POLICIES, Policy
 
 
