@@ -96,7 +96,7 @@ def test_plan_adds_the_predicted_loss(tmp_path, capsys):
 
 @pytest.mark.parametrize("content, words", [(None, "no such file"), ("{}", "not a fit"), ("\xff", "not a fit"),
                                             ('{"fit": {"E": 1, "A": 1, "B": 1, "alpha": -1, "beta": 1}}',
-                                             "positive and finite")])
+                                             "must be finite")])
 def test_a_bad_fit_file_is_one_line(tmp_path, content, words):
     path = tmp_path / "fit.json"
     if content is not None:

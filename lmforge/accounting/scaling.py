@@ -131,7 +131,8 @@ def bootstrap(n, d, loss, fit: ScalingFit, samples: int = 200, seed: int = 0) ->
     g = torch.Generator().manual_seed(seed)
     picks = torch.randint(0, len(n), (samples, len(n)), generator=g)
     log_n, log_d, log_l = (torch.tensor(v, dtype=torch.float64).log()[picks] for v in (n, d, loss))
-    start = torch.tensor([math.log(fit.A), math.log(fit.B), math.log(fit.E), fit.alpha, fit.beta], dtype=torch.float64)
+    logs = [math.log(max(v, 1e-300)) for v in (fit.A, fit.B, fit.E)]  # E may underflow to 0 on few runs
+    start = torch.tensor([*logs, fit.alpha, fit.beta], dtype=torch.float64)
     a, b, e, alpha, beta = _descend(start.expand(samples, 5), log_n, log_d, log_l, steps=300, lr=0.005).unbind(-1)
     values = {"E": e.exp(), "A": a.exp(), "B": b.exp(), "alpha": alpha, "beta": beta}
     return {key: (_percentile(v, 0.05), _percentile(v, 0.95)) for key, v in values.items()}
@@ -231,8 +232,9 @@ def read_fit(path: str) -> ScalingFit:
         raise LmforgeError(f"--scaling {path}: no such file (lmforge scaling fit RUNS --out {path} writes it)") from None
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         raise LmforgeError(f"--scaling {path}: not a fit written by lmforge scaling fit --out") from None
-    if not all(math.isfinite(v) and v > 0 for v in (fit.E, fit.A, fit.B, fit.alpha, fit.beta)):
-        raise LmforgeError(f"--scaling {path}: the fit's constants must be positive and finite")
+    if not (all(math.isfinite(v) and v > 0 for v in (fit.A, fit.B, fit.alpha, fit.beta))
+            and math.isfinite(fit.E) and fit.E >= 0):
+        raise LmforgeError(f"--scaling {path}: the fit's constants must be finite, E >= 0 and the rest positive")
     return fit
 
 
