@@ -36,10 +36,11 @@ M = 4  # micro-batches per step
 FOUR_LAYERS = ["model.n_layers=4"]
 
 
-def run_worker(tmp_path, ranks: int, runs: dict) -> dict:
+def run_worker(tmp_path, ranks: int, runs: dict, worker: Path = WORKER) -> dict:
+    """`worker` under torchrun on `ranks` ranks, given `runs` (name -> overrides); its saved results."""
     out = tmp_path / f"{ranks}.pt"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-                             f"--master_port={free_port()}", str(WORKER), str(out), json.dumps(runs)],
+                             f"--master_port={free_port()}", str(worker), str(out), json.dumps(runs)],
                             capture_output=True, text=True, timeout=TIMEOUT, env=env())
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out, weights_only=False)

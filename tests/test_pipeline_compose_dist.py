@@ -16,8 +16,6 @@ parameters, gradients, master weights and optimizer states equal the plan's per-
 exactly, and so do the bytes its replica collectives sent.
 """
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,33 +23,22 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_pipeline import FOUR_LAYERS, assert_same_training, pipeline, single_process  # noqa: E402
+from test_pipeline import FOUR_LAYERS, assert_same_training, pipeline, run_worker, single_process  # noqa: E402
 from pipeline_worker import STEPS, config  # noqa: E402
 
 from lmforge.accounting.plan.make import Setup, make_plan  # noqa: E402
-from tests.test_distributed_train import env, free_port  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
 WORKER = Path(__file__).parent / "pipeline_compose_worker.py"
-TIMEOUT = 300
 M = 2  # micro-batches per step: few, the CPU is shared
 LORA = ["finetune.lora_rank=4"]
 EXACT = ["model.tie_embeddings=false", "optim.grad_clip=0"]
 
 
-def run_worker(tmp_path, ranks: int, runs: dict) -> dict:
-    out = tmp_path / f"{ranks}.pt"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-                             f"--master_port={free_port()}", str(WORKER), str(out), json.dumps(runs)],
-                            capture_output=True, text=True, timeout=TIMEOUT, env=env())
-    assert result.returncode == 0, result.stderr[-4000:]
-    return torch.load(out, weights_only=False)
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return run_worker(tmp_path_factory.mktemp("compose2"), 2, {
+    return run_worker(tmp_path_factory.mktemp("compose2"), 2, worker=WORKER, runs={
         "lora": pipeline(2, "1f1b", M, *LORA),
         "lora_exact": pipeline(2, "gpipe", M, *LORA, *EXACT),
     })
@@ -60,7 +47,7 @@ def two_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     """2 stages x 2 replicas."""
-    return run_worker(tmp_path_factory.mktemp("compose4"), 4, {
+    return run_worker(tmp_path_factory.mktemp("compose4"), 4, worker=WORKER, runs={
         "zero1": pipeline(2, "1f1b", M, *FOUR_LAYERS, "train.parallel=zero1"),
         "zero1_exact": pipeline(2, "1f1b", M, *FOUR_LAYERS, "train.parallel=zero1", *EXACT),
         "ddp_exact": pipeline(2, "1f1b", M, *FOUR_LAYERS, "train.parallel=ddp", *EXACT),
