@@ -94,6 +94,33 @@ def test_plan_adds_the_predicted_loss(tmp_path, capsys):
     assert predicted_loss(CHINCHILLA, s["parameters"], 1e9) == s
 
 
+def test_a_run_sets_its_validation_loss_beside_the_fits_prediction(tmp_path, corpus_dir, data_dir, capsys):
+    """train.scaling_fit: the plan printed at the start and the summary carry the fit's loss for this
+    model at max_steps' tokens; a missing fit stops the run before its folder is made."""
+    from lmforge.accounting.shapes import model_shapes
+    from lmforge.config import make_config
+    from tests.conftest import tiny_overrides
+
+    fit_file = tmp_path / "fit.json"
+    fit_file.write_text(json.dumps({"fit": CHINCHILLA.as_dict()}))
+    overrides = tiny_overrides(corpus_dir, data_dir, max_steps=2, eval_interval=2, checkpoint_interval=2)
+    assert main(["train", "--model", "tiny", "--out", str(tmp_path / "missing"), "--no-progress", *overrides,
+                 f"train.scaling_fit={tmp_path / 'nofit.json'}"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"train.scaling_fit={tmp_path / 'nofit.json'}: no such file "
+                                                    f"(lmforge scaling fit RUNS --out {tmp_path / 'nofit.json'} writes it)")
+    assert not (tmp_path / "missing" / "config.yaml").exists()
+    assert main(["train", "--model", "tiny", "--out", str(tmp_path / "r"), "--no-progress", *overrides,
+                 f"train.scaling_fit={fit_file}"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    cfg = make_config("tiny", overrides=overrides)
+    predicted = summary["val_loss_predicted_by_fit"]
+    assert predicted["tokens"] == summary["tokens_trained"] == 2 * 4 * cfg.seq_len
+    assert predicted["parameters"] == model_shapes(cfg.model).matmul_weights
+    assert predicted["loss"] == pytest.approx(CHINCHILLA.loss(predicted["parameters"], predicted["tokens"]))
+    assert "predicted final loss (scaling fit)" in out and "validation loss, the scaling fit's" in out
+
+
 @pytest.mark.parametrize("content, words", [(None, "no such file"), ("{}", "not a fit"), ("\xff", "not a fit"),
                                             ('{"fit": {"E": 1, "A": 1, "B": 1, "alpha": -1, "beta": 1}}',
                                              "must be finite")])

@@ -219,22 +219,24 @@ def sweep_grid(depths: list[int], budgets: list[float], vocab_size: int, seq_len
     return runs, left_out
 
 
-def read_fit(path: str) -> ScalingFit:
-    """The fit `lmforge scaling fit --out` wrote, checked."""
+def read_fit(path: str, option: str = "--scaling") -> ScalingFit:
+    """The fit `lmforge scaling fit --out` wrote, checked; `option` names where the path came from
+    (a command-line option or a config key)."""
     import json
 
     from lmforge.common.errors import LmforgeError
 
+    where = f"{option} {path}" if option.startswith("--") else f"{option}={path}"
     try:
         values = json.loads(open(path, encoding="utf-8").read())["fit"]
         fit = ScalingFit(**values)
     except FileNotFoundError:
-        raise LmforgeError(f"--scaling {path}: no such file (lmforge scaling fit RUNS --out {path} writes it)") from None
+        raise LmforgeError(f"{where}: no such file (lmforge scaling fit RUNS --out {path} writes it)") from None
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        raise LmforgeError(f"--scaling {path}: not a fit written by lmforge scaling fit --out") from None
+        raise LmforgeError(f"{where}: not a fit written by lmforge scaling fit --out") from None
     if not (all(math.isfinite(v) and v > 0 for v in (fit.A, fit.B, fit.alpha, fit.beta))
             and math.isfinite(fit.E) and fit.E >= 0):
-        raise LmforgeError(f"--scaling {path}: the fit's constants must be finite, E >= 0 and the rest positive")
+        raise LmforgeError(f"{where}: the fit's constants must be finite, E >= 0 and the rest positive")
     return fit
 
 

@@ -187,11 +187,6 @@ def cmd_plan(args) -> int:
         print_plan(console, plan, title=f"lmforge plan{' --inference' if args.inference else ''}: {name}")
         if note:
             console.print(note)
-        if "scaling" in plan:
-            s = plan["scaling"]
-            console.print(f"predicted final loss (--scaling fit): {s['loss']:.4f} for N {s['parameters']:,} on "
-                          f"{s['tokens']:,.0f} tokens; the same compute spent optimally: N {s['compute_optimal_parameters']:,.0f} "
-                          f"on {s['compute_optimal_tokens']:,.0f} tokens, loss {s['compute_optimal_loss']:.4f}")
         if args.plot:
             console.print(f"memory chart: {args.plot}")
     return 0

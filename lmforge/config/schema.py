@@ -108,6 +108,9 @@ class TrainConfig:
     loss_chunk_tokens: int = 0
     sample_tokens: int = 200  # tokens generated at the end of training; 0 disables
     sample_prompt: str = ""  # "": the start of a validation document (a prompt in the corpus's language)
+    # a fit written by `lmforge scaling fit --out`: the plan and the summary set the final validation
+    # loss beside the loss it predicts for this model and max_steps' tokens (accounting/scaling.py)
+    scaling_fit: str | None = None
     tensorboard: bool = True  # TensorBoard event files in the run folder (tensorboard --logdir runs)
     wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)
     # data parallelism under torchrun (batch_size is per rank): none | ddp | zero1 | zero2 | zero3 | fsdp

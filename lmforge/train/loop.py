@@ -26,6 +26,8 @@ from rich.console import Console
 from lmforge.accounting.hardware import this_device
 from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
 from lmforge.accounting.plan.show import print_plan
+from lmforge.accounting.scaling import predicted_loss, read_fit
+from lmforge.accounting.shapes import model_shapes
 from lmforge.common.errors import warn
 from lmforge.config import Config, config_warnings
 from lmforge.data.loader import BatchLoader, window_batch
@@ -169,6 +171,10 @@ class Trainer:
         setup = Setup.from_config(cfg, mfu=1.0, dp=engine.replicas,
                                   zero_stage=get_strategy(cfg.train.parallel).zero_stage)
         self.plan = make_plan(cfg.model, setup, machine)
+        if cfg.train.scaling_fit:  # what the fit says this run's tokens buy (a bad file stops here, before any write)
+            fit = read_fit(cfg.train.scaling_fit, option="train.scaling_fit")
+            self.plan["scaling"] = predicted_loss(fit, model_shapes(cfg.model).matmul_weights,
+                                                  cfg.train.max_steps * self.global_batch * cfg.seq_len)
 
     def save(self) -> Path:
         self.state.loader_position = self.loader.position

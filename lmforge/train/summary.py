@@ -27,6 +27,8 @@ def write_summary(run: RunMeasurements, cfg: Config, plan: dict, data, model, ru
     tokenizer and validation split) and `model` give the sample."""
     summary = summary_of(run, data.meta, run_dir)
     summary["predicted_vs_measured"] = predicted_vs_measured(plan, run, summary["tokens_per_s"])
+    if "scaling" in plan:  # train.scaling_fit: the loss the fit predicted at the start
+        summary["val_loss_predicted_by_fit"] = {k: plan["scaling"][k] for k in ("loss", "parameters", "tokens")}
     # the sample: on every rank (a sharded model needs all of them in each forward); a pipeline's
     # stages are not a model that generates: `lmforge generate` reads its checkpoint whole
     if cfg.train.sample_tokens and run.pipeline is None:
@@ -96,6 +98,7 @@ def print_summary(console: Console, summary: dict, run: RunMeasurements, fp32_at
         ("data loader waiting", f"{summary['data_wait_fraction']:.2%} of step time"),
         ("train loss", f"{summary['train_loss']:.4f} nats/token"),
         ("validation loss", f"{summary['val_loss']:.4f} nats/token"),
+        *([scaling_row(summary)] if "val_loss_predicted_by_fit" in summary else []),
         ("validation perplexity", f"{summary['val_perplexity']:.1f} ({summary['val_bits_per_byte']:.3f} bits/byte)"),
         ("unigram entropy of the corpus", f"{summary['unigram_entropy_nats']:.4f} nats/token"),
         ("run folder", summary["run_dir"]),
@@ -112,6 +115,14 @@ def print_summary(console: Console, summary: dict, run: RunMeasurements, fp32_at
     if "sample" in summary:
         console.rule("sample")
         console.print(summary["sample"], markup=False, highlight=False)
+
+
+def scaling_row(summary: dict) -> tuple[str, str]:
+    """The validation loss the scaling fit predicted (train.scaling_fit), and how far the run landed from it."""
+    p = summary["val_loss_predicted_by_fit"]
+    error = (p["loss"] - summary["val_loss"]) / summary["val_loss"]
+    tokens = "" if p["tokens"] == summary["tokens_trained"] else f" at train.max_steps' {p['tokens']:,} tokens"
+    return "validation loss, the scaling fit's", f"{p['loss']:.4f} nats/token{tokens} ({error:+.1%} of measured)"
 
 
 def print_table(console: Console, rows: list[tuple[str, str]], title: str) -> None:

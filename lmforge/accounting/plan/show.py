@@ -32,6 +32,15 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
     if piped:
         print_stages(console, piped)
     console.print(time_table(plan))
+    if "scaling" in plan:  # `--scaling FIT.json` or train.scaling_fit (accounting/scaling.py)
+        console.print(scaling_line(plan["scaling"]))
+
+
+def scaling_line(s: dict) -> str:
+    """The loss the fit predicts for the plan's N and tokens, and for the best split of the same compute."""
+    return (f"predicted final loss (scaling fit): {s['loss']:.4f} for N {s['parameters']:,} on {s['tokens']:,.0f} "
+            f"tokens; the same compute spent optimally: N {s['compute_optimal_parameters']:,.0f} on "
+            f"{s['compute_optimal_tokens']:,.0f} tokens, loss {s['compute_optimal_loss']:.4f}")
 
 
 def head_table(plan: dict, title: str) -> Table:
