@@ -124,7 +124,9 @@ def predict(roof: Roof, ops: list, tokens_per_step: int) -> dict:
         row["achieved_flops_per_second"] = row["flops"] / busy if busy > 0 else 0.0
         row["intensity_flops_per_byte"] = row["flops"] / row["bytes"] if row["bytes"] else 0.0
     step = sum(row["seconds"] for row in classes.values())
+    peaks = {dtype: max(row[-1] for row in rows) for dtype, rows in roof.matmul.items()}
     return {"roof": roof.name, "roof_source": roof.source, "seconds_per_step": step,
+            "bandwidth_bytes_per_second": roof.bandwidth, "best_matmul_flops_per_second": peaks,
             "tokens_per_second": tokens_per_step / step if step else 0.0,
             "classes": {name: row for name, row in classes.items() if row["ops"]},
             "overlap": "none assumed (eager: one kernel at a time; collectives after backward)"}

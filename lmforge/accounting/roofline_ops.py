@@ -197,3 +197,15 @@ def step_ops(cfg: ModelConfig, setup, parameter_shapes: tuple, strategy: str) ->
                       collectives))
     return ops
 
+
+
+def predict_step(cfg: ModelConfig, setup, roof, strategy: str) -> dict | None:
+    """The roofline's prediction of one optimizer step of `setup` on `roof` (roofline.predict), or
+    None where the op list does not cover the setup yet (tensor or pipeline parallelism, LoRA)."""
+    from lmforge.accounting.roofline import predict
+    from lmforge.accounting.shapes import model_shapes
+
+    if setup.tp > 1 or setup.pp > 1 or setup.lora_rank is not None:
+        return None
+    ops = step_ops(cfg, setup, model_shapes(cfg).parameter_shapes, strategy)
+    return predict(roof, ops, setup.tokens_per_step)

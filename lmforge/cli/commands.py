@@ -160,7 +160,14 @@ def cmd_plan(args) -> int:
     if args.plot and not Path(args.plot).parent.is_dir():
         raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
                            f"or pick another path")
+    if args.roofline and (args.compare or args.inference or not Path(args.roofline).parent.is_dir()):
+        raise LmforgeError(f"--roofline {args.roofline}: " + ("one training plan at a time (not with --compare or "
+                           "--inference)" if args.compare or args.inference else
+                           f"folder {Path(args.roofline).parent} does not exist"))
     plans, varying, note = plan_setups(cfg, args)  # LmforgeError for bad input, before anything is written
+    if args.roofline and "roofline" not in plans[0]:
+        raise LmforgeError(f"--roofline {args.roofline}: no roofline for this setup (tensor or pipeline "
+                           f"parallelism, LoRA: not predicted yet)")
     if args.scaling:  # the loss the budget buys (accounting/scaling.py)
         from lmforge.accounting.scaling import predicted_loss, read_fit
         from lmforge.accounting.shapes import model_shapes
@@ -181,6 +188,10 @@ def cmd_plan(args) -> int:
     plan, = plans
     if args.plot:
         write_file_staged(Path(args.plot), lambda path: plot_memory(plan, path, name=name))
+    if args.roofline:
+        from lmforge.accounting.plan.show_roofline import plot_roofline
+
+        write_file_staged(Path(args.roofline), lambda path: plot_roofline(plan, path, name=name))
     if args.json:
         print(json.dumps(plan, indent=2))
     else:
@@ -194,6 +205,8 @@ def cmd_plan(args) -> int:
                           f"on {s['compute_optimal_tokens']:,.0f} tokens, loss {s['compute_optimal_loss']:.4f}")
         if args.plot:
             console.print(f"memory chart: {args.plot}")
+        if args.roofline:
+            console.print(f"roofline chart: {args.roofline}")
     return 0
 
 

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from lmforge.accounting.dtypes import dtype_table
 from lmforge.accounting.plan.show_inference import print_inference_plan
+from lmforge.accounting.plan.show_roofline import roofline_table
 from lmforge.accounting.plan.tables import facts_table, labelled_parts, memory_table
 from lmforge.common.formatting import human_bytes, human_count, human_seconds
 
@@ -32,6 +33,8 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
     if piped:
         print_stages(console, piped)
     console.print(time_table(plan))
+    if "roofline" in plan:
+        Console(file=console.file, width=max(console.width, 130)).print(roofline_table(plan))
 
 
 def head_table(plan: dict, title: str) -> Table:
