@@ -9,12 +9,13 @@ ten seconds and cached with the matmul peak (hardware.py's cache: when, under wh
 `lmforge plan --hardware this --remeasure` replaces it.
 """
 
+import json
 import os
 import time
 
 import torch
 
-from lmforge.accounting.hardware import _calls_per_second, _measured, _sync, device_name
+from lmforge.accounting.hardware import _calls_per_second, _measured, _sync, cache_path, device_name
 from lmforge.accounting.roofline import Roof
 
 # The grid: every (M, N, K) with each dimension from MATMUL_DIMS. 64..1024 brackets the small
@@ -121,12 +122,28 @@ def measure_roof(device: torch.device) -> dict:
             "measure_seconds": time.perf_counter() - started}
 
 
+def _key(device: torch.device) -> str:
+    return f"roofline|{device_name(device)}|torch {torch.__version__}"
+
+
 def this_roof(device: torch.device, remeasure: bool = False, store: bool = True, collective: dict | None = None) -> Roof:
     """This machine's roof, from the cache unless `remeasure` (hardware.py's cache and its rules);
     `collective` is measure_collective's result when launched under torchrun."""
-    key = f"roofline|{device_name(device)}|torch {torch.__version__}"
-    fields = dict(_measured(key, "roof", lambda: measure_roof(device), remeasure, store))
-    fields.pop("measure_seconds", None)
+    return _roof(device, _measured(_key(device), "roof", lambda: measure_roof(device), remeasure, store), collective)
+
+
+def cached_roof(device: torch.device) -> Roof | None:
+    """This machine's roof if the cache holds one (never measured here: a Trainer built directly,
+    as the tests build it, should not spend ten seconds measuring), else None."""
+    try:
+        entry = json.loads(cache_path().read_text()).get(_key(device))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return _roof(device, entry["roof"]) if isinstance(entry, dict) and "roof" in entry else None
+
+
+def _roof(device: torch.device, fields: dict, collective: dict | None = None) -> Roof:
+    fields = {k: v for k, v in fields.items() if k != "measure_seconds"}
     return Roof(name=f"this machine: {device_name(device)}", collective=collective or {}, **fields)
 
 

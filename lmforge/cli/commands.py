@@ -45,6 +45,7 @@ def cmd_finetune(args) -> int:
 
 def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     from lmforge.accounting.hardware import this_device
+    from lmforge.accounting.roofline_measure import this_roof
     from lmforge.parallel.launch import resolve_device
     from lmforge.runs.checkpoint.find import list_checkpoints
     from lmforge.train.host_memory import retain_freed_memory
@@ -54,7 +55,8 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     if resolve_device(cfg.train.device).type == "cpu":
         retain_freed_memory()  # process-wide malloc tuning, chosen here (train/host_memory.py says why)
     # the measured matmul peak behind MFU, cached per machine (lmforge plan --hardware this --remeasure)
-    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device)
+    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device,
+                      roof=this_roof)  # the roofline behind the plan's step time, measured once and cached
     resume = resume_command(command, run_dir)  # as this run was launched (one process, --nproc, torchrun)
     try:
         trainer.run()
@@ -156,6 +158,9 @@ def cmd_plan(args) -> int:
     if args.dtypes:
         print_dtypes(console)
         return 0
+    from lmforge.train.host_memory import retain_freed_memory
+
+    retain_freed_memory()  # the roofline is measured under the malloc settings lmforge train runs with
     cfg, name = _plan_config(args, plan_overrides(args))
     if args.plot and not Path(args.plot).parent.is_dir():
         raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
