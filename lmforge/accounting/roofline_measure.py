@@ -10,7 +10,6 @@ ten seconds and cached with the matmul peak (hardware.py's cache: when, under wh
 """
 
 import json
-import os
 import time
 
 import torch
@@ -171,4 +170,4 @@ def measure_collective(group=None, sizes: tuple[int, ...] = (2**10, 2**20), repe
     (b0, t0), (b1, t1) = points[0], points[-1]
     bandwidth = (b1 - b0) / (t1 - t0) if t1 > t0 else b1 / t1
     return {"latency_s": max(t0 - b0 / bandwidth, 0.0), "bytes_per_second": bandwidth, "ranks": ranks,
-            "backend": str(dist.get_backend(group)), "pid": os.getpid()}
+            "backend": str(dist.get_backend(group))}
