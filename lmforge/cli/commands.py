@@ -45,6 +45,7 @@ def cmd_finetune(args) -> int:
 
 def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     from lmforge.accounting.hardware import this_device
+    from lmforge.accounting.roofline_measure import this_roof
     from lmforge.parallel.launch import resolve_device
     from lmforge.runs.checkpoint.find import list_checkpoints
     from lmforge.train.host_memory import retain_freed_memory
@@ -54,7 +55,8 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     if resolve_device(cfg.train.device).type == "cpu":
         retain_freed_memory()  # process-wide malloc tuning, chosen here (train/host_memory.py says why)
     # the measured matmul peak behind MFU, cached per machine (lmforge plan --hardware this --remeasure)
-    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device)
+    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device,
+                      roof=this_roof)  # the roofline behind the plan's step time, measured once and cached
     resume = resume_command(command, run_dir)  # as this run was launched (one process, --nproc, torchrun)
     try:
         trainer.run()
@@ -156,11 +158,21 @@ def cmd_plan(args) -> int:
     if args.dtypes:
         print_dtypes(console)
         return 0
+    from lmforge.train.host_memory import retain_freed_memory
+
+    retain_freed_memory()  # the roofline is measured under the malloc settings lmforge train runs with
     cfg, name = _plan_config(args, plan_overrides(args))
     if args.plot and not Path(args.plot).parent.is_dir():
         raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
                            f"or pick another path")
+    if args.roofline and (args.compare or args.inference or not Path(args.roofline).parent.is_dir()):
+        raise LmforgeError(f"--roofline {args.roofline}: " + ("one training plan at a time (not with --compare or "
+                           "--inference)" if args.compare or args.inference else
+                           f"folder {Path(args.roofline).parent} does not exist"))
     plans, varying, note = plan_setups(cfg, args)  # LmforgeError for bad input, before anything is written
+    if args.roofline and "roofline" not in plans[0]:
+        raise LmforgeError(f"--roofline {args.roofline}: no roofline for this setup (tensor or pipeline "
+                           f"parallelism, LoRA: not predicted yet)")
     if args.scaling:  # the loss the budget buys (accounting/scaling.py)
         from lmforge.accounting.scaling import predicted_loss, read_fit
         from lmforge.accounting.shapes import model_shapes
@@ -181,6 +193,10 @@ def cmd_plan(args) -> int:
     plan, = plans
     if args.plot:
         write_file_staged(Path(args.plot), lambda path: plot_memory(plan, path, name=name))
+    if args.roofline:
+        from lmforge.accounting.plan.show_roofline import plot_roofline
+
+        write_file_staged(Path(args.roofline), lambda path: plot_roofline(plan, path, name=name))
     if args.json:
         print(json.dumps(plan, indent=2))
     else:
@@ -189,6 +205,8 @@ def cmd_plan(args) -> int:
             console.print(note)
         if args.plot:
             console.print(f"memory chart: {args.plot}")
+        if args.roofline:
+            console.print(f"roofline chart: {args.roofline}")
     return 0
 
 

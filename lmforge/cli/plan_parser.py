@@ -98,6 +98,8 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
                                              "(default q_proj,k_proj,v_proj,o_proj)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--plot", metavar="PNG", help="save a bar chart of the memory breakdown")
+    plan.add_argument("--roofline", metavar="PNG", help="save the roofline: the machine's roof and each operation "
+                                                      "class of the step as a point (FLOP/byte against FLOP/s)")
     plan.add_argument("--dtypes", action="store_true", help="print the table of floating-point formats and exit")
     plan.add_argument("--remeasure", action="store_true",
                       help="with --hardware this: measure the matmul peak and memory bandwidth again")

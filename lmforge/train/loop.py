@@ -16,6 +16,7 @@ runs/state.py keeps the run folder and its checkpoints, train/measurements.py ho
 measures, train/report.py logs each record and train/summary.py writes the end of the run.
 """
 
+import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
 from lmforge.accounting.plan.show import print_plan
 from lmforge.accounting.scaling import predicted_loss, read_fit
 from lmforge.accounting.shapes import model_shapes
+from lmforge.accounting.roofline_measure import cached_roof, measure_collective
 from lmforge.common.errors import warn
 from lmforge.config import Config, config_warnings
 from lmforge.data.loader import BatchLoader, window_batch
@@ -84,13 +86,15 @@ class Trainer:
     `machine(matmul_dtype, device)` gives (name, peak FLOP/s, memory bytes) of the device for MFU
     and the plan, once the checks have passed; by default accounting.hardware.this_device, reading
     the measured peak from the cache `lmforge` keeps but never writing to it (the CLI does).
+    `roof(device)` gives the measured roofline (accounting/roofline_measure.py) behind the plan's
+    step time, or None; by default read from the cache alone (the CLI measures it when absent).
 
     `world`: this process's place under torchrun; by default read from the environment (and the
     process group joined), a single process outside torchrun."""
 
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
                  progress: bool = True, machine=functools.partial(this_device, store=False),
-                 world: World | None = None):
+                 world: World | None = None, roof=cached_roof):
         self.world = world if world is not None else init_world(cfg)  # a launch that cannot work stops here
         main = self.world.is_main
         # rank 0's folder for all (a default name holds the time, which the ranks may read a second apart)
@@ -110,13 +114,13 @@ class Trainer:
         self.folder = self.world.main_first(
             lambda: RunFolder(self.run_dir, warn=lambda msg: self.console.print(f"warning: {msg}"), world=self.world))
         try:
-            self._setup(resume, machine)
+            self._setup(resume, machine, roof)
         except BaseException:
             self.close()
             raise
         print_plan(self.console, self.plan, title="lmforge train: plan")
 
-    def _setup(self, resume: bool, machine) -> None:
+    def _setup(self, resume: bool, machine, roof) -> None:
         """Build, restore and measure, checking as it goes; then the run folder's first files."""
         cfg = self.cfg
         checkpoint = self.world.from_main(self.folder.latest_checkpoint if resume else self.folder.check_new)
@@ -125,7 +129,7 @@ class Trainer:
                                        self.base_identity, self.global_batch)
         self.state, metrics_kept = (self.checkpoints.restore(*checkpoint, self.console) if resume
                                     else (RunState(), None))
-        self._measure(machine)
+        self._measure(machine, roof)
         check_memory(self.plan, cfg)  # before the loader draws a batch that cannot fit
         # fine-tuning examples draw their own batches (train/finetune.py); text, windows of its tokens
         self.make_batch = getattr(self.data, "batches", window_batch)
@@ -157,7 +161,7 @@ class Trainer:
                              * cfg.train.micro_batches)
         return self.engine
 
-    def _measure(self, machine) -> None:
+    def _measure(self, machine, roof) -> None:
         """The run's measurements record (train/measurements.py) and the plan to set them beside."""
         cfg, engine = self.cfg, self.engine
         # measured by rank 0; each rank has its share
@@ -170,7 +174,12 @@ class Trainer:
         # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
         setup = Setup.from_config(cfg, mfu=1.0, dp=engine.replicas,
                                   zero_stage=get_strategy(cfg.train.parallel).zero_stage)
-        self.plan = make_plan(cfg.model, setup, machine)
+        # the roofline's step time; under torchrun with data parallelism, all-reduce measured on every rank
+        collective = measure_collective() if self.world.world_size > 1 and cfg.train.pipeline_stages == 1 else None
+        measured_roof = self.world.from_main(lambda: roof(self.device))
+        if measured_roof is not None and collective is not None:
+            measured_roof = dataclasses.replace(measured_roof, collective=collective)
+        self.plan = make_plan(cfg.model, setup, machine, measured_roof)
         if cfg.train.scaling_fit:  # what the fit says this run's tokens buy (a bad file stops here, before any write)
             fit = read_fit(cfg.train.scaling_fit, option="train.scaling_fit")
             self.plan["scaling"] = predicted_loss(fit, model_shapes(cfg.model).matmul_weights,

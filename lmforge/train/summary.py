@@ -150,8 +150,10 @@ def predicted_vs_measured(plan: dict, run: RunMeasurements, tokens_per_s: float)
     breakdown = plan["memory"]["breakdown_bytes"]
     activations = plan["memory"]["activation_breakdown_bytes"]
     stages = plan["pipeline"]["stages_detail"] if "pipeline" in plan else None
-    rows = {
-        "tokens_per_s": (plan["time"]["tokens_per_second"], tokens_per_s),
+    rows = {}
+    if "roofline" in plan and tokens_per_s:  # the step time the roofline predicted (accounting/roofline.py)
+        rows["step_seconds"] = (plan["roofline"]["seconds_per_step"], run.tokens_per_step / tokens_per_s)
+    rows |= {
         # a pipeline's bubble and unequal stages leave less than 100% at best
         "mfu": (plan["pipeline"]["best_mfu"] if stages else 1.0,
                 run.mfu(tokens_per_s)),

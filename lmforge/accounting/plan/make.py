@@ -14,6 +14,8 @@ from lmforge.accounting import comm, flops, memory
 from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak, check_hardware
 from lmforge.accounting.optimizers import OPTIMIZERS
 from lmforge.accounting.pipeline import stage_communication, stage_parameters
+from lmforge.accounting.roofline import datasheet_roof
+from lmforge.accounting.roofline_ops import predict_step
 from lmforge.accounting.plan.pipeline import pipeline_plan
 from lmforge.accounting.shapes import model_shapes, tensor_parallel_degrees
 from lmforge.config import ModelConfig
@@ -153,9 +155,11 @@ class Cost:
     largest_shapes: tuple | None = None  # the parameters of the largest stage (None: the whole model)
 
 
-def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, float] | None = None) -> dict:
+def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, float] | None = None,
+              roof=None) -> dict:
     """The plan as a JSON-ready dict. `this_machine` = (name, peak FLOP/s, memory bytes) is needed
-    when setup.hardware is "this" (the caller measures it; accounting stays pure)."""
+    when setup.hardware is "this" (the caller measures it; accounting stays pure), and `roof`
+    (roofline.Roof, measured) for its step time from the roofline; a named accelerator's is its datasheet's."""
     setup.validate(cfg)
     policy = setup.policy
     hardware_name, peak, device_memory = _hardware(setup, policy, this_machine)
@@ -183,6 +187,11 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
         plan["lora"] = _lora(cfg, setup, policy, cost, lora, n_params)
     if cost.pipeline is not None:
         plan["pipeline"] = cost.pipeline
+    if setup.hardware != "this":
+        roof = datasheet_roof(setup.hardware, peak, ACCELERATORS[setup.hardware].memory_bandwidth)
+    predicted = predict_step(cfg, setup, roof, strategy_of(setup)) if roof is not None else None
+    if predicted is not None:
+        plan["roofline"] = predicted
     return plan
 
 

@@ -4,14 +4,14 @@
 from rich.console import Console
 from rich.table import Table
 
-from lmforge.common.formatting import human_bytes
+from lmforge.common.formatting import human_bytes, human_seconds
 
 def print_comparison(console: Console, comparison: dict) -> None:
     """The trainer's end-of-run table: each {"predicted", "measured"} pair and their ratio."""
     table = Table(title="predicted (plan) vs measured", title_justify="left")
     for column in ("", "predicted", "measured", "measured / predicted"):
         table.add_column(column, justify="right" if column else "left")
-    labels = {"tokens_per_s": "tokens/s (predicted at 100% MFU)", "mfu": "MFU", "hfu": "HFU (with recomputation)",
+    labels = {"step_seconds": "step time (roofline)", "mfu": "MFU", "hfu": "HFU (with recomputation)",
               "parameters_bytes": "parameters", "gradients_bytes": "gradients",
               "optimizer_states_bytes": "optimizer states",
               "activations_bytes": "saved for backward, one micro-batch", "peak_memory_bytes": "peak memory (CUDA)",
@@ -26,8 +26,8 @@ def print_comparison(console: Console, comparison: dict) -> None:
             label = labels[key]
         if "_bytes" in key:
             shown = (human_bytes(predicted), human_bytes(measured) if measured is not None else "-")
-        elif key == "tokens_per_s":
-            shown = (f"{predicted:,.0f}", f"{measured:,.0f}")
+        elif key == "step_seconds":
+            shown = (human_seconds(predicted), human_seconds(measured))
         else:
             shown = (f"{predicted:.0%}", f"{measured:.1%}")
         ratio = f"{measured / predicted:.3f}" if measured is not None and predicted else "-"

@@ -104,6 +104,14 @@ class Machines:
             self.seen["inference", weights] = (f"this machine: {name}", peak, memory, bandwidth)
         return self.seen["inference", weights]
 
+    def roof(self):
+        """This machine's measured roofline (roofline_measure.py), for the plan's step time."""
+        from lmforge.accounting.roofline_measure import this_roof
+
+        if "roof" not in self.seen:
+            self.seen["roof"] = this_roof(self.device(), remeasure=self.remeasure)
+        return self.seen["roof"]
+
     @staticmethod
     def device():
         import torch
@@ -129,11 +137,11 @@ def _plan(cfg: Config, args, chosen: dict, machines: Machines) -> dict:
                                   price_per_hour=args.price_per_hour, reserve_bytes=args.reserve * 2**30,
                                   lora_rank=args.lora_rank, lora_targets=args.lora_targets)
         setup.validate(cfg.model)
-        machine = None
+        machine = roof = None
         if setup.hardware == "this":
             name, peak, memory = machines.training(setup.policy.matmul_dtype)
-            machine = (f"this machine: {name}", peak, memory)
-        return make_plan(cfg.model, setup, machine)
+            machine, roof = (f"this machine: {name}", peak, memory), machines.roof()
+        return make_plan(cfg.model, setup, machine, roof)
     except ValueError as err:
         raise LmforgeError(str(err)) from None
 

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from lmforge.accounting.dtypes import dtype_table
 from lmforge.accounting.plan.show_inference import print_inference_plan
+from lmforge.accounting.plan.show_roofline import roofline_table
 from lmforge.accounting.plan.tables import facts_table, labelled_parts, memory_table
 from lmforge.common.formatting import human_bytes, human_count, human_seconds
 
@@ -34,6 +35,8 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
     console.print(time_table(plan))
     if "scaling" in plan:  # `--scaling FIT.json` or train.scaling_fit (accounting/scaling.py)
         console.print(scaling_line(plan["scaling"]))
+    if "roofline" in plan:
+        Console(file=console.file, width=max(console.width, 130)).print(roofline_table(plan))
 
 
 def scaling_line(s: dict) -> str:

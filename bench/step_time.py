@@ -1,0 +1,140 @@
+"""Predicted (roofline) against measured training-step time, one process, eager, with a
+torch.profiler pass that attributes the measured time to the roofline's operation classes.
+
+For each model shape and precision: the plan's roofline prediction (accounting/roofline.py, the
+roof measured on this machine and cached: `lmforge plan --hardware this --remeasure`), then a few
+real optimizer steps of lmforge's own engine (train/setup.py's build_engine and train/loop.py's
+train_step, random tokens) timed after warm-up steps, then one profiled step whose operators are
+sorted into the classes by name (CLASS_OF below; inside Optimizer.step: the optimizer) beside
+each class's prediction, per step over --steps profiled steps.
+
+    python bench/step_time.py [--models tiny,small,gpt2-124m] [--precisions fp32,bf16-mixed]
+                              [--batch-size 8] [--seq-len N] [--steps 5] [--warmup 2] [--remeasure]
+"""
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+# Operators, as the profiler names them, by roofline class: the leaf aten kernels (self time), so
+# that a class's measured time is its kernels' time and what no class claims is "other" (Python,
+# autograd bookkeeping, the launch cost the roofline counts per kernel).
+CLASS_OF = [
+    ("attention", ("attention", "sdpa", "flash")),
+    ("matmuls", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("loss", ("log_softmax", "nll_loss", "cross_entropy")),
+    ("optimizer", ("_foreach", "linalg_vector_norm", "aten::stack", "aten::clamp")),
+    ("norms/elementwise", ("aten::", )),
+]
+
+
+def classify(name: str) -> str:
+    for cls, keys in CLASS_OF:
+        if any(key in name for key in keys):
+            return cls
+    return "other"
+
+
+def build(model: str, precision: str, batch: int, seq_len: int | None):
+    """(config, step callable) for one shape: lmforge's engine and train_step on random tokens."""
+    from lmforge.config import make_config
+    from lmforge.modes.precision import get_policy
+    from lmforge.precision.loss_scaler import LossScaler
+    from lmforge.train.loop import train_step
+    from lmforge.train.setup import build_engine
+
+    overrides = [f"train.precision={precision}", f"train.batch_size={batch}"]
+    cfg = make_config(model, overrides=overrides + ([f"seq_len={seq_len}"] if seq_len else []))
+    torch.manual_seed(0)
+    policy, device = get_policy(precision), torch.device("cpu")
+    engine = build_engine(cfg, policy, device)
+    engine.model.train()
+    scaler = LossScaler(enabled=policy.loss_scaling)
+    generator = torch.Generator().manual_seed(0)
+
+    def batch_of_tokens():
+        w = torch.randint(0, cfg.model.vocab_size, (batch, cfg.seq_len + 1), generator=generator)
+        return w[:, :-1], w[:, 1:]
+
+    def step():
+        train_step(engine, batch_of_tokens, cfg.train.grad_accum, cfg.optim.lr, cfg.optim.grad_clip, scaler,
+                   policy, device)
+    return cfg, step
+
+
+def measure(step, steps: int, warmup: int) -> float:
+    """Median seconds of `steps` optimizer steps after `warmup` untimed ones."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def profiled(step, steps: int) -> dict:
+    """Seconds per step of the kernels by roofline class (self CPU time of each operator, over
+    `steps` profiled steps): an operator inside the optimizer's step is the optimizer's, whatever
+    its name (on CPU the foreach ops run as per-tensor aten kernels)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    by_class = defaultdict(float)
+    for event in prof.events():
+        parent, cls = event, None
+        while parent is not None and cls is None:
+            if parent.name.startswith("Optimizer.step"):
+                cls = "optimizer"
+            parent = parent.cpu_parent
+        by_class[cls or classify(event.name)] += event.self_cpu_time_total / 1e6 / steps
+    return dict(by_class)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,small,gpt2-124m")
+    parser.add_argument("--precisions", default="fp32,bf16-mixed")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the model's context")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--remeasure", action="store_true", help="measure the roof again first")
+    args = parser.parse_args()
+
+    from lmforge.accounting.hardware import this_device
+    from lmforge.accounting.plan.make import Setup, make_plan
+    from lmforge.accounting.roofline_measure import this_roof
+    from lmforge.train.host_memory import retain_freed_memory
+
+    retain_freed_memory()  # as `lmforge train` (and `lmforge plan`) run
+    device = torch.device("cpu")
+    roof = this_roof(device, remeasure=args.remeasure)
+    print(f"roof: {roof.name}; {torch.get_num_threads()} threads, torch {torch.__version__}")
+    for model in args.models.split(","):
+        for precision in args.precisions.split(","):
+            cfg, step = build(model, precision, args.batch_size, args.seq_len)
+            setup = Setup.from_config(cfg)
+            name, peak, memory = this_device(setup.policy.matmul_dtype, device)
+            plan = make_plan(cfg.model, setup, (name, peak, memory), roof)
+            predicted = plan["roofline"]
+            measured = measure(step, args.steps, args.warmup)
+            ratio = predicted["seconds_per_step"] / measured
+            print(f"\n{model} {precision} batch {args.batch_size} x seq {cfg.seq_len}: predicted "
+                  f"{predicted['seconds_per_step'] * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of "
+                  f"{args.steps}), predicted/measured {ratio:.3f}")
+            kernels = profiled(step, args.steps)
+            print(f"  {'class':<20}{'predicted ms':>14}{'profiled ms':>14}{'ratio':>8}")
+            for cls in [*predicted["classes"], "other"]:
+                p = predicted["classes"].get(cls, {}).get("seconds", 0.0)
+                m = kernels.get(cls, 0.0)
+                print(f"  {cls:<20}{p * 1e3:>14.2f}{m * 1e3:>14.2f}{(p / m if m else float('nan')):>8.2f}")
+            print(f"  (profiled kernels sum to {sum(kernels.values()) * 1e3:.1f} ms under the profiler's own cost)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""A step's time from a roofline: each operation takes max(FLOPs / achieved FLOP/s at its shape,
+bytes / memory bandwidth), plus the fixed cost of the kernels it launches (Williams, Waterman &
+Patterson 2009, "Roofline"; the launch term is what an eager framework adds on top of it).
+
+Pure arithmetic on a `Roof`: the machine as measured by roofline_measure.py (this machine) or as
+a datasheet gives it (a named accelerator: one flat peak, no shape dependence, no launch cost).
+The operations come from roofline_ops.py. How an achieved rate is read off the measured grid:
+multilinear interpolation of log(rate) in log2 of each dimension, clamped at the grid's edges
+(a shape larger than the grid in some dimension runs at the rate of the grid's largest there:
+a matmul's rate saturates once every dimension is large).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+CLASSES = ("matmuls", "attention", "norms/elementwise", "loss", "optimizer", "communication")
+
+
+@dataclass(frozen=True)
+class Roof:
+    """What the prediction needs of a machine. Grids are {dtype: [[dims..., value], ...]} on a
+    regular grid: matmul (M, N, K, FLOP/s); sdpa forward and forward+backward (T, head_dim,
+    FLOP/s, counted as flops.py counts attention: the full T x T, causal or not); elementwise
+    (bytes moved by one call, bytes/s)."""
+    name: str
+    bandwidth: float  # bytes/s of a large copy: the memory roof
+    matmul: dict
+    sdpa_forward: dict
+    sdpa_training: dict
+    elementwise: list  # [[bytes per call, bytes/s], ...]
+    call_seconds: float = 0.0  # one eager kernel launch from Python (a tiny op's time)
+    foreach_call_seconds: float = 0.0  # one tensor of a torch._foreach_* op (the C++ loop on CPU)
+    collective: dict = field(default_factory=dict)  # {"latency_s", "bytes_per_second"} of all-reduce, if measured
+    source: str = "measured"
+
+
+def datasheet_roof(name: str, peak: float, bandwidth: float) -> Roof:
+    """A named accelerator's roof: the datasheet peak at every shape, its memory bandwidth, no
+    launch cost (unknown from a datasheet; on a GPU a launch is a few microseconds)."""
+    flat = {dtype: [[1, 1, 1, peak]] for dtype in ("float32", "bfloat16")}
+    flat2 = {dtype: [[1, 1, peak]] for dtype in ("float32", "bfloat16")}
+    return Roof(name, bandwidth, flat, flat2, flat2, [[1, bandwidth]], source="datasheet")
+
+
+def interpolate(points: list, at: tuple) -> float:
+    """The value at `at` on a regular grid of points [dims..., value]: multilinear in log2 of the
+    dimensions and in log of the value, each dimension clamped to the grid's range."""
+    dims = len(at)
+    axes = [sorted({p[i] for p in points}) for i in range(dims)]
+    table = {tuple(p[:dims]): p[dims] for p in points}
+    corners = [[]]  # (grid coordinates, weight) of the 2^dims corners around `at`
+    weights = [1.0]
+    for axis, x in zip(axes, at):
+        x = min(max(x, axis[0]), axis[-1])
+        upper = next(i for i, v in enumerate(axis) if v >= x)
+        lower = max(upper - 1, 0)
+        lo, hi = axis[lower], axis[upper]
+        t = 0.0 if hi == lo else (math.log2(x) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        corners = [c + [v] for c in corners for v in (lo, hi)]
+        weights = [w * s for w in weights for s in (1 - t, t)]
+    return math.exp(sum(w * math.log(table[tuple(c)]) for c, w in zip(corners, weights) if w))
+
+
+def rate_dtype(dtype: str) -> str:
+    """The measured dtype standing in for `dtype`: 16-bit and fp8 matmuls at bf16's rates."""
+    return "float32" if dtype in ("float32", "tf32") else "bfloat16"
+
+
+def compute_rate(roof: Roof, op) -> float:
+    """Achieved FLOP/s of `op` (roofline_ops.Op) at its shape, or 0 for an op with no FLOPs."""
+    if not op.flops:
+        return 0.0
+    grid = {"matmul": roof.matmul, "sdpa_forward": roof.sdpa_forward, "sdpa_backward": roof.sdpa_training}[op.kind]
+    rate = interpolate(grid[rate_dtype(op.dtype)], op.shape)
+    if op.kind == "sdpa_backward":  # the grid holds forward + backward (3x forward's FLOPs) per second
+        forward = interpolate(roof.sdpa_forward[rate_dtype(op.dtype)], op.shape)
+        # backward time = training time - forward time, for 2x forward's FLOPs
+        rate = 2 / (3 / rate - 1 / forward) if 3 / rate > 1 / forward else rate
+    return rate
+
+
+def memory_rate(roof: Roof, op) -> float:
+    """Bytes/s `op` moves at: elementwise ops at the rate measured for calls of their size (small
+    ones stay in cache), everything else at the large-copy bandwidth."""
+    if op.kind in ("elementwise", "foreach") and op.calls:
+        return interpolate(roof.elementwise, (max(op.bytes / op.calls, 1.0),))
+    return roof.bandwidth
+
+
+def op_time(roof: Roof, op) -> dict:
+    """One operation's predicted seconds and the bound it hits: max(FLOPs / rate, bytes / bandwidth)
+    (whichever is larger is the bound), plus its kernel launches."""
+    if op.kind == "collective":
+        c = roof.collective
+        seconds = op.calls * c["latency_s"] + op.bytes / c["bytes_per_second"] if c else 0.0
+        return {"seconds": seconds, "compute_s": 0.0, "memory_s": seconds, "bound": "network" if c else "not measured"}
+    rate = compute_rate(roof, op)
+    compute_s = op.flops / rate if rate else 0.0
+    memory_s = op.bytes / memory_rate(roof, op) if op.bytes else 0.0
+    per_call = roof.foreach_call_seconds if op.kind == "foreach" else roof.call_seconds
+    launch_s = op.calls * per_call
+    return {"seconds": max(compute_s, memory_s) + launch_s, "compute_s": compute_s, "memory_s": memory_s,
+            "launch_s": launch_s, "bound": "compute" if compute_s >= memory_s else "memory"}
+
+
+def predict(roof: Roof, ops: list, tokens_per_step: int) -> dict:
+    """The step's predicted time, summed by operation class, JSON-ready. No overlap is assumed:
+    eager execution on one device runs one kernel at a time, and CPU gloo collectives run after
+    backward (parallel/ engines reduce after the whole backward), so every term adds."""
+    classes = {name: {"seconds": 0.0, "flops": 0.0, "bytes": 0.0, "compute_s": 0.0, "memory_s": 0.0,
+                      "launch_s": 0.0, "ops": 0} for name in CLASSES}
+    for op in ops:
+        t = op_time(roof, op)
+        row = classes[op.cls]
+        row["seconds"] += t["seconds"]
+        row["flops"] += op.flops
+        row["bytes"] += op.bytes
+        row["ops"] += 1
+        for key in ("compute_s", "memory_s", "launch_s"):
+            row[key] += t.get(key, 0.0)
+    for row in classes.values():
+        row["bound"] = ("-" if not row["ops"] else "compute" if row["compute_s"] >= row["memory_s"] else "memory")
+        busy = row["seconds"] - row["launch_s"]
+        row["achieved_flops_per_second"] = row["flops"] / busy if busy > 0 else 0.0
+        row["intensity_flops_per_byte"] = row["flops"] / row["bytes"] if row["bytes"] else 0.0
+    step = sum(row["seconds"] for row in classes.values())
+    peaks = {dtype: max(row[-1] for row in rows) for dtype, rows in roof.matmul.items()}
+    return {"roof": roof.name, "roof_source": roof.source, "seconds_per_step": step,
+            "bandwidth_bytes_per_second": roof.bandwidth, "best_matmul_flops_per_second": peaks,
+            "tokens_per_second": tokens_per_step / step if step else 0.0,
+            "classes": {name: row for name, row in classes.items() if row["ops"]},
+            "overlap": "none assumed (eager: one kernel at a time; collectives after backward)"}

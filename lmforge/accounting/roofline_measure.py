@@ -1,0 +1,173 @@
+"""Measuring this machine's roof (roofline.py's Roof): matmul FLOP/s over a grid of shapes per
+dtype, the bandwidth of a large copy, SDPA FLOP/s by sequence length and head size (forward, and
+forward + backward), elementwise bytes/s by call size, the cost of one eager kernel launch, and,
+under torchrun, all-reduce latency and bandwidth on the launched backend.
+
+Each figure is the best of a few short timings, as hardware.py's peak is (a moment when other
+work shares the machine lowers some timings, not the best). The whole roof is measured in about
+ten seconds and cached with the matmul peak (hardware.py's cache: when, under what load), and
+`lmforge plan --hardware this --remeasure` replaces it.
+"""
+
+import json
+import time
+
+import torch
+
+from lmforge.accounting.hardware import _calls_per_second, _measured, _sync, cache_path, device_name
+from lmforge.accounting.roofline import Roof
+
+# The grid: every (M, N, K) with each dimension from MATMUL_DIMS. 64..1024 brackets the small
+# models' widths; larger shapes are read at the grid's edge (their rate has saturated by then).
+MATMUL_DIMS = (64, 256, 1024)
+SDPA_SEQ = (64, 256, 1024)
+SDPA_HEAD_DIMS = (16, 64)
+SDPA_BATCH_HEADS = 8  # batch x heads of each timed SDPA call
+ELEMENTWISE_SIZES = (2**12, 2**16, 2**20, 2**23)  # fp32 elements of each operand of an add
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _best_rate(op, work: float, device: torch.device, runs: int = 2, seconds: float = 0.02) -> float:
+    """Best `work` units per second of `op` over `runs` timings of about `seconds`, after a warm-up."""
+    op()
+    _sync(device)
+    return max(work * _calls_per_second(op, device, seconds)[0] for _ in range(runs))
+
+
+def measure_matmuls(device: torch.device) -> dict:
+    """{dtype: [[M, N, K, FLOP/s], ...]} over MATMUL_DIMS^3."""
+    generator = torch.Generator(device).manual_seed(0)
+    grid = {}
+    for name, dtype in DTYPES.items():
+        rows = []
+        for m in MATMUL_DIMS:
+            for n in MATMUL_DIMS:
+                for k in MATMUL_DIMS:
+                    a = torch.randn(m, k, device=device, generator=generator).to(dtype)
+                    b = torch.randn(k, n, device=device, generator=generator).to(dtype)
+                    rows.append([m, n, k, _best_rate(lambda: a @ b, 2 * m * n * k, device)])
+        grid[name] = rows
+    return grid
+
+
+def measure_sdpa(device: torch.device) -> tuple[dict, dict]:
+    """({dtype: [[T, head_dim, FLOP/s]]} forward, the same for forward + backward), causal, FLOPs
+    counted as flops.py does (4 * T^2 * head_dim per batch-head forward, the full T x T; 3x that
+    for forward + backward)."""
+    forward, training = {}, {}
+    for name, dtype in DTYPES.items():
+        forward[name], training[name] = [], []
+        for t in SDPA_SEQ:
+            for d in SDPA_HEAD_DIMS:
+                q, k, v = (torch.randn(1, SDPA_BATCH_HEADS, t, d, device=device, dtype=dtype, requires_grad=True)
+                           for _ in range(3))
+                flops = 4 * SDPA_BATCH_HEADS * t * t * d
+
+                def step():
+                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    out.backward(torch.ones_like(out))
+
+                with torch.no_grad():
+                    forward[name].append([t, d, _best_rate(
+                        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                        flops, device)])
+                training[name].append([t, d, _best_rate(step, 3 * flops, device)])
+    return forward, training
+
+
+def measure_elementwise(device: torch.device) -> list:
+    """[[bytes per call, bytes/s]] of an out-of-place fp32 add (reads two operands, writes one),
+    as eager code runs it: small calls stay in cache, large ones stream from memory."""
+    rows = []
+    for n in ELEMENTWISE_SIZES:
+        x, y = torch.ones(n, device=device), torch.ones(n, device=device)
+        rows.append([3 * 4 * n, _best_rate(lambda: x + y, 3 * 4 * n, device)])
+    return rows
+
+
+def measure_copy_bandwidth(device: torch.device, megabytes: int = 128) -> float:
+    """Bytes/s of copying a `megabytes` MiB tensor into another (read once, written once)."""
+    src = torch.ones(megabytes * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    return _best_rate(lambda: dst.copy_(src), 2 * src.nbytes, device, runs=3, seconds=0.05)
+
+
+def measure_launch(device: torch.device) -> tuple[float, float]:
+    """(seconds per kernel of training on one-element tensors: a chain of 32 adds recorded by
+    autograd and its backward, per kernel of the 64; seconds per tensor of a foreach op over 64
+    one-element tensors): the fixed cost every kernel pays before it moves a byte."""
+    x = torch.ones(1, device=device, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(32):
+            y = y + x
+        y.backward()
+
+    per_call = 1 / _best_rate(chain, 64, device, runs=3)
+    tensors = [torch.ones(1, device=device) for _ in range(64)]
+    per_tensor = 1 / _best_rate(lambda: torch._foreach_add_(tensors, 1.0), 64, device, runs=3)
+    return per_call, per_tensor
+
+
+def measure_roof(device: torch.device) -> dict:
+    """This machine's roof as a JSON-ready dict (Roof's fields but its name and source)."""
+    started = time.perf_counter()
+    forward, training = measure_sdpa(device)
+    call, foreach = measure_launch(device)
+    return {"bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
+            "sdpa_forward": forward, "sdpa_training": training, "elementwise": measure_elementwise(device),
+            "call_seconds": call, "foreach_call_seconds": foreach,
+            "measure_seconds": time.perf_counter() - started}
+
+
+def _key(device: torch.device) -> str:
+    return f"roofline|{device_name(device)}|torch {torch.__version__}"
+
+
+def this_roof(device: torch.device, remeasure: bool = False, store: bool = True, collective: dict | None = None) -> Roof:
+    """This machine's roof, from the cache unless `remeasure` (hardware.py's cache and its rules);
+    `collective` is measure_collective's result when launched under torchrun."""
+    return _roof(device, _measured(_key(device), "roof", lambda: measure_roof(device), remeasure, store), collective)
+
+
+def cached_roof(device: torch.device) -> Roof | None:
+    """This machine's roof if the cache holds one (never measured here: a Trainer built directly,
+    as the tests build it, should not spend ten seconds measuring), else None."""
+    try:
+        entry = json.loads(cache_path().read_text()).get(_key(device))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return _roof(device, entry["roof"]) if isinstance(entry, dict) and "roof" in entry else None
+
+
+def _roof(device: torch.device, fields: dict, collective: dict | None = None) -> Roof:
+    fields = {k: v for k, v in fields.items() if k != "measure_seconds"}
+    return Roof(name=f"this machine: {device_name(device)}", collective=collective or {}, **fields)
+
+
+def measure_collective(group=None, sizes: tuple[int, ...] = (2**10, 2**20), repeats: int = 5) -> dict:
+    """All-reduce latency and bandwidth on the launched process group (every rank calls it): the
+    best time of `repeats` all-reduces of each size in fp32; bytes counted as comm.py counts them
+    (a ring sends 2 (N-1)/N of the tensor per rank), fitted t = latency + bytes / bandwidth
+    through the smallest and largest size."""
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    points = []
+    for n in sizes:
+        x = torch.ones(n, device=device)
+        dist.all_reduce(x, group=group)  # warm-up: connection set-up
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            started = time.perf_counter()
+            dist.all_reduce(x, group=group)
+            _sync(device)
+            best = min(best, time.perf_counter() - started)
+        points.append((2 * (ranks - 1) / ranks * x.nbytes, best))
+    (b0, t0), (b1, t1) = points[0], points[-1]
+    bandwidth = (b1 - b0) / (t1 - t0) if t1 > t0 else b1 / t1
+    return {"latency_s": max(t0 - b0 / bandwidth, 0.0), "bytes_per_second": bandwidth, "ranks": ranks,
+            "backend": str(dist.get_backend(group))}

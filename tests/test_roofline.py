@@ -1,0 +1,157 @@
+"""The roofline's pieces that can be checked without a clock: the FLOPs of each operation class
+(against flops.py and torch's FlopCounterMode on a real step), the bytes of each operation
+(against the tensors' own sizes), the arithmetic of max(compute, memory) on synthetic roofs, and
+what the plan prints and draws. No test here times anything."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from lmforge.accounting import flops
+from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.roofline import Roof, interpolate, op_time, predict
+from lmforge.accounting.roofline_ops import Op, linear_backward, linear_forward, micro_batch_ops, optimizer_ops
+from lmforge.cli import main
+from lmforge.config import make_config
+from lmforge.model.transformer import Transformer
+from lmforge.modes.precision import get_policy
+
+
+def _by_class(ops) -> dict:
+    totals = {}
+    for op in ops:
+        totals[op.cls] = totals.get(op.cls, 0) + op.flops
+    return totals
+
+
+@pytest.mark.parametrize("overrides, seq_len", [
+    ([], 64),                                                                    # tiny llama, GQA 4:2
+    (["model.family=gpt", "model.n_kv_heads=null"], 48),                         # biases, GELU MLP
+    (["model.n_kv_heads=1", "model.d_ff=200", "model.tie_embeddings=false"], 17),  # MQA, untied, odd length
+])
+def test_flops_by_class_sum_to_flops_py_and_to_flop_counter(overrides, seq_len):
+    """Matmuls + attention FLOPs equal flops.py's training count exactly, and FlopCounterMode's on a
+    real forward + backward: mm/addmm (the linear layers) = the matmul class, bmm (the naive
+    backend's attention einsums) = the attention class. Other classes count no FLOPs."""
+    cfg = make_config("tiny", overrides=overrides + ["model.attention=naive"]).model
+    batch = 2
+    per_class = _by_class(micro_batch_ops(cfg, batch, seq_len, get_policy("fp32")))
+    assert per_class["matmuls"] + per_class["attention"] == flops.training_flops_per_token(cfg, seq_len) * batch * seq_len
+    assert per_class["norms/elementwise"] == per_class["loss"] == 0
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        Transformer(cfg)(tokens[:, :-1], tokens[:, 1:]).backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert per_class["matmuls"] == counts.get("aten.mm", 0) + counts.get("aten.addmm", 0)
+    assert per_class["attention"] == counts["aten.bmm"]
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_adds_its_forward_as_flops_py_counts_it(recompute):
+    cfg = make_config("tiny").model
+    ops = micro_batch_ops(cfg, 2, 64, get_policy("fp32"), recompute)
+    assert sum(op.flops for op in ops) == flops.hardware_flops_per_token(cfg, 64, recompute) * 2 * 64
+
+
+def test_a_linear_layers_bytes_are_its_tensors_sizes():
+    """Hand-worked: x (6, 3) @ W^T with W (5, 3). fp32: each matmul moves x, W and y once; dX and
+    dW move dY, W, dX and dY, x, dW: the same three sizes. Under bf16-mixed the matmuls move 16-bit
+    tensors and the casts read the fp32 input and weight and write their 16-bit copies."""
+    m, k, n = 6, 3, 5
+    x, w = torch.empty(m, k), torch.empty(n, k)
+    sizes = x.nbytes + w.nbytes + F.linear(x, w).nbytes
+    forward, = linear_forward("l", m, k, n, get_policy("fp32"))
+    assert (forward.flops, forward.bytes, forward.shape) == (2 * m * n * k, sizes, (m, n, k))
+    dx, dw = linear_backward("l", m, k, n, get_policy("fp32"))
+    assert dx.bytes == dw.bytes == sizes and (dx.shape, dw.shape) == ((m, k, n), (n, k, m))
+    matmul, casts = linear_forward("l", m, k, n, get_policy("bf16-mixed"))
+    half = x.bfloat16().nbytes + w.bfloat16().nbytes + F.linear(x.bfloat16(), w.bfloat16()).nbytes
+    assert matmul.bytes == half and matmul.dtype == "bfloat16"
+    assert casts.bytes == x.nbytes + x.bfloat16().nbytes + w.nbytes + w.bfloat16().nbytes
+
+
+def test_adamw_bytes_per_element_are_its_passes_over_the_tensors():
+    """optim/adamw.py's foreach step over 17 fp32 elements: 4 parameter, 14 moment and 2 gradient
+    accesses of 4 bytes each (80 per element); clipping reads each gradient for its norm and
+    reads and writes it to scale (12). ZeRO over 2 ranks halves both."""
+    update, clip = optimizer_ops(((3, 4), (5,)), get_policy("fp32"))
+    assert (update.bytes, clip.bytes) == (17 * 80, 17 * 12)
+    assert [op.bytes for op in optimizer_ops(((3, 4), (5,)), get_policy("fp32"), shards=2)] == [17 * 40, 17 * 6]
+
+
+def _roof(peak=1e12, bandwidth=1e11, call=0.0) -> Roof:
+    """A synthetic roof: one flat rate everywhere."""
+    flat = {d: [[1, 1, 1, peak]] for d in ("float32", "bfloat16")}
+    flat2 = {d: [[1, 1, peak]] for d in ("float32", "bfloat16")}
+    return Roof("synthetic", bandwidth, flat, flat2, flat2, [[1, bandwidth]], call_seconds=call)
+
+
+def test_an_op_takes_the_larger_of_its_two_bounds_plus_its_launches():
+    roof = _roof(peak=1e12, bandwidth=1e11, call=1e-6)
+    compute = Op("c", "matmuls", "matmul", flops=4e12, bytes=1e9, shape=(512, 512, 512), calls=2)
+    t = op_time(roof, compute)  # 4 s of FLOPs, 0.01 s of bytes
+    assert t["bound"] == "compute" and t["seconds"] == pytest.approx(4 + 2e-6, rel=1e-12)
+    memory = dataclasses.replace(compute, flops=1e9, bytes=3e11)  # 1 ms of FLOPs, 3 s of bytes
+    t = op_time(roof, memory)
+    assert t["bound"] == "memory" and t["seconds"] == pytest.approx(3 + 2e-6, rel=1e-12)
+    step = predict(roof, [compute, memory], tokens_per_step=1000)
+    assert step["seconds_per_step"] == pytest.approx(7 + 4e-6, rel=1e-12)
+    assert step["tokens_per_second"] == pytest.approx(1000 / step["seconds_per_step"], rel=1e-12)
+    # a class's bound is the larger of its summed bounds: 4.001 s of FLOPs against 3.01 s of bytes
+    assert step["classes"]["matmuls"]["bound"] == "compute"
+    assert step["classes"]["matmuls"]["compute_s"] == pytest.approx(4.001, rel=1e-12)
+
+
+def test_rates_interpolate_in_log_space_and_clamp_at_the_edges():
+    grid = [[64, 1e9], [256, 4e9]]  # one dimension: the geometric middle (128) gets the geometric mean
+    assert interpolate(grid, (128,)) == pytest.approx(2e9, rel=1e-12)
+    assert interpolate(grid, (16,)) == pytest.approx(1e9) and interpolate(grid, (10**6,)) == pytest.approx(4e9)
+    cube = [[m, n, k, float(m * n * k)] for m in (1, 4) for n in (1, 4) for k in (1, 4)]
+    assert interpolate(cube, (2, 2, 2)) == pytest.approx(8.0, rel=1e-12)  # log-multilinear is exact on m*n*k
+
+
+def test_the_plan_prints_the_roofline_rows(capsys):
+    args = ["plan", "--model", "tiny", "--hardware", "h100-sxm"]
+    assert main([*args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    r = plan["roofline"]
+    assert set(r["classes"]) == {"matmuls", "attention", "norms/elementwise", "loss", "optimizer"}
+    assert sum(c["seconds"] for c in r["classes"].values()) == pytest.approx(r["seconds_per_step"], rel=1e-12)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for row in ("predicted step time from the datasheet roofline of h100-sxm", "step (roofline)",
+                "throughput (roofline)", "norms/elementwise", "memory", "compute"):
+        assert row in out, row
+
+
+def test_ddp_adds_communication_that_needs_a_measured_network():
+    cfg = make_config("tiny").model
+    plan = make_plan(cfg, Setup(dp=2, parallel="ddp", hardware="h100-sxm"))
+    assert plan["roofline"]["classes"]["communication"]["bytes"] == plan["communication"]["sent_bytes"]
+    assert plan["roofline"]["classes"]["communication"]["seconds"] == 0  # a datasheet has no network figure
+
+
+def test_roofline_png_is_written_and_a_missing_folder_refused(tmp_path, capsys):
+    out = tmp_path / "roof.png"
+    assert main(["plan", "--model", "tiny", "--hardware", "h100-sxm", "--roofline", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plan", "--model", "tiny", "--hardware", "h100-sxm", "--roofline", str(tmp_path / "no" / "r.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lmforge: error: --roofline") and "does not exist" in err and err.count("\n") == 1
+
+
+def test_the_end_of_run_table_sets_the_roofline_step_beside_the_measured_one():
+    from tests.test_pipeline_accounting import fake_measurements
+    from lmforge.train.summary import predicted_vs_measured
+
+    plan = make_plan(make_config("tiny").model, Setup(hardware="h100-sxm", mfu=1.0))
+    run = dataclasses.replace(fake_measurements(plan), tokens_per_step=plan["setup"]["tokens_per_step"])
+    rows = predicted_vs_measured(plan, run, tokens_per_s=1000.0)
+    assert rows["step_seconds"] == {"predicted": plan["roofline"]["seconds_per_step"],
+                                    "measured": plan["setup"]["tokens_per_step"] / 1000.0}
+    assert "tokens_per_s" not in rows  # the "at 100% MFU" row is gone: MFU says the same
