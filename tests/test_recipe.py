@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lmforge.accounting.flops import forward_flops_breakdown
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.data.tokenizer import END_OF_TEXT, train_tokenizer
@@ -39,6 +40,9 @@ def test_relu2_mlp_is_relu_squared_two_matrices_4d_wide():
     # two 4d matrices hold as many weights as SwiGLU's three of 8d/3 (here 192 = 8*64/3 rounded up to 64)
     swiglu = make_config("tiny").model
     assert 2 * 4 * cfg.d_model == 8 * cfg.d_model and 3 * swiglu.ffn_dim == 9 * cfg.d_model
+    # the FLOP count reads the two matrices from the model (tests/test_flops.py checks it against FlopCounterMode)
+    assert forward_flops_breakdown(cfg, 64)["mlp"] == cfg.n_layers * 2 * 2 * cfg.d_model * 4 * cfg.d_model
+    assert forward_flops_breakdown(swiglu, 64)["mlp"] == swiglu.n_layers * 3 * 2 * swiglu.d_model * swiglu.ffn_dim
 
 
 def test_softcap_head_caps_the_logits_and_keeps_the_plain_weight():
