@@ -15,6 +15,10 @@ from lmforge.wrap.recompute import apply_recompute
     (["model.n_kv_heads=1", "model.d_ff=200", "model.tie_embeddings=false"], 17),  # MQA, odd length
     (["model.family=gpt", "model.n_kv_heads=null"], 64),                           # biases, GELU MLP
     (["model.d_model=128", "model.n_heads=2", "model.max_seq_len=256"], 256),     # attention-heavy
+    (["model.mlp=relu2"], 64),                                                     # ReLU^2: 2 matrices of 4d
+    (["model.mlp=relu2", "model.d_ff=100", "model.logit_softcap=30", "model.tie_embeddings=false"], 33),
+    (["model.family=gpt", "model.n_kv_heads=null", "model.mlp=swiglu", "model.qk_norm=false"], 40),
+    (["model.qk_norm=true", "model.init=kaiming", "model.zero_init_proj=true"], 64),  # no matmul added
 ])
 def test_analytic_training_flops_match_flop_counter(overrides, seq_len):
     # the naive backend, so that attention runs as matmuls FlopCounterMode has formulas for

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 FAMILIES = ("llama", "gpt")  # model/transformer.py builds each (its FAMILIES table has these keys)
 # model.rope_scaling's keys, as Hugging Face's config.json spells them (e.g. presets.LLAMA3_ROPE_SCALING)
 ROPE_SCALING_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Recipe switches (docs/recipe.md): the names model/init.py, model/transformer.py and optim/schedule.py build
+INIT_SCHEMES = ("scaled_normal", "xavier", "kaiming")
+MLPS = ("swiglu", "gelu", "relu2")
+FAMILY_MLPS = {"llama": "swiglu", "gpt": "gelu"}  # the MLP each family builds when model.mlp is unset
+LR_SCHEDULES = ("cosine", "wsd")
 
 
 @dataclass
@@ -19,7 +24,7 @@ class ModelConfig:
     n_layers: int = 6
     n_heads: int = 4
     n_kv_heads: int | None = None  # None: as many as n_heads (plain multi-head attention)
-    d_ff: int | None = None  # None: 4*d_model (gpt) or 8/3*d_model rounded up to a multiple of 64 (llama)
+    d_ff: int | None = None  # None: 8/3*d_model rounded up to a multiple of 64 (SwiGLU) or 4*d_model (GELU, ReLU^2)
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     # None, or Llama 3.1's long-context rescaling of the rotary frequencies: {rope_type: llama3, factor,
@@ -37,6 +42,16 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
     # each query sees itself and the sliding_window - 1 positions before it (Mistral); None: all before it
     sliding_window: int | None = None
+    # Recipe switches (docs/recipe.md), each chosen when the model is built:
+    init: str = "scaled_normal"  # INIT_SCHEMES: scaled_normal (GPT-2's) | xavier | kaiming (model/init.py)
+    # zero the residual-stream projections (attention o_proj, MLP down_proj) and an untied LM head (modded-nanogpt)
+    zero_init_proj: bool = False
+    mlp: str | None = None  # swiglu | gelu | relu2 (Primer's ReLU^2, So et al. 2021); None: the family's (FAMILY_MLPS)
+    logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2); None: no cap
+
+    @property
+    def mlp_kind(self) -> str:
+        return self.mlp or FAMILY_MLPS[self.family]
 
     @property
     def head_dim(self) -> int:
@@ -50,7 +65,7 @@ class ModelConfig:
     def ffn_dim(self) -> int:
         if self.d_ff is not None:
             return self.d_ff
-        if self.family == "gpt":
+        if self.mlp_kind != "swiglu":  # two matrices (GELU, ReLU^2): GPT-2's 4d
             return 4 * self.d_model
         # SwiGLU has three matrices instead of two; 2/3 of 4d keeps the parameter count of a
         # 4d GELU MLP (Shazeer 2020, section 2), rounded up for matmul-friendly shapes.
@@ -82,6 +97,10 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    # The schedule's shape (optim/schedule.py; docs/recipe.md): cosine, or warmup-stable-decay (Hägele et
+    # al. 2024): the peak held, then a linear decay to the floor over the last decay_fraction of decay_steps
+    schedule: str = "cosine"  # LR_SCHEDULES: cosine | wsd
+    decay_fraction: float = 0.2  # wsd only
 
 
 @dataclass

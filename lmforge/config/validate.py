@@ -10,8 +10,8 @@ import difflib
 import math
 
 from lmforge.common.errors import LmforgeError
-from lmforge.config.schema import (FAMILIES, ROPE_SCALING_KEYS, SECTIONS, Config, DataConfig, FinetuneConfig,
-                                   ModelConfig, OptimConfig, TrainConfig)
+from lmforge.config.schema import (FAMILIES, INIT_SCHEMES, LR_SCHEDULES, MLPS, ROPE_SCALING_KEYS, SECTIONS, Config,
+                                   DataConfig, FinetuneConfig, ModelConfig, OptimConfig, TrainConfig)
 # The names a setting can take, each from its one registry (light modules: no torch)
 from lmforge.modes.attention import BACKENDS
 from lmforge.modes.parallel import PARALLEL_STRATEGIES, PIPELINE_ENGINES, PIPELINE_SCHEDULES, parse_split
@@ -41,6 +41,7 @@ def validate(cfg: Config) -> None:
     _check_numbers(cfg)
     _check_model(cfg.model)
     _check_architecture_choices(cfg.model)
+    _check_recipe(cfg.model, cfg.optim)
     _check_data(cfg.data)
     _check_optim(cfg.optim)
     _check_train(cfg)
@@ -117,6 +118,17 @@ def _check_architecture_choices(m: ModelConfig) -> None:
              "model.qkv_bias, qk_norm, d_head and sliding_window apply to the llama family only "
              "(gpt has biases everywhere and d_model / n_heads wide heads)")
     # (every attention backend implements the window, model/attention.py: none is refused for it)
+
+
+def _check_recipe(m: ModelConfig, o: OptimConfig) -> None:
+    """The recipe switches (docs/recipe.md): initialisation, MLP, logit cap, schedule shape."""
+    _choose("model.init", m.init, INIT_SCHEMES)
+    _require(isinstance(m.zero_init_proj, bool), f"model.zero_init_proj must be true or false, got {m.zero_init_proj!r}")
+    if m.mlp is not None:
+        _choose("model.mlp", m.mlp, MLPS)
+    _positive("model.logit_softcap", m.logit_softcap)
+    _choose("optim.schedule", o.schedule, LR_SCHEDULES)
+    _require(0.0 <= o.decay_fraction <= 1.0, f"optim.decay_fraction must be in [0, 1], got {o.decay_fraction}")
 
 
 def _check_rope_scaling(m: ModelConfig) -> None:

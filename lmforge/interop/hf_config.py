@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from lmforge.common.errors import LmforgeError
-from lmforge.config import ROPE_SCALING_KEYS, Config, ModelConfig, validate
+from lmforge.config import FAMILY_MLPS, ROPE_SCALING_KEYS, Config, ModelConfig, validate
 from lmforge.interop.hf_names import ARCHITECTURES, LAYOUTS, LLAMA_ARCHITECTURES, MODEL_TYPES
 
 
@@ -31,7 +31,10 @@ def read_model_config(folder: Path) -> ModelConfig:
 
 def hf_architecture(cfg: ModelConfig) -> str:
     """The HF architecture that holds `cfg`'s build-time choices: Qwen3 has QK-norm, Qwen2 q/k/v
-    biases, Mistral a sliding window, Llama none of them (the plainest that fits is written)."""
+    biases, Mistral a sliding window, Llama none of them (the plainest that fits is written).
+    A recipe switch that changes the function computed (docs/recipe.md) has no counterpart there:
+    refused, not dropped (the exported model would compute something else)."""
+    _refuse_recipe_switches(cfg)
     if cfg.family == "gpt":
         return LAYOUTS["gpt"].architecture
     if cfg.qk_norm and cfg.qkv_bias:
@@ -39,6 +42,16 @@ def hf_architecture(cfg: ModelConfig) -> str:
                            "attention_bias biases the output projection too): this model cannot be exported")
     return ("Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.qkv_bias
             else "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM")
+
+
+def _refuse_recipe_switches(cfg: ModelConfig) -> None:
+    arch = "GPT2LMHeadModel" if cfg.family == "gpt" else "LlamaForCausalLM and its kin"
+    if cfg.mlp_kind != FAMILY_MLPS[cfg.family]:
+        raise LmforgeError(f"model.mlp={cfg.mlp} cannot be exported to Hugging Face: {arch} build a "
+                           f"{FAMILY_MLPS[cfg.family]} MLP, and dropping it would change what the model computes")
+    if cfg.logit_softcap is not None:
+        raise LmforgeError(f"model.logit_softcap={cfg.logit_softcap:g} cannot be exported to Hugging Face: {arch} "
+                           f"have no logit soft-capping, and dropping it would change what the model computes")
 
 
 def hf_config(cfg: ModelConfig, end_id: int, dtype: torch.dtype) -> dict:

@@ -37,6 +37,7 @@ from einops import rearrange
 from lmforge.config import ModelConfig
 from lmforge.model.attention import AttentionCore
 from lmforge.model.init import init_weights
+from lmforge.model.recipe import ReLU2MLP, SoftcapHead
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,6 +161,7 @@ class Attention(nn.Module):
 
 class SwiGLU(nn.Module):
     """FFN_SwiGLU(x) = (Swish(x W_gate) * x W_up) W_down   (Shazeer 2020, eq. 6)."""
+    ACTIVATION_INPUT = "gate_proj"  # the layer feeding the nonlinearity (model/init.py's kaiming gain)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -173,6 +175,7 @@ class SwiGLU(nn.Module):
 
 class GeluMLP(nn.Module):
     """FFN(x) = GELU(x W_up + b_up) W_down + b_down, width 4d (GPT-2 uses the tanh approximation)."""
+    ACTIVATION_INPUT = "up_proj"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -181,6 +184,9 @@ class GeluMLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+MLPS = {"swiglu": SwiGLU, "gelu": GeluMLP, "relu2": ReLU2MLP}  # model.mlp; unset: the family's own
 
 
 @dataclass(frozen=True)
@@ -208,7 +214,7 @@ class Block(nn.Module):
         self.attn_norm = family.norm(cfg)
         self.attn = Attention(cfg, bias=family.bias)
         self.mlp_norm = family.norm(cfg)
-        self.mlp = family.mlp(cfg)
+        self.mlp = MLPS[cfg.mlp](cfg) if cfg.mlp else family.mlp(cfg)
         self.residual_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, rope=None, cache=None, start_pos=0):
@@ -245,7 +251,8 @@ class Transformer(nn.Module):
         self.rope = RotaryTables(cfg) if family.rotary else None
         self.blocks = nn.ModuleDict({str(layer): Block(cfg) for layer in range(cfg.n_layers)})
         self.norm = family.norm(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = (SoftcapHead(cfg.d_model, cfg.vocab_size, cfg.logit_softcap) if cfg.logit_softcap
+                        else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
         self.loss = HeadLoss()
         if cfg.tie_embeddings:  # Press & Wolf 2017: one matrix embeds tokens and scores them
             self.lm_head.weight = self.tok_embeddings.weight

@@ -7,7 +7,9 @@ For N tokens, hidden states h (N, d) after the final norm and the head's weight 
     dloss/dz_i = (softmax(z_i) - onehot(y_i)) / N,   dh_i = dz_i W,   dW = sum_i dz_i^T h_i,
 
 the sums over the targets that are not IGNORE_INDEX (a fine-tuning example's prompt and padding)
-and N their count, as in the plain loss; a left-out token's row of dz is zero.
+and N their count, as in the plain loss; a left-out token's row of dz is zero. A soft-capped head
+(model.logit_softcap, model/recipe.py) scores c * tanh(z / c) instead of z, whose derivative
+1 - tanh^2 = 1 - (capped / c)^2 multiplies dz row by row: still one row at a time.
 
 The gradient of a row of z needs only that row, so the forward takes the tokens C at a time:
 logits of C tokens, their loss and their gradient dz, folded at once into dh and dW; then the
@@ -27,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from lmforge.common.errors import LmforgeError
+from lmforge.model.recipe import SoftcapHead
 from lmforge.model.transformer import IGNORE_INDEX
 
 
@@ -38,9 +41,10 @@ def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                          with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Mean cross-entropy of the logits h @ weight^T (never all formed), and, `with_grads`, its
-    gradients with respect to h (in h's dtype) and weight (in fp32)."""
+                          with_grads: bool, cap: float | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Mean cross-entropy of the logits h @ weight^T (never all formed; soft-capped at `cap` if
+    given), and, `with_grads`, its gradients with respect to h (in h's dtype) and weight (in fp32)."""
     kept = targets != IGNORE_INDEX
     n = kept.sum()  # a tensor: no host sync; 0 gives NaN, as the plain loss does
     dtype = _compute_dtype(h, weight)
@@ -52,13 +56,18 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
         for start in range(0, h.shape[0], chunk):
             h_c, kept_c = h[start:start + chunk].to(dtype), kept[start:start + chunk]
             y_c = targets[start:start + chunk].where(kept_c, 0)  # a left-out target reads row 0, then is masked
-            logits = (h_c @ w.t()).float()  # rounded to the compute dtype by the matmul, as plain
+            logits = h_c @ w.t()  # rounded to the compute dtype by the matmul, as plain
+            if cap is not None:  # as SoftcapHead computes it, in the compute dtype
+                logits = cap * torch.tanh(logits / cap)
+            logits = logits.float()
             lse = torch.logsumexp(logits, dim=-1)
             loss += ((lse - logits.gather(1, y_c[:, None]).squeeze(1)) * kept_c).sum()
             if with_grads:  # in place: one chunk of fp32 logits (and its cast) at a time, no more
+                squash = 1.0 - (logits / cap).square() if cap is not None else None  # d capped / d z
                 grad_z = logits.sub_(lse[:, None]).exp_()  # softmax
                 grad_z[torch.arange(len(y_c), device=h.device), y_c] -= 1.0
-                grad_z = grad_z.mul_(kept_c[:, None]).div_(n).to(dtype)
+                grad_z = grad_z.mul_(kept_c[:, None]).div_(n)
+                grad_z = (grad_z.mul_(squash) if cap is not None else grad_z).to(dtype)
                 grad_h[start:start + chunk] = grad_z @ w
                 grad_w += (grad_z.t() @ h_c).float()
     return loss / n, grad_h, grad_w
@@ -68,8 +77,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and its gradients chunk by chunk; backward scales them."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk):
-        loss, grad_h, grad_w = chunked_cross_entropy(h, weight, targets, chunk, with_grads=True)
+    def forward(ctx, h, weight, targets, chunk, cap=None):
+        loss, grad_h, grad_w = chunked_cross_entropy(h, weight, targets, chunk, with_grads=True, cap=cap)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -77,7 +86,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_loss.to(grad_h.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None)
+        return (grad_h * grad_loss.to(grad_h.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None)
 
 
 class ChunkedHeadLoss(nn.Module):
@@ -90,18 +99,18 @@ class ChunkedHeadLoss(nn.Module):
     def forward(self, x, norm, lm_head, targets):
         _check_head(lm_head)
         h = norm(x).flatten(0, 1)
-        targets = targets.flatten()
+        targets, cap = targets.flatten(), getattr(lm_head, "cap", None)  # a SoftcapHead's cap, else None
         if torch.is_grad_enabled() and (h.requires_grad or lm_head.weight.requires_grad):
-            return _ChunkedCrossEntropy.apply(h, lm_head.weight, targets, self.chunk_tokens)
-        return chunked_cross_entropy(h, lm_head.weight, targets, self.chunk_tokens, with_grads=False)[0]
+            return _ChunkedCrossEntropy.apply(h, lm_head.weight, targets, self.chunk_tokens, cap)
+        return chunked_cross_entropy(h, lm_head.weight, targets, self.chunk_tokens, with_grads=False, cap=cap)[0]
 
     def extra_repr(self) -> str:
         return f"chunk_tokens={self.chunk_tokens}"
 
 
 def _check_head(lm_head: nn.Module) -> None:
-    if type(lm_head) is not nn.Linear or lm_head.bias is not None:
-        raise LmforgeError(f"train.loss_chunk_tokens needs the LM head to be a plain bias-free linear layer, "
+    if type(lm_head) not in (nn.Linear, SoftcapHead) or lm_head.bias is not None:
+        raise LmforgeError(f"train.loss_chunk_tokens needs the LM head to be a plain (or soft-capped) bias-free linear layer, "
                            f"not {type(lm_head).__name__}: set train.loss_chunk_tokens=0")
 
 
