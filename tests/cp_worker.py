@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lmforge.accounting.comm import step_communication
 from lmforge.accounting.cp import context_parallel_bytes, ring_attention_bytes
 from lmforge.config import make_config
 from lmforge.model.attention import naive_attention
@@ -72,7 +73,10 @@ def model_case(overrides, seq, group) -> dict:
             "grad_error": max(grad_errors.values()), "worst": max(grad_errors, key=grad_errors.get),
             "grad_scale": max(p.grad.abs().max().item() for p in reference.parameters()),
             "measured": {**cp_state.traffic.bytes, **{f"sends_{k}": n for k, n in cp_state.traffic.sends.items()}},
-            "predicted": context_parallel_bytes(cfg, 2, seq, cp, element_bytes=4)}
+            "predicted": context_parallel_bytes(cfg, 2, seq, cp, element_bytes=4),
+            # the gradient all-reduce over the CP group moves what DDP's over as many ranks does
+            "grad_bytes": cp_state.collectives.sent_bytes("model"),
+            "grad_bytes_predicted": step_communication(cfg, "ddp", cp)["sent_bytes"]}
 
 
 def main(out: Path) -> None:

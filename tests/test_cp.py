@@ -12,10 +12,13 @@ import pytest
 import torch
 
 from lmforge.accounting.cp import ring_attention_bytes
+from lmforge.common.errors import LmforgeError
+from lmforge.config import make_config
 from lmforge.model.attention import naive_attention
-from lmforge.model.transformer import IGNORE_INDEX
+from lmforge.model.transformer import IGNORE_INDEX, Transformer
 from lmforge.parallel.cp import (attend_step, block_of, grad_step, merge_step, padded_length, shard_batch,
                                  zigzag_positions, zigzag_split, zigzag_unsplit)
+from lmforge.parallel.cp_model import ContextParallel, apply_context_parallel
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -129,3 +132,18 @@ def test_ring_bytes_formula():
     assert got == {"forward": 3 * one, "backward": 3 * one + 4 * one, "sends_forward": 3, "sends_backward": 7}
     assert ring_attention_bytes(batch=2, kv_heads=2, local_len=8, head_dim=4, cp=1, element_bytes=4) == {
         "forward": 0, "backward": 0, "sends_forward": 0, "sends_backward": 0}
+
+
+@pytest.mark.parametrize("override,message", [("model.sliding_window=8", "does not support a sliding window"),
+                                              ("model.dropout=0.1", "needs model.dropout=0")])
+def test_apply_context_parallel_refuses_what_the_ring_cannot_do(override, message):
+    model = Transformer(make_config("tiny", overrides=[override]).model)
+    with pytest.raises(LmforgeError, match=message):
+        apply_context_parallel(model, group=None)  # refused before the group is asked anything
+
+
+def test_shard_refuses_a_sequence_longer_than_the_model():
+    cp = ContextParallel(group=None, cp=2, rank=0, max_seq_len=8)
+    assert cp.shard(torch.zeros(1, 7, dtype=torch.long))[0].shape == (1, 4)  # padded to 8, half of it
+    with pytest.raises(LmforgeError, match="sequence length 9 exceeds model.max_seq_len 8"):
+        cp.shard(torch.zeros(1, 9, dtype=torch.long))

@@ -44,6 +44,8 @@ def test_ring_sends_the_predicted_bytes(ranks_results):
     for result in results:
         for case in result["attention"] + list(result["model"].values()):
             assert case["measured"] == case["predicted"]
+        for case in result["model"].values():
+            assert case["grad_bytes"] == case["grad_bytes_predicted"] > 0
 
 
 @pytest.mark.parametrize("case", ["llama_32", "llama_29", "gpt_30"])
