@@ -33,10 +33,10 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def attention_case(batch, heads, kv_heads, seq, d_head, group) -> dict:
+def attention_case(batch, heads, kv_heads, seq, d_head, group, dtype=torch.float32) -> dict:
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     torch.manual_seed(0)  # the same full tensors on every rank
-    q, k, v = (torch.randn(batch, h, seq, d_head, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(batch, h, seq, d_head, dtype=dtype, requires_grad=True) for h in (heads, kv_heads, kv_heads))
     reference = naive_attention(q, k, v, causal=True)
     grad_out = torch.randn_like(reference)
     reference.backward(grad_out)
@@ -47,7 +47,7 @@ def attention_case(batch, heads, kv_heads, seq, d_head, group) -> dict:
     errors = {"out": max_diff(out, zigzag_split(reference, cp, rank, dim=2))}
     for name, mine, full in zip(("dq", "dk", "dv"), local, (q, k, v)):
         errors[name] = max_diff(mine.grad, zigzag_split(full.grad, cp, rank, dim=2))
-    predicted = ring_attention_bytes(batch, kv_heads, seq // cp, d_head, cp, element_bytes=4)
+    predicted = ring_attention_bytes(batch, kv_heads, seq // cp, d_head, cp, element_bytes=dtype.itemsize)
     return {"errors": errors, "measured": {**traffic.bytes, **{f"sends_{k}": n for k, n in traffic.sends.items()}},
             "predicted": predicted}
 
@@ -83,6 +83,8 @@ def main(out: Path) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     group = dist.group.WORLD
     results = {"attention": [attention_case(*case, group) for case in ATTENTION_CASES],
+               # bf16 K/V messages (fp32 dK/dV accumulators): its bytes, against the formula
+               "attention_bf16": attention_case(*ATTENTION_CASES[1], group, dtype=torch.bfloat16),
                "model": {name: model_case(overrides, seq, group) for name, overrides, seq in MODEL_CASES}}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(results, gathered, dst=0)

@@ -43,7 +43,7 @@ def test_ring_attention_equals_full_attention(ranks_results):
 def test_ring_sends_the_predicted_bytes(ranks_results):
     _, results = ranks_results
     for result in results:
-        for case in result["attention"] + list(result["model"].values()):
+        for case in result["attention"] + [result["attention_bf16"]] + list(result["model"].values()):
             assert case["measured"] == case["predicted"]
         for case in result["model"].values():
             assert case["grad_bytes"] == case["grad_bytes_predicted"] > 0
