@@ -102,11 +102,12 @@ def test_simulated_ring_equals_naive_attention_forward_and_backward(cp, heads, k
 
     qs, ks, vs, outs, lses = simulate_ring(q.detach(), k.detach(), v.detach(), cp)
     torch.testing.assert_close(zigzag_unsplit(outs, dim=2), reference.detach(), **TOL)
-    full_lse = torch.logsumexp(torch.tril(torch.ones(seq, seq)).log() +
-                               q.detach() @ k.detach().repeat_interleave(heads // kv_heads, 1).transpose(-1, -2)
-                               / 8 ** 0.5, dim=-1)
+    # L over every visible key: log of the causal mask (0 or -inf) plus the scores, log-sum-exp'd
+    scores = q.detach() @ k.detach().repeat_interleave(heads // kv_heads, 1).transpose(-1, -2) / 8 ** 0.5
+    full_lse = torch.logsumexp(torch.tril(torch.ones(seq, seq)).log() + scores, dim=-1)
     torch.testing.assert_close(zigzag_unsplit(lses, dim=2), full_lse, **TOL)
-    grads = simulate_ring_backward(qs, ks, vs, outs, lses, [zigzag_split(grad_out, cp, r, dim=2) for r in range(cp)], cp)
+    grad_outs = [zigzag_split(grad_out, cp, r, dim=2) for r in range(cp)]
+    grads = simulate_ring_backward(qs, ks, vs, outs, lses, grad_outs, cp)
     for mine, ref in zip(grads, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(mine, ref, **TOL)
 
