@@ -1,0 +1,42 @@
+"""Bytes each rank sends around the context-parallel ring (parallel/cp.py), per attention layer and
+per step: pure arithmetic from the shapes, checked against the bytes the ring really sends.
+
+With cp ranks, a sequence padded to a multiple of 2 cp and n = padded / cp tokens per rank, one
+K/V message is K and V of the local shard: M = 2 b kv_heads n d_head elements. Per layer per rank:
+
+    forward    (cp - 1) messages of M in the activations' dtype (each rank's K/V visits the others)
+    backward   (cp - 1) of M again (K/V go round once more: nothing of other ranks is kept)
+             + cp of M in fp32: the dK/dV accumulator travels with its K/V and hops home at the end
+
+cp = 1 sends nothing. Grouped-query attention shrinks M by heads / kv_heads: the ring carries
+KV heads, not query heads. Recomputation (wrap/recompute) that reruns attention's forward in
+backward runs its ring again; counted by the caller (a second `forward`). The loss count and the
+gradient all-reduce across the CP group are collectives of parallel/comm.py, counted there.
+"""
+
+from lmforge.config import ModelConfig
+
+ACCUMULATOR_BYTES = 4  # dK/dV accumulate in fp32 whatever the activations' dtype
+
+
+def padded_length(seq_len: int, cp: int) -> int:
+    """The sequence length rounded up to a multiple of 2 cp (the zig-zag's chunk count)."""
+    return -(-seq_len // (2 * cp)) * (2 * cp)
+
+
+def ring_attention_bytes(batch: int, kv_heads: int, local_len: int, head_dim: int, cp: int,
+                         element_bytes: int) -> dict:
+    """Bytes and messages one rank sends for one attention layer's forward and backward."""
+    message = 2 * batch * kv_heads * local_len * head_dim
+    hops = cp - 1
+    grad_hops = cp if cp > 1 else 0
+    return {"forward": hops * message * element_bytes,
+            "backward": hops * message * element_bytes + grad_hops * message * ACCUMULATOR_BYTES,
+            "sends_forward": hops, "sends_backward": hops + grad_hops}
+
+
+def context_parallel_bytes(cfg: ModelConfig, batch: int, seq_len: int, cp: int, element_bytes: int) -> dict:
+    """ring_attention_bytes summed over the model's layers, for a (batch, seq_len) micro-batch."""
+    layer = ring_attention_bytes(batch, cfg.kv_heads, padded_length(seq_len, cp) // cp, cfg.head_dim, cp,
+                                 element_bytes)
+    return {key: cfg.n_layers * value for key, value in layer.items()}

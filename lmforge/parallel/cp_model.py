@@ -1,0 +1,157 @@
+"""A whole lmforge Transformer on a context-parallel sequence shard: `apply_context_parallel`.
+
+A module swap from outside, like the other wrappers (the model file does not change):
+
+  attention core   each block's `attn.core` becomes a RingAttentionCore (parallel/cp.py's ring)
+  rotary tables    `model.rope` answers (start_pos=0, n) with the cos/sin rows of the shard's
+                   *global* positions (zig-zag: chunks r and 2cp-1-r), not rows 0..n-1
+  learned positions  (gpt) `model.pos_embeddings` looks up the same global positions; the
+                   parameter keeps its name, so checkpoints are the unsharded model's
+  loss             `model.loss` returns this rank's share of the global mean: its targets' summed
+                   cross-entropy over the whole group's target count (one 8-byte all-reduce), so
+                   the shares add up to the mean over every target of the batch, however the
+                   padding and ignored targets fall across ranks
+
+Everything else (embeddings, norms, MLPs, the head) works token by token and needs no change.
+Every CP rank holds the whole model; each computes the gradient of its share, the ring having
+carried dK/dV home, so the model's gradient is the sum over the group (`all_reduce_gradients`).
+
+    cp = apply_context_parallel(model, group)         # before other wrappers (recompute, fp32 attn)
+    tokens, targets = cp.shard(tokens, targets)       # the full (batch, seq) batch on every rank
+    loss = model(tokens, targets); loss.backward()
+    cp.all_reduce_gradients(model)                    # now every rank holds the one-process gradient
+    cp.global_loss(loss)                              # the one-process loss
+
+Training only: whole sequences from position 0, no KV cache; no dropout (the ring has none, and
+per-rank dropout masks would not match one process's) and no sliding window.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lmforge.common.errors import LmforgeError
+from lmforge.model.transformer import IGNORE_INDEX
+from lmforge.parallel.comm import Collectives
+from lmforge.parallel.cp import RingTraffic, ring_attention, shard_batch, zigzag_positions
+
+
+class RingAttentionCore(nn.Module):
+    """The attention core as ring attention over `group` (counting its bytes in `traffic`)."""
+
+    def __init__(self, group, traffic: RingTraffic):
+        super().__init__()
+        self.group, self.traffic = group, traffic
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.group, self.traffic)
+
+    def extra_repr(self) -> str:
+        return f"cp={dist.get_world_size(self.group)}"
+
+
+def shard_positions(local_len: int, cp: int, rank: int, limit: int, device) -> torch.Tensor:
+    """The global positions of a shard of local_len tokens, clamped below `limit` (table rows): only
+    end padding can pass it (shard() refuses longer real sequences), and no real token sees a pad."""
+    return zigzag_positions(local_len * cp, cp, rank, device=device).clamp(max=limit - 1)
+
+
+class ShardRotaryTables(nn.Module):
+    """RotaryTables' cos/sin (the same buffers) at the zig-zag shard's global positions."""
+
+    def __init__(self, tables: nn.Module, cp: int, rank: int):
+        super().__init__()
+        self.cp, self.rank = cp, rank
+        self.register_buffer("cos", tables.cos, persistent=False)
+        self.register_buffer("sin", tables.sin, persistent=False)
+
+    def forward(self, start_pos: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if start_pos != 0:
+            raise LmforgeError("context parallelism runs whole sequences from position 0 (training): no KV cache")
+        positions = shard_positions(seq_len, self.cp, self.rank, self.cos.shape[0], self.cos.device)
+        return self.cos[positions], self.sin[positions]
+
+
+class ShardPositionEmbedding(nn.Module):
+    """A learned position table (gpt) read at the shard's global positions; the same parameter."""
+
+    def __init__(self, table: nn.Embedding, cp: int, rank: int):
+        super().__init__()
+        self.cp, self.rank = cp, rank
+        self.weight = table.weight
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        # Transformer.embed asks for arange(0, n) (start_pos 0, as ShardRotaryTables checks for rope)
+        return F.embedding(shard_positions(indices.shape[0], self.cp, self.rank, self.weight.shape[0],
+                                           indices.device), self.weight)
+
+
+class ContextParallelLoss(nn.Module):
+    """HeadLoss's replacement: sum of this rank's cross-entropies / the group's target count."""
+
+    def __init__(self, collectives: Collectives):
+        super().__init__()
+        self.collectives = collectives
+
+    def forward(self, x, norm, lm_head, targets):
+        logits = lm_head(norm(x))
+        # model/transformer.py's cross_entropy_loss, summed instead of averaged (fp32 log-softmax)
+        total = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                                targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        count = (targets != IGNORE_INDEX).sum().to(torch.float32)
+        self.collectives.all_reduce(count, kind="scalar")
+        return total / count.clamp(min=1.0)
+
+
+@dataclass
+class ContextParallel:
+    """What apply_context_parallel returns: this rank's place in the CP group and its counters."""
+    group: object
+    cp: int
+    rank: int
+    max_seq_len: int
+    traffic: RingTraffic = field(default_factory=RingTraffic)  # ring bytes (accounting/cp.py predicts them)
+    collectives: Collectives | None = None  # the loss count and the gradient all-reduce
+
+    def shard(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        """This rank's zig-zag shard of a (batch, seq) batch (padded to a multiple of 2 cp)."""
+        if tokens.shape[1] > self.max_seq_len:
+            raise LmforgeError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len {self.max_seq_len}")
+        tokens, targets, _ = shard_batch(tokens, targets, self.cp, self.rank)
+        return tokens, targets
+
+    def all_reduce_gradients(self, model: nn.Module) -> None:
+        """Sum each gradient over the CP group: the shares' gradients add up to the whole loss's."""
+        for p in model.parameters():
+            if p.grad is not None:
+                self.collectives.all_reduce(p.grad)
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """The batch's mean loss (every rank's share added up), for reporting."""
+        total = loss.detach().clone()
+        self.collectives.all_reduce(total, kind="scalar")
+        return total.item()
+
+
+def apply_context_parallel(model: nn.Module, group) -> ContextParallel:
+    """Swap `model`'s attention cores, positions and loss for their CP versions (module docstring)."""
+    cfg = model.cfg
+    if cfg.sliding_window is not None:
+        raise LmforgeError(f"context parallelism does not support a sliding window (model.sliding_window="
+                           f"{cfg.sliding_window}): the ring's masks are the causal ones")
+    if cfg.dropout > 0:
+        raise LmforgeError(f"context parallelism needs model.dropout=0 (got {cfg.dropout}): ring attention "
+                           f"has no dropout, and per-rank masks would not match one process's")
+    cp_state = ContextParallel(group, dist.get_world_size(group), dist.get_rank(group), cfg.max_seq_len,
+                               collectives=Collectives(group))
+    for block in model.blocks.values():
+        block.attn.core = RingAttentionCore(group, cp_state.traffic)
+    if model.rope is not None:
+        model.rope = ShardRotaryTables(model.rope, cp_state.cp, cp_state.rank)
+    if model.pos_embeddings is not None:
+        model.pos_embeddings = ShardPositionEmbedding(model.pos_embeddings, cp_state.cp, cp_state.rank)
+    model.loss = ContextParallelLoss(cp_state.collectives)
+    return cp_state
