@@ -99,6 +99,9 @@ DP = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 MIXED = ("bf16-mixed", "fp16-mixed", "bf16-pure", "fp8")
 DIST = "tests/test_composition_dist.py::"
 PIPE = "tests/test_pipeline_compose_dist.py::"
+CELLS = "tests/test_pipeline_cells_dist.py::"
+PIPELINES = ("pipeline", "pipeline x ddp", "pipeline x zero1")
+ALL_KINDS = tuple(KINDS)
 COVERAGE = (
     # tests written before the matrix
     Covered("tests/test_parallel_engines.py::test_every_strategy_equals_one_process_on_the_global_batch",
@@ -136,6 +139,18 @@ COVERAGE = (
             ("pipeline x zero1",), ("fp32",)),
     Covered(PIPE + "test_zero1_over_each_stages_replicas_trains_as_ddp_replicas_bit_for_bit_and_as_one_process",
             ("pipeline x zero1", "pipeline x ddp"), ("fp32",), ("LoRA",)),
+    # every pipeline layout in every precision and kind, compiled, recomputed and resumed
+    # (tests/test_pipeline_cells_dist.py runs exactly these cells: one launch of 2 ranks, one of 4)
+    Covered(CELLS + "test_every_pipeline_trains_in_every_precision_and_kind_as_one_process", PIPELINES, MIXED,
+            ALL_KINDS),
+    Covered(CELLS + "test_every_pipeline_trains_in_every_precision_and_kind_as_one_process", PIPELINES, ("fp32",),
+            ("full fine-tuning",)),
+    *(Covered(CELLS + "test_compiled_and_recomputed_pipelines_train_as_one_process", PIPELINES, ("fp32",),
+              extra=extra) for extra in EXTRAS if extra != "checkpoint + resume"),
+    Covered(CELLS + "test_every_pipelines_state_loads_back_by_name_and_steps_on_exactly", PIPELINES, ("fp32",),
+            extra="checkpoint + resume"),
+    Covered(CELLS + "test_a_pipeline_run_stopped_by_sigterm_resumes_bit_for_bit", ("pipeline x zero1",), ("fp32",),
+            extra="checkpoint + resume"),
 )
 
 

@@ -8,8 +8,9 @@ embeddings, clipping, checkpoints) is PipelineEngine's.
 
 Two differences from ours, both for the reference's sake: the last stage returns logits and the
 loss is computed by the schedule's `loss_fn` (the plain cross-entropy: train.loss_chunk_tokens does
-not apply), divided by m like ours rather than through `scale_grads` (which would divide the
-gradients after the sum, rounding differently). No timeline is recorded: the schedule's inside is
+not apply), divided by ours' `loss_divisors` (m where every micro-batch holds as many targets; a
+fine-tune's by its target counts) rather than through `scale_grads` (which would divide the
+gradients by m after the sum, rounding differently and weighing a fine-tune's short responses more). No timeline is recorded: the schedule's inside is
 PyTorch's.
 """
 
@@ -33,10 +34,13 @@ class TorchPipelineEngine(PipelineEngine):
                                                         micro_batches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_loss(logits, targets) / self.micro_batches
+        # the schedule computes the losses on the last stage in micro-batch order
+        return cross_entropy_loss(logits, targets) / next(self._divisors)
 
     def forward_backward(self, next_batch, grad_accum: int, scaler, policy, device) -> torch.Tensor:
         batches = [next_batch() for _ in range(self.micro_batches)]  # the schedule cuts the batch again
+        if self.layout.last:
+            self._divisors = iter(self.loss_divisors([b[1] for b in batches]))
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         losses: list[torch.Tensor] = []
         with autocast(policy, device):
