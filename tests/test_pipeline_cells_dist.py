@@ -49,6 +49,7 @@ from test_pipeline import assert_same_training, pipeline, run_worker, single_pro
 from parallel_worker import make_engine  # noqa: E402
 from pipeline_worker import config  # noqa: E402
 
+from lmforge.accounting.plan.make import Setup, make_plan  # noqa: E402
 from lmforge.parallel.matrix import CELLS, COVERAGE, EXTRAS, KINDS, LAYOUTS, cell_overrides  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -135,13 +136,24 @@ def assert_trains_as_one_process(name: str, result: dict, m: int, replicas: int,
         assert all(n.endswith((".lora_A", ".lora_B")) for names in result["trainable"].values() for n in names)
 
 
+def assert_bytes_equal_the_plan(name: str, result: dict, overrides: list[str], replicas: int) -> None:
+    """Each rank's parameters, gradients, master weights and optimizer states after the first step
+    are its stage's in the plan (accounting/plan), byte for byte."""
+    cfg = config(overrides)
+    stages = make_plan(cfg.model, Setup.from_config(cfg, dp=replicas, hardware="h100-sxm"))["pipeline"]["stages_detail"]
+    for (replica, stage), held in result["bytes"].items():
+        planned = stages[stage]["breakdown_bytes"]
+        for part in ("parameters", "gradients", "master_weights", "optimizer_states"):
+            assert held[part] == planned[part], (name, replica, stage, part)
+
+
 def check(test: str, two_ranks, four_ranks) -> None:
     cells = cells_of(test)
     assert cells
     for cell in cells:
-        replicas = LAYOUTS[cell[0]].ranks // 2
-        assert_trains_as_one_process(key(cell), result_of(cell, two_ranks, four_ranks), M, replicas,
-                                     reference_overrides(cell))
+        replicas, result = LAYOUTS[cell[0]].ranks // 2, result_of(cell, two_ranks, four_ranks)
+        assert_trains_as_one_process(key(cell), result, M, replicas, reference_overrides(cell))
+        assert_bytes_equal_the_plan(key(cell), result, cell_overrides(LAYOUTS[cell[0]], *cell[1:]), replicas)
 
 
 def test_every_pipeline_trains_in_every_precision_and_kind_as_one_process(two_ranks, four_ranks):
@@ -161,9 +173,10 @@ def test_every_pipelines_state_loads_back_by_name_and_steps_on_exactly(two_ranks
 
 
 def test_interleaved_and_the_torch_engine_compose_as_one_process(two_ranks, four_ranks):
-    for name, (ranks, _, (m, overrides)) in OTHERS.items():
+    for name, (ranks, piped, (m, overrides)) in OTHERS.items():
         result = (two_ranks if ranks == 2 else four_ranks)[name]
         assert_trains_as_one_process(name, result, m, ranks // 2, overrides)
+        assert_bytes_equal_the_plan(name, result, piped, ranks // 2)
 
 
 def test_a_pipeline_run_stopped_by_sigterm_resumes_bit_for_bit(tmp_path, settings):
