@@ -17,7 +17,7 @@ PyTorch's.
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from lmforge.model.transformer import cross_entropy_loss
+from lmforge.model.transformer import IGNORE_INDEX, cross_entropy_loss
 from lmforge.parallel.pipeline.engine import PipelineEngine
 from lmforge.precision.policy import autocast
 
@@ -34,13 +34,15 @@ class TorchPipelineEngine(PipelineEngine):
                                                         micro_batches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # the schedule computes the losses on the last stage in micro-batch order
-        return cross_entropy_loss(logits, targets) / next(self._divisors)
+        # a micro-batch's divisor depends only on its target count (the schedule does not say which
+        # micro-batch it is, and its first step computes one more loss, to infer the shapes)
+        return cross_entropy_loss(logits, targets) / self._divisor_of[int((targets != IGNORE_INDEX).sum())]
 
     def forward_backward(self, next_batch, grad_accum: int, scaler, policy, device) -> torch.Tensor:
         batches = [next_batch() for _ in range(self.micro_batches)]  # the schedule cuts the batch again
         if self.layout.last:
-            self._divisors = iter(self.loss_divisors([b[1] for b in batches]))
+            targets = [b[1] for b in batches]
+            self._divisor_of = {int((y != IGNORE_INDEX).sum()): d for y, d in zip(targets, self.loss_divisors(targets))}
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         losses: list[torch.Tensor] = []
         with autocast(policy, device):
