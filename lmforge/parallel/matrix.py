@@ -124,6 +124,11 @@ COVERAGE = (
             "_to_the_same_numbers", ("one process", "ddp"), ("fp32",), extra="checkpoint + resume"),
     Covered("tests/test_distributed_train.py::test_a_sharded_run_checkpoints_through_its_engine_and_resumes_on_"
             "another_strategy", ("zero3", "fsdp"), ("fp32",), extra="checkpoint + resume"),
+    # one process, against eager / not recomputed (default suite)
+    Covered("tests/test_compile.py::test_compiled_blocks_and_loss_match_eager_under_canonical_names",
+            ("one process",), ("fp32",), extra="compiled"),
+    *(Covered("tests/test_memory.py::test_recomputation_saves_what_the_formula_says_and_the_same_gradients",
+              ("one process",), ("fp32",), extra=extra) for extra in EXTRAS if extra.startswith("recompute=")),
     # this matrix's own (tests/test_composition_dist.py runs exactly these cells, in one launch)
     Covered(DIST + "test_every_strategy_trains_in_every_precision_as_one_process", DP, MIXED),
     Covered(DIST + "test_every_kind_trains_as_one_process", DP, ("fp32",), ("full fine-tuning",)),
