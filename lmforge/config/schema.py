@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 FAMILIES = ("llama", "gpt")  # model/transformer.py builds each (its FAMILIES table has these keys)
 # model.rope_scaling's keys, as Hugging Face's config.json spells them (e.g. presets.LLAMA3_ROPE_SCALING)
 ROPE_SCALING_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# optim.muon_adjust_lr: how Muon scales its rate by a matrix's shape (optim/muon.py)
+MUON_ADJUST_LR = ("original", "match_rms_adamw")
 
 
 @dataclass
@@ -82,6 +84,21 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    # which optimizer (temporary key of the Muon/Adafactor branch: the optimizer builder's own
+    # optim.name, with its list of names, replaces it at merge): adamw, muon or adafactor
+    name: str = "adamw"
+    # Muon (optim/muon.py), for the 2-D weights inside blocks; the rest takes AdamW's settings above.
+    # Muon's peak rate: its groups multiply the scheduled rate by muon_lr / lr (Jordan et al. 2024: 0.02)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # original: lr * sqrt(max(1, out/in)) (Jordan) | match_rms_adamw: lr * 0.2 sqrt(max(out, in)) (Liu et al. 2025)
+    muon_adjust_lr: str = "original"
+    # Adafactor (optim/adafactor.py; torch.optim.Adafactor's defaults): the second-moment decay is
+    # 1 - t^adafactor_beta2_decay, and an update's RMS is clipped to adafactor_clip_threshold
+    adafactor_beta2_decay: float = -0.8
+    adafactor_clip_threshold: float = 1.0
 
 
 @dataclass

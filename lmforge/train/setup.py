@@ -55,7 +55,9 @@ from lmforge.modes.attention import FLASH_BACKENDS
 from lmforge.interop.peft import load_peft_weights
 from lmforge.model.lora import apply_lora
 from lmforge.model.transformer import Transformer
+from lmforge.optim.adafactor import build_adafactor
 from lmforge.optim.adamw import AdamW
+from lmforge.optim.muon import build_muon, muon_param_groups
 from lmforge.modes.precision import Policy, get_policy
 from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine, require_process_group
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place
@@ -118,8 +120,25 @@ def adamw(cfg: Config, policy: Policy, param_groups: list[dict]) -> AdamW:
                  count_lost_updates=policy.lossy_updates)
 
 
-def build_optimizer(cfg: Config, policy: Policy, model: nn.Module) -> AdamW:
-    return adamw(cfg, policy, weight_decay_groups(model, cfg.optim.weight_decay))
+# optim.name -> (param groups of a model, optimizer over param groups). Temporary (the Muon and
+# Adafactor branch): the optimizer builder of optim.name replaces it at merge. Muon's groups say
+# which parameters are its matrices (by name); the others take the weight-decay groups.
+OPTIMIZERS = {
+    "adamw": (lambda model, decay: weight_decay_groups(model, decay), adamw),
+    "muon": (muon_param_groups, build_muon),
+    "adafactor": (lambda model, decay: weight_decay_groups(model, decay), build_adafactor),
+}
+
+
+def optimizer_parts(cfg: Config, policy: Policy):
+    """(make_optimizer(groups), groups_of(model)) for cfg.optim.name, as the engines take them."""
+    groups_of, make = OPTIMIZERS[cfg.optim.name]
+    return (lambda groups: make(cfg, policy, groups)), (lambda model: groups_of(model, cfg.optim.weight_decay))
+
+
+def build_optimizer(cfg: Config, policy: Policy, model: nn.Module) -> torch.optim.Optimizer:
+    make_optimizer, groups_of = optimizer_parts(cfg, policy)
+    return make_optimizer(groups_of(model))
 
 
 def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
@@ -129,20 +148,18 @@ def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu"
     train.pipeline_stages > 1 each rank builds its stage (the model cut after step 5) and the
     pipeline engine (`timeline` records its step: parallel/pipeline/timeline.py). `policy` is
     cfg.train.precision's; the launch was checked by parallel/launch.py's `check_launch`."""
+    make_optimizer, groups_of = optimizer_parts(cfg, policy)
     if cfg.train.pipeline_stages > 1:
         require_process_group(f"train.pipeline_stages={cfg.train.pipeline_stages}")
         layout, layers = pipeline_place(cfg, torch.distributed.get_rank(), torch.distributed.get_world_size())
         model = build_model(cfg, policy, device, base_state, stage=(layers, layout.first, layout.last))
-        return pipeline_engine(model, cfg, policy, layout, lambda groups: adamw(cfg, policy, groups),
-                               lambda model: weight_decay_groups(model, cfg.optim.weight_decay), torch.device(device),
-                               timeline)
+        return pipeline_engine(model, cfg, policy, layout, make_optimizer, groups_of, torch.device(device), timeline)
     return parallelize(build_model(cfg, policy, device, base_state), cfg, policy,
-                       make_optimizer=lambda groups: adamw(cfg, policy, groups),
-                       weight_decay_groups=lambda model: weight_decay_groups(model, cfg.optim.weight_decay))
+                       make_optimizer=make_optimizer, weight_decay_groups=groups_of)
 
 
 def build(cfg: Config, device: torch.device | str = "cpu",
-          base_state: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, AdamW]:
+          base_state: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Model and optimizer of a one-process run, built and wrapped in the documented order (the
     precision policy resolved here, once, from cfg.train.precision)."""
     policy = get_policy(cfg.train.precision)
