@@ -31,6 +31,7 @@ VARIANTS = {"lora": ["finetune.lora_rank=4"],  # config overrides of each varian
             "compile": ["train.compile=true"],
             "recompute_full": ["train.recompute=full"],
             "recompute_selective": ["train.recompute=selective"],
+            "muon": ["optim.name=muon"],  # Muon for the block matrices (optim/muon.py): tests/test_muon_dist.py
             "reload": []}  # every strategy's state loaded back into a fresh engine (not only RELOADED's)
 BASE_SEED = 4321
 RELOADED = ("zero1", "zero3", "ddp")

@@ -119,9 +119,9 @@ class Muon(AdamW):
                                    lr_multiplier=lr_multiplier).items():
                 group.setdefault(key, value)
                 self.defaults[key] = value
-            if group["use_muon"] and any(p.ndim != 2 for p in group["params"]):
-                raise ValueError("Muon updates 2-D matrices only: put other parameters in a group "
-                                 "without use_muon (AdamW)")
+        # None: every Muon parameter is a whole matrix (checked at each step). An engine that hands
+        # the optimizer flat pieces of matrices (ZeRO: parallel/whole_matrices.py) sets its own.
+        self.whole_matrices = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -131,6 +131,9 @@ class Muon(AdamW):
                 loss = closure()
         counts = [0, 0]
         for group in self.param_groups:
+            if group["use_muon"] and self.whole_matrices is None and any(p.ndim != 2 for p in group["params"]):
+                raise ValueError("Muon updates 2-D matrices only: put other parameters in a group "
+                                 "without use_muon (AdamW)")
             if group["use_muon"]:
                 self._muon_group(group, counts)
             else:
@@ -142,18 +145,24 @@ class Muon(AdamW):
     def _muon_group(self, group: dict, counts: list) -> None:
         lr = group["lr"] * group["lr_multiplier"]
         mu, decay = group["momentum"], group["weight_decay"]
-        for param in [p for p in group["params"] if p.grad is not None]:
-            grad = param.grad
+        params = [p for p in group["params"] if p.grad is not None]
+        updates = []
+        for param in params:
             state = self.state[param]
             if not state:
-                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1.0 - mu)  # mu B + (1 - mu) G
-            update = grad.lerp(buf, mu) if group["nesterov"] else buf  # (1 - mu) G + mu B
-            ortho = orthogonalize(update, group["ns_coefficients"], group["ns_steps"])
+            buf.lerp_(param.grad, 1.0 - mu)  # mu B + (1 - mu) G
+            updates.append(param.grad.lerp(buf, mu) if group["nesterov"] else buf)  # (1 - mu) G + mu B
+        if self.whole_matrices is None:
+            orthos = [orthogonalize(u, group["ns_coefficients"], group["ns_steps"]) for u in updates]
+            shapes = [p.shape for p in params]
+        else:  # pieces of matrices (ZeRO): the engine gathers, orthogonalises and hands back each piece
+            orthos, shapes = self.whole_matrices.orthogonalize(params, updates, group)
+        for param, ortho, shape in zip(params, orthos, shapes):
             before = param.clone() if self.count_lost_updates else None
             param.mul_(1.0 - lr * decay)
-            param.add_(ortho, alpha=-adjusted_lr(lr, param.shape, group["adjust_lr"]))
+            param.add_(ortho, alpha=-adjusted_lr(lr, shape, group["adjust_lr"]))
             if before is not None:
                 self._count(before, param, ortho, lr * decay != 0, counts)
 

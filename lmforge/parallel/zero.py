@@ -51,8 +51,10 @@ import torch
 import torch.nn as nn
 
 from lmforge.optim.adamw import counts_lost_updates
+from lmforge.optim.muon import Muon
 from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
 from lmforge.parallel.shards import Unit, model_units, shard_groups, unit_modules
+from lmforge.parallel.whole_matrices import GatheredMatrices, state_keys
 
 
 class ZeroEngine(DistributedEngine):
@@ -72,6 +74,9 @@ class ZeroEngine(DistributedEngine):
             unit.shard(stage, master_dtype, working_dtype)
         groups, self.group_names = shard_groups(self.units, weight_decay_groups, names)
         self.optimizer = make_optimizer(groups)
+        if isinstance(self.optimizer, Muon):  # its matrices' updates gathered: parallel/whole_matrices.py
+            muon = [p for g in weight_decay_groups if g.get("use_muon") for p in g["params"]]
+            self.optimizer.whole_matrices = GatheredMatrices(self.units, muon, comm)
         self.sum_lost_updates = counts_lost_updates(self.optimizer)  # each rank counts its slice
 
         self._hooks = []
@@ -195,24 +200,28 @@ class ZeroEngine(DistributedEngine):
                 for name, t in self.model.state_dict(keep_vars=True).items()}
 
     def optimizer_state_dict(self) -> dict:
+        # each parameter's state keys by its group (AdamW's moments, Muon's momentum), the same on every rank
+        keys_of = {name: state_keys(g) for g, names in zip(self.optimizer.param_groups, self.group_names)
+                   for name in names}
         state = {}
-        keys = ("exp_avg", "exp_avg_sq")
         step = None
         for unit in self.units:
-            for key in keys:
+            for key in dict.fromkeys(k for name in unit.names for k in keys_of[name]):
                 shard = torch.zeros(unit.shard_numel, dtype=unit.master.dtype, device=unit.master.device)
                 for i, start, end in unit.piece_list:
                     piece_state = self.optimizer.state.get(unit.piece_tensors[i])
-                    if piece_state:
+                    if piece_state and key in piece_state:
                         shard[start - unit.lo:end - unit.lo] = piece_state[key]
-                        step = piece_state["step"]
+                        step = piece_state.get("step", step)
                 for name, tensor in zip(unit.names, self._gather_full(unit, shard)):
-                    state.setdefault(name, {})[key] = tensor
-        if step is None:  # before the first step: no state yet
-            state = {}
+                    if key in keys_of[name]:
+                        state.setdefault(name, {})[key] = tensor
+        if not any(self.optimizer.state.get(p) for u in self.units for p in u.piece_tensors.values()):
+            state = {}  # before the first step: no state yet
         else:
             for per_param in state.values():
-                per_param["step"] = step.clone()
+                if "exp_avg" in per_param and step is not None:  # AdamW's count (Muon keeps none)
+                    per_param["step"] = step.clone()
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
                   for g, names in zip(self.optimizer.param_groups, self.group_names)]
         return {"state": state, "param_groups": groups}
@@ -230,6 +239,7 @@ class ZeroEngine(DistributedEngine):
                 p.copy_(state[name])
 
     def load_optimizer_state_dict(self, state: dict) -> None:
+        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         for unit in self.units:
             for i, start, end in unit.piece_list:
                 saved = state["state"].get(unit.names[i])
@@ -238,9 +248,9 @@ class ZeroEngine(DistributedEngine):
                 begin = start - unit.offsets[i]
                 piece = unit.piece_tensors[i]
                 self.optimizer.state[piece] = {
-                    "step": saved["step"].detach().clone().cpu(),
+                    **({"step": saved["step"].detach().clone().cpu()} if "step" in saved else {}),
                     **{k: saved[k].reshape(-1)[begin:begin + piece.numel()].to(piece).clone()
-                       for k in ("exp_avg", "exp_avg_sq")}}
+                       for k in state_keys(group_of[id(piece)])}}
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
