@@ -32,6 +32,7 @@ VARIANTS = {"lora": ["finetune.lora_rank=4"],  # config overrides of each varian
             "recompute_full": ["train.recompute=full"],
             "recompute_selective": ["train.recompute=selective"],
             "muon": ["optim.name=muon"],  # Muon for the block matrices (optim/muon.py): tests/test_muon_dist.py
+            "adafactor": ["optim.name=adafactor"],  # optim/adafactor.py, ddp only (launch.py): the same test
             "reload": []}  # every strategy's state loaded back into a fresh engine (not only RELOADED's)
 BASE_SEED = 4321
 RELOADED = ("zero1", "zero3", "ddp")
