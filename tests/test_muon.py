@@ -128,3 +128,30 @@ def test_resume_by_name_is_bit_identical(tiny_config, tmp_path, monkeypatch):
     assert_same_state_dict(straight.optimizer.state_dict(), resumed.optimizer.state_dict(), "optimizer")
     matrix = straight.model.blocks["0"].attn.q_proj.weight
     assert straight.optimizer.state[matrix].keys() == {"momentum_buffer"}
+
+
+@pytest.mark.parametrize("name, strategy, why", [
+    ("adafactor", "zero1", "factored by each matrix's rows and columns"),
+    ("adafactor", "fsdp", "factored by each matrix's rows and columns"),
+    ("muon", "fsdp", "Newton-Schulz needs whole matrices"),
+])
+def test_shape_needing_optimizers_are_refused_where_the_shards_lose_the_shapes(name, strategy, why):
+    """parallel/launch.py's one launch check, before any process group exists; ZeRO takes Muon."""
+    from lmforge.common.errors import LmforgeError
+    from lmforge.parallel.launch import check_launch
+
+    cfg = make_config("tiny", overrides=[f"optim.name={name}", f"train.parallel={strategy}", "train.device=cpu"])
+    with pytest.raises(LmforgeError, match=why):
+        check_launch(cfg, (0, 2, 0), cuda_devices=0)
+    ok = make_config("tiny", overrides=["optim.name=muon", "train.parallel=zero3", "train.device=cpu"])
+    assert check_launch(ok, (0, 2, 0), cuda_devices=0) == torch.device("cpu")
+
+
+def test_bad_muon_settings_are_one_line():
+    from lmforge.common.errors import LmforgeError
+
+    for override, message in [("optim.name=sgd", "use adamw, muon or adafactor"),
+                              ("optim.muon_adjust_lr=spectral", "use original or match_rms_adamw"),
+                              ("optim.muon_momentum=1.0", r"must be in \[0, 1\)")]:
+        with pytest.raises(LmforgeError, match=message):
+            make_config("tiny", overrides=[override])
