@@ -39,6 +39,8 @@ pieces: the part of each parameter that falls in its slice, a view of the master
 parameter's weight-decay group; elementwise, so each element gets the same update as in one
 process. Any torch optimizer works the same way (it sees plain tensors with gradients); when it
 is lmforge's AdamW counting lost updates (bf16-pure), the engine adds up the ranks' counts.
+Muon (optim/muon.py) needs each whole matrix for its Newton-Schulz step: the engine gathers the
+blocks' Muon updates for it, one all-gather per step (parallel/whole_matrices.py).
 
 Communication per step per rank (parallel/comm.py, accounting/comm.py): stages 1 and 2,
 (N-1)/N (Psi reduce-scattered + Psi all-gathered) = 2 Psi in the limit, as much as DDP;
