@@ -14,6 +14,8 @@ INIT_SCHEMES = ("scaled_normal", "xavier", "kaiming")
 MLPS = ("swiglu", "gelu", "relu2")
 FAMILY_MLPS = {"llama": "swiglu", "gpt": "gelu"}  # the MLP each family builds when model.mlp is unset
 LR_SCHEDULES = ("cosine", "wsd")
+# optim.muon_adjust_lr: how Muon scales its rate by a matrix's shape (optim/muon.py)
+MUON_ADJUST_LR = ("original", "match_rms_adamw")
 
 
 @dataclass
@@ -110,6 +112,18 @@ class OptimConfig:
     # al. 2024): the peak held, then a linear decay to the floor over the last decay_fraction of decay_steps
     schedule: str = "cosine"  # LR_SCHEDULES: cosine | wsd
     decay_fraction: float = 0.2  # wsd only
+    # Muon (optim/muon.py), for the 2-D weights inside blocks; the rest takes AdamW's settings above.
+    # Muon's peak rate: its groups multiply the scheduled rate by muon_lr / lr (Jordan et al. 2024: 0.02)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # original: lr * sqrt(max(1, out/in)) (Jordan) | match_rms_adamw: lr * 0.2 sqrt(max(out, in)) (Liu et al. 2025)
+    muon_adjust_lr: str = "original"
+    # Adafactor (optim/adafactor.py; torch.optim.Adafactor's defaults): the second-moment decay is
+    # 1 - t^adafactor_beta2_decay, and an update's RMS is clipped to adafactor_clip_threshold
+    adafactor_beta2_decay: float = -0.8
+    adafactor_clip_threshold: float = 1.0
 
 
 @dataclass

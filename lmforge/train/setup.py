@@ -56,7 +56,7 @@ from lmforge.modes.attention import FLASH_BACKENDS
 from lmforge.interop.peft import load_peft_weights
 from lmforge.model.lora import apply_lora
 from lmforge.model.transformer import Transformer
-from lmforge.optim.build import make_optimizer
+from lmforge.optim.build import make_optimizer, param_groups
 from lmforge.modes.precision import Policy, get_policy
 from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine, require_process_group
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place
@@ -104,17 +104,9 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     return model
 
 
-def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings; leave gains and biases alone (decaying a norm's gain toward
-    zero only fights the normalisation). Tied tensors appear once; frozen ones not at all."""
-    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-
-
 def build_optimizer(cfg: Config, policy: Policy, model: nn.Module) -> torch.optim.Optimizer:
-    """The optimizer of optim.name over the model's weight-decay groups (optim/build.py)."""
-    return make_optimizer(cfg, policy, weight_decay_groups(model, cfg.optim.weight_decay))
+    """The optimizer of optim.name over the model's param groups for it (optim/build.py)."""
+    return make_optimizer(cfg, policy, param_groups(cfg, model))
 
 
 def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
@@ -129,11 +121,10 @@ def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu"
         layout, layers = pipeline_place(cfg, torch.distributed.get_rank(), torch.distributed.get_world_size())
         model = build_model(cfg, policy, device, base_state, stage=(layers, layout.first, layout.last))
         return pipeline_engine(model, cfg, policy, layout, lambda groups: make_optimizer(cfg, policy, groups),
-                               lambda model: weight_decay_groups(model, cfg.optim.weight_decay), torch.device(device),
-                               timeline)
+                               lambda model: param_groups(cfg, model), torch.device(device), timeline)
     return parallelize(build_model(cfg, policy, device, base_state), cfg, policy,
                        make_optimizer=lambda groups: make_optimizer(cfg, policy, groups),
-                       weight_decay_groups=lambda model: weight_decay_groups(model, cfg.optim.weight_decay))
+                       weight_decay_groups=lambda model: param_groups(cfg, model))
 
 
 def build(cfg: Config, device: torch.device | str = "cpu",
