@@ -167,7 +167,8 @@ class Trainer:
             tokens_per_step=self.global_batch * cfg.seq_len, peak_flops=machine[1])
         # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
         setup = Setup.from_config(cfg, mfu=1.0, dp=engine.replicas,
-                                  zero_stage=get_strategy(cfg.train.parallel).zero_stage)
+                                  zero_stage=get_strategy(cfg.train.parallel).zero_stage,
+                                  tp=cfg.parallel.tp, sequence_parallel=False)  # no sequence parallelism yet
         self.plan = make_plan(cfg.model, setup, machine)
 
     def save(self) -> Path:
