@@ -142,6 +142,9 @@ class ParallelConfig:
     # the world is then (world / tp) data-parallel replicas of tp ranks each (parallel/mesh.py), the
     # replicas joined by train.parallel=ddp (or none: one replica)
     tp: int = 1
+    # with tp: the residual stream, norms and biases after each region split along the sequence too
+    # (Korthikanti et al. 2022, section 4.2.2): activations between the regions held 1/tp per rank
+    sequence_parallel: bool = False
 
 
 @dataclass

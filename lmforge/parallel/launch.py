@@ -35,6 +35,9 @@ def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> to
     runs it before any process group exists, and what it accepts the engines can build."""
     parallel = get_strategy(cfg.train.parallel).name
     stages = cfg.train.pipeline_stages
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
+        raise LmforgeError("parallel.sequence_parallel=true splits the tokens over the tensor-parallel ranks: "
+                           "set parallel.tp > 1")
     if cfg.parallel.tp > 1:
         _check_tensor_parallel(cfg, env)
         return _rank_device(cfg.train.device, env[2], cuda_devices)
@@ -138,6 +141,13 @@ def _check_tensor_parallel(cfg, env) -> None:
     reason = tp_divisibility(cfg.model, tp)
     if reason:
         raise LmforgeError(reason)
+    if cfg.parallel.sequence_parallel:
+        if cfg.model.family == "gpt":
+            raise LmforgeError("parallel.sequence_parallel=true with model.family=gpt: its learned positions are "
+                               "added to the whole sequence (not written); use the llama family")
+        if cfg.seq_len % tp:
+            raise LmforgeError(f"parallel.sequence_parallel=true splits train.seq_len={cfg.seq_len} over "
+                               f"parallel.tp={tp} ranks: use a multiple of {tp}")
 
 
 def _rank_device(name: str, local_rank: int, cuda_devices: int) -> torch.device:

@@ -45,7 +45,8 @@ from lmforge.model.transformer import Attention, GeluMLP, SwiGLU, Transformer
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.launch import tp_divisibility
 from lmforge.parallel.tp_loss import VocabParallelHeadLoss
-from lmforge.parallel.tp_ops import copy_to_region, gather_from_region, reduce_from_region
+from lmforge.parallel.tp_ops import (TP_KIND, copy_to_region, gather_from_region, gather_sequence, reduce_from_region,
+                                     scatter_sequence)
 
 def shard(tensor: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
     """Rank `rank`'s contiguous 1/parts slice of `tensor` along `dim` (a copy: the full one can go)."""
@@ -58,6 +59,17 @@ def _sharded_parameter(full: torch.Tensor, dim: int, comm: Collectives) -> nn.Pa
     param = nn.Parameter(shard(full.detach(), dim, comm.rank, comm.world), requires_grad=full.requires_grad)
     param.tp_dim = dim
     return param
+
+
+def leave_region(y: torch.Tensor, comm: Collectives, sequence_parallel: bool) -> torch.Tensor:
+    """g: the ranks' partial outputs summed, whole on every rank, or (sequence parallelism) summed
+    and split along the sequence, each rank keeping its tokens."""
+    return scatter_sequence(y, comm) if sequence_parallel else reduce_from_region(y, comm)
+
+
+def enter_region(x: torch.Tensor, comm: Collectives, sequence_parallel: bool) -> torch.Tensor:
+    """f: the whole input on every rank (gathered along the sequence under sequence parallelism)."""
+    return gather_sequence(x, comm) if sequence_parallel else copy_to_region(x, comm)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -81,16 +93,17 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Y = g(sum_r X_r B_r) + b: this rank's input features (columns of the weight); the bias,
-    whole on every rank, is added once after the sum."""
+    whole on every rank, is added once after the sum (to this rank's tokens, with sequence
+    parallelism)."""
 
-    def __init__(self, linear: nn.Linear, comm: Collectives):
+    def __init__(self, linear: nn.Linear, comm: Collectives, sequence_parallel: bool = False):
         super().__init__()
-        self.comm = comm
+        self.comm, self.sequence_parallel = comm, sequence_parallel
         self.weight = _sharded_parameter(linear.weight, 1, comm)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_region(F.linear(x, self.weight), self.comm)
+        y = leave_region(F.linear(x, self.weight), self.comm, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -99,11 +112,11 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Rows vocab_start .. vocab_start + V/tp of the table; tokens outside look up zeros, and g sums
-    the ranks' lookups into the whole embedding."""
+    the ranks' lookups into the whole embedding (split along the sequence: sequence parallelism)."""
 
-    def __init__(self, embedding: nn.Embedding, comm: Collectives):
+    def __init__(self, embedding: nn.Embedding, comm: Collectives, sequence_parallel: bool = False):
         super().__init__()
-        self.comm = comm
+        self.comm, self.sequence_parallel = comm, sequence_parallel
         self.weight = _sharded_parameter(embedding.weight, 0, comm)
         self.vocab_start = comm.rank * self.weight.shape[0]
 
@@ -111,18 +124,18 @@ class VocabParallelEmbedding(nn.Module):
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return reduce_from_region(rows.masked_fill(outside[..., None], 0.0), self.comm)
+        return leave_region(rows.masked_fill(outside[..., None], 0.0), self.comm, self.sequence_parallel)
 
 
-def _enter_region(comm: Collectives):
+def _entering(comm: Collectives, sequence_parallel: bool):
     """A forward pre-hook that applies f to a region's first input (the residual stream's x)."""
     def hook(module, args):
-        return (copy_to_region(args[0], comm), *args[1:])
+        return (enter_region(args[0], comm, sequence_parallel), *args[1:])
     return hook
 
 
 def _sum_gradient(param: nn.Parameter, comm: Collectives) -> None:
-    """A whole parameter used on this rank's heads only: its gradient is the sum of the ranks'."""
+    """A whole parameter used on this rank's heads (or tokens) only: its gradient is the sum of the ranks'."""
     def hook(grad):
         grad = grad.clone()
         comm.all_reduce(grad, kind=TP_KIND)
@@ -130,29 +143,46 @@ def _sum_gradient(param: nn.Parameter, comm: Collectives) -> None:
     param.register_hook(hook)
 
 
-def _split_attention(attn: Attention, comm: Collectives) -> None:
+class SequenceShardRope(nn.Module):
+    """The rotary tables for the whole sequence when the residual stream holds 1/tp of it
+    (`Transformer.run_blocks` asks for x.shape[1] positions); attention reads them after the
+    all-gather, over every position. Its buffers are not saved: no state name changes."""
+
+    def __init__(self, rope: nn.Module, parts: int):
+        super().__init__()
+        self.rope, self.parts = rope, parts
+
+    def forward(self, start_pos: int, seq_len: int):
+        return self.rope(start_pos, seq_len * self.parts)
+
+
+def _split_attention(attn: Attention, comm: Collectives, sp: bool) -> None:
     tp = comm.world
     for name in ("q_proj", "k_proj", "v_proj"):
         setattr(attn, name, ColumnParallelLinear(getattr(attn, name), comm))
-    attn.o_proj = RowParallelLinear(attn.o_proj, comm)
+    attn.o_proj = RowParallelLinear(attn.o_proj, comm, sp)
     attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp  # this rank's heads
     for norm in (attn.q_norm, attn.k_norm):
         for param in norm.parameters():
             _sum_gradient(param, comm)
-    attn.register_forward_pre_hook(_enter_region(comm))
+    attn.register_forward_pre_hook(_entering(comm, sp))
 
 
-def _split_mlp(mlp: nn.Module, comm: Collectives) -> None:
+def _split_mlp(mlp: nn.Module, comm: Collectives, sp: bool) -> None:
     for name in ("gate_proj", "up_proj"):
         if hasattr(mlp, name):
             setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), comm))
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, comm)
-    mlp.register_forward_pre_hook(_enter_region(comm))
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, comm, sp)
+    mlp.register_forward_pre_hook(_entering(comm, sp))
 
 
-def apply_tensor_parallel(model: Transformer, comm: Collectives) -> Transformer:
+def apply_tensor_parallel(model: Transformer, comm: Collectives, sequence_parallel: bool = False) -> Transformer:
     """Swap `model`'s layers for their tensor-parallel slices over `comm`'s group (see the module
-    docstring), in place; `model` is the whole model as one process builds it."""
+    docstring), in place; `model` is the whole model as one process builds it. With
+    `sequence_parallel`, the residual stream, the norms and the biases after g hold this rank's
+    1/tp of the tokens (Korthikanti et al. 2022, section 4.2.2); the whole parameters there then
+    see only those tokens, so their gradients are summed over the ranks."""
+    sp = sequence_parallel
     if any(isinstance(m, ColumnParallelLinear) for m in model.modules()):
         raise LmforgeError("tensor parallelism is already applied to this model")
     reason = tp_divisibility(model.cfg, comm.world)
@@ -160,16 +190,26 @@ def apply_tensor_parallel(model: Transformer, comm: Collectives) -> Transformer:
         raise LmforgeError(reason)
     for module in list(model.modules()):
         if isinstance(module, Attention):
-            _split_attention(module, comm)
+            _split_attention(module, comm, sp)
         elif isinstance(module, (SwiGLU, GeluMLP)):
-            _split_mlp(module, comm)
+            _split_mlp(module, comm, sp)
+    if sp:  # everything outside the regions: norms and the biases added after g
+        outside = [p for block in model.blocks.values() for m in (block.attn_norm, block.mlp_norm, block.attn.o_proj,
+                                                                block.mlp.down_proj) for p in m.parameters()]
+        for param in [*outside, *model.norm.parameters()]:
+            if sharded_dim(param) is None:
+                _sum_gradient(param, comm)
+        if model.pos_embeddings is not None:  # parallel/launch.py refuses it first
+            raise LmforgeError("sequence parallelism with learned positions (model.family=gpt) is not written")
+        model.rope = SequenceShardRope(model.rope, comm.world)
     tied = model.cfg.tie_embeddings
-    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, comm)
+    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, comm, sp)
     model.lm_head = ColumnParallelLinear(model.lm_head, comm, gather_output=True)
     if tied:
         model.lm_head.weight = model.tok_embeddings.weight  # the same rows of the same matrix
-    model.lm_head.register_forward_pre_hook(_enter_region(comm))
-    model.loss = VocabParallelHeadLoss(comm, vocab_start=model.lm_head.weight.shape[0] * comm.rank)
+    model.lm_head.register_forward_pre_hook(_entering(comm, sp))
+    model.loss = VocabParallelHeadLoss(comm, vocab_start=model.lm_head.weight.shape[0] * comm.rank,
+                                       sequence_parallel=sp)
     return model
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.parallel.comm import Collectives
-from lmforge.parallel.tp_ops import TP_KIND, copy_to_region, reduce_from_region
+from lmforge.parallel.tp_ops import TP_KIND, copy_to_region, gather_sequence, reduce_from_region
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, comm: Collectives,
@@ -47,14 +47,16 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
 class VocabParallelHeadLoss(nn.Module):
     """HeadLoss (model/transformer.py) for a vocabulary-parallel LM head: the final norm, this
     rank's logits (f on the way in: the head is a column-parallel region of its own), the loss
-    above. Parameter-free, as HeadLoss, so swapping it renames nothing."""
+    above. Parameter-free, as HeadLoss, so swapping it renames nothing. With sequence
+    parallelism x holds this rank's tokens: the normalised ones are gathered on the way in."""
 
-    def __init__(self, comm: Collectives, vocab_start: int):
+    def __init__(self, comm: Collectives, vocab_start: int, sequence_parallel: bool = False):
         super().__init__()
         self.comm, self.vocab_start = comm, vocab_start
+        self.enter = gather_sequence if sequence_parallel else copy_to_region
 
     def forward(self, x: torch.Tensor, norm: nn.Module, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
-        local_logits = F.linear(copy_to_region(norm(x), self.comm), lm_head.weight, lm_head.bias)
+        local_logits = F.linear(self.enter(norm(x), self.comm), lm_head.weight, lm_head.bias)
         return vocab_parallel_cross_entropy(local_logits, targets, self.comm, self.vocab_start)
 
     def extra_repr(self) -> str:

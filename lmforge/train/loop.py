@@ -168,7 +168,7 @@ class Trainer:
         # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
         setup = Setup.from_config(cfg, mfu=1.0, dp=engine.replicas,
                                   zero_stage=get_strategy(cfg.train.parallel).zero_stage,
-                                  tp=cfg.parallel.tp, sequence_parallel=False)  # no sequence parallelism yet
+                                  tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
         self.plan = make_plan(cfg.model, setup, machine)
 
     def save(self) -> Path:

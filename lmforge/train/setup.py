@@ -91,7 +91,7 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
             model.load_state_dict(base_state)
     on_device = torch.device(device).type != "meta"
     if tp_comm is not None:
-        apply_tensor_parallel(model, tp_comm)
+        apply_tensor_parallel(model, tp_comm, cfg.parallel.sequence_parallel)
     if on_device and stage is None:
         model.to(device)
     prepare_model(model, policy, fp32_attention=cfg.train.fp32_attention,
