@@ -27,6 +27,14 @@ Norms, biases of row-parallel layers and position tables stay whole on every ran
 they touch are the same on every rank, and so are their gradients. A QK-norm gain reads only this
 rank's heads, so its gradient is a partial sum, all-reduced by a hook.
 
+Sequence parallelism (Korthikanti et al. 2022, section 4.2.2): between the regions the residual
+stream is split along the sequence too, so the norms run on 1/tp of the tokens; f becomes an
+all-gather of the sequence and g a reduce-scatter (tp_ops.py), and the whole parameters outside the
+regions (norm gains, row-parallel biases) see only this rank's tokens, so their gradients are summed
+by a hook. The rotary tables are asked for the whole sequence (`SequenceShardRope`).
+
+GQA with fewer KV heads than ranks (replicated KV heads) is not written: parallel/launch.py refuses it.
+
 `apply_tensor_parallel` is a module swap applied from outside (train/setup.py, step 1b): each
 parallel module is built from the nn.Linear or nn.Embedding it replaces, keeping its slice of the
 full weight, so a seed gives exactly the model one process trains. Where a region starts, a forward
