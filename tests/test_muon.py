@@ -147,6 +147,17 @@ def test_shape_needing_optimizers_are_refused_where_the_shards_lose_the_shapes(n
     assert check_launch(ok, (0, 2, 0), cuda_devices=0) == torch.device("cpu")
 
 
+def test_whole_matrix_optimizers_are_refused_with_tensor_parallelism():
+    from lmforge.common.errors import LmforgeError
+    from lmforge.parallel.launch import check_launch
+
+    for name in ("muon", "adafactor"):
+        cfg = make_config("tiny", overrides=[f"optim.name={name}", "parallel.tp=2", "train.parallel=none",
+                                             "train.sample_tokens=0", "train.device=cpu"])
+        with pytest.raises(LmforgeError, match=f"optim.name={name} does not combine with parallel.tp=2"):
+            check_launch(cfg, (0, 2, 0), cuda_devices=0)
+
+
 @pytest.mark.parametrize("extra, setting", [(["train.pipeline_stages=2", "train.micro_batches=2"],
                                              "train.pipeline_stages=2"),
                                             (["finetune.lora_rank=4"], "finetune.lora_rank=4")])

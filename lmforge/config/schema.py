@@ -181,19 +181,32 @@ class FinetuneConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Parallelism degrees other than train.parallel's data parallelism (docs/tensor-parallel.md)."""
+    # tensor parallelism (Megatron-LM; lmforge/parallel/tp.py): ranks that split each layer's matrices;
+    # the world is then (world / tp) data-parallel replicas of tp ranks each (parallel/mesh.py), the
+    # replicas joined by train.parallel=ddp (or none: one replica)
+    tp: int = 1
+    # with tp: the residual stream, norms and biases after each region split along the sequence too
+    # (Korthikanti et al. 2022, section 4.2.2): activations between the regions held 1/tp per rank
+    sequence_parallel: bool = False
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def seq_len(self) -> int:
         return self.train.seq_len or self.model.max_seq_len
 
 
-SECTIONS = ("model", "data", "optim", "train", "finetune")  # Config's fields, in order
+SECTIONS = ("model", "data", "optim", "train", "finetune", "parallel")  # Config's fields, in order
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -48,6 +48,7 @@ def validate(cfg: Config) -> None:
     _check_train(cfg)
     _check_combinations(cfg.train, cfg.model)
     _check_finetune(cfg.finetune)
+    _positive("parallel.tp", cfg.parallel.tp)
     _check_device(cfg.train)
 
 
