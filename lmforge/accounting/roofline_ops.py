@@ -68,6 +68,8 @@ def op_of(r: Record) -> Op:
         return Op(name, "optimizer" if r.phase == "optimizer" else "norms/elementwise", "view", 0.0, 0.0, (), 1,
                   dtype, r.op)
     nbytes = float(sum(_touched(t) for t in r.inputs + r.outputs))
+    if r.op.endswith("_") and not r.outputs:  # an in-place foreach op returns nothing: it writes its first list
+        nbytes += sum(_touched(t) for t in r.inputs[:r.calls])
     if r.op == "embedding":  # reads the gathered rows (as many bytes as it writes) and the indices
         nbytes = float(2 * _touched(r.outputs[0]) + _touched(r.inputs[1]))
     if r.phase == "optimizer":

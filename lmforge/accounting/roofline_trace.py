@@ -12,6 +12,7 @@ accounting only (model, precision, wrap, optim): the same pieces train/setup.py'
 parallel/engine.py's step put together for one process.
 """
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -77,21 +78,24 @@ def trace_step(cfg: ModelConfig, batch: int, seq_len: int, precision: str = "fp3
     cached by its arguments (a ModelConfig is not hashable: by its repr)."""
     key = (repr(cfg), batch, seq_len, precision, recompute, optimizer, loss_chunk_tokens, clip, fp32_attention)
     if key not in _TRACES:
-        _TRACES[key] = _trace(*key[1:], cfg=cfg)
+        _TRACES[key] = record_step(cfg, *key[1:])
     return _TRACES[key]
 
 
 _TRACES: dict = {}
 
 
-def _trace(batch, seq_len, precision, recompute, optimizer, loss_chunk_tokens, clip, fp32_attention,
-           cfg) -> tuple[Record, ...]:
+def record_step(cfg: ModelConfig, batch: int, seq_len: int, precision: str = "fp32", recompute: str = "none",
+                optimizer: str = "adamw", loss_chunk_tokens: int = 0, clip: bool = True,
+                fp32_attention: bool = False, fake: bool = True) -> tuple[Record, ...]:
+    """trace_step's records, uncached; `fake=False` runs the step on real tensors (what the
+    tests compare the fake run with)."""
     policy = get_policy(precision)
     # a plan may ask for a longer sequence than the config's context (the accounting allows it)
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq_len))
     full = Config(model=cfg)
     full.optim.name = optimizer
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with fake:
         model = Transformer(cfg)
         prepare_model(model, policy, fp32_attention=fp32_attention)
