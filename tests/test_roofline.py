@@ -146,8 +146,8 @@ def test_rates_interpolate_in_log_space_and_clamp_at_the_edges():
     assert interpolate(cube, (2, 2, 2)) == pytest.approx(8.0, rel=1e-12)  # log-multilinear is exact on m*n*k
 
 
-def test_the_plan_prints_the_roofline_rows(capsys):
-    args = ["plan", "--model", "tiny", "--hardware", "h100-sxm"]
+def test_the_plan_prints_the_roofline_rows(capsys, tmp_path):
+    args = ["plan", "--model", "tiny", "--hardware", "h100-sxm", "--roofline", str(tmp_path / "roof.png")]
     assert main([*args, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     r = plan["roofline"]
@@ -162,7 +162,7 @@ def test_the_plan_prints_the_roofline_rows(capsys):
 
 def test_ddp_adds_communication_that_needs_a_measured_network():
     cfg = make_config("tiny").model
-    plan = make_plan(cfg, Setup(dp=2, parallel="ddp", hardware="h100-sxm"))
+    plan = make_plan(cfg, Setup(dp=2, parallel="ddp", hardware="h100-sxm"), datasheet_roofline=True)
     assert plan["roofline"]["classes"]["communication"]["bytes"] == plan["communication"]["sent_bytes"]
     assert plan["roofline"]["classes"]["communication"]["seconds"] == 0  # a datasheet has no network figure
 
@@ -180,9 +180,39 @@ def test_the_end_of_run_table_sets_the_roofline_step_beside_the_measured_one():
     from tests.test_pipeline_accounting import fake_measurements
     from lmforge.train.summary import predicted_vs_measured
 
-    plan = make_plan(make_config("tiny").model, Setup(hardware="h100-sxm", mfu=1.0))
+    plan = make_plan(make_config("tiny").model, Setup(hardware="h100-sxm", mfu=1.0), datasheet_roofline=True)
     run = dataclasses.replace(fake_measurements(plan), tokens_per_step=plan["setup"]["tokens_per_step"])
     rows = predicted_vs_measured(plan, run, tokens_per_s=1000.0)
     assert rows["step_seconds"] == {"predicted": plan["roofline"]["seconds_per_step"],
                                     "measured": plan["setup"]["tokens_per_step"] / 1000.0}
     assert "tokens_per_s" not in rows  # the "at 100% MFU" row is gone: MFU says the same
+
+
+@pytest.mark.parametrize("precision, optimizer", [("fp32", "adamw"), ("bf16-mixed", "lion")])
+def test_a_deep_models_ops_come_from_two_shallow_traces_exactly(precision, optimizer):
+    """roofline_ops.layer_extrapolated: 2- and 3-layer traces extended to 5 layers give the 5-layer
+    trace's totals per class (FLOPs, bytes, kernels), forward, backward and optimizer alike."""
+    import dataclasses
+
+    from lmforge.accounting.roofline_ops import layer_extrapolated, op_of
+    from lmforge.accounting.roofline_trace import trace_step
+    from lmforge.config import make_config
+
+    cfg = dataclasses.replace(make_config("tiny").model, n_layers=5)
+
+    def ops_of(c):
+        return [op_of(r) for r in trace_step(c, 2, 16, precision, "none", optimizer, 0, True)]
+
+    def totals(ops):
+        out = {}
+        for op in ops:
+            row = out.setdefault(op.cls, [0.0, 0.0, 0])
+            row[0] += op.flops
+            row[1] += op.bytes
+            row[2] += op.calls
+        return out
+
+    direct, extrapolated = totals(ops_of(cfg)), totals(layer_extrapolated(cfg, ops_of))
+    assert direct.keys() == extrapolated.keys()
+    for cls in direct:
+        assert extrapolated[cls] == pytest.approx(direct[cls], rel=1e-12), cls

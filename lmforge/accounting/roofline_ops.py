@@ -14,6 +14,7 @@ model run on fake tensors of the real shapes), one Op per operator call.
 - calls: one kernel per operator call, one per tensor of a foreach op (the CPU loops over them).
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 from lmforge.accounting import comm
@@ -89,19 +90,60 @@ def op_of(r: Record) -> Op:
     return Op(name, "loss" if loss else "norms/elementwise", "elementwise", 0.0, nbytes, (), 1, dtype, r.op)
 
 
+def layer_extrapolated(cfg: ModelConfig, ops_of) -> list[Op]:
+    """`ops_of(cfg)` for a model of any depth from traces of 2 and 3 layers: the blocks are
+    identical, so past the second every total of every kind of op (FLOPs, bytes, kernels, per
+    name, class, shape and dtype) grows by the same amount with each layer, and a 2-layer trace
+    plus (L - 2) times the third layer's increment is the L-layer trace's (a 1-layer model is not
+    on the line: its one block is first and last, and its input gradient is never summed into a
+    residual). tests/test_roofline.py checks it against a direct trace. A trace costs time in
+    proportion to its operators, so a 70B plan costs what a 3-layer one does. Ops alike in all that
+    decides their time come back merged, totals summed (op_time is linear in them)."""
+    if cfg.n_layers <= 3:
+        return ops_of(cfg)
+    totals = []
+    for layers in (2, 3):
+        by_key: dict = {}
+        for op in ops_of(dataclasses.replace(cfg, n_layers=layers)):
+            # by what decides its time, not by module (backward ops are not reliably attributed to
+            # one): class, rate, shape, dtype, operator and bytes per kernel (a foreach op's lists
+            # and the optimizer's stacked norms grow with the layers: one key each)
+            size = None if op.cls == "optimizer" else op.bytes / max(op.calls, 1)
+            key = (op.cls, op.kind, op.shape, op.dtype, op.op, size)
+            flops, moved, calls = by_key.get(key, (0.0, 0.0, 0))
+            by_key[key] = (flops + op.flops, moved + op.bytes, calls + op.calls)
+        totals.append(by_key)
+    one, two = totals
+    more = cfg.n_layers - 2
+    ops = []
+    for key in dict.fromkeys([*one, *two]):
+        a, b = one.get(key, (0.0, 0.0, 0)), two.get(key, (0.0, 0.0, 0))
+        flops, moved, calls = (x + more * (y - x) for x, y in zip(a, b))
+        if calls > 0 or flops > 0 or moved > 0:
+            cls, kind, shape, dtype, aten, _ = key
+            ops.append(Op(f"{aten} x {int(round(calls))} (every layer)", cls, kind, flops, moved, shape,
+                          int(round(calls)), dtype, aten))
+    return ops
+
+
 def micro_batch_ops(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", recompute: str = "none",
                     loss_chunk_tokens: int = 0, fp32_attention: bool = False) -> list[Op]:
     """Forward and backward of one micro-batch, recomputation's extra forward included."""
-    records = trace_step(cfg, b, s, precision, recompute, "adamw", loss_chunk_tokens, True, fp32_attention)
-    return [op_of(r) for r in records if r.phase == "step"]
+    def ops_of(c: ModelConfig) -> list[Op]:
+        records = trace_step(c, b, s, precision, recompute, "adamw", loss_chunk_tokens, True, fp32_attention)
+        return [op_of(r) for r in records if r.phase == "step"]
+
+    return layer_extrapolated(cfg, ops_of)
 
 
 def optimizer_ops(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", optimizer: str = "adamw",
                   shards: int = 1, clip: bool = True) -> list[Op]:
     """Gradient clipping and the optimizer's step over this rank's share of the parameters (ZeRO:
     1/shards of each tensor's bytes; the kernels are as many)."""
-    records = trace_step(cfg, b, s, precision, "none", optimizer, 0, clip)
-    ops = [op_of(r) for r in records if r.phase == "optimizer"]
+    def ops_of(c: ModelConfig) -> list[Op]:
+        return [op_of(r) for r in trace_step(c, b, s, precision, "none", optimizer, 0, clip) if r.phase == "optimizer"]
+
+    ops = layer_extrapolated(cfg, ops_of)
     return [Op(o.name, o.cls, o.kind, o.flops, o.bytes / shards, o.shape, o.calls, o.dtype, o.op) for o in ops]
 
 

@@ -156,10 +156,13 @@ class Cost:
 
 
 def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, float] | None = None,
-              roof=None) -> dict:
+              roof=None, datasheet_roofline: bool = False) -> dict:
     """The plan as a JSON-ready dict. `this_machine` = (name, peak FLOP/s, memory bytes) is needed
     when setup.hardware is "this" (the caller measures it; accounting stays pure), and `roof`
-    (roofline.Roof, measured) for its step time from the roofline; a named accelerator's is its datasheet's."""
+    (roofline.Roof, measured) for its step time from the roofline. A named accelerator's roofline
+    is its datasheet's, with `datasheet_roofline` only (`plan --roofline`): the step's trace
+    (roofline_trace.py) takes seconds, where a plan of a named accelerator otherwise answers in
+    a fraction of one."""
     setup.validate(cfg)
     policy = setup.policy
     hardware_name, peak, device_memory = _hardware(setup, policy, this_machine)
@@ -187,7 +190,7 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
         plan["lora"] = _lora(cfg, setup, policy, cost, lora, n_params)
     if cost.pipeline is not None:
         plan["pipeline"] = cost.pipeline
-    if setup.hardware != "this":
+    if setup.hardware != "this" and datasheet_roofline:
         roof = datasheet_roof(setup.hardware, peak, ACCELERATORS[setup.hardware].memory_bandwidth)
     predicted = predict_step(cfg, setup, roof, strategy_of(setup)) if roof is not None else None
     if predicted is not None:

@@ -141,7 +141,7 @@ def _plan(cfg: Config, args, chosen: dict, machines: Machines) -> dict:
         if setup.hardware == "this":
             name, peak, memory = machines.training(setup.policy.matmul_dtype)
             machine, roof = (f"this machine: {name}", peak, memory), machines.roof()
-        return make_plan(cfg.model, setup, machine, roof)
+        return make_plan(cfg.model, setup, machine, roof, datasheet_roofline=bool(getattr(args, "roofline", None)))
     except ValueError as err:
         raise LmforgeError(str(err)) from None
 
