@@ -148,3 +148,45 @@ def test_shard_refuses_a_sequence_longer_than_the_model():
     assert cp.shard(torch.zeros(1, 7, dtype=torch.long))[0].shape == (1, 4)  # padded to 8, half of it
     with pytest.raises(LmforgeError, match="sequence length 9 exceeds model.max_seq_len 8"):
         cp.shard(torch.zeros(1, 9, dtype=torch.long))
+
+
+# -- the trainer's launch check and mesh (parallel/launch.py, parallel/mesh.py) --------------------
+
+CP = ["parallel.cp=2", "train.parallel=ddp", "train.sample_tokens=0"]
+
+
+@pytest.mark.parametrize("overrides, env, message", [
+    (CP, None, "parallel.cp=2 needs 2 processes per model replica"),
+    (CP, (0, 3, 0), "the world must be (replicas x cp x tp), a multiple of 2"),
+    ([*CP, "parallel.tp=2"], (0, 6, 0), "the world must be (replicas x cp x tp), a multiple of 4"),
+    ([*CP, "train.parallel=zero1"], (0, 2, 0), "set train.parallel=ddp, not zero1"),
+    ([*CP, "parallel.tp=2"], (0, 4, 0), "does not combine with parallel.tp"),
+    ([*CP, "train.pipeline_stages=2"], (0, 4, 0), "does not combine with train.pipeline_stages"),
+    ([*CP, "model.dropout=0.1"], (0, 2, 0), "does not combine with model.dropout"),
+    ([*CP, "model.sliding_window=8"], (0, 2, 0), "does not combine with model.sliding_window"),
+    ([*CP, "train.recompute=selective"], (0, 2, 0), "the ring in backward"),
+    ([*CP, "train.compile=true"], (0, 2, 0), "does not combine with train.compile"),
+    ([*CP, "train.precision=fp16-mixed"], (0, 2, 0), "does not combine with train.precision"),
+    ([*CP, "train.loss_chunk_tokens=64"], (0, 2, 0), "does not combine with train.loss_chunk_tokens"),
+    ([*CP, "finetune.lora_rank=4"], (0, 2, 0), "does not combine with finetune.lora_rank"),
+    (["parallel.cp=2", "train.parallel=ddp"], (0, 2, 0), "set train.sample_tokens=0"),
+    ([*CP, "train.seq_len=3"], (0, 2, 0), "(lengths that are not a multiple are padded): use train.seq_len >= 4"),
+])
+def test_launch_refuses_what_context_parallelism_cannot_run(overrides, env, message):
+    from lmforge.parallel.launch import check_launch
+    with pytest.raises(LmforgeError) as err:
+        check_launch(make_config("tiny", overrides=overrides), env, cuda_devices=0)
+    assert message in str(err.value)
+
+
+def test_launch_accepts_cp_times_dp_at_a_length_that_is_padded():
+    from lmforge.parallel.launch import check_launch
+    cfg = make_config("tiny", overrides=[*CP, "train.seq_len=29"])
+    assert check_launch(cfg, (3, 4, 3), cuda_devices=0) == torch.device("cpu")
+
+
+def test_dp_cp_groups_hold_the_ranks_of_one_tp_index():
+    from lmforge.parallel.mesh import dp_cp_ranks
+    # rank = (dp_index * cp + cp_index) * tp + tp_index: 8 ranks, dp = cp = tp = 2
+    assert dp_cp_ranks(2, 2, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dp_cp_ranks(2, 2, 1) == [[0, 1, 2, 3]]

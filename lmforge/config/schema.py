@@ -190,6 +190,10 @@ class ParallelConfig:
     # with tp: the residual stream, norms and biases after each region split along the sequence too
     # (Korthikanti et al. 2022, section 4.2.2): activations between the regions held 1/tp per rank
     sequence_parallel: bool = False
+    # context parallelism (ring attention; lmforge/parallel/cp.py): ranks that split each sequence
+    # (zig-zag); the world is then dp x cp x tp (parallel/mesh.py), gradients averaged by
+    # train.parallel=ddp over the dp x cp ranks (docs/context-parallel.md)
+    cp: int = 1
 
 
 @dataclass

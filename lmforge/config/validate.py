@@ -49,6 +49,7 @@ def validate(cfg: Config) -> None:
     _check_combinations(cfg.train, cfg.model)
     _check_finetune(cfg.finetune)
     _positive("parallel.tp", cfg.parallel.tp)
+    _positive("parallel.cp", cfg.parallel.cp)
     _check_device(cfg.train)
 
 

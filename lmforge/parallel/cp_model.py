@@ -7,14 +7,16 @@ A module swap from outside, like the other wrappers (the model file does not cha
                    *global* positions (zig-zag: chunks r and 2cp-1-r), not rows 0..n-1
   learned positions  (gpt) `model.pos_embeddings` looks up the same global positions; the
                    parameter keeps its name, so checkpoints are the unsharded model's
-  loss             `model.loss` returns this rank's share of the global mean: its targets' summed
-                   cross-entropy over the whole group's target count (one 8-byte all-reduce), so
-                   the shares add up to the mean over every target of the batch, however the
-                   padding and ignored targets fall across ranks
+  loss             `model.loss` returns cp x this rank's share of the global mean: its targets'
+                   summed cross-entropy over the whole group's target count (one 8-byte
+                   all-reduce), times cp, so the ranks' losses *average* to the mean over every
+                   target of the batch, however the padding and ignored targets fall across
+                   ranks: each CP rank is then a data-parallel replica of its shard (torchtitan's
+                   dp_cp), and an engine that averages over dp x cp ranks reduces it unchanged
 
 Everything else (embeddings, norms, MLPs, the head) works token by token and needs no change.
-Every CP rank holds the whole model; each computes the gradient of its share, the ring having
-carried dK/dV home, so the model's gradient is the sum over the group (`all_reduce_gradients`).
+Every CP rank holds the whole model; each computes the gradient of its loss, the ring having
+carried dK/dV home, so the model's gradient is the mean over the group (`all_reduce_gradients`).
 
     cp = apply_context_parallel(model, group)         # before other wrappers (recompute, fp32 attn)
     tokens, targets = cp.shard(tokens, targets)       # the full (batch, seq) batch on every rank
@@ -90,7 +92,7 @@ class ShardPositionEmbedding(nn.Module):
 
 
 class ContextParallelLoss(nn.Module):
-    """HeadLoss's replacement: sum of this rank's cross-entropies / the group's target count."""
+    """HeadLoss's replacement: cp x the sum of this rank's cross-entropies / the group's target count."""
 
     def __init__(self, collectives: Collectives):
         super().__init__()
@@ -103,7 +105,7 @@ class ContextParallelLoss(nn.Module):
                                 targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         count = (targets != IGNORE_INDEX).sum().to(torch.float32)
         self.collectives.all_reduce(count, kind="scalar")
-        return total / count.clamp(min=1.0)
+        return total * self.collectives.world / count.clamp(min=1.0)
 
 
 @dataclass
@@ -124,16 +126,26 @@ class ContextParallel:
         return tokens, targets
 
     def all_reduce_gradients(self, model: nn.Module) -> None:
-        """Sum each gradient over the CP group: the shares' gradients add up to the whole loss's."""
+        """Average each gradient over the CP group: the ranks' losses average to the whole loss."""
         for p in model.parameters():
             if p.grad is not None:
                 self.collectives.all_reduce(p.grad)
+                p.grad.div_(self.cp)
 
     def global_loss(self, loss: torch.Tensor) -> float:
-        """The batch's mean loss (every rank's share added up), for reporting."""
+        """The batch's mean loss (the ranks' losses averaged), for reporting."""
         total = loss.detach().clone()
         self.collectives.all_reduce(total, kind="scalar")
-        return total.item()
+        return total.item() / self.cp
+
+    def shard_every_forward(self, model: nn.Module) -> None:
+        """Cut each forward's whole (batch, seq) tokens and targets to this rank's shard (a forward
+        pre-hook): the trainer, its evaluation and the engines then pass whole batches, as for one
+        process, and every CP rank of a replica draws the same one."""
+        def shard_inputs(module, args, kwargs):
+            tokens, targets = args[0], args[1] if len(args) > 1 else kwargs.pop("targets", None)
+            return self.shard(tokens, targets), kwargs
+        model.register_forward_pre_hook(shard_inputs, with_kwargs=True)
 
 
 def apply_context_parallel(model: nn.Module, group) -> ContextParallel:

@@ -39,6 +39,9 @@ def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> to
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         raise LmforgeError("parallel.sequence_parallel=true splits the tokens over the tensor-parallel ranks: "
                            "set parallel.tp > 1")
+    if cfg.parallel.cp > 1:
+        _check_context_parallel(cfg, env)
+        return _rank_device(cfg.train.device, env[2], cuda_devices)
     if cfg.parallel.tp > 1:
         _check_tensor_parallel(cfg, env)
         return _rank_device(cfg.train.device, env[2], cuda_devices)
@@ -172,6 +175,48 @@ def _check_tensor_parallel(cfg, env) -> None:
         if cfg.seq_len % tp:
             raise LmforgeError(f"parallel.sequence_parallel=true splits train.seq_len={cfg.seq_len} over "
                                f"parallel.tp={tp} ranks: use a multiple of {tp}")
+
+
+# what context parallelism (parallel/cp_model.py) is not combined with yet, and why: setting -> (refused when, why)
+CP_REFUSED = {
+    "parallel.tp": (lambda c: c.parallel.tp > 1, "tp x cp needs a loss both vocabulary- and sequence-parallel "
+                                                 "(not written): use one of them"),
+    "train.pipeline_stages": (lambda c: c.train.pipeline_stages > 1, "pipelines of context-parallel stages are not wired"),
+    "model.dropout": (lambda c: c.model.dropout > 0, "ring attention has no dropout, and per-rank masks would not "
+                                                     "match one process's: set model.dropout=0"),
+    "model.sliding_window": (lambda c: c.model.sliding_window is not None, "the ring's masks are the causal ones"),
+    "train.recompute": (lambda c: c.train.recompute != "none", "recomputation would rerun the ring in backward; untested"),
+    "train.compile": (lambda c: c.train.compile, "torch.compile of the ring's point-to-point sends is untested"),
+    "train.precision": (lambda c: c.train.precision in ("fp16-mixed", "fp8"),
+                        "fp16's loss scaler and fp8's swapped linears are untested with it: use fp32 or bf16"),
+    "train.loss_chunk_tokens": (lambda c: c.train.loss_chunk_tokens > 0,
+                                "the chunked loss would replace the group's loss (each rank already holds 1/cp of the logits)"),
+    "finetune.lora_rank": (lambda c: c.finetune.lora_rank is not None, "LoRA under context parallelism is untested"),
+    "train.sample_tokens": (lambda c: c.train.sample_tokens > 0,
+                            "generation needs a KV cache, which the ring does not keep: set train.sample_tokens=0"),
+}
+
+
+def _check_context_parallel(cfg, env) -> None:
+    """parallel.cp > 1: world = dp replicas x cp ranks (parallel/mesh.py), gradients averaged over
+    them by train.parallel=ddp (parallel/cp_engine.py), sequences long enough to shard."""
+    cp, parallel = cfg.parallel.cp, get_strategy(cfg.train.parallel).name
+    if env is None:
+        raise LmforgeError(f"parallel.cp={cp} needs {cp} processes per model replica: launch with torchrun "
+                           f"--nproc_per_node={cp} -m lmforge train ... or lmforge train --nproc {cp} ...")
+    world_size, per_replica = env[1], cp * cfg.parallel.tp
+    if world_size % per_replica:
+        raise LmforgeError(f"parallel.cp={cp} on {world_size} processes: the world must be (replicas x cp x tp), "
+                           f"a multiple of {per_replica}")
+    if parallel != "ddp":
+        raise LmforgeError(f"parallel.cp={cp} averages the gradients over its {world_size} ranks as DDP does "
+                           f"(each cp rank a replica of its shard): set train.parallel=ddp, not {parallel}")
+    for setting, (refused, why) in CP_REFUSED.items():
+        if refused(cfg):
+            raise LmforgeError(f"parallel.cp={cp} does not combine with {setting}: {why}")
+    if cfg.seq_len < 2 * cp:
+        raise LmforgeError(f"parallel.cp={cp} cuts train.seq_len={cfg.seq_len} into 2 x cp = {2 * cp} chunks "
+                           f"(lengths that are not a multiple are padded): use train.seq_len >= {2 * cp}")
 
 
 def _rank_device(name: str, local_rank: int, cuda_devices: int) -> torch.device:

@@ -8,6 +8,10 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
                   cut from the whole model built on the CPU, then moved to the device. First, so
                   that every later step wraps the split modules as it wraps whole ones, and the
                   weights are one process's (the same seed, the same model)
+    1c. context   with parallel.cp > 1: each attention core swapped for ring attention over the cp
+                  group, positions for the shard's, the loss for the group's, and a forward
+                  pre-hook that cuts each whole batch to this rank's zig-zag shard
+                  (parallel/cp_model.py); the engine is DDP over the dp x cp ranks (cp_engine.py)
     2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
@@ -64,6 +68,8 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.build import make_optimizer, param_groups
 from lmforge.modes.precision import Policy, get_policy
 from lmforge.parallel.comm import Collectives
+from lmforge.parallel.cp_engine import ContextParallelDDPEngine
+from lmforge.parallel.cp_model import apply_context_parallel
 from lmforge.parallel.mesh import build_groups
 from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine, require_process_group
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place
@@ -75,7 +81,8 @@ from lmforge.wrap.recompute import apply_recompute
 
 
 def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
-                base_state: dict[str, torch.Tensor] | None = None, stage=None, tp_comm=None) -> nn.Module:
+                base_state: dict[str, torch.Tensor] | None = None, stage=None, tp_comm=None,
+                cp_group=None) -> nn.Module:
     """The model of `cfg` on `device`, wrapped for training (steps 1-6 above) under `policy`
     (cfg.train.precision's, resolved once by the caller). On the meta device
     nothing is allocated: parameter shapes and the module tree only, in milliseconds even for 70B.
@@ -83,7 +90,8 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     initial model on every device; `base_state` (a fine-tuning base, by parameter name) replaces them.
     `stage` = (layers, first, last): a pipeline stage, cut from the whole model after step 5 (so
     that its weights and adapters are those of one process: parallel/pipeline/layout.py).
-    `tp_comm`: the Collectives of this rank's tensor-parallel group (step 1b)."""
+    `tp_comm`: the Collectives of this rank's tensor-parallel group (step 1b); `cp_group`: its
+    context-parallel group (step 1c)."""
     if torch.device(device).type == "meta":
         model = meta_model(cfg.model)  # the accounting's own meta build: no initialisation to skip
     else:
@@ -93,6 +101,8 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     on_device = torch.device(device).type != "meta"
     if tp_comm is not None:
         apply_tensor_parallel(model, tp_comm, cfg.parallel.sequence_parallel)
+    if cp_group is not None:
+        apply_context_parallel(model, cp_group).shard_every_forward(model)
     if on_device and stage is None:
         model.to(device)
     prepare_model(model, policy, fp32_attention=cfg.train.fp32_attention,
@@ -134,10 +144,14 @@ def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu"
         return pipeline_engine(model, cfg, policy, layout, lambda groups: make_optimizer(cfg, policy, groups),
                                lambda model: param_groups(cfg, model), torch.device(device), timeline)
     groups = tp_comm = None
-    if cfg.parallel.tp > 1:  # the (dp, tp) mesh: parallel/mesh.py
-        require_process_group(f"parallel.tp={cfg.parallel.tp}")
-        groups = build_groups(cfg.parallel.tp, device)
-        tp_comm = Collectives(groups.tp_group)
+    if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:  # the (dp, cp, tp) mesh: parallel/mesh.py
+        require_process_group(f"parallel.tp={cfg.parallel.tp} parallel.cp={cfg.parallel.cp}")
+        groups = build_groups(cfg.parallel.tp, device, cfg.parallel.cp)
+        tp_comm = Collectives(groups.tp_group) if cfg.parallel.tp > 1 else None
+    if cfg.parallel.cp > 1:  # DDP over the dp x cp ranks (parallel/cp_engine.py); tp x cp is refused at launch
+        model = build_model(cfg, policy, device, base_state, cp_group=groups.cp_group)
+        return ContextParallelDDPEngine(model, make_optimizer(cfg, policy, param_groups(cfg, model)), groups,
+                                        cfg.train.bucket_mb)
     return parallelize(build_model(cfg, policy, device, base_state, tp_comm=tp_comm), cfg, policy,
                        make_optimizer=lambda groups: make_optimizer(cfg, policy, groups),
                        weight_decay_groups=lambda model: param_groups(cfg, model),
