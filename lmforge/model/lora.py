@@ -131,12 +131,13 @@ def parse_targets(targets: str | list[str]) -> list[str]:
     return names
 
 
-def target_layers(model: nn.Module, targets: str | list[str]) -> dict[str, nn.Linear]:
-    """The linear layers of the blocks that a pattern names, by canonical name. A pattern (fnmatch)
-    matches a layer's own name (`q_proj`), its path in a block (`attn.*`, `mlp.up_proj`) or its
-    full name (`blocks.0.attn.q_proj`). A pattern that matches nothing stops with the names it could."""
+def target_layers(model: nn.Module, targets: str | list[str], kinds: tuple = (nn.Linear,)) -> dict[str, nn.Module]:
+    """The linear layers (modules of `kinds`) of the blocks that a pattern names, by canonical name.
+    A pattern (fnmatch) matches a layer's own name (`q_proj`), its path in a block (`attn.*`,
+    `mlp.up_proj`) or its full name (`blocks.0.attn.q_proj`). A pattern that matches nothing stops
+    with the names it could."""
     linears = {canonical(name): module for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and canonical(name).startswith("blocks.")}
+               if isinstance(module, kinds) and canonical(name).startswith("blocks.")}
     chosen: dict[str, nn.Linear] = {}
     for pattern in parse_targets(targets):
         found = {name: layer for name, layer in linears.items()
@@ -151,22 +152,25 @@ def target_layers(model: nn.Module, targets: str | list[str]) -> dict[str, nn.Li
 
 
 def apply_lora(model: nn.Module, targets: str | list[str] = DEFAULT_TARGETS, rank: int = 16,
-               alpha: float | None = None, dropout: float = 0.0) -> nn.Module:
+               alpha: float | None = None, dropout: float = 0.0, kinds: tuple = (nn.Linear,),
+               wrap=LoRALinear) -> nn.Module:
     """Freeze every parameter of `model` and wrap the targeted linear layers in `LoRALinear`
-    (in place). alpha None: 2 * rank (the paper's code and PEFT examples often use alpha = 2r)."""
+    (in place). alpha None: 2 * rank (the paper's code and PEFT examples often use alpha = 2r).
+    `kinds` and `wrap`: the layers that count as linear and the LoRALinear (sub)class that wraps
+    them (parallel/tp_lora.py passes the tensor-parallel ones)."""
     if rank < 1:
         raise LmforgeError(f"LoRA rank must be >= 1, got {rank} (leave the rank out for full fine-tuning)")
     if not 0.0 <= dropout < 1.0:
         raise LmforgeError(f"LoRA dropout must be in [0, 1), got {dropout}")
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("LoRA is already applied to this model")
-    chosen = target_layers(model, targets)
+    chosen = target_layers(model, targets, kinds)
     for param in model.parameters():
         param.requires_grad_(False)
     parents = {id(child): (parent, name) for parent in model.modules() for name, child in parent.named_children()}
     for layer in chosen.values():
         parent, name = parents[id(layer)]
-        setattr(parent, name, LoRALinear(layer, rank, float(alpha if alpha is not None else 2 * rank), dropout))
+        setattr(parent, name, wrap(layer, rank, float(alpha if alpha is not None else 2 * rank), dropout))
     return model
 
 

@@ -124,11 +124,13 @@ TP_REFUSED = {
     "train.pipeline_stages": (lambda c: c.train.pipeline_stages > 1, "pipelines of tensor-parallel stages are not wired"),
     "train.precision": (lambda c: c.train.precision in ("fp16-mixed", "fp8"),
                         "fp16's loss scaler and fp8's swapped linears are untested with it: use fp32, bf16-mixed or bf16-pure"),
-    "train.recompute": (lambda c: c.train.recompute != "none", "recomputation would repeat the all-reduces; untested"),
-    "train.compile": (lambda c: c.train.compile, "torch.compile of the f/g autograd functions is untested"),
     "train.loss_chunk_tokens": (lambda c: c.train.loss_chunk_tokens > 0,
                                 "the vocabulary-parallel loss already never holds the whole logits"),
-    "finetune.lora_rank": (lambda c: c.finetune.lora_rank is not None, "LoRA adapters are not split yet"),
+    "finetune.lora_dropout": (lambda c: c.finetune.lora_rank is not None and c.finetune.lora_dropout > 0,
+                              "a row-parallel rank would draw its mask over its own input slice: set "
+                              "finetune.lora_dropout=0"),
+    "finetune.adapter": (lambda c: c.finetune.adapter is not None,
+                         "a PEFT adapter is read whole into split layers (not written): continue it with parallel.tp=1"),
     "model.dropout": (lambda c: c.model.dropout > 0, "the ranks' dropout masks of their heads would be drawn "
                                                      "alike (Megatron's model-parallel RNG is not written)"),
     "train.sample_tokens": (lambda c: c.train.sample_tokens > 0,

@@ -37,11 +37,13 @@ class Layout:
     parallel: str
     stages: int = 1
     ranks: int = 1
+    tp: int = 1  # parallel.tp: ranks per tensor-parallel group (no end-of-run sample: launch.py's TP_REFUSED)
 
     @property
     def overrides(self) -> list[str]:
         piped = [f"train.pipeline_stages={self.stages}", f"train.micro_batches={self.stages}"] if self.stages > 1 else []
-        return [f"train.parallel={self.parallel}", *piped]
+        tensor = [f"parallel.tp={self.tp}", "train.sample_tokens=0"] if self.tp > 1 else []
+        return [f"train.parallel={self.parallel}", *piped, *tensor]
 
     @property
     def env(self) -> tuple[int, int, int] | None:
@@ -51,11 +53,13 @@ class Layout:
 
 def layouts() -> list[Layout]:
     """One process, each strategy on 2 ranks, a 2-stage pipeline, and the pipeline with 2 replicas
-    under each strategy (4 ranks): every strategy modes/parallel.py names, with and without stages."""
+    under each strategy (4 ranks): every strategy modes/parallel.py names, with and without stages;
+    tensor parallelism on 2 ranks, and 2 of them as ddp replicas (4 ranks)."""
     strategies = [name for name in PARALLEL_STRATEGIES if name != "none"]
     return ([Layout("one process", "none")] + [Layout(s, s, 1, 2) for s in strategies]
             + [Layout("pipeline", "none", STAGES, STAGES)]
-            + [Layout(f"pipeline x {s}", s, STAGES, 2 * STAGES) for s in strategies])
+            + [Layout(f"pipeline x {s}", s, STAGES, 2 * STAGES) for s in strategies]
+            + [Layout("tp", "none", 1, 2, tp=2), Layout("tp x ddp", "ddp", 1, 4, tp=2)])
 
 
 LAYOUTS = {layout.name: layout for layout in layouts()}
@@ -101,6 +105,7 @@ MIXED = ("bf16-mixed", "fp16-mixed", "bf16-pure", "fp8")
 DIST = "tests/test_composition_dist.py::"
 PIPE = "tests/test_pipeline_compose_dist.py::"
 CELLS = "tests/test_pipeline_cells_dist.py::"
+TPC = "tests/test_tp_compose_dist.py::"
 PIPELINES = ("pipeline", "pipeline x ddp", "pipeline x zero1")
 ALL_KINDS = tuple(KINDS)
 COVERAGE = (
@@ -157,6 +162,19 @@ COVERAGE = (
             extra="checkpoint + resume"),
     Covered(CELLS + "test_a_pipeline_run_stopped_by_sigterm_resumes_bit_for_bit", ("pipeline x zero1",), ("fp32",),
             extra="checkpoint + resume"),
+    # tensor parallelism (tests/test_tp_compose_dist.py: its LoRA cells train adapters on the
+    # model's own initialisation; a base is loaded into the whole model before the split)
+    Covered("tests/test_tp_dist.py::test_tp2_trains_as_one_process", ("tp",), ("fp32",)),
+    Covered("tests/test_tp_dist.py::test_tp2_times_ddp2_trains_as_one_process", ("tp x ddp",), ("fp32",)),
+    Covered("tests/test_tp_train_dist.py::test_tp2_trains_as_one_process_and_resumes_in_one_process", ("tp",),
+            ("fp32",), extra="checkpoint + resume"),
+    Covered(TPC + "test_tp2_composes_and_trains_as_one_process", ("tp",), ("bf16-mixed", "bf16-pure")),
+    Covered(TPC + "test_tp2_composes_and_trains_as_one_process", ("tp",), ("fp32", "bf16-mixed"), ("LoRA",)),
+    *(Covered(TPC + "test_tp2_composes_and_trains_as_one_process", ("tp",), ("fp32",), extra=extra)
+      for extra in EXTRAS if extra.startswith("recompute=")),
+    Covered(TPC + "test_tp2_compiled_trains_as_one_process_compiled", ("tp",), ("fp32",), extra="compiled"),
+    Covered(TPC + "test_tp2_times_ddp2_composes_and_trains_as_one_process", ("tp x ddp",), ("bf16-mixed",)),
+    Covered(TPC + "test_tp2_times_ddp2_composes_and_trains_as_one_process", ("tp x ddp",), ("fp32",), ("LoRA",)),
 )
 
 

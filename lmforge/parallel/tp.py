@@ -95,6 +95,10 @@ class ColumnParallelLinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.comm) if self.gather_output else y
 
+    # the whole layer's sizes (model/lora.py's LoRALinear draws its adapters at them: parallel/tp_lora.py)
+    in_features = property(lambda self: self.weight.shape[1])
+    out_features = property(lambda self: self.weight.shape[0] * self.comm.world)
+
     def extra_repr(self) -> str:
         return f"out_features={self.weight.shape[0]} of {self.weight.shape[0] * self.comm.world}, tp={self.comm.world}"
 
@@ -113,6 +117,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = leave_region(F.linear(x, self.weight), self.comm, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
+
+    in_features = property(lambda self: self.weight.shape[1] * self.comm.world)  # the whole layer's
+    out_features = property(lambda self: self.weight.shape[0])
 
     def extra_repr(self) -> str:
         return f"in_features={self.weight.shape[1]} of {self.weight.shape[1] * self.comm.world}, tp={self.comm.world}"

@@ -18,7 +18,8 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
                   (wrap/recompute.py)
     4. loss       the chunked head + loss in place of the plain one (wrap/chunked_loss.py)
     5. LoRA       with finetune.lora_rank: freeze everything, wrap the targeted linears in
-                  LoRALinear (model/lora.py)
+                  LoRALinear (model/lora.py); tensor-parallel ones in its split forms, adapters
+                  drawn whole as one process draws them, then sliced (parallel/tp_lora.py)
     5b. cut       a pipeline stage keeps its blocks (and the embedding, or the head) of the model
                   built whole on the CPU, then moves to its device (parallel/pipeline/layout.py)
     6. compile    each block and the loss piece in a torch.compile wrapper (wrap/compile.py)
@@ -74,6 +75,7 @@ from lmforge.parallel.mesh import build_groups
 from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine, require_process_group
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place
 from lmforge.parallel.tp import apply_tensor_parallel
+from lmforge.parallel.tp_lora import apply_tensor_parallel_lora
 from lmforge.precision.policy import prepare_model
 from lmforge.wrap.chunked_loss import apply_chunked_loss
 from lmforge.wrap.compile import apply_compile
@@ -111,7 +113,8 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     apply_chunked_loss(model, cfg.train.loss_chunk_tokens)
     f = cfg.finetune
     if f.lora_rank is not None:
-        apply_lora(model, f.lora_targets, f.lora_rank, f.lora_alpha, f.lora_dropout)
+        lora = apply_tensor_parallel_lora if tp_comm is not None else apply_lora  # split adapters (tp_lora.py)
+        lora(model, f.lora_targets, f.lora_rank, f.lora_alpha, f.lora_dropout)
         if f.adapter is not None and torch.device(device).type != "meta":  # continue a PEFT adapter
             load_peft_weights(model, f.adapter, cfg.model)
     if stage is not None:
