@@ -53,8 +53,8 @@ from lmforge.model.transformer import Attention, GeluMLP, SwiGLU, Transformer
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.launch import tp_divisibility
 from lmforge.parallel.tp_loss import VocabParallelHeadLoss
-from lmforge.parallel.tp_ops import (TP_KIND, copy_to_region, gather_from_region, gather_sequence, reduce_from_region,
-                                     scatter_sequence)
+from lmforge.parallel.tp_ops import (TP_KIND, copy_to_region, gather_from_region, gather_sequence, linear_on_gathered,
+                                     reduce_from_region, scatter_sequence)
 
 def shard(tensor: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
     """Rank `rank`'s contiguous 1/parts slice of `tensor` along `dim` (a copy: the full one can go)."""
@@ -83,16 +83,19 @@ def enter_region(x: torch.Tensor, comm: Collectives, sequence_parallel: bool) ->
 class ColumnParallelLinear(nn.Module):
     """Y_r = X A_r (+ b_r): this rank's output features (rows of nn.Linear's weight, which is A^T).
     Its input is already the whole X behind f (the region's pre-hook); `gather_output` all-gathers
-    Y (the LM head's logits for generation)."""
+    Y (the LM head's logits for generation). With `sequence_parallel` X is gathered from the
+    ranks' sequence shards, and only this rank's shard is kept for backward (tp_ops.py)."""
 
-    def __init__(self, linear: nn.Linear, comm: Collectives, gather_output: bool = False):
+    def __init__(self, linear: nn.Linear, comm: Collectives, gather_output: bool = False,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.comm, self.gather_output = comm, gather_output
+        self.matmul = linear_on_gathered if sequence_parallel else F.linear
         self.weight = _sharded_parameter(linear.weight, 0, comm)
         self.bias = _sharded_parameter(linear.bias, 0, comm) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
         return gather_from_region(y, self.comm) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -167,7 +170,7 @@ class SequenceShardRope(nn.Module):
 def _split_attention(attn: Attention, comm: Collectives, sp: bool) -> None:
     tp = comm.world
     for name in ("q_proj", "k_proj", "v_proj"):
-        setattr(attn, name, ColumnParallelLinear(getattr(attn, name), comm))
+        setattr(attn, name, ColumnParallelLinear(getattr(attn, name), comm, sequence_parallel=sp))
     attn.o_proj = RowParallelLinear(attn.o_proj, comm, sp)
     attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp  # this rank's heads
     for norm in (attn.q_norm, attn.k_norm):
@@ -179,7 +182,7 @@ def _split_attention(attn: Attention, comm: Collectives, sp: bool) -> None:
 def _split_mlp(mlp: nn.Module, comm: Collectives, sp: bool) -> None:
     for name in ("gate_proj", "up_proj"):
         if hasattr(mlp, name):
-            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), comm))
+            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), comm, sequence_parallel=sp))
     mlp.down_proj = RowParallelLinear(mlp.down_proj, comm, sp)
     mlp.register_forward_pre_hook(_entering(comm, sp))
 
