@@ -2,9 +2,10 @@
 tensor-parallel rank really holds and sends, for the test to set beside the plan (accounting/).
 
 For each run (name -> overrides of the `tiny` model, parallel.tp given), rank 0 saves, per rank:
-the bytes saved for backward by one micro-batch's forward (accounting/measure.py), the bytes of
-parameters, gradients and optimizer states after one step, and the bytes one optimizer step sent,
-by kind ("tp": tensor-parallel activations; "model": the data-parallel gradients).
+the bytes one optimizer step (the first) sent, by kind ("tp": tensor-parallel activations;
+"model": the data-parallel gradients), the bytes saved for backward by the next micro-batch's
+forward (accounting/measure.py), and the bytes of parameters, gradients and optimizer states after
+its backward.
 """
 
 import datetime
@@ -20,6 +21,7 @@ from tp_worker import tp_config  # noqa: E402
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
 from lmforge.precision.loss_scaler import LossScaler  # noqa: E402
+from lmforge.precision.policy import autocast  # noqa: E402
 from lmforge.train.loop import train_step  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
@@ -38,20 +40,15 @@ def measure(overrides: list[str]) -> dict:
     policy = get_policy(cfg.train.precision)
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(cfg, policy)
-    x, y = batch(cfg, engine.replica, 0)
-    with measure_saved_bytes(engine.model.parameters) as saved:
-        loss = engine.model(x, y)
-    loss.backward()
-    engine.zero_grad()
-    for comm in (engine.tp_comm, engine.comm):
-        if comm is not None:
-            comm.reset()
-    batches = iter([batch(cfg, engine.replica, 1 + k) for k in range(cfg.train.grad_accum)])
+    batches = iter([batch(cfg, engine.replica, k) for k in range(cfg.train.grad_accum)])
     train_step(engine, lambda: next(batches), cfg.train.grad_accum, cfg.optim.lr, cfg.optim.grad_clip,
-               LossScaler(enabled=False), policy, torch.device("cpu"))
+               LossScaler(enabled=False), policy, torch.device("cpu"))  # the first step's traffic, counted
     sent = {"tp": engine.tp_comm.sent_bytes("tp"),
             "model": engine.comm.sent_bytes("model") if engine.comm is not None else 0.0}
-    engine.model.zero_grad(set_to_none=False)  # gradients exist (zeroed), as the plan counts them
+    x, y = batch(cfg, engine.replica, cfg.train.grad_accum)
+    with measure_saved_bytes(engine.model.parameters) as saved, autocast(policy, torch.device("cpu")):
+        loss = engine.model(x, y)
+    loss.backward()  # the gradients exist, beside the optimizer's states
     return dict(saved=saved.activations, state=model_state_bytes_measured(engine.model, engine.optimizer), sent=sent)
 
 

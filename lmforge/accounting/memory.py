@@ -207,6 +207,7 @@ def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy 
     out_proj_input = 0 if shares_kernel_output else bsq * p.linear_input
     return {
         "norms": family.block_norms,
+        "qk_norms": family.qk_norms,  # on each rank's own heads under tensor parallelism, as attention
         "norm_outputs": norm_outputs,
         "linear_inputs": linears * p.fp8_scales + out_proj_input,
         "attention": attention_saved_bytes(b, s, cfg.n_heads, cfg.kv_heads, cfg.head_dim, core_bytes, attention,
@@ -248,11 +249,15 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
     p = policy.bytes
     layers = cfg.n_layers if layers is None else layers
     family = FAMILY_ACTIVATIONS[cfg.family](cfg, b, s, policy)
+    gathering = tp > 1 and sequence_parallel  # the column-parallel linears keep their input's shard
     layer = layer_activation_breakdown(cfg, b, s, policy, attention, recompute, fp32_attention)
     bs, bsd = b * s, b * s * cfg.d_model
     head_input = p.compute if policy.autocast else p.linear_input  # the LM head is never fp8
     head_weights = shapes.linear_weights["lm_head"]
     block_weights = shapes.block_matmul_weights // cfg.n_layers * layers  # every block has the same weights
+    if gathering:  # tp_ops.linear_on_gathered: the shard in the residual dtype, its weight cast again in backward
+        layer, head_input, head_weights = kept_shards(layer, bsd, p.residual), p.residual, 0
+        block_weights = (shapes.linear_weights["attn.o_proj"] + shapes.linear_weights["mlp.down_proj"]) // cfg.n_layers * layers
     if tp > 1:  # the vocabulary-parallel head and loss (parallel/tp_loss.py) instead
         head_and_loss = vocab_parallel_head_and_loss(cfg, family.final_norm, b, s, head_input, tp, sequence_parallel)
     else:  # final norm, the LM head's input, the fp32 log-probabilities and the int64 targets
@@ -275,8 +280,16 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
     }
     if mode.blocks:  # backward reruns one block at a time: its activations come back
         recomputed = layer_activation_breakdown(cfg, b, s, policy, attention, fp32_attention=fp32_attention)
-        result["recomputed_layer"] = split_over_tensor_ranks(recomputed, tp, sequence_parallel)
+        result["recomputed_layer"] = split_over_tensor_ranks(
+            kept_shards(recomputed, bsd, p.residual) if gathering else recomputed, tp, sequence_parallel)
     return result
+
+
+def kept_shards(layer: dict[str, int], bsd: int, residual: int) -> dict[str, int]:
+    """A layer under sequence parallelism: each region's column-parallel linears keep one tensor,
+    the normalised input in the residual dtype (tp_ops.linear_on_gathered casts it again in
+    backward), whatever their readers' dtype; split tp ways by split_over_tensor_ranks."""
+    return {**layer, "norm_outputs": 2 * bsd * residual} if "norm_outputs" in layer else layer
 
 
 def vocab_parallel_head_and_loss(cfg: ModelConfig, final_norm: int, b: int, s: int, head_input: int, tp: int,
