@@ -79,3 +79,26 @@ def test_tp2_times_ddp2_sends_a_shard_of_the_gradients(tmp_path):
         plan = planned(overrides, 4)
         for rank, measured in enumerate(result[run]):
             assert measured == plan, (run, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2+sp"])
+def test_lmforge_train_tables_tp_traffic_and_memory_as_planned(tmp_path, corpus_dir, data_dir, sp):
+    """`lmforge train` under torchrun, tp=2: the end-of-run table's tensor-parallel traffic, model
+    states and first micro-batch's saved bytes, predicted == measured (rank 0's). The evaluation's
+    forward passes send too: the trainer counts the training steps' traffic only."""
+    import json
+    import subprocess
+
+    from tests.conftest import tiny_overrides
+    from tests.test_distributed_train import env, torchrun
+
+    overrides = [*tiny_overrides(corpus_dir, data_dir, max_steps=3, eval_interval=2, checkpoint_interval=10),
+                 "train.device=cpu", "train.grad_accum=2", "parallel.tp=2", *([SP] if sp else [])]
+    result = subprocess.run(torchrun(2, "--model", "tiny", *overrides, "--out", "run"), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300, env=env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = json.loads((tmp_path / "run" / "summary.json").read_text())["predicted_vs_measured"]
+    for row in ("tp_sent_bytes_per_step", "parameters_bytes", "gradients_bytes", "optimizer_states_bytes",
+                "activations_bytes"):
+        assert table[row]["measured"] == table[row]["predicted"], (row, table[row])
