@@ -49,9 +49,16 @@ def planned(overrides: list[str], world: int) -> dict:
                       "model": dp["sent_bytes"]})
 
 
+# Korthikanti et al. 2022, table 2, by measurement: one layer's bytes are the difference between
+# the model of 2 layers and of 1 (the embedding, head and loss are the same in both)
+ONE_LAYER = "model.n_layers=1"
+TABLE2_RUNS = {"tp1": ["parallel.tp=1"], "tp1@L1": ["parallel.tp=1", ONE_LAYER],
+               "tp2@L1": ["parallel.tp=2", ONE_LAYER], "tp2+sp@L1": ["parallel.tp=2", SP, ONE_LAYER]}
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return run_worker(tmp_path_factory.mktemp("tp-accounting"), 2, RUNS, WORKER)
+    return run_worker(tmp_path_factory.mktemp("tp-accounting"), 2, {**RUNS, **TABLE2_RUNS}, WORKER)
 
 
 @pytest.mark.parametrize("run", list(RUNS))
@@ -60,6 +67,25 @@ def test_plan_equals_measured_per_rank(two_ranks, run):
     plan = planned(RUNS[run], 2)
     for rank, measured in enumerate(two_ranks[run]):
         assert measured == plan, (run, rank)
+
+
+def test_korthikanti_table2_rows_by_measurement(two_ranks):
+    """Table 2's per-layer rows for tensor parallelism t without and with sequence parallelism,
+    measured: s*b*h*(10 + 24/t + 5as/(ht)) (eq. 4) and s*b*h*(34/t + 5as/(ht)) (eq. 5). The 10
+    is what stays whole on every tensor rank: the two norms and the inputs of the
+    column-parallel linears (their 16-bit GPT-3 count: 4 + 4, and 2 of dropout masks). For this
+    model (fp32 RMSNorm keeps its input, x / rms and 1/rms; the linears keep the normalised input;
+    no dropout) the whole part is 2 (2 sbh 4 + sb 4) + 2 sbh 4 bytes = 24 sbh + 8 sb. So the layer at
+    t=2 must save exactly whole + (rest)/2 without sequence parallelism and (all)/2 with it."""
+    cfg = tp_config(1, 2).model
+    sbh, sb = BATCH * SEQ * cfg.d_model, BATCH * SEQ
+    layer = {run: two_ranks[run][0]["saved"] - two_ranks[f"{run}@L1"][0]["saved"] for run in ("tp1", "tp2", "tp2+sp")}
+    whole = 24 * sbh + 8 * sb
+    rows = {"no parallelism": layer["tp1"], "tensor parallel (eq. 4)": whole + (layer["tp1"] - whole) / 2,
+            "tensor + sequence parallel (eq. 5)": layer["tp1"] / 2}
+    print({name: f"{n / sbh:.3f} sbh" for name, n in rows.items()})  # measured: 84.375, 54.250, 42.188 (sdpa: no 5as/h term)
+    assert layer["tp2"] == rows["tensor parallel (eq. 4)"]
+    assert layer["tp2+sp"] == rows["tensor + sequence parallel (eq. 5)"]
 
 
 def test_sequence_parallelism_saves_what_korthikanti_says(two_ranks):

@@ -43,7 +43,8 @@ def measure(overrides: list[str]) -> dict:
     batches = iter([batch(cfg, engine.replica, k) for k in range(cfg.train.grad_accum)])
     train_step(engine, lambda: next(batches), cfg.train.grad_accum, cfg.optim.lr, cfg.optim.grad_clip,
                LossScaler(enabled=False), policy, torch.device("cpu"))  # the first step's traffic, counted
-    sent = {"tp": engine.tp_comm.sent_bytes("tp"),
+    tp_comm = getattr(engine, "tp_comm", None)  # none at parallel.tp=1
+    sent = {"tp": tp_comm.sent_bytes("tp") if tp_comm is not None else 0.0,
             "model": engine.comm.sent_bytes("model") if engine.comm is not None else 0.0}
     x, y = batch(cfg, engine.replica, cfg.train.grad_accum)
     with measure_saved_bytes(engine.model.parameters) as saved, autocast(policy, torch.device("cpu")):
