@@ -257,7 +257,8 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
     block_weights = shapes.block_matmul_weights // cfg.n_layers * layers  # every block has the same weights
     if gathering:  # tp_ops.linear_on_gathered: the shard in the residual dtype, its weight cast again in backward
         layer, head_input, head_weights = kept_shards(layer, bsd, p.residual), p.residual, 0
-        block_weights = (shapes.linear_weights["attn.o_proj"] + shapes.linear_weights["mlp.down_proj"]) // cfg.n_layers * layers
+        row_parallel = shapes.linear_weights["attn.o_proj"] + shapes.linear_weights["mlp.down_proj"]
+        block_weights = row_parallel // cfg.n_layers * layers  # only F.linear's casts are kept
     if tp > 1:  # the vocabulary-parallel head and loss (parallel/tp_loss.py) instead
         head_and_loss = vocab_parallel_head_and_loss(cfg, family.final_norm, b, s, head_input, tp, sequence_parallel)
     else:  # final norm, the LM head's input, the fp32 log-probabilities and the int64 targets
