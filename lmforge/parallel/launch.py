@@ -128,6 +128,8 @@ TP_REFUSED = {
     "finetune.lora_rank": (lambda c: c.finetune.lora_rank is not None, "LoRA adapters are not split yet"),
     "model.dropout": (lambda c: c.model.dropout > 0, "the ranks' dropout masks of their heads would be drawn "
                                                      "alike (Megatron's model-parallel RNG is not written)"),
+    "model.logit_softcap": (lambda c: c.model.logit_softcap is not None,
+                            "the vocabulary-parallel loss does not soft-cap the logits (parallel/tp_loss.py)"),
     "train.sample_tokens": (lambda c: c.train.sample_tokens > 0,
                             "the KV cache is not split by heads yet: set train.sample_tokens=0"),
 }

@@ -17,7 +17,7 @@ all-reduces in forward (the two g) and two in backward (the two f).
     Attention   q_proj, k_proj, v_proj  column-parallel (heads split; grouped-query: KV heads too)
                 o_proj                  row-parallel, then g
     SwiGLU      gate_proj, up_proj      column-parallel;  down_proj row-parallel, then g
-    GELU MLP    up_proj                 column-parallel;  down_proj row-parallel, then g
+    GELU, ReLU^2 up_proj                column-parallel;  down_proj row-parallel, then g
     embedding   rows split by vocabulary; a rank looks up the tokens in its range, zeros the rest,
                 and g sums (section 3, "input embedding")
     LM head     rows split by vocabulary (tied: the embedding's own slice); the loss is taken over
@@ -49,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lmforge.common.errors import LmforgeError
+from lmforge.model.recipe import ReLU2MLP
 from lmforge.model.transformer import Attention, GeluMLP, SwiGLU, Transformer
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.launch import tp_divisibility
@@ -202,7 +203,7 @@ def apply_tensor_parallel(model: Transformer, comm: Collectives, sequence_parall
     for module in list(model.modules()):
         if isinstance(module, Attention):
             _split_attention(module, comm, sp)
-        elif isinstance(module, (SwiGLU, GeluMLP)):
+        elif isinstance(module, (SwiGLU, GeluMLP, ReLU2MLP)):
             _split_mlp(module, comm, sp)
     if sp:  # everything outside the regions: norms and the biases added after g
         outside = [p for block in model.blocks.values() for m in (block.attn_norm, block.mlp_norm, block.attn.o_proj,
