@@ -85,6 +85,7 @@ def test_apply_keeps_names_splits_shapes_and_refuses_twice():
     (["parallel.tp=2", "model.dropout=0.1"], (0, 2, 0), "does not combine with model.dropout"),
     (["parallel.tp=2", "finetune.lora_rank=4", "finetune.lora_dropout=0.1"], (0, 2, 0), "set finetune.lora_dropout=0"),
     (["parallel.tp=2", "train.sample_tokens=10"], (0, 2, 0), "set train.sample_tokens=0"),
+    (["parallel.tp=2", "model.logit_softcap=30"], (0, 2, 0), "does not soft-cap the logits"),
     (["parallel.sequence_parallel=true"], None, "set parallel.tp > 1"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=33"], (0, 2, 0), "use a multiple of 2"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "model.family=gpt", "model.n_kv_heads=null"], (0, 2, 0),

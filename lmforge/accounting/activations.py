@@ -26,6 +26,7 @@ class FamilyActivations:
     final_norm: int  # the norm before the LM head
     position_ids: int  # what the embedding keeps to add positions
     position_tables: int  # tables every block reads, kept once (not inside fully recomputed blocks)
+    qk_norms: int = 0  # one block's QK-norm (model.qk_norm), on its heads: tensor ranks split it
 
 
 # One block's MLP by model.mlp (model/transformer.py, model/recipe.py), for bsf = b*s*ffn_dim hidden
@@ -53,7 +54,8 @@ def llama_activations(cfg: ModelConfig, b: int, s: int, policy: Policy) -> Famil
     heads = cfg.n_heads + cfg.kv_heads
     qk_norms = 2 * bs * heads * cfg.head_dim * 4 + bs * heads * 4 + (2 * cfg.head_dim * 4 if p.parameter < 4 else 0)
     return FamilyActivations(
-        block_norms=2 * rms_norm + (qk_norms if cfg.qk_norm else 0),
+        block_norms=2 * rms_norm,
+        qk_norms=qk_norms if cfg.qk_norm else 0,
         mlp=mlp_bytes,
         norm_readers=3 + mlp_readers,  # q, k, v and the MLP's input projections
         final_norm=rms_norm,

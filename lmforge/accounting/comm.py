@@ -19,9 +19,12 @@ What this implementation moves besides the paper's idealisation, counted here to
   layout), the parameters' dtype for DDP (fp32 under bf16-mixed: autocast keeps fp32 weights).
 A step also reduces a few scalars (loss, gradient norm, found-inf): counted apart, not here.
 FSDP2 moves what ZeRO-3 does, up to its own padding (each parameter's dim 0, not each unit).
+Under tensor parallelism a replica's rank holds and reduces only its tensor rank's parameters
+(shapes.py's tensor_rank_unit_sizes); the tensor ranks' own activations traffic is
+`tensor_parallel_communication`.
 """
 
-from lmforge.accounting.shapes import meta_model, model_shapes
+from lmforge.accounting.shapes import meta_model, model_shapes, tensor_parallel_dim
 from lmforge.config import ModelConfig
 from lmforge.modes.parallel import get_strategy, shard_unit
 from lmforge.modes.precision import POLICIES, Policy
@@ -52,15 +55,16 @@ def element_bytes(strategy: str, policy: Policy) -> int:
 
 
 def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy = POLICIES["fp32"],
-                       grad_accum: int = 1, lora: tuple[int, str] | None = None) -> dict:
+                       grad_accum: int = 1, lora: tuple[int, str] | None = None, tp: int = 1) -> dict:
     """Per rank per step: `ring_elements` (sum of S over the collectives, S in elements, twice for
     an all-reduce), `sent_bytes` = (N-1)/N of it in bytes, and the paper's figure `paper_elements`
     (2 Psi or 3 Psi, the N -> infinity limit, no padding). Gradients are reduced once per step
     (accumulation micro-steps do not communicate); ZeRO-3 gathers parameters in every micro-step.
     With `lora` = (rank, targets) Psi is the adapters' count: only their gradients cross, and our
-    ZeRO keeps frozen weights whole; FSDP2 shards (so gathers) the frozen base too."""
+    ZeRO keeps frozen weights whole; FSDP2 shards (so gathers) the frozen base too. With `tp`, Psi
+    is one tensor rank's share (LoRA's adapters: not split yet, parallel/launch.py refuses them)."""
     stage = get_strategy(strategy).zero_stage
-    sizes = unit_sizes(cfg, lora)
+    sizes = unit_sizes(cfg, lora) if tp == 1 or lora is not None else model_shapes(cfg).tensor_rank_unit_sizes(tp)
     psi = sum(sizes.values())
     padded = {u: -(-n // dp) * dp for u, n in sizes.items()}
     if strategy == "none" or dp == 1:
@@ -82,3 +86,42 @@ def communication(strategy: str, dp: int, size: int, ring: float, paper: float) 
     of which a ring of dp ranks sends (dp-1)/dp, beside the paper's `paper` elements."""
     return {"strategy": strategy, "ranks": dp, "element_bytes": size, "ring_elements": ring,
             "sent_bytes": ring * size * (dp - 1) / dp, "paper_elements": paper, "paper_bytes": paper * size}
+
+
+def tensor_parallel_communication(cfg: ModelConfig, b: int, s: int, tp: int, sequence_parallel: bool,
+                                  policy: Policy = POLICIES["fp32"], grad_accum: int = 1) -> dict:
+    """What one of tp tensor ranks sends per step (parallel/tp_ops.py's collectives, kind "tp"),
+    by part, for grad_accum micro-batches of b sequences of s tokens. S is one micro-batch's
+    residual stream, b*s*d elements: the regions' inputs in the residual dtype, the row-parallel
+    outputs in the matmuls' (Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2.2):
+
+      without sequence parallelism  per region g's all-reduce forward, f's backward: 2 x 2S
+                                    the embedding's g 2S, the head's f (backward) 2S
+      with it                       per region all-gather + reduce-scatter forward; backward the
+                                    exit's all-gather, the entry's reduce-scatter and the input's
+                                    re-gather (tp_ops.linear_on_gathered): 5S
+                                    the embedding's reduce-scatter and its all-gather back 2S,
+                                    the head's all-gather, re-gather and reduce-scatter 3S
+      the vocabulary-parallel loss  3 all-reduces of one fp32 number per token (max, sum of
+                                    exponentials, target logit: parallel/tp_loss.py)
+      gradient sums                 an all-reduce of each whole parameter a rank uses on its share
+                                    only: QK-norm gains (its heads); with sequence parallelism
+                                    every whole one (norms, row-parallel biases: its tokens)
+
+    Ring bytes count S per all-gather or reduce-scatter and 2S per all-reduce (parallel/comm.py);
+    a ring of tp ranks sends (tp-1)/tp of them."""
+    p = policy.bytes
+    if tp == 1:
+        return {"ring_bytes": {}, "sent_bytes": 0.0}
+    entry, exit_ = b * s * cfg.d_model * p.residual, b * s * cfg.d_model * p.compute
+    regions = 2 * cfg.n_layers  # attention and MLP of every block
+    if sequence_parallel:
+        parts = {"embedding": 2 * entry, "layers": regions * (3 * entry + 2 * exit_), "head": 3 * entry}
+    else:
+        parts = {"embedding": 2 * entry, "layers": regions * 2 * (entry + exit_), "head": 2 * entry}
+    parts["loss"] = 3 * 2 * b * s * 4
+    summed = sum(param.numel() for name, param in meta_model(cfg).named_parameters()
+                 if tensor_parallel_dim(name) is None and (sequence_parallel or "_norm." in name and ".attn." in name))
+    parts["gradient_sums"] = 2 * summed * p.gradient
+    ring = {part: grad_accum * n for part, n in parts.items()}
+    return {"ring_bytes": ring, "sent_bytes": sum(ring.values()) * (tp - 1) / tp}

@@ -79,9 +79,11 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
 
     `parameter_shapes`: the parameters this device holds, default the whole model; a pipeline
     stage holds its own (accounting/pipeline.py). Tensor parallelism (tp) splits the weights
-    themselves, so every term is divided by tp (an even split: embeddings and norms are assumed
-    spread like the rest). ZeRO's and FSDP's padding to a multiple of dp is not counted (none
-    where each unit or dimension divides evenly).
+    themselves: a tensor rank holds the shapes parallel/tp.py gives it (shapes.py's
+    tensor_rank_shapes: the split matrices divided by tp, norm gains and row-parallel biases
+    whole), so do its gradients and optimizer states; a pipeline stage's shapes and LoRA's
+    adapters are divided by tp evenly. ZeRO's and FSDP's padding to a multiple of dp is not counted
+    (none where each unit or dimension divides evenly).
 
     `fully_shard` (train.parallel=fsdp, zero_stage 3): FSDP2 shards the parameters as the policy
     stores them (fp32 under the mixed policies: they are the master weights) and keeps sharded
@@ -101,12 +103,15 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
         raise ValueError(f"fully_shard shards parameters: zero stage 3, got {zero_stage}")
     p = policy.bytes
     layout = (policy if fully_shard else sharded_layout(policy, zero_stage)).bytes
+    even = tp  # what is left to divide evenly
+    if tp > 1 and parameter_shapes is None and lookup(OPTIMIZERS, optimizer, "optimizer").hidden_matrix_states is None:
+        parameter_shapes, even = model_shapes(cfg).tensor_rank_shapes(tp), 1
     held = parameter_count(cfg) if parameter_shapes is None else sum(math.prod(shape) for shape in parameter_shapes)
-    n = held / tp
+    n = held / even
     if lora_trainable is None:
         frozen, trained = 0, n
         parameter, gradient, master = layout.parameter, layout.gradient, layout.master
-        optimizer_bytes = optimizer_state_bytes(cfg, optimizer, policy, parameter_shapes) / tp
+        optimizer_bytes = optimizer_state_bytes(cfg, optimizer, policy, parameter_shapes) / even
     else:
         frozen, trained = n * p.parameter, lora_trainable / tp
         zero = zero_stage > 0 and not fully_shard
@@ -202,6 +207,7 @@ def layer_activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy 
     out_proj_input = 0 if shares_kernel_output else bsq * p.linear_input
     return {
         "norms": family.block_norms,
+        "qk_norms": family.qk_norms,  # on each rank's own heads under tensor parallelism, as attention
         "norm_outputs": norm_outputs,
         "linear_inputs": linears * p.fp8_scales + out_proj_input,
         "attention": attention_saved_bytes(b, s, cfg.n_heads, cfg.kv_heads, cfg.head_dim, core_bytes, attention,
@@ -243,21 +249,30 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
     p = policy.bytes
     layers = cfg.n_layers if layers is None else layers
     family = FAMILY_ACTIVATIONS[cfg.family](cfg, b, s, policy)
+    gathering = tp > 1 and sequence_parallel  # the column-parallel linears keep their input's shard
     layer = layer_activation_breakdown(cfg, b, s, policy, attention, recompute, fp32_attention)
     bs, bsd = b * s, b * s * cfg.d_model
     head_input = p.compute if policy.autocast else p.linear_input  # the LM head is never fp8
     head_weights = shapes.linear_weights["lm_head"]
     block_weights = shapes.block_matmul_weights // cfg.n_layers * layers  # every block has the same weights
-    result = {
-        "layers": layers * split_over_tensor_ranks(layer, tp, sequence_parallel),
-        # the token ids the embedding gathers (int64), and what it keeps to add positions
-        "embedding": bs * 8 + family.position_ids if first else 0,
-        # final norm, the LM head's input, the fp32 log-probabilities and the int64 targets
-        "head_and_loss": 0 if not last else family.final_norm + (
+    if gathering:  # tp_ops.linear_on_gathered: the shard in the residual dtype, its weight cast again in backward
+        layer, head_input, head_weights = kept_shards(layer, bsd, p.residual), p.residual, 0
+        row_parallel = shapes.linear_weights["attn.o_proj"] + shapes.linear_weights["mlp.down_proj"]
+        block_weights = row_parallel // cfg.n_layers * layers  # only F.linear's casts are kept
+    if tp > 1:  # the vocabulary-parallel head and loss (parallel/tp_loss.py) instead
+        head_and_loss = vocab_parallel_head_and_loss(cfg, family.final_norm, b, s, head_input, tp, sequence_parallel)
+    else:  # final norm, the LM head's input, the fp32 log-probabilities and the int64 targets
+        head_and_loss = family.final_norm + (
             bsd * p.residual + head_weights * 4 if loss_chunk_tokens
             else bsd * head_input + bs * cfg.vocab_size * 4 + bs * 8
             # a soft-capped head (model.logit_softcap, model/recipe.py): tanh keeps its output
-            + (bs * cfg.vocab_size * p.compute if cfg.logit_softcap else 0)),
+            + (bs * cfg.vocab_size * p.compute if cfg.logit_softcap else 0))
+    result = {
+        "layers": layers * split_over_tensor_ranks(layer, tp, sequence_parallel),
+        # the token ids the embedding gathers (int64), and what it keeps to add positions; a
+        # vocabulary-parallel embedding also keeps which tokens are outside its rows (bool)
+        "embedding": bs * 8 + family.position_ids + (bs if tp > 1 else 0) if first else 0,
+        "head_and_loss": head_and_loss if last else 0,
         # tables every block reads (RoPE's cos and sin), kept once; not inside fully recomputed blocks
         "rope_tables": 0 if mode.blocks else family.position_tables,
         # the per-use weight casts; inside fully recomputed blocks they are recast in backward
@@ -266,8 +281,30 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
     }
     if mode.blocks:  # backward reruns one block at a time: its activations come back
         recomputed = layer_activation_breakdown(cfg, b, s, policy, attention, fp32_attention=fp32_attention)
-        result["recomputed_layer"] = split_over_tensor_ranks(recomputed, tp, sequence_parallel)
+        result["recomputed_layer"] = split_over_tensor_ranks(
+            kept_shards(recomputed, bsd, p.residual) if gathering else recomputed, tp, sequence_parallel)
     return result
+
+
+def kept_shards(layer: dict[str, int], bsd: int, residual: int) -> dict[str, int]:
+    """A layer under sequence parallelism: each region's column-parallel linears keep one tensor,
+    the normalised input in the residual dtype (tp_ops.linear_on_gathered casts it again in
+    backward), whatever their readers' dtype; split tp ways by split_over_tensor_ranks."""
+    return {**layer, "norm_outputs": 2 * bsd * residual} if "norm_outputs" in layer else layer
+
+
+def vocab_parallel_head_and_loss(cfg: ModelConfig, final_norm: int, b: int, s: int, head_input: int, tp: int,
+                                 sequence_parallel: bool) -> float:
+    """What the final norm, the vocabulary-parallel LM head and its loss (parallel/tp_loss.py) save
+    on one of tp ranks: the norm and the head's input on this rank's tokens (sequence parallelism:
+    tp_ops.linear_on_gathered keeps the shard) or all of them; of the fp32 logits of its V/tp
+    vocabulary, the shifted ones (the target's gather keeps them) and their exponentials; the int64
+    target index, which targets are its own and which are counted (bool), the fp32 sum of
+    exponentials (for its log) and the int64 count of targets."""
+    bs = b * s
+    split = tp if sequence_parallel else 1
+    return ((final_norm + bs * cfg.d_model * head_input) / split + 2 * bs * (cfg.vocab_size // tp) * 4
+            + bs * (8 + 1 + 1 + 4) + 8)
 
 
 def logits_bytes(cfg: ModelConfig, b: int, s: int, policy: Policy = POLICIES["fp32"],

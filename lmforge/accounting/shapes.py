@@ -13,6 +13,7 @@ config-only callers import accounting without loading torch until a number is ne
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -38,6 +39,23 @@ class Shapes:
     parameter_shapes: tuple = ()  # the shape of every parameter, a tied one once (optimizers.py)
     # parameters per ZeRO unit ("rest", "blocks.0", ...), a tied one once (comm.py)
     unit_sizes: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    # beside parameter_shapes: the dimension tensor parallelism splits each along, None if whole
+    tp_dims: tuple = ()
+    parameter_units: tuple = ()  # beside parameter_shapes: each one's ZeRO unit
+
+    def tensor_rank_shapes(self, tp: int) -> tuple:
+        """The shapes one of tp tensor ranks holds (parallel/tp.py): split dimensions divided by tp."""
+        return tuple(shape if dim is None else (*shape[:dim], shape[dim] // tp, *shape[dim + 1:])
+                     for shape, dim in zip(self.parameter_shapes, self.tp_dims))
+
+    def tensor_rank_unit_sizes(self, tp: int) -> dict[str, int]:
+        """unit_sizes on one of tp tensor ranks."""
+        if tp == 1:
+            return dict(self.unit_sizes)
+        units: dict[str, int] = {}
+        for unit, shape in zip(self.parameter_units, self.tensor_rank_shapes(tp)):
+            units[unit] = units.get(unit, 0) + math.prod(shape)
+        return units
 
     @property
     def matmul_weights(self) -> int:
@@ -60,6 +78,20 @@ def model_shapes(cfg: ModelConfig) -> Shapes:
     """The shapes of lmforge's Transformer for `cfg`, read from it built on the meta device."""
     # the cache key: the config's values as JSON text (hashable, where a rope_scaling dict is not)
     return _shapes(json.dumps(dataclasses.asdict(cfg), sort_keys=True))
+
+
+# What parallel/tp.py splits, by a parameter's name inside a block (or outside them) -> dimension:
+# column-parallel layers by output features (dim 0, biases too), row-parallel ones by input
+# features (dim 1; their biases stay whole), the embedding and LM head by vocabulary rows. The rest
+# (norm gains, row-parallel biases, the position table) is whole on every tensor rank.
+TP_SPLIT = {f"{layer}.{kind}": 0 for layer in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj",
+                                               "mlp.up_proj") for kind in ("weight", "bias")}
+TP_SPLIT.update({"attn.o_proj.weight": 1, "mlp.down_proj.weight": 1, "tok_embeddings.weight": 0, "lm_head.weight": 0})
+
+
+def tensor_parallel_dim(name: str) -> int | None:
+    """The dimension tensor parallelism splits the parameter `name` along; None where it stays whole."""
+    return TP_SPLIT.get(name.split(".", 2)[2] if name.startswith("blocks.") else name)
 
 
 def tensor_parallel_degrees(cfg: ModelConfig) -> list[int]:
@@ -109,8 +141,10 @@ def _shapes(values: str) -> Shapes:
                                  f"add {key!r} to COMPONENTS")
             linear_weights[key] = linear_weights.get(key, 0) + module.weight.numel()
     units: dict[str, int] = {}
-    for name, p in model.named_parameters():
+    named = list(model.named_parameters())  # a tied one once, in model.parameters()'s order
+    for name, p in named:
         units[shard_unit(name)] = units.get(shard_unit(name), 0) + p.numel()
     return Shapes(parameters=model.num_params(), linear_weights=MappingProxyType(linear_weights),
-                  parameter_shapes=tuple(tuple(p.shape) for p in model.parameters()),
-                  unit_sizes=MappingProxyType(units))
+                  parameter_shapes=tuple(tuple(p.shape) for _, p in named),
+                  unit_sizes=MappingProxyType(units), tp_dims=tuple(tensor_parallel_dim(n) for n, _ in named),
+                  parameter_units=tuple(shard_unit(n) for n, _ in named))

@@ -133,6 +133,8 @@ TP_REFUSED = {
                          "a PEFT adapter is read whole into split layers (not written): continue it with parallel.tp=1"),
     "model.dropout": (lambda c: c.model.dropout > 0, "the ranks' dropout masks of their heads would be drawn "
                                                      "alike (Megatron's model-parallel RNG is not written)"),
+    "model.logit_softcap": (lambda c: c.model.logit_softcap is not None,
+                            "the vocabulary-parallel loss does not soft-cap the logits (parallel/tp_loss.py)"),
     "train.sample_tokens": (lambda c: c.train.sample_tokens > 0,
                             "the KV cache is not split by heads yet: set train.sample_tokens=0"),
 }

@@ -17,7 +17,7 @@ all-reduces in forward (the two g) and two in backward (the two f).
     Attention   q_proj, k_proj, v_proj  column-parallel (heads split; grouped-query: KV heads too)
                 o_proj                  row-parallel, then g
     SwiGLU      gate_proj, up_proj      column-parallel;  down_proj row-parallel, then g
-    GELU MLP    up_proj                 column-parallel;  down_proj row-parallel, then g
+    GELU, ReLU^2 up_proj                column-parallel;  down_proj row-parallel, then g
     embedding   rows split by vocabulary; a rank looks up the tokens in its range, zeros the rest,
                 and g sums (section 3, "input embedding")
     LM head     rows split by vocabulary (tied: the embedding's own slice); the loss is taken over
@@ -49,12 +49,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lmforge.common.errors import LmforgeError
+from lmforge.model.recipe import ReLU2MLP
 from lmforge.model.transformer import Attention, GeluMLP, SwiGLU, Transformer
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.launch import tp_divisibility
 from lmforge.parallel.tp_loss import VocabParallelHeadLoss
-from lmforge.parallel.tp_ops import (TP_KIND, copy_to_region, gather_from_region, gather_sequence, reduce_from_region,
-                                     scatter_sequence)
+from lmforge.parallel.tp_ops import (TP_KIND, copy_to_region, gather_from_region, gather_sequence, linear_on_gathered,
+                                     reduce_from_region, scatter_sequence)
 
 def shard(tensor: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
     """Rank `rank`'s contiguous 1/parts slice of `tensor` along `dim` (a copy: the full one can go)."""
@@ -83,16 +84,19 @@ def enter_region(x: torch.Tensor, comm: Collectives, sequence_parallel: bool) ->
 class ColumnParallelLinear(nn.Module):
     """Y_r = X A_r (+ b_r): this rank's output features (rows of nn.Linear's weight, which is A^T).
     Its input is already the whole X behind f (the region's pre-hook); `gather_output` all-gathers
-    Y (the LM head's logits for generation)."""
+    Y (the LM head's logits for generation). With `sequence_parallel` X is gathered from the
+    ranks' sequence shards, and only this rank's shard is kept for backward (tp_ops.py)."""
 
-    def __init__(self, linear: nn.Linear, comm: Collectives, gather_output: bool = False):
+    def __init__(self, linear: nn.Linear, comm: Collectives, gather_output: bool = False,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.comm, self.gather_output = comm, gather_output
+        self.matmul = linear_on_gathered if sequence_parallel else F.linear
         self.weight = _sharded_parameter(linear.weight, 0, comm)
         self.bias = _sharded_parameter(linear.bias, 0, comm) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
         return gather_from_region(y, self.comm) if self.gather_output else y
 
     # the whole layer's sizes (model/lora.py's LoRALinear draws its adapters at them: parallel/tp_lora.py)
@@ -174,7 +178,7 @@ class SequenceShardRope(nn.Module):
 def _split_attention(attn: Attention, comm: Collectives, sp: bool) -> None:
     tp = comm.world
     for name in ("q_proj", "k_proj", "v_proj"):
-        setattr(attn, name, ColumnParallelLinear(getattr(attn, name), comm))
+        setattr(attn, name, ColumnParallelLinear(getattr(attn, name), comm, sequence_parallel=sp))
     attn.o_proj = RowParallelLinear(attn.o_proj, comm, sp)
     attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp  # this rank's heads
     for norm in (attn.q_norm, attn.k_norm):
@@ -186,7 +190,7 @@ def _split_attention(attn: Attention, comm: Collectives, sp: bool) -> None:
 def _split_mlp(mlp: nn.Module, comm: Collectives, sp: bool) -> None:
     for name in ("gate_proj", "up_proj"):
         if hasattr(mlp, name):
-            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), comm))
+            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), comm, sequence_parallel=sp))
     mlp.down_proj = RowParallelLinear(mlp.down_proj, comm, sp)
     mlp.register_forward_pre_hook(_entering(comm, sp))
 
@@ -206,7 +210,7 @@ def apply_tensor_parallel(model: Transformer, comm: Collectives, sequence_parall
     for module in list(model.modules()):
         if isinstance(module, Attention):
             _split_attention(module, comm, sp)
-        elif isinstance(module, (SwiGLU, GeluMLP)):
+        elif isinstance(module, (SwiGLU, GeluMLP, ReLU2MLP)):
             _split_mlp(module, comm, sp)
     if sp:  # everything outside the regions: norms and the biases added after g
         outside = [p for block in model.blocks.values() for m in (block.attn_norm, block.mlp_norm, block.attn.o_proj,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.parallel.comm import Collectives
-from lmforge.parallel.tp_ops import TP_KIND, copy_to_region, gather_sequence, reduce_from_region
+from lmforge.parallel.tp_ops import TP_KIND, copy_to_region, gather_sequence, linear_on_gathered, reduce_from_region
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, comm: Collectives,
@@ -54,9 +54,10 @@ class VocabParallelHeadLoss(nn.Module):
         super().__init__()
         self.comm, self.vocab_start = comm, vocab_start
         self.enter = gather_sequence if sequence_parallel else copy_to_region
+        self.matmul = linear_on_gathered if sequence_parallel else F.linear  # keeps the shard (tp_ops.py)
 
     def forward(self, x: torch.Tensor, norm: nn.Module, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
-        local_logits = F.linear(self.enter(norm(x), self.comm), lm_head.weight, lm_head.bias)
+        local_logits = self.matmul(self.enter(norm(x), self.comm), lm_head.weight, lm_head.bias)
         return vocab_parallel_cross_entropy(local_logits, targets, self.comm, self.vocab_start)
 
     def extra_repr(self) -> str:

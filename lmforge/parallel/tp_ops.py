@@ -15,6 +15,13 @@ by an all-gather, so the bytes sent are those of f and g:
 
     gather_sequence        all-gather of dimension 1 forward, reduce-scatter backward  (f's place)
     scatter_sequence       reduce-scatter of dimension 1 forward, all-gather backward  (g's place)
+
+The column-parallel linears behind gather_sequence multiply the gathered input but keep only this
+rank's shard of it for backward (`linear_on_gathered`), and backward all-gathers the shard again
+for the weight gradients, once per region (Korthikanti et al. 2022, section 4.2.2: "we store only
+the sequence-parallel part ... and perform an extra all-gather in the backward pass"); otherwise
+the input the norm split tp ways is kept whole again. That re-gather costs one more all-gather of
+the region's input per region per step, counted under TP_KIND like the others.
 """
 
 import torch
@@ -95,17 +102,51 @@ def _reduce_scatter_dim1(x: torch.Tensor, comm: Collectives) -> torch.Tensor:
     return shard.movedim(0, 1)
 
 
+class _Regather:
+    """A region's gathered input in backward: all-gathered from the shard by the first of the
+    region's linears to need it, shared by the others, dropped when the region's entry (the
+    all-gather's backward, which runs after all of them) is reached."""
+
+    def __init__(self, comm: Collectives):
+        self.comm, self.full = comm, None
+
+    def get(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.full is None:
+            self.full = _all_gather_dim1(shard, self.comm)
+        return self.full
+
+
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
+    def forward(ctx, x, comm, regather):
+        ctx.comm, ctx.regather = comm, regather
         return _all_gather_dim1(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_dim1(grad, ctx.comm), None
+        ctx.regather.full = None
+        return _reduce_scatter_dim1(grad, ctx.comm), None, None
 
 
+class _LinearOnGathered(torch.autograd.Function):
+    """y = x W^T + b for the gathered x, keeping x's sequence shard (not x) for dW = dy^T x."""
+
+    @staticmethod
+    def forward(ctx, full, shard, regather, weight, bias):
+        ctx.save_for_backward(shard, weight)
+        ctx.regather, ctx.has_bias = regather, bias is not None
+        return torch.nn.functional.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        full = ctx.regather.get(shard)
+        # under autocast the forward multiplied in grad's dtype: backward does too, returning
+        # each gradient in its input's dtype
+        rows, inputs = grad.reshape(-1, grad.shape[-1]), full.reshape(-1, full.shape[-1]).to(grad.dtype)
+        grad_bias = rows.sum(0).to(weight.dtype) if ctx.has_bias else None
+        grad_full = (grad @ weight.to(grad.dtype)).to(full.dtype)
+        return grad_full, None, None, (rows.t() @ inputs).to(weight.dtype), grad_bias
 class _ScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
@@ -118,7 +159,17 @@ class _ScatterSequence(torch.autograd.Function):
 
 
 def gather_sequence(x: torch.Tensor, comm: Collectives) -> torch.Tensor:
-    return _GatherSequence.apply(x, comm)
+    """The whole sequence from each rank's shard; it carries the shard for `linear_on_gathered`."""
+    regather = _Regather(comm)
+    full = _GatherSequence.apply(x, comm, regather)
+    full.sequence_shard = (x, regather)
+    return full
+
+
+def linear_on_gathered(full: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(full, weight, bias) for `full` from gather_sequence, keeping its shard for backward."""
+    shard, regather = full.sequence_shard
+    return _LinearOnGathered.apply(full, shard, regather, weight, bias)
 
 
 def scatter_sequence(x: torch.Tensor, comm: Collectives) -> torch.Tensor:

@@ -203,9 +203,13 @@ class Trainer:
         set: under fp16-mixed the loss scaler also lowers the scale; the caller decides when too
         many bad steps stop the run."""
         cfg, state, run = self.cfg, self.state, self.measurements
+        tp_comm = getattr(self.engine, "tp_comm", None)  # its training traffic only: evaluation sends too
+        tp_before = tp_comm.sent_bytes("tp") if tp_comm is not None else 0.0
         loss_sum, grad_norm, self.step_skipped = train_step(
             self.engine, lambda: next(self.loader), cfg.train.grad_accum, Schedule.of(cfg)(state.step),
             cfg.optim.grad_clip, self.scaler, self.policy, self.device)
+        if tp_comm is not None:
+            run.tp_sent_bytes = (run.tp_sent_bytes or 0.0) + tp_comm.sent_bytes("tp") - tp_before
         if self.step_skipped:
             state.skipped_steps += 1
         elif run.lost_updates is not None:

@@ -235,7 +235,10 @@ def _single_stage_cost(cfg: ModelConfig, setup: Setup, policy: Policy, lora: int
                  "activations": sum(activations.values()),
                  "logits": memory.logits_bytes(cfg, b, s, policy, setup.loss_chunk_tokens) / setup.tp}
     communication = comm.step_communication(cfg, strategy_of(setup), setup.dp, policy, setup.grad_accum,
-                                                 lora=setup.lora)
+                                                 lora=setup.lora, tp=setup.tp)
+    if setup.tp > 1:  # the tensor ranks' activations, besides the replicas' gradients
+        communication["tensor_parallel"] = comm.tensor_parallel_communication(
+            cfg, b, s, setup.tp, setup.sequence_parallel, layout, setup.grad_accum)
     return Cost(breakdown, activations, communication, step_seconds)
 
 

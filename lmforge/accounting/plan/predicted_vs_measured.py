@@ -16,6 +16,7 @@ def print_comparison(console: Console, comparison: dict) -> None:
               "optimizer_states_bytes": "optimizer states",
               "activations_bytes": "saved for backward, one micro-batch", "peak_memory_bytes": "peak memory (CUDA)",
               "sent_bytes_per_step": "sent per step per rank (collectives)",
+              "tp_sent_bytes_per_step": "sent per step per rank (tensor-parallel activations)",
               "activations_in_flight_bytes": "saved for backward, peak alive at once"}
     for key, row in comparison.items():
         predicted, measured = row["predicted"], row["measured"]

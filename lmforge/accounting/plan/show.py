@@ -65,6 +65,8 @@ def head_table(plan: dict, title: str) -> Table:
         ("tokens per step", f"{st['tokens_per_step']:,}"),
         ("sent per step per rank", communication_line(plan["communication"])
          + ("; between stages: see below" if piped else "")),
+        *([("sent by tensor ranks", tensor_parallel_line(plan["communication"]["tensor_parallel"]))]
+          if "tensor_parallel" in plan["communication"] else []),
         # LoRA: no weight gradients for the frozen base (flops.lora_training_flops_per_token)
         ("training FLOPs per token", f"{human_count(f['training_per_token'])}"
                                      + (" with LoRA (full: " if "lora" in plan else " (PaLM 6N+12LHQT: ")
@@ -161,6 +163,12 @@ def communication_line(c: dict) -> str:
     paper = "3" if c["strategy"] in ("zero3", "fsdp") else "2"
     return (f"{human_bytes(c['sent_bytes'])} ({c['strategy']}: (N-1)/N x {c['ring_elements']:,} elements of "
             f"{c['element_bytes']} bytes, ring; paper {paper}Psi = {human_bytes(c['paper_bytes'])})")
+
+
+def tensor_parallel_line(c: dict) -> str:
+    """accounting/comm.py's tensor_parallel_communication in one line: (tp-1)/tp of its ring bytes."""
+    parts = ", ".join(f"{part.replace('_', ' ')} {human_bytes(n)}" for part, n in c["ring_bytes"].items() if n)
+    return f"{human_bytes(c['sent_bytes'])} per step ((tp-1)/tp of ring bytes: {parts})"
 
 
 def print_dtypes(console: Console) -> None:
