@@ -72,7 +72,8 @@ def lora_parameters(cfg: ModelConfig, rank: int, targets: str) -> int:
 
 def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optimizer: str = "adamw", zero_stage: int = 0,
                       dp: int = 1, tp: int = 1, lora_trainable: int | None = None,
-                      parameter_shapes: tuple | None = None, fully_shard: bool = False) -> dict[str, float]:
+                      parameter_shapes: tuple | None = None, fully_shard: bool = False,
+                      hidden_matrices: int | None = None) -> dict[str, float]:
     """Bytes per device of parameters, gradients, master weights and optimizer states, as the
     engine of the strategy holds them (each engine's `state_bytes`; tests/test_composition_dist.py
     compares them in every cell it trains).
@@ -81,7 +82,7 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
     stage holds its own (accounting/pipeline.py). Tensor parallelism (tp) splits the weights
     themselves, so every term is divided by tp (an even split: embeddings and norms are assumed
     spread like the rest). ZeRO's and FSDP's padding to a multiple of dp is not counted (none
-    where each unit or dimension divides evenly).
+    where each unit or dimension divides evenly). `hidden_matrices`: a stage's Muon elements.
 
     `fully_shard` (train.parallel=fsdp, zero_stage 3): FSDP2 shards the parameters as the policy
     stores them (fp32 under the mixed policies: they are the master weights) and keeps sharded
@@ -106,7 +107,7 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
     if lora_trainable is None:
         frozen, trained = 0, n
         parameter, gradient, master = layout.parameter, layout.gradient, layout.master
-        optimizer_bytes = optimizer_state_bytes(cfg, optimizer, policy, parameter_shapes) / tp
+        optimizer_bytes = optimizer_state_bytes(cfg, optimizer, policy, parameter_shapes, hidden_matrices) / tp
     else:
         frozen, trained = n * p.parameter, lora_trainable / tp
         zero = zero_stage > 0 and not fully_shard

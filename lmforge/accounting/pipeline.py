@@ -50,6 +50,7 @@ from lmforge.accounting.shapes import meta_model
 from lmforge.config import ModelConfig
 from lmforge.modes.parallel import parse_split
 from lmforge.modes.precision import Policy
+from lmforge.optim.muon import is_hidden_matrix
 
 
 def bubble_fraction(stages: int, micro_batches: int, chunks: int = 1) -> float:
@@ -139,6 +140,7 @@ def stage_layers(split: list[int]) -> list[range]:
 class StageParameters:
     shapes: tuple  # the shape of every parameter the stage holds (the tied matrix on both end stages)
     adapters: int | None = None  # with LoRA: the trainable adapter parameters (`shapes` is the frozen base)
+    hidden_matrices: int = 0  # elements of its trained blocks' 2-D weights: Muon's (optim/muon.py's is_hidden_matrix)
 
     @property
     def count(self) -> int:
@@ -168,20 +170,23 @@ def stage_parameters(cfg: ModelConfig, split: list[int], lora_rank: int | None =
 @functools.lru_cache(maxsize=64)  # --solve and --compare plan the same stages many times
 def _stage_parameters(values: str, split: tuple, lora_rank: int | None, lora_targets: str) -> tuple:
     held: list[dict] = [{} for _ in split]  # per stage: tensor -> (shape, trainable)
+    hidden = [0 for _ in split]  # per stage: elements of the trained hidden matrices
     stage_of = {}  # by the name's first two parts: "blocks.7", "lm_head.weight"
     for name, tensor, shape, trainable in _named_parameters(values, lora_rank, lora_targets):
         prefix = ".".join(name.split(".")[:2])
         if prefix not in stage_of:
             stage_of[prefix] = stage_of_parameter(name, list(split))
+        if tensor not in held[stage_of[prefix]] and trainable and is_hidden_matrix(name, shape):
+            hidden[stage_of[prefix]] += math.prod(shape)
         held[stage_of[prefix]][tensor] = (shape, trainable)
     result = []
-    for tensors in held:
+    for tensors, matrices in zip(held, hidden):
         if lora_rank is None:
-            result.append(StageParameters(tuple(shape for shape, _ in tensors.values())))
+            result.append(StageParameters(tuple(shape for shape, _ in tensors.values()), hidden_matrices=matrices))
         else:
             base = tuple(shape for shape, trainable in tensors.values() if not trainable)
             adapters = sum(math.prod(shape) for shape, trainable in tensors.values() if trainable)
-            result.append(StageParameters(base, adapters))
+            result.append(StageParameters(base, adapters, matrices))
     return tuple(result)
 
 

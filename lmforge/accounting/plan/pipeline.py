@@ -94,7 +94,7 @@ def stage_memory(cfg: ModelConfig, setup, policy: Policy, stage: int, params: St
     `params` and saves `saved` for one micro-batch (memory.activation_breakdown of its layers)."""
     p, last = setup.pp, stage == setup.pp - 1
     states = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
-                                      params.adapters, params.shapes)
+                                      params.adapters, params.shapes, hidden_matrices=params.hidden_matrices)
     # alive one at a time, not per micro-batch in flight: a block rerun in backward, the logits
     recomputed = saved.pop("recomputed_layer", 0)
     in_flight = micro_batches_in_flight(setup.schedule, p, setup.micro_batches, stage, setup.virtual_stages)
