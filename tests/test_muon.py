@@ -217,8 +217,8 @@ def test_a_pipeline_stages_muon_states_are_its_share_of_the_models(tied):
     assert sum(per_stage) == optimizer_state_bytes(cfg, "muon") + extra
     named = list(model.named_parameters(remove_duplicate=False))  # the tied matrix under both names
     for stage, s in enumerate(stages):
-        mine = {p: n for n, p in named if n.startswith((f"blocks.{stage}.", ("tok_", "pos_") if stage == 0
-                                                         else ("norm.", "lm_head.")))}
+        ends = ("tok_", "pos_") if stage == 0 else ("norm.", "lm_head.")
+        mine = {p: n for n, p in named if n.startswith((f"blocks.{stage}.", *ends))}
         muon = sum(p.numel() for p, n in mine.items() if p.ndim == 2 and n.startswith("blocks."))
         assert s.hidden_matrices == muon > 0
         assert per_stage[stage] == 4 * (muon + 2 * (sum(p.numel() for p in mine) - muon))
