@@ -52,7 +52,7 @@ def element_bytes(strategy: str, policy: Policy) -> int:
 
 
 def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy = POLICIES["fp32"],
-                       grad_accum: int = 1, lora: tuple[int, str] | None = None) -> dict:
+                       grad_accum: int = 1, lora: tuple[int, str] | None = None, optimizer: str = "adamw") -> dict:
     """Per rank per step: `ring_elements` (sum of S over the collectives, S in elements, twice for
     an all-reduce), `sent_bytes` = (N-1)/N of it in bytes, and the paper's figure `paper_elements`
     (2 Psi or 3 Psi, the N -> infinity limit, no padding). Gradients are reduced once per step
@@ -74,7 +74,25 @@ def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy 
         gathered = {u: -(-n // dp) * dp for u, n in held.items()}
         gathers = sum((2 if u != "rest" else 1) * n for u, n in gathered.items())
         ring, paper = grad_accum * gathers + sum(padded.values()), 2 * sum(held.values()) + psi
-    return communication(strategy, dp, element_bytes(strategy, policy), ring, paper)
+    sent = communication(strategy, dp, element_bytes(strategy, policy), ring, paper)
+    return with_optimizer_gather(sent, cfg, strategy, dp, policy, lora, optimizer)
+
+
+def with_optimizer_gather(sent: dict, cfg: ModelConfig, strategy: str, dp: int, policy: Policy,
+                          lora: tuple[int, str] | None, optimizer: str) -> dict:
+    """`sent` plus what the optimizer itself gathers (kind "optimizer" in parallel/comm.py): Muon
+    under ZeRO all-gathers each unit that holds a Muon matrix (the blocks; none with LoRA, whose
+    adapters are AdamW's) at its padded size in the master dtype, once per step
+    (parallel/whole_matrices.py); nothing for other optimizers and strategies (DDP keeps whole
+    matrices; FSDP is refused with Muon)."""
+    gathered = 0
+    if optimizer == "muon" and get_strategy(strategy).zero_stage in (1, 2, 3) and strategy != "fsdp" \
+            and dp > 1 and lora is None:
+        gathered = sum(-(-n // dp) * dp for u, n in unit_sizes(cfg).items() if u != "rest")
+    size = policy.bytes.parameter  # ZeRO's master shards: the policy's stored dtype (fp32 under the mixed ones)
+    extra = gathered * size * (dp - 1) / dp
+    return {**sent, "optimizer_ring_elements": gathered, "optimizer_sent_bytes": extra,
+            "sent_bytes": sent["sent_bytes"] + extra}
 
 
 def communication(strategy: str, dp: int, size: int, ring: float, paper: float) -> dict:

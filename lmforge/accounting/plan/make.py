@@ -232,7 +232,7 @@ def _single_stage_cost(cfg: ModelConfig, setup: Setup, policy: Policy, lora: int
                  "activations": sum(activations.values()),
                  "logits": memory.logits_bytes(cfg, b, s, policy, setup.loss_chunk_tokens) / setup.tp}
     communication = comm.step_communication(cfg, strategy_of(setup), setup.dp, policy, setup.grad_accum,
-                                                 lora=setup.lora)
+                                                 lora=setup.lora, optimizer=setup.optimizer)
     return Cost(breakdown, activations, communication, step_seconds)
 
 
