@@ -14,10 +14,16 @@ checks the reduction) to 1e-5. The updates then differ by kind:
   gradient is one of ~1e-7 lr in the update, so every parameter agrees to 1e-6 absolute.
 - Lion steps by lr * sign(c), and Adam, AdaGrad and RMSProp's first steps are lr * g / sqrt(g^2)
   = lr * sign(g) (later ones close to it): where the sign's argument is a cancellation near zero
-  its rounding can flip it, moving that element by up to 2 lr per step. Checked with the engines
-  tests' bound (every element within 2 K lr, at most 1% of each tensor's elements beyond 1e-6);
-  a lost reduction or a wrong shard moves most elements by lr. Measured (2-core CPU, worst run):
-  see docs/optimizers.md. The flips move later gradient norms: checked to 1e-3.
+  its rounding can flip it, moving that element by up to 2 lr per step; where a later step's
+  gradient is near zero too, g / sqrt(v) moves by a fraction of lr (not a flip). Checked: every
+  element within 2 K lr, at most 1% of each tensor's elements beyond lr / 100; a lost reduction or
+  a wrong shard moves most elements by about lr (the sign of half the rows' gradient). Not the
+  engines tests' 1e-6 for that 1%: with LoRA, an element of B off by such a fraction changes the
+  gradient of A's whole column that multiplies it. Measured (2 ranks, 2-core CPU): AdaGrad,
+  zero3 + LoRA, 0.8% of v_proj's B off by 3.4e-5 (lr / 300), 10% of its A off by 1.4e-6 (median)
+  to 1e-5 (lr / 1000); without LoRA, at most 4.8e-6 (AdaGrad), 7.4e-6 (RMSProp), 5.2e-7 (Adam),
+  and Lion 2e-3 (ddp, fsdp: a few flips; the ZeRO runs bit-identical). The flips move later
+  gradient norms: checked to 1e-3.
 Pipelines: tests/test_pipeline.py's `assert_same_training` (fp32: the tied matrix's two parts and
 the clipping norm summed in another order), the state bytes of each rank the plan's, and the state
 reloaded by name stepping on bit for bit; Muon with tests/test_muon_dist.py's BOUND (its bf16
@@ -38,7 +44,10 @@ from test_pipeline import assert_same_training, pipeline, run_worker  # noqa: E4
 from test_pipeline import single_process as pipeline_single_process  # noqa: E402
 from test_pipeline_cells_dist import assert_bytes_equal_the_plan  # noqa: E402
 
+from pipeline_worker import config as pipeline_config  # noqa: E402
+
 from lmforge.accounting.comm import step_communication  # noqa: E402
+from lmforge.accounting.plan.make import Setup, make_plan  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
@@ -113,7 +122,7 @@ def assert_trains_as_one_process(result: dict, name: str, overrides: list[str]) 
             torch.testing.assert_close(result["model"][key], tensor, rtol=0, atol=1e-6)
         else:
             assert diff.max().item() <= 2 * STEPS * lr, key
-            assert (diff > 1e-6).float().mean().item() <= 1e-2, key
+            assert (diff > lr / 100).float().mean().item() <= 1e-2, key
     return worst
 
 
@@ -159,8 +168,28 @@ def test_each_optimizer_on_a_pipeline_trains_as_one_process(two_ranks, four_rank
         assert worst <= BOUND and result["replicas_equal"]
     else:
         assert_same_training(result, reference, lr=PIPELINE_LR)
-    assert_bytes_equal_the_plan(name, result, pipeline_overrides(layout, name), ranks // 2)
+    if name == "muon" and ranks > 2:
+        assert_muon_bytes_equal_the_plan_over_replicas(result, pipeline_overrides(layout, name), ranks // 2)
+    else:
+        assert_bytes_equal_the_plan(name, result, pipeline_overrides(layout, name), ranks // 2)
     assert result["resumes_exactly"]
+
+
+def assert_muon_bytes_equal_the_plan_over_replicas(result: dict, overrides: list[str], replicas: int) -> None:
+    """ZeRO-1 over a stage's replicas: each rank's parameters, gradients and master weights are the
+    plan's, and the stage's optimizer states over its replicas are replicas x the plan's per-rank
+    figure. Not each rank's: Muon keeps 1 state per matrix element and AdamW 2 per other element,
+    and where the shard boundary falls decides each rank's mix (measured: +-256 bytes, the 64
+    elements of a norm gain, on the tiny model), while the plan gives the mean."""
+    cfg = pipeline_config(overrides)
+    stages = make_plan(cfg.model, Setup.from_config(cfg, dp=replicas, hardware="h100-sxm"))["pipeline"]["stages_detail"]
+    total = {}
+    for (replica, stage), held in result["bytes"].items():
+        planned = stages[stage]["breakdown_bytes"]
+        for part in ("parameters", "gradients", "master_weights"):
+            assert held[part] == planned[part], (replica, stage, part)
+        total[stage] = total.get(stage, 0) + held["optimizer_states"]
+    assert total == {stage: replicas * stages[stage]["breakdown_bytes"]["optimizer_states"] for stage in total}
 
 
 @pytest.mark.parametrize("strategy", MUON_GATHERS)

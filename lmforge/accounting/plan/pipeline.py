@@ -65,7 +65,8 @@ def stage_details(cfg: ModelConfig, setup, policy: Policy, split: list[int], flo
         chunks = rank_chunks(split, p, stage)
         virtual = range(stage, len(split), p)  # the virtual stages of its chunks
         params = StageParameters(tuple(shape for vs in virtual for shape in held[vs].shapes),
-                                 None if setup.lora_rank is None else sum(held[vs].adapters for vs in virtual))
+                                 None if setup.lora_rank is None else sum(held[vs].adapters for vs in virtual),
+                                 sum(held[vs].hidden_matrices for vs in virtual))
         parts: dict = {}  # one micro-batch through all the stage's chunks
         for vs, layers in zip(virtual, chunks):
             shape = len(layers), vs == 0, vs == len(split) - 1
