@@ -234,3 +234,23 @@ def test_bad_muon_settings_are_one_line():
                               ("optim.muon_momentum=1.0", r"must be in \[0, 1\)")]:
         with pytest.raises(LmforgeError, match=message):
             make_config("tiny", overrides=[override])
+
+
+def test_the_plan_counts_muons_zero_gather_where_the_engine_runs_it():
+    """parallel/whole_matrices.py's all-gather: each block unit at its padded size, in the master
+    dtype, once a step, under ZeRO only (DDP keeps whole matrices; LoRA's adapters are AdamW's).
+    Measured equal to the engine's count in tests/test_optimizers_dist.py."""
+    from lmforge.accounting.comm import step_communication, unit_sizes
+    from lmforge.modes.precision import get_policy
+
+    cfg = make_config("tiny").model
+    blocks = sum(-(-n // 3) * 3 for unit, n in unit_sizes(cfg).items() if unit.startswith("blocks."))
+    for strategy in ("zero1", "zero2", "zero3"):
+        for precision, size in (("fp32", 4), ("bf16-mixed", 4), ("bf16-pure", 2)):
+            muon = step_communication(cfg, strategy, 3, get_policy(precision), optimizer="muon")
+            adamw = step_communication(cfg, strategy, 3, get_policy(precision))
+            assert muon["optimizer_sent_bytes"] == blocks * size * 2 / 3
+            assert muon["sent_bytes"] == adamw["sent_bytes"] + muon["optimizer_sent_bytes"]
+    assert step_communication(cfg, "ddp", 3, optimizer="muon")["optimizer_sent_bytes"] == 0
+    assert step_communication(cfg, "zero1", 3, optimizer="muon", lora=(4, "q_proj,v_proj"))["optimizer_sent_bytes"] == 0
+    assert step_communication(cfg, "zero1", 3, optimizer="adamw")["optimizer_sent_bytes"] == 0
