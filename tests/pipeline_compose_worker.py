@@ -59,7 +59,8 @@ def train_and_measure(overrides: list[str]) -> dict:
 
     def step_and_measure():  # the bytes held once the first step has made the optimizer states
         original_step()
-        held.setdefault("bytes", {**engine.state_bytes(), "sent": engine.comm.sent_bytes("model")})
+        held.setdefault("bytes", {**engine.state_bytes(), "sent": engine.comm.sent_bytes("model"),
+                                  "sent_optimizer": engine.comm.sent_bytes("optimizer")})
     engine.step = step_and_measure
     losses, norms = train(engine, cfg, cfg.train.micro_batches, engine.replica, engine.replicas)
     engine.step = original_step

@@ -178,7 +178,8 @@ def test_each_optimizer_on_a_pipeline_trains_as_one_process(two_ranks, four_rank
 def assert_muon_bytes_equal_the_plan_over_replicas(result: dict, overrides: list[str], replicas: int) -> None:
     """ZeRO-1 over a stage's replicas: each rank's parameters, gradients and master weights are the
     plan's, and the stage's optimizer states over its replicas are replicas x the plan's per-rank
-    figure. Not each rank's: Muon keeps 1 state per matrix element and AdamW 2 per other element,
+    figure (not each rank's, below), and each rank's bytes sent, its Muon gather included, the
+    plan's. Not each rank's states: Muon keeps 1 state per matrix element and AdamW 2 per other element,
     and where the shard boundary falls decides each rank's mix (measured: +-256 bytes, the 64
     elements of a norm gain, on the tiny model), while the plan gives the mean."""
     cfg = pipeline_config(overrides)
@@ -189,6 +190,9 @@ def assert_muon_bytes_equal_the_plan_over_replicas(result: dict, overrides: list
         for part in ("parameters", "gradients", "master_weights"):
             assert held[part] == planned[part], (replica, stage, part)
         total[stage] = total.get(stage, 0) + held["optimizer_states"]
+        # the bytes sent in the first step: ZeRO-1's, plus Muon's gather of the stage's blocks
+        assert held["sent_optimizer"] > 0
+        assert held["sent"] + held["sent_optimizer"] == stages[stage]["sent_bytes_per_step"]["data_parallel"]
     assert total == {stage: replicas * stages[stage]["breakdown_bytes"]["optimizer_states"] for stage in total}
 
 

@@ -75,21 +75,22 @@ def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy 
         gathers = sum((2 if u != "rest" else 1) * n for u, n in gathered.items())
         ring, paper = grad_accum * gathers + sum(padded.values()), 2 * sum(held.values()) + psi
     sent = communication(strategy, dp, element_bytes(strategy, policy), ring, paper)
-    return with_optimizer_gather(sent, cfg, strategy, dp, policy, lora, optimizer)
+    blocks = [n for u, n in unit_sizes(cfg).items() if u != "rest"]
+    return with_optimizer_gather(sent, blocks, strategy, dp, policy, lora is not None, optimizer)
 
 
-def with_optimizer_gather(sent: dict, cfg: ModelConfig, strategy: str, dp: int, policy: Policy,
-                          lora: tuple[int, str] | None, optimizer: str) -> dict:
+def with_optimizer_gather(sent: dict, block_units: list[int], strategy: str, dp: int, policy: Policy,
+                          lora: bool, optimizer: str) -> dict:
     """`sent` plus what the optimizer itself gathers (kind "optimizer" in parallel/comm.py): Muon
-    under ZeRO all-gathers each unit that holds a Muon matrix (the blocks; none with LoRA, whose
-    adapters are AdamW's) at its padded size in the master dtype, once per step
-    (parallel/whole_matrices.py); nothing for other optimizers and strategies (DDP keeps whole
-    matrices; FSDP is refused with Muon)."""
+    under ZeRO all-gathers each unit that holds a Muon matrix (the blocks, of `block_units`
+    elements; none with LoRA, whose adapters are AdamW's) at its padded size in the master dtype,
+    once per step (parallel/whole_matrices.py); nothing for other optimizers and strategies (DDP
+    keeps whole matrices; FSDP is refused with Muon). `policy` as given or as ZeRO lays it out."""
     gathered = 0
     if optimizer == "muon" and get_strategy(strategy).zero_stage in (1, 2, 3) and strategy != "fsdp" \
-            and dp > 1 and lora is None:
-        gathered = sum(-(-n // dp) * dp for u, n in unit_sizes(cfg).items() if u != "rest")
-    size = policy.bytes.parameter  # ZeRO's master shards: the policy's stored dtype (fp32 under the mixed ones)
+            and dp > 1 and not lora:
+        gathered = sum(-(-n // dp) * dp for n in block_units)
+    size = policy.bytes.master or policy.bytes.parameter  # ZeRO's master shards (fp32 under the mixed policies)
     extra = gathered * size * (dp - 1) / dp
     return {**sent, "optimizer_ring_elements": gathered, "optimizer_sent_bytes": extra,
             "sent_bytes": sent["sent_bytes"] + extra}

@@ -212,7 +212,7 @@ def _pipelined_cost(cfg: ModelConfig, setup: Setup, policy: Policy, peak: float)
     held = stage_parameters(cfg, piped["split"], setup.lora_rank, setup.lora_targets)
     return Cost(largest["breakdown_bytes"], largest["activation_breakdown_bytes"],
                 stage_communication(held[0], setup.dp, setup.tp, memory.sharded_layout(policy, setup.zero_stage),
-                                    setup.zero_stage),  # rank 0's, as the trainer counts
+                                    setup.zero_stage, setup.optimizer),  # rank 0's, as the trainer counts
                 piped["seconds_per_step"], piped, held[piped["largest_stage"]].shapes)
 
 

@@ -66,7 +66,8 @@ def stage_details(cfg: ModelConfig, setup, policy: Policy, split: list[int], flo
         virtual = range(stage, len(split), p)  # the virtual stages of its chunks
         params = StageParameters(tuple(shape for vs in virtual for shape in held[vs].shapes),
                                  None if setup.lora_rank is None else sum(held[vs].adapters for vs in virtual),
-                                 sum(held[vs].hidden_matrices for vs in virtual))
+                                 sum(held[vs].hidden_matrices for vs in virtual),
+                                 tuple(n for vs in virtual for n in held[vs].block_units))
         parts: dict = {}  # one micro-batch through all the stage's chunks
         for vs, layers in zip(virtual, chunks):
             shape = len(layers), vs == 0, vs == len(split) - 1
@@ -118,8 +119,8 @@ def stage_sends(cfg: ModelConfig, setup, policy: Policy, stage: int, params: Sta
     parallelism each tensor rank sends its 1/tp of them (Narayanan et al. 2021, section 4.1). The
     tied matrix's two gradient copies are summed between the end stages (each sends one copy);
     the data-parallel replicas of a stage all-reduce its gradients (a ring: 2 (N-1)/N of them;
-    ZeRO-1 reduce-scatters them and all-gathers the parameters: as much). `policy`: as the stage
-    runs it (memory.sharded_layout under ZeRO-1). Interleaved, a micro-batch leaves each of the
+    ZeRO-1 reduce-scatters them and all-gathers the parameters: as much; Muon adds its gather).
+    `policy`: as the stage runs it (memory.sharded_layout under ZeRO-1). Interleaved, a micro-batch leaves each of the
     stage's v chunks (but the model's last) and its gradient each chunk (but the first): v times
     1F1B's traffic, less one chunk on the end stages."""
     p, m, v = setup.pp, setup.micro_batches, setup.virtual_stages
@@ -129,4 +130,4 @@ def stage_sends(cfg: ModelConfig, setup, policy: Policy, stage: int, params: Sta
             "activation_gradients": hidden * (v - (stage == 0)),
             "tied_embedding_gradient": cfg.vocab_size * cfg.d_model * policy.bytes.gradient / setup.tp if tied else 0,
             "data_parallel": stage_communication(params, setup.dp, setup.tp, policy,
-                                                 setup.zero_stage)["sent_bytes"]}
+                                                 setup.zero_stage, setup.optimizer)["sent_bytes"]}
