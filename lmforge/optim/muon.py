@@ -29,9 +29,10 @@ not linear maps between hidden states, and orthogonalising each would set all r 
 of each factor to about 1, whatever the product's scale (B starts at zero: its first orthogonal
 step would be a full-size one), with the shape rule's sqrt(out / r) blowing B's rate up further;
 Muon's argument (the update of a hidden map, normalised in spectral norm) is about B A, which
-neither factor's Newton-Schulz controls. So Muon with LoRA is AdamW on the adapters. The embeddings and the output head are 2-D but not hidden (a row per
-token, not a linear map between hidden states: the post's "Other parameters" rule), and norms and
-biases are not matrices: AdamW, with decay on the embeddings and head only, as in train/setup.py.
+neither factor's Newton-Schulz controls. So Muon with LoRA is AdamW on the adapters. The
+embeddings and the output head are 2-D but not hidden (a row per token, not a linear map between
+hidden states: the post's "Other parameters" rule), and norms and biases are not matrices: AdamW,
+with decay on the embeddings and head only, as in train/setup.py.
 `muon_param_groups` makes that split by canonical name (model/names.py), in the model's parameter
 order, so the groups are the same on every run and a checkpoint resumes by name.
 
