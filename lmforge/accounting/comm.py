@@ -75,7 +75,7 @@ def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy 
         gathers = sum((2 if u != "rest" else 1) * n for u, n in gathered.items())
         ring, paper = grad_accum * gathers + sum(padded.values()), 2 * sum(held.values()) + psi
     sent = communication(strategy, dp, element_bytes(strategy, policy), ring, paper)
-    blocks = [n for u, n in unit_sizes(cfg).items() if u != "rest"]
+    blocks = [n for u, n in sizes.items() if u != "rest"]
     return with_optimizer_gather(sent, blocks, strategy, dp, policy, lora is not None, optimizer)
 
 
