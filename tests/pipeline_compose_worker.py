@@ -49,37 +49,43 @@ def resumes_exactly(engine, cfg) -> bool:
     return bool(equal.item())
 
 
+def train_and_measure(overrides: list[str]) -> dict:
+    """One run of `overrides` on every rank (collective): rank 0's entry of the saved results."""
+    cfg = config(overrides)
+    torch.manual_seed(cfg.train.seed)
+    engine = make_engine(cfg, [])  # a fine-tune starts from parallel_worker.py's base
+    held = {}
+    original_step = engine.step
+
+    def step_and_measure():  # the bytes held once the first step has made the optimizer states
+        original_step()
+        held.setdefault("bytes", {**engine.state_bytes(), "sent": engine.comm.sent_bytes("model"),
+                                  "sent_optimizer": engine.comm.sent_bytes("optimizer")})
+    engine.step = step_and_measure
+    losses, norms = train(engine, cfg, cfg.train.micro_batches, engine.replica, engine.replicas)
+    engine.step = original_step
+    mine = {"stage": engine.layout.stage, "replica": engine.replica, "model": engine.model_state_dict(),
+            "bytes": held["bytes"], "trainable": sorted(n for n, p in engine.model.named_parameters()
+                                                        if p.requires_grad)}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    whole = {}
+    for part in parts:
+        whole.update(part["model"] if part["replica"] == 0 else {})
+    optimizer_names = [n for g in engine.optimizer_state_dict()["param_groups"] for n in g["params"]]
+    return dict(model=whole, losses=losses, norms=norms, optimizer_names=optimizer_names,
+                bytes={(p["replica"], p["stage"]): p["bytes"] for p in parts},
+                trainable={(p["replica"], p["stage"]): p["trainable"] for p in parts},
+                replicas_equal=all(torch.equal(part["model"][k], whole[k]) for part in parts
+                                   for k in part["model"]),
+                resumes_exactly=resumes_exactly(engine, cfg))
+
+
 def main(out: str, runs: str):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     results = {}
     for key, overrides in json.loads(runs).items():
-        cfg = config(overrides)
-        torch.manual_seed(cfg.train.seed)
-        engine = make_engine(cfg, [])  # a fine-tune starts from parallel_worker.py's base
-        held = {}
-        original_step = engine.step
-
-        def step_and_measure():  # the bytes held once the first step has made the optimizer states
-            original_step()
-            held.setdefault("bytes", {**engine.state_bytes(), "sent": engine.comm.sent_bytes("model")})
-        engine.step = step_and_measure
-        losses, norms = train(engine, cfg, cfg.train.micro_batches, engine.replica, engine.replicas)
-        engine.step = original_step
-        mine = {"stage": engine.layout.stage, "replica": engine.replica, "model": engine.model_state_dict(),
-                "bytes": held["bytes"], "trainable": sorted(n for n, p in engine.model.named_parameters()
-                                                            if p.requires_grad)}
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
-        whole = {}
-        for part in parts:
-            whole.update(part["model"] if part["replica"] == 0 else {})
-        optimizer_names = [n for g in engine.optimizer_state_dict()["param_groups"] for n in g["params"]]
-        results[key] = dict(model=whole, losses=losses, norms=norms, optimizer_names=optimizer_names,
-                            bytes={(p["replica"], p["stage"]): p["bytes"] for p in parts},
-                            trainable={(p["replica"], p["stage"]): p["trainable"] for p in parts},
-                            replicas_equal=all(torch.equal(part["model"][k], whole[k]) for part in parts
-                                               for k in part["model"]),
-                            resumes_exactly=resumes_exactly(engine, cfg))
+        results[key] = train_and_measure(overrides)
         dist.barrier()
     if dist.get_rank() == 0:
         torch.save(results, out)

@@ -158,17 +158,72 @@ def test_whole_matrix_optimizers_are_refused_with_tensor_parallelism():
             check_launch(cfg, (0, 2, 0), cuda_devices=0)
 
 
-@pytest.mark.parametrize("extra, setting", [(["train.pipeline_stages=2", "train.micro_batches=2"],
-                                             "train.pipeline_stages=2"),
-                                            (["finetune.lora_rank=4"], "finetune.lora_rank=4")])
-def test_muon_on_a_pipeline_or_with_lora_is_refused_before_launch(extra, setting):
-    """Untested, and the plan does not count Muon's states on a stage or for adapters: refused."""
-    from lmforge.common.errors import LmforgeError
-    from lmforge.parallel.launch import check_launch
+def lora_run(name: str, steps: int = 4):
+    """The tiny model with LoRA adapters (rank 4), `steps` steps of optim.name=`name` on real
+    gradients: (the model, its optimizer, its config, its policy)."""
+    from lmforge.modes.precision import get_policy
+    from lmforge.train.setup import build_model, build_optimizer
 
-    cfg = make_config("tiny", overrides=["optim.name=muon", "train.device=cpu", *extra])
-    with pytest.raises(LmforgeError, match=f"optim.name=muon with {setting} is not supported yet"):
-        check_launch(cfg, (0, 2, 0), cuda_devices=0)
+    cfg = make_config("tiny", overrides=[f"optim.name={name}", "finetune.lora_rank=4"])
+    policy = get_policy("fp32")
+    torch.manual_seed(0)
+    model = build_model(cfg, policy)
+    optimizer = build_optimizer(cfg, policy, model)
+    tokens = torch.randint(0, cfg.model.vocab_size, (steps, 2, 17), generator=torch.Generator().manual_seed(1))
+    for batch in tokens:
+        model.zero_grad()
+        model(batch[:, :-1], batch[:, 1:]).backward()
+        optimizer.step()
+    return model, optimizer, cfg, policy
+
+
+def test_with_lora_muon_leaves_the_adapters_to_adamw():
+    """LoRA's A (r x in) and B (out x r) are factors of an update, not hidden maps (optim/muon.py
+    says why Muon does not orthogonalise them): every adapter is in an AdamW group, so Muon with
+    LoRA trains as AdamW with LoRA, bit for bit, and holds AdamW's two states per adapter element,
+    as the plan counts them (memory.model_state_bytes with lora_trainable)."""
+    from lmforge.accounting.measure import model_state_bytes_measured
+    from lmforge.accounting.memory import model_state_bytes
+
+    model, optimizer, cfg, policy = lora_run("muon")
+    adamw_model, _, _, _ = lora_run("adamw")
+    groups = optimizer.param_groups
+    assert groups[0]["use_muon"] and groups[0]["params"] == []
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(n.endswith((".lora_A", ".lora_B")) for n in trainable)
+    for (name, p), q in zip(model.named_parameters(), adamw_model.parameters()):
+        assert torch.equal(p, q), name
+    assert {k for state in optimizer.state.values() for k in state} == {"step", "exp_avg", "exp_avg_sq"}
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    planned = model_state_bytes(cfg.model, policy, "muon", lora_trainable=adapters)["optimizer_states"]
+    assert model_state_bytes_measured(model, optimizer)["optimizer_states"] == planned == 2 * 4 * adapters
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_pipeline_stages_muon_states_are_its_share_of_the_models(tied):
+    """The plan counts Muon's states per stage from each stage's hidden matrices (accounting/
+    pipeline.py): the stages' sum is the whole model's, plus (tied) the embedding's AdamW states
+    once more (the last stage holds its copy), and each stage's are its own parameters' measured
+    in one process (a momentum per block matrix element, AdamW's two for the rest)."""
+    from lmforge.accounting.optimizers import optimizer_state_bytes
+    from lmforge.accounting.pipeline import stage_parameters
+
+    cfg = make_config("tiny", overrides=[f"model.tie_embeddings={str(tied).lower()}"]).model
+    stages = stage_parameters(cfg, [1, 1])
+    per_stage = [optimizer_state_bytes(cfg, "muon", parameter_shapes=s.shapes, hidden_matrices=s.hidden_matrices)
+                 for s in stages]
+    model = Transformer(cfg)
+    extra = 2 * 4 * model.tok_embeddings.weight.numel() if tied else 0
+    assert sum(per_stage) == optimizer_state_bytes(cfg, "muon") + extra
+    named = list(model.named_parameters(remove_duplicate=False))  # the tied matrix under both names
+    for stage, s in enumerate(stages):
+        ends = ("tok_", "pos_") if stage == 0 else ("norm.", "lm_head.")
+        mine = {p: n for n, p in named if n.startswith((f"blocks.{stage}.", *ends))}
+        muon = sum(p.numel() for p, n in mine.items() if p.ndim == 2 and n.startswith("blocks."))
+        assert s.hidden_matrices == muon > 0
+        assert per_stage[stage] == 4 * (muon + 2 * (sum(p.numel() for p in mine) - muon))
+    with pytest.raises(ValueError, match="need its hidden_matrices"):
+        optimizer_state_bytes(cfg, "muon", parameter_shapes=stages[0].shapes)
 
 
 def test_bad_muon_settings_are_one_line():
@@ -179,3 +234,23 @@ def test_bad_muon_settings_are_one_line():
                               ("optim.muon_momentum=1.0", r"must be in \[0, 1\)")]:
         with pytest.raises(LmforgeError, match=message):
             make_config("tiny", overrides=[override])
+
+
+def test_the_plan_counts_muons_zero_gather_where_the_engine_runs_it():
+    """parallel/whole_matrices.py's all-gather: each block unit at its padded size, in the master
+    dtype, once a step, under ZeRO only (DDP keeps whole matrices; LoRA's adapters are AdamW's).
+    Measured equal to the engine's count in tests/test_optimizers_dist.py."""
+    from lmforge.accounting.comm import step_communication, unit_sizes
+    from lmforge.modes.precision import get_policy
+
+    cfg = make_config("tiny").model
+    blocks = sum(-(-n // 3) * 3 for unit, n in unit_sizes(cfg).items() if unit.startswith("blocks."))
+    for strategy in ("zero1", "zero2", "zero3"):
+        for precision, size in (("fp32", 4), ("bf16-mixed", 4), ("bf16-pure", 2)):
+            muon = step_communication(cfg, strategy, 3, get_policy(precision), optimizer="muon")
+            adamw = step_communication(cfg, strategy, 3, get_policy(precision))
+            assert muon["optimizer_sent_bytes"] == blocks * size * 2 / 3
+            assert muon["sent_bytes"] == adamw["sent_bytes"] + muon["optimizer_sent_bytes"]
+    assert step_communication(cfg, "ddp", 3, optimizer="muon")["optimizer_sent_bytes"] == 0
+    assert step_communication(cfg, "zero1", 3, optimizer="muon", lora=(4, "q_proj,v_proj"))["optimizer_sent_bytes"] == 0
+    assert step_communication(cfg, "zero1", 3, optimizer="adamw")["optimizer_sent_bytes"] == 0

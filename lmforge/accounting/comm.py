@@ -55,7 +55,8 @@ def element_bytes(strategy: str, policy: Policy) -> int:
 
 
 def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy = POLICIES["fp32"],
-                       grad_accum: int = 1, lora: tuple[int, str] | None = None, tp: int = 1) -> dict:
+                       grad_accum: int = 1, lora: tuple[int, str] | None = None, tp: int = 1,
+                       optimizer: str = "adamw") -> dict:
     """Per rank per step: `ring_elements` (sum of S over the collectives, S in elements, twice for
     an all-reduce), `sent_bytes` = (N-1)/N of it in bytes, and the paper's figure `paper_elements`
     (2 Psi or 3 Psi, the N -> infinity limit, no padding). Gradients are reduced once per step
@@ -78,7 +79,26 @@ def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy 
         gathered = {u: -(-n // dp) * dp for u, n in held.items()}
         gathers = sum((2 if u != "rest" else 1) * n for u, n in gathered.items())
         ring, paper = grad_accum * gathers + sum(padded.values()), 2 * sum(held.values()) + psi
-    return communication(strategy, dp, element_bytes(strategy, policy), ring, paper)
+    sent = communication(strategy, dp, element_bytes(strategy, policy), ring, paper)
+    blocks = [n for u, n in sizes.items() if u != "rest"]
+    return with_optimizer_gather(sent, blocks, strategy, dp, policy, lora is not None, optimizer)
+
+
+def with_optimizer_gather(sent: dict, block_units: list[int], strategy: str, dp: int, policy: Policy,
+                          lora: bool, optimizer: str) -> dict:
+    """`sent` plus what the optimizer itself gathers (kind "optimizer" in parallel/comm.py): Muon
+    under ZeRO all-gathers each unit that holds a Muon matrix (the blocks, of `block_units`
+    elements; none with LoRA, whose adapters are AdamW's) at its padded size in the master dtype,
+    once per step (parallel/whole_matrices.py); nothing for other optimizers and strategies (DDP
+    keeps whole matrices; FSDP is refused with Muon). `policy` as given or as ZeRO lays it out."""
+    gathered = 0
+    if optimizer == "muon" and get_strategy(strategy).zero_stage in (1, 2, 3) and strategy != "fsdp" \
+            and dp > 1 and not lora:
+        gathered = sum(-(-n // dp) * dp for n in block_units)
+    size = policy.bytes.master or policy.bytes.parameter  # ZeRO's master shards (fp32 under the mixed policies)
+    extra = gathered * size * (dp - 1) / dp
+    return {**sent, "optimizer_ring_elements": gathered, "optimizer_sent_bytes": extra,
+            "sent_bytes": sent["sent_bytes"] + extra}
 
 
 def communication(strategy: str, dp: int, size: int, ring: float, paper: float) -> dict:

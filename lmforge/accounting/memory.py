@@ -72,7 +72,8 @@ def lora_parameters(cfg: ModelConfig, rank: int, targets: str) -> int:
 
 def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optimizer: str = "adamw", zero_stage: int = 0,
                       dp: int = 1, tp: int = 1, lora_trainable: int | None = None,
-                      parameter_shapes: tuple | None = None, fully_shard: bool = False) -> dict[str, float]:
+                      parameter_shapes: tuple | None = None, fully_shard: bool = False,
+                      hidden_matrices: int | None = None) -> dict[str, float]:
     """Bytes per device of parameters, gradients, master weights and optimizer states, as the
     engine of the strategy holds them (each engine's `state_bytes`; tests/test_composition_dist.py
     compares them in every cell it trains).
@@ -83,7 +84,7 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
     tensor_rank_shapes: the split matrices divided by tp, norm gains and row-parallel biases
     whole), so do its gradients and optimizer states; a pipeline stage's shapes and LoRA's
     adapters are divided by tp evenly. ZeRO's and FSDP's padding to a multiple of dp is not counted
-    (none where each unit or dimension divides evenly).
+    (none where each unit or dimension divides evenly). `hidden_matrices`: a stage's Muon elements.
 
     `fully_shard` (train.parallel=fsdp, zero_stage 3): FSDP2 shards the parameters as the policy
     stores them (fp32 under the mixed policies: they are the master weights) and keeps sharded
@@ -111,7 +112,7 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
     if lora_trainable is None:
         frozen, trained = 0, n
         parameter, gradient, master = layout.parameter, layout.gradient, layout.master
-        optimizer_bytes = optimizer_state_bytes(cfg, optimizer, policy, parameter_shapes) / even
+        optimizer_bytes = optimizer_state_bytes(cfg, optimizer, policy, parameter_shapes, hidden_matrices) / even
     else:
         frozen, trained = n * p.parameter, lora_trainable / tp
         zero = zero_stage > 0 and not fully_shard

@@ -61,19 +61,24 @@ OPTIMIZERS: dict[str, Optimizer] = {name: _STATES[name] for name in OPTIMIZER_MO
 
 
 def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw", policy: Policy = POLICIES["fp32"],
-                          parameter_shapes: tuple | None = None) -> float:
+                          parameter_shapes: tuple | None = None, hidden_matrices: int | None = None) -> float:
     """Bytes of every optimizer state of the whole model (unsharded), or of the parameters of
-    `parameter_shapes` (a pipeline stage's: accounting/pipeline.py); `policy` gives the bytes of a
-    full-precision state element (fp32, or bf16 under bf16-pure)."""
+    `parameter_shapes` (a pipeline stage's: accounting/pipeline.py, with `hidden_matrices`, the
+    elements of its blocks' 2-D weights, for Muon); `policy` gives the bytes of a full-precision
+    state element (fp32, or bf16 under bf16-pure)."""
     opt = lookup(OPTIMIZERS, optimizer, "optimizer")
     element = policy.bytes.optimizer_state
     if opt.hidden_matrix_states is not None:
-        if parameter_shapes is not None:  # a stage's shapes do not say which are the blocks' matrices
-            raise ValueError(f"{optimizer}'s states are counted for the whole model only (no pipeline stage)")
-        shapes = model_shapes(cfg)
-        # a block's 2-D parameters are its linear layers' weights (optim/muon.py's is_hidden_matrix)
-        return element * (opt.states * shapes.parameters
-                          - (opt.states - opt.hidden_matrix_states) * shapes.block_matmul_weights)
+        if parameter_shapes is None:
+            shapes = model_shapes(cfg)
+            # a block's 2-D parameters are its linear layers' weights (optim/muon.py's is_hidden_matrix)
+            parameters, hidden_matrices = shapes.parameters, shapes.block_matmul_weights
+        elif hidden_matrices is None:  # shapes alone do not say which are the blocks' matrices
+            raise ValueError(f"{optimizer}'s states of a pipeline stage need its hidden_matrices "
+                             f"(accounting/pipeline.py's StageParameters)")
+        else:
+            parameters = sum(math.prod(shape) for shape in parameter_shapes)
+        return element * (opt.states * parameters - (opt.states - opt.hidden_matrix_states) * hidden_matrices)
     total = 0.0
     for shape in parameter_shapes if parameter_shapes is not None else model_shapes(cfg).parameter_shapes:
         n = math.prod(shape)

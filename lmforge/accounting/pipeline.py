@@ -44,12 +44,13 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from lmforge.accounting.comm import communication, element_bytes
+from lmforge.accounting.comm import communication, element_bytes, with_optimizer_gather
 from lmforge.accounting.flops import forward_flops_breakdown
 from lmforge.accounting.shapes import meta_model
 from lmforge.config import ModelConfig
 from lmforge.modes.parallel import parse_split
 from lmforge.modes.precision import Policy
+from lmforge.optim.muon import is_hidden_matrix
 
 
 def bubble_fraction(stages: int, micro_batches: int, chunks: int = 1) -> float:
@@ -139,6 +140,8 @@ def stage_layers(split: list[int]) -> list[range]:
 class StageParameters:
     shapes: tuple  # the shape of every parameter the stage holds (the tied matrix on both end stages)
     adapters: int | None = None  # with LoRA: the trainable adapter parameters (`shapes` is the frozen base)
+    hidden_matrices: int = 0  # elements of its trained blocks' 2-D weights: Muon's (optim/muon.py's is_hidden_matrix)
+    block_units: tuple = ()  # trained elements of each block it holds (ZeRO's units: Muon's gather)
 
     @property
     def count(self) -> int:
@@ -168,20 +171,27 @@ def stage_parameters(cfg: ModelConfig, split: list[int], lora_rank: int | None =
 @functools.lru_cache(maxsize=64)  # --solve and --compare plan the same stages many times
 def _stage_parameters(values: str, split: tuple, lora_rank: int | None, lora_targets: str) -> tuple:
     held: list[dict] = [{} for _ in split]  # per stage: tensor -> (shape, trainable)
+    hidden = [0 for _ in split]  # per stage: elements of the trained hidden matrices
+    blocks: list[dict] = [{} for _ in split]  # per stage: "blocks.N" -> its trained elements
     stage_of = {}  # by the name's first two parts: "blocks.7", "lm_head.weight"
     for name, tensor, shape, trainable in _named_parameters(values, lora_rank, lora_targets):
         prefix = ".".join(name.split(".")[:2])
         if prefix not in stage_of:
             stage_of[prefix] = stage_of_parameter(name, list(split))
+        if tensor not in held[stage_of[prefix]] and trainable and is_hidden_matrix(name, shape):
+            hidden[stage_of[prefix]] += math.prod(shape)
+        if tensor not in held[stage_of[prefix]] and trainable and prefix.startswith("blocks."):
+            blocks[stage_of[prefix]][prefix] = blocks[stage_of[prefix]].get(prefix, 0) + math.prod(shape)
         held[stage_of[prefix]][tensor] = (shape, trainable)
     result = []
-    for tensors in held:
+    for tensors, matrices, units in zip(held, hidden, blocks):
         if lora_rank is None:
-            result.append(StageParameters(tuple(shape for shape, _ in tensors.values())))
+            result.append(StageParameters(tuple(shape for shape, _ in tensors.values()), None, matrices,
+                                          tuple(units.values())))
         else:
             base = tuple(shape for shape, trainable in tensors.values() if not trainable)
             adapters = sum(math.prod(shape) for shape, trainable in tensors.values() if trainable)
-            result.append(StageParameters(base, adapters))
+            result.append(StageParameters(base, adapters, matrices, tuple(units.values())))
     return tuple(result)
 
 
@@ -199,12 +209,16 @@ def _named_parameters(values: str, lora_rank: int | None, lora_targets: str) -> 
                  for name, tensor in model.named_parameters(remove_duplicate=False))
 
 
-def stage_communication(params: StageParameters, dp: int, tp: int, policy: Policy, zero_stage: int = 0) -> dict:
+def stage_communication(params: StageParameters, dp: int, tp: int, policy: Policy, zero_stage: int = 0,
+                        optimizer: str = "adamw") -> dict:
     """One stage's gradient reduction among its dp replicas, per rank per step, in
     comm.step_communication's terms: an all-reduce (ddp), or ZeRO-1's reduce-scatter of the
     gradients and all-gather of the parameters (zero_stage 1), 2 x the elements either way (a ring
-    sends (N-1)/N of them); tensor ranks each hold 1/tp of the stage's trained parameters."""
+    sends (N-1)/N of them); tensor ranks each hold 1/tp of the stage's trained parameters. Muon
+    under ZeRO-1 also gathers the stage's blocks (comm.with_optimizer_gather)."""
     trained = (params.count if params.adapters is None else params.adapters) / tp
     ring = 2 * trained if dp > 1 else 0
     strategy = "zero1" if zero_stage == 1 else "ddp" if dp > 1 else "none"
-    return communication(strategy, dp, element_bytes(strategy, policy), ring, ring)
+    sent = communication(strategy, dp, element_bytes(strategy, policy), ring, ring)
+    return with_optimizer_gather(sent, list(params.block_units), strategy, dp, policy, params.adapters is not None,
+                                 optimizer)

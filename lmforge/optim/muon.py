@@ -23,10 +23,16 @@ The iteration runs in bf16, as the reference does: its aim is that rough band, n
 factor, and bf16 matmuls are twice the fp32 rate on GPUs. A tall matrix is transposed first, so
 that A = X X^T is the smaller Gram matrix.
 
-Which parameters: a 2-D parameter inside a block (`blocks.N....`: attention and MLP projections,
-LoRA adapters) goes to Muon. The embeddings and the output head are 2-D but not hidden (a row per
-token, not a linear map between hidden states: the post's "Other parameters" rule), and norms and
-biases are not matrices: AdamW, with decay on the embeddings and head only, as in train/setup.py.
+Which parameters: a 2-D weight inside a block (`blocks.N....`: attention and MLP projections) goes
+to Muon. LoRA adapters do not (AdamW): A (r x in) and B (out x r) are factors of the update B A,
+not linear maps between hidden states, and orthogonalising each would set all r singular values
+of each factor to about 1, whatever the product's scale (B starts at zero: its first orthogonal
+step would be a full-size one), with the shape rule's sqrt(out / r) blowing B's rate up further;
+Muon's argument (the update of a hidden map, normalised in spectral norm) is about B A, which
+neither factor's Newton-Schulz controls. So Muon with LoRA is AdamW on the adapters. The
+embeddings and the output head are 2-D but not hidden (a row per token, not a linear map between
+hidden states: the post's "Other parameters" rule), and norms and biases are not matrices: AdamW,
+with decay on the embeddings and head only, as in train/setup.py.
 `muon_param_groups` makes that split by canonical name (model/names.py), in the model's parameter
 order, so the groups are the same on every run and a checkpoint resumes by name.
 
@@ -74,9 +80,11 @@ def adjusted_lr(lr: float, shape: torch.Size, rule: str) -> float:
     return lr * 0.2 * math.sqrt(max(rows, cols))
 
 
-def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
-    """Whether Muon updates the parameter `name`: a 2-D weight inside a block."""
-    return param.ndim == 2 and canonical_name(name).startswith("blocks.")
+def is_hidden_matrix(name: str, shape) -> bool:
+    """Whether Muon updates the parameter `name` of `shape`: a 2-D weight inside a block, not a
+    LoRA adapter (accounting/pipeline.py counts a stage's by the same rule)."""
+    return (len(shape) == 2 and canonical_name(name).startswith("blocks.")
+            and not name.endswith((".lora_A", ".lora_B")))
 
 
 def muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -86,7 +94,7 @@ def muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         if p.requires_grad and p not in named:
             named[p] = name
-    muon = [p for p, name in named.items() if is_hidden_matrix(name, p)]
+    muon = [p for p, name in named.items() if is_hidden_matrix(name, p.shape)]
     in_muon = {id(p) for p in muon}
     rest = [p for p in named if id(p) not in in_muon]
     return [{"params": muon, "use_muon": True, "weight_decay": weight_decay},

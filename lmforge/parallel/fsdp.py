@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lmforge.model.lora import LoRALinear
 from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
 from lmforge.parallel.shards import parameter_units, unit_modules
 
@@ -32,6 +33,13 @@ FULL = StateDictOptions(full_state_dict=True)
 def compiled(model) -> bool:
     """train.compile wrapped the blocks (wrap/compile.py)."""
     return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())
+
+
+def renamed(model) -> bool:
+    """The model's state_dict names are not its parameters' (compile's wrappers; LoRA, whose hooks
+    drop the `.base` of a wrapped weight: model/lora.py), which torch's set_model_state_dict
+    does not map: its full tensors would be copied into the sharded ones unsharded."""
+    return compiled(model) or any(isinstance(m, LoRALinear) for m in model.modules())
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -76,7 +84,7 @@ class FSDPEngine(DistributedEngine):
         return get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
 
     def load_model_state_dict(self, state):
-        if not compiled(self.model):
+        if not renamed(self.model):
             return set_model_state_dict(self.model, state, options=FULL)
         # as model_state_dict: each rank keeps its own slice of the full tensors (no communication)
         own = self.model.state_dict()

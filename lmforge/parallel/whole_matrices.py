@@ -5,7 +5,8 @@ unit's buffer (parallel/shards.py). Muon's momentum is elementwise, so it stays 
 Newton-Schulz step needs the whole momentum matrix. The choice here is to gather, not to shard by
 whole parameters: the layout, the gradient and parameter collectives and the checkpoint format
 stay ZeRO's own, and the price is one extra all-gather per step of each unit's Muon updates
-(fp32, or the master dtype), counted under the kind "optimizer" (parallel/comm.py):
+(fp32, or the master dtype), counted under the kind "optimizer" (parallel/comm.py) and by the
+plan (accounting/comm.py's with_optimizer_gather, for a pipeline stage's replicas too):
 (N-1)/N x 4 bytes x the unit's padded size, for the units that hold a Muon matrix (the blocks;
 lmforge's "rest" holds embeddings, head and norms, which AdamW updates, so it is never gathered).
 Each rank then orthogonalises the matrices it holds a piece of (a matrix split between two ranks

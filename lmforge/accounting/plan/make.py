@@ -215,7 +215,7 @@ def _pipelined_cost(cfg: ModelConfig, setup: Setup, policy: Policy, peak: float)
     held = stage_parameters(cfg, piped["split"], setup.lora_rank, setup.lora_targets)
     return Cost(largest["breakdown_bytes"], largest["activation_breakdown_bytes"],
                 stage_communication(held[0], setup.dp, setup.tp, memory.sharded_layout(policy, setup.zero_stage),
-                                    setup.zero_stage),  # rank 0's, as the trainer counts
+                                    setup.zero_stage, setup.optimizer),  # rank 0's, as the trainer counts
                 piped["seconds_per_step"], piped, held[piped["largest_stage"]].shapes)
 
 
@@ -235,7 +235,7 @@ def _single_stage_cost(cfg: ModelConfig, setup: Setup, policy: Policy, lora: int
                  "activations": sum(activations.values()),
                  "logits": memory.logits_bytes(cfg, b, s, policy, setup.loss_chunk_tokens) / setup.tp}
     communication = comm.step_communication(cfg, strategy_of(setup), setup.dp, policy, setup.grad_accum,
-                                                 lora=setup.lora, tp=setup.tp)
+                                                 lora=setup.lora, tp=setup.tp, optimizer=setup.optimizer)
     if setup.tp > 1:  # the tensor ranks' activations, besides the replicas' gradients
         communication["tensor_parallel"] = comm.tensor_parallel_communication(
             cfg, b, s, setup.tp, setup.sequence_parallel, layout, setup.grad_accum)

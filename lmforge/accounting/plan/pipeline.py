@@ -65,7 +65,9 @@ def stage_details(cfg: ModelConfig, setup, policy: Policy, split: list[int], flo
         chunks = rank_chunks(split, p, stage)
         virtual = range(stage, len(split), p)  # the virtual stages of its chunks
         params = StageParameters(tuple(shape for vs in virtual for shape in held[vs].shapes),
-                                 None if setup.lora_rank is None else sum(held[vs].adapters for vs in virtual))
+                                 None if setup.lora_rank is None else sum(held[vs].adapters for vs in virtual),
+                                 sum(held[vs].hidden_matrices for vs in virtual),
+                                 tuple(n for vs in virtual for n in held[vs].block_units))
         parts: dict = {}  # one micro-batch through all the stage's chunks
         for vs, layers in zip(virtual, chunks):
             shape = len(layers), vs == 0, vs == len(split) - 1
@@ -94,7 +96,7 @@ def stage_memory(cfg: ModelConfig, setup, policy: Policy, stage: int, params: St
     `params` and saves `saved` for one micro-batch (memory.activation_breakdown of its layers)."""
     p, last = setup.pp, stage == setup.pp - 1
     states = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
-                                      params.adapters, params.shapes)
+                                      params.adapters, params.shapes, hidden_matrices=params.hidden_matrices)
     # alive one at a time, not per micro-batch in flight: a block rerun in backward, the logits
     recomputed = saved.pop("recomputed_layer", 0)
     in_flight = micro_batches_in_flight(setup.schedule, p, setup.micro_batches, stage, setup.virtual_stages)
@@ -117,8 +119,8 @@ def stage_sends(cfg: ModelConfig, setup, policy: Policy, stage: int, params: Sta
     parallelism each tensor rank sends its 1/tp of them (Narayanan et al. 2021, section 4.1). The
     tied matrix's two gradient copies are summed between the end stages (each sends one copy);
     the data-parallel replicas of a stage all-reduce its gradients (a ring: 2 (N-1)/N of them;
-    ZeRO-1 reduce-scatters them and all-gathers the parameters: as much). `policy`: as the stage
-    runs it (memory.sharded_layout under ZeRO-1). Interleaved, a micro-batch leaves each of the
+    ZeRO-1 reduce-scatters them and all-gathers the parameters: as much; Muon adds its gather).
+    `policy`: as the stage runs it (memory.sharded_layout under ZeRO-1). Interleaved, a micro-batch leaves each of the
     stage's v chunks (but the model's last) and its gradient each chunk (but the first): v times
     1F1B's traffic, less one chunk on the end stages."""
     p, m, v = setup.pp, setup.micro_batches, setup.virtual_stages
@@ -128,4 +130,4 @@ def stage_sends(cfg: ModelConfig, setup, policy: Policy, stage: int, params: Sta
             "activation_gradients": hidden * (v - (stage == 0)),
             "tied_embedding_gradient": cfg.vocab_size * cfg.d_model * policy.bytes.gradient / setup.tp if tied else 0,
             "data_parallel": stage_communication(params, setup.dp, setup.tp, policy,
-                                                 setup.zero_stage)["sent_bytes"]}
+                                                 setup.zero_stage, setup.optimizer)["sent_bytes"]}
