@@ -147,15 +147,18 @@ def measure_launch(device: torch.device) -> tuple[float, float, float]:
 
 
 def measure_roof(device: torch.device) -> dict:
-    """This machine's roof as a JSON-ready dict (Roof's fields but its name and source)."""
+    """This machine's roof as a JSON-ready dict (Roof's fields but its name and source). The global
+    RNG is left as it was: a run that measures its roof first draws the dropout masks and batches
+    of one that found it cached (tests/test_lora.py resumes such a pair bit for bit)."""
     started = time.perf_counter()
-    forward, training = measure_sdpa(device)
-    call, foreach, view = measure_launch(device)
-    return {"bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
-            "sdpa_forward": forward, "sdpa_training": training, "elementwise": measure_elementwise(device),
-            "elementwise_ops": measure_elementwise_ops(device),
-            "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": view,
-            "measure_seconds": time.perf_counter() - started}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        forward, training = measure_sdpa(device)
+        call, foreach, view = measure_launch(device)
+        return {"bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
+                "sdpa_forward": forward, "sdpa_training": training, "elementwise": measure_elementwise(device),
+                "elementwise_ops": measure_elementwise_ops(device),
+                "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": view,
+                "measure_seconds": time.perf_counter() - started}
 
 
 def _key(device: torch.device) -> str:
