@@ -111,6 +111,8 @@ class TrainConfig:
     max_steps: int = 900
     eval_interval: int = 100  # 0: evaluate only at the end
     eval_batches: int = 8
+    # stop once an evaluation's val loss is <= this (bench/speedrun.py: time to a target); None: run to max_steps
+    target_loss: float | None = None
     checkpoint_interval: int = 300  # 0: checkpoint only at the end
     keep_checkpoints: int = 2
     log_interval: int = 10
