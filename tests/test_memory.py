@@ -21,6 +21,9 @@ CONFIGS = {
     "gpt": ["model.family=gpt", "model.n_kv_heads=null"],
     "qwen-choices": ["model.qk_norm=true", "model.d_head=32", "model.qkv_bias=true"],  # QK-norm's saved tensors
     "window": ["model.sliding_window=8"],  # sdpa keeps the band as an s x s mask
+    "relu2": ["model.mlp=relu2"],  # a llama with the speedrun's two-matrix MLP (model/recipe.py)
+    "gpt-swiglu": ["model.family=gpt", "model.n_kv_heads=null", "model.mlp=swiglu"],
+    "softcap": ["model.logit_softcap=30"],  # the capped head keeps tanh's output
 }
 PRECISIONS = list(POLICIES)
 

@@ -28,9 +28,23 @@ class FamilyActivations:
     position_tables: int  # tables every block reads, kept once (not inside fully recomputed blocks)
 
 
+# One block's MLP by model.mlp (model/transformer.py, model/recipe.py), for bsf = b*s*ffn_dim hidden
+# values: (bytes it saves, its linear layers that read the normalised input).
+MLP_ACTIVATIONS = {
+    # gate and up outputs and silu(gate); their product is the down projection's input
+    "swiglu": lambda bsf, p: (3 * bsf * p.compute + bsf * p.linear_input, 2),
+    # GELU keeps its input; its output is down's input
+    "gelu": lambda bsf, p: (bsf * p.compute + bsf * p.linear_input, 1),
+    # ReLU keeps its output, which square() keeps too (one tensor); the square is down's input
+    "relu2": lambda bsf, p: (bsf * p.compute + bsf * p.linear_input, 1),
+}
+
+
 def llama_activations(cfg: ModelConfig, b: int, s: int, policy: Policy) -> FamilyActivations:
-    """RMSNorm, SwiGLU and RotaryTables (model/transformer.py); biases (model.qkv_bias) keep nothing."""
-    p, bsd, bs, bsf = policy.bytes, b * s * cfg.d_model, b * s, b * s * cfg.ffn_dim
+    """RMSNorm, the MLP of model.mlp (SwiGLU by default) and RotaryTables (model/transformer.py); biases
+    (model.qkv_bias) keep nothing."""
+    p, bsd, bs = policy.bytes, b * s * cfg.d_model, b * s
+    mlp_bytes, mlp_readers = MLP_ACTIVATIONS[cfg.mlp_kind](b * s * cfg.ffn_dim, p)
     # RMSNorm runs in fp32 (F.rms_norm decomposes under autograd): the input, 1/rms per row and
     # the normalised x (for the gain's gradient); a gain stored below fp32 is cast up with the
     # input, and the cast is kept too.
@@ -40,9 +54,8 @@ def llama_activations(cfg: ModelConfig, b: int, s: int, policy: Policy) -> Famil
     qk_norms = 2 * bs * heads * cfg.head_dim * 4 + bs * heads * 4 + (2 * cfg.head_dim * 4 if p.parameter < 4 else 0)
     return FamilyActivations(
         block_norms=2 * rms_norm + (qk_norms if cfg.qk_norm else 0),
-        # gate and up outputs and silu(gate); their product is the down projection's input
-        mlp=3 * bsf * p.compute + bsf * p.linear_input,
-        norm_readers=5,  # q, k, v, gate and up
+        mlp=mlp_bytes,
+        norm_readers=3 + mlp_readers,  # q, k, v and the MLP's input projections
         final_norm=rms_norm,
         position_ids=0,  # rotary: positions enter through the tables
         position_tables=2 * cfg.max_seq_len * cfg.head_dim * 4,  # fp32 cos and sin
@@ -50,14 +63,16 @@ def llama_activations(cfg: ModelConfig, b: int, s: int, policy: Policy) -> Famil
 
 
 def gpt_activations(cfg: ModelConfig, b: int, s: int, policy: Policy) -> FamilyActivations:
-    """LayerNorm, GeluMLP and learned positions (model/transformer.py); biases keep nothing."""
-    p, bsd, bs, bsf = policy.bytes, b * s * cfg.d_model, b * s, b * s * cfg.ffn_dim
+    """LayerNorm, the MLP of model.mlp (GeluMLP by default) and learned positions (model/transformer.py);
+    biases keep nothing."""
+    p, bsd, bs = policy.bytes, b * s * cfg.d_model, b * s
+    mlp_bytes, mlp_readers = MLP_ACTIVATIONS[cfg.mlp_kind](b * s * cfg.ffn_dim, p)
     # LayerNorm, in the residual stream's dtype: the input, mean and 1/std per row
     layer_norm = (bsd + 2 * bs) * p.residual
     return FamilyActivations(
         block_norms=2 * layer_norm,
-        mlp=bsf * p.compute + bsf * p.linear_input,  # GELU keeps its input; its output is down's input
-        norm_readers=4,  # q, k, v and up
+        mlp=mlp_bytes,
+        norm_readers=3 + mlp_readers,  # q, k, v and the MLP's input projections
         final_norm=layer_norm,
         position_ids=s * 8,  # the int64 positions the position table gathers
         position_tables=0,

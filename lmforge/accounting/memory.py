@@ -255,7 +255,9 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
         # final norm, the LM head's input, the fp32 log-probabilities and the int64 targets
         "head_and_loss": 0 if not last else family.final_norm + (
             bsd * p.residual + head_weights * 4 if loss_chunk_tokens
-            else bsd * head_input + bs * cfg.vocab_size * 4 + bs * 8),
+            else bsd * head_input + bs * cfg.vocab_size * 4 + bs * 8
+            # a soft-capped head (model.logit_softcap, model/recipe.py): tanh keeps its output
+            + (bs * cfg.vocab_size * p.compute if cfg.logit_softcap else 0)),
         # tables every block reads (RoPE's cos and sin), kept once; not inside fully recomputed blocks
         "rope_tables": 0 if mode.blocks else family.position_tables,
         # the per-use weight casts; inside fully recomputed blocks they are recast in backward

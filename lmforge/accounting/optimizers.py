@@ -9,6 +9,8 @@ is the policy's parameter bytes. The others:
 
 - Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", algorithm 2) keeps only
   the momentum: one state, as SGD with momentum.
+- Adam keeps AdamW's two; AdaGrad its sum of squared gradients, RMSProp its moving average of them
+  (as trained: no momentum, not centered; optim/rmsprop.py): one each.
 - Adafactor (Shazeer and Stern 2018, section 3) without momentum (beta1 = 0, the paper's and
   Hugging Face's default) factors the second moment of an n x m matrix into n row and m column
   averages: 4(n + m) bytes instead of 4nm; a vector keeps its full second moment.
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.common.errors import lookup
+from lmforge.modes.optimizers import OPTIMIZER_MODES
 from lmforge.modes.precision import POLICIES, Policy
 
 QUANTIZATION_BLOCK = 2048  # values per fp32 absmax in 8-bit states (Dettmers et al. 2022)
@@ -38,14 +41,20 @@ class Optimizer:
     factored: bool = False  # Adafactor's row and column second moments
 
 
-OPTIMIZERS: dict[str, Optimizer] = {
+_STATES: dict[str, Optimizer] = {
     "adamw": Optimizer(states=2),
+    "adam": Optimizer(states=2),
     "adamw-8bit": Optimizer(states=2, eight_bit=True),
     "adafactor": Optimizer(states=0, factored=True),
     "lion": Optimizer(states=1),
     "sgd-momentum": Optimizer(states=1),
     "sgd": Optimizer(states=0),
+    "adagrad": Optimizer(states=1),
+    "rmsprop": Optimizer(states=1),
 }
+# keyed by modes/optimizers.py's names, in its order: a name added there without its states here
+# fails at import, not in the middle of a plan
+OPTIMIZERS: dict[str, Optimizer] = {name: _STATES[name] for name in OPTIMIZER_MODES}
 
 
 def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw", policy: Policy = POLICIES["fp32"],

@@ -4,6 +4,7 @@ import argparse
 
 from lmforge.cli.arguments import COUNT, RAW, add_config_args, add_run, number
 from lmforge.modes.attention import BACKENDS
+from lmforge.modes.optimizers import OPTIMIZER_MODES
 from lmforge.modes.precision import ALIASES, POLICIES
 from lmforge.modes.recompute import RECOMPUTE_MODES
 
@@ -48,8 +49,8 @@ def _add_plan_setup(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--grad-accum", type=COUNT, help="micro-batches per optimizer step")
     aliases = ", ".join(f"{alias} = {name}" for alias, name in ALIASES.items())
     plan.add_argument("--precision", metavar="LIST", help=f"{', '.join(POLICIES)} (or {aliases})")
-    plan.add_argument("--optimizer", metavar="LIST", help="adamw (default), adamw-8bit, adafactor, lion, "
-                                                          "sgd-momentum or sgd")
+    plan.add_argument("--optimizer", metavar="LIST", help=f"{', '.join(OPTIMIZER_MODES)} (default: "
+                                                           f"the config's optim.name, adamw)")
     plan.add_argument("--zero-stage", metavar="LIST", help="ZeRO stage 0-3 (shards over --dp; default 0)")
     plan.add_argument("--dp", metavar="LIST", help="data-parallel degree (default 1)")
     plan.add_argument("--tp", metavar="LIST", help="tensor-parallel degree (default 1)")

@@ -85,6 +85,11 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    # adamw | adam | sgd | sgd-momentum | adagrad | rmsprop | lion (modes/optimizers.py; docs/optimizers.md).
+    # Their hyper-parameters below: lr, weight_decay and grad_clip apply to all; beta1 to adam(w) and
+    # lion; beta2 to adam(w), lion and rmsprop (its alpha: the decay of the average of g^2); eps to
+    # adam(w), adagrad and rmsprop; momentum and nesterov to sgd-momentum
+    name: str = "adamw"
     lr: float = 3e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # the cosine decay ends at lr * min_lr_ratio
     warmup_steps: int = 50
@@ -92,11 +97,15 @@ class OptimConfig:
     # stays at its floor; None: train.max_steps, fixed into the run's config.yaml when the run starts,
     # so that extending a run with a larger train.max_steps does not re-stretch the steps already taken
     decay_steps: int | None = None
-    weight_decay: float = 0.1  # decoupled (Loshchilov & Hutter 2019); matrices and embeddings only
+    # matrices and embeddings only; decoupled (Loshchilov & Hutter 2019) for adamw and lion, an L2
+    # term added to the gradient for the others (as their torch.optim counterparts)
+    weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    momentum: float = 0.9  # sgd-momentum: the momentum buffer's decay (mu, dampening 0)
+    nesterov: bool = False  # sgd-momentum: Nesterov's momentum (Sutskever et al. 2013, eq. 3-4)
     # The schedule's shape (optim/schedule.py; docs/recipe.md): cosine, or warmup-stable-decay (Hägele et
     # al. 2024): the peak held, then a linear decay to the floor over the last decay_fraction of decay_steps
     schedule: str = "cosine"  # LR_SCHEDULES: cosine | wsd

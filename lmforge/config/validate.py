@@ -14,6 +14,7 @@ from lmforge.config.schema import (FAMILIES, INIT_SCHEMES, LR_SCHEDULES, MLPS, R
                                    DataConfig, FinetuneConfig, ModelConfig, OptimConfig, TrainConfig)
 # The names a setting can take, each from its one registry (light modules: no torch)
 from lmforge.modes.attention import BACKENDS
+from lmforge.modes.optimizers import OPTIMIZER_MODES
 from lmforge.modes.parallel import PARALLEL_STRATEGIES, PIPELINE_ENGINES, PIPELINE_SCHEDULES, parse_split
 from lmforge.modes.precision import FP8_SCALINGS, POLICIES
 from lmforge.modes.recompute import RECOMPUTE_MODES
@@ -157,6 +158,14 @@ def _check_data(d: DataConfig) -> None:
 
 
 def _check_optim(o: OptimConfig) -> None:
+    _choose("optim.name", o.name, OPTIMIZER_MODES)
+    _require(OPTIMIZER_MODES[o.name].trained, f"optim.name={o.name} is costed by the plan but not trained: "
+                                              f"{OPTIMIZER_MODES[o.name].why}")
+    _require(0.0 <= o.momentum < 1.0, f"optim.momentum must be in [0, 1), got {o.momentum}")
+    _require(isinstance(o.nesterov, bool), f"optim.nesterov must be true or false, got {o.nesterov!r}")
+    _require(not o.nesterov or (o.name == "sgd-momentum" and o.momentum > 0),
+             f"optim.nesterov=true applies to optim.name=sgd-momentum with optim.momentum > 0, "
+             f"got optim.name={o.name}, optim.momentum={o.momentum:g}")
     _positive("optim.lr", o.lr)
     _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")

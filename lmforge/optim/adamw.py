@@ -47,11 +47,15 @@ def _exact(factor: float) -> torch.Tensor:
 
 
 class AdamW(torch.optim.Optimizer):
+    # the weight decay: decoupled, theta <- theta - lr lambda theta (this class); False: L2 added to
+    # the gradient, g <- g + lambda theta, before the moments see it (Adam, adam.py)
+    decoupled_decay = True
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, count_lost_updates: bool = False,
                  foreach: bool | None = None):
         if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"invalid AdamW hyper-parameters: lr={lr}, betas={betas}, eps={eps}, "
+            raise ValueError(f"invalid {type(self).__name__} hyper-parameters: lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         # An attribute, not a param-group entry: the groups are saved in checkpoints, and which
@@ -102,7 +106,10 @@ class AdamW(torch.optim.Optimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         before = param.clone() if self.count_lost_updates else None
 
-        param.mul_(1.0 - lr * decay)
+        if self.decoupled_decay:
+            param.mul_(1.0 - lr * decay)
+        elif decay != 0:
+            grad = grad.add(param, alpha=decay)
         m.lerp_(grad, 1.0 - beta1)  # m + (1 - beta1)(g - m) = beta1 m + (1 - beta1) g
         v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         bias_correction1 = 1.0 - beta1**t
@@ -110,7 +117,7 @@ class AdamW(torch.optim.Optimizer):
         denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps)
         param.addcdiv_(m, denom, value=-lr / bias_correction1)
         if before is not None:
-            self._count(before, param, m, lr * decay != 0, counts)
+            self._count(before, param, m, self.decoupled_decay and lr * decay != 0, counts)
 
     def _update_many(self, params: list[torch.Tensor], group: dict, counts: list) -> None:
         """The same step for parameters of one device and dtype, each operation over the whole list."""
@@ -130,8 +137,10 @@ class AdamW(torch.optim.Optimizer):
         vs = [s["exp_avg_sq"] for s in states]
         before = [p.clone() for p in params] if self.count_lost_updates else None
 
-        if decay != 0:  # the loop multiplies by exactly 1.0 here, which changes nothing
+        if decay != 0 and self.decoupled_decay:  # the loop multiplies by exactly 1.0 here, which changes nothing
             torch._foreach_mul_(params, _exact(1.0 - lr * decay))
+        elif decay != 0:
+            grads = torch._foreach_add(grads, params, alpha=decay)
         torch._foreach_lerp_(ms, grads, 1.0 - beta1)
         torch._foreach_mul_(vs, _exact(beta2))
         torch._foreach_addcmul_(vs, grads, grads, value=1.0 - beta2)
@@ -143,7 +152,7 @@ class AdamW(torch.optim.Optimizer):
         torch._foreach_addcdiv_(params, ms, denoms, value=-lr / bias_correction1)
         if before is not None:
             for old, param, m in zip(before, params, ms):
-                self._count(old, param, m, lr * decay != 0, counts)
+                self._count(old, param, m, self.decoupled_decay and lr * decay != 0, counts)
 
     @staticmethod
     def _count(before: torch.Tensor, param: torch.Tensor, m: torch.Tensor, decaying: bool, counts: list) -> None:

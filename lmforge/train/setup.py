@@ -21,8 +21,9 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
                   applies fully_shard per block, then to the whole model. Hooks on the blocks (or on
                   their wrappers) gather and free stage-3 parameters, so recomputation and fp8 run
                   inside them.
-    8. optimizer  AdamW, decay on matrices and embeddings only, built by the engine over what it
-                  updates: the parameters, or for ZeRO this rank's slices of them
+    8. optimizer  optim.name's (optim/build.py; AdamW by default), decay on matrices and embeddings
+                  only, built by the engine over what it updates: the parameters, or for ZeRO this
+                  rank's slices of them
 
 The order matters: recomputation wraps what precision produced (an fp32-attention core is
 recomputed as a whole, casts included); compile traces the finished blocks, recomputation and
@@ -55,7 +56,7 @@ from lmforge.modes.attention import FLASH_BACKENDS
 from lmforge.interop.peft import load_peft_weights
 from lmforge.model.lora import apply_lora
 from lmforge.model.transformer import Transformer
-from lmforge.optim.adamw import AdamW
+from lmforge.optim.build import make_optimizer
 from lmforge.modes.precision import Policy, get_policy
 from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine, require_process_group
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place
@@ -111,15 +112,9 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
-def adamw(cfg: Config, policy: Policy, param_groups: list[dict]) -> AdamW:
-    """AdamW with the config's hyper-parameters over `param_groups`."""
-    o = cfg.optim
-    return AdamW(param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                 count_lost_updates=policy.lossy_updates)
-
-
-def build_optimizer(cfg: Config, policy: Policy, model: nn.Module) -> AdamW:
-    return adamw(cfg, policy, weight_decay_groups(model, cfg.optim.weight_decay))
+def build_optimizer(cfg: Config, policy: Policy, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of optim.name over the model's weight-decay groups (optim/build.py)."""
+    return make_optimizer(cfg, policy, weight_decay_groups(model, cfg.optim.weight_decay))
 
 
 def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
@@ -133,16 +128,16 @@ def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu"
         require_process_group(f"train.pipeline_stages={cfg.train.pipeline_stages}")
         layout, layers = pipeline_place(cfg, torch.distributed.get_rank(), torch.distributed.get_world_size())
         model = build_model(cfg, policy, device, base_state, stage=(layers, layout.first, layout.last))
-        return pipeline_engine(model, cfg, policy, layout, lambda groups: adamw(cfg, policy, groups),
+        return pipeline_engine(model, cfg, policy, layout, lambda groups: make_optimizer(cfg, policy, groups),
                                lambda model: weight_decay_groups(model, cfg.optim.weight_decay), torch.device(device),
                                timeline)
     return parallelize(build_model(cfg, policy, device, base_state), cfg, policy,
-                       make_optimizer=lambda groups: adamw(cfg, policy, groups),
+                       make_optimizer=lambda groups: make_optimizer(cfg, policy, groups),
                        weight_decay_groups=lambda model: weight_decay_groups(model, cfg.optim.weight_decay))
 
 
 def build(cfg: Config, device: torch.device | str = "cpu",
-          base_state: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, AdamW]:
+          base_state: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Model and optimizer of a one-process run, built and wrapped in the documented order (the
     precision policy resolved here, once, from cfg.train.precision)."""
     policy = get_policy(cfg.train.precision)

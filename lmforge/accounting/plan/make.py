@@ -85,7 +85,7 @@ class Setup:
     def from_config(cls, cfg, **changes) -> "Setup":
         """The setup a Config trains with (one device), with `changes` applied."""
         values = dict(batch_size=cfg.train.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.train.grad_accum,
-                      precision=cfg.train.precision, recompute=cfg.train.recompute, attention=cfg.model.attention,
+                      precision=cfg.train.precision, optimizer=cfg.optim.name, recompute=cfg.train.recompute, attention=cfg.model.attention,
                       fp32_attention=cfg.train.fp32_attention, parallel=cfg.train.parallel,
                       zero_stage=get_strategy(cfg.train.parallel).zero_stage,
                       loss_chunk_tokens=cfg.train.loss_chunk_tokens, lora_rank=cfg.finetune.lora_rank,

@@ -1,0 +1,126 @@
+"""`lmforge plan`: what a setup costs before it runs (lmforge/accounting/plan/), as tables, JSON or charts."""
+
+from pathlib import Path
+
+from lmforge.common.errors import LmforgeError
+from lmforge.config import DEFAULT_PRESET, make_config
+
+
+def cmd_plan(args) -> int:
+    """`lmforge plan`: every check first (bad input is one line before anything is written), then the
+    plans, then the tables or JSON and the charts."""
+    from rich.console import Console
+
+    from lmforge.accounting.plan.show import print_dtypes
+    from lmforge.accounting.plan.setups import plan_overrides
+    from lmforge.train.host_memory import retain_freed_memory
+
+    console = Console()
+    if args.dtypes:
+        print_dtypes(console)
+        return 0
+    retain_freed_memory()  # the roofline is measured under the malloc settings lmforge train runs with
+    cfg, name = _plan_config(args, plan_overrides(args))
+    plans, varying, note = _plans(cfg, args)
+    if args.compare:
+        _show_comparison(console, plans, varying, name, args)
+    else:
+        _show_plan(console, *plans, name, note, args)
+    return 0
+
+
+def _plans(cfg, args) -> tuple[list[dict], list, str | None]:
+    """The plans of `cfg` and the options (several with --compare), checked; with --scaling, the loss
+    each buys."""
+    from lmforge.accounting.plan.setups import plan_setups
+
+    if args.plot and not Path(args.plot).parent.is_dir():
+        raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
+                           f"or pick another path")
+    if args.roofline and (args.compare or args.inference or not Path(args.roofline).parent.is_dir()):
+        raise LmforgeError(f"--roofline {args.roofline}: " + ("one training plan at a time (not with --compare or "
+                           "--inference)" if args.compare or args.inference else
+                           f"folder {Path(args.roofline).parent} does not exist"))
+    plans, varying, note = plan_setups(cfg, args)  # LmforgeError for bad input, before anything is written
+    if args.roofline and "roofline" not in plans[0]:
+        raise LmforgeError(f"--roofline {args.roofline}: no roofline for this setup (tensor or pipeline "
+                           f"parallelism, LoRA: not predicted yet)")
+    if args.scaling:  # the loss the budget buys (accounting/scaling.py)
+        from lmforge.accounting.scaling import predicted_loss, read_fit
+        from lmforge.accounting.shapes import model_shapes
+
+        fit = read_fit(args.scaling)
+        for plan in plans:
+            plan["scaling"] = predicted_loss(fit, model_shapes(cfg.model).matmul_weights, plan["time"]["tokens"])
+    return plans, varying, note
+
+
+def _show_comparison(console, plans: list[dict], varying, name: str, args) -> None:
+    import json
+
+    from lmforge.accounting.plan.chart import plot_comparison
+    from lmforge.accounting.plan.compare import print_comparison_table
+    from lmforge.runs.staging import write_file_staged
+
+    if args.plot:
+        write_file_staged(Path(args.plot), lambda path: plot_comparison(plans, varying, path, name=name))
+    if args.json:
+        print(json.dumps(plans, indent=2))
+    else:
+        print_comparison_table(console, plans, varying, title=f"lmforge plan --compare: {name}")
+        if args.plot:
+            console.print(f"comparison chart: {args.plot}")
+
+
+
+def _show_plan(console, plan: dict, name: str, note: str | None, args) -> None:
+    import json
+
+    from lmforge.accounting.plan.chart import plot_memory
+    from lmforge.accounting.plan.show import print_plan
+    from lmforge.runs.staging import write_file_staged
+
+    if args.plot:
+        write_file_staged(Path(args.plot), lambda path: plot_memory(plan, path, name=name))
+    if args.roofline:
+        from lmforge.accounting.plan.show_roofline import plot_roofline
+
+        write_file_staged(Path(args.roofline), lambda path: plot_roofline(plan, path, name=name))
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        print_plan(console, plan, title=f"lmforge plan{' --inference' if args.inference else ''}: {name}")
+        if note:
+            console.print(note)
+        if args.plot:
+            console.print(f"memory chart: {args.plot}")
+        if args.roofline:
+            console.print(f"roofline chart: {args.roofline}")
+
+
+def _plan_config(args, overrides: list[str]):
+    """The config `lmforge plan` plans and its name: a preset's, or a folder's (a run's config.yaml, a
+    Hugging Face folder's model), then --config and the overrides. With --inference a folder's
+    stored dtype is the default --weights and --kv-dtype: what `lmforge generate` holds."""
+    if args.run is None:
+        name = args.model or DEFAULT_PRESET
+        return make_config(name, args.config, overrides), name
+    if args.model:
+        raise LmforgeError(f"give RUN ({args.run}) or --model ({args.model}), not both")
+    from lmforge.accounting.inference import KV_FORMATS
+    from lmforge.config import apply_dict, parse_override, read_yaml, set_value, validate
+    from lmforge.runs.load import DTYPES, folder_config, folder_dtype
+
+    cfg = folder_config(args.run)
+    if args.config:
+        apply_dict(cfg, read_yaml(args.config), origin=args.config)
+    for item in overrides:
+        set_value(cfg, *parse_override(item), origin="command line")
+    validate(cfg)
+    if cfg.optim.decay_steps is None:  # as make_config fixes a new config's schedule
+        cfg.optim.decay_steps = cfg.train.max_steps
+    if args.inference:
+        stored = {dtype: name for name, dtype in DTYPES.items()}.get(folder_dtype(args.run), "fp32")
+        args.weights = args.weights or stored
+        args.kv_dtype = args.kv_dtype or (stored if stored in KV_FORMATS else "bf16")
+    return cfg, Path(args.run).name

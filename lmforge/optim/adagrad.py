@@ -1,0 +1,44 @@
+"""AdaGrad (Duchi, Hazan & Singer 2011, "Adaptive Subgradient Methods for Online Learning and
+Stochastic Optimization", the diagonal update of section 1.1, eq. 1 with diag(G_t)), as
+torch.optim.Adagrad computes it (no learning-rate decay of its own: lmforge's schedule sets lr).
+
+For each parameter theta with gradient g:
+
+    g <- g + lambda * theta          L2 weight decay, added to the gradient
+    s <- s + g^2                     the sum of every squared gradient so far (starts at 0)
+    theta <- theta - lr * g / (sqrt(s) + eps)
+
+Each element's rate falls as its gradients accumulate: large for rare features, small for
+frequent ones. State: `sum` per parameter. A loop over parameters (see sgd.py for why).
+"""
+
+import torch
+
+
+class Adagrad(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0.0):
+        if lr < 0 or eps <= 0 or weight_decay < 0:
+            raise ValueError(f"invalid Adagrad hyper-parameters: lr={lr}, eps={eps}, weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                g = param.grad
+                if decay != 0:
+                    g = g.add(param, alpha=decay)
+                state = self.state[param]
+                if not state:
+                    state["sum"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                s = state["sum"]
+                s.addcmul_(g, g, value=1.0)
+                param.addcdiv_(g, s.sqrt().add_(eps), value=-lr)
+        return loss
