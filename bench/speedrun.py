@@ -58,7 +58,10 @@ TECHNIQUES = {  # the literature's small-scale speedups (modded-nanogpt, nanocha
     "short": ["optim.decay_steps=600"],  # a shorter schedule: the decay that finishes the loss comes sooner
     "batch16": ["train.batch_size=16", "optim.decay_steps=450"],  # twice the tokens per step, half the steps
     "seq128": ["train.seq_len=128", "train.batch_size=16"],  # the same tokens per step in shorter windows
-    "muon": ["optim.name=muon"],  # Jordan et al. 2024: needs the optimizer of issue 27 part 1
+    "muon": ["optim.name=muon"],  # Jordan et al. 2024 (issue 27 part 1)
+    # Chen et al. 2023, section 5: a learning rate 3-10x below AdamW's, the weight decay as many times above;
+    # betas (0.9, 0.99), the paper's default
+    "lion": ["optim.name=lion", "optim.lr=1e-3", "optim.weight_decay=0.3", "optim.beta2=0.99"],
 }
 RECIPES = {  # name -> techniques added to the baseline
     "baseline": [],
@@ -67,6 +70,7 @@ RECIPES = {  # name -> techniques added to the baseline
     "modded": ["wsd", "zero_init", "relu2", "qk_norm", "untied", "softcap"],
     "best": ["wsd", "zero_init", "relu2", "qk_norm", "untied", "softcap", "short"],
     "best-muon": ["wsd", "zero_init", "relu2", "qk_norm", "untied", "softcap", "short", "muon"],
+    "lion": ["lion"],
 }
 
 
