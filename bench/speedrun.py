@@ -82,10 +82,11 @@ def plan_runs(recipes: list[str], ablation: bool) -> dict[str, list[str]]:
     """The recipes to run, baseline first: name -> techniques (ablation: the first candidate's
     techniques each added alone to the baseline and removed alone from the candidate)."""
     runs = {"baseline": []}
-    for name in recipes:
-        if name not in RECIPES:
-            raise LmforgeError(f"unknown recipe {name!r}; recipes: {', '.join(RECIPES)}")
-        runs[name] = RECIPES[name]
+    for name in recipes:  # a recipe, or one technique alone on the baseline
+        if name not in RECIPES and name not in TECHNIQUES:
+            raise LmforgeError(f"unknown recipe {name!r}; recipes: {', '.join(RECIPES)}; or one technique: "
+                               f"{', '.join(TECHNIQUES)}")
+        runs[name] = RECIPES.get(name, [name])
     if ablation:
         best = next((name for name in recipes if name != "baseline"), None)
         if best is None:
@@ -204,7 +205,8 @@ def plot(results: list[dict], target: float, png: Path) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipes", default="best", help=f"comma-separated candidates: {', '.join(RECIPES)}")
+    p.add_argument("--recipes", default="best", help=f"comma-separated candidates: {', '.join(RECIPES)}, "
+                                                     f"or a technique alone: {', '.join(TECHNIQUES)}")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--model", default="small")
     p.add_argument("--target", type=float, default=None, help="default: TARGETS[model] (small: 3.86)")

@@ -65,7 +65,8 @@ def test_the_ablation_adds_and_removes_each_technique():
 def test_an_unknown_recipe_or_override_is_one_line(tmp_path):
     done = script("--dry-run", "--recipes", "bestt", "--out", str(tmp_path))
     assert done.returncode == 2 and done.stderr.strip() == (
-        f"speedrun: error: unknown recipe 'bestt'; recipes: {', '.join(speedrun.RECIPES)}")
+        f"speedrun: error: unknown recipe 'bestt'; recipes: {', '.join(speedrun.RECIPES)}; "
+        f"or one technique: {', '.join(speedrun.TECHNIQUES)}")
     done = script("--dry-run", "--recipes", "best", "--out", str(tmp_path), "train.max_step=5")
     assert done.returncode == 2 and "unknown config key 'train.max_step'" in done.stderr
     assert not any(tmp_path.iterdir())  # nothing written

@@ -75,7 +75,9 @@ def block_ops(cfg: ModelConfig, layer: str, b: int, s: int, policy: Policy, line
     """(forward, backward) ops of one block."""
     m, d, c, r = b * s, cfg.d_model, policy.bytes.compute, policy.bytes.residual
     q_elems, kv_elems = m * cfg.n_heads * cfg.head_dim, m * cfg.kv_heads * cfg.head_dim
-    gated = cfg.family == "llama"
+    # SwiGLU's gate by model.mlp, the rotary by family (model.mlp=relu2 or gelu on llama has no gate_proj);
+    # ReLU^2's elementwise work is counted as GELU's (one read, one write each way)
+    gated, rotary = cfg.mlp_kind == "swiglu", cfg.family == "llama"
     norm_fwd, norm_bwd = _ew(f"{layer} norm forward", 2 * r * m * d), _ew(f"{layer} norm backward", 4 * r * m * d, 4)
     residual_fwd = _ew(f"{layer} residual add", (2 * r + c) * m * d)
     residual_bwd = _ew(f"{layer} residual gradient", 3 * r * m * d + ((r + c) * m * d if c != r else 0))
@@ -89,7 +91,7 @@ def block_ops(cfg: ModelConfig, layer: str, b: int, s: int, policy: Policy, line
                        (s, cfg.head_dim), 1, policy.matmul_dtype)
     attention_bwd = Op(f"{layer} attention backward", "attention", "sdpa_backward", 2 * attention_fwd.flops,
                        c * (4 * q_elems + 4 * kv_elems), (s, cfg.head_dim), 2, policy.matmul_dtype)
-    if gated:
+    if rotary:
         forward.append(_ew(f"{layer} rotary", _rope_bytes(q_elems + kv_elems, c), 12))
     forward += [attention_fwd, _ew(f"{layer} attention output layout", 2 * c * q_elems)]
     forward += linear_forward(f"{layer}.attn.o_proj", m, *linears[f"{layer}.attn.o_proj"], policy)
@@ -97,12 +99,12 @@ def block_ops(cfg: ModelConfig, layer: str, b: int, s: int, policy: Policy, line
     for name in mlp:
         forward += linear_forward(f"{layer}.{name}", m, *linears[f"{layer}.{name}"], policy)
     f = cfg.ffn_dim
-    forward.append(_ew(f"{layer} {'SwiGLU' if gated else 'GELU'}", (5 if gated else 2) * c * m * f, 2 if gated else 1))
+    forward.append(_ew(f"{layer} {cfg.mlp_kind}", (5 if gated else 2) * c * m * f, 2 if gated else 1))
     forward += linear_forward(f"{layer}.mlp.down_proj", m, *linears[f"{layer}.mlp.down_proj"], policy)
     forward.append(residual_fwd)
     # backward, in reverse
     backward += [residual_bwd] + linear_backward(f"{layer}.mlp.down_proj", m, *linears[f"{layer}.mlp.down_proj"], policy)
-    backward.append(_ew(f"{layer} {'SwiGLU' if gated else 'GELU'} backward", (9 if gated else 3) * c * m * f, 3 if gated else 1))
+    backward.append(_ew(f"{layer} {cfg.mlp_kind} backward", (9 if gated else 3) * c * m * f, 3 if gated else 1))
     for name in mlp:
         backward += linear_backward(f"{layer}.{name}", m, *linears[f"{layer}.{name}"], policy)
     if gated:  # gate and up read the same normalised input: their input gradients are summed
@@ -110,7 +112,7 @@ def block_ops(cfg: ModelConfig, layer: str, b: int, s: int, policy: Policy, line
     backward += [norm_bwd, residual_bwd]
     backward += linear_backward(f"{layer}.attn.o_proj", m, *linears[f"{layer}.attn.o_proj"], policy)
     backward += [_ew(f"{layer} attention output layout backward", 2 * c * q_elems), attention_bwd]
-    if gated:
+    if rotary:
         backward.append(_ew(f"{layer} rotary backward", _rope_bytes(q_elems + kv_elems, c), 12))
     for name in attn:
         backward += linear_backward(f"{layer}.{name}", m, *linears[f"{layer}.{name}"], policy)
