@@ -40,12 +40,17 @@ HERE = Path(__file__).resolve().parent
 # `lmforge train`'s default run (`small`, 900 steps) ends at 3.86 nats/token (README; bench/RESULTS.md:
 # 3.8584 fp32, 3.8574 bf16-mixed, on the 8 default evaluation batches)
 TARGETS = {"small": 3.86}
-EVAL_INTERVAL, EVAL_BATCHES = 20, 16  # 16 batches x 8 x 256 = 32,768 validation tokens per evaluation
+# Every run evaluates the same validation batches, whatever its train.seed: those the target was measured
+# on (the default run's, train.seed 1337 + 1, 8 batches of 8 x 256 = 16,384 tokens). Fixed batches give
+# each model one deterministic estimate; the per-batch spread (0.30 nats at loss 5.6, `small`) puts the
+# 8-batch mean within about 0.1 nats of the whole split's loss, an offset shared by every run compared.
+EVAL_INTERVAL, EVAL_SEED, EVAL_BATCHES = 20, 1338, 8
 # The baseline: today's default recipe at its fastest existing settings; its cosine keeps its 900-step
 # length even when --max-steps lets a run go on past it (at the floor learning rate) to reach the target.
 BASELINE = ["train.precision=bf16-mixed", "optim.decay_steps=900"]
 MEASURE = ["train.checkpoint_interval=0", "train.sample_tokens=0", "train.tensorboard=false",
-           f"train.eval_interval={EVAL_INTERVAL}", f"train.eval_batches={EVAL_BATCHES}", "train.log_interval=10"]
+           f"train.eval_interval={EVAL_INTERVAL}", f"train.eval_seed={EVAL_SEED}", f"train.eval_batches={EVAL_BATCHES}",
+           "train.log_interval=10"]
 TECHNIQUES = {  # the literature's small-scale speedups (modded-nanogpt, nanochat; docs/recipe.md)
     "compile": ["train.compile=true"],
     "wsd": ["optim.schedule=wsd", "optim.decay_fraction=0.3"],  # Hägele et al. 2024
@@ -133,9 +138,11 @@ def run_one(args, name: str, techniques: list[str], seed: int, data_dir: Path) -
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.time() - started
     (args.out / f"seed{seed}" / f"{name}.log").write_text(done.stdout)
-    if done.returncode != 0:
-        raise LmforgeError(f"{name}, seed {seed} failed (exit {done.returncode}): "
-                           f"{done.stdout.strip().splitlines()[-1:]}; log in {args.out}/seed{seed}/{name}.log")
+    if done.returncode != 0:  # recorded, and the other runs go on
+        error = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+        print(f"  failed (exit {done.returncode}): {error}; log in {args.out}/seed{seed}/{name}.log", flush=True)
+        return {"recipe": name, "seed": seed, "techniques": techniques, "failed": error, "reached_step": None,
+                "seconds": None, "wall_seconds": wall, "tokens": None, "val_loss": None, "curve": []}
     summary = json.loads((run_dir / "summary.json").read_text())
     step = summary["target_reached_step"]
     return {"recipe": name, "seed": seed, "techniques": techniques, "reached_step": step,
@@ -173,6 +180,9 @@ def report(results: list[dict], table: dict[str, dict], target: float) -> None:
           f"{'time/base':>11}")
     for r in results:
         ratio = table.get(r["recipe"], {}).get("per_seed", {}).get(r["seed"])
+        if "failed" in r:
+            print(f"{r['recipe']:<24}{r['seed']:>5}  failed: {r['failed']}")
+            continue
         print(f"{r['recipe']:<24}{r['seed']:>5}{r['reached_step'] or '-':>7}{r['tokens'] or '-':>12}"
               f"{r['seconds']:>9.1f}{r['wall_seconds']:>9.1f}{r['val_loss']:>10.4f}"
               f"{'' if ratio is None else f'{ratio:.3f}':>11}")
@@ -197,7 +207,8 @@ def plot(results: list[dict], target: float, png: Path) -> None:
     ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target}")
     ax.set(xlabel="training time to this evaluation (s; evaluation not counted)", ylabel="validation loss (nats/token)",
            title="speedrun: validation loss against training time")
-    ax.set_ylim(target - 0.3, target + 1.5)
+    lowest = min((v for r in results for _, _, v in r["curve"]), default=target)
+    ax.set_ylim(min(lowest, target) - 0.05, max(lowest, target) + 1.2)  # the approach to the target, not step 0
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)

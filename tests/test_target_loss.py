@@ -1,5 +1,6 @@
 """train.target_loss: a run stops at the first evaluation whose validation loss reaches it, with a
-checkpoint and a summary saying so (bench/speedrun.py times runs to a target this way)."""
+checkpoint and a summary saying so; train.eval_seed: the validation batches, whatever train.seed
+(bench/speedrun.py times runs of several seeds to a target this way)."""
 
 import json
 
@@ -10,6 +11,8 @@ from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.runs.checkpoint.find import find_checkpoint
+from lmforge.modes.precision import get_policy
+from lmforge.train.evaluate import evaluate
 from lmforge.train.loop import Trainer
 from tests.conftest import tiny_overrides
 
@@ -85,3 +88,16 @@ def test_resuming_a_run_that_reached_its_target(tiny_config, straight, tmp_path)
 def test_a_bad_target_is_one_line():
     with pytest.raises(LmforgeError, match="train.target_loss must be positive, got -1.0"):
         make_config("tiny", overrides=["train.target_loss=-1"])
+
+
+def test_eval_seed_picks_the_validation_batches_whatever_the_training_seed(tiny_config, tmp_path):
+    cfg = tiny_config("train.seed=5", "train.eval_seed=1338", max_steps=2, checkpoint_interval=0)
+    trainer = quiet_trainer(cfg, tmp_path / "run")
+    logged = trainer.run()["val_loss"]
+    t = cfg.train
+
+    def val_loss(seed):
+        return evaluate(trainer.model, trainer.data.val, t.batch_size, cfg.seq_len, seed, t.eval_batches,
+                        trainer.device, get_policy(t.precision))
+
+    assert val_loss(1338) == logged != val_loss(t.seed + 1)  # the default's batches are others

@@ -311,7 +311,8 @@ class Trainer:
         """The validation loss (train/evaluate.py), logged and kept in the history. Returns whether
         it reached train.target_loss (then kept in the history as TARGET_REACHED: the run ends)."""
         t = self.cfg.train
-        val_loss = evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, t.seed + 1, t.eval_batches,
+        seed = t.seed + 1 if t.eval_seed is None else t.eval_seed
+        val_loss = evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, seed, t.eval_batches,
                             self.device, self.policy, self.world, self.make_batch, engine=self.engine)
         self.state.history["val_loss"] = val_loss
         self.log.record({"step": self.step, "val_loss": val_loss, "time": time.time()})
