@@ -178,7 +178,7 @@ def optimizer_step_seconds(args) -> tuple[dict[str, float], list]:
     from lmforge.optim.adamw import AdamW
     from lmforge.train.host_memory import retain_freed_memory
     from lmforge.parallel.launch import resolve_device
-    from lmforge.train.setup import weight_decay_groups
+    from lmforge.optim.build import weight_decay_groups
 
     cfg = make_config(args.model, overrides=args.overrides)
     device = resolve_device(cfg.train.device)

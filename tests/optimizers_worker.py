@@ -3,6 +3,7 @@
 its rows of one global batch (parallel_worker's batches and loop), and rank 0 saves the full state
 by name and the losses."""
 
+import copy
 import datetime
 import json
 import sys
@@ -27,8 +28,14 @@ def main(out: str, runs: str):
         torch.manual_seed(cfg.train.seed)
         engine = build_engine(cfg, get_policy(cfg.train.precision))
         losses, norms = train(engine, cfg, STEPS, rank, ranks)
+        state = engine.optimizer_state_dict()
+        # a fresh engine loads the state back by name (ZeRO: each rank its shard of the full tensors)
+        fresh = build_engine(cfg, get_policy(cfg.train.precision))
+        fresh.load_model_state_dict({k: v.clone() for k, v in engine.model_state_dict().items()})
+        fresh.load_optimizer_state_dict(copy.deepcopy(state))
         results[key] = dict(model=engine.model_state_dict(), losses=losses, norms=norms,
-                            optimizer=type(engine.optimizer).__name__)
+                            optimizer=type(engine.optimizer).__name__, state=state,
+                            reloaded=fresh.optimizer_state_dict())
         dist.barrier()
     if rank == 0:
         torch.save(results, out)

@@ -22,7 +22,8 @@ from lmforge.parallel.parallelize import parallelize
 from lmforge.precision.loss_scaler import LossScaler
 from lmforge.modes.precision import get_policy
 from lmforge.train.loop import train_step
-from lmforge.train.setup import build_engine, build_model, build_optimizer, weight_decay_groups
+from lmforge.optim.build import weight_decay_groups
+from lmforge.train.setup import build_engine, build_model, build_optimizer
 
 SEQ, ROWS = 32, 2  # tokens per row; rows per rank per micro-batch
 VARIANTS = {"lora": ["finetune.lora_rank=4"],  # config overrides of each variant
@@ -31,6 +32,8 @@ VARIANTS = {"lora": ["finetune.lora_rank=4"],  # config overrides of each varian
             "compile": ["train.compile=true"],
             "recompute_full": ["train.recompute=full"],
             "recompute_selective": ["train.recompute=selective"],
+            "muon": ["optim.name=muon"],  # Muon for the block matrices (optim/muon.py): tests/test_muon_dist.py
+            "adafactor": ["optim.name=adafactor"],  # optim/adafactor.py, ddp only (launch.py): the same test
             "reload": []}  # every strategy's state loaded back into a fresh engine (not only RELOADED's)
 BASE_SEED = 4321
 RELOADED = ("zero1", "zero3", "ddp")

@@ -1,6 +1,7 @@
-"""Run by tests/test_pipeline_compose_dist.py under torchrun (not a test module itself): pipelines
-with LoRA and with ZeRO-1 over each stage's replicas, trained a few steps as tests/pipeline_worker.py
-trains them; rank 0 saves, per run, the whole model by name (replica 0's stages), the losses and
+"""Run by tests/test_pipeline_compose_dist.py and tests/test_pipeline_cells_dist.py under torchrun
+(not a test module itself): pipelines with LoRA, ZeRO-1 over each stage's replicas, each precision,
+full fine-tunes, compile and recomputation, trained a few steps as tests/pipeline_worker.py trains
+them; rank 0 saves, per run, the whole model by name (replica 0's stages), the losses and
 norms, each rank's state bytes after the first step, the optimizer state's names, and whether a
 fresh engine that loads the state by name continues exactly as the trained one."""
 
@@ -12,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from parallel_worker import make_engine
 from pipeline_worker import config, micro_batches, train
 
 from lmforge.modes.precision import get_policy
@@ -27,7 +29,7 @@ def one_more_step(engine, cfg, step: int) -> dict[str, torch.Tensor]:
     r = engine.replica
     batches = iter([(x[r * per:(r + 1) * per], y[r * per:(r + 1) * per])
                     for x, y in micro_batches(step, cfg.train.micro_batches, engine.replicas * per,
-                                              cfg.model.vocab_size)])
+                                              cfg.model.vocab_size, prompts=cfg.finetune.base is not None)])
     train_step(engine, lambda: next(batches), 1, cfg.optim.lr, cfg.optim.grad_clip,
                LossScaler(enabled=policy.loss_scaling), policy, torch.device("cpu"))
     return {k: v.clone() for k, v in engine.model_state_dict().items()}
@@ -53,7 +55,7 @@ def main(out: str, runs: str):
     for key, overrides in json.loads(runs).items():
         cfg = config(overrides)
         torch.manual_seed(cfg.train.seed)
-        engine = build_engine(cfg, get_policy(cfg.train.precision))
+        engine = make_engine(cfg, [])  # a fine-tune starts from parallel_worker.py's base
         held = {}
         original_step = engine.step
 

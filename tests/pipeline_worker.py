@@ -10,13 +10,15 @@ import sys
 import torch
 import torch.distributed as dist
 
+from parallel_worker import SEQ, global_batches
+
 from lmforge.config import make_config
 from lmforge.precision.loss_scaler import LossScaler
 from lmforge.modes.precision import get_policy
 from lmforge.train.loop import train_step
 from lmforge.train.setup import build_engine
 
-SEQ, ROWS, STEPS = 32, 2, 3  # tokens per row; rows per replica per micro-batch; optimizer steps
+ROWS, STEPS = 2, 3  # rows (of SEQ tokens) per replica per micro-batch; optimizer steps
 
 
 def config(overrides):
@@ -24,11 +26,10 @@ def config(overrides):
                                           *overrides])
 
 
-def micro_batches(step: int, count: int, rows: int, vocab: int):
-    """The step's `count` micro-batches of `rows` rows (the same on every rank)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, vocab, (count, rows, SEQ + 1), generator=g)
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+def micro_batches(step: int, count: int, rows: int, vocab: int, prompts: bool = False):
+    """The step's `count` micro-batches of `rows` rows (the same on every rank); with `prompts`
+    (a fine-tune) each row's first tokens have no targets (parallel_worker.py's, the same tokens)."""
+    return global_batches(step, count, rows, vocab, prompts)
 
 
 def train(engine, cfg, count: int, replica: int, replicas: int, rows: int = ROWS):
@@ -39,7 +40,8 @@ def train(engine, cfg, count: int, replica: int, replicas: int, rows: int = ROWS
     losses, norms = [], []
     for step in range(STEPS):
         batches = iter([(x[replica * rows:(replica + 1) * rows], y[replica * rows:(replica + 1) * rows])
-                        for x, y in micro_batches(step, count, replicas * rows, cfg.model.vocab_size)])
+                        for x, y in micro_batches(step, count, replicas * rows, cfg.model.vocab_size,
+                                                  prompts=cfg.finetune.base is not None)])
         loss, norm, _ = train_step(engine, lambda: next(batches), cfg.train.grad_accum, cfg.optim.lr,
                                    cfg.optim.grad_clip, scaler, policy, torch.device("cpu"))
         losses.append(loss.item())

@@ -68,6 +68,9 @@ def test_train_then_generate_end_to_end(tmp_path, corpus_dir, data_dir, capsys, 
     # resume may extend training, but not change the model
     assert main(["train", "--resume", str(run), "model.d_model=32"]) == 2
     assert "cannot change model.d_model when resuming" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "optim.name=lion"]) == 2  # its checkpoint holds AdamW's states
+    assert capsys.readouterr().err == (f"lmforge: error: cannot change optim.name when resuming: {run} holds the "
+                                       f"states of optim.name=adamw; start a new run (or finetune {run}) for lion\n")
     assert main(["train", "--resume", str(run), "--no-progress", "train.max_steps=210"]) == 0
     assert json.loads((run / "summary.json").read_text())["steps"] == 210
 

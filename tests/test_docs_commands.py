@@ -95,8 +95,8 @@ def check_train(args) -> None:
         return check_resumed(args)
     cfg = make_config(args.model or DEFAULT_PRESET, config_file(args), args.overrides)
     if getattr(args, "nproc", None) is not None:
-        assert cfg.train.parallel != "none" or cfg.train.pipeline_stages > 1, \
-            "--nproc needs train.parallel (or train.pipeline_stages) to share the work"
+        assert cfg.train.parallel != "none" or cfg.train.pipeline_stages > 1 or cfg.parallel.tp > 1, \
+            "--nproc needs train.parallel (or train.pipeline_stages, parallel.tp) to share the work"
 
 
 def check_finetune(args) -> None:

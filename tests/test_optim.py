@@ -7,7 +7,7 @@ from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.optim.clip import clip_grad_norm
-from lmforge.train.setup import weight_decay_groups
+from lmforge.optim.build import weight_decay_groups
 
 
 @pytest.mark.parametrize("foreach", [False, True])

@@ -149,7 +149,7 @@ def test_the_names_agree_between_modes_plan_and_trainer():
 
 @pytest.mark.parametrize("overrides, message", [
     (["optim.name=lino"], "optim.name must be one of adamw, adam, sgd, sgd-momentum, adagrad, rmsprop, lion, "
-                          "adamw-8bit, adafactor, got 'lino' (did you mean 'lion'?)"),
+                          "adamw-8bit, adafactor, muon, got 'lino' (did you mean 'lion'?)"),
     (["optim.name=adamw-8bit"], "optim.name=adamw-8bit is costed by the plan but not trained: it needs "
                                 "bitsandbytes' 8-bit kernels, which lmforge does not implement; use adamw"),
     (["optim.nesterov=true"], "optim.nesterov=true applies to optim.name=sgd-momentum with optim.momentum > 0, "

@@ -82,3 +82,18 @@ def test_lion_under_data_parallelism_equals_one_process(trained, strategy):
         diff = (result["model"][name] - tensor).abs()
         assert diff.max().item() <= 2 * STEPS * 1e-3, name
         assert (diff > 1e-6).float().mean().item() <= 1e-2, name
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_optimizer_state_loads_back_by_name(trained, strategy, name):
+    """What a checkpoint holds: the optimizer's own state names (SGD's momentum_buffer, Lion's
+    exp_avg), full tensors by parameter name, read back into a fresh engine unchanged."""
+    result = trained[f"{strategy}/{name}"]
+    saved, reloaded = result["state"], result["reloaded"]
+    keys = {"sgd-momentum": {"momentum_buffer"}, "lion": {"exp_avg"}}[name]
+    assert {k for entry in saved["state"].values() for k in entry if k != "step"} == keys
+    assert saved["state"].keys() == reloaded["state"].keys()
+    for param, entry in saved["state"].items():
+        for k, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(reloaded["state"][param][k])), (param, k)

@@ -22,10 +22,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from parallel_worker import make_engine  # noqa: E402
 from pipeline_worker import ROWS, STEPS, config, train  # noqa: E402
 
-from lmforge.modes.precision import get_policy  # noqa: E402
-from lmforge.train.setup import build_engine  # noqa: E402
 from tests.test_distributed_train import env, free_port  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -51,10 +50,11 @@ def pipeline(stages: int, schedule: str, m: int = M, *extra: str) -> list[str]:
 
 
 def single_process(m: int, replicas: int = 1, *extra: str) -> dict:
-    """One process accumulating the same m micro-batches of replicas * ROWS rows."""
+    """One process accumulating the same m micro-batches of replicas * ROWS rows (a fine-tune from
+    parallel_worker.py's base)."""
     cfg = config([f"train.grad_accum={m}", *extra])
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(cfg, get_policy(cfg.train.precision))
+    engine = make_engine(cfg, [])
     losses, norms = train(engine, cfg, m, 0, 1, rows=replicas * ROWS)
     return dict(model=engine.model_state_dict(), losses=losses, norms=norms)
 

@@ -8,17 +8,16 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from lmforge.accounting import flops
 from lmforge.accounting.plan.make import Setup, make_plan
 from lmforge.accounting.roofline import Roof, interpolate, op_time, predict
-from lmforge.accounting.roofline_ops import Op, linear_backward, linear_forward, micro_batch_ops, optimizer_ops
+from lmforge.accounting.roofline_ops import Op, micro_batch_ops, optimizer_ops
 from lmforge.cli import main
-from lmforge.config import make_config
+from lmforge.config import Config, make_config
+from lmforge.optim.build import param_groups
 from lmforge.model.transformer import Transformer
-from lmforge.modes.precision import get_policy
 
 
 def _by_class(ops) -> dict:
@@ -41,7 +40,7 @@ def test_flops_by_class_sum_to_flops_py_and_to_flop_counter(overrides, seq_len):
     backend's attention einsums) = the attention class. Other classes count no FLOPs."""
     cfg = make_config("tiny", overrides=overrides + ["model.attention=naive"]).model
     batch = 2
-    per_class = _by_class(micro_batch_ops(cfg, batch, seq_len, get_policy("fp32")))
+    per_class = _by_class(micro_batch_ops(cfg, batch, seq_len, "fp32"))
     assert per_class["matmuls"] + per_class["attention"] == flops.training_flops_per_token(cfg, seq_len) * batch * seq_len
     assert per_class["norms/elementwise"] == per_class["loss"] == 0
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
@@ -56,34 +55,66 @@ def test_flops_by_class_sum_to_flops_py_and_to_flop_counter(overrides, seq_len):
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_recomputation_adds_its_forward_as_flops_py_counts_it(recompute):
     cfg = make_config("tiny").model
-    ops = micro_batch_ops(cfg, 2, 64, get_policy("fp32"), recompute)
+    ops = micro_batch_ops(cfg, 2, 64, "fp32", recompute)
     assert sum(op.flops for op in ops) == flops.hardware_flops_per_token(cfg, 64, recompute) * 2 * 64
 
 
-def test_a_linear_layers_bytes_are_its_tensors_sizes():
-    """Hand-worked: x (6, 3) @ W^T with W (5, 3). fp32: each matmul moves x, W and y once; dX and
-    dW move dY, W, dX and dY, x, dW: the same three sizes. Under bf16-mixed the matmuls move 16-bit
-    tensors and the casts read the fp32 input and weight and write their 16-bit copies."""
-    m, k, n = 6, 3, 5
-    x, w = torch.empty(m, k), torch.empty(n, k)
-    sizes = x.nbytes + w.nbytes + F.linear(x, w).nbytes
-    forward, = linear_forward("l", m, k, n, get_policy("fp32"))
-    assert (forward.flops, forward.bytes, forward.shape) == (2 * m * n * k, sizes, (m, n, k))
-    dx, dw = linear_backward("l", m, k, n, get_policy("fp32"))
-    assert dx.bytes == dw.bytes == sizes and (dx.shape, dw.shape) == ((m, k, n), (n, k, m))
-    matmul, casts = linear_forward("l", m, k, n, get_policy("bf16-mixed"))
-    half = x.bfloat16().nbytes + w.bfloat16().nbytes + F.linear(x.bfloat16(), w.bfloat16()).nbytes
-    assert matmul.bytes == half and matmul.dtype == "bfloat16"
-    assert casts.bytes == x.nbytes + x.bfloat16().nbytes + w.nbytes + w.bfloat16().nbytes
+def test_the_fake_trace_is_what_a_real_step_dispatches_and_what_the_profiler_sees():
+    """The ops the roofline prices (a step on fake tensors) against the same tiny step on real
+    tensors: the same aten operators in the same order, with the same tensor shapes, so the same
+    kernel counts and bytes. And torch.profiler's own count of that real step's matmul, attention,
+    loss and foreach kernels, with the matmuls' input shapes, equals the fake trace's (the
+    profiler also lists the per-tensor kernels a CPU foreach op loops over, and ops nested inside
+    others, so only these top-level operators are compared by name)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from lmforge.accounting.roofline_trace import record_step
+
+    cfg = make_config("tiny").model
+    for precision in ("fp32", "bf16-mixed"):
+        fake = record_step(cfg, 2, 32, precision)
+        real = record_step(cfg, 2, 32, precision, fake=False)
+        assert [(r.op, r.phase, r.inputs, r.outputs, r.calls) for r in fake] == \
+            [(r.op, r.phase, r.inputs, r.outputs, r.calls) for r in real]
+    real = record_step(cfg, 2, 32, "fp32", fake=False)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with record_function("traced"):
+            record_step(cfg, 2, 32, "fp32", fake=False)
+    compared = ("mm", "addmm", "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_flash_attention_for_cpu_backward", "_log_softmax", "nll_loss_forward",
+                "_foreach_lerp_", "_foreach_addcdiv_", "_foreach_sqrt")
+    # record_step runs two steps (the first makes AdamW's state): the profiler sees both, the trace
+    # the second, where the recorder calls each operator again (an event under "PythonDispatchMode")
+    seen = [e for e in prof.events() if e.name.removeprefix("aten::") in compared
+            and (e.cpu_parent is None or e.cpu_parent.name != "PythonDispatchMode")]
+    traced = [r for r in real if r.op in compared]
+    assert len(seen) == 2 * len(traced) > 0
+    mm_shapes = sorted(tuple(map(tuple, e.input_shapes[:2])) for e in seen if e.name == "aten::mm")
+    assert mm_shapes == sorted(2 * [tuple(t[0] for t in r.inputs) for r in traced if r.op == "mm"])
 
 
-def test_adamw_bytes_per_element_are_its_passes_over_the_tensors():
-    """optim/adamw.py's foreach step over 17 fp32 elements: 4 parameter, 14 moment and 2 gradient
-    accesses of 4 bytes each (80 per element); clipping reads each gradient for its norm and
-    reads and writes it to scale (12). ZeRO over 2 ranks halves both."""
-    update, clip = optimizer_ops(((3, 4), (5,)), get_policy("fp32"))
-    assert (update.bytes, clip.bytes) == (17 * 80, 17 * 12)
-    assert [op.bytes for op in optimizer_ops(((3, 4), (5,)), get_policy("fp32"), shards=2)] == [17 * 40, 17 * 6]
+def test_an_ops_bytes_are_its_tensors_sizes_and_adamw_makes_84_per_element():
+    """A matmul moves its two inputs and its output once; a view moves nothing. AdamW's foreach
+    step (optim/adamw.py) per fp32 element: decay mul_ r/w p (8), lerp_ r/w m and reads g (12),
+    mul_ r/w v (8), addcmul_ r/w v and reads g twice (16), sqrt reads v writes d (8), div_ and
+    add_ r/w d (16), addcdiv_ r/w p and reads m and d (16): 84 bytes; ZeRO over 2 ranks halves it."""
+    from lmforge.accounting.shapes import model_shapes
+
+    cfg = make_config("tiny").model
+    ops = micro_batch_ops(cfg, 2, 32, "fp32")
+    first = next(o for o in ops if o.op == "mm")
+    m, k, n = first.shape[0], first.shape[2], first.shape[1]
+    assert first.bytes == 4 * (m * k + k * n + m * n) and first.flops == 2 * m * n * k
+    assert all(o.bytes == 0 for o in ops if o.kind == "view")
+    groups = param_groups(Config(model=cfg), Transformer(cfg))  # decayed, and not (no mul_: 76 bytes)
+    expected = sum((84 if g["weight_decay"] else 76) * sum(p.numel() for p in g["params"]) for g in groups)
+    for shards in (1, 2):
+        # the step counters (0-d tensors, 12 bytes a tensor) left out; each op's scalar operand is
+        # one 0-d tensor of at most 8 bytes: the only slack allowed
+        update = [o for o in optimizer_ops(cfg, 2, 32, "fp32", shards=shards)
+                  if o.kind == "foreach" and o.bytes / o.calls > 64 / shards]
+        total = sum(o.bytes for o in update)
+        assert 0 <= total - expected / shards <= 8 * len(update) / shards
 
 
 def _roof(peak=1e12, bandwidth=1e11, call=0.0) -> Roof:

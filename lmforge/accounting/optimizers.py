@@ -39,6 +39,7 @@ class Optimizer:
     states: int  # state tensors of each parameter's shape (Adafactor: 0, its states are factored)
     eight_bit: bool = False  # states quantised to one byte, block-wise
     factored: bool = False  # Adafactor's row and column second moments
+    hidden_matrix_states: int | None = None  # Muon: states of a block's 2-D weights (the rest: `states`)
 
 
 _STATES: dict[str, Optimizer] = {
@@ -51,6 +52,8 @@ _STATES: dict[str, Optimizer] = {
     "sgd": Optimizer(states=0),
     "adagrad": Optimizer(states=1),
     "rmsprop": Optimizer(states=1),
+    # Muon's momentum for the blocks' matrices, AdamW's two moments for the rest (optim/muon.py)
+    "muon": Optimizer(states=2, hidden_matrix_states=1),
 }
 # keyed by modes/optimizers.py's names, in its order: a name added there without its states here
 # fails at import, not in the middle of a plan
@@ -64,6 +67,13 @@ def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw", policy: Po
     full-precision state element (fp32, or bf16 under bf16-pure)."""
     opt = lookup(OPTIMIZERS, optimizer, "optimizer")
     element = policy.bytes.optimizer_state
+    if opt.hidden_matrix_states is not None:
+        if parameter_shapes is not None:  # a stage's shapes do not say which are the blocks' matrices
+            raise ValueError(f"{optimizer}'s states are counted for the whole model only (no pipeline stage)")
+        shapes = model_shapes(cfg)
+        # a block's 2-D parameters are its linear layers' weights (optim/muon.py's is_hidden_matrix)
+        return element * (opt.states * shapes.parameters
+                          - (opt.states - opt.hidden_matrix_states) * shapes.block_matmul_weights)
     total = 0.0
     for shape in parameter_shapes if parameter_shapes is not None else model_shapes(cfg).parameter_shapes:
         n = math.prod(shape)

@@ -27,8 +27,10 @@ class Roof:
     matmul: dict
     sdpa_forward: dict
     sdpa_training: dict
-    elementwise: list  # [[bytes per call, bytes/s], ...]
+    elementwise: list  # [[bytes per call, bytes/s], ...] of an fp32 add: ops of no measured family
     call_seconds: float = 0.0  # one eager kernel launch from Python (a tiny op's time)
+    elementwise_ops: dict = field(default_factory=dict)  # {family: [[bytes per call, bytes/s], ...]}
+    view_call_seconds: float | None = None  # one view (no kernel, just dispatch); None: call_seconds
     foreach_call_seconds: float = 0.0  # one tensor of a torch._foreach_* op (the C++ loop on CPU)
     collective: dict = field(default_factory=dict)  # {"latency_s", "bytes_per_second"} of all-reduce, if measured
     source: str = "measured"
@@ -79,11 +81,34 @@ def compute_rate(roof: Roof, op) -> float:
     return rate
 
 
+# The measured families of elementwise operators (roofline_measure.measure_elementwise_ops), by
+# the aten name's stem: each family's rate at a call's size stands for its members'.
+FAMILIES = {
+    "binary": ("add", "sub", "mul", "div", "where", "lerp", "addcmul", "addcdiv", "maximum", "clamp",
+               "threshold_backward", "silu_backward", "gelu_backward", "embedding_dense_backward"),
+    "unary": ("neg", "rsqrt", "sqrt", "pow", "exp", "reciprocal", "silu", "gelu", "tanh", "sigmoid", "fill",
+              "zero", "ones_like", "zeros_like"),
+    "copy": ("_to_copy", "copy", "clone", "cat", "stack", "embedding", "index_select", "_unsafe_view"),
+    "reduce": ("mean", "sum", "linalg_vector_norm", "amax", "norm"),
+    "softmax": ("_log_softmax", "_softmax", "_log_softmax_backward_data", "_softmax_backward_data",
+                "nll_loss_forward", "nll_loss_backward"),
+}
+_FAMILY_OF = {stem: family for family, stems in FAMILIES.items() for stem in stems}
+
+
+def family_of(aten: str) -> str:
+    """The measured family of an aten operator ("_foreach_mul_" and "mul_" are "mul"'s), or ""."""
+    stem = aten.removeprefix("_foreach_").rstrip("_") if aten.startswith("_foreach") else aten.rstrip("_")
+    return _FAMILY_OF.get(stem, _FAMILY_OF.get(aten, ""))
+
+
 def memory_rate(roof: Roof, op) -> float:
-    """Bytes/s `op` moves at: elementwise ops at the rate measured for calls of their size (small
-    ones stay in cache), everything else at the large-copy bandwidth."""
+    """Bytes/s `op` moves at: elementwise ops at the rate measured for calls of their size and
+    family (small ones stay in cache; a reduction or a cast runs at its own rate), everything
+    else at the large-copy bandwidth."""
     if op.kind in ("elementwise", "foreach") and op.calls:
-        return interpolate(roof.elementwise, (max(op.bytes / op.calls, 1.0),))
+        grid = roof.elementwise_ops.get(family_of(getattr(op, "op", ""))) or roof.elementwise
+        return interpolate(grid, (max(op.bytes / op.calls, 1.0),))
     return roof.bandwidth
 
 
@@ -97,7 +122,9 @@ def op_time(roof: Roof, op) -> dict:
     rate = compute_rate(roof, op)
     compute_s = op.flops / rate if rate else 0.0
     memory_s = op.bytes / memory_rate(roof, op) if op.bytes else 0.0
-    per_call = roof.foreach_call_seconds if op.kind == "foreach" else roof.call_seconds
+    per_call = {"foreach": roof.foreach_call_seconds,
+                "view": roof.call_seconds if roof.view_call_seconds is None else roof.view_call_seconds
+                }.get(op.kind, roof.call_seconds)
     launch_s = op.calls * per_call
     return {"seconds": max(compute_s, memory_s) + launch_s, "compute_s": compute_s, "memory_s": memory_s,
             "launch_s": launch_s, "bound": "compute" if compute_s >= memory_s else "memory"}

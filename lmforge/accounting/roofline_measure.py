@@ -16,6 +16,7 @@ import torch
 
 from lmforge.accounting.hardware import _calls_per_second, _measured, _sync, cache_path, device_name
 from lmforge.accounting.roofline import Roof
+from lmforge.accounting.roofline_trace import dispatched_calls
 
 # The grid: every (M, N, K) with each dimension from MATMUL_DIMS. 64..1024 brackets the small
 # models' widths; larger shapes are read at the grid's edge (their rate has saturated by then).
@@ -85,6 +86,30 @@ def measure_elementwise(device: torch.device) -> list:
     return rows
 
 
+def _family_calls(n: int, device: torch.device) -> dict:
+    """{family: (the call, bytes it moves)} of one representative operator of each family of
+    roofline.FAMILIES on n fp32 elements, bytes counted as roofline_ops counts them."""
+    x, y = torch.ones(n, device=device), torch.ones(n, device=device)
+    rows = x.view(-1, 64)
+    return {
+        "binary": (lambda: x * y, 3 * 4 * n),
+        "unary": (lambda: torch.rsqrt(x), 2 * 4 * n),
+        "copy": (lambda: x.to(torch.bfloat16), 4 * n + 2 * n),
+        "reduce": (lambda: rows.mean(-1, keepdim=True), 4 * n + 4 * n // 64),
+        "softmax": (lambda: torch.log_softmax(rows, -1), 2 * 4 * n),
+    }
+
+
+def measure_elementwise_ops(device: torch.device) -> dict:
+    """{family: [[bytes per call, bytes/s]]} of each family's representative at ELEMENTWISE_SIZES
+    (an RMSNorm's mean runs at another rate than an add; a cast fp32 -> bf16 at its own)."""
+    grid = {}
+    for n in ELEMENTWISE_SIZES:
+        for family, (call, nbytes) in _family_calls(n, device).items():
+            grid.setdefault(family, []).append([nbytes, _best_rate(call, nbytes, device)])
+    return grid
+
+
 def measure_copy_bandwidth(device: torch.device, megabytes: int = 128) -> float:
     """Bytes/s of copying a `megabytes` MiB tensor into another (read once, written once)."""
     src = torch.ones(megabytes * 2**20 // 4, device=device)
@@ -92,10 +117,12 @@ def measure_copy_bandwidth(device: torch.device, megabytes: int = 128) -> float:
     return _best_rate(lambda: dst.copy_(src), 2 * src.nbytes, device, runs=3, seconds=0.05)
 
 
-def measure_launch(device: torch.device) -> tuple[float, float]:
-    """(seconds per kernel of training on one-element tensors: a chain of 32 adds recorded by
-    autograd and its backward, per kernel of the 64; seconds per tensor of a foreach op over 64
-    one-element tensors): the fixed cost every kernel pays before it moves a byte."""
+def measure_launch(device: torch.device) -> tuple[float, float, float]:
+    """(seconds per operator of training on one-element tensors: a chain of 32 adds recorded by
+    autograd and its backward, divided by the aten operators it dispatches as roofline_trace.py
+    counts them (so that the cost per counted call is what the chain paid per call); seconds per
+    tensor of a foreach op over 64 one-element tensors; seconds per view of a tensor autograd
+    records): the fixed cost every call pays before it moves a byte."""
     x = torch.ones(1, device=device, requires_grad=True)
 
     def chain():
@@ -104,25 +131,37 @@ def measure_launch(device: torch.device) -> tuple[float, float]:
             y = y + x
         y.backward()
 
-    per_call = 1 / _best_rate(chain, 64, device, runs=3)
+    per_call = 1 / _best_rate(chain, dispatched_calls(chain), device, runs=3)
     tensors = [torch.ones(1, device=device) for _ in range(64)]
     per_tensor = 1 / _best_rate(lambda: torch._foreach_add_(tensors, 1.0), 64, device, runs=3)
-    return per_call, per_tensor
+    square = torch.ones(2, 2, device=device, requires_grad=True)
+
+    def views():
+        y = square
+        for _ in range(64):
+            y = y.t()
+        return y
+
+    per_view = 1 / _best_rate(views, 64, device, runs=3)
+    return per_call, per_tensor, per_view
 
 
 def measure_roof(device: torch.device) -> dict:
     """This machine's roof as a JSON-ready dict (Roof's fields but its name and source)."""
     started = time.perf_counter()
     forward, training = measure_sdpa(device)
-    call, foreach = measure_launch(device)
+    call, foreach, view = measure_launch(device)
     return {"bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
             "sdpa_forward": forward, "sdpa_training": training, "elementwise": measure_elementwise(device),
-            "call_seconds": call, "foreach_call_seconds": foreach,
+            "elementwise_ops": measure_elementwise_ops(device),
+            "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": view,
             "measure_seconds": time.perf_counter() - started}
 
 
 def _key(device: torch.device) -> str:
-    return f"roofline|{device_name(device)}|torch {torch.__version__}"
+    # v2: the per-family elementwise rates and the per-dispatched-call launch cost (an older cached
+    # roof, without them, is measured again rather than read)
+    return f"roofline v2|{device_name(device)}|torch {torch.__version__}"
 
 
 def this_roof(device: torch.device, remeasure: bool = False, store: bool = True, collective: dict | None = None) -> Roof:

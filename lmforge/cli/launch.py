@@ -12,9 +12,9 @@ from lmforge.common.errors import LmforgeError
 def launch_train(args, cfg, run_dir: Path) -> int:
     """Check that `cfg` can share its work over --nproc processes, then start them, each running
     the command line typed less --nproc (and, for a new run, with the run folder named here)."""
-    if cfg.train.parallel == "none" and cfg.train.pipeline_stages == 1:
+    if cfg.train.parallel == "none" and cfg.train.pipeline_stages == 1 and cfg.parallel.tp == 1:
         raise LmforgeError(f"--nproc {args.nproc} needs a way to share the work: add train.parallel=ddp "
-                           f"(or zero1, zero2, zero3, fsdp)")
+                           f"(or zero1, zero2, zero3, fsdp), or parallel.tp={args.nproc}")
     if "WORLD_SIZE" in os.environ:
         raise LmforgeError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
     words = _without_nproc(args.argv)

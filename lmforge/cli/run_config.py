@@ -43,8 +43,13 @@ def resumed_config(args):
     cfg = load_config(run_dir / "config.yaml")
     for item in args.overrides:
         key, value = parse_override(item)
-        if not key.startswith(("train.", "optim.")):
-            raise LmforgeError(f"cannot change {key} when resuming: only train.* and optim.* settings may change")
+        if not key.startswith(("train.", "optim.", "parallel.")):  # parallel.*: how the ranks split the work
+            raise LmforgeError(f"cannot change {key} when resuming: only train.*, optim.* and parallel.* settings "
+                               f"may change")
+        # the checkpoint holds the run's optimizer's states (and, for Muon, its split of the parameters)
+        if key == "optim.name" and value != cfg.optim.name:
+            raise LmforgeError(f"cannot change optim.name when resuming: {run_dir} holds the states of "
+                               f"optim.name={cfg.optim.name}; start a new run (or finetune {run_dir}) for {value}")
         set_value(cfg, key, value, origin="command line")
     validate(cfg)
     return cfg, run_dir

@@ -14,6 +14,8 @@ INIT_SCHEMES = ("scaled_normal", "xavier", "kaiming")
 MLPS = ("swiglu", "gelu", "relu2")
 FAMILY_MLPS = {"llama": "swiglu", "gpt": "gelu"}  # the MLP each family builds when model.mlp is unset
 LR_SCHEDULES = ("cosine", "wsd")
+# optim.muon_adjust_lr: how Muon scales its rate by a matrix's shape (optim/muon.py)
+MUON_ADJUST_LR = ("original", "match_rms_adamw")
 
 
 @dataclass
@@ -110,6 +112,18 @@ class OptimConfig:
     # al. 2024): the peak held, then a linear decay to the floor over the last decay_fraction of decay_steps
     schedule: str = "cosine"  # LR_SCHEDULES: cosine | wsd
     decay_fraction: float = 0.2  # wsd only
+    # Muon (optim/muon.py), for the 2-D weights inside blocks; the rest takes AdamW's settings above.
+    # Muon's peak rate: its groups multiply the scheduled rate by muon_lr / lr (Jordan et al. 2024: 0.02)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # original: lr * sqrt(max(1, out/in)) (Jordan) | match_rms_adamw: lr * 0.2 sqrt(max(out, in)) (Liu et al. 2025)
+    muon_adjust_lr: str = "original"
+    # Adafactor (optim/adafactor.py; torch.optim.Adafactor's defaults): the second-moment decay is
+    # 1 - t^adafactor_beta2_decay, and an update's RMS is clipped to adafactor_clip_threshold
+    adafactor_beta2_decay: float = -0.8
+    adafactor_clip_threshold: float = 1.0
 
 
 @dataclass
@@ -172,19 +186,32 @@ class FinetuneConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Parallelism degrees other than train.parallel's data parallelism (docs/tensor-parallel.md)."""
+    # tensor parallelism (Megatron-LM; lmforge/parallel/tp.py): ranks that split each layer's matrices;
+    # the world is then (world / tp) data-parallel replicas of tp ranks each (parallel/mesh.py), the
+    # replicas joined by train.parallel=ddp (or none: one replica)
+    tp: int = 1
+    # with tp: the residual stream, norms and biases after each region split along the sequence too
+    # (Korthikanti et al. 2022, section 4.2.2): activations between the regions held 1/tp per rank
+    sequence_parallel: bool = False
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def seq_len(self) -> int:
         return self.train.seq_len or self.model.max_seq_len
 
 
-SECTIONS = ("model", "data", "optim", "train", "finetune")  # Config's fields, in order
+SECTIONS = ("model", "data", "optim", "train", "finetune", "parallel")  # Config's fields, in order
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -10,8 +10,8 @@ import difflib
 import math
 
 from lmforge.common.errors import LmforgeError
-from lmforge.config.schema import (FAMILIES, INIT_SCHEMES, LR_SCHEDULES, MLPS, ROPE_SCALING_KEYS, SECTIONS, Config,
-                                   DataConfig, FinetuneConfig, ModelConfig, OptimConfig, TrainConfig)
+from lmforge.config.schema import (FAMILIES, INIT_SCHEMES, LR_SCHEDULES, MLPS, MUON_ADJUST_LR, ROPE_SCALING_KEYS,
+                                   SECTIONS, Config, DataConfig, FinetuneConfig, ModelConfig, OptimConfig, TrainConfig)
 # The names a setting can take, each from its one registry (light modules: no torch)
 from lmforge.modes.attention import BACKENDS
 from lmforge.modes.optimizers import OPTIMIZER_MODES
@@ -48,6 +48,7 @@ def validate(cfg: Config) -> None:
     _check_train(cfg)
     _check_combinations(cfg.train, cfg.model)
     _check_finetune(cfg.finetune)
+    _positive("parallel.tp", cfg.parallel.tp)
     _check_device(cfg.train)
 
 
@@ -178,6 +179,14 @@ def _check_optim(o: OptimConfig) -> None:
                                                  f"(lr / (1 - beta1) > 3.4e38): use a learning rate below 1")
     _positive("optim.eps", o.eps)
     _require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
+    _positive("optim.muon_lr", o.muon_lr)
+    _require(0.0 <= o.muon_momentum < 1.0, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+    _positive("optim.muon_ns_steps", o.muon_ns_steps)
+    _require(o.muon_adjust_lr in MUON_ADJUST_LR,
+             f"optim.muon_adjust_lr={o.muon_adjust_lr}: use {' or '.join(MUON_ADJUST_LR)}")
+    _require(o.adafactor_beta2_decay <= 0, f"optim.adafactor_beta2_decay must be <= 0, got {o.adafactor_beta2_decay}")
+    _require(o.adafactor_clip_threshold >= 1,
+             f"optim.adafactor_clip_threshold must be >= 1, got {o.adafactor_clip_threshold}")
 
 
 def _check_train(cfg: Config) -> None:

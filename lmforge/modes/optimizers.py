@@ -31,7 +31,8 @@ OPTIMIZER_MODES: dict[str, OptimizerMode] = {mode.name: mode for mode in (
     OptimizerMode("lion", True, "Lion (Chen et al. 2023): the sign of interpolated momentum, one state"),
     OptimizerMode("adamw-8bit", False, "AdamW with block-wise 8-bit states (Dettmers et al. 2022)",
                   why="it needs bitsandbytes' 8-bit kernels, which lmforge does not implement; use adamw"),
-    OptimizerMode("adafactor", False, "Adafactor (Shazeer & Stern 2018): factored second moment",
-                  why="lmforge has no Adafactor implementation yet; use adamw"),
+    OptimizerMode("adafactor", True, "Adafactor (Shazeer & Stern 2018): factored second moment (ddp or one process)"),
+    OptimizerMode("muon", True, "Muon (Jordan et al. 2024): orthogonalised momentum for the blocks' matrices, "
+                                "AdamW for the rest (optim.muon_*)"),
 )}
 TRAINED_OPTIMIZERS = tuple(name for name, mode in OPTIMIZER_MODES.items() if mode.trained)

@@ -74,19 +74,24 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         counts = [0, 0]  # lost, updated: tensors once counting has begun, read once at the end
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not self.foreach:
-                for param in params:
-                    self._update_one(param, group, counts)
-                continue
-            by_device_and_dtype = defaultdict(list)
-            for param in params:
-                by_device_and_dtype[param.device, param.dtype].append(param)
-            for same_kind in by_device_and_dtype.values():
-                self._update_many(same_kind, group, counts)
+            self._step_group(group, counts)
         if self.count_lost_updates:
             self.lost_updates, self.updated_elements = int(counts[0]), int(counts[1])
         return loss
+
+    def _step_group(self, group: dict, counts: list) -> None:
+        """One param group's AdamW step, by the loop or the foreach path (optim/muon.py reuses it
+        for the parameters it leaves to AdamW)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not self.foreach:
+            for param in params:
+                self._update_one(param, group, counts)
+            return
+        by_device_and_dtype = defaultdict(list)
+        for param in params:
+            by_device_and_dtype[param.device, param.dtype].append(param)
+        for same_kind in by_device_and_dtype.values():
+            self._update_many(same_kind, group, counts)
 
     def _state(self, param: torch.Tensor) -> dict:
         state = self.state[param]

@@ -35,6 +35,13 @@ def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> to
     runs it before any process group exists, and what it accepts the engines can build."""
     parallel = get_strategy(cfg.train.parallel).name
     stages = cfg.train.pipeline_stages
+    _check_optimizer(cfg, parallel)
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
+        raise LmforgeError("parallel.sequence_parallel=true splits the tokens over the tensor-parallel ranks: "
+                           "set parallel.tp > 1")
+    if cfg.parallel.tp > 1:
+        _check_tensor_parallel(cfg, env)
+        return _rank_device(cfg.train.device, env[2], cuda_devices)
     if env is None:
         if stages > 1:
             raise LmforgeError(f"train.pipeline_stages={stages} needs one process per stage: launch with "
@@ -54,6 +61,29 @@ def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> to
         raise LmforgeError(f"train.parallel=none under torchrun with {world_size} processes: choose how they share "
                            f"the work, e.g. train.parallel=ddp (or zero1, zero2, zero3, fsdp)")
     return _rank_device(cfg.train.device, local_rank, cuda_devices)
+
+
+def _check_optimizer(cfg, parallel: str) -> None:
+    """An optimizer that needs whole matrices where the strategy shards them in a way it cannot use,
+    and Muon where its split of the parameters is not yet tested (or costed by the plan)."""
+    name = cfg.optim.name
+    if name in ("muon", "adafactor") and cfg.parallel.tp > 1:
+        raise LmforgeError(f"optim.name={name} does not combine with parallel.tp={cfg.parallel.tp}: it needs whole "
+                           f"matrices and each tensor rank holds a slice of them; use an element-wise optimizer "
+                           f"(adamw, lion, sgd, ...) or parallel.tp=1")
+    if name == "muon" and (cfg.train.pipeline_stages > 1 or cfg.finetune.lora_rank is not None):
+        setting = (f"train.pipeline_stages={cfg.train.pipeline_stages}" if cfg.train.pipeline_stages > 1
+                   else f"finetune.lora_rank={cfg.finetune.lora_rank}")
+        raise LmforgeError(f"optim.name=muon with {setting} is not supported yet: no test trains it and the plan "
+                           f"does not count its states; use optim.name=adamw (or muon without it)")
+    if name == "adafactor" and parallel in ("zero1", "zero2", "zero3", "fsdp"):
+        raise LmforgeError(f"optim.name=adafactor does not combine with train.parallel={parallel}: its second "
+                           f"moment is factored by each matrix's rows and columns, which {parallel}'s flat shards "
+                           f"do not keep; use train.parallel=ddp")
+    if name == "muon" and parallel == "fsdp":
+        raise LmforgeError("optim.name=muon does not combine with train.parallel=fsdp: Newton-Schulz needs whole "
+                           "matrices, gathered from ZeRO's flat shards but not from FSDP's; use train.parallel="
+                           "zero1, zero2, zero3 or ddp")
 
 
 # why each strategy a pipeline cannot take is refused (parallel/pipeline/replicas.py says more): a
@@ -84,6 +114,64 @@ def _check_pipeline(cfg, world_size: int) -> None:
     if t.precision == "fp16-mixed" and t.pipeline_engine == "torch":
         raise LmforgeError("train.pipeline_engine=torch does not scale the loss (fp16-mixed): use "
                            "train.pipeline_engine=lmforge or bf16-mixed")
+
+
+# what tensor parallelism (parallel/tp.py) is not combined with yet, and why: setting -> (refused when, why)
+TP_REFUSED = {
+    "train.pipeline_stages": (lambda c: c.train.pipeline_stages > 1, "pipelines of tensor-parallel stages are not wired"),
+    "train.precision": (lambda c: c.train.precision in ("fp16-mixed", "fp8"),
+                        "fp16's loss scaler and fp8's swapped linears are untested with it: use fp32, bf16-mixed or bf16-pure"),
+    "train.recompute": (lambda c: c.train.recompute != "none", "recomputation would repeat the all-reduces; untested"),
+    "train.compile": (lambda c: c.train.compile, "torch.compile of the f/g autograd functions is untested"),
+    "train.loss_chunk_tokens": (lambda c: c.train.loss_chunk_tokens > 0,
+                                "the vocabulary-parallel loss already never holds the whole logits"),
+    "finetune.lora_rank": (lambda c: c.finetune.lora_rank is not None, "LoRA adapters are not split yet"),
+    "model.dropout": (lambda c: c.model.dropout > 0, "the ranks' dropout masks of their heads would be drawn "
+                                                     "alike (Megatron's model-parallel RNG is not written)"),
+    "train.sample_tokens": (lambda c: c.train.sample_tokens > 0,
+                            "the KV cache is not split by heads yet: set train.sample_tokens=0"),
+}
+
+
+def tp_divisibility(model_cfg, tp: int) -> str | None:
+    """Why `tp` ranks cannot split this model's heads, vocabulary and MLP evenly (None: they can)."""
+    for what, count in (("model.n_heads", model_cfg.n_heads), ("the KV heads (model.n_kv_heads)", model_cfg.kv_heads),
+                        ("model.vocab_size", model_cfg.vocab_size), ("the MLP width (model.d_ff)", model_cfg.ffn_dim)):
+        if count % tp:
+            more = (" (fewer KV heads than ranks would need them replicated, which is not written)"
+                    if count == model_cfg.kv_heads and count < tp else "")
+            return f"parallel.tp={tp} must divide {what} = {count}{more}"
+    return None
+
+
+def _check_tensor_parallel(cfg, env) -> None:
+    """parallel.tp > 1: world = (world / tp) replicas x tp ranks (parallel/mesh.py), the replicas
+    under train.parallel=ddp (or none with one replica), and a model the ranks can split."""
+    tp, parallel = cfg.parallel.tp, get_strategy(cfg.train.parallel).name
+    if env is None:
+        raise LmforgeError(f"parallel.tp={tp} needs {tp} processes per model replica: launch with torchrun "
+                           f"--nproc_per_node={tp} -m lmforge train ... or lmforge train --nproc {tp} ...")
+    world_size = env[1]
+    if world_size % tp:
+        raise LmforgeError(f"parallel.tp={tp} on {world_size} processes: the world must be (replicas x tp), "
+                           f"a multiple of {tp}")
+    dp = world_size // tp
+    if parallel not in ("none", "ddp") or (dp > 1 and parallel == "none"):
+        raise LmforgeError(f"{world_size} processes = {dp} replicas x parallel.tp={tp}: the replicas share their "
+                           f"gradients by train.parallel=ddp (or none with one replica), not {parallel}")
+    for setting, (refused, why) in TP_REFUSED.items():
+        if refused(cfg):
+            raise LmforgeError(f"parallel.tp={tp} does not combine with {setting}: {why}")
+    reason = tp_divisibility(cfg.model, tp)
+    if reason:
+        raise LmforgeError(reason)
+    if cfg.parallel.sequence_parallel:
+        if cfg.model.family == "gpt":
+            raise LmforgeError("parallel.sequence_parallel=true with model.family=gpt: its learned positions are "
+                               "added to the whole sequence (not written); use the llama family")
+        if cfg.seq_len % tp:
+            raise LmforgeError(f"parallel.sequence_parallel=true splits train.seq_len={cfg.seq_len} over "
+                               f"parallel.tp={tp} ranks: use a multiple of {tp}")
 
 
 def _rank_device(name: str, local_rank: int, cuda_devices: int) -> torch.device:

@@ -9,7 +9,8 @@ the environment torchrun would give rank 0 of the layout's ranks, with no proces
 file (check_launch runs before either exists). A check that changes changes the table.
 
 Which test trains each working cell is `COVERAGE` below; the table marks the rest "works,
-untested" (the dist tests cover the product pairwise: see docs/composition.md).
+untested" (the data-parallel dist tests cover the product pairwise: see docs/composition.md;
+every pipeline cell is trained).
 
     python -m lmforge.parallel.matrix > docs/composition.md    regenerate the page
 """
@@ -99,6 +100,9 @@ DP = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 MIXED = ("bf16-mixed", "fp16-mixed", "bf16-pure", "fp8")
 DIST = "tests/test_composition_dist.py::"
 PIPE = "tests/test_pipeline_compose_dist.py::"
+CELLS = "tests/test_pipeline_cells_dist.py::"
+PIPELINES = ("pipeline", "pipeline x ddp", "pipeline x zero1")
+ALL_KINDS = tuple(KINDS)
 COVERAGE = (
     # tests written before the matrix
     Covered("tests/test_parallel_engines.py::test_every_strategy_equals_one_process_on_the_global_batch",
@@ -120,6 +124,11 @@ COVERAGE = (
             "_to_the_same_numbers", ("one process", "ddp"), ("fp32",), extra="checkpoint + resume"),
     Covered("tests/test_distributed_train.py::test_a_sharded_run_checkpoints_through_its_engine_and_resumes_on_"
             "another_strategy", ("zero3", "fsdp"), ("fp32",), extra="checkpoint + resume"),
+    # one process, against eager / not recomputed (default suite)
+    Covered("tests/test_compile.py::test_compiled_blocks_and_loss_match_eager_under_canonical_names",
+            ("one process",), ("fp32",), extra="compiled"),
+    *(Covered("tests/test_memory.py::test_recomputation_saves_what_the_formula_says_and_the_same_gradients",
+              ("one process",), ("fp32",), extra=extra) for extra in EXTRAS if extra.startswith("recompute=")),
     # this matrix's own (tests/test_composition_dist.py runs exactly these cells, in one launch)
     Covered(DIST + "test_every_strategy_trains_in_every_precision_as_one_process", DP, MIXED),
     Covered(DIST + "test_every_kind_trains_as_one_process", DP, ("fp32",), ("full fine-tuning",)),
@@ -136,6 +145,18 @@ COVERAGE = (
             ("pipeline x zero1",), ("fp32",)),
     Covered(PIPE + "test_zero1_over_each_stages_replicas_trains_as_ddp_replicas_bit_for_bit_and_as_one_process",
             ("pipeline x zero1", "pipeline x ddp"), ("fp32",), ("LoRA",)),
+    # every pipeline layout in every precision and kind, compiled, recomputed and resumed
+    # (tests/test_pipeline_cells_dist.py runs exactly these cells: one launch of 2 ranks, one of 4)
+    Covered(CELLS + "test_every_pipeline_trains_in_every_precision_and_kind_as_one_process", PIPELINES, MIXED,
+            ALL_KINDS),
+    Covered(CELLS + "test_every_pipeline_trains_in_every_precision_and_kind_as_one_process", PIPELINES, ("fp32",),
+            ("full fine-tuning",)),
+    *(Covered(CELLS + "test_compiled_and_recomputed_pipelines_train_as_one_process", PIPELINES, ("fp32",),
+              extra=extra) for extra in EXTRAS if extra != "checkpoint + resume"),
+    Covered(CELLS + "test_every_pipelines_state_loads_back_by_name_and_steps_on_exactly", PIPELINES, ("fp32",),
+            extra="checkpoint + resume"),
+    Covered(CELLS + "test_a_pipeline_run_stopped_by_sigterm_resumes_bit_for_bit", ("pipeline x zero1",), ("fp32",),
+            extra="checkpoint + resume"),
 )
 
 
@@ -224,9 +245,16 @@ TAIL = ["Tolerances (tests/test_composition_dist.py says why): fp32 as float rou
         "`accounting/memory.py`'s `model_state_bytes` predicts them, equal in every cell trained here",
         "(FSDP keeps the policy's own fp32 shards; ZeRO keeps a LoRA base whole on every rank).",
         "",
+        "Pipelines: tests/test_pipeline_cells_dist.py trains every pipeline cell (one launch of 2 ranks, one",
+        "of 4) with the same bounds (a pipeline alone in 16 bits drifts from one process once the tied",
+        "matrix's last-bit sum flips a 16-bit rounding: its docstring measures it); its resume cells are",
+        "state round trips, and `lmforge train` on 2 stages x 2 ZeRO-1 replicas stopped by SIGTERM resumes",
+        "bit for bit. Run: `python -m pytest -m dist tests/test_pipeline_cells_dist.py`.",
+        "",
         "Not in the table: `train.pipeline_engine=torch` with fp16-mixed is refused (it does not scale the",
-        "loss); pipelines are checked by tests/test_pipeline.py at fp32 and bf16-mixed only, so their",
-        "other precisions and fine-tuning are `✓ -`."]
+        "loss); interleaved 1F1B compiled and in bf16-mixed, and the torch engine with ZeRO-1 replicas,",
+        "LoRA and a full fine-tune are trained by tests/test_pipeline_cells_dist.py (as are interleaved",
+        "fp32, recomputed and replicated by tests/test_pipeline_interleaved_dist.py)."]
 
 if __name__ == "__main__":
     sys.stdout.write(page())

@@ -31,6 +31,7 @@ from lmforge.parallel.engine import Engine
 from lmforge.parallel.fsdp import FSDPEngine
 from lmforge.parallel.pipeline.engine import PipelineEngine
 from lmforge.parallel.pipeline.replicas import StageReplicas, StageZero
+from lmforge.parallel.tp_engine import TensorParallelDDPEngine, TensorParallelEngine
 from lmforge.parallel.zero import ZeroEngine
 from lmforge.precision.policy import torch_dtype
 
@@ -67,16 +68,31 @@ def _fsdp(model, cfg, policy, make_optimizer, weight_decay_groups, comm) -> Engi
 DATA_PARALLEL_ENGINES = {"ddp": _ddp, "zero1": _zero, "zero2": _zero, "zero3": _zero, "fsdp": _fsdp}
 
 
-def parallelize(model: torch.nn.Module, cfg, policy: Policy, make_optimizer, weight_decay_groups) -> Engine:
+def parallelize(model: torch.nn.Module, cfg, policy: Policy, make_optimizer, weight_decay_groups,
+                groups=None, tp_comm=None) -> Engine:
     """The engine of `cfg.train.parallel` around `model`. `make_optimizer(param_groups)` builds
     AdamW as the config says; `weight_decay_groups(model)` gives the model's param groups (which
-    parameters decay): the engines that shard turn them into groups of their shards."""
+    parameters decay): the engines that shard turn them into groups of their shards. A
+    tensor-parallel model (parallel.tp > 1) comes with its mesh's `groups` and its tp group's
+    `tp_comm`: its replicas are data-parallel over the dp group (tp_engine.py)."""
     strategy = get_strategy(cfg.train.parallel).name
+    if tp_comm is not None:
+        return _tensor_parallel(model, cfg, strategy, make_optimizer(weight_decay_groups(model)), groups, tp_comm)
     if strategy == "none":
         return Engine(model, make_optimizer(weight_decay_groups(model)))
     require_process_group(f"train.parallel={strategy}")
     comm = Collectives()
     engine = DATA_PARALLEL_ENGINES[strategy](model, cfg, policy, make_optimizer, weight_decay_groups, comm)
+    comm.reset()  # setup's broadcasts are not a step's traffic
+    return engine
+
+
+def _tensor_parallel(model, cfg, strategy: str, optimizer, groups, tp_comm) -> Engine:
+    """Strategy none (one replica) or ddp over the dp group, as parallel/launch.py allowed."""
+    if strategy == "none":
+        return TensorParallelEngine(model, optimizer, tp_comm)
+    comm = Collectives(groups.dp_group)
+    engine = TensorParallelDDPEngine(model, optimizer, comm, cfg.train.bucket_mb, tp_comm)
     comm.reset()  # setup's broadcasts are not a step's traffic
     return engine
 

@@ -39,6 +39,8 @@ pieces: the part of each parameter that falls in its slice, a view of the master
 parameter's weight-decay group; elementwise, so each element gets the same update as in one
 process. Any torch optimizer works the same way (it sees plain tensors with gradients); when it
 is lmforge's AdamW counting lost updates (bf16-pure), the engine adds up the ranks' counts.
+Muon (optim/muon.py) needs each whole matrix for its Newton-Schulz step: the engine gathers the
+blocks' Muon updates for it, one all-gather per step (parallel/whole_matrices.py).
 
 Communication per step per rank (parallel/comm.py, accounting/comm.py): stages 1 and 2,
 (N-1)/N (Psi reduce-scattered + Psi all-gathered) = 2 Psi in the limit, as much as DDP;
@@ -48,11 +50,14 @@ stage 3, (N-1)/N (2 Psi_blocks + Psi_rest gathered + Psi reduce-scattered): 3 Ps
 
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from lmforge.optim.adamw import counts_lost_updates
+from lmforge.optim.muon import Muon
 from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
 from lmforge.parallel.shards import Unit, model_units, shard_groups, unit_modules
+from lmforge.parallel.whole_matrices import GatheredMatrices
 
 
 class ZeroEngine(DistributedEngine):
@@ -72,6 +77,9 @@ class ZeroEngine(DistributedEngine):
             unit.shard(stage, master_dtype, working_dtype)
         groups, self.group_names = shard_groups(self.units, weight_decay_groups, names)
         self.optimizer = make_optimizer(groups)
+        if isinstance(self.optimizer, Muon):  # its matrices' updates gathered: parallel/whole_matrices.py
+            muon = [p for g in weight_decay_groups if g.get("use_muon") for p in g["params"]]
+            self.optimizer.whole_matrices = GatheredMatrices(self.units, muon, comm)
         self.sum_lost_updates = counts_lost_updates(self.optimizer)  # each rank counts its slice
 
         self._hooks = []
@@ -194,25 +202,44 @@ class ZeroEngine(DistributedEngine):
         return {name: full[t] if t in full else t.detach().clone()  # frozen parameters and buffers: whole
                 for name, t in self.model.state_dict(keep_vars=True).items()}
 
+    def _state_keys(self) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        """Per param group, (per-element state names, scalar state names) of whatever optimizer this
+        is (AdamW: exp_avg, exp_avg_sq and step; SGD: momentum_buffer; Muon's matrices: momentum_buffer),
+        agreed by every rank: a rank may hold no piece of some group, and the gathers must match."""
+        local = []
+        for group in self.optimizer.param_groups:
+            elements, scalars = set(), set()
+            for p in group["params"]:
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if torch.is_tensor(value):
+                        (scalars if value.ndim == 0 else elements).add(key)
+            local.append((elements, scalars))
+        everyone = [None] * self.comm.world
+        dist.all_gather_object(everyone, local, group=self.comm.group)
+        return [tuple(tuple(sorted(set().union(*(rank[i][kind] for rank in everyone)))) for kind in (0, 1))
+                for i in range(len(local))]
+
     def optimizer_state_dict(self) -> dict:
-        state = {}
-        keys = ("exp_avg", "exp_avg_sq")
-        step = None
+        """Full optimizer states by parameter name, each rank's shards gathered."""
+        keys_of, scalars_of = {}, {}
+        for group, names, (elements, scalars) in zip(self.optimizer.param_groups, self.group_names, self._state_keys()):
+            keys_of.update(dict.fromkeys(names, elements))
+            scalars_of.update(dict.fromkeys(names, scalars))
+        state, scalar_values = {}, {}
         for unit in self.units:
-            for key in keys:
+            for key in dict.fromkeys(k for name in unit.names for k in keys_of[name]):
                 shard = torch.zeros(unit.shard_numel, dtype=unit.master.dtype, device=unit.master.device)
                 for i, start, end in unit.piece_list:
                     piece_state = self.optimizer.state.get(unit.piece_tensors[i])
-                    if piece_state:
+                    if piece_state and key in piece_state:
                         shard[start - unit.lo:end - unit.lo] = piece_state[key]
-                        step = piece_state["step"]
+                        # a count (step) is the same for every parameter stepped together: any piece's
+                        scalar_values.update({k: v for k, v in piece_state.items() if torch.is_tensor(v) and v.ndim == 0})
                 for name, tensor in zip(unit.names, self._gather_full(unit, shard)):
-                    state.setdefault(name, {})[key] = tensor
-        if step is None:  # before the first step: no state yet
-            state = {}
-        else:
-            for per_param in state.values():
-                per_param["step"] = step.clone()
+                    if key in keys_of[name]:
+                        state.setdefault(name, {})[key] = tensor
+        for name, per_param in state.items():
+            per_param.update({k: scalar_values[k].clone() for k in scalars_of[name] if k in scalar_values})
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
                   for g, names in zip(self.optimizer.param_groups, self.group_names)]
         return {"state": state, "param_groups": groups}
@@ -237,10 +264,10 @@ class ZeroEngine(DistributedEngine):
                     continue
                 begin = start - unit.offsets[i]
                 piece = unit.piece_tensors[i]
+                # a count (0-dim, on the CPU as the optimizers keep it) whole; the rest sliced to the piece
                 self.optimizer.state[piece] = {
-                    "step": saved["step"].detach().clone().cpu(),
-                    **{k: saved[k].reshape(-1)[begin:begin + piece.numel()].to(piece).clone()
-                       for k in ("exp_avg", "exp_avg_sq")}}
+                    k: v.detach().clone().cpu() if v.ndim == 0 else v.reshape(-1)[begin:begin + piece.numel()].to(piece).clone()
+                    for k, v in saved.items()}
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
 

@@ -173,7 +173,8 @@ class Trainer:
             tokens_per_step=self.global_batch * cfg.seq_len, peak_flops=machine[1])
         # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
         setup = Setup.from_config(cfg, mfu=1.0, dp=engine.replicas,
-                                  zero_stage=get_strategy(cfg.train.parallel).zero_stage)
+                                  zero_stage=get_strategy(cfg.train.parallel).zero_stage,
+                                  tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
         # the roofline's step time; under torchrun with data parallelism, all-reduce measured on every rank
         collective = measure_collective() if self.world.world_size > 1 and cfg.train.pipeline_stages == 1 else None
         measured_roof = self.world.from_main(lambda: roof(self.device))

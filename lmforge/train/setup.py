@@ -3,6 +3,11 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
 
     1. build      Transformer(cfg) on `device` (or on the meta device: shapes only, no memory),
                   with the weights of a base model when fine-tuning
+    1b. tensor    with parallel.tp > 1: each linear, the embedding and the LM head swapped for this
+                  rank's slice of it, the loss for the vocabulary-parallel one (parallel/tp.py),
+                  cut from the whole model built on the CPU, then moved to the device. First, so
+                  that every later step wraps the split modules as it wraps whole ones, and the
+                  weights are one process's (the same seed, the same model)
     2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
@@ -56,10 +61,13 @@ from lmforge.modes.attention import FLASH_BACKENDS
 from lmforge.interop.peft import load_peft_weights
 from lmforge.model.lora import apply_lora
 from lmforge.model.transformer import Transformer
-from lmforge.optim.build import make_optimizer
+from lmforge.optim.build import make_optimizer, param_groups
 from lmforge.modes.precision import Policy, get_policy
+from lmforge.parallel.comm import Collectives
+from lmforge.parallel.mesh import build_groups
 from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine, require_process_group
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place
+from lmforge.parallel.tp import apply_tensor_parallel
 from lmforge.precision.policy import prepare_model
 from lmforge.wrap.chunked_loss import apply_chunked_loss
 from lmforge.wrap.compile import apply_compile
@@ -67,14 +75,15 @@ from lmforge.wrap.recompute import apply_recompute
 
 
 def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
-                base_state: dict[str, torch.Tensor] | None = None, stage=None) -> nn.Module:
+                base_state: dict[str, torch.Tensor] | None = None, stage=None, tp_comm=None) -> nn.Module:
     """The model of `cfg` on `device`, wrapped for training (steps 1-6 above) under `policy`
     (cfg.train.precision's, resolved once by the caller). On the meta device
     nothing is allocated: parameter shapes and the module tree only, in milliseconds even for 70B.
     Elsewhere the weights are initialised on the CPU and moved, so that a seed gives the same
     initial model on every device; `base_state` (a fine-tuning base, by parameter name) replaces them.
     `stage` = (layers, first, last): a pipeline stage, cut from the whole model after step 5 (so
-    that its weights and adapters are those of one process: parallel/pipeline/layout.py)."""
+    that its weights and adapters are those of one process: parallel/pipeline/layout.py).
+    `tp_comm`: the Collectives of this rank's tensor-parallel group (step 1b)."""
     if torch.device(device).type == "meta":
         model = meta_model(cfg.model)  # the accounting's own meta build: no initialisation to skip
     else:
@@ -82,6 +91,8 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
         if base_state is not None:
             model.load_state_dict(base_state)
     on_device = torch.device(device).type != "meta"
+    if tp_comm is not None:
+        apply_tensor_parallel(model, tp_comm, cfg.parallel.sequence_parallel)
     if on_device and stage is None:
         model.to(device)
     prepare_model(model, policy, fp32_attention=cfg.train.fp32_attention,
@@ -104,17 +115,9 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     return model
 
 
-def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings; leave gains and biases alone (decaying a norm's gain toward
-    zero only fights the normalisation). Tied tensors appear once; frozen ones not at all."""
-    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-
-
 def build_optimizer(cfg: Config, policy: Policy, model: nn.Module) -> torch.optim.Optimizer:
-    """The optimizer of optim.name over the model's weight-decay groups (optim/build.py)."""
-    return make_optimizer(cfg, policy, weight_decay_groups(model, cfg.optim.weight_decay))
+    """The optimizer of optim.name over the model's param groups for it (optim/build.py)."""
+    return make_optimizer(cfg, policy, param_groups(cfg, model))
 
 
 def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
@@ -129,11 +132,16 @@ def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu"
         layout, layers = pipeline_place(cfg, torch.distributed.get_rank(), torch.distributed.get_world_size())
         model = build_model(cfg, policy, device, base_state, stage=(layers, layout.first, layout.last))
         return pipeline_engine(model, cfg, policy, layout, lambda groups: make_optimizer(cfg, policy, groups),
-                               lambda model: weight_decay_groups(model, cfg.optim.weight_decay), torch.device(device),
-                               timeline)
-    return parallelize(build_model(cfg, policy, device, base_state), cfg, policy,
+                               lambda model: param_groups(cfg, model), torch.device(device), timeline)
+    groups = tp_comm = None
+    if cfg.parallel.tp > 1:  # the (dp, tp) mesh: parallel/mesh.py
+        require_process_group(f"parallel.tp={cfg.parallel.tp}")
+        groups = build_groups(cfg.parallel.tp, device)
+        tp_comm = Collectives(groups.tp_group)
+    return parallelize(build_model(cfg, policy, device, base_state, tp_comm=tp_comm), cfg, policy,
                        make_optimizer=lambda groups: make_optimizer(cfg, policy, groups),
-                       weight_decay_groups=lambda model: weight_decay_groups(model, cfg.optim.weight_decay))
+                       weight_decay_groups=lambda model: param_groups(cfg, model),
+                       groups=groups, tp_comm=tp_comm)
 
 
 def build(cfg: Config, device: torch.device | str = "cpu",

@@ -8,15 +8,16 @@ embeddings, clipping, checkpoints) is PipelineEngine's.
 
 Two differences from ours, both for the reference's sake: the last stage returns logits and the
 loss is computed by the schedule's `loss_fn` (the plain cross-entropy: train.loss_chunk_tokens does
-not apply), divided by m like ours rather than through `scale_grads` (which would divide the
-gradients after the sum, rounding differently). No timeline is recorded: the schedule's inside is
+not apply), divided by ours' `loss_divisors` (m where every micro-batch holds as many targets; a
+fine-tune's by its target counts) rather than through `scale_grads` (which would divide the
+gradients by m after the sum, rounding differently and weighing a fine-tune's short responses more). No timeline is recorded: the schedule's inside is
 PyTorch's.
 """
 
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from lmforge.model.transformer import cross_entropy_loss
+from lmforge.model.transformer import IGNORE_INDEX, cross_entropy_loss
 from lmforge.parallel.pipeline.engine import PipelineEngine
 from lmforge.precision.policy import autocast
 
@@ -33,10 +34,15 @@ class TorchPipelineEngine(PipelineEngine):
                                                         micro_batches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_loss(logits, targets) / self.micro_batches
+        # a micro-batch's divisor depends only on its target count (the schedule does not say which
+        # micro-batch it is, and its first step computes one more loss, to infer the shapes)
+        return cross_entropy_loss(logits, targets) / self._divisor_of[int((targets != IGNORE_INDEX).sum())]
 
     def forward_backward(self, next_batch, grad_accum: int, scaler, policy, device) -> torch.Tensor:
         batches = [next_batch() for _ in range(self.micro_batches)]  # the schedule cuts the batch again
+        if self.layout.last:
+            targets = [b[1] for b in batches]
+            self._divisor_of = {int((y != IGNORE_INDEX).sum()): d for y, d in zip(targets, self.loss_divisors(targets))}
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         losses: list[torch.Tensor] = []
         with autocast(policy, device):
