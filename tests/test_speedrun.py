@@ -49,7 +49,9 @@ def test_the_dry_run_prints_each_seeds_runs_baseline_first(tmp_path):
         cfg = make_config(words[words.index("--model") + 1], overrides=[w for w in words if "=" in w])
         assert cfg.train.target_loss == speedrun.TARGETS["small"] and cfg.train.precision == "bf16-mixed"
     modded = make_config("small", overrides=[w for w in lines[2].split() if "=" in w])
-    assert (modded.model.mlp, modded.optim.schedule, modded.train.seed) == ("relu2", "wsd", 1)
+    assert (modded.model.mlp, modded.optim.schedule, modded.train.seed) == ("relu2", "wsd", speedrun.FIRST_SEED)
+    second = make_config("small", overrides=[w for w in lines[4].split() if "=" in w])  # seed 2's modded
+    assert second.train.seed == speedrun.FIRST_SEED + 1
 
 
 def test_the_ablation_adds_and_removes_each_technique():
