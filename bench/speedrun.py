@@ -166,13 +166,14 @@ def ratios(results: list[dict]) -> dict[str, dict]:
         b = base[r["seed"]]
         if r["recipe"] == "baseline":
             continue
-        entry = out.setdefault(r["recipe"], {"per_seed": {}, "wall_per_seed": {}})
+        entry = out.setdefault(r["recipe"], {"per_seed": {}, "wall_per_seed": {}, "tokens_per_seed": {}})
         if r["reached_step"] and b["reached_step"]:
             entry["per_seed"][r["seed"]] = r["seconds"] / b["seconds"]
             entry["wall_per_seed"][r["seed"]] = r["wall_seconds"] / b["wall_seconds"]
+            entry["tokens_per_seed"][r["seed"]] = r["tokens"] / b["tokens"]  # the load-free part of the gain
     for entry in out.values():
-        entry["geomean"] = geomean(list(entry["per_seed"].values()))
-        entry["wall_geomean"] = geomean(list(entry["wall_per_seed"].values()))
+        for kind in ("", "wall_", "tokens_"):
+            entry[f"{kind}geomean"] = geomean(list(entry[f"{kind}per_seed"].values()))
     return out
 
 
@@ -189,9 +190,10 @@ def report(results: list[dict], table: dict[str, dict], target: float) -> None:
               f"{r['seconds']:>9.1f}{r['wall_seconds']:>9.1f}{r['val_loss']:>10.4f}"
               f"{'' if ratio is None else f'{ratio:.3f}':>11}")
     for name, entry in table.items():
-        g, w = entry["geomean"], entry["wall_geomean"]
-        print(f"{name}: time/baseline geometric mean {'-' if g is None else f'{g:.3f}'} over "
-              f"{len(entry['per_seed'])} seeds (whole-process wall time: {'-' if w is None else f'{w:.3f}'})")
+        g, w, k = (("-" if x is None else f"{x:.3f}") for x in
+                   (entry["geomean"], entry["wall_geomean"], entry["tokens_geomean"]))
+        print(f"{name}: time/baseline geometric mean {g} over {len(entry['per_seed'])} seeds "
+              f"(whole-process wall time: {w}; tokens to target: {k})")
 
 
 def plot(results: list[dict], target: float, png: Path) -> None:

@@ -89,6 +89,7 @@ def test_a_real_run_on_tiny_reports_ratios_tokens_and_a_plot(corpus_dir, data_di
         summary = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
         assert summary["target_reached_step"] == 4 and summary["steps"] == 4
         assert r["curve"][-1][1:] == [4, summary["val_loss"]] and r["curve"][-1][0] == pytest.approx(r["seconds"])
+    assert results["ratios"]["lr2x"]["tokens_per_seed"]["1"] == 1.0  # both reached it at step 4
     ratio = results["ratios"]["lr2x"]["per_seed"]["1"]
     assert ratio == pytest.approx(results["runs"][1]["seconds"] / results["runs"][0]["seconds"])
     assert (tmp_path / "sr.png").stat().st_size > 0 and "time/baseline geometric mean" in done.stdout
