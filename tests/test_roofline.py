@@ -31,6 +31,8 @@ def _by_class(ops) -> dict:
     ([], 64),                                                                    # tiny llama, GQA 4:2
     (["model.family=gpt", "model.n_kv_heads=null"], 48),                         # biases, GELU MLP
     (["model.n_kv_heads=1", "model.d_ff=200", "model.tie_embeddings=false"], 17),  # MQA, untied, odd length
+    (["model.mlp=relu2"], 64),                                                   # llama without a gate
+    (["model.family=gpt", "model.n_kv_heads=null", "model.mlp=swiglu"], 48),     # gpt with one
 ])
 def test_flops_by_class_sum_to_flops_py_and_to_flop_counter(overrides, seq_len):
     """Matmuls + attention FLOPs equal flops.py's training count exactly, and FlopCounterMode's on a

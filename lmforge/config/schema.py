@@ -134,6 +134,11 @@ class TrainConfig:
     max_steps: int = 900
     eval_interval: int = 100  # 0: evaluate only at the end
     eval_batches: int = 8
+    # the validation batches evaluated are drawn from this seed; None: train.seed + 1 (a fixed set across
+    # seeds: bench/speedrun.py compares runs of several train.seed on the same batches)
+    eval_seed: int | None = None
+    # stop once an evaluation's val loss is <= this (bench/speedrun.py: time to a target); None: run to max_steps
+    target_loss: float | None = None
     checkpoint_interval: int = 300  # 0: checkpoint only at the end
     keep_checkpoints: int = 2
     log_interval: int = 10

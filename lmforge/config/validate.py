@@ -198,6 +198,8 @@ def _check_train(cfg: Config) -> None:
         _positive(f"train.{key}", getattr(t, key))
     # numpy's generators take no negative seed (data/loader.py seeds one with it); a timeout is a timedelta
     _require(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
+    _positive("train.target_loss", t.target_loss)
+    _require(t.eval_seed is None or t.eval_seed >= 0, f"train.eval_seed must be >= 0, got {t.eval_seed}")
     _require(t.dist_timeout <= MAX_TIMEOUT_SECONDS, f"train.dist_timeout must be at most {MAX_TIMEOUT_SECONDS:,} "
                                                     f"seconds (a year), got {t.dist_timeout}")
     for key in ("eval_interval", "checkpoint_interval", "sample_tokens", "loss_chunk_tokens"):

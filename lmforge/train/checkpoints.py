@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
+from lmforge.common.errors import LmforgeError
 from lmforge.config import Config, config_to_dict, load_config
 from lmforge.modes.precision import Policy
 from lmforge.optim.schedule import Schedule, resume_note
@@ -18,6 +19,7 @@ from lmforge.precision.loss_scaler import LossScaler
 from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
 from lmforge.runs.load import check_same_base
 from lmforge.runs.state import RunFolder, RunState
+from lmforge.train.summary import TARGET_REACHED
 
 
 class Checkpoints:
@@ -39,6 +41,7 @@ class Checkpoints:
         state and the metrics lines to keep."""
         check_same_base(state.get("base"), self.base_identity, path)
         run, metrics_kept = self.folder.restore(path, state, self.engine, self.cfg, self.policy.name, self.data)
+        self.check_target(run, console)
         precision = state["precision"]
         if "loss_scaler" in precision:
             self.scaler.load_state_dict(precision["loss_scaler"])
@@ -58,6 +61,23 @@ class Checkpoints:
             console.print(f"resuming {run_dir} at step {run.step} ({path.name}): {note}",
                           soft_wrap=True)  # one line, however narrow the terminal
         return run, metrics_kept
+
+    def check_target(self, run: RunState, console: Console) -> None:
+        """train.target_loss on a resume: a run whose last validation loss already reaches it is
+        refused (it would stop at once), unless it reached it and stopped before its summary (then
+        the summary is written); with a lower target, or none, it trains on."""
+        target, val_loss = self.cfg.train.target_loss, run.history.get("val_loss")
+        if target is None or val_loss is None or val_loss > target:
+            run.history.pop(TARGET_REACHED, None)
+            return
+        reached = run.history.get(TARGET_REACHED)
+        if reached is not None and not (self.folder.path / "summary.json").is_file():
+            console.print(f"{self.folder.path} reached its target at step {reached['step']} but stopped before "
+                          f"its summary: writing it", soft_wrap=True)
+            return
+        raise LmforgeError(f"{self.folder.path} already reached train.target_loss={target:g} (val loss {val_loss:.4f} "
+                           f"at step {run.step}): pass a lower train.target_loss, or train.target_loss=null to "
+                           f"train on to train.max_steps")
 
     def save(self, state: RunState) -> Path:
         precision = {"policy": self.policy.name}

@@ -51,7 +51,7 @@ from lmforge.train.measurements import FirstStepMeasurement, WindowClock, rank_s
 from lmforge.train.report import SilentLog, StepLog, training_record
 from lmforge.train.setup import build_engine, check_attention, check_memory
 from lmforge.train.signals import StopRequests, Stopped
-from lmforge.train.summary import write_summary
+from lmforge.train.summary import TARGET_REACHED, write_summary
 
 
 def train_step(engine: Engine, next_batch, grad_accum: int, lr: float, grad_clip: float, scaler: LossScaler,
@@ -266,7 +266,8 @@ class Trainer:
         self.measurements.started = time.time()
         clock = WindowClock(self.measurements, compiling=t.compile)
         window_loss = torch.tensor(window["loss_sum"], dtype=torch.float64, device=self.device)
-        while state.step < t.max_steps:
+        # a run that reached train.target_loss (train/checkpoints.py lets one resume only to write its summary)
+        while state.step < t.max_steps and TARGET_REACHED not in state.history:
             loss_sum, grad_norm = self.train_step()
             compiled = clock.count_step()
             if compiled is not None:
@@ -289,8 +290,11 @@ class Trainer:
             if logging:
                 self._log_window(clock, grad_norm)
                 window_loss.zero_()
-            if self._due(t.eval_interval) or last:
-                clock.paused(self._evaluate)
+            if (self._due(t.eval_interval) or last) and clock.paused(self._evaluate):
+                if not logging:  # the target ends the run here: its window logged and saved as the last step's
+                    window["loss_sum"] = window_loss.item()
+                    self._log_window(clock, grad_norm)
+                saving = True
             saved = clock.paused(self.save) if saving else None
             if stop_signal is not None:
                 raise Stopped(stop_signal, state.step, saved or self.save())
@@ -308,11 +312,19 @@ class Trainer:
         self.state.window.update(loss_sum=0.0, good_steps=0, lost_updates=[0, 0])
         clock.restart()
 
-    def _evaluate(self) -> None:
-        """The validation loss (train/evaluate.py), logged and kept in the history."""
+    def _evaluate(self) -> bool:
+        """The validation loss (train/evaluate.py), logged and kept in the history. Returns whether
+        it reached train.target_loss (then kept in the history as TARGET_REACHED: the run ends)."""
         t = self.cfg.train
-        val_loss = evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, t.seed + 1, t.eval_batches,
+        seed = t.seed + 1 if t.eval_seed is None else t.eval_seed
+        val_loss = evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, seed, t.eval_batches,
                             self.device, self.policy, self.world, self.make_batch, engine=self.engine)
         self.state.history["val_loss"] = val_loss
         self.log.record({"step": self.step, "val_loss": val_loss, "time": time.time()})
         self.log.note(f"step {self.step}: val loss {val_loss:.4f}")
+        target = t.target_loss
+        if target is None or val_loss > target:
+            return False
+        self.state.history[TARGET_REACHED] = {"step": self.step, "target_loss": target}
+        self.log.note(f"step {self.step}: target reached (val loss {val_loss:.4f} <= train.target_loss={target:g})")
+        return True

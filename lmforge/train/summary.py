@@ -18,6 +18,8 @@ from lmforge.train.measurements import RunMeasurements
 
 # train.sample_prompt="" starts the end-of-run sample with this many tokens of a validation document.
 SAMPLE_PROMPT_TOKENS = 8
+# the run state's history key of a run that reached train.target_loss: {"step": N, "target_loss": x}
+TARGET_REACHED = "target_reached"
 
 
 def write_summary(run: RunMeasurements, cfg: Config, plan: dict, data, model, run_dir: Path, console: Console,
@@ -27,6 +29,9 @@ def write_summary(run: RunMeasurements, cfg: Config, plan: dict, data, model, ru
     tokenizer and validation split) and `model` give the sample."""
     summary = summary_of(run, data.meta, run_dir)
     summary["predicted_vs_measured"] = predicted_vs_measured(plan, run, summary["tokens_per_s"])
+    if cfg.train.target_loss is not None:  # the step whose evaluation reached it, or None
+        reached = run.state.history.get(TARGET_REACHED)
+        summary["target_loss"], summary["target_reached_step"] = cfg.train.target_loss, reached and reached["step"]
     if "scaling" in plan:  # train.scaling_fit: the loss the fit predicted at the start
         summary["val_loss_predicted_by_fit"] = {k: plan["scaling"][k] for k in ("loss", "parameters", "tokens")}
     # the sample: on every rank (a sharded model needs all of them in each forward); a pipeline's
@@ -98,6 +103,7 @@ def print_summary(console: Console, summary: dict, run: RunMeasurements, fp32_at
         ("data loader waiting", f"{summary['data_wait_fraction']:.2%} of step time"),
         ("train loss", f"{summary['train_loss']:.4f} nats/token"),
         ("validation loss", f"{summary['val_loss']:.4f} nats/token"),
+        *([target_row(summary)] if "target_loss" in summary else []),
         *([scaling_row(summary)] if "val_loss_predicted_by_fit" in summary else []),
         ("validation perplexity", f"{summary['val_perplexity']:.1f} ({summary['val_bits_per_byte']:.3f} bits/byte)"),
         ("unigram entropy of the corpus", f"{summary['unigram_entropy_nats']:.4f} nats/token"),
@@ -123,6 +129,13 @@ def scaling_row(summary: dict) -> tuple[str, str]:
     error = (p["loss"] - summary["val_loss"]) / summary["val_loss"]
     tokens = "" if p["tokens"] == summary["tokens_trained"] else f" at train.max_steps' {p['tokens']:,} tokens"
     return "validation loss, the scaling fit's", f"{p['loss']:.4f} nats/token{tokens} ({error:+.1%} of measured)"
+
+
+def target_row(summary: dict) -> tuple[str, str]:
+    """train.target_loss: the step whose validation loss reached it, or that none did."""
+    step = summary["target_reached_step"]
+    return (f"train.target_loss {summary['target_loss']:g}",
+            "not reached" if step is None else f"target reached at step {step:,}")
 
 
 def print_table(console: Console, rows: list[tuple[str, str]], title: str) -> None:
