@@ -105,6 +105,10 @@ def record_step(cfg: ModelConfig, batch: int, seq_len: int, precision: str = "fp
     # built outside the fake mode: the optimizer's step counters are real tensors (AdamW reads
     # them: stack, unique, item), its moments fake ones, made like the parameters they follow
     opt = make_optimizer(full, policy, param_groups(full, model))
+    # bf16-pure's count of updates rounded away reads each step's count back (.item()), which a fake
+    # tensor cannot: the trace leaves it out (a copy and a compare per parameter, not predicted)
+    if getattr(opt, "count_lost_updates", False):
+        opt.count_lost_updates = False
     device = torch.device("cpu")
 
     def one_step(recorder=None):
