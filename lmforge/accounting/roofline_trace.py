@@ -112,20 +112,26 @@ def record_step(cfg: ModelConfig, batch: int, seq_len: int, precision: str = "fp
     device = torch.device("cpu")
 
     def one_step(recorder=None):
-        with fake:
+        # the recorder entered after (above) the fake mode: it sees the operators the step calls,
+        # not those the fake mode runs to work out their shapes (decompositions and meta kernels,
+        # run on a miss of its cache only, so a trace below it would depend on what ran before)
+        recording = recorder if recorder is not None else contextlib.nullcontext()
+        with fake, recording:
             with autocast(policy, device):
                 loss = model(tokens[:, :-1], tokens[:, 1:])
             loss.backward()
         if recorder:
             recorder.phase = "optimizer"
-        if clip:
-            clip_grad_norm(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with recording:
+            if clip:
+                clip_grad_norm(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     one_step()  # the first step creates the optimizer's state
     tracker = ModuleTracker()
-    with tracker, _Recorder(tracker) as recorder:
+    recorder = _Recorder(tracker)
+    with tracker:
         one_step(recorder)
     return tuple(recorder.records)
 
