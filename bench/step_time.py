@@ -47,7 +47,7 @@ def build(model: str, precision: str, batch: int, seq_len: int | None):
     from lmforge.train.setup import build_engine
 
     overrides = [f"train.precision={precision}", f"train.batch_size={batch}"]
-    cfg = make_config(model, overrides=overrides + ([f"seq_len={seq_len}"] if seq_len else []))
+    cfg = make_config(model, overrides=overrides + ([f"train.seq_len={seq_len}"] if seq_len else []))
     torch.manual_seed(0)
     policy, device = get_policy(precision), torch.device("cpu")
     engine = build_engine(cfg, policy, device)
