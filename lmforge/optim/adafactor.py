@@ -24,8 +24,10 @@ agree bit for bit (tested).
 
 import torch
 
+from lmforge.optim.per_parameter import PerParameter
 
-class Adafactor(torch.optim.Optimizer):
+
+class Adafactor(PerParameter):
     def __init__(self, params, lr: float = 1e-2, beta2_decay: float = -0.8,
                  eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0):
         if lr < 0 or beta2_decay > 0 or d < 1 or weight_decay < 0 or eps[1] < 0 or (eps[0] or 0) < 0:
@@ -44,19 +46,7 @@ class Adafactor(torch.optim.Optimizer):
                 state["variance"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update_one(param, group)
-        return loss
-
-    def _update_one(self, param: torch.Tensor, group: dict) -> None:
+    def update(self, param: torch.Tensor, group: dict) -> None:
         lr, decay, d = group["lr"], group["weight_decay"], group["d"]
         eps1, eps2 = group["eps"]
         if eps1 is None:
@@ -88,7 +78,7 @@ class Adafactor(torch.optim.Optimizer):
 
 
 def build_adafactor(cfg, policy, param_groups: list[dict]) -> Adafactor:
-    """Adafactor over `param_groups` (train/setup.py's weight-decay groups: decay on matrices and
+    """Adafactor over `param_groups` (optim/build.py's weight-decay groups: decay on matrices and
     embeddings only): optim.lr caps the relative step size, optim.weight_decay is the decoupled
     decay (times optim.lr, as torch's), optim.adafactor_* the rest. `policy` is unused: the state
     has the parameters' dtype, and lost updates are counted by AdamW alone."""

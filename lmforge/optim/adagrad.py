@@ -14,31 +14,23 @@ frequent ones. State: `sum` per parameter. A loop over parameters (see sgd.py fo
 
 import torch
 
+from lmforge.optim.per_parameter import PerParameter
 
-class Adagrad(torch.optim.Optimizer):
+
+class Adagrad(PerParameter):
     def __init__(self, params, lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0.0):
         if lr < 0 or eps <= 0 or weight_decay < 0:
             raise ValueError(f"invalid Adagrad hyper-parameters: lr={lr}, eps={eps}, weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                g = param.grad
-                if decay != 0:
-                    g = g.add(param, alpha=decay)
-                state = self.state[param]
-                if not state:
-                    state["sum"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                s = state["sum"]
-                s.addcmul_(g, g, value=1.0)
-                param.addcdiv_(g, s.sqrt().add_(eps), value=-lr)
-        return loss
+    def update(self, param: torch.Tensor, group: dict) -> None:
+        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        g = param.grad
+        if decay != 0:
+            g = g.add(param, alpha=decay)
+        state = self.state[param]
+        if not state:
+            state["sum"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        s = state["sum"]
+        s.addcmul_(g, g, value=1.0)
+        param.addcdiv_(g, s.sqrt().add_(eps), value=-lr)

@@ -16,31 +16,23 @@ as the lion-pytorch package names it): half of AdamW's. A loop over parameters (
 
 import torch
 
+from lmforge.optim.per_parameter import PerParameter
 
-class Lion(torch.optim.Optimizer):
+
+class Lion(PerParameter):
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
         if lr < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid Lion hyper-parameters: lr={lr}, betas={betas}, weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                g = param.grad
-                state = self.state[param]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                m = state["exp_avg"]
-                c = m.mul(beta1).add_(g, alpha=1.0 - beta1)
-                param.mul_(1.0 - lr * decay)
-                param.add_(c.sign_(), alpha=-lr)
-                m.mul_(beta2).add_(g, alpha=1.0 - beta2)
-        return loss
+    def update(self, param: torch.Tensor, group: dict) -> None:
+        lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
+        g = param.grad
+        state = self.state[param]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        m = state["exp_avg"]
+        c = m.mul(beta1).add_(g, alpha=1.0 - beta1)
+        param.mul_(1.0 - lr * decay)
+        param.add_(c.sign_(), alpha=-lr)
+        m.mul_(beta2).add_(g, alpha=1.0 - beta2)

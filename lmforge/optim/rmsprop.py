@@ -18,8 +18,10 @@ costs it. A loop over parameters (see sgd.py for why).
 
 import torch
 
+from lmforge.optim.per_parameter import PerParameter
 
-class RMSprop(torch.optim.Optimizer):
+
+class RMSprop(PerParameter):
     def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
                  momentum: float = 0.0, centered: bool = False):
         if lr < 0 or eps <= 0 or weight_decay < 0 or not 0.0 <= alpha < 1.0 or not 0.0 <= momentum < 1.0:
@@ -28,19 +30,7 @@ class RMSprop(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
                                       centered=centered))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update_one(param, group)
-        return loss
-
-    def _update_one(self, param: torch.Tensor, group: dict) -> None:
+    def update(self, param: torch.Tensor, group: dict) -> None:
         lr, alpha, eps, decay, mu = group["lr"], group["alpha"], group["eps"], group["weight_decay"], group["momentum"]
         g = param.grad
         if decay != 0:

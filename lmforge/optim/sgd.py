@@ -21,8 +21,10 @@ have tens of tensors; adamw.py has the foreach path for the default optimizer.
 
 import torch
 
+from lmforge.optim.per_parameter import PerParameter
 
-class SGD(torch.optim.Optimizer):
+
+class SGD(PerParameter):
     def __init__(self, params, lr: float = 1e-2, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0):
         if lr < 0 or weight_decay < 0 or not 0.0 <= momentum < 1.0 or (nesterov and momentum == 0):
@@ -30,27 +32,17 @@ class SGD(torch.optim.Optimizer):
                              f"weight_decay={weight_decay} (Nesterov needs momentum > 0)")
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, mu, decay = group["lr"], group["momentum"], group["weight_decay"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                d = param.grad
-                if decay != 0:
-                    d = d.add(param, alpha=decay)
-                if mu != 0:
-                    state = self.state[param]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = d.clone(memory_format=torch.preserve_format)
-                    else:
-                        state["momentum_buffer"].mul_(mu).add_(d)
-                    buf = state["momentum_buffer"]
-                    d = d.add(buf, alpha=mu) if group["nesterov"] else buf
-                param.add_(d, alpha=-lr)
-        return loss
+    def update(self, param: torch.Tensor, group: dict) -> None:
+        lr, mu, decay = group["lr"], group["momentum"], group["weight_decay"]
+        d = param.grad
+        if decay != 0:
+            d = d.add(param, alpha=decay)
+        if mu != 0:
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = d.clone(memory_format=torch.preserve_format)
+            else:
+                state["momentum_buffer"].mul_(mu).add_(d)
+            buf = state["momentum_buffer"]
+            d = d.add(buf, alpha=mu) if group["nesterov"] else buf
+        param.add_(d, alpha=-lr)

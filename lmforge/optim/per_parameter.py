@@ -1,0 +1,24 @@
+"""The loop the optimizers written one parameter at a time share (SGD, AdaGrad, RMSProp, Lion,
+Adafactor): `step` evaluates the closure, as torch.optim's do, then calls `update(param, group)` for
+every parameter that has a gradient. A subclass writes only its update, the paper's equations.
+AdamW (and Adam, Muon on top of it) has its own step: its foreach path works on lists.
+"""
+
+import torch
+
+
+class PerParameter(torch.optim.Optimizer):
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self.update(param, group)
+        return loss
+
+    def update(self, param: torch.Tensor, group: dict) -> None:
+        raise NotImplementedError
