@@ -135,6 +135,9 @@ TP_REFUSED = {
 }
 
 
+TP_DATA_PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3")  # over the dp group (parallel/tp_engine.py)
+
+
 def tp_divisibility(model_cfg, tp: int) -> str | None:
     """Why `tp` ranks cannot split this model's heads, vocabulary and MLP evenly (None: they can)."""
     for what, count in (("model.n_heads", model_cfg.n_heads), ("the KV heads (model.n_kv_heads)", model_cfg.kv_heads),
@@ -148,7 +151,7 @@ def tp_divisibility(model_cfg, tp: int) -> str | None:
 
 def _check_tensor_parallel(cfg, env) -> None:
     """parallel.tp > 1: world = (world / tp) replicas x tp ranks (parallel/mesh.py), the replicas
-    under train.parallel=ddp (or none with one replica), and a model the ranks can split."""
+    under train.parallel=ddp or zero1-3 (or none with one replica), and a model the ranks can split."""
     tp, parallel = cfg.parallel.tp, get_strategy(cfg.train.parallel).name
     if env is None:
         raise LmforgeError(f"parallel.tp={tp} needs {tp} processes per model replica: launch with torchrun "
@@ -158,9 +161,10 @@ def _check_tensor_parallel(cfg, env) -> None:
         raise LmforgeError(f"parallel.tp={tp} on {world_size} processes: the world must be (replicas x tp), "
                            f"a multiple of {tp}")
     dp = world_size // tp
-    if parallel not in ("none", "ddp") or (dp > 1 and parallel == "none"):
+    if parallel not in TP_DATA_PARALLEL or (dp > 1 and parallel == "none"):
         raise LmforgeError(f"{world_size} processes = {dp} replicas x parallel.tp={tp}: the replicas share their "
-                           f"gradients by train.parallel=ddp (or none with one replica), not {parallel}")
+                           f"gradients by train.parallel=ddp, zero1, zero2 or zero3 (or none with one replica), "
+                           f"not {parallel}")
     for setting, (refused, why) in TP_REFUSED.items():
         if refused(cfg):
             raise LmforgeError(f"parallel.tp={tp} does not combine with {setting}: {why}")

@@ -31,7 +31,7 @@ from lmforge.parallel.engine import Engine
 from lmforge.parallel.fsdp import FSDPEngine
 from lmforge.parallel.pipeline.engine import PipelineEngine
 from lmforge.parallel.pipeline.replicas import StageReplicas, StageZero
-from lmforge.parallel.tp_engine import TensorParallelDDPEngine, TensorParallelEngine
+from lmforge.parallel.tp_engine import TensorParallelDDPEngine, TensorParallelEngine, TensorParallelZeroEngine
 from lmforge.parallel.zero import ZeroEngine
 from lmforge.precision.policy import torch_dtype
 
@@ -77,7 +77,7 @@ def parallelize(model: torch.nn.Module, cfg, policy: Policy, make_optimizer, wei
     `tp_comm`: its replicas are data-parallel over the dp group (tp_engine.py)."""
     strategy = get_strategy(cfg.train.parallel).name
     if tp_comm is not None:
-        return _tensor_parallel(model, cfg, strategy, make_optimizer(weight_decay_groups(model)), groups, tp_comm)
+        return _tensor_parallel(model, cfg, policy, strategy, make_optimizer, weight_decay_groups, groups, tp_comm)
     if strategy == "none":
         return Engine(model, make_optimizer(weight_decay_groups(model)))
     require_process_group(f"train.parallel={strategy}")
@@ -87,12 +87,17 @@ def parallelize(model: torch.nn.Module, cfg, policy: Policy, make_optimizer, wei
     return engine
 
 
-def _tensor_parallel(model, cfg, strategy: str, optimizer, groups, tp_comm) -> Engine:
-    """Strategy none (one replica) or ddp over the dp group, as parallel/launch.py allowed."""
+def _tensor_parallel(model, cfg, policy, strategy: str, make_optimizer, weight_decay_groups, groups, tp_comm) -> Engine:
+    """Strategy none (one replica), or ddp or zero1-3 over the dp group, as parallel/launch.py allowed."""
     if strategy == "none":
-        return TensorParallelEngine(model, optimizer, tp_comm)
+        return TensorParallelEngine(model, make_optimizer(weight_decay_groups(model)), tp_comm)
     comm = Collectives(groups.dp_group)
-    engine = TensorParallelDDPEngine(model, optimizer, comm, cfg.train.bucket_mb, tp_comm)
+    if strategy == "ddp":
+        engine = TensorParallelDDPEngine(model, make_optimizer(weight_decay_groups(model)), comm, cfg.train.bucket_mb,
+                                         tp_comm)
+    else:
+        engine = TensorParallelZeroEngine(model, make_optimizer, weight_decay_groups(model), comm,
+                                          get_strategy(strategy).zero_stage, working_dtype(policy), tp_comm)
     comm.reset()  # setup's broadcasts are not a step's traffic
     return engine
 

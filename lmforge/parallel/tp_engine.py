@@ -1,5 +1,6 @@
-"""The engines of a tensor-parallel model (parallel/tp.py): strategy none (one replica) or ddp over
-the data-parallel group (parallel/mesh.py), with what tensor parallelism changes in them:
+"""The engines of a tensor-parallel model (parallel/tp.py): strategy none (one replica), or ddp or
+ZeRO stages 1-3 over the data-parallel group (parallel/mesh.py), with what tensor parallelism
+changes in them:
 
   - the gradient norm: a sharded parameter's squares are summed over the tp group, a whole one
     (norms, row-parallel biases: the same gradient on every tp rank) counted once;
@@ -8,8 +9,14 @@ the data-parallel group (parallel/mesh.py), with what tensor parallelism changes
     one process, and the other way round;
   - the parameter count of the whole model.
 
-Every tp rank draws the same batch: `replica` / `replicas` are the data-parallel ones (DDP's comm is
-over the dp group; strategy none has one replica), and the loader shards by them.
+Every tp rank draws the same batch: `replica` / `replicas` are the data-parallel ones (DDP's and
+ZeRO's comm is over the dp group; strategy none has one replica), and the loader shards by them.
+
+ZeRO over the dp group (one device mesh, dp x tp; torchtitan's order: tensor parallelism first,
+then data-parallel sharding of what each tensor rank holds): each tp rank's local shards are laid
+in ZeRO's flat units and those sharded over its dp peers, the ranks of the same tp index
+(parallel/zero.py unchanged: it sees a model of smaller matrices and a group of dp ranks). So a
+rank holds 1/(tp dp) of a split matrix's states and 1/dp of a whole one's (norm gains).
 """
 
 import torch
@@ -19,6 +26,7 @@ from lmforge.parallel.comm import Collectives
 from lmforge.parallel.ddp import DDPEngine
 from lmforge.parallel.engine import Engine
 from lmforge.parallel.tp import sharded_dim
+from lmforge.parallel.zero import ZeroEngine
 
 
 def gather_full(shard: torch.Tensor, dim: int, comm: Collectives) -> torch.Tensor:
@@ -99,3 +107,33 @@ class TensorParallelDDPEngine(TensorParallelMixin, DDPEngine):
     def __init__(self, model, optimizer, comm: Collectives, bucket_mb: float, tp_comm: Collectives):
         self.tp_comm = tp_comm
         super().__init__(model, optimizer, comm, bucket_mb)
+
+
+class TensorParallelZeroEngine(TensorParallelMixin, ZeroEngine):
+    """Replicas of a tensor-parallel model whose states ZeRO (stage 1, 2 or 3) shards over the dp
+    group (train.parallel=zero1, zero2, zero3)."""
+
+    def __init__(self, model, make_optimizer, weight_decay_groups, comm: Collectives, stage: int,
+                 working_dtype: torch.dtype, tp_comm: Collectives):
+        self.tp_comm = tp_comm
+        super().__init__(model, make_optimizer, weight_decay_groups, comm, stage, working_dtype)
+
+    @torch.no_grad()
+    def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
+        """The global norm from this rank's pieces: disjoint over the dp ranks (ZeRO's slices), and,
+        for a split matrix, over the tp ranks too; a whole parameter's piece is the same on every tp
+        rank, so it is counted once (summed over dp only). fp16 is refused with tp (launch.py)."""
+        sharded, whole = torch.zeros(()), torch.zeros(())
+        for unit in self.units:
+            for i, _, _ in unit.piece_list:
+                square = torch.linalg.vector_norm(unit.piece_tensors[i].grad, dtype=torch.float32).square()
+                if sharded_dim(unit.params[i]) is None:
+                    whole += square
+                else:
+                    sharded += square
+        self.tp_comm.all_reduce(sharded, kind="scalar")
+        total = sharded + whole
+        self.comm.all_reduce(total, kind="scalar")
+        total_norm = total.sqrt()
+        scale_to_norm(self.local_grads(), total_norm, max_norm)
+        return False, total_norm
