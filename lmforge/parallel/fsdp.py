@@ -47,7 +47,9 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class FSDPEngine(DistributedEngine):
-    def __init__(self, model, make_optimizer, weight_decay_groups_of, comm, working_dtype: torch.dtype):
+    def __init__(self, model, make_optimizer, weight_decay_groups_of, comm, working_dtype: torch.dtype, mesh=None):
+        """`mesh`: the 1-D device mesh of `comm`'s ranks (a tensor-parallel model's dp dimension,
+        parallel/tp_engine.py); None: every rank (fully_shard's default)."""
         super().__init__(model, None, comm)
         self.broadcast_from_rank0()
         param_dtype = None if working_dtype == next(model.parameters()).dtype else working_dtype
@@ -57,8 +59,8 @@ class FSDPEngine(DistributedEngine):
         unit_of = parameter_units(model)
         for name, module in unit_modules(model).items():
             if all(unit_of[p] == name for p in module.parameters()):  # a shared one: the model's group
-                fully_shard(module, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+                fully_shard(module, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         self.optimizer = make_optimizer(weight_decay_groups_of(model))  # over the sharded parameters
 
     @contextlib.contextmanager

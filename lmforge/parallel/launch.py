@@ -135,7 +135,7 @@ TP_REFUSED = {
 }
 
 
-TP_DATA_PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3")  # over the dp group (parallel/tp_engine.py)
+TP_DATA_PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")  # over the dp group (parallel/tp_engine.py)
 
 
 def tp_divisibility(model_cfg, tp: int) -> str | None:
@@ -151,7 +151,7 @@ def tp_divisibility(model_cfg, tp: int) -> str | None:
 
 def _check_tensor_parallel(cfg, env) -> None:
     """parallel.tp > 1: world = (world / tp) replicas x tp ranks (parallel/mesh.py), the replicas
-    under train.parallel=ddp or zero1-3 (or none with one replica), and a model the ranks can split."""
+    under train.parallel=ddp, zero1-3 or fsdp (or none with one replica), and a model the ranks can split."""
     tp, parallel = cfg.parallel.tp, get_strategy(cfg.train.parallel).name
     if env is None:
         raise LmforgeError(f"parallel.tp={tp} needs {tp} processes per model replica: launch with torchrun "
@@ -163,7 +163,7 @@ def _check_tensor_parallel(cfg, env) -> None:
     dp = world_size // tp
     if parallel not in TP_DATA_PARALLEL or (dp > 1 and parallel == "none"):
         raise LmforgeError(f"{world_size} processes = {dp} replicas x parallel.tp={tp}: the replicas share their "
-                           f"gradients by train.parallel=ddp, zero1, zero2 or zero3 (or none with one replica), "
+                           f"gradients by train.parallel=ddp, zero1, zero2, zero3 or fsdp (or none with one replica), "
                            f"not {parallel}")
     for setting, (refused, why) in TP_REFUSED.items():
         if refused(cfg):

@@ -31,7 +31,8 @@ from lmforge.parallel.engine import Engine
 from lmforge.parallel.fsdp import FSDPEngine
 from lmforge.parallel.pipeline.engine import PipelineEngine
 from lmforge.parallel.pipeline.replicas import StageReplicas, StageZero
-from lmforge.parallel.tp_engine import TensorParallelDDPEngine, TensorParallelEngine, TensorParallelZeroEngine
+from lmforge.parallel.tp_engine import (TensorParallelDDPEngine, TensorParallelEngine, TensorParallelFSDPEngine,
+                                        TensorParallelZeroEngine)
 from lmforge.parallel.zero import ZeroEngine
 from lmforge.precision.policy import torch_dtype
 
@@ -88,13 +89,16 @@ def parallelize(model: torch.nn.Module, cfg, policy: Policy, make_optimizer, wei
 
 
 def _tensor_parallel(model, cfg, policy, strategy: str, make_optimizer, weight_decay_groups, groups, tp_comm) -> Engine:
-    """Strategy none (one replica), or ddp or zero1-3 over the dp group, as parallel/launch.py allowed."""
+    """Strategy none (one replica), or ddp, zero1-3 or fsdp over the dp group, as parallel/launch.py allowed."""
     if strategy == "none":
         return TensorParallelEngine(model, make_optimizer(weight_decay_groups(model)), tp_comm)
     comm = Collectives(groups.dp_group)
     if strategy == "ddp":
         engine = TensorParallelDDPEngine(model, make_optimizer(weight_decay_groups(model)), comm, cfg.train.bucket_mb,
                                          tp_comm)
+    elif strategy == "fsdp":
+        engine = TensorParallelFSDPEngine(model, make_optimizer, weight_decay_groups, comm, working_dtype(policy),
+                                          groups.mesh["dp"], tp_comm)
     else:
         engine = TensorParallelZeroEngine(model, make_optimizer, weight_decay_groups(model), comm,
                                           get_strategy(strategy).zero_stage, working_dtype(policy), tp_comm)

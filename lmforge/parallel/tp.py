@@ -160,6 +160,7 @@ def _sum_gradient(param: nn.Parameter, comm: Collectives) -> None:
         comm.all_reduce(grad, kind=TP_KIND)
         return grad
     param.register_hook(hook)
+    param.tp_summed = True  # FSDP2 replaces the parameter, and the hook with it: tp_engine.py sums it then
 
 
 class SequenceShardRope(nn.Module):

@@ -16,7 +16,11 @@ ZeRO over the dp group (one device mesh, dp x tp; torchtitan's order: tensor par
 then data-parallel sharding of what each tensor rank holds): each tp rank's local shards are laid
 in ZeRO's flat units and those sharded over its dp peers, the ranks of the same tp index
 (parallel/zero.py unchanged: it sees a model of smaller matrices and a group of dp ranks). So a
-rank holds 1/(tp dp) of a split matrix's states and 1/dp of a whole one's (norm gains).
+rank holds 1/(tp dp) of a split matrix's states and 1/dp of a whole one's (norm gains). FSDP2
+the same way: `fully_shard` over the mesh's dp dimension, applied after the tensor-parallel split
+(torchtitan's order); it replaces every parameter, so the engine puts `tp_dim` back on the new ones
+by name, and sums over tp, after backward, the gradients that tp.py's hooks (lost with the old
+parameters) would have summed.
 """
 
 import torch
@@ -25,6 +29,7 @@ from lmforge.optim.clip import scale_to_norm
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.ddp import DDPEngine
 from lmforge.parallel.engine import Engine
+from lmforge.parallel.fsdp import FSDPEngine, local
 from lmforge.parallel.tp import sharded_dim
 from lmforge.parallel.zero import ZeroEngine
 
@@ -39,6 +44,26 @@ def gather_full(shard: torch.Tensor, dim: int, comm: Collectives) -> torch.Tenso
 
 def slice_full(full: torch.Tensor, dim: int, comm: Collectives) -> torch.Tensor:
     return full.chunk(comm.world, dim=dim)[comm.rank]
+
+
+@torch.no_grad()
+def sharded_norm_and_clip(pieces, comm: Collectives, tp_comm: Collectives, max_norm: float):
+    """The global norm from this rank's pieces: disjoint over the dp ranks (ZeRO's or FSDP's slices), and,
+    for a split matrix, over the tp ranks too; a whole parameter's piece is the same on every tp
+    rank, so it is counted once (summed over dp only). fp16 is refused with tp (launch.py)."""
+    sharded, whole = torch.zeros(()), torch.zeros(())
+    for grad, param in pieces:
+        square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        if sharded_dim(param) is None:
+            whole += square
+        else:
+            sharded += square
+    tp_comm.all_reduce(sharded, kind="scalar")
+    total = sharded + whole
+    comm.all_reduce(total, kind="scalar")
+    total_norm = total.sqrt()
+    scale_to_norm([grad for grad, _ in pieces], total_norm, max_norm)
+    return False, total_norm
 
 
 class TensorParallelMixin:
@@ -118,22 +143,38 @@ class TensorParallelZeroEngine(TensorParallelMixin, ZeroEngine):
         self.tp_comm = tp_comm
         super().__init__(model, make_optimizer, weight_decay_groups, comm, stage, working_dtype)
 
+    def _pieces(self):
+        """(this rank's piece of a gradient, its parameter) for every piece this rank updates."""
+        return [(unit.piece_tensors[i].grad, unit.params[i]) for unit in self.units for i, _, _ in unit.piece_list]
+
     @torch.no_grad()
     def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
-        """The global norm from this rank's pieces: disjoint over the dp ranks (ZeRO's slices), and,
-        for a split matrix, over the tp ranks too; a whole parameter's piece is the same on every tp
-        rank, so it is counted once (summed over dp only). fp16 is refused with tp (launch.py)."""
-        sharded, whole = torch.zeros(()), torch.zeros(())
-        for unit in self.units:
-            for i, _, _ in unit.piece_list:
-                square = torch.linalg.vector_norm(unit.piece_tensors[i].grad, dtype=torch.float32).square()
-                if sharded_dim(unit.params[i]) is None:
-                    whole += square
-                else:
-                    sharded += square
-        self.tp_comm.all_reduce(sharded, kind="scalar")
-        total = sharded + whole
-        self.comm.all_reduce(total, kind="scalar")
-        total_norm = total.sqrt()
-        scale_to_norm(self.local_grads(), total_norm, max_norm)
-        return False, total_norm
+        return sharded_norm_and_clip(self._pieces(), self.comm, self.tp_comm, max_norm)
+
+
+class TensorParallelFSDPEngine(TensorParallelMixin, FSDPEngine):
+    """Replicas of a tensor-parallel model sharded by FSDP2 over the mesh's dp dimension (train.parallel=fsdp)."""
+
+    def __init__(self, model, make_optimizer, weight_decay_groups_of, comm: Collectives, working_dtype: torch.dtype,
+                 dp_mesh, tp_comm: Collectives):
+        self.tp_comm = tp_comm
+        marks = {name: (sharded_dim(p), getattr(p, "tp_summed", False)) for name, p in model.named_parameters()}
+        super().__init__(model, make_optimizer, weight_decay_groups_of, comm, working_dtype, mesh=dp_mesh)
+        self.summed = []
+        for name, p in model.named_parameters():  # fully_shard's new parameters, under the same names
+            dim, summed = marks[name]
+            if dim is not None:
+                p.tp_dim = dim
+            if summed:
+                self.summed.append(p)
+
+    def finish_gradients(self) -> None:
+        super().finish_gradients()
+        for p in self.summed:  # each tp rank's dp shard of its partial gradient: the sum is over tp
+            if p.grad is not None:
+                self.tp_comm.all_reduce(local(p.grad), kind="tp")
+
+    @torch.no_grad()
+    def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
+        pieces = [(local(p.grad), p) for p in self.model.parameters() if p.grad is not None]
+        return sharded_norm_and_clip(pieces, self.comm, self.tp_comm, max_norm)
