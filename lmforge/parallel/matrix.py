@@ -54,12 +54,12 @@ class Layout:
 def layouts() -> list[Layout]:
     """One process, each strategy on 2 ranks, a 2-stage pipeline, and the pipeline with 2 replicas
     under each strategy (4 ranks): every strategy modes/parallel.py names, with and without stages;
-    tensor parallelism on 2 ranks, and 2 of them as ddp replicas (4 ranks)."""
+    tensor parallelism on 2 ranks, and 2 of them as replicas under each strategy (4 ranks)."""
     strategies = [name for name in PARALLEL_STRATEGIES if name != "none"]
     return ([Layout("one process", "none")] + [Layout(s, s, 1, 2) for s in strategies]
             + [Layout("pipeline", "none", STAGES, STAGES)]
             + [Layout(f"pipeline x {s}", s, STAGES, 2 * STAGES) for s in strategies]
-            + [Layout("tp", "none", 1, 2, tp=2), Layout("tp x ddp", "ddp", 1, 4, tp=2)])
+            + [Layout("tp", "none", 1, 2, tp=2)] + [Layout(f"tp x {s}", s, 1, 4, tp=2) for s in strategies])
 
 
 LAYOUTS = {layout.name: layout for layout in layouts()}
@@ -106,6 +106,8 @@ DIST = "tests/test_composition_dist.py::"
 PIPE = "tests/test_pipeline_compose_dist.py::"
 CELLS = "tests/test_pipeline_cells_dist.py::"
 TPC = "tests/test_tp_compose_dist.py::"
+TPZ = "tests/test_tp_zero_dist.py::"
+TP_SHARDED = ("tp x zero1", "tp x zero2", "tp x zero3", "tp x fsdp")
 PIPELINES = ("pipeline", "pipeline x ddp", "pipeline x zero1")
 ALL_KINDS = tuple(KINDS)
 COVERAGE = (
@@ -175,6 +177,12 @@ COVERAGE = (
     Covered(TPC + "test_tp2_compiled_trains_as_one_process_compiled", ("tp",), ("fp32",), extra="compiled"),
     Covered(TPC + "test_tp2_times_ddp2_composes_and_trains_as_one_process", ("tp x ddp",), ("bf16-mixed",)),
     Covered(TPC + "test_tp2_times_ddp2_composes_and_trains_as_one_process", ("tp x ddp",), ("fp32",), ("LoRA",)),
+    # one mesh, dp x tp: the replicas sharded (tests/test_tp_zero_dist.py, against the tp x ddp run)
+    Covered(TPZ + "test_sharded_replicas_of_a_tp_model_train_as_ddp_replicas", TP_SHARDED, ("fp32",)),
+    Covered(TPZ + "test_state_loads_back_into_a_fresh_engine_and_steps_on_exactly", TP_SHARDED, ("fp32",),
+            extra="checkpoint + resume"),
+    Covered(TPZ + "test_lmforge_train_tp2_zero2_on_4_ranks_resumes_exactly", ("tp x zero2",), ("fp32",),
+            extra="checkpoint + resume"),
 )
 
 
