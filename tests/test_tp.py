@@ -76,7 +76,7 @@ def test_apply_keeps_names_splits_shapes_and_refuses_twice():
     (["parallel.tp=2"], (0, 3, 0), "the world must be"),
     (["parallel.tp=2"], (0, 4, 0), "2 replicas x parallel.tp=2: the replicas share their gradients by "
                                    "train.parallel=ddp"),
-    (["parallel.tp=2", "train.parallel=zero1"], (0, 2, 0), "not zero1"),
+    (["parallel.tp=2", "train.parallel=zero2", "optim.name=muon"], (0, 4, 0), "muon does not combine with parallel.tp=2"),
     (["parallel.tp=4"], (0, 4, 0), r"must divide the KV heads \(model.n_kv_heads\) = 2 \(fewer KV heads than ranks"),
     (["parallel.tp=2", "model.vocab_size=511"], (0, 2, 0), "must divide model.vocab_size = 511"),
     (["parallel.tp=2", "train.pipeline_stages=2"], (0, 2, 0), "does not combine with train.pipeline_stages"),
@@ -101,6 +101,8 @@ def test_launches_accepted():
     base = ["train.device=cpu", "train.sample_tokens=0", "parallel.tp=2"]
     assert check_launch(make_config("tiny", overrides=base), (1, 2, 1), 0).type == "cpu"
     assert check_launch(make_config("tiny", overrides=[*base, "train.parallel=ddp"]), (3, 4, 3), 0).type == "cpu"
+    for strategy in ("zero1", "zero2", "zero3", "fsdp"):  # sharded replicas (parallel/tp_engine.py)
+        assert check_launch(make_config("tiny", overrides=[*base, f"train.parallel={strategy}"]), (3, 4, 3), 0).type == "cpu"
 
 
 def test_parallel_tp_must_be_positive():
