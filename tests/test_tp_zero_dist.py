@@ -106,8 +106,9 @@ def test_each_rank_holds_and_sends_what_the_plan_says(four_ranks, name, capsys):
 
 @pytest.mark.slow
 def test_lmforge_train_tp2_zero2_on_4_ranks_resumes_exactly(tmp_path, corpus_dir, data_dir):
-    """`lmforge train` under torchrun: a tp=2 x zero2 run stopped at step 2 resumes from its
-    checkpoint to the uninterrupted run's losses and weights, bit for bit (same world, same order)."""
+    """`lmforge train` under torchrun: a tp=2 x zero2 run's end-of-run table shows its model states
+    as planned, and the run stopped at step 2 resumes from its checkpoint to the uninterrupted
+    run's losses and weights, bit for bit (same world, same order)."""
     from tests.conftest import tiny_overrides
     from tests.test_distributed_train import final_weights, losses
     from tests.test_tp_train_dist import run
@@ -118,6 +119,9 @@ def test_lmforge_train_tp2_zero2_on_4_ranks_resumes_exactly(tmp_path, corpus_dir
                                  checkpoint_interval=2, log_interval=1), f"optim.decay_steps={steps + 2}",
                  "train.device=cpu", "parallel.tp=2", "train.parallel=zero2"]
     run(torchrun(4, "--model", "tiny", *overrides, "--out", "straight"), tmp_path)
+    table = json.loads((tmp_path / "straight" / "summary.json").read_text())["predicted_vs_measured"]
+    for row in ("parameters_bytes", "gradients_bytes", "optimizer_states_bytes"):  # the trainer's own plan
+        assert table[row]["measured"] == table[row]["predicted"], (row, table[row])
     run(torchrun(4, "--model", "tiny", *overrides, "train.max_steps=2", "--out", "stopped"), tmp_path)
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "stopped", resumed)
