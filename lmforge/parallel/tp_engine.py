@@ -1,6 +1,6 @@
-"""The engines of a tensor-parallel model (parallel/tp.py): strategy none (one replica), or ddp or
-ZeRO stages 1-3 over the data-parallel group (parallel/mesh.py), with what tensor parallelism
-changes in them:
+"""The engines of a tensor-parallel model (parallel/tp.py): strategy none (one replica), or ddp,
+ZeRO stages 1-3 or FSDP2 over the data-parallel group (parallel/mesh.py), with what tensor
+parallelism changes in them:
 
   - the gradient norm: a sharded parameter's squares are summed over the tp group, a whole one
     (norms, row-parallel biases: the same gradient on every tp rank) counted once;
@@ -9,8 +9,8 @@ changes in them:
     one process, and the other way round;
   - the parameter count of the whole model.
 
-Every tp rank draws the same batch: `replica` / `replicas` are the data-parallel ones (DDP's and
-ZeRO's comm is over the dp group; strategy none has one replica), and the loader shards by them.
+Every tp rank draws the same batch: `replica` / `replicas` are the data-parallel ones (the data-
+parallel engine's comm is over the dp group; strategy none has one replica), and the loader shards by them.
 
 ZeRO over the dp group (one device mesh, dp x tp; torchtitan's order: tensor parallelism first,
 then data-parallel sharding of what each tensor rank holds): each tp rank's local shards are laid
