@@ -10,8 +10,9 @@ elementwise, so the pieces get the updates of the whole tensors; only the global
 squares in another grouping (pieces, not tensors), which moves the clip factor by an ulp at most.
 Measured: losses, norms and final weights identical (0.0) to DDP's; asserted: losses and norms to
 1e-6 relative, weights to 1e-6 absolute (an ulp-level clip difference over 3 steps at lr 3e-3 is
-far below that; a wrong shard, a missed tp sum or a norm counting whole parameters twice moves
-weights by ~lr = 3e-3 and the norm in the first digits). FSDP2: its reduce-scatter divides by the
+far below that; a wrong shard or a missed tp sum moves weights by ~lr = 3e-3). Broken on purpose:
+the norm summing the whole parameters' squares over the tp ranks too (counted twice) moved the
+norms by 2.6e-3 relative and the weights by 1.9e-6 (AdamW barely sees the clip factor): caught. FSDP2: its reduce-scatter divides by the
 world before or after summing as torch chooses (pre/post-divide factors), so each gradient is
 within an ulp or two of DDP's; measured: losses to 8e-8 relative, weights to 1.1e-7; asserted:
 losses and norms 1e-6 relative, weights 1e-6 absolute, the same margins.
