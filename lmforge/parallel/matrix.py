@@ -179,6 +179,8 @@ COVERAGE = (
     Covered(TPC + "test_tp2_times_ddp2_composes_and_trains_as_one_process", ("tp x ddp",), ("fp32",), ("LoRA",)),
     # one mesh, dp x tp: the replicas sharded (tests/test_tp_zero_dist.py, against the tp x ddp run)
     Covered(TPZ + "test_sharded_replicas_of_a_tp_model_train_as_ddp_replicas", TP_SHARDED, ("fp32",)),
+    Covered(TPZ + "test_sharded_replicas_of_a_tp_model_train_as_ddp_replicas", ("tp x zero3", "tp x fsdp"), ("fp32",),
+            ("LoRA",)),
     Covered(TPZ + "test_sharded_replicas_in_bf16_mixed_train_as_ddp_replicas_and_hold_the_fp32_masters_as_planned",
             ("tp x zero1", "tp x zero3", "tp x fsdp"), ("bf16-mixed",)),
     Covered(TPZ + "test_state_loads_back_into_a_fresh_engine_and_steps_on_exactly", TP_SHARDED, ("fp32",),
