@@ -20,9 +20,9 @@ losses and norms 1e-6 relative, weights 1e-6 absolute, the same margins.
 Bytes: each rank's parameters, gradients, master weights and optimizer states after the last
 backward equal `lmforge plan --tp 2 --dp 2 --zero-stage S`'s exactly (==: both count the same
 tensors; nothing is rounded), and the data-parallel bytes one step sends equal accounting/comm.py's.
-Not for LoRA: the plan divides the adapters by tp evenly (accounting/memory.py), while tp_lora.py
-keeps A whole on column-parallel layers and B whole on row-parallel ones, under every strategy
-(measured under ddp too: 274,688 parameter bytes against the plan's 270,592): left to the plan.
+With LoRA too: the plan counts the adapters one tensor rank holds (accounting/memory.py's
+lora_parameters with tp), A whole on column-parallel layers and B whole on row-parallel ones, as
+tp_lora.py splits them (an even split by tp, as the plan once assumed, was 4,096 bytes short).
 """
 
 import json
@@ -38,7 +38,7 @@ from test_pipeline import run_worker  # noqa: E402
 from tp_worker import tp_config  # noqa: E402
 
 from lmforge.accounting.comm import step_communication  # noqa: E402
-from lmforge.accounting.memory import model_state_bytes  # noqa: E402
+from lmforge.accounting.memory import lora_parameters, model_state_bytes  # noqa: E402
 from lmforge.cli import main  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
 from lmforge.modes.parallel import get_strategy  # noqa: E402
@@ -113,6 +113,18 @@ def test_state_loads_back_into_a_fresh_engine_and_steps_on_exactly(four_ranks, n
             assert all(torch.equal(optimizer["state"][key][k], v) for k, v in state.items()), (name, rank, key)
         trained, reloaded = result["next_step"]
         assert trained == reloaded, (name, rank)
+
+
+@pytest.mark.parametrize("name", ["ddp@lora", "zero3@lora", "fsdp@lora"])
+def test_each_rank_holds_the_adapters_the_plan_says(four_ranks, name):
+    cfg = tp_config(2, 4, LORA)
+    strategy = name.split("@")[0]
+    adapters = lora_parameters(cfg.model, cfg.finetune.lora_rank, cfg.finetune.lora_targets, tp=2)
+    assert adapters != lora_parameters(cfg.model, cfg.finetune.lora_rank, cfg.finetune.lora_targets) / 2
+    plan = model_state_bytes(cfg.model, get_policy("fp32"), "adamw", get_strategy(strategy).zero_stage, dp=2, tp=2,
+                             lora_trainable=adapters, fully_shard=strategy == "fsdp")
+    for rank, result in enumerate(four_ranks[name]):
+        assert result["held"] == {k: plan[k] for k in result["held"]}, (name, rank)
 
 
 def plan_bytes(strategy: str, capsys) -> dict:

@@ -61,13 +61,22 @@ def zero_paper_model_state_bytes(n_params: int, stage: int, dp: int, k: int = 12
             + optimizer / (dp if stage >= 1 else 1))
 
 
-def lora_parameters(cfg: ModelConfig, rank: int, targets: str) -> int:
+def lora_parameters(cfg: ModelConfig, rank: int, targets: str, tp: int = 1) -> int:
     """Trainable parameters of LoRA (model/lora.py): r * (in + out) per targeted linear layer, read
-    from the meta-device model with the adapters applied."""
-    from lmforge.accounting.shapes import meta_model
-    from lmforge.model.lora import apply_lora, trainable_parameters
+    from the meta-device model with the adapters applied. With tp > 1, those one tensor rank holds
+    (parallel/tp_lora.py): a column-parallel layer's B is split by its output rows and its A whole,
+    a row-parallel layer's A is split by its input columns and its B whole."""
+    from lmforge.accounting.shapes import meta_model, tensor_parallel_dim
+    from lmforge.model.lora import apply_lora
 
-    return trainable_parameters(apply_lora(meta_model(cfg), targets, rank))
+    held = 0
+    for name, param in apply_lora(meta_model(cfg), targets, rank).named_parameters():
+        if not param.requires_grad:
+            continue
+        layer, adapter = name.rsplit(".", 1)
+        split = {0: "lora_B", 1: "lora_A"}.get(tensor_parallel_dim(f"{layer}.weight"))
+        held += param.numel() // (tp if adapter == split else 1)
+    return held
 
 
 def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optimizer: str = "adamw", zero_stage: int = 0,
@@ -82,8 +91,8 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
     stage holds its own (accounting/pipeline.py). Tensor parallelism (tp) splits the weights
     themselves: a tensor rank holds the shapes parallel/tp.py gives it (shapes.py's
     tensor_rank_shapes: the split matrices divided by tp, norm gains and row-parallel biases
-    whole), so do its gradients and optimizer states; a pipeline stage's shapes and LoRA's
-    adapters are divided by tp evenly. ZeRO's and FSDP's padding to a multiple of dp is not counted
+    whole), so do its gradients and optimizer states; a pipeline stage's shapes are divided by
+    tp evenly. `lora_trainable`: the adapter parameters one device holds (lora_parameters with tp). ZeRO's and FSDP's padding to a multiple of dp is not counted
     (none where each unit or dimension divides evenly). `hidden_matrices`: a stage's Muon elements.
 
     `fully_shard` (train.parallel=fsdp, zero_stage 3): FSDP2 shards the parameters as the policy
@@ -114,7 +123,7 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
         parameter, gradient, master = layout.parameter, layout.gradient, layout.master
         optimizer_bytes = optimizer_state_bytes(cfg, optimizer, policy, parameter_shapes, hidden_matrices) / even
     else:
-        frozen, trained = n * p.parameter, lora_trainable / tp
+        frozen, trained = n * p.parameter, lora_trainable
         zero = zero_stage > 0 and not fully_shard
         parameter = layout.parameter if zero else 4  # the working adapters: ZeRO's dtype, else fp32
         gradient, master = parameter, 4 if parameter != 4 else 0

@@ -223,8 +223,9 @@ def _single_stage_cost(cfg: ModelConfig, setup: Setup, policy: Policy, lora: int
                        step_seconds: float) -> Cost:
     """The whole model on each device (split tp ways, sharded by ZeRO over dp)."""
     b, s = setup.batch_size, setup.seq_len
+    held_lora = None if lora is None else memory.lora_parameters(cfg, setup.lora_rank, setup.lora_targets, setup.tp)
     states = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
-                                      lora_trainable=lora, fully_shard=strategy_of(setup) == "fsdp")
+                                      lora_trainable=held_lora, fully_shard=strategy_of(setup) == "fsdp")
     # the sharding engines compute on 16-bit working weights under a mixed policy: no weight casts
     layout = memory.sharded_layout(policy, get_strategy(strategy_of(setup)).zero_stage)
     activations = memory.activation_breakdown(cfg, b, s, layout, setup.attention, setup.recompute,
