@@ -130,8 +130,9 @@ TP_REFUSED = {
                                                      "alike (Megatron's model-parallel RNG is not written)"),
     "model.logit_softcap": (lambda c: c.model.logit_softcap is not None,
                             "the vocabulary-parallel loss does not soft-cap the logits (parallel/tp_loss.py)"),
-    "train.sample_tokens": (lambda c: c.train.sample_tokens > 0,
-                            "the KV cache is not split by heads yet: set train.sample_tokens=0"),
+    "train.sample_tokens": (lambda c: c.train.sample_tokens > 0 and c.parallel.sequence_parallel,
+                            "a decoding step's one new token cannot be split along the sequence: set "
+                            "train.sample_tokens=0, or parallel.sequence_parallel=false"),
 }
 
 
