@@ -77,7 +77,9 @@ def test_apply_keeps_names_splits_shapes_and_refuses_twice():
     (["parallel.tp=2"], (0, 4, 0), "2 replicas x parallel.tp=2: the replicas share their gradients by "
                                    "train.parallel=ddp"),
     (["parallel.tp=2", "train.parallel=zero1"], (0, 2, 0), "not zero1"),
-    (["parallel.tp=4"], (0, 4, 0), r"must divide the KV heads \(model.n_kv_heads\) = 2 \(fewer KV heads than ranks"),
+    (["parallel.tp=4"], (0, 4, 0), "does not combine with model.n_kv_heads: fewer KV heads than ranks are replicated"),
+    (["parallel.tp=3", "model.n_heads=6", "model.n_kv_heads=2", "model.d_model=48"], (0, 3, 0),
+     r"must divide the KV heads \(model.n_kv_heads\) = 2 or be a multiple of them"),
     (["parallel.tp=2", "model.vocab_size=511"], (0, 2, 0), "must divide model.vocab_size = 511"),
     (["parallel.tp=2", "train.pipeline_stages=2"], (0, 2, 0), "does not combine with train.pipeline_stages"),
     (["parallel.tp=2", "train.precision=fp16-mixed"], (0, 2, 0), "does not combine with train.precision"),
