@@ -23,6 +23,7 @@ element by at most ~lr a step; a gradient element that is itself a cancellation 
 sign under another summation order) and at most 0.1% of the elements beyond 1e-5.
 """
 
+import json
 import shutil
 import sys
 
@@ -106,7 +107,8 @@ def test_tp2_times_ddp2_exports_and_generates_whole_and_resumes_in_one_process(t
     # the Hugging Face export holds whole weights: the shapes of the one-process run's export, the
     # logits of the checkpoint loaded in one process (HF's Llama against ours on the same weights:
     # fp32 rounding, measured 2.4e-6; a half or misplaced shard moves them by O(1))
-    ours, theirs = export_run(folder, tmp_path / "hf"), export_run(list_checkpoints(uninterrupted)[-2], tmp_path / "ref")
+    reference_step4 = list_checkpoints(uninterrupted)[-2]
+    ours, theirs = export_run(folder, tmp_path / "hf"), export_run(reference_step4, tmp_path / "ref")
     hf = AutoModelForCausalLM.from_pretrained(ours).eval()
     ref = AutoModelForCausalLM.from_pretrained(theirs)
     assert {k: v.shape for k, v in hf.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
@@ -114,7 +116,7 @@ def test_tp2_times_ddp2_exports_and_generates_whole_and_resumes_in_one_process(t
     tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model.eval()(tokens), rtol=0, atol=2e-5)
-    assert_close_weights(model.state_dict(), weights(list_checkpoints(uninterrupted)[-2]), HALF)
+    assert_close_weights(model.state_dict(), weights(reference_step4), HALF)
     # `lmforge generate` reads the whole model from the tp run folder: greedy, the text one process makes
     result = run([sys.executable, "-m", "lmforge", "generate", str(folder), "--prompt", "def ", "--max-new-tokens",
                   "12", "--temperature", "0"], tmp_path)
@@ -142,7 +144,7 @@ def test_a_one_process_checkpoint_resumes_at_tp2_and_samples_with_a_split_kv_cac
     # of the cumulative distribution (probability ~1e-6 per token)
     cfg, model, tokenizer = load_run_model(folder)
     text = (folder / "sample.txt").read_text()
-    prompt = __import__("json").loads((folder / "summary.json").read_text())["sample_prompt"]
+    prompt = json.loads((folder / "summary.json").read_text())["sample_prompt"]
     end = tokenizer.token_to_id(cfg.data.end_token)
     assert text == sample(model.eval(), tokenizer, prompt, 16, end)
     assert len(text) > len(prompt)
