@@ -81,12 +81,12 @@ def config_file(args) -> str | None:
 
 
 def check_resumed(args) -> None:
-    """cli's _resumed_config: the run's own config, only train.* and optim.* may change."""
+    """cli's _resumed_config: the run's own config, only train.*, optim.* and parallel.* may change."""
     assert not (args.config or getattr(args, "model", None) or args.name or args.out), \
         "--resume takes its config from the run"
     for item in args.overrides:
         key, _ = parse_override(item)
-        assert key.startswith(("train.", "optim.")), f"cannot change {key} when resuming"
+        assert key.startswith(("train.", "optim.", "parallel.")), f"cannot change {key} when resuming"
     make_config(DEFAULT_PRESET, None, args.overrides)  # the keys exist and their values are valid
 
 

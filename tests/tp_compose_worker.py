@@ -18,7 +18,7 @@ from parallel_worker import train  # noqa: E402
 from tp_worker import STEPS, tp_config  # noqa: E402
 
 from lmforge.modes.precision import get_policy  # noqa: E402
-from lmforge.parallel.tp import sharded_dim  # noqa: E402
+from lmforge.parallel.tp import shard_copies, sharded_dim  # noqa: E402
 from lmforge.parallel.tp_engine import gather_full  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
@@ -29,7 +29,7 @@ def trainable_grads(model, tp_comm) -> dict[str, torch.Tensor]:
     """The trainable parameters' gradients by canonical name, whole (sharded ones all-gathered)."""
     names = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}  # tied: the last name
     return {names[id(p)]: p.grad.float().clone() if tp_comm is None or sharded_dim(p) is None
-            else gather_full(p.grad.float(), sharded_dim(p), tp_comm)
+            else gather_full(p.grad.float(), sharded_dim(p), tp_comm, shard_copies(p))
             for p in dict.fromkeys(model.parameters()) if p.grad is not None}
 
 

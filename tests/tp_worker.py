@@ -25,7 +25,7 @@ from lmforge.model.transformer import IGNORE_INDEX, Transformer  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
 from lmforge.parallel.comm import Collectives  # noqa: E402
 from lmforge.parallel.mesh import build_groups  # noqa: E402
-from lmforge.parallel.tp import sharded_dim  # noqa: E402
+from lmforge.parallel.tp import shard_copies, sharded_dim  # noqa: E402
 from lmforge.parallel.tp_engine import gather_full  # noqa: E402
 from lmforge.parallel.tp_loss import vocab_parallel_cross_entropy  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
@@ -40,7 +40,8 @@ def tp_config(tp: int, world: int, extra=()):
 
 
 def gathered_grads(model, tp_comm) -> dict[str, torch.Tensor]:
-    return {name: p.grad.clone() if sharded_dim(p) is None else gather_full(p.grad, sharded_dim(p), tp_comm)
+    return {name: p.grad.clone() if sharded_dim(p) is None else gather_full(p.grad, sharded_dim(p), tp_comm,
+                                                                                     shard_copies(p))
             for name, p in model.named_parameters()}
 
 

@@ -12,14 +12,16 @@ The cache holds the positions a generation can reach, the prompt plus max_new_to
 max_seq_len), not the model's maximum: Llama 3.2's 131,072 positions would be 4 GiB of bf16 keys
 and values before the first token for a 1B model. A longer generation (a chat that continues a
 conversation in the same cache) grows it, at least doubling, so that growth copies O(T) in all.
-It is kept in the dtype of the model's parameters (bf16 weights, a bf16 cache).
+It is kept in the dtype of the model's parameters (bf16 weights, a bf16 cache), with as many KV
+heads as the model's attention layers hold: a tensor-parallel rank (parallel/tp.py) holds 1/tp of
+them, so its cache is split by heads like its k_proj and v_proj, and every rank generates together.
 """
 
 from collections.abc import Collection
 
 import torch
 
-from lmforge.model.transformer import Transformer
+from lmforge.model.transformer import Attention, Transformer
 
 
 class KVCache:
@@ -37,9 +39,11 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model: Transformer, positions: int, batch: int = 1) -> "KVCache":
-        """A cache for `positions` positions (at most max_seq_len) of `model`, in its parameters' dtype."""
+        """A cache for `positions` positions (at most max_seq_len) of `model`, in its parameters' dtype,
+        for the KV heads its attention layers hold (this rank's, under tensor parallelism)."""
         cfg, param = model.cfg, next(model.parameters())
-        return cls(cfg.n_layers, batch, cfg.kv_heads, min(positions, cfg.max_seq_len), cfg.head_dim, param.dtype,
+        kv_heads = next(m.n_kv_heads for m in model.modules() if isinstance(m, Attention))
+        return cls(cfg.n_layers, batch, kv_heads, min(positions, cfg.max_seq_len), cfg.head_dim, param.dtype,
                    param.device, limit=cfg.max_seq_len)
 
     @property

@@ -37,12 +37,12 @@ class Layout:
     parallel: str
     stages: int = 1
     ranks: int = 1
-    tp: int = 1  # parallel.tp: ranks per tensor-parallel group (no end-of-run sample: launch.py's TP_REFUSED)
+    tp: int = 1  # parallel.tp: ranks per tensor-parallel group
 
     @property
     def overrides(self) -> list[str]:
         piped = [f"train.pipeline_stages={self.stages}", f"train.micro_batches={self.stages}"] if self.stages > 1 else []
-        tensor = [f"parallel.tp={self.tp}", "train.sample_tokens=0"] if self.tp > 1 else []
+        tensor = [f"parallel.tp={self.tp}"] if self.tp > 1 else []
         return [f"train.parallel={self.parallel}", *piped, *tensor]
 
     @property
@@ -108,6 +108,7 @@ CELLS = "tests/test_pipeline_cells_dist.py::"
 TPC = "tests/test_tp_compose_dist.py::"
 TPZ = "tests/test_tp_zero_dist.py::"
 TP_SHARDED = ("tp x zero1", "tp x zero2", "tp x zero3", "tp x fsdp")
+TPR = "tests/test_tp_resume_dist.py::"
 PIPELINES = ("pipeline", "pipeline x ddp", "pipeline x zero1")
 ALL_KINDS = tuple(KINDS)
 COVERAGE = (
@@ -169,6 +170,11 @@ COVERAGE = (
     Covered("tests/test_tp_dist.py::test_tp2_trains_as_one_process", ("tp",), ("fp32",)),
     Covered("tests/test_tp_dist.py::test_tp2_times_ddp2_trains_as_one_process", ("tp x ddp",), ("fp32",)),
     Covered("tests/test_tp_train_dist.py::test_tp2_trains_as_one_process_and_resumes_in_one_process", ("tp",),
+            ("fp32",), extra="checkpoint + resume"),
+    # a tp checkpoint holds whole tensors: it resumes at another degree (tests/test_tp_resume_dist.py)
+    Covered(TPR + "test_tp2_times_ddp2_exports_and_generates_whole_and_resumes_in_one_process", ("tp x ddp",),
+            ("fp32",), extra="checkpoint + resume"),
+    Covered(TPR + "test_a_one_process_checkpoint_resumes_at_tp2_and_samples_with_a_split_kv_cache", ("tp",),
             ("fp32",), extra="checkpoint + resume"),
     Covered(TPC + "test_tp2_composes_and_trains_as_one_process", ("tp",), ("bf16-mixed", "bf16-pure")),
     Covered(TPC + "test_tp2_composes_and_trains_as_one_process", ("tp",), ("fp32", "bf16-mixed"), ("LoRA",)),

@@ -33,15 +33,20 @@ all-gather of the sequence and g a reduce-scatter (tp_ops.py), and the whole par
 regions (norm gains, row-parallel biases) see only this rank's tokens, so their gradients are summed
 by a hook. The rotary tables are asked for the whole sequence (`SequenceShardRope`).
 
-GQA with fewer KV heads than ranks (replicated KV heads) is not written: parallel/launch.py refuses it.
+Grouped-query attention with fewer KV heads than ranks replicates each KV head over tp / n_kv_heads
+ranks (as Megatron-LM does): a rank's query heads all read one KV head, so k_proj and v_proj are cut
+into n_kv_heads slices and rank r keeps slice r // (tp / n_kv_heads). Each copy's gradient covers
+its own rank's query heads only, so the copies' gradients are summed (`_sum_over_copies`); f already
+sums the input gradient over every rank, which counts each copy's share once. `lmforge train` still
+refuses it (parallel/launch.py): the plan does not count its shapes and traffic yet.
 
 `apply_tensor_parallel` is a module swap applied from outside (train/setup.py, step 1b): each
 parallel module is built from the nn.Linear or nn.Embedding it replaces, keeping its slice of the
 full weight, so a seed gives exactly the model one process trains. Where a region starts, a forward
 pre-hook applies f to the region's input (once for q, k and v together, once for gate and up): the
 module tree and the parameter names stay those of the model (`blocks.0.attn.q_proj.weight`).
-Each sharded parameter carries `tp_dim`, the dimension it is split along (tp_engine.py gathers and
-slices checkpoints by it).
+Each sharded parameter carries `tp_dim`, the dimension it is split along, and a replicated KV
+head's `tp_copies` (tp_engine.py gathers and slices checkpoints by them).
 """
 
 import torch
@@ -64,9 +69,16 @@ def shard(tensor: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor
     return tensor.chunk(parts, dim=dim)[rank].clone()
 
 
-def _sharded_parameter(full: torch.Tensor, dim: int, comm: Collectives) -> nn.Parameter:
-    param = nn.Parameter(shard(full.detach(), dim, comm.rank, comm.world), requires_grad=full.requires_grad)
+def _sharded_parameter(full: torch.Tensor, dim: int, comm: Collectives, copies: int = 1) -> nn.Parameter:
+    """This rank's slice of `full` along `dim`; with `copies` > 1, `copies` neighbouring ranks hold
+    the same slice (a replicated KV head) and its gradient is summed over them."""
+    param = nn.Parameter(shard(full.detach(), dim, comm.rank // copies, comm.world // copies),
+                         requires_grad=full.requires_grad)
     param.tp_dim = dim
+    if copies > 1:
+        param.tp_copies = copies
+        if param.requires_grad:
+            _sum_over_copies(param, comm, copies)
     return param
 
 
@@ -85,15 +97,16 @@ class ColumnParallelLinear(nn.Module):
     """Y_r = X A_r (+ b_r): this rank's output features (rows of nn.Linear's weight, which is A^T).
     Its input is already the whole X behind f (the region's pre-hook); `gather_output` all-gathers
     Y (the LM head's logits for generation). With `sequence_parallel` X is gathered from the
-    ranks' sequence shards, and only this rank's shard is kept for backward (tp_ops.py)."""
+    ranks' sequence shards, and only this rank's shard is kept for backward (tp_ops.py). With
+    `copies` > 1 the output is cut into world / copies slices, each held by `copies` ranks."""
 
     def __init__(self, linear: nn.Linear, comm: Collectives, gather_output: bool = False,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, copies: int = 1):
         super().__init__()
-        self.comm, self.gather_output = comm, gather_output
+        self.comm, self.gather_output, self.copies = comm, gather_output, copies
         self.matmul = linear_on_gathered if sequence_parallel else F.linear
-        self.weight = _sharded_parameter(linear.weight, 0, comm)
-        self.bias = _sharded_parameter(linear.bias, 0, comm) if linear.bias is not None else None
+        self.weight = _sharded_parameter(linear.weight, 0, comm, copies)
+        self.bias = _sharded_parameter(linear.bias, 0, comm, copies) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.weight, self.bias)
@@ -101,10 +114,11 @@ class ColumnParallelLinear(nn.Module):
 
     # the whole layer's sizes (model/lora.py's LoRALinear draws its adapters at them: parallel/tp_lora.py)
     in_features = property(lambda self: self.weight.shape[1])
-    out_features = property(lambda self: self.weight.shape[0] * self.comm.world)
+    out_features = property(lambda self: self.weight.shape[0] * self.comm.world // self.copies)
 
     def extra_repr(self) -> str:
-        return f"out_features={self.weight.shape[0]} of {self.weight.shape[0] * self.comm.world}, tp={self.comm.world}"
+        copies = f", copies={self.copies}" if self.copies > 1 else ""
+        return f"out_features={self.weight.shape[0]} of {self.out_features}, tp={self.comm.world}{copies}"
 
 
 class RowParallelLinear(nn.Module):
@@ -163,6 +177,21 @@ def _sum_gradient(param: nn.Parameter, comm: Collectives) -> None:
     param.tp_summed = True  # FSDP2 replaces the parameter, and the hook with it: tp_engine.py sums it then
 
 
+def _sum_over_copies(param: nn.Parameter, comm: Collectives, copies: int) -> None:
+    """A slice held by `copies` ranks (a replicated KV head): each rank's gradient covers its own
+    query heads, the slice's is their sum. One all-reduce over the tp group of every slice's slot,
+    zeros but this rank's: world / copies times the slice's bytes, where an all-reduce within the
+    copies alone would send it once, but no second process group to build, order and time out."""
+    slot = comm.rank // copies
+
+    def hook(grad):
+        slots = grad.new_zeros((comm.world // copies, *grad.shape))
+        slots[slot] = grad
+        comm.all_reduce(slots, kind=TP_KIND)
+        return slots[slot]
+    param.register_hook(hook)
+
+
 class SequenceShardRope(nn.Module):
     """The rotary tables for the whole sequence when the residual stream holds 1/tp of it
     (`Transformer.run_blocks` asks for x.shape[1] positions); attention reads them after the
@@ -178,10 +207,12 @@ class SequenceShardRope(nn.Module):
 
 def _split_attention(attn: Attention, comm: Collectives, sp: bool) -> None:
     tp = comm.world
-    for name in ("q_proj", "k_proj", "v_proj"):
-        setattr(attn, name, ColumnParallelLinear(getattr(attn, name), comm, sequence_parallel=sp))
+    copies = max(tp // attn.n_kv_heads, 1)  # ranks per KV head: more than 1 with fewer KV heads than ranks
+    attn.q_proj = ColumnParallelLinear(attn.q_proj, comm, sequence_parallel=sp)
+    for name in ("k_proj", "v_proj"):
+        setattr(attn, name, ColumnParallelLinear(getattr(attn, name), comm, sequence_parallel=sp, copies=copies))
     attn.o_proj = RowParallelLinear(attn.o_proj, comm, sp)
-    attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp  # this rank's heads
+    attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads * copies // tp  # this rank's heads
     for norm in (attn.q_norm, attn.k_norm):
         for param in norm.parameters():
             _sum_gradient(param, comm)
@@ -236,4 +267,9 @@ def apply_tensor_parallel(model: Transformer, comm: Collectives, sequence_parall
 def sharded_dim(param: torch.Tensor) -> int | None:
     """The dimension tensor parallelism splits `param` along; None where every rank holds it whole."""
     return getattr(param, "tp_dim", None)
+
+
+def shard_copies(param: torch.Tensor) -> int:
+    """How many tensor ranks hold the same slice of `param` (a replicated KV head's: tp / n_kv_heads)."""
+    return getattr(param, "tp_copies", 1)
 

@@ -30,30 +30,34 @@ from lmforge.parallel.comm import Collectives
 from lmforge.parallel.ddp import DDPEngine
 from lmforge.parallel.engine import Engine
 from lmforge.parallel.fsdp import FSDPEngine, local
-from lmforge.parallel.tp import sharded_dim
+from lmforge.parallel.tp import shard_copies, sharded_dim
 from lmforge.parallel.zero import ZeroEngine
 
 
-def gather_full(shard: torch.Tensor, dim: int, comm: Collectives) -> torch.Tensor:
-    """The whole tensor whose rank-r slice along `dim` is rank r's `shard`."""
+def gather_full(shard: torch.Tensor, dim: int, comm: Collectives, copies: int = 1) -> torch.Tensor:
+    """The whole tensor whose rank-r slice along `dim` is rank r's `shard` (with `copies` > 1, ranks
+    r .. r + copies - 1 hold the same slice: a replicated KV head, kept once)."""
     parts = shard.detach().movedim(dim, 0).contiguous()
     full = parts.new_empty((comm.world * parts.shape[0], *parts.shape[1:]))
     comm.all_gather(full, parts, kind="state")
+    if copies > 1:  # rank order: each slice `copies` times in a row
+        full = full.unflatten(0, (comm.world, parts.shape[0]))[::copies].flatten(0, 1)
     return full.movedim(0, dim).contiguous()
 
 
-def slice_full(full: torch.Tensor, dim: int, comm: Collectives) -> torch.Tensor:
-    return full.chunk(comm.world, dim=dim)[comm.rank]
+def slice_full(full: torch.Tensor, dim: int, comm: Collectives, copies: int = 1) -> torch.Tensor:
+    return full.chunk(comm.world // copies, dim=dim)[comm.rank // copies]
 
 
 @torch.no_grad()
 def sharded_norm_and_clip(pieces, comm: Collectives, tp_comm: Collectives, max_norm: float):
     """The global norm from this rank's pieces: disjoint over the dp ranks (ZeRO's or FSDP's slices), and,
     for a split matrix, over the tp ranks too; a whole parameter's piece is the same on every tp
-    rank, so it is counted once (summed over dp only). fp16 is refused with tp (launch.py)."""
+    rank, so it is counted once (summed over dp only), as is a replicated KV head's slice (divided by
+    its copies). fp16 is refused with tp (launch.py)."""
     sharded, whole = torch.zeros(()), torch.zeros(())
     for grad, param in pieces:
-        square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        square = torch.linalg.vector_norm(grad, dtype=torch.float32).square() / shard_copies(param)
         if sharded_dim(param) is None:
             whole += square
         else:
@@ -75,11 +79,16 @@ class TensorParallelMixin:
         """Every state name (tied ones both) -> the dimension its tensor is split along, or None."""
         return {name: sharded_dim(t) for name, t in self.model.state_dict(keep_vars=True).items()}
 
+    def _tp_copies(self) -> dict[str, int]:
+        """Every state name -> how many tensor ranks hold its slice (shard_copies)."""
+        return {name: shard_copies(t) for name, t in self.model.state_dict(keep_vars=True).items()}
+
     @torch.no_grad()
     def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
         # fp16-mixed (a loss scaler) is refused with tensor parallelism by parallel/launch.py
         params = [p for p in dict.fromkeys(self.model.parameters()) if p.grad is not None]
-        squares = [torch.linalg.vector_norm(p.grad, dtype=torch.float32).square() for p in params]
+        # a slice held by several ranks (a replicated KV head) is summed over them: counted once
+        squares = [torch.linalg.vector_norm(p.grad, dtype=torch.float32).square() / shard_copies(p) for p in params]
         sharded = sum((s for s, p in zip(squares, params) if sharded_dim(p) is not None), torch.zeros(()))
         self.tp_comm.all_reduce(sharded, kind="scalar")
         whole = sum((s for s, p in zip(squares, params) if sharded_dim(p) is None), torch.zeros(()))
@@ -88,33 +97,34 @@ class TensorParallelMixin:
         return False, total_norm
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        dims = self._tp_dims()
+        dims, copies = self._tp_dims(), self._tp_copies()
         state = super().model_state_dict()
-        return {name: t if dims[name] is None else gather_full(t, dims[name], self.tp_comm)
+        return {name: t if dims[name] is None else gather_full(t, dims[name], self.tp_comm, copies[name])
                 for name, t in state.items()}
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        dims = self._tp_dims()
-        super().load_model_state_dict({name: t if dims.get(name) is None else slice_full(t, dims[name], self.tp_comm)
+        dims, copies = self._tp_dims(), self._tp_copies()
+        super().load_model_state_dict({name: t if dims.get(name) is None
+                                       else slice_full(t, dims[name], self.tp_comm, copies[name])
                                        for name, t in state.items()})
 
     def _map_optimizer_tensors(self, state: dict, change) -> dict:
-        dims = self._tp_dims()
-        per_param = {name: {key: change(v, dims[name]) if isinstance(v, torch.Tensor) and v.ndim > 0
+        dims, copies = self._tp_dims(), self._tp_copies()
+        per_param = {name: {key: change(v, dims[name], copies[name]) if isinstance(v, torch.Tensor) and v.ndim > 0
                             and dims.get(name) is not None else v for key, v in entry.items()}
                      for name, entry in state["state"].items()}
         return {**state, "state": per_param}
 
     def optimizer_state_dict(self) -> dict:
         return self._map_optimizer_tensors(super().optimizer_state_dict(),
-                                           lambda t, dim: gather_full(t, dim, self.tp_comm))
+                                           lambda t, dim, copies: gather_full(t, dim, self.tp_comm, copies))
 
     def load_optimizer_state_dict(self, state: dict) -> None:
         super().load_optimizer_state_dict(self._map_optimizer_tensors(
-            state, lambda t, dim: slice_full(t, dim, self.tp_comm).clone()))
+            state, lambda t, dim, copies: slice_full(t, dim, self.tp_comm, copies).clone()))
 
     def num_params(self) -> int:
-        return sum(p.numel() * (self.tp_comm.world if sharded_dim(p) is not None else 1)
+        return sum(p.numel() * (self.tp_comm.world // shard_copies(p) if sharded_dim(p) is not None else 1)
                    for p in dict.fromkeys(self.model.parameters()))
 
 

@@ -30,7 +30,7 @@ class ColumnParallelLoRA(LoRALinear):
 
     def __init__(self, base: ColumnParallelLinear, rank: int, alpha: float, dropout: float = 0.0):
         super().__init__(base, rank, alpha, dropout)
-        self.lora_B = _sharded_parameter(self.lora_B, 0, base.comm)
+        self.lora_B = _sharded_parameter(self.lora_B, 0, base.comm, base.copies)  # a replicated KV head's B too
         _sum_gradient(self.lora_A, base.comm)
 
 
