@@ -31,8 +31,20 @@ TRACED_WEIGHTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 def record_decode(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype = torch.float32,
                   fake: bool = True) -> tuple:
-    """The records (roofline_trace.Record) of one decode step at `context` cached positions;
-    `fake=False` runs it on real tensors (what the tests compare the fake run with)."""
+    """The records (roofline_trace.Record) of one decode step at `context` cached positions, cached
+    by its arguments; `fake=False` runs it on real tensors (what the tests compare the fake run with)."""
+    key = (repr(cfg), batch, context, dtype)
+    if not fake:
+        return _record(cfg, batch, context, dtype, fake)
+    if key not in _TRACES:
+        _TRACES[key] = _record(cfg, batch, context, dtype, fake)
+    return _TRACES[key]
+
+
+_TRACES: dict = {}
+
+
+def _record(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype, fake: bool) -> tuple:
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, context + 1), dropout=0.0)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     default = torch.get_default_dtype()
@@ -76,3 +88,16 @@ def predict_decode(cfg: ModelConfig, batch: int, context: int, roof, weights: st
     result = predict(roof, decode_ops(cfg, batch, context, TRACED_WEIGHTS[weights]), batch)
     result["overlap"] = "none (eager: one kernel at a time)"
     return {**result, "batch": batch, "context": context, "weights": weights}
+
+
+def plan_decode(cfg: ModelConfig, plan: dict, roof) -> dict:
+    """An inference plan's decode step by the roofline (plan/inference.py's setup: batch, context =
+    seq_len positions attended, weights), or {"none": why} where the trace does not cover it."""
+    st = plan["setup"]
+    if st["tp"] > 1:
+        return {"none": "tensor parallelism is not traced"}
+    if st["weights"] not in TRACED_WEIGHTS:
+        return {"none": f"{st['weights']} weights: lmforge has no quantised kernels to trace"}
+    if st["kv_dtype"] != st["weights"]:
+        return {"none": f"lmforge's KV cache is in the weights' dtype ({st['weights']}), not {st['kv_dtype']}"}
+    return predict_decode(cfg, st["batch_size"], st["seq_len"] - 1, roof, st["weights"])
