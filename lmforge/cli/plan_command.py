@@ -59,15 +59,20 @@ def _plans(cfg, args) -> tuple[list[dict], list, str | None]:
 
 def _add_decode_roofline(cfg, plans: list[dict], args) -> None:
     """Each inference plan on this machine gets its decode step by the measured roofline
-    (generate/decode_roofline.py) beside the bandwidth bound."""
+    (generate/decode_roofline.py) beside the bandwidth bound (the roof measured only if one is traced)."""
+    from lmforge.generate.decode_roofline import plan_decode, untraced
+
     mine = [plan for plan in plans if plan["setup"]["hardware"] == "this"]
+    for plan in mine:
+        if untraced(plan):
+            plan["decode_roofline"] = {"none": untraced(plan)}
+    mine = [plan for plan in mine if "decode_roofline" not in plan]
     if not mine:
         return
     import torch
 
     from lmforge.accounting.roofline_measure import this_roof
     from lmforge.generate.decode_roof import decode_roof, this_decode_measurements
-    from lmforge.generate.decode_roofline import plan_decode
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     roof = decode_roof(this_roof(device, remeasure=args.remeasure),

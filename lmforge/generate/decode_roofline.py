@@ -90,14 +90,24 @@ def predict_decode(cfg: ModelConfig, batch: int, context: int, roof, weights: st
     return {**result, "batch": batch, "context": context, "weights": weights}
 
 
-def plan_decode(cfg: ModelConfig, plan: dict, roof) -> dict:
-    """An inference plan's decode step by the roofline (plan/inference.py's setup: batch, context =
-    seq_len positions attended, weights), or {"none": why} where the trace does not cover it."""
+def untraced(plan: dict) -> str | None:
+    """Why an inference plan's decode step is not traced (plan/inference.py's setup), or None."""
     st = plan["setup"]
     if st["tp"] > 1:
-        return {"none": "tensor parallelism is not traced"}
+        return "tensor parallelism is not traced"
     if st["weights"] not in TRACED_WEIGHTS:
-        return {"none": f"{st['weights']} weights: lmforge has no quantised kernels to trace"}
+        return f"{st['weights']} weights: lmforge has no quantised kernels to trace"
     if st["kv_dtype"] != st["weights"]:
-        return {"none": f"lmforge's KV cache is in the weights' dtype ({st['weights']}), not {st['kv_dtype']}"}
+        return (f"lmforge's KV cache is in the weights' dtype ({st['weights']}), not {st['kv_dtype']}: "
+                f"--kv-dtype {st['weights']} traces it")
+    return None
+
+
+def plan_decode(cfg: ModelConfig, plan: dict, roof) -> dict:
+    """An inference plan's decode step by the roofline (its setup's batch, context = seq_len
+    positions attended, weights), or {"none": why} where the trace does not cover it."""
+    why = untraced(plan)
+    if why:
+        return {"none": why}
+    st = plan["setup"]
     return predict_decode(cfg, st["batch_size"], st["seq_len"] - 1, roof, st["weights"])
