@@ -6,7 +6,8 @@ Two more things are measured (about two seconds, cached as the roof is: accounti
 cache, `--remeasure` replaces it):
 - matmul FLOP/s at GEMV-like shapes: M in GEMV_ROWS by every (N, K) of the training grid's
   (roofline_measure.MATMUL_DIMS), so that with the training grid they form one regular grid in M
-  (interpolated in log2 M as any other dimension: roofline.interpolate);
+  (interpolated in log2 M as any other dimension: roofline.interpolate), each call reading its
+  weights from memory (measure_gemv);
 - the fixed cost of one operator of a decode step: the step of a model so small that none of its
   operators does measurable work (one layer, width 16, vocabulary 32, 16 cached positions), timed
   and divided by the aten operators it dispatches as roofline_trace.py counts them. This is what a
@@ -36,18 +37,24 @@ MINIMAL = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_hea
 MINIMAL_CONTEXT = 16
 
 
-def measure_gemv(device: torch.device) -> dict:
-    """{dtype: [[M, N, K, FLOP/s], ...]} over GEMV_ROWS x MATMUL_DIMS x MATMUL_DIMS."""
+def measure_gemv(device: torch.device, megabytes: int = 128) -> dict:
+    """{dtype: [[M, N, K, FLOP/s], ...]} over GEMV_ROWS x MATMUL_DIMS x MATMUL_DIMS, each call's
+    weight matrix the next of the (K, N) matrices laid end to end in `megabytes` MiB (more than a
+    CPU's last-level cache): a decode step reads each weight once per step, after every other
+    layer's, so from memory, not from the cache a timing loop on one matrix would keep it in."""
     generator = torch.Generator(device).manual_seed(0)
     grid = {}
     for name, dtype in DTYPES.items():
+        weights = torch.full((megabytes * 2**20 // dtype.itemsize,), 0.5, device=device, dtype=dtype)
         rows = []
         for m in GEMV_ROWS:
             for n in MATMUL_DIMS:
                 for k in MATMUL_DIMS:
                     a = torch.randn(m, k, device=device, generator=generator).to(dtype)
-                    b = torch.randn(k, n, device=device, generator=generator).to(dtype)
-                    rows.append([m, n, k, _best_rate(lambda: a @ b, 2 * m * n * k, device)])
+                    matrices = weights[:weights.numel() // (k * n) * (k * n)].view(-1, k, n)
+                    turn = iter(range(10**12))
+                    rows.append([m, n, k, _best_rate(lambda: a @ matrices[next(turn) % len(matrices)],
+                                                     2 * m * n * k, device)])
         grid[name] = rows
     return grid
 
@@ -73,7 +80,7 @@ def measure_decode(device: torch.device) -> dict:
 
 def this_decode_measurements(device: torch.device, remeasure: bool = False, store: bool = True) -> dict:
     """measure_decode's result for this machine, from the cache unless `remeasure`."""
-    key = f"roofline decode v1|{device_name(device)}|torch {torch.__version__}"
+    key = f"roofline decode v2|{device_name(device)}|torch {torch.__version__}"
     return _measured(key, "decode", lambda: measure_decode(device), remeasure, store)
 
 
