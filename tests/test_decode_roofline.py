@@ -21,7 +21,10 @@ def test_the_fake_decode_trace_is_what_a_real_step_dispatches():
     fake, real = record_decode(cfg, 2, 40), record_decode(cfg, 2, 40, fake=False)
     assert [r.op for r in fake] == [r.op for r in real]
     # shapes and dtypes of every tensor alike (a view's strides over size-1 dimensions may differ: no bytes)
-    assert [[t[::2] for t in r.inputs + r.outputs] for r in fake] == [[t[::2] for t in r.inputs + r.outputs] for r in real]
+    def shapes(records):
+        return [[t[::2] for t in r.inputs + r.outputs] for r in records]  # (shape, dtype) of each tensor
+
+    assert shapes(fake) == shapes(real)
     assert sum(r.op == "mm" for r in fake) == 7 * cfg.n_layers + 1  # q, k, v, o, gate, up, down; the head
 
 
@@ -50,7 +53,7 @@ def _roof(call=1e-6) -> Roof:
     """A synthetic roof: matmuls at M = 64, 256 faster than at M = 1, 8 (GEMV rows joined below)."""
     dims = (64, 256)
     matmul = {d: [[m, n, k, 1e10 * m / 64] for m in dims for n in dims for k in dims] for d in ("float32", "bfloat16")}
-    flat2 = {d: [[1, 1, 1e10] for _ in range(1)] for d in ("float32", "bfloat16")}
+    flat2 = {d: [[1, 1, 1e10]] for d in ("float32", "bfloat16")}
     return Roof("synthetic", 1e10, matmul, flat2, flat2, [[1, 1e10]], call_seconds=1.0)
 
 
@@ -59,7 +62,8 @@ def test_the_gemv_rows_extend_the_grid_downward_and_set_the_launch_cost():
     roof = decode_roof(_roof(), {"gemv": gemv, "call_seconds": 2e-6})
     grid = roof.matmul["float32"]
     assert sorted({r[0] for r in grid}) == [1, 8, 64, 256]  # one regular grid in M
-    assert interpolate(grid, (1, 64, 64)) == pytest.approx(1e8) and interpolate(grid, (8, 256, 64)) == pytest.approx(8e8)
+    assert interpolate(grid, (1, 64, 64)) == pytest.approx(1e8)
+    assert interpolate(grid, (8, 256, 64)) == pytest.approx(8e8)
     assert interpolate(grid, (64, 64, 64)) == pytest.approx(1e10)  # the training grid's rows unchanged
     assert roof.matmul["bfloat16"] == _roof().matmul["bfloat16"]  # no GEMV rows of that dtype: as it was
     assert roof.call_seconds == roof.view_call_seconds == 2e-6
