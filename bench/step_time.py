@@ -10,6 +10,8 @@ each class's prediction, per step over --steps profiled steps.
 
     python bench/step_time.py [--models tiny,small,gpt2-124m] [--precisions fp32,bf16-mixed]
                               [--batch-size 8] [--seq-len N] [--steps 5] [--warmup 2] [--remeasure]
+
+Under torchrun with data parallelism (ddp, zero2 on 2 CPU ranks): bench/step_time_dist.py.
 """
 
 import argparse
@@ -38,8 +40,9 @@ def classify(name: str) -> str:
     return "other"
 
 
-def build(model: str, precision: str, batch: int, seq_len: int | None):
-    """(config, step callable) for one shape: lmforge's engine and train_step on random tokens."""
+def build(model: str, precision: str, batch: int, seq_len: int | None, extra: tuple = ()):
+    """(config, step callable) for one shape: lmforge's engine and train_step on random tokens
+    (`extra`: more overrides, e.g. train.parallel=ddp under torchrun: bench/step_time_dist.py)."""
     from lmforge.config import make_config
     from lmforge.modes.precision import get_policy
     from lmforge.precision.loss_scaler import LossScaler
@@ -47,7 +50,7 @@ def build(model: str, precision: str, batch: int, seq_len: int | None):
     from lmforge.train.setup import build_engine
 
     overrides = [f"train.precision={precision}", f"train.batch_size={batch}"]
-    cfg = make_config(model, overrides=overrides + ([f"train.seq_len={seq_len}"] if seq_len else []))
+    cfg = make_config(model, overrides=overrides + ([f"train.seq_len={seq_len}"] if seq_len else []) + list(extra))
     torch.manual_seed(0)
     policy, device = get_policy(precision), torch.device("cpu")
     engine = build_engine(cfg, policy, device)

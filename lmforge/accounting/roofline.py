@@ -132,8 +132,11 @@ def op_time(roof: Roof, op) -> dict:
 
 def predict(roof: Roof, ops: list, tokens_per_step: int) -> dict:
     """The step's predicted time, summed by operation class, JSON-ready. No overlap is assumed:
-    eager execution on one device runs one kernel at a time, and CPU gloo collectives run after
-    backward (parallel/ engines reduce after the whole backward), so every term adds."""
+    eager execution on one device runs one kernel at a time, so every term adds. The collectives
+    of DDP and ZeRO start during backward (async, bucket by bucket) and ZeRO's parameter gather
+    after the update; on CPU gloo runs them on threads of the cores the ranks compute on, so their
+    time is taken from compute rather than hidden behind it (bench/step_time_dist.py measures the
+    part left exposed)."""
     classes = {name: {"seconds": 0.0, "flops": 0.0, "bytes": 0.0, "compute_s": 0.0, "memory_s": 0.0,
                       "launch_s": 0.0, "ops": 0} for name in CLASSES}
     for op in ops:
@@ -156,4 +159,4 @@ def predict(roof: Roof, ops: list, tokens_per_step: int) -> dict:
             "bandwidth_bytes_per_second": roof.bandwidth, "best_matmul_flops_per_second": peaks,
             "tokens_per_second": tokens_per_step / step if step else 0.0,
             "classes": {name: row for name, row in classes.items() if row["ops"]},
-            "overlap": "none assumed (eager: one kernel at a time; collectives after backward)"}
+            "overlap": "none assumed (eager: one kernel at a time; collectives added in full)"}

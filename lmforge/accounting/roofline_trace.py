@@ -136,9 +136,14 @@ def record_step(cfg: ModelConfig, batch: int, seq_len: int, precision: str = "fp
     return tuple(recorder.records)
 
 
-def dispatched_calls(fn) -> int:
-    """How many aten operators `fn()` dispatches, counted as trace_step counts them."""
+def recorded(fn) -> tuple[Record, ...]:
+    """The aten operators `fn()` dispatches, recorded as trace_step records them (phase "step")."""
     tracker = ModuleTracker()
     with tracker, _Recorder(tracker) as recorder:
         fn()
-    return len(recorder.records)
+    return tuple(recorder.records)
+
+
+def dispatched_calls(fn) -> int:
+    """How many aten operators `fn()` dispatches, counted as trace_step counts them."""
+    return len(recorded(fn))

@@ -45,6 +45,8 @@ def _plans(cfg, args) -> tuple[list[dict], list, str | None]:
     if args.roofline and "roofline" not in plans[0]:
         raise LmforgeError(f"--roofline {args.roofline}: no roofline for this setup (tensor or pipeline "
                            f"parallelism, LoRA: not predicted yet)")
+    if args.inference:
+        _add_decode_roofline(cfg, plans, args)
     if args.scaling:  # the loss the budget buys (accounting/scaling.py)
         from lmforge.accounting.scaling import predicted_loss, read_fit
         from lmforge.accounting.shapes import model_shapes
@@ -53,6 +55,30 @@ def _plans(cfg, args) -> tuple[list[dict], list, str | None]:
         for plan in plans:
             plan["scaling"] = predicted_loss(fit, model_shapes(cfg.model).matmul_weights, plan["time"]["tokens"])
     return plans, varying, note
+
+
+def _add_decode_roofline(cfg, plans: list[dict], args) -> None:
+    """Each inference plan on this machine gets its decode step by the measured roofline
+    (generate/decode_roofline.py) beside the bandwidth bound (the roof measured only if one is traced)."""
+    from lmforge.generate.decode_roofline import plan_decode, untraced
+
+    mine = [plan for plan in plans if plan["setup"]["hardware"] == "this"]
+    for plan in mine:
+        if untraced(plan):
+            plan["decode_roofline"] = {"none": untraced(plan)}
+    mine = [plan for plan in mine if "decode_roofline" not in plan]
+    if not mine:
+        return
+    import torch
+
+    from lmforge.accounting.roofline_measure import this_roof
+    from lmforge.generate.decode_roof import decode_roof, this_decode_measurements
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    roof = decode_roof(this_roof(device, remeasure=args.remeasure),
+                       this_decode_measurements(device, remeasure=args.remeasure))
+    for plan in mine:
+        plan["decode_roofline"] = plan_decode(cfg.model, plan, roof)
 
 
 def _show_comparison(console, plans: list[dict], varying, name: str, args) -> None:

@@ -42,7 +42,8 @@ def inference_memory_table(plan: dict) -> Table:
 
 
 def time_table(plan: dict) -> Table:
-    """Prefill (compute-bound) and a decode step (memory-bound, as a rule) on the plan's hardware."""
+    """Prefill (compute-bound) and a decode step (memory-bound, as a rule) on the plan's hardware;
+    on this machine also the decode step by the measured roofline (generate/decode_roofline.py)."""
     st, pre, dec, hw = plan["setup"], plan["prefill"], plan["decode"], plan["hardware"]
     return facts_table(f"time on {hw['name']}", [
         ("prefill", f"{human_count(pre['flops'])}FLOP, {human_seconds(pre['seconds'])} at "
@@ -52,4 +53,20 @@ def time_table(plan: dict) -> Table:
         ("decode time per step", f"{human_seconds(dec['seconds_per_step'])} ({dec['bound']}-bound)"),
         ("decode tokens/s", f"{dec['tokens_per_second']:,.1f} ({dec['tokens_per_second_per_device']:,.1f} "
                             f"per device)"),
+        *decode_roofline_rows(plan.get("decode_roofline")),
     ])
+
+
+def decode_roofline_rows(predicted: dict | None) -> list[tuple[str, str]]:
+    """The roofline's decode step: time, tokens/s, and each class's time and bound."""
+    if predicted is None:
+        return []
+    if "none" in predicted:
+        return [("decode by the roofline", f"not predicted: {predicted['none']}")]
+    step = predicted["seconds_per_step"]
+    classes = ", ".join(f"{name} {human_seconds(row['seconds'])} ({row['bound']}, "
+                        f"{row['launch_s'] / row['seconds']:.0%} launches)"
+                        for name, row in predicted["classes"].items() if row["seconds"])
+    return [("decode by the roofline", f"{human_seconds(step)} per step, {predicted['tokens_per_second']:,.1f} "
+                                       f"tokens/s (traced step, measured roof)"),
+            ("  by class", classes)]

@@ -1,0 +1,111 @@
+"""Predicted (roofline) against measured training-step time on N ranks under torchrun: gloo on
+CPU, train.parallel=ddp and zero2, one CPU thread per rank.
+
+For each strategy, on every rank: lmforge's engine of that strategy and its train_step (random
+tokens, as bench/step_time.py), timed after warm-up steps (median); then the same micro-batch on
+the same ranks at the same time with no communication (train.parallel=none: each rank steps alone,
+as busy as in the real run), so that the measured difference is the communication the step did not
+hide. The prediction is the trainer's: the plan's roofline on this machine's roof with all-reduce
+measured on the launched group (roofline_measure.measure_collective), its communication added in
+full (no overlap assumed). Printed by rank 0: predicted and measured step, their ratio, and the
+communication predicted beside the measured exposed part (1 - exposed / predicted: the share of the
+collectives' time that overlapped compute).
+
+    python bench/step_time_dist.py [--nproc 2] [--parallel ddp,zero2] [--models tiny,small]
+                                   [--batch-size 8] [--steps 5] [--warmup 2] [--remeasure]
+"""
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from step_time import build, measure  # noqa: E402
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--parallel", default="ddp,zero2")
+    parser.add_argument("--models", default="tiny,small")
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--batch-size", type=int, default=8, help="per rank")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--remeasure", action="store_true", help="measure the roof again first (rank 0)")
+    return parser.parse_args()
+
+
+def launch() -> None:
+    """Run this script under torchrun on --nproc ranks (one CPU thread each), with the same options."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={parse().nproc}",
+               f"--master_port={port}", __file__, *sys.argv[1:]]
+    sys.exit(subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode)
+
+
+def timed(model: str, args, strategy: str) -> tuple:
+    """(config, median seconds per step) of `strategy` on every rank at once."""
+    import torch.distributed as dist
+
+    cfg, step = build(model, args.precision, args.batch_size, None, (f"train.parallel={strategy}",))
+    dist.barrier()
+    return cfg, measure(step, args.steps, args.warmup)
+
+
+def main() -> None:
+    args = parse()
+    import torch.distributed as dist
+
+    from lmforge.accounting.hardware import this_device
+    from lmforge.accounting.plan.make import Setup, make_plan
+    from lmforge.accounting.roofline_measure import measure_collective, this_roof
+    from lmforge.modes.parallel import get_strategy
+    from lmforge.train.host_memory import retain_freed_memory
+
+    retain_freed_memory()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    roof = this_roof(device, remeasure=args.remeasure) if rank == 0 else None
+    dist.barrier()
+    collective = measure_collective()
+    if rank == 0:
+        print(f"roof: {roof.name}; {world} ranks on {collective['backend']}, all-reduce latency "
+              f"{collective['latency_s'] * 1e6:.0f} us, {collective['bytes_per_second'] / 1e9:.2f} GB/s")
+        print(f"{'model':<8}{'strategy':<9}{'predicted ms':>13}{'measured ms':>12}{'pred/meas':>10}"
+              f"{'comm pred ms':>13}{'exposed ms':>11}{'hidden':>8}")
+    for model in args.models.split(","):
+        _, alone = timed(model, args, "none")
+        for strategy in args.parallel.split(","):
+            cfg, measured = timed(model, args, strategy)  # every rank builds and steps (collectives)
+            if rank:
+                continue
+            setup = Setup.from_config(cfg, mfu=1.0, dp=world, zero_stage=get_strategy(strategy).zero_stage)
+            name, peak, memory = this_device(setup.policy.matmul_dtype, device)
+            plan = make_plan(cfg.model, setup, (name, peak, memory), dataclasses.replace(roof, collective=collective))
+            predicted = plan["roofline"]
+            comm = predicted["classes"].get("communication", {}).get("seconds", 0.0)
+            exposed = measured - alone
+            print(f"{model:<8}{strategy:<9}{predicted['seconds_per_step'] * 1e3:>13.1f}{measured * 1e3:>12.1f}"
+                  f"{predicted['seconds_per_step'] / measured:>10.3f}{comm * 1e3:>13.1f}{exposed * 1e3:>11.1f}"
+                  f"{(1 - exposed / comm if comm else float('nan')):>8.0%}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "RANK" not in os.environ:
+        launch()
+    else:
+        main()

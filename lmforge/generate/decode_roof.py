@@ -1,0 +1,100 @@
+"""The roof a decode step runs on (accounting/roofline.py's Roof, adjusted): a decode step
+multiplies `batch` rows (1 to a few) by each weight matrix, far below the training grid's smallest
+M of 64, and runs under torch.no_grad through the model's modules, one small kernel after another.
+
+Two more things are measured (about two seconds, cached as the roof is: accounting/hardware.py's
+cache, `--remeasure` replaces it):
+- matmul FLOP/s at GEMV-like shapes: M in GEMV_ROWS by every (N, K) of the training grid's
+  (roofline_measure.MATMUL_DIMS), so that with the training grid they form one regular grid in M
+  (interpolated in log2 M as any other dimension: roofline.interpolate), each call reading its
+  weights from memory (measure_gemv);
+- the fixed cost of one operator of a decode step: the step of a model so small that none of its
+  operators does measurable work (one layer, width 16, vocabulary 32, 16 cached positions), timed
+  and divided by the aten operators it dispatches as roofline_trace.py counts them. This is what a
+  call costs in this code's decode path: the module calls, the Python between operators and the
+  composite operators above the recorded ones (F.linear above t, mm, view) are paid per operator,
+  which a chain of adds (the training roof's launch cost) does not pay. Views are counted alike.
+
+`decode_roof(roof, measured)` is `roof` with the grid extended downward and that launch cost;
+everything else (bandwidth, elementwise rates) is the same machine's.
+"""
+
+import dataclasses
+
+import torch
+
+from lmforge.accounting.hardware import _measured, device_name
+from lmforge.accounting.roofline import Roof
+from lmforge.accounting.roofline_measure import DTYPES, MATMUL_DIMS, _best_rate
+from lmforge.accounting.roofline_trace import dispatched_calls
+from lmforge.config import ModelConfig
+from lmforge.generate.sampling import KVCache, sample_next
+from lmforge.model.transformer import Transformer
+
+GEMV_ROWS = (1, 8)  # rows of a decode step's matmuls: batch 1 and batch 8
+# a model whose decode step is all fixed cost: every tensor a few hundred bytes
+MINIMAL = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=32)
+MINIMAL_CONTEXT = 16
+
+
+def measure_gemv(device: torch.device, megabytes: int = 128) -> dict:
+    """{dtype: [[M, N, K, FLOP/s], ...]} over GEMV_ROWS x MATMUL_DIMS x MATMUL_DIMS, each call's
+    weight matrix the next of the (K, N) matrices laid end to end in `megabytes` MiB (more than a
+    CPU's last-level cache): a decode step reads each weight once per step, after every other
+    layer's, so from memory, not from the cache a timing loop on one matrix would keep it in."""
+    generator = torch.Generator(device).manual_seed(0)
+    grid = {}
+    for name, dtype in DTYPES.items():
+        weights = torch.full((megabytes * 2**20 // dtype.itemsize,), 0.5, device=device, dtype=dtype)
+        rows = []
+        for m in GEMV_ROWS:
+            for n in MATMUL_DIMS:
+                for k in MATMUL_DIMS:
+                    a = torch.randn(m, k, device=device, generator=generator).to(dtype)
+                    matrices = weights[:weights.numel() // (k * n) * (k * n)].view(-1, k, n)
+                    turn = iter(range(10**12))
+                    rows.append([m, n, k, _best_rate(lambda: a @ matrices[next(turn) % len(matrices)],
+                                                     2 * m * n * k, device)])
+        grid[name] = rows
+    return grid
+
+
+@torch.no_grad()
+def measure_decode_call(device: torch.device) -> float:
+    """Seconds per dispatched operator of MINIMAL's decode step (model forward and greedy choice)."""
+    model = Transformer(MINIMAL).to(device).eval()
+    cache = KVCache.for_model(model, MINIMAL_CONTEXT + 1)
+    feed = torch.zeros(1, 1, dtype=torch.long, device=device)
+
+    def step():
+        return sample_next(model(feed, kv_cache=cache, start_pos=MINIMAL_CONTEXT)[:, -1], temperature=0.0)
+
+    return 1 / _best_rate(step, dispatched_calls(step), device, runs=3, seconds=0.05)
+
+
+def measure_decode(device: torch.device) -> dict:
+    """The decode roof's measurements as a JSON-ready dict, the global RNG left as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return {"gemv": measure_gemv(device), "call_seconds": measure_decode_call(device)}
+
+
+def this_decode_measurements(device: torch.device, remeasure: bool = False, store: bool = True) -> dict:
+    """measure_decode's result for this machine, from the cache unless `remeasure`."""
+    key = f"roofline decode v2|{device_name(device)}|torch {torch.__version__}"
+    return _measured(key, "decode", lambda: measure_decode(device), remeasure, store)
+
+
+def decode_roof(roof: Roof, measured: dict | None) -> Roof:
+    """`roof` for a decode step: the GEMV rows added to each dtype's matmul grid (where their N and
+    K are the grid's), the decode path's cost per operator for calls and views alike; `measured`
+    None (a datasheet roof): `roof` itself."""
+    if not measured:
+        return roof
+    matmul = {}
+    for dtype, rows in roof.matmul.items():
+        extra = measured["gemv"].get(dtype, [])
+        same_axes = {tuple(r[1:3]) for r in extra} == {tuple(r[1:3]) for r in rows}
+        smallest = min(r[0] for r in rows)
+        matmul[dtype] = rows + [r for r in extra if r[0] < smallest] if same_axes else rows
+    return dataclasses.replace(roof, matmul=matmul, call_seconds=measured["call_seconds"],
+                               view_call_seconds=measured["call_seconds"], name=f"{roof.name} (decode)")

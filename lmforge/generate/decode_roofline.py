@@ -1,0 +1,113 @@
+"""A decode step's time from the measured roofline (accounting/roofline.py): the aten operators
+one step of generate()'s loop dispatches (the model's cached forward on the newest token of each
+of `batch` sequences, attending to `context` cached positions, then the greedy choice of the next
+token), recorded on fake tensors with roofline_trace.py's recorder, each priced at the decode roof
+(accounting/roofline_decode.py: matmul rates at GEMV shapes, no-grad launch costs) and summed.
+
+What a step reads: every weight matrix once (its matmul's bytes), the rows of the embedding it
+gathers, and of every layer the keys and values of context + 1 positions (the cached ones and the
+new token's, stored first: KVCache.update), 2 x layers x kv_heads x head_dim x (context + 1) x
+itemsize x batch bytes. Attention FLOPs are counted for the query length against those keys
+(4 x batch x heads x 1 x (context + 1) x head_dim): roofline_ops counts a training step's
+attention as s x s, which a single query is not.
+"""
+
+import contextlib
+import dataclasses
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lmforge.accounting.roofline import predict
+from lmforge.accounting.roofline_ops import ATTENTION_FORWARD, Op, op_of
+from lmforge.accounting.roofline_trace import recorded
+from lmforge.config import ModelConfig
+from lmforge.generate.sampling import KVCache, sample_next
+from lmforge.model.transformer import Transformer
+
+# what generate() holds (the parameters' dtype: its cache is in the same) by inference weight format
+TRACED_WEIGHTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def record_decode(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype = torch.float32,
+                  fake: bool = True) -> tuple:
+    """The records (roofline_trace.Record) of one decode step at `context` cached positions, cached
+    by its arguments; `fake=False` runs it on real tensors (what the tests compare the fake run with)."""
+    key = (repr(cfg), batch, context, dtype)
+    if not fake:
+        return _record(cfg, batch, context, dtype, fake)
+    if key not in _TRACES:
+        _TRACES[key] = _record(cfg, batch, context, dtype, fake)
+    return _TRACES[key]
+
+
+_TRACES: dict = {}
+
+
+def _record(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype, fake: bool) -> tuple:
+    cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, context + 1), dropout=0.0)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in `dtype`, as .to(dtype) would leave it (a fake tensor cannot be swapped)
+    try:
+        with mode:
+            model = Transformer(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    with mode:
+        cache = KVCache.for_model(model, context + 1, batch)
+        feed = torch.zeros(batch, 1, dtype=torch.long)
+
+    def step():
+        logits = model(feed, kv_cache=cache, start_pos=context)[:, -1]
+        return sample_next(logits, temperature=0.0)
+
+    # the recorder entered after (above) the fake mode, as roofline_trace.trace_step enters it
+    with torch.no_grad(), mode:
+        return recorded(step)
+
+
+def decode_op(record) -> Op:
+    """roofline_ops.op_of, with a single query's attention FLOPs against the cached keys."""
+    op = op_of(record)
+    if record.op in ATTENTION_FORWARD:
+        (b, h, q, d), kv = record.inputs[0][0], record.inputs[1][0][2]
+        op = dataclasses.replace(op, flops=4.0 * b * h * q * kv * d, shape=(kv, d))
+    return op
+
+
+def decode_ops(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype = torch.float32) -> list[Op]:
+    return [decode_op(r) for r in record_decode(cfg, batch, context, dtype)]
+
+
+def predict_decode(cfg: ModelConfig, batch: int, context: int, roof, weights: str = "fp32") -> dict | None:
+    """roofline.predict of one decode step (tokens: `batch`), on `roof` (roofline_decode.decode_roof's),
+    or None for a weight format lmforge does not run (int8, int4: no quantised kernels)."""
+    if weights not in TRACED_WEIGHTS:
+        return None
+    result = predict(roof, decode_ops(cfg, batch, context, TRACED_WEIGHTS[weights]), batch)
+    result["overlap"] = "none (eager: one kernel at a time)"
+    return {**result, "batch": batch, "context": context, "weights": weights}
+
+
+def untraced(plan: dict) -> str | None:
+    """Why an inference plan's decode step is not traced (plan/inference.py's setup), or None."""
+    st = plan["setup"]
+    if st["tp"] > 1:
+        return "tensor parallelism is not traced"
+    if st["weights"] not in TRACED_WEIGHTS:
+        return f"{st['weights']} weights: lmforge has no quantised kernels to trace"
+    if st["kv_dtype"] != st["weights"]:
+        return (f"lmforge's KV cache is in the weights' dtype ({st['weights']}), not {st['kv_dtype']}: "
+                f"--kv-dtype {st['weights']} traces it")
+    return None
+
+
+def plan_decode(cfg: ModelConfig, plan: dict, roof) -> dict:
+    """An inference plan's decode step by the roofline (its setup's batch, context = seq_len
+    positions attended, weights), or {"none": why} where the trace does not cover it."""
+    why = untraced(plan)
+    if why:
+        return {"none": why}
+    st = plan["setup"]
+    return predict_decode(cfg, st["batch_size"], st["seq_len"] - 1, roof, st["weights"])
