@@ -19,14 +19,14 @@ CLASSES = ("matmuls", "attention", "norms/elementwise", "loss", "optimizer", "co
 @dataclass(frozen=True)
 class Roof:
     """What the prediction needs of a machine. Grids are {dtype: [[dims..., value], ...]} on a
-    regular grid: matmul (M, N, K, FLOP/s); sdpa forward and forward+backward (T, head_dim,
-    FLOP/s, counted as flops.py counts attention: the full T x T, causal or not); elementwise
+    regular grid: matmul (M, N, K, FLOP/s); sdpa forward and backward (T, head_dim,
+    FLOP/s, counted as flops.py counts attention: the full T x T, causal or not; backward 2x forward); elementwise
     (bytes moved by one call, bytes/s)."""
     name: str
     bandwidth: float  # bytes/s of a large copy: the memory roof
     matmul: dict
     sdpa_forward: dict
-    sdpa_training: dict
+    sdpa_backward: dict
     elementwise: list  # [[bytes per call, bytes/s], ...] of an fp32 add: ops of no measured family
     call_seconds: float = 0.0  # one eager kernel launch from Python (a tiny op's time)
     elementwise_ops: dict = field(default_factory=dict)  # {family: [[bytes per call, bytes/s], ...]}
@@ -72,13 +72,8 @@ def compute_rate(roof: Roof, op) -> float:
     """Achieved FLOP/s of `op` (roofline_ops.Op) at its shape, or 0 for an op with no FLOPs."""
     if not op.flops:
         return 0.0
-    grid = {"matmul": roof.matmul, "sdpa_forward": roof.sdpa_forward, "sdpa_backward": roof.sdpa_training}[op.kind]
-    rate = interpolate(grid[rate_dtype(op.dtype)], op.shape)
-    if op.kind == "sdpa_backward":  # the grid holds forward + backward (3x forward's FLOPs) per second
-        forward = interpolate(roof.sdpa_forward[rate_dtype(op.dtype)], op.shape)
-        # backward time = training time - forward time, for 2x forward's FLOPs
-        rate = 2 / (3 / rate - 1 / forward) if 3 / rate > 1 / forward else rate
-    return rate
+    grid = {"matmul": roof.matmul, "sdpa_forward": roof.sdpa_forward, "sdpa_backward": roof.sdpa_backward}[op.kind]
+    return interpolate(grid[rate_dtype(op.dtype)], op.shape)
 
 
 # The measured families of elementwise operators (roofline_measure.measure_elementwise_ops), by
@@ -86,12 +81,13 @@ def compute_rate(roof: Roof, op) -> float:
 FAMILIES = {
     "binary": ("add", "sub", "mul", "div", "where", "lerp", "addcmul", "addcdiv", "maximum", "clamp",
                "threshold_backward", "silu_backward", "gelu_backward", "embedding_dense_backward"),
+    # NLL's backward is a zero-fill of its gradient (its bytes), its forward a gather (roofline_ops)
     "unary": ("neg", "rsqrt", "sqrt", "pow", "exp", "reciprocal", "silu", "gelu", "tanh", "sigmoid", "fill",
-              "zero", "ones_like", "zeros_like"),
-    "copy": ("_to_copy", "copy", "clone", "cat", "stack", "embedding", "index_select", "_unsafe_view"),
+              "zero", "ones_like", "zeros_like", "nll_loss_backward"),
+    "copy": ("_to_copy", "copy", "clone", "cat", "stack", "embedding", "index_select", "_unsafe_view",
+             "nll_loss_forward"),
     "reduce": ("mean", "sum", "linalg_vector_norm", "amax", "norm"),
-    "softmax": ("_log_softmax", "_softmax", "_log_softmax_backward_data", "_softmax_backward_data",
-                "nll_loss_forward", "nll_loss_backward"),
+    "softmax": ("_log_softmax", "_softmax", "_log_softmax_backward_data", "_softmax_backward_data"),
 }
 _FAMILY_OF = {stem: family for family, stems in FAMILIES.items() for stem in stems}
 

@@ -1,6 +1,6 @@
 """Measuring this machine's roof (roofline.py's Roof): matmul FLOP/s over a grid of shapes per
 dtype, the bandwidth of a large copy, SDPA FLOP/s by sequence length and head size (forward, and
-forward + backward), elementwise bytes/s by call size, the cost of one eager kernel launch, and,
+backward), elementwise bytes/s by call size, the cost of one eager kernel launch, and,
 under torchrun, all-reduce latency and bandwidth on the launched backend.
 
 Each figure is the best of a few short timings, as hardware.py's peak is (a moment when other
@@ -52,28 +52,30 @@ def measure_matmuls(device: torch.device) -> dict:
 
 
 def measure_sdpa(device: torch.device) -> tuple[dict, dict]:
-    """({dtype: [[T, head_dim, FLOP/s]]} forward, the same for forward + backward), causal, FLOPs
-    counted as flops.py does (4 * T^2 * head_dim per batch-head forward, the full T x T; 3x that
-    for forward + backward)."""
-    forward, training = {}, {}
+    """({dtype: [[T, head_dim, FLOP/s]]} forward, the same for backward alone), causal, FLOPs
+    counted as flops.py does (4 * T^2 * head_dim per batch-head forward, the full T x T; 2x that
+    backward). The backward is timed on its own, again and again through one retained graph into
+    fresh gradients (autograd.grad), as a model's backward runs it: a forward + backward timed
+    together and less the forward would also charge it a ones_like and the accumulation of three
+    .grad tensors that the model's backward does not pay (at T = 64 that over-predicted the
+    kernel 1.5x)."""
+    forward, backward = {}, {}
     for name, dtype in DTYPES.items():
-        forward[name], training[name] = [], []
+        forward[name], backward[name] = [], []
         for t in SDPA_SEQ:
             for d in SDPA_HEAD_DIMS:
                 q, k, v = (torch.randn(1, SDPA_BATCH_HEADS, t, d, device=device, dtype=dtype, requires_grad=True)
                            for _ in range(3))
                 flops = 4 * SDPA_BATCH_HEADS * t * t * d
-
-                def step():
-                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-                    out.backward(torch.ones_like(out))
-
                 with torch.no_grad():
                     forward[name].append([t, d, _best_rate(
                         lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
                         flops, device)])
-                training[name].append([t, d, _best_rate(step, 3 * flops, device)])
-    return forward, training
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                grad = torch.ones_like(out)
+                backward[name].append([t, d, _best_rate(
+                    lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), 2 * flops, device)])
+    return forward, backward
 
 
 def measure_elementwise(device: torch.device) -> list:
@@ -152,19 +154,19 @@ def measure_roof(device: torch.device) -> dict:
     of one that found it cached (tests/test_lora.py resumes such a pair bit for bit)."""
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        forward, training = measure_sdpa(device)
+        forward, backward = measure_sdpa(device)
         call, foreach, view = measure_launch(device)
         return {"bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
-                "sdpa_forward": forward, "sdpa_training": training, "elementwise": measure_elementwise(device),
+                "sdpa_forward": forward, "sdpa_backward": backward, "elementwise": measure_elementwise(device),
                 "elementwise_ops": measure_elementwise_ops(device),
                 "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": view,
                 "measure_seconds": time.perf_counter() - started}
 
 
 def _key(device: torch.device) -> str:
-    # v2: the per-family elementwise rates and the per-dispatched-call launch cost (an older cached
-    # roof, without them, is measured again rather than read)
-    return f"roofline v2|{device_name(device)}|torch {torch.__version__}"
+    # v2: the per-family elementwise rates and the per-dispatched-call launch cost; v3: SDPA's
+    # backward timed alone (an older cached roof, without them, is measured again rather than read)
+    return f"roofline v3|{device_name(device)}|torch {torch.__version__}"
 
 
 def this_roof(device: torch.device, remeasure: bool = False, store: bool = True, collective: dict | None = None) -> Roof:
