@@ -26,6 +26,7 @@ SDPA_HEAD_DIMS = (16, 64)
 SDPA_BATCH_HEADS = 8  # batch x heads of each timed SDPA call
 ELEMENTWISE_SIZES = (2**12, 2**16, 2**20, 2**23)  # fp32 elements of each operand of an add
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EVICT_MIB = 128  # written before each timed elementwise call: more than a CPU's last-level cache or a GPU's L2
 
 
 def _best_rate(op, work: float, device: torch.device, runs: int = 2, seconds: float = 0.02) -> float:
@@ -33,6 +34,26 @@ def _best_rate(op, work: float, device: torch.device, runs: int = 2, seconds: fl
     op()
     _sync(device)
     return max(work * _calls_per_second(op, device, seconds)[0] for _ in range(runs))
+
+
+def _cold_rate(op, work: float, device: torch.device, runs: int = 3) -> float:
+    """Best `work` units per second of single calls of `op`, each timed after EVICT_MIB of writes
+    have pushed its operands out of cache. In a training step an elementwise operator's operands
+    were last touched many operators before (the backward reads what the forward saved, the
+    optimizer each state once a step), so they come from memory: the same operands timed again and
+    again stay in cache and run faster (on the EPYC, a 1 MiB multiply warm 34 us, cold 154 us; at
+    ~5 MB a call the model's multiplies ran at a third of the warm rate, bench/step_time.py)."""
+    evict = torch.empty(EVICT_MIB * 2**20 // 4, device=device)
+    op()
+    best = float("inf")
+    for _ in range(runs):
+        evict.fill_(1.0)
+        _sync(device)
+        started = time.perf_counter()
+        op()
+        _sync(device)
+        best = min(best, time.perf_counter() - started)
+    return work / best
 
 
 def measure_matmuls(device: torch.device) -> dict:
@@ -80,11 +101,11 @@ def measure_sdpa(device: torch.device) -> tuple[dict, dict]:
 
 def measure_elementwise(device: torch.device) -> list:
     """[[bytes per call, bytes/s]] of an out-of-place fp32 add (reads two operands, writes one),
-    as eager code runs it: small calls stay in cache, large ones stream from memory."""
+    as eager code runs it in a step: its operands out of cache (_cold_rate)."""
     rows = []
     for n in ELEMENTWISE_SIZES:
         x, y = torch.ones(n, device=device), torch.ones(n, device=device)
-        rows.append([3 * 4 * n, _best_rate(lambda: x + y, 3 * 4 * n, device)])
+        rows.append([3 * 4 * n, _cold_rate(lambda: x + y, 3 * 4 * n, device)])
     return rows
 
 
@@ -103,12 +124,12 @@ def _family_calls(n: int, device: torch.device) -> dict:
 
 
 def measure_elementwise_ops(device: torch.device) -> dict:
-    """{family: [[bytes per call, bytes/s]]} of each family's representative at ELEMENTWISE_SIZES
-    (an RMSNorm's mean runs at another rate than an add; a cast fp32 -> bf16 at its own)."""
+    """{family: [[bytes per call, bytes/s]]} of each family's representative at ELEMENTWISE_SIZES,
+    operands out of cache (an RMSNorm's mean runs at another rate than an add; a cast at its own)."""
     grid = {}
     for n in ELEMENTWISE_SIZES:
         for family, (call, nbytes) in _family_calls(n, device).items():
-            grid.setdefault(family, []).append([nbytes, _best_rate(call, nbytes, device)])
+            grid.setdefault(family, []).append([nbytes, _cold_rate(call, nbytes, device)])
     return grid
 
 
@@ -165,7 +186,7 @@ def measure_roof(device: torch.device) -> dict:
 
 def _key(device: torch.device) -> str:
     # v2: the per-family elementwise rates and the per-dispatched-call launch cost; v3: SDPA's
-    # backward timed alone (an older cached roof, without them, is measured again rather than read)
+    # backward timed alone, elementwise rates on operands out of cache (an older cached roof, without them, is measured again rather than read)
     return f"roofline v3|{device_name(device)}|torch {torch.__version__}"
 
 
