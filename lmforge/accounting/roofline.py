@@ -33,6 +33,11 @@ class Roof:
     view_call_seconds: float | None = None  # one view (no kernel, just dispatch); None: call_seconds
     foreach_call_seconds: float = 0.0  # one tensor of a torch._foreach_* op (the C++ loop on CPU)
     collective: dict = field(default_factory=dict)  # {"latency_s", "bytes_per_second"} of all-reduce, if measured
+    # the same families timed again and again on the same operands (in cache), and the size of the
+    # cache they stay in (the CPU's last level, a GPU's L2; 0: unknown): a step that writes less
+    # than the cache reads warm operands (roofline_ops.predict_step)
+    elementwise_ops_warm: dict = field(default_factory=dict)
+    cache_bytes: float = 0.0
     source: str = "measured"
 
 
@@ -86,7 +91,8 @@ FAMILIES = {
               "zero", "ones_like", "zeros_like", "nll_loss_backward"),
     "copy": ("_to_copy", "copy", "clone", "cat", "stack", "embedding", "index_select", "_unsafe_view",
              "nll_loss_forward"),
-    "reduce": ("mean", "sum", "linalg_vector_norm", "amax", "norm"),
+    "reduce": ("mean", "sum", "amax"),  # along rows: RMSNorm's mean, a broadcast gradient's sum
+    "vector_norm": ("linalg_vector_norm", "norm"),  # a whole tensor to one number: clipping's norms
     "softmax": ("_log_softmax", "_softmax", "_log_softmax_backward_data", "_softmax_backward_data"),
 }
 _FAMILY_OF = {stem: family for family, stems in FAMILIES.items() for stem in stems}
@@ -100,11 +106,14 @@ def family_of(aten: str) -> str:
 
 def memory_rate(roof: Roof, op) -> float:
     """Bytes/s `op` moves at: elementwise ops at the rate measured for calls of their size and
-    family (small ones stay in cache; a reduction or a cast runs at its own rate), everything
-    else at the large-copy bandwidth."""
+    family (operands out of cache; a reduction or a cast runs at its own rate), everything else
+    at the large-copy bandwidth. A foreach op's size is its whole list's bytes: the CPU runs its
+    tensors back to back, one stream that the prefetcher follows from tensor to tensor, not as
+    many cold starts (AdamW's steps on small, priced per tensor, came out 2.4x the measured)."""
     if op.kind in ("elementwise", "foreach") and op.calls:
         grid = roof.elementwise_ops.get(family_of(getattr(op, "op", ""))) or roof.elementwise
-        return interpolate(grid, (max(op.bytes / op.calls, 1.0),))
+        size = op.bytes if op.kind == "foreach" else op.bytes / op.calls
+        return interpolate(grid, (max(size, 1.0),))
     return roof.bandwidth
 
 

@@ -11,6 +11,7 @@ ten seconds and cached with the matmul peak (hardware.py's cache: when, under wh
 
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -119,18 +120,37 @@ def _family_calls(n: int, device: torch.device) -> dict:
         "unary": (lambda: torch.rsqrt(x), 2 * 4 * n),
         "copy": (lambda: x.to(torch.bfloat16), 4 * n + 2 * n),
         "reduce": (lambda: rows.mean(-1, keepdim=True), 4 * n + 4 * n // 64),
+        "vector_norm": (lambda: torch.linalg.vector_norm(x), 4 * n + 4),
         "softmax": (lambda: torch.log_softmax(rows, -1), 2 * 4 * n),
     }
 
 
-def measure_elementwise_ops(device: torch.device) -> dict:
+def measure_elementwise_ops(device: torch.device, cold: bool = True) -> dict:
     """{family: [[bytes per call, bytes/s]]} of each family's representative at ELEMENTWISE_SIZES,
-    operands out of cache (an RMSNorm's mean runs at another rate than an add; a cast at its own)."""
+    operands out of cache (or, not `cold`, in it: the same call again and again) (an RMSNorm's
+    mean runs at another rate than an add; a cast at its own)."""
     grid = {}
     for n in ELEMENTWISE_SIZES:
         for family, (call, nbytes) in _family_calls(n, device).items():
-            grid.setdefault(family, []).append([nbytes, _cold_rate(call, nbytes, device)])
+            rate = _cold_rate(call, nbytes, device) if cold else _best_rate(call, nbytes, device)
+            grid.setdefault(family, []).append([nbytes, rate])
     return grid
+
+
+def cache_bytes(device: torch.device) -> float:
+    """The cache an operand can stay in between operators: a GPU's L2, a CPU's last level (as
+    Linux reports it for CPU 0), 0 where unknown."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).L2_cache_size)
+    sizes = []
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return float(max(sizes, default=0))
 
 
 def measure_copy_bandwidth(device: torch.device, megabytes: int = 128) -> float:
@@ -180,13 +200,14 @@ def measure_roof(device: torch.device) -> dict:
         return {"bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
                 "sdpa_forward": forward, "sdpa_backward": backward, "elementwise": measure_elementwise(device),
                 "elementwise_ops": measure_elementwise_ops(device),
+                "elementwise_ops_warm": measure_elementwise_ops(device, cold=False), "cache_bytes": cache_bytes(device),
                 "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": view,
                 "measure_seconds": time.perf_counter() - started}
 
 
 def _key(device: torch.device) -> str:
     # v2: the per-family elementwise rates and the per-dispatched-call launch cost; v3: SDPA's
-    # backward timed alone, elementwise rates on operands out of cache (an older cached roof, without them, is measured again rather than read)
+    # backward timed alone, elementwise rates on operands out of cache, the vector_norm family (an older cached roof, without them, is measured again rather than read)
     return f"roofline v3|{device_name(device)}|torch {torch.__version__}"
 
 
