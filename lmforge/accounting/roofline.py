@@ -38,6 +38,9 @@ class Roof:
     # than the cache reads warm operands (roofline_ops.predict_step)
     elementwise_ops_warm: dict = field(default_factory=dict)
     cache_bytes: float = 0.0
+    # {"sdpa_forward" | "sdpa_backward": {dtype: seconds}}: one SDPA call's fixed cost, its
+    # launch included, whatever its batch x heads (the sdpa grids then hold the work's rate)
+    sdpa_call_seconds: dict = field(default_factory=dict)
     source: str = "measured"
 
 
@@ -130,6 +133,8 @@ def op_time(roof: Roof, op) -> dict:
     per_call = {"foreach": roof.foreach_call_seconds,
                 "view": roof.call_seconds if roof.view_call_seconds is None else roof.view_call_seconds
                 }.get(op.kind, roof.call_seconds)
+    if op.kind in roof.sdpa_call_seconds:
+        per_call = roof.sdpa_call_seconds[op.kind].get(rate_dtype(op.dtype), per_call)
     launch_s = op.calls * per_call
     return {"seconds": max(compute_s, memory_s) + launch_s, "compute_s": compute_s, "memory_s": memory_s,
             "launch_s": launch_s, "bound": "compute" if compute_s >= memory_s else "memory"}

@@ -73,31 +73,44 @@ def measure_matmuls(device: torch.device) -> dict:
     return grid
 
 
-def measure_sdpa(device: torch.device) -> tuple[dict, dict]:
-    """({dtype: [[T, head_dim, FLOP/s]]} forward, the same for backward alone), causal, FLOPs
-    counted as flops.py does (4 * T^2 * head_dim per batch-head forward, the full T x T; 2x that
-    backward). The backward is timed on its own, again and again through one retained graph into
-    fresh gradients (autograd.grad), as a model's backward runs it: a forward + backward timed
-    together and less the forward would also charge it a ones_like and the accumulation of three
-    .grad tensors that the model's backward does not pay (at T = 64 that over-predicted the
-    kernel 1.5x)."""
-    forward, backward = {}, {}
+def _sdpa_seconds(heads: int, t: int, d: int, dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """(forward, backward) seconds of one causal SDPA call of (1, heads, t, d). The backward is
+    timed on its own, again and again through one retained graph into fresh gradients
+    (autograd.grad), as a model's backward runs it: a forward + backward timed together less the
+    forward would also charge it a ones_like and three .grad accumulations that the model's
+    backward does not pay (at T = 64 that over-predicted the kernel 1.5x)."""
+    q, k, v = (torch.randn(1, heads, t, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    with torch.no_grad():
+        forward = 1 / _best_rate(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                 1, device)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.ones_like(out)
+    backward = 1 / _best_rate(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), 1, device)
+    return forward, backward
+
+
+def measure_sdpa(device: torch.device) -> tuple[dict, dict, dict]:
+    """({dtype: [[T, head_dim, FLOP/s]]} forward, the same backward, {kind: {dtype: seconds}} the
+    fixed cost of one call), causal, FLOPs counted as flops.py does (4 * T^2 * head_dim per
+    batch-head forward, the full T x T; 2x that backward). The fixed cost is fitted through
+    batch x heads SDPA_BATCH_HEADS and 4x that at the grid's smallest shape (t = c + heads * w, as
+    measure_collective fits latency): a model calls SDPA with 32-96 batch-heads where the grid
+    times 8 (bf16's CPU backward paid ~0.7 ms a call on tiny's shapes whatever the heads), and the
+    grid's rates are of the work alone, flops / (t - c)."""
+    forward, backward, fixed = {}, {}, {"sdpa_forward": {}, "sdpa_backward": {}}
+    t0, d0 = SDPA_SEQ[0], SDPA_HEAD_DIMS[0]
     for name, dtype in DTYPES.items():
+        few, many = _sdpa_seconds(SDPA_BATCH_HEADS, t0, d0, dtype, device), _sdpa_seconds(4 * SDPA_BATCH_HEADS, t0, d0, dtype, device)
+        costs = [max((4 * a - b) / 3, 0.0) for a, b in zip(few, many)]
+        fixed["sdpa_forward"][name], fixed["sdpa_backward"][name] = costs
         forward[name], backward[name] = [], []
         for t in SDPA_SEQ:
             for d in SDPA_HEAD_DIMS:
-                q, k, v = (torch.randn(1, SDPA_BATCH_HEADS, t, d, device=device, dtype=dtype, requires_grad=True)
-                           for _ in range(3))
                 flops = 4 * SDPA_BATCH_HEADS * t * t * d
-                with torch.no_grad():
-                    forward[name].append([t, d, _best_rate(
-                        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                        flops, device)])
-                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-                grad = torch.ones_like(out)
-                backward[name].append([t, d, _best_rate(
-                    lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), 2 * flops, device)])
-    return forward, backward
+                seconds = _sdpa_seconds(SDPA_BATCH_HEADS, t, d, dtype, device)
+                for grid, work, s, c in ((forward, flops, seconds[0], costs[0]), (backward, 2 * flops, seconds[1], costs[1])):
+                    grid[name].append([t, d, work / max(s - c, s / 2)])  # the work at least half of a call
+    return forward, backward, fixed
 
 
 def measure_elementwise(device: torch.device) -> list:
@@ -195,10 +208,11 @@ def measure_roof(device: torch.device) -> dict:
     of one that found it cached (tests/test_lora.py resumes such a pair bit for bit)."""
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        forward, backward = measure_sdpa(device)
+        forward, backward, sdpa_call = measure_sdpa(device)
         call, foreach, view = measure_launch(device)
         return {"bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
-                "sdpa_forward": forward, "sdpa_backward": backward, "elementwise": measure_elementwise(device),
+                "sdpa_forward": forward, "sdpa_backward": backward,
+                "sdpa_call_seconds": sdpa_call, "elementwise": measure_elementwise(device),
                 "elementwise_ops": measure_elementwise_ops(device),
                 "elementwise_ops_warm": measure_elementwise_ops(device, cold=False), "cache_bytes": cache_bytes(device),
                 "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": view,
@@ -207,7 +221,7 @@ def measure_roof(device: torch.device) -> dict:
 
 def _key(device: torch.device) -> str:
     # v2: the per-family elementwise rates and the per-dispatched-call launch cost; v3: SDPA's
-    # backward timed alone, elementwise rates on operands out of cache, the vector_norm family (an older cached roof, without them, is measured again rather than read)
+    # backward timed alone, elementwise rates on operands out of cache, the vector_norm family, SDPA's fixed cost (an older cached roof, without them, is measured again rather than read)
     return f"roofline v3|{device_name(device)}|torch {torch.__version__}"
 
 
