@@ -38,6 +38,18 @@ def test_families_of_norms_and_nll():
     assert family_of("nll_loss_backward") == "unary"  # a fill
     assert family_of("nll_loss_forward") == "copy"  # a gather
     assert family_of("_log_softmax") == "softmax"
+    # in place, a binary op writes over what it read (no write-allocate): its own measured rate
+    assert family_of("mul_") == family_of("_foreach_addcdiv_") == "binary_inplace"
+    assert family_of("mul") == family_of("_foreach_add") == "binary"
+    assert family_of("fill_") == family_of("_foreach_sqrt") == "unary"
+
+
+def test_an_inplace_op_falls_back_to_its_familys_rate_on_an_older_roof():
+    roof = _roof(cold=1e9, warm=1e11)  # no binary_inplace grid
+    op = Op("x", "norms/elementwise", "elementwise", 0.0, 1e6, (), 1, "float32", "mul_")
+    assert memory_rate(roof, op) == pytest.approx(1e10, rel=1e-12)  # binary's rate at 1 MB
+    fast = dataclasses.replace(roof, elementwise_ops={**roof.elementwise_ops, "binary_inplace": [[1, 5e10]]})
+    assert memory_rate(fast, op) == pytest.approx(5e10, rel=1e-12)
 
 
 def _roof(cold: float, warm: float, cache: float = 0.0) -> Roof:

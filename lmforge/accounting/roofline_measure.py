@@ -130,6 +130,7 @@ def _family_calls(n: int, device: torch.device) -> dict:
     rows = x.view(-1, 64)
     return {
         "binary": (lambda: x * y, 3 * 4 * n),
+        "binary_inplace": (lambda: x.mul_(y), 3 * 4 * n),  # ones times ones: x stays ones
         "unary": (lambda: torch.rsqrt(x), 2 * 4 * n),
         "copy": (lambda: x.to(torch.bfloat16), 4 * n + 2 * n),
         "reduce": (lambda: rows.mean(-1, keepdim=True), 4 * n + 4 * n // 64),
@@ -221,7 +222,7 @@ def measure_roof(device: torch.device) -> dict:
 
 def _key(device: torch.device) -> str:
     # v2: the per-family elementwise rates and the per-dispatched-call launch cost; v3: SDPA's
-    # backward timed alone, elementwise rates on operands out of cache, the vector_norm family, SDPA's fixed cost (an older cached roof, without them, is measured again rather than read)
+    # backward timed alone, elementwise rates on operands out of cache, the vector_norm and binary_inplace families, SDPA's fixed cost (an older cached roof, without them, is measured again rather than read)
     return f"roofline v3|{device_name(device)}|torch {torch.__version__}"
 
 
