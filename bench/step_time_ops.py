@@ -10,7 +10,7 @@ name, tensors, phase). The mode's own Python costs each operator a few microseco
 measured time (views and tiny ops read high); the first line gives the step's CPU time without it.
 Scratch for finding a class's miss; bench/RESULTS.md's figures come from step_time.py idle.
 
-    taskset -c 1 env OMP_NUM_THREADS=1 python bench/step_time_ops.py tiny fp32 [--steps 3] [--ops]
+    taskset -c 1 env OMP_NUM_THREADS=1 python bench/step_time_ops.py tiny fp32 [--batch-size 8] [--seq-len N] [--steps 3] [--ops]
 """
 
 import argparse
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("precision")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the model's context")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ops", action="store_true", help="a row per operator, not only per class")
     args = parser.parse_args()
@@ -71,7 +72,7 @@ def main() -> None:
 
     retain_freed_memory()
     roof = this_roof(torch.device("cpu"), remeasure=True, store=False)
-    cfg, step = build(args.model, args.precision, args.batch_size, None)
+    cfg, step = build(args.model, args.precision, args.batch_size, args.seq_len)
     if roof.elementwise_ops_warm and written_bytes(cfg.model, Setup.from_config(cfg)) <= roof.cache_bytes:
         roof = dataclasses.replace(roof, elementwise_ops=roof.elementwise_ops_warm)  # as predict_step does
     clock = _Clock(roof)
