@@ -80,21 +80,35 @@ def measure(step, steps: int, warmup: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+# Kernels the trace records as one call whatever they run inside (the zero-fill of NLL's
+# gradient, the buffers of attention's backward): an operator below one of these is its class's.
+ENCLOSING = ("attention", "sdpa", "flash", "log_softmax", "nll_loss", "cross_entropy", "aten::mm", "aten::addmm",
+             "aten::bmm")
+
+
+def class_of_event(event) -> str:
+    """An operator's class: the optimizer's inside Optimizer.step (on CPU the foreach ops run as
+    per-tensor aten kernels), else that of the innermost enclosing kernel of ENCLOSING (itself
+    included), else its own name's."""
+    parent, enclosing = event, None
+    while parent is not None:
+        if parent.name.startswith("Optimizer.step"):
+            return "optimizer"
+        if enclosing is None and any(key in parent.name for key in ENCLOSING):
+            enclosing = parent.name
+        parent = parent.cpu_parent
+    return classify(enclosing or event.name)
+
+
 def profiled(step, steps: int) -> dict:
     """Seconds per step of the kernels by roofline class (self CPU time of each operator, over
-    `steps` profiled steps): an operator inside the optimizer's step is the optimizer's, whatever
-    its name (on CPU the foreach ops run as per-tensor aten kernels)."""
+    `steps` profiled steps, sorted by class_of_event)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
     by_class = defaultdict(float)
     for event in prof.events():
-        parent, cls = event, None
-        while parent is not None and cls is None:
-            if parent.name.startswith("Optimizer.step"):
-                cls = "optimizer"
-            parent = parent.cpu_parent
-        by_class[cls or classify(event.name)] += event.self_cpu_time_total / 1e6 / steps
+        by_class[class_of_event(event)] += event.self_cpu_time_total / 1e6 / steps
     return dict(by_class)
 
 

@@ -19,20 +19,28 @@ CLASSES = ("matmuls", "attention", "norms/elementwise", "loss", "optimizer", "co
 @dataclass(frozen=True)
 class Roof:
     """What the prediction needs of a machine. Grids are {dtype: [[dims..., value], ...]} on a
-    regular grid: matmul (M, N, K, FLOP/s); sdpa forward and forward+backward (T, head_dim,
-    FLOP/s, counted as flops.py counts attention: the full T x T, causal or not); elementwise
+    regular grid: matmul (M, N, K, FLOP/s); sdpa forward and backward (T, head_dim,
+    FLOP/s, counted as flops.py counts attention: the full T x T, causal or not; backward 2x forward); elementwise
     (bytes moved by one call, bytes/s)."""
     name: str
     bandwidth: float  # bytes/s of a large copy: the memory roof
     matmul: dict
     sdpa_forward: dict
-    sdpa_training: dict
+    sdpa_backward: dict
     elementwise: list  # [[bytes per call, bytes/s], ...] of an fp32 add: ops of no measured family
     call_seconds: float = 0.0  # one eager kernel launch from Python (a tiny op's time)
     elementwise_ops: dict = field(default_factory=dict)  # {family: [[bytes per call, bytes/s], ...]}
     view_call_seconds: float | None = None  # one view (no kernel, just dispatch); None: call_seconds
     foreach_call_seconds: float = 0.0  # one tensor of a torch._foreach_* op (the C++ loop on CPU)
     collective: dict = field(default_factory=dict)  # {"latency_s", "bytes_per_second"} of all-reduce, if measured
+    # the same families timed again and again on the same operands (in cache), and the size of the
+    # cache they stay in (the CPU's last level, a GPU's L2; 0: unknown): a step that writes less
+    # than the cache reads warm operands (roofline_ops.predict_step)
+    elementwise_ops_warm: dict = field(default_factory=dict)
+    cache_bytes: float = 0.0
+    # {"sdpa_forward" | "sdpa_backward": {dtype: seconds}}: one SDPA call's fixed cost, its
+    # launch included, whatever its batch x heads (the sdpa grids then hold the work's rate)
+    sdpa_call_seconds: dict = field(default_factory=dict)
     source: str = "measured"
 
 
@@ -72,13 +80,8 @@ def compute_rate(roof: Roof, op) -> float:
     """Achieved FLOP/s of `op` (roofline_ops.Op) at its shape, or 0 for an op with no FLOPs."""
     if not op.flops:
         return 0.0
-    grid = {"matmul": roof.matmul, "sdpa_forward": roof.sdpa_forward, "sdpa_backward": roof.sdpa_training}[op.kind]
-    rate = interpolate(grid[rate_dtype(op.dtype)], op.shape)
-    if op.kind == "sdpa_backward":  # the grid holds forward + backward (3x forward's FLOPs) per second
-        forward = interpolate(roof.sdpa_forward[rate_dtype(op.dtype)], op.shape)
-        # backward time = training time - forward time, for 2x forward's FLOPs
-        rate = 2 / (3 / rate - 1 / forward) if 3 / rate > 1 / forward else rate
-    return rate
+    grid = {"matmul": roof.matmul, "sdpa_forward": roof.sdpa_forward, "sdpa_backward": roof.sdpa_backward}[op.kind]
+    return interpolate(grid[rate_dtype(op.dtype)], op.shape)
 
 
 # The measured families of elementwise operators (roofline_measure.measure_elementwise_ops), by
@@ -86,29 +89,41 @@ def compute_rate(roof: Roof, op) -> float:
 FAMILIES = {
     "binary": ("add", "sub", "mul", "div", "where", "lerp", "addcmul", "addcdiv", "maximum", "clamp",
                "threshold_backward", "silu_backward", "gelu_backward", "embedding_dense_backward"),
+    # NLL's backward is a zero-fill of its gradient (its bytes), its forward a gather (roofline_ops)
     "unary": ("neg", "rsqrt", "sqrt", "pow", "exp", "reciprocal", "silu", "gelu", "tanh", "sigmoid", "fill",
-              "zero", "ones_like", "zeros_like"),
-    "copy": ("_to_copy", "copy", "clone", "cat", "stack", "embedding", "index_select", "_unsafe_view"),
-    "reduce": ("mean", "sum", "linalg_vector_norm", "amax", "norm"),
-    "softmax": ("_log_softmax", "_softmax", "_log_softmax_backward_data", "_softmax_backward_data",
-                "nll_loss_forward", "nll_loss_backward"),
+              "zero", "ones_like", "zeros_like", "nll_loss_backward"),
+    "copy": ("_to_copy", "copy", "clone", "cat", "stack", "embedding", "index_select", "_unsafe_view",
+             "nll_loss_forward"),
+    "reduce": ("mean", "sum", "amax"),  # along rows: RMSNorm's mean, a broadcast gradient's sum
+    "vector_norm": ("linalg_vector_norm", "norm"),  # a whole tensor to one number: clipping's norms
+    "softmax": ("_log_softmax", "_softmax", "_log_softmax_backward_data", "_softmax_backward_data"),
 }
 _FAMILY_OF = {stem: family for family, stems in FAMILIES.items() for stem in stems}
 
 
 def family_of(aten: str) -> str:
-    """The measured family of an aten operator ("_foreach_mul_" and "mul_" are "mul"'s), or ""."""
+    """The measured family of an aten operator ("_foreach_mul" and "mul" are "mul"'s), or "". An
+    in-place binary op ("mul_", "_foreach_addcdiv_") is "binary_inplace": it writes back over an
+    operand it has just read, where an out-of-place op's fresh output is read into cache before it
+    is written (write-allocate), so it moves fewer bytes than it counts (AdamW's in-place steps on
+    small ran 1.3-2.2x faster than the out-of-place rate said, its out-of-place sqrt 0.64x)."""
     stem = aten.removeprefix("_foreach_").rstrip("_") if aten.startswith("_foreach") else aten.rstrip("_")
-    return _FAMILY_OF.get(stem, _FAMILY_OF.get(aten, ""))
+    family = _FAMILY_OF.get(stem, _FAMILY_OF.get(aten, ""))
+    return "binary_inplace" if family == "binary" and aten.endswith("_") else family
 
 
 def memory_rate(roof: Roof, op) -> float:
     """Bytes/s `op` moves at: elementwise ops at the rate measured for calls of their size and
-    family (small ones stay in cache; a reduction or a cast runs at its own rate), everything
-    else at the large-copy bandwidth."""
+    family (operands out of cache; a reduction or a cast runs at its own rate), everything else
+    at the large-copy bandwidth. A foreach op's size is its whole list's bytes: the CPU runs its
+    tensors back to back, one stream that the prefetcher follows from tensor to tensor, not as
+    many cold starts (AdamW's steps on small, priced per tensor, came out 2.4x the measured)."""
     if op.kind in ("elementwise", "foreach") and op.calls:
-        grid = roof.elementwise_ops.get(family_of(getattr(op, "op", ""))) or roof.elementwise
-        return interpolate(grid, (max(op.bytes / op.calls, 1.0),))
+        family = family_of(getattr(op, "op", ""))
+        grids = roof.elementwise_ops
+        grid = grids.get(family) or grids.get(family.removesuffix("_inplace")) or roof.elementwise
+        size = op.bytes if op.kind == "foreach" else op.bytes / op.calls
+        return interpolate(grid, (max(size, 1.0),))
     return roof.bandwidth
 
 
@@ -125,6 +140,8 @@ def op_time(roof: Roof, op) -> dict:
     per_call = {"foreach": roof.foreach_call_seconds,
                 "view": roof.call_seconds if roof.view_call_seconds is None else roof.view_call_seconds
                 }.get(op.kind, roof.call_seconds)
+    if op.kind in roof.sdpa_call_seconds:
+        per_call = roof.sdpa_call_seconds[op.kind].get(rate_dtype(op.dtype), per_call)
     launch_s = op.calls * per_call
     return {"seconds": max(compute_s, memory_s) + launch_s, "compute_s": compute_s, "memory_s": memory_s,
             "launch_s": launch_s, "bound": "compute" if compute_s >= memory_s else "memory"}

@@ -1,6 +1,6 @@
 """Measuring this machine's roof (roofline.py's Roof): matmul FLOP/s over a grid of shapes per
 dtype, the bandwidth of a large copy, SDPA FLOP/s by sequence length and head size (forward, and
-forward + backward), elementwise bytes/s by call size, the cost of one eager kernel launch, and,
+backward), elementwise bytes/s by call size, the cost of one eager kernel launch, and,
 under torchrun, all-reduce latency and bandwidth on the launched backend.
 
 Each figure is the best of a few short timings, as hardware.py's peak is (a moment when other
@@ -11,6 +11,7 @@ ten seconds and cached with the matmul peak (hardware.py's cache: when, under wh
 
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,7 @@ SDPA_HEAD_DIMS = (16, 64)
 SDPA_BATCH_HEADS = 8  # batch x heads of each timed SDPA call
 ELEMENTWISE_SIZES = (2**12, 2**16, 2**20, 2**23)  # fp32 elements of each operand of an add
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EVICT_MIB = 128  # written before each timed elementwise call: more than a CPU's last-level cache or a GPU's L2
 
 
 def _best_rate(op, work: float, device: torch.device, runs: int = 2, seconds: float = 0.02) -> float:
@@ -33,6 +35,26 @@ def _best_rate(op, work: float, device: torch.device, runs: int = 2, seconds: fl
     op()
     _sync(device)
     return max(work * _calls_per_second(op, device, seconds)[0] for _ in range(runs))
+
+
+def _cold_rate(op, work: float, device: torch.device, runs: int = 3) -> float:
+    """Best `work` units per second of single calls of `op`, each timed after EVICT_MIB of writes
+    have pushed its operands out of cache. In a training step an elementwise operator's operands
+    were last touched many operators before (the backward reads what the forward saved, the
+    optimizer each state once a step), so they come from memory: the same operands timed again and
+    again stay in cache and run faster (on the EPYC, a 1 MiB multiply warm 34 us, cold 154 us; at
+    ~5 MB a call the model's multiplies ran at a third of the warm rate, bench/step_time.py)."""
+    evict = torch.empty(EVICT_MIB * 2**20 // 4, device=device)
+    op()
+    best = float("inf")
+    for _ in range(runs):
+        evict.fill_(1.0)
+        _sync(device)
+        started = time.perf_counter()
+        op()
+        _sync(device)
+        best = min(best, time.perf_counter() - started)
+    return work / best
 
 
 def measure_matmuls(device: torch.device) -> dict:
@@ -51,38 +73,53 @@ def measure_matmuls(device: torch.device) -> dict:
     return grid
 
 
-def measure_sdpa(device: torch.device) -> tuple[dict, dict]:
-    """({dtype: [[T, head_dim, FLOP/s]]} forward, the same for forward + backward), causal, FLOPs
-    counted as flops.py does (4 * T^2 * head_dim per batch-head forward, the full T x T; 3x that
-    for forward + backward)."""
-    forward, training = {}, {}
+def _sdpa_seconds(heads: int, t: int, d: int, dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """(forward, backward) seconds of one causal SDPA call of (1, heads, t, d). The backward is
+    timed on its own, again and again through one retained graph into fresh gradients
+    (autograd.grad), as a model's backward runs it: a forward + backward timed together less the
+    forward would also charge it a ones_like and three .grad accumulations that the model's
+    backward does not pay (at T = 64 that over-predicted the kernel 1.5x)."""
+    q, k, v = (torch.randn(1, heads, t, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    with torch.no_grad():
+        forward = 1 / _best_rate(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                 1, device)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.ones_like(out)
+    backward = 1 / _best_rate(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), 1, device)
+    return forward, backward
+
+
+def measure_sdpa(device: torch.device) -> tuple[dict, dict, dict]:
+    """({dtype: [[T, head_dim, FLOP/s]]} forward, the same backward, {kind: {dtype: seconds}} the
+    fixed cost of one call), causal, FLOPs counted as flops.py does (4 * T^2 * head_dim per
+    batch-head forward, the full T x T; 2x that backward). The fixed cost is fitted through
+    batch x heads SDPA_BATCH_HEADS and 4x that at the grid's smallest shape (t = c + heads * w, as
+    measure_collective fits latency): a model calls SDPA with 32-96 batch-heads where the grid
+    times 8 (bf16's CPU backward paid ~0.7 ms a call on tiny's shapes whatever the heads), and the
+    grid's rates are of the work alone, flops / (t - c)."""
+    forward, backward, fixed = {}, {}, {"sdpa_forward": {}, "sdpa_backward": {}}
+    t0, d0 = SDPA_SEQ[0], SDPA_HEAD_DIMS[0]
     for name, dtype in DTYPES.items():
-        forward[name], training[name] = [], []
+        few, many = _sdpa_seconds(SDPA_BATCH_HEADS, t0, d0, dtype, device), _sdpa_seconds(4 * SDPA_BATCH_HEADS, t0, d0, dtype, device)
+        costs = [max((4 * a - b) / 3, 0.0) for a, b in zip(few, many)]
+        fixed["sdpa_forward"][name], fixed["sdpa_backward"][name] = costs
+        forward[name], backward[name] = [], []
         for t in SDPA_SEQ:
             for d in SDPA_HEAD_DIMS:
-                q, k, v = (torch.randn(1, SDPA_BATCH_HEADS, t, d, device=device, dtype=dtype, requires_grad=True)
-                           for _ in range(3))
                 flops = 4 * SDPA_BATCH_HEADS * t * t * d
-
-                def step():
-                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-                    out.backward(torch.ones_like(out))
-
-                with torch.no_grad():
-                    forward[name].append([t, d, _best_rate(
-                        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                        flops, device)])
-                training[name].append([t, d, _best_rate(step, 3 * flops, device)])
-    return forward, training
+                seconds = _sdpa_seconds(SDPA_BATCH_HEADS, t, d, dtype, device)
+                for grid, work, s, c in ((forward, flops, seconds[0], costs[0]), (backward, 2 * flops, seconds[1], costs[1])):
+                    grid[name].append([t, d, work / max(s - c, s / 2)])  # the work at least half of a call
+    return forward, backward, fixed
 
 
 def measure_elementwise(device: torch.device) -> list:
     """[[bytes per call, bytes/s]] of an out-of-place fp32 add (reads two operands, writes one),
-    as eager code runs it: small calls stay in cache, large ones stream from memory."""
+    as eager code runs it in a step: its operands out of cache (_cold_rate)."""
     rows = []
     for n in ELEMENTWISE_SIZES:
         x, y = torch.ones(n, device=device), torch.ones(n, device=device)
-        rows.append([3 * 4 * n, _best_rate(lambda: x + y, 3 * 4 * n, device)])
+        rows.append([3 * 4 * n, _cold_rate(lambda: x + y, 3 * 4 * n, device)])
     return rows
 
 
@@ -93,21 +130,41 @@ def _family_calls(n: int, device: torch.device) -> dict:
     rows = x.view(-1, 64)
     return {
         "binary": (lambda: x * y, 3 * 4 * n),
+        "binary_inplace": (lambda: x.mul_(y), 3 * 4 * n),  # ones times ones: x stays ones
         "unary": (lambda: torch.rsqrt(x), 2 * 4 * n),
         "copy": (lambda: x.to(torch.bfloat16), 4 * n + 2 * n),
         "reduce": (lambda: rows.mean(-1, keepdim=True), 4 * n + 4 * n // 64),
+        "vector_norm": (lambda: torch.linalg.vector_norm(x), 4 * n + 4),
         "softmax": (lambda: torch.log_softmax(rows, -1), 2 * 4 * n),
     }
 
 
-def measure_elementwise_ops(device: torch.device) -> dict:
-    """{family: [[bytes per call, bytes/s]]} of each family's representative at ELEMENTWISE_SIZES
-    (an RMSNorm's mean runs at another rate than an add; a cast fp32 -> bf16 at its own)."""
+def measure_elementwise_ops(device: torch.device, cold: bool = True) -> dict:
+    """{family: [[bytes per call, bytes/s]]} of each family's representative at ELEMENTWISE_SIZES,
+    operands out of cache (or, not `cold`, in it: the same call again and again) (an RMSNorm's
+    mean runs at another rate than an add; a cast at its own)."""
     grid = {}
     for n in ELEMENTWISE_SIZES:
         for family, (call, nbytes) in _family_calls(n, device).items():
-            grid.setdefault(family, []).append([nbytes, _best_rate(call, nbytes, device)])
+            rate = _cold_rate(call, nbytes, device) if cold else _best_rate(call, nbytes, device)
+            grid.setdefault(family, []).append([nbytes, rate])
     return grid
+
+
+def cache_bytes(device: torch.device) -> float:
+    """The cache an operand can stay in between operators: a GPU's L2, a CPU's last level (as
+    Linux reports it for CPU 0), 0 where unknown."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).L2_cache_size)
+    sizes = []
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return float(max(sizes, default=0))
 
 
 def measure_copy_bandwidth(device: torch.device, megabytes: int = 128) -> float:
@@ -152,19 +209,21 @@ def measure_roof(device: torch.device) -> dict:
     of one that found it cached (tests/test_lora.py resumes such a pair bit for bit)."""
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        forward, training = measure_sdpa(device)
+        forward, backward, sdpa_call = measure_sdpa(device)
         call, foreach, view = measure_launch(device)
         return {"bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
-                "sdpa_forward": forward, "sdpa_training": training, "elementwise": measure_elementwise(device),
+                "sdpa_forward": forward, "sdpa_backward": backward,
+                "sdpa_call_seconds": sdpa_call, "elementwise": measure_elementwise(device),
                 "elementwise_ops": measure_elementwise_ops(device),
+                "elementwise_ops_warm": measure_elementwise_ops(device, cold=False), "cache_bytes": cache_bytes(device),
                 "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": view,
                 "measure_seconds": time.perf_counter() - started}
 
 
 def _key(device: torch.device) -> str:
-    # v2: the per-family elementwise rates and the per-dispatched-call launch cost (an older cached
-    # roof, without them, is measured again rather than read)
-    return f"roofline v2|{device_name(device)}|torch {torch.__version__}"
+    # v2: the per-family elementwise rates and the per-dispatched-call launch cost; v3: SDPA's
+    # backward timed alone, elementwise rates on operands out of cache, the vector_norm and binary_inplace families, SDPA's fixed cost (an older cached roof, without them, is measured again rather than read)
+    return f"roofline v3|{device_name(device)}|torch {torch.__version__}"
 
 
 def this_roof(device: torch.device, remeasure: bool = False, store: bool = True, collective: dict | None = None) -> Roof:

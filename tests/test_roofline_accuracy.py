@@ -1,0 +1,144 @@
+"""The pieces of the roofline that issue 24's accuracy work added, checked without a clock: NLL's
+bytes against the tensors it really touches, the families of clipping's norms and of NLL, a
+foreach op priced at its whole list's size, the warm/cold choice by what a step writes against
+the cache, and the profiler's attribution of a kernel's inner operators (bench/step_time.py)."""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from lmforge.accounting.plan.make import Setup
+from lmforge.accounting.roofline import Roof, family_of, memory_rate, op_time
+from lmforge.accounting.roofline_measure import cache_bytes
+from lmforge.accounting.roofline_ops import Op, op_of, predict_step, written_bytes
+from lmforge.accounting.roofline_trace import trace_step
+from lmforge.config import make_config
+
+
+def test_nll_moves_the_targets_and_the_values_they_pick_not_the_rows():
+    """Forward: int64 targets (8 bytes each), one fp32 log-probability per target, two fp32
+    scalars out. Backward: the (N, V) gradient written once (the zero-fill), the targets read,
+    one value written per target."""
+    cfg = make_config("tiny").model
+    n, v = 2 * 16, cfg.vocab_size
+    records = {r.op: r for r in trace_step(cfg, 2, 16, "fp32") if r.op.startswith("nll_loss")}
+    assert records["nll_loss_forward"].inputs[0][0] == (n, v)  # what the old count charged in full
+    assert op_of(records["nll_loss_forward"]).bytes == n * 8 + n * 4 + 2 * 4
+    assert op_of(records["nll_loss_backward"]).bytes == n * v * 4 + n * 8 + n * 4
+
+
+def test_families_of_norms_and_nll():
+    assert family_of("linalg_vector_norm") == "vector_norm"  # a whole tensor, not RMSNorm's row mean
+    assert family_of("mean") == "reduce"
+    assert family_of("nll_loss_backward") == "unary"  # a fill
+    assert family_of("nll_loss_forward") == "copy"  # a gather
+    assert family_of("_log_softmax") == "softmax"
+    # in place, a binary op writes over what it read (no write-allocate): its own measured rate
+    assert family_of("mul_") == family_of("_foreach_addcdiv_") == "binary_inplace"
+    assert family_of("mul") == family_of("_foreach_add") == "binary"
+    assert family_of("fill_") == family_of("_foreach_sqrt") == "unary"
+
+
+def test_an_inplace_op_falls_back_to_its_familys_rate_on_an_older_roof():
+    roof = _roof(cold=1e9, warm=1e11)  # no binary_inplace grid
+    op = Op("x", "norms/elementwise", "elementwise", 0.0, 1e6, (), 1, "float32", "mul_")
+    assert memory_rate(roof, op) == pytest.approx(1e10, rel=1e-12)  # binary's rate at 1 MB
+    fast = dataclasses.replace(roof, elementwise_ops={**roof.elementwise_ops, "binary_inplace": [[1, 5e10]]})
+    assert memory_rate(fast, op) == pytest.approx(5e10, rel=1e-12)
+
+
+def _roof(cold: float, warm: float, cache: float = 0.0) -> Roof:
+    """Flat rates: `cold` bytes/s for elementwise families out of cache, `warm` in it, the binary
+    family 10x faster at 1 MB a call than at 1 kB."""
+    flat = {d: [[1, 1, 1, 1e12]] for d in ("float32", "bfloat16")}
+    flat2 = {d: [[1, 1, 1e12]] for d in ("float32", "bfloat16")}  # SDPA's (T, head_dim) grids
+    families = {f: [[1, cold]] for f in ("unary", "copy", "reduce", "vector_norm", "softmax")}
+    families["binary"] = [[1e3, cold], [1e6, 10 * cold]]
+    hot = {f: [[1, warm]] for f in families}
+    return Roof("synthetic", 1e11, flat, flat2, flat2, [[1, cold]], elementwise_ops=families,
+                elementwise_ops_warm=hot, cache_bytes=cache)
+
+
+def test_a_foreach_op_streams_its_whole_list_and_an_elementwise_op_each_call():
+    roof = _roof(cold=1e9, warm=1e11)
+    foreach = Op("adamw", "optimizer", "foreach", 0.0, 1e6, (), 1000, "float32", "_foreach_mul_")
+    assert memory_rate(roof, foreach) == pytest.approx(1e10, rel=1e-12)  # 1 MB in all, not 1 kB a tensor
+    loop = dataclasses.replace(foreach, kind="elementwise", op="mul_")
+    assert memory_rate(roof, loop) == pytest.approx(1e9, rel=1e-12)  # 1000 calls of 1 kB each
+    assert op_time(roof, foreach)["memory_s"] == pytest.approx(1e6 / 1e10, rel=1e-12)
+
+
+def test_a_step_that_fits_in_the_cache_is_priced_warm():
+    """The same step on two roofs that differ only in cache size: written_bytes under the cache
+    reads the warm grid (100x faster here), so norms/elementwise' memory time drops 100x."""
+    cfg = make_config("tiny")
+    setup = Setup.from_config(cfg)
+    written = written_bytes(cfg.model, setup)
+    cold = predict_step(cfg.model, setup, _roof(1e9, 1e11, cache=written / 2), cfg.train.parallel)
+    warm = predict_step(cfg.model, setup, _roof(1e9, 1e11, cache=written), cfg.train.parallel)
+    ratio = cold["classes"]["norms/elementwise"]["memory_s"] / warm["classes"]["norms/elementwise"]["memory_s"]
+    # every norms/elementwise op has a family here (flat 1e9 cold) but binary's 1e10 at >= 1 MB a call
+    assert 10 <= ratio <= 100
+    assert warm["classes"]["matmuls"]["seconds"] == cold["classes"]["matmuls"]["seconds"]
+
+
+def test_written_bytes_extends_by_layer_exactly():
+    """written_bytes of 5 layers from traces of 2 and 3 equals the sum over a direct 5-layer trace
+    (the blocks are identical: layer_extrapolated's argument)."""
+    from lmforge.accounting.roofline_ops import _touched
+
+    cfg = dataclasses.replace(make_config("tiny").model, n_layers=5)
+    setup = Setup(batch_size=2, seq_len=16)
+    direct = sum(_touched(t) for r in trace_step(cfg, 2, 16, "fp32") if not r.is_view for t in r.outputs)
+    assert written_bytes(cfg, setup) == direct
+
+
+def test_this_cpus_cache_is_read_from_linux():
+    if not Path("/sys/devices/system/cpu/cpu0/cache/index0/size").exists():
+        pytest.skip("no cache sizes under /sys")
+    size = cache_bytes(torch.device("cpu"))
+    assert size >= 2**15 and size == int(size)  # at least a 32 KiB L1, in whole bytes
+
+
+def _step_time_bench():
+    """bench/step_time.py, loaded by path (bench/ is scripts, not an installed package)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "step_time.py"
+    spec = importlib.util.spec_from_file_location("step_time_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_profiler_gives_a_kernels_inner_operators_its_class():
+    """NLL's backward zero-fills its gradient (aten::zero_ below aten::nll_loss_backward): the
+    loss's time, not norms/elementwise' (the trace counts the fill in nll_loss_backward's bytes);
+    backward()'s own ones_like (a fill_ below no kernel) stays norms/elementwise'."""
+    logits = torch.randn(64, 128, requires_grad=True)
+    targets = torch.randint(0, 128, (64,))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        F.cross_entropy(logits, targets).backward()
+        (logits.detach() * 2).sum()
+    class_of_event = _step_time_bench().class_of_event
+    classes = {}
+    for event in prof.events():
+        classes.setdefault(event.name, set()).add(class_of_event(event))
+    assert classes["aten::zero_"] == {"loss"} and classes["aten::nll_loss_backward"] == {"loss"}
+    assert classes["aten::fill_"] == {"norms/elementwise"}
+    assert classes["aten::mul"] == {"norms/elementwise"}
+
+
+def test_an_sdpa_call_pays_its_measured_fixed_cost_in_place_of_a_launch():
+    """t = c + FLOPs / rate of the work (roofline_measure.measure_sdpa's fit): a call's launch term
+    is SDPA's fixed cost for its kind and dtype; another op keeps the plain launch cost."""
+    roof = dataclasses.replace(_roof(1e9, 1e11), call_seconds=3e-6,
+                               sdpa_call_seconds={"sdpa_backward": {"bfloat16": 2e-4}})
+    back = Op("attn", "attention", "sdpa_backward", 2e9, 0.0, (64, 16), 2, "bfloat16", "x_backward")
+    t = op_time(roof, back)
+    assert t["launch_s"] == pytest.approx(2 * 2e-4, rel=1e-12)
+    assert t["seconds"] == pytest.approx(2e9 / 1e12 + 4e-4, rel=1e-12)
+    assert op_time(roof, dataclasses.replace(back, kind="sdpa_forward"))["launch_s"] == pytest.approx(6e-6)
