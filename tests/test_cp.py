@@ -164,11 +164,7 @@ CP = ["parallel.cp=2", "train.parallel=ddp", "train.sample_tokens=0"]
     ([*CP, "train.pipeline_stages=2"], (0, 4, 0), "does not combine with train.pipeline_stages"),
     ([*CP, "model.dropout=0.1"], (0, 2, 0), "does not combine with model.dropout"),
     ([*CP, "model.sliding_window=8"], (0, 2, 0), "does not combine with model.sliding_window"),
-    ([*CP, "train.recompute=selective"], (0, 2, 0), "the ring in backward"),
-    ([*CP, "train.compile=true"], (0, 2, 0), "does not combine with train.compile"),
-    ([*CP, "train.precision=fp16-mixed"], (0, 2, 0), "does not combine with train.precision"),
     ([*CP, "train.loss_chunk_tokens=64"], (0, 2, 0), "does not combine with train.loss_chunk_tokens"),
-    ([*CP, "finetune.lora_rank=4"], (0, 2, 0), "does not combine with finetune.lora_rank"),
     (["parallel.cp=2", "train.parallel=ddp"], (0, 2, 0), "set train.sample_tokens=0"),
     ([*CP, "train.seq_len=3"], (0, 2, 0), "(lengths that are not a multiple are padded): use train.seq_len >= 4"),
 ])
@@ -183,6 +179,14 @@ def test_launch_accepts_cp_times_dp_at_a_length_that_is_padded():
     from lmforge.parallel.launch import check_launch
     cfg = make_config("tiny", overrides=[*CP, "train.seq_len=29"])
     assert check_launch(cfg, (3, 4, 3), cuda_devices=0) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("extra", [["train.recompute=selective"], ["train.recompute=full"], ["train.compile=true"],
+                                   ["train.precision=fp16-mixed"], ["train.precision=bf16-pure"],
+                                   ["train.precision=fp8"], ["finetune.lora_rank=4"]])
+def test_launch_accepts_what_the_cp_compose_dist_tests_train(extra):
+    from lmforge.parallel.launch import check_launch  # tests/test_cp_compose_dist.py trains each of these
+    assert check_launch(make_config("tiny", overrides=[*CP, *extra]), (0, 2, 0), cuda_devices=0) == torch.device("cpu")
 
 
 def test_dp_cp_groups_hold_the_ranks_of_one_tp_index():

@@ -184,13 +184,8 @@ CP_REFUSED = {
     "model.dropout": (lambda c: c.model.dropout > 0, "ring attention has no dropout, and per-rank masks would not "
                                                      "match one process's: set model.dropout=0"),
     "model.sliding_window": (lambda c: c.model.sliding_window is not None, "the ring's masks are the causal ones"),
-    "train.recompute": (lambda c: c.train.recompute != "none", "recomputation would rerun the ring in backward; untested"),
-    "train.compile": (lambda c: c.train.compile, "torch.compile of the ring's point-to-point sends is untested"),
-    "train.precision": (lambda c: c.train.precision in ("fp16-mixed", "fp8"),
-                        "fp16's loss scaler and fp8's swapped linears are untested with it: use fp32 or bf16"),
     "train.loss_chunk_tokens": (lambda c: c.train.loss_chunk_tokens > 0,
                                 "the chunked loss would replace the group's loss (each rank already holds 1/cp of the logits)"),
-    "finetune.lora_rank": (lambda c: c.finetune.lora_rank is not None, "LoRA under context parallelism is untested"),
     "train.sample_tokens": (lambda c: c.train.sample_tokens > 0,
                             "generation needs a KV cache, which the ring does not keep: set train.sample_tokens=0"),
 }
