@@ -64,7 +64,7 @@ def run_case(overrides: list[str]) -> dict:
     fresh = build_engine(cfg, get_policy(cfg.train.precision))
     fresh.load_model_state_dict({k: v.clone() for k, v in state.items()})
 
-    one_cfg = make_config("tiny", overrides=common)  # one process, the whole global batch
+    one_cfg = make_config("tiny", overrides=[o for o in common if not o.startswith("parallel.")])  # one process
     torch.manual_seed(one_cfg.train.seed)
     one = build_engine(one_cfg, get_policy(one_cfg.train.precision))
     ref_losses, ref_norms = train(one, one_cfg, global_rows, slice(None), prompts, seq)

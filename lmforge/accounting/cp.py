@@ -39,10 +39,11 @@ def ring_attention_bytes(batch: int, kv_heads: int, local_len: int, head_dim: in
 
 
 def context_parallel_bytes(cfg: ModelConfig, batch: int, seq_len: int, cp: int, element_bytes: int,
-                           recompute: str = "none") -> dict:
+                           recompute: str = "none", tp: int = 1) -> dict:
     """ring_attention_bytes summed over the model's layers, for a (batch, seq_len) micro-batch;
-    under train.recompute=`recompute` a mode that reruns attention sends the forward twice."""
-    layer = ring_attention_bytes(batch, cfg.kv_heads, padded_length(seq_len, cp) // cp, cfg.head_dim, cp,
+    under train.recompute=`recompute` a mode that reruns attention sends the forward twice; with
+    parallel.tp=`tp` each rank's ring carries its own kv_heads / tp heads."""
+    layer = ring_attention_bytes(batch, cfg.kv_heads // tp, padded_length(seq_len, cp) // cp, cfg.head_dim, cp,
                                  element_bytes)
     mode = get_recompute(recompute)
     forwards = 2 if mode.blocks or mode.attention_cores else 1

@@ -178,8 +178,8 @@ def _check_tensor_parallel(cfg, env) -> None:
 
 # what context parallelism (parallel/cp_model.py) is not combined with yet, and why: setting -> (refused when, why)
 CP_REFUSED = {
-    "parallel.tp": (lambda c: c.parallel.tp > 1, "tp x cp needs a loss both vocabulary- and sequence-parallel "
-                                                 "(not written): use one of them"),
+    "parallel.sequence_parallel": (lambda c: c.parallel.sequence_parallel,
+                                   "sequence parallelism would cut each cp shard again over the tp ranks (not written)"),
     "train.pipeline_stages": (lambda c: c.train.pipeline_stages > 1, "pipelines of context-parallel stages are not wired"),
     "model.dropout": (lambda c: c.model.dropout > 0, "ring attention has no dropout, and per-rank masks would not "
                                                      "match one process's: set model.dropout=0"),
@@ -208,6 +208,8 @@ def _check_context_parallel(cfg, env) -> None:
     for setting, (refused, why) in CP_REFUSED.items():
         if refused(cfg):
             raise LmforgeError(f"parallel.cp={cp} does not combine with {setting}: {why}")
+    if cfg.parallel.tp > 1:  # tp x cp: what tensor parallelism refuses, it refuses here too
+        _check_tensor_parallel(cfg, env)
     if cfg.seq_len < 2 * cp:
         raise LmforgeError(f"parallel.cp={cp} cuts train.seq_len={cfg.seq_len} into 2 x cp = {2 * cp} chunks "
                            f"(lengths that are not a multiple are padded): use train.seq_len >= {2 * cp}")
