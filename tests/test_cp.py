@@ -160,7 +160,10 @@ CP = ["parallel.cp=2", "train.parallel=ddp", "train.sample_tokens=0"]
     (CP, (0, 3, 0), "the world must be (replicas x cp x tp), a multiple of 2"),
     ([*CP, "parallel.tp=2"], (0, 6, 0), "the world must be (replicas x cp x tp), a multiple of 4"),
     ([*CP, "train.parallel=zero1"], (0, 2, 0), "set train.parallel=ddp, not zero1"),
-    ([*CP, "parallel.tp=2"], (0, 4, 0), "does not combine with parallel.tp"),
+    ([*CP, "parallel.tp=2", "parallel.sequence_parallel=true"], (0, 4, 0),
+     "does not combine with parallel.sequence_parallel"),
+    ([*CP, "parallel.tp=2", "train.precision=fp16-mixed"], (0, 4, 0), "parallel.tp=2 does not combine with train.precision"),
+    ([*CP, "parallel.tp=4"], (0, 8, 0), "parallel.tp=4 must divide the KV heads"),
     ([*CP, "train.pipeline_stages=2"], (0, 4, 0), "does not combine with train.pipeline_stages"),
     ([*CP, "model.dropout=0.1"], (0, 2, 0), "does not combine with model.dropout"),
     ([*CP, "model.sliding_window=8"], (0, 2, 0), "does not combine with model.sliding_window"),
@@ -183,10 +186,11 @@ def test_launch_accepts_cp_times_dp_at_a_length_that_is_padded():
 
 @pytest.mark.parametrize("extra", [["train.recompute=selective"], ["train.recompute=full"], ["train.compile=true"],
                                    ["train.precision=fp16-mixed"], ["train.precision=bf16-pure"],
-                                   ["train.precision=fp8"], ["finetune.lora_rank=4"]])
+                                   ["train.precision=fp8"], ["finetune.lora_rank=4"], ["parallel.tp=2"]])
 def test_launch_accepts_what_the_cp_compose_dist_tests_train(extra):
     from lmforge.parallel.launch import check_launch  # tests/test_cp_compose_dist.py trains each of these
-    assert check_launch(make_config("tiny", overrides=[*CP, *extra]), (0, 2, 0), cuda_devices=0) == torch.device("cpu")
+    world = 4 if "parallel.tp=2" in extra else 2
+    assert check_launch(make_config("tiny", overrides=[*CP, *extra]), (0, world, 0), cuda_devices=0) == torch.device("cpu")
 
 
 def test_dp_cp_groups_hold_the_ranks_of_one_tp_index():

@@ -1,7 +1,7 @@
 """Context parallelism (parallel.cp=2, train.parallel=ddp) composed with what else a run sets:
 selective and full recomputation, LoRA, every precision policy (fp16-mixed with its loss scaler),
 torch.compile; each trained 3 steps of 2 accumulated micro-batches by train/setup.py's engine on
-cp=2 (2 ranks; some also on cp=2 x dp=2, 4 ranks) against one process on the same global batch,
+cp=2 (2 ranks; some also on cp=2 x dp=2 and tp=2 x cp=2, 4 ranks) against one process on the same global batch,
 computed on every rank (tests/cp_train_worker.py), with the bytes the ring sent equal to
 accounting/cp.py's. These are the composition matrix's cp cells (lmforge/parallel/matrix.py).
 
@@ -20,7 +20,8 @@ other rows gives (losses 1e-3, first norm 1e-3, later norms 1e-2, update error 0
 to 16 bits before the ring and the all-reduce combine them, where one process rounds once.
 Measured (worst rank): bf16-mixed losses 2.3e-4, first norm 4.7e-4, norms 8.1e-4, update 0.068;
 bf16-pure 3.6e-4, 2.3e-5, 1.7e-3, 0.070; fp16-mixed 1.7e-4, 3.6e-6, 7.5e-4, 0.024; fp8 2.3e-3,
-3.4e-3, 7.0e-3, 0.27. LoRA trains adapters on the model's own initialisation; its base must not move.
+3.4e-3, 7.0e-3, 0.27; tp x cp fp32 losses 1.4e-7, norms 1.2e-7, bf16-mixed losses 5.9e-4, first norm
+4.3e-4, norms 4.8e-4, update 0.067. LoRA trains adapters on the model's own initialisation; its base must not move.
 
 torch.compile: dynamo cannot trace the ring's point-to-point ops (graph breaks at `P2POp` and
 `batch_isend_irecv`: P2P compilation is off in torch 2.13), so each compiled block runs as graphs
@@ -51,6 +52,9 @@ CELLS_2 = {"recompute=selective": ["train.recompute=selective"], "recompute=full
            "LoRA": LORA, "LoRA sft29 recompute=full": [*LORA, "+sft", "seq=29", "train.recompute=full"],
            **{p: [f"train.precision={p}"] for p in ("bf16-mixed", "bf16-pure", "fp16-mixed", "fp8")}}
 CELLS_4 = {"fp16-mixed": ["train.precision=fp16-mixed"], "LoRA recompute=selective": [*LORA, "train.recompute=selective"]}
+TP = ["parallel.tp=2"]  # tp=2 x cp=2 on 4 ranks: one replica
+CELLS_TP = {"tp x cp": TP, "tp x cp sft29": [*TP, "+sft", "seq=29"], "tp x cp bf16-mixed": [*TP, "train.precision=bf16-mixed"],
+            "tp x cp LoRA recompute=full": [*TP, *LORA, "train.recompute=full"]}
 P2P_BREAKS = ("P2POp", "batch_isend_irecv")
 
 
@@ -71,7 +75,7 @@ def assert_cell(name: str, overrides: list[str], case: dict) -> None:
         assert all(torch.equal(t, case["initial"][k]) for k, t in case["model"].items() if ".lora_" not in k), name
     cfg = make_config("tiny", overrides=[o for o in overrides if o != "+sft" and not o.startswith("seq=")])
     per_micro_batch = context_parallel_bytes(cfg.model, ROWS, case["seq"], 2, get_policy(cfg.train.precision).bytes.compute,
-                                             recompute=cfg.train.recompute)
+                                             recompute=cfg.train.recompute, tp=cfg.parallel.tp)
     assert case["traffic"] == {k: case["steps"] * v for k, v in per_micro_batch.items()}, name
 
 
@@ -86,6 +90,16 @@ def test_cp2_composes_and_trains_as_one_process(tmp_path, ranks, cells):
     # recomputation reruns the same arithmetic: bit for bit the run without it (the 2-rank cells)
     if ranks == 2:
         assert results[0]["recompute=full"]["losses"] == results[0]["recompute=selective"]["losses"]
+
+
+def test_tp2_times_cp2_trains_as_one_process(tmp_path):
+    """4 ranks, rank = cp_index * 2 + tp_index: each cp shard's loss is the vocabulary-parallel one
+    over its tp pair, each tp rank's ring carries its own KV head (half the bytes of cp alone)."""
+    results = run_worker(tmp_path, 4, CELLS_TP, WORKER)
+    for rank, result in enumerate(results):
+        for name, case in result.items():
+            assert (case["replicas"], case["cp_rank"]) == (1, rank // 2)
+            assert_cell(name, CELLS_TP[name], case)
 
 
 @pytest.mark.slow
