@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_worker import ROWS  # noqa: E402
 from test_composition_dist import TOLERANCES, update_error  # noqa: E402
-from test_cp_train_dist import assert_as_one_process  # noqa: E402
+from test_cp_train_dist import assert_as_one_process, settings  # noqa: E402,F401 (settings: a fixture)
 from test_pipeline import run_worker  # noqa: E402
 
 from lmforge.accounting.cp import context_parallel_bytes  # noqa: E402
@@ -111,3 +111,22 @@ def test_cp2_compiled_trains_as_one_process_compiled(tmp_path):
         assert_cell("compiled", cells["compiled"], case)
         # the ring's sends are where compile stops, and nothing else is
         assert case["graph_breaks"] and all(any(p in reason for p in P2P_BREAKS) for reason in case["graph_breaks"])
+
+
+@pytest.mark.slow
+def test_lmforge_train_tp2_times_cp2_trains_and_resumes_in_one_process(tmp_path, settings):
+    """`lmforge train` on 4 ranks, tp=2 x cp=2 (evaluation, checkpoints every 2 steps): the same train
+    and validation losses as one process within 1e-5 and the same weights (test_tp_train_dist.py's
+    bounds); its checkpoint (full tensors by name) resumes in one process as one process's does."""
+    from tests.test_distributed_train import losses, torchrun
+    from tests.test_tp_train_dist import assert_close_runs, run
+    run([sys.executable, "-m", "lmforge", "train", "--no-progress", "--model", "tiny", *settings(4), "--out", "one"],
+        tmp_path)
+    run(torchrun(4, "--model", "tiny", *settings(4), "parallel.tp=2", "parallel.cp=2", "train.parallel=ddp",
+                 "--out", "tpcp"), tmp_path)
+    assert_close_runs(tmp_path / "tpcp", tmp_path / "one")
+    for folder in ("tpcp", "one"):
+        run([sys.executable, "-m", "lmforge", "train", "--no-progress", "--resume", str(tmp_path / folder),
+             "train.max_steps=6", "parallel.tp=1", "parallel.cp=1", "train.parallel=none"], tmp_path)
+    assert [s for s, _ in losses(tmp_path / "tpcp")][-3:] == [5, 6, 6]
+    assert_close_runs(tmp_path / "tpcp", tmp_path / "one", steps=6)
