@@ -28,11 +28,15 @@ from lmforge.train.setup import build_engine  # noqa: E402
 STEPS, ACCUM, CP = 3, 2, 2
 
 
-def train(engine, cfg, global_rows: int, mine: slice, prompts: bool, seq: int):
-    """STEPS steps on global micro-batches of `global_rows` rows, this rank on rows `mine`."""
+def train(engine, cfg, global_rows: int, mine: slice, prompts: bool, seq: int, held: dict | None = None):
+    """STEPS steps on global micro-batches of `global_rows` rows, this rank on rows `mine`; `held`
+    gets the engine's state_bytes with the last step's gradients still there."""
     policy, losses, norms = get_policy(cfg.train.precision), [], []
     scaler = LossScaler(enabled=policy.loss_scaling)
     for step in range(STEPS):
+        if held is not None and step == STEPS - 1:
+            zero_grad = engine.zero_grad
+            engine.zero_grad = lambda: (held.update(engine.state_bytes()), zero_grad())
         batches = iter([(x[mine, :seq], y[mine, :seq])
                         for x, y in global_batches(step, ACCUM, global_rows, cfg.model.vocab_size, prompts)])
         loss, norm, _ = train_step(engine, lambda: next(batches), ACCUM, cfg.optim.lr, cfg.optim.grad_clip,
@@ -57,7 +61,8 @@ def run_case(overrides: list[str]) -> dict:
     engine = build_engine(cfg, get_policy(cfg.train.precision))
     initial = {k: v.float().clone() for k, v in engine.model_state_dict().items()}
     global_rows, r = engine.replicas * ROWS, engine.replica
-    losses, norms = train(engine, cfg, global_rows, slice(r * ROWS, (r + 1) * ROWS), prompts, seq)
+    held = {}
+    losses, norms = train(engine, cfg, global_rows, slice(r * ROWS, (r + 1) * ROWS), prompts, seq, held)
     state = engine.model_state_dict()
     breaks = dict(torch._dynamo.utils.counters["graph_break"])  # where compile stopped tracing (train.compile)
     torch.manual_seed(cfg.train.seed + 1)  # another initialisation: the load must replace it all
@@ -71,7 +76,7 @@ def run_case(overrides: list[str]) -> dict:
     traffic = next(m.traffic for m in engine.model.modules() if isinstance(m, RingAttentionCore))
     return dict(losses=losses, norms=norms, model=floats(state), reloaded=floats(fresh.model_state_dict()),
                 ref=dict(losses=ref_losses, norms=ref_norms, model=floats(one.model_state_dict())),
-                initial=initial, graph_breaks=breaks, precision=cfg.train.precision, steps=STEPS * ACCUM, seq=seq,
+                initial=initial, graph_breaks=breaks, held=held, precision=cfg.train.precision, steps=STEPS * ACCUM, seq=seq,
                 traffic={**traffic.bytes, **{f"sends_{k}": n for k, n in traffic.sends.items()}},
                 replica=engine.replica, replicas=engine.replicas, cp_rank=engine.model.loss.collectives.rank)
 
