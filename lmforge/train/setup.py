@@ -11,7 +11,9 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
     1c. context   with parallel.cp > 1: each attention core swapped for ring attention over the cp
                   group, positions for the shard's, the loss for the group's, and a forward
                   pre-hook that cuts each whole batch to this rank's zig-zag shard
-                  (parallel/cp_model.py); the engine is DDP over the dp x cp ranks (cp_engine.py)
+                  (parallel/cp_model.py); the engine is DDP over the dp x cp ranks (cp_engine.py).
+                  After 1b on a tensor-parallel model: the ring runs on each tp rank's heads and
+                  the group's loss sums the vocabulary-parallel cross-entropy (tp x cp)
     2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
