@@ -135,6 +135,20 @@ def test_ring_bytes_formula():
         "forward": 0, "backward": 0, "sends_forward": 0, "sends_backward": 0}
 
 
+def test_ring_bytes_of_a_model_under_recomputation_and_tensor_parallelism():
+    from lmforge.accounting.cp import context_parallel_bytes
+    cfg = make_config("tiny").model  # 2 layers, 2 KV heads: at seq 29 (padded to 32), cp 2 (16 tokens), one K/V
+    one = 2 * 1 * 2 * 16 * cfg.head_dim * 4  # message is 2 * b * kv_heads * 16 * d_head fp32 elements
+    plain = context_parallel_bytes(cfg, 1, 29, 2, 4)
+    assert plain == {"forward": 2 * one, "backward": 2 * (one + 2 * one), "sends_forward": 2, "sends_backward": 6}
+    for mode in ("selective", "full"):  # the rerun forward sends K/V round the ring again
+        assert context_parallel_bytes(cfg, 1, 29, 2, 4, recompute=mode) == {
+            **plain, "forward": 2 * plain["forward"], "sends_forward": 2 * plain["sends_forward"]}
+    halved = context_parallel_bytes(cfg, 1, 29, 2, 4, tp=2)  # each tp rank's ring: its one KV head
+    assert halved == {**{k: v // 2 for k, v in plain.items() if not k.startswith("sends")},
+                      **{k: v for k, v in plain.items() if k.startswith("sends")}}
+
+
 @pytest.mark.parametrize("override,message", [("model.sliding_window=8", "does not support a sliding window"),
                                               ("model.dropout=0.1", "needs model.dropout=0")])
 def test_apply_context_parallel_refuses_what_the_ring_cannot_do(override, message):
