@@ -26,7 +26,9 @@ bf16-pure 3.6e-4, 2.3e-5, 1.7e-3, 0.070; fp16-mixed 1.7e-4, 3.6e-6, 7.5e-4, 0.02
 
 torch.compile: dynamo cannot trace the ring's point-to-point ops (graph breaks at `P2POp` and
 `batch_isend_irecv`: P2P compilation is off in torch 2.13), so each compiled block runs as graphs
-around an eager ring; the test asserts those breaks are the only ones.
+around an eager ring; the group loss's target count runs eagerly too (torch.compiler.disable:
+traced, Collectives' call counters were guards that recompiled the loss every step, 1.5x eager's
+step time instead of 0.52x: bench/cp_compile.py). The test asserts those breaks are the only ones.
 """
 
 import sys
@@ -57,7 +59,8 @@ CELLS_4 = {"fp16-mixed": ["train.precision=fp16-mixed"], "LoRA recompute=selecti
 TP = ["parallel.tp=2"]  # tp=2 x cp=2 on 4 ranks: one replica
 CELLS_TP = {"tp x cp": TP, "tp x cp sft29": [*TP, "+sft", "seq=29"], "tp x cp bf16-mixed": [*TP, "train.precision=bf16-mixed"],
             "tp x cp LoRA recompute=full": [*TP, *LORA, "train.recompute=full"]}
-P2P_BREAKS = ("P2POp", "batch_isend_irecv")
+# where compile is meant to stop: the ring's sends, and the group's target count (torch.compiler.disable)
+EAGER_BREAKS = ("P2POp", "batch_isend_irecv", "torch.compiler.disable")
 
 
 def assert_cell(name: str, overrides: list[str], case: dict) -> None:
@@ -120,8 +123,8 @@ def test_cp2_compiled_trains_as_one_process_compiled(tmp_path):
     for result in results:
         case = result["compiled"]
         assert_cell("compiled", cells["compiled"], case)
-        # the ring's sends are where compile stops, and nothing else is
-        assert case["graph_breaks"] and all(any(p in reason for p in P2P_BREAKS) for reason in case["graph_breaks"])
+        # the ring's sends and the count are where compile stops, and nothing else is
+        assert case["graph_breaks"] and all(any(p in reason for p in EAGER_BREAKS) for reason in case["graph_breaks"])
 
 
 @pytest.mark.slow

@@ -116,9 +116,15 @@ class ContextParallelLoss(nn.Module):
 
     def forward(self, x, norm, lm_head, targets):
         total = self.summed(x, norm, lm_head, targets)
-        count = (targets != IGNORE_INDEX).sum().to(torch.float32)
-        self.collectives.all_reduce(count, kind="scalar")
-        return total * self.collectives.world / count.clamp(min=1.0)
+        return total * self.collectives.world / group_target_count(targets, self.collectives).clamp(min=1.0)
+
+
+@torch.compiler.disable  # eager under train.compile: Collectives' call counters, traced, would be guards
+def group_target_count(targets: torch.Tensor, collectives: Collectives) -> torch.Tensor:  # that recompile each step
+    """The targets (not IGNORE_INDEX) of the whole cp group's shards: one all-reduce of one number."""
+    count = (targets != IGNORE_INDEX).sum().to(torch.float32)
+    collectives.all_reduce(count, kind="scalar")
+    return count
 
 
 @dataclass
