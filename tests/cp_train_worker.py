@@ -20,6 +20,7 @@ from parallel_worker import ROWS, global_batches  # noqa: E402
 
 from lmforge.config import make_config  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.parallel.cp_model import RingAttentionCore  # noqa: E402
 from lmforge.precision.loss_scaler import LossScaler  # noqa: E402
 from lmforge.train.loop import train_step  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
@@ -27,10 +28,15 @@ from lmforge.train.setup import build_engine  # noqa: E402
 STEPS, ACCUM, CP = 3, 2, 2
 
 
-def train(engine, cfg, global_rows: int, mine: slice, prompts: bool, seq: int):
-    """STEPS steps on global micro-batches of `global_rows` rows, this rank on rows `mine`."""
-    policy, scaler, losses, norms = get_policy("fp32"), LossScaler(enabled=False), [], []
+def train(engine, cfg, global_rows: int, mine: slice, prompts: bool, seq: int, held: dict | None = None):
+    """STEPS steps on global micro-batches of `global_rows` rows, this rank on rows `mine`; `held`
+    gets the engine's state_bytes with the last step's gradients still there."""
+    policy, losses, norms = get_policy(cfg.train.precision), [], []
+    scaler = LossScaler(enabled=policy.loss_scaling)
     for step in range(STEPS):
+        if held is not None and step == STEPS - 1:
+            zero_grad = engine.zero_grad
+            engine.zero_grad = lambda: (held.update(engine.state_bytes()), zero_grad())
         batches = iter([(x[mine, :seq], y[mine, :seq])
                         for x, y in global_batches(step, ACCUM, global_rows, cfg.model.vocab_size, prompts)])
         loss, norm, _ = train_step(engine, lambda: next(batches), ACCUM, cfg.optim.lr, cfg.optim.grad_clip,
@@ -40,6 +46,11 @@ def train(engine, cfg, global_rows: int, mine: slice, prompts: bool, seq: int):
     return losses, norms
 
 
+def floats(state: dict) -> dict:
+    """A state by name in fp32 (16-bit policies compare as numbers; fp32 ones are unchanged)."""
+    return {k: v.float() for k, v in state.items()}
+
+
 def run_case(overrides: list[str]) -> dict:
     prompts = "+sft" in overrides
     seq = next((int(o[4:]) for o in overrides if o.startswith("seq=")), 32)
@@ -47,20 +58,26 @@ def run_case(overrides: list[str]) -> dict:
     common = ["train.sample_tokens=0", f"train.grad_accum={ACCUM}", "optim.lr=3e-3", *extra]
     cfg = make_config("tiny", overrides=[f"parallel.cp={CP}", "train.parallel=ddp", *common])
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(cfg, get_policy("fp32"))
+    engine = build_engine(cfg, get_policy(cfg.train.precision))
+    initial = {k: v.float().clone() for k, v in engine.model_state_dict().items()}
     global_rows, r = engine.replicas * ROWS, engine.replica
-    losses, norms = train(engine, cfg, global_rows, slice(r * ROWS, (r + 1) * ROWS), prompts, seq)
+    held = {}
+    losses, norms = train(engine, cfg, global_rows, slice(r * ROWS, (r + 1) * ROWS), prompts, seq, held)
     state = engine.model_state_dict()
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])  # where compile stopped tracing (train.compile)
     torch.manual_seed(cfg.train.seed + 1)  # another initialisation: the load must replace it all
-    fresh = build_engine(cfg, get_policy("fp32"))
+    fresh = build_engine(cfg, get_policy(cfg.train.precision))
     fresh.load_model_state_dict({k: v.clone() for k, v in state.items()})
 
-    one_cfg = make_config("tiny", overrides=common)  # one process, the whole global batch
+    one_cfg = make_config("tiny", overrides=[o for o in common if not o.startswith("parallel.")])  # one process
     torch.manual_seed(one_cfg.train.seed)
-    one = build_engine(one_cfg, get_policy("fp32"))
+    one = build_engine(one_cfg, get_policy(one_cfg.train.precision))
     ref_losses, ref_norms = train(one, one_cfg, global_rows, slice(None), prompts, seq)
-    return dict(losses=losses, norms=norms, model=state, reloaded=fresh.model_state_dict(),
-                ref=dict(losses=ref_losses, norms=ref_norms, model=one.model_state_dict()),
+    traffic = next(m.traffic for m in engine.model.modules() if isinstance(m, RingAttentionCore))
+    return dict(losses=losses, norms=norms, model=floats(state), reloaded=floats(fresh.model_state_dict()),
+                ref=dict(losses=ref_losses, norms=ref_norms, model=floats(one.model_state_dict())),
+                initial=initial, graph_breaks=breaks, held=held, precision=cfg.train.precision, steps=STEPS * ACCUM, seq=seq,
+                traffic={**traffic.bytes, **{f"sends_{k}": n for k, n in traffic.sends.items()}},
                 replica=engine.replica, replicas=engine.replicas, cp_rank=engine.model.loss.collectives.rank)
 
 

@@ -135,6 +135,20 @@ def test_ring_bytes_formula():
         "forward": 0, "backward": 0, "sends_forward": 0, "sends_backward": 0}
 
 
+def test_ring_bytes_of_a_model_under_recomputation_and_tensor_parallelism():
+    from lmforge.accounting.cp import context_parallel_bytes
+    cfg = make_config("tiny").model  # 2 layers, 2 KV heads: at seq 29 (padded to 32), cp 2 (16 tokens), one K/V
+    one = 2 * 1 * 2 * 16 * cfg.head_dim * 4  # message is 2 * b * kv_heads * 16 * d_head fp32 elements
+    plain = context_parallel_bytes(cfg, 1, 29, 2, 4)
+    assert plain == {"forward": 2 * one, "backward": 2 * (one + 2 * one), "sends_forward": 2, "sends_backward": 6}
+    for mode in ("selective", "full"):  # the rerun forward sends K/V round the ring again
+        assert context_parallel_bytes(cfg, 1, 29, 2, 4, recompute=mode) == {
+            **plain, "forward": 2 * plain["forward"], "sends_forward": 2 * plain["sends_forward"]}
+    halved = context_parallel_bytes(cfg, 1, 29, 2, 4, tp=2)  # each tp rank's ring: its one KV head
+    assert halved == {**{k: v // 2 for k, v in plain.items() if not k.startswith("sends")},
+                      **{k: v for k, v in plain.items() if k.startswith("sends")}}
+
+
 @pytest.mark.parametrize("override,message", [("model.sliding_window=8", "does not support a sliding window"),
                                               ("model.dropout=0.1", "needs model.dropout=0")])
 def test_apply_context_parallel_refuses_what_the_ring_cannot_do(override, message):
@@ -160,15 +174,14 @@ CP = ["parallel.cp=2", "train.parallel=ddp", "train.sample_tokens=0"]
     (CP, (0, 3, 0), "the world must be (replicas x cp x tp), a multiple of 2"),
     ([*CP, "parallel.tp=2"], (0, 6, 0), "the world must be (replicas x cp x tp), a multiple of 4"),
     ([*CP, "train.parallel=zero1"], (0, 2, 0), "set train.parallel=ddp, not zero1"),
-    ([*CP, "parallel.tp=2"], (0, 4, 0), "does not combine with parallel.tp"),
+    ([*CP, "parallel.tp=2", "parallel.sequence_parallel=true"], (0, 4, 0),
+     "does not combine with parallel.sequence_parallel"),
+    ([*CP, "parallel.tp=2", "train.precision=fp16-mixed"], (0, 4, 0), "parallel.tp=2 does not combine with train.precision"),
+    ([*CP, "parallel.tp=4"], (0, 8, 0), "parallel.tp=4 does not combine with model.n_kv_heads: fewer KV heads than ranks"),
     ([*CP, "train.pipeline_stages=2"], (0, 4, 0), "does not combine with train.pipeline_stages"),
     ([*CP, "model.dropout=0.1"], (0, 2, 0), "does not combine with model.dropout"),
     ([*CP, "model.sliding_window=8"], (0, 2, 0), "does not combine with model.sliding_window"),
-    ([*CP, "train.recompute=selective"], (0, 2, 0), "the ring in backward"),
-    ([*CP, "train.compile=true"], (0, 2, 0), "does not combine with train.compile"),
-    ([*CP, "train.precision=fp16-mixed"], (0, 2, 0), "does not combine with train.precision"),
     ([*CP, "train.loss_chunk_tokens=64"], (0, 2, 0), "does not combine with train.loss_chunk_tokens"),
-    ([*CP, "finetune.lora_rank=4"], (0, 2, 0), "does not combine with finetune.lora_rank"),
     (["parallel.cp=2", "train.parallel=ddp"], (0, 2, 0), "set train.sample_tokens=0"),
     ([*CP, "train.seq_len=3"], (0, 2, 0), "(lengths that are not a multiple are padded): use train.seq_len >= 4"),
 ])
@@ -183,6 +196,15 @@ def test_launch_accepts_cp_times_dp_at_a_length_that_is_padded():
     from lmforge.parallel.launch import check_launch
     cfg = make_config("tiny", overrides=[*CP, "train.seq_len=29"])
     assert check_launch(cfg, (3, 4, 3), cuda_devices=0) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("extra", [["train.recompute=selective"], ["train.recompute=full"], ["train.compile=true"],
+                                   ["train.precision=fp16-mixed"], ["train.precision=bf16-pure"],
+                                   ["train.precision=fp8"], ["finetune.lora_rank=4"], ["parallel.tp=2"]])
+def test_launch_accepts_what_the_cp_compose_dist_tests_train(extra):
+    from lmforge.parallel.launch import check_launch  # tests/test_cp_compose_dist.py trains each of these
+    world = 4 if "parallel.tp=2" in extra else 2
+    assert check_launch(make_config("tiny", overrides=[*CP, *extra]), (0, world, 0), cuda_devices=0) == torch.device("cpu")
 
 
 def test_dp_cp_groups_hold_the_ranks_of_one_tp_index():

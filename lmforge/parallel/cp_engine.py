@@ -11,6 +11,11 @@ plain DDP is the batch:
     `replica` / `replicas` are the dp index and the dp degree, which the loader shards by;
   - `loss_divisors` counts each replica's targets once, not cp times (its cp ranks all hold the
     whole batch before the hook cuts it).
+
+With tensor parallelism inside (tp x cp: the mesh's dp x cp x tp), the dp x cp group is that of
+this rank's tp index, so each shard of a split weight is averaged with the same shard's, and
+tp_engine.py's mixin adds what tp changes: the gradient norm summed over the tp group, state by
+name with full tensors.
 """
 
 import torch
@@ -19,6 +24,7 @@ from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.ddp import DDPEngine
 from lmforge.parallel.mesh import ParallelGroups
+from lmforge.parallel.tp_engine import TensorParallelMixin
 
 
 class ContextParallelDDPEngine(DDPEngine):
@@ -43,3 +49,19 @@ class ContextParallelDDPEngine(DDPEngine):
         self.comm.all_reduce(total, kind="scalar")
         *counts, total = torch.cat([counts, total[None]]).tolist()
         return [total / (self.cp * self.replicas * n) for n in counts]
+
+
+class TensorContextParallelDDPEngine(TensorParallelMixin, ContextParallelDDPEngine):
+    """ContextParallelDDPEngine of a tensor-parallel model (tp x cp): tp_engine.py's norm and state."""
+
+    def __init__(self, model, optimizer, groups: ParallelGroups, bucket_mb: float, tp_comm: Collectives):
+        self.tp_comm = tp_comm
+        super().__init__(model, optimizer, groups, bucket_mb)
+
+
+def context_parallel_engine(model, optimizer, groups: ParallelGroups, bucket_mb: float,
+                            tp_comm: Collectives | None) -> ContextParallelDDPEngine:
+    """The engine of a cp run: DDP over dp x cp, tensor-parallel too when `tp_comm` is given."""
+    if tp_comm is None:
+        return ContextParallelDDPEngine(model, optimizer, groups, bucket_mb)
+    return TensorContextParallelDDPEngine(model, optimizer, groups, bucket_mb, tp_comm)

@@ -12,7 +12,11 @@ A module swap from outside, like the other wrappers (the model file does not cha
                    all-reduce), times cp, so the ranks' losses *average* to the mean over every
                    target of the batch, however the padding and ignored targets fall across
                    ranks: each CP rank is then a data-parallel replica of its shard (torchtitan's
-                   dp_cp), and an engine that averages over dp x cp ranks reduces it unchanged
+                   dp_cp), and an engine that averages over dp x cp ranks reduces it unchanged.
+                   On a tensor-parallel model (parallel/tp.py, applied first) the summed
+                   cross-entropy is the vocabulary-parallel one (parallel/tp_loss.py): it works
+                   token by token over the tp group, so it sums this cp rank's tokens as the plain
+                   one does, and the ring runs over the cp group on each tp rank's own heads
 
 Everything else (embeddings, norms, MLPs, the head) works token by token and needs no change.
 Every CP rank holds the whole model; each computes the gradient of its loss, the ring having
@@ -39,6 +43,8 @@ from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.cp import RingTraffic, ring_attention, shard_batch, zigzag_positions
+from lmforge.parallel.tp_loss import VocabParallelHeadLoss
+from lmforge.parallel.tp_ops import copy_to_region
 
 
 class RingAttentionCore(nn.Module):
@@ -91,21 +97,34 @@ class ShardPositionEmbedding(nn.Module):
                                            indices.device), self.weight)
 
 
-class ContextParallelLoss(nn.Module):
-    """HeadLoss's replacement: cp x the sum of this rank's cross-entropies / the group's target count."""
-
-    def __init__(self, collectives: Collectives):
-        super().__init__()
-        self.collectives = collectives
+class SummedHeadLoss(nn.Module):
+    """HeadLoss summed instead of averaged: model/transformer.py's cross_entropy_loss (fp32 log-softmax)."""
 
     def forward(self, x, norm, lm_head, targets):
         logits = lm_head(norm(x))
-        # model/transformer.py's cross_entropy_loss, summed instead of averaged (fp32 log-softmax)
-        total = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
-                                targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        count = (targets != IGNORE_INDEX).sum().to(torch.float32)
-        self.collectives.all_reduce(count, kind="scalar")
-        return total * self.collectives.world / count.clamp(min=1.0)
+        return F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                               targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class ContextParallelLoss(nn.Module):
+    """HeadLoss's replacement: cp x the sum of this rank's cross-entropies / the group's target count.
+    `summed` gives the sum: SummedHeadLoss, or a vocabulary-parallel one under tensor parallelism."""
+
+    def __init__(self, collectives: Collectives, summed: nn.Module):
+        super().__init__()
+        self.collectives, self.summed = collectives, summed
+
+    def forward(self, x, norm, lm_head, targets):
+        total = self.summed(x, norm, lm_head, targets)
+        return total * self.collectives.world / group_target_count(targets, self.collectives).clamp(min=1.0)
+
+
+@torch.compiler.disable  # eager under train.compile: Collectives' call counters, traced, would be guards
+def group_target_count(targets: torch.Tensor, collectives: Collectives) -> torch.Tensor:  # that recompile each step
+    """The targets (not IGNORE_INDEX) of the whole cp group's shards: one all-reduce of one number."""
+    count = (targets != IGNORE_INDEX).sum().to(torch.float32)
+    collectives.all_reduce(count, kind="scalar")
+    return count
 
 
 @dataclass
@@ -165,5 +184,14 @@ def apply_context_parallel(model: nn.Module, group) -> ContextParallel:
         model.rope = ShardRotaryTables(model.rope, cp_state.cp, cp_state.rank)
     if model.pos_embeddings is not None:
         model.pos_embeddings = ShardPositionEmbedding(model.pos_embeddings, cp_state.cp, cp_state.rank)
-    model.loss = ContextParallelLoss(cp_state.collectives)
+    model.loss = ContextParallelLoss(cp_state.collectives, _summed_loss(model.loss))
     return cp_state
+
+
+def _summed_loss(loss: nn.Module) -> nn.Module:
+    """The summed form of the model's head loss: vocabulary-parallel (tp x cp) or plain."""
+    if isinstance(loss, VocabParallelHeadLoss):
+        if loss.enter is not copy_to_region:  # parallel/launch.py refuses it first
+            raise LmforgeError("context parallelism with parallel.sequence_parallel=true is not written")
+        return VocabParallelHeadLoss(loss.comm, loss.vocab_start, reduction="sum")
+    return SummedHeadLoss()

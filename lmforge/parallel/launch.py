@@ -189,19 +189,14 @@ def _check_tensor_parallel(cfg, env) -> None:
 
 # what context parallelism (parallel/cp_model.py) is not combined with yet, and why: setting -> (refused when, why)
 CP_REFUSED = {
-    "parallel.tp": (lambda c: c.parallel.tp > 1, "tp x cp needs a loss both vocabulary- and sequence-parallel "
-                                                 "(not written): use one of them"),
+    "parallel.sequence_parallel": (lambda c: c.parallel.sequence_parallel,
+                                   "sequence parallelism would cut each cp shard again over the tp ranks (not written)"),
     "train.pipeline_stages": (lambda c: c.train.pipeline_stages > 1, "pipelines of context-parallel stages are not wired"),
     "model.dropout": (lambda c: c.model.dropout > 0, "ring attention has no dropout, and per-rank masks would not "
                                                      "match one process's: set model.dropout=0"),
     "model.sliding_window": (lambda c: c.model.sliding_window is not None, "the ring's masks are the causal ones"),
-    "train.recompute": (lambda c: c.train.recompute != "none", "recomputation would rerun the ring in backward; untested"),
-    "train.compile": (lambda c: c.train.compile, "torch.compile of the ring's point-to-point sends is untested"),
-    "train.precision": (lambda c: c.train.precision in ("fp16-mixed", "fp8"),
-                        "fp16's loss scaler and fp8's swapped linears are untested with it: use fp32 or bf16"),
     "train.loss_chunk_tokens": (lambda c: c.train.loss_chunk_tokens > 0,
                                 "the chunked loss would replace the group's loss (each rank already holds 1/cp of the logits)"),
-    "finetune.lora_rank": (lambda c: c.finetune.lora_rank is not None, "LoRA under context parallelism is untested"),
     "train.sample_tokens": (lambda c: c.train.sample_tokens > 0,
                             "generation needs a KV cache, which the ring does not keep: set train.sample_tokens=0"),
 }
@@ -224,6 +219,8 @@ def _check_context_parallel(cfg, env) -> None:
     for setting, (refused, why) in CP_REFUSED.items():
         if refused(cfg):
             raise LmforgeError(f"parallel.cp={cp} does not combine with {setting}: {why}")
+    if cfg.parallel.tp > 1:  # tp x cp: what tensor parallelism refuses, it refuses here too
+        _check_tensor_parallel(cfg, env)
     if cfg.seq_len < 2 * cp:
         raise LmforgeError(f"parallel.cp={cp} cuts train.seq_len={cfg.seq_len} into 2 x cp = {2 * cp} chunks "
                            f"(lengths that are not a multiple are padded): use train.seq_len >= {2 * cp}")

@@ -38,12 +38,14 @@ class Layout:
     stages: int = 1
     ranks: int = 1
     tp: int = 1  # parallel.tp: ranks per tensor-parallel group
+    cp: int = 1  # parallel.cp: ranks per context-parallel group (no end-of-run sample: launch.py's CP_REFUSED)
 
     @property
     def overrides(self) -> list[str]:
         piped = [f"train.pipeline_stages={self.stages}", f"train.micro_batches={self.stages}"] if self.stages > 1 else []
         tensor = [f"parallel.tp={self.tp}"] if self.tp > 1 else []
-        return [f"train.parallel={self.parallel}", *piped, *tensor]
+        context = [f"parallel.cp={self.cp}", "train.sample_tokens=0"] if self.cp > 1 else []
+        return [f"train.parallel={self.parallel}", *piped, *tensor, *context]
 
     @property
     def env(self) -> tuple[int, int, int] | None:
@@ -54,12 +56,15 @@ class Layout:
 def layouts() -> list[Layout]:
     """One process, each strategy on 2 ranks, a 2-stage pipeline, and the pipeline with 2 replicas
     under each strategy (4 ranks): every strategy modes/parallel.py names, with and without stages;
-    tensor parallelism on 2 ranks, and 2 of them as replicas under each strategy (4 ranks)."""
+    tensor parallelism on 2 ranks, and 2 of them as replicas under each strategy (4 ranks); context
+    parallelism on 2 ranks, 2 of them as ddp replicas, and tp=2 x cp=2 (4 ranks each)."""
     strategies = [name for name in PARALLEL_STRATEGIES if name != "none"]
     return ([Layout("one process", "none")] + [Layout(s, s, 1, 2) for s in strategies]
             + [Layout("pipeline", "none", STAGES, STAGES)]
             + [Layout(f"pipeline x {s}", s, STAGES, 2 * STAGES) for s in strategies]
-            + [Layout("tp", "none", 1, 2, tp=2)] + [Layout(f"tp x {s}", s, 1, 4, tp=2) for s in strategies])
+            + [Layout("tp", "none", 1, 2, tp=2)] + [Layout(f"tp x {s}", s, 1, 4, tp=2) for s in strategies]
+            + [Layout("cp", "ddp", 1, 2, cp=2), Layout("cp x ddp", "ddp", 1, 4, cp=2),
+               Layout("tp x cp", "ddp", 1, 4, tp=2, cp=2)])
 
 
 LAYOUTS = {layout.name: layout for layout in layouts()}
@@ -109,6 +114,7 @@ TPC = "tests/test_tp_compose_dist.py::"
 TPZ = "tests/test_tp_zero_dist.py::"
 TP_SHARDED = ("tp x zero1", "tp x zero2", "tp x zero3", "tp x fsdp")
 TPR = "tests/test_tp_resume_dist.py::"
+CPC = "tests/test_cp_compose_dist.py::"
 PIPELINES = ("pipeline", "pipeline x ddp", "pipeline x zero1")
 ALL_KINDS = tuple(KINDS)
 COVERAGE = (
@@ -193,6 +199,18 @@ COVERAGE = (
             extra="checkpoint + resume"),
     Covered(TPZ + "test_lmforge_train_tp2_zero2_on_4_ranks_resumes_exactly", ("tp x zero2",), ("fp32",),
             extra="checkpoint + resume"),
+    # context parallelism (tests/test_cp_compose_dist.py: LoRA cells as tp's, on the model's own initialisation)
+    Covered("tests/test_cp_train_dist.py::test_cp2_engine_trains_as_one_process", ("cp", "cp x ddp"), ("fp32",)),
+    Covered("tests/test_cp_train_dist.py::test_lmforge_train_cp2_trains_checkpoints_and_resumes_as_one_process",
+            ("cp",), ("fp32",), extra="checkpoint + resume"),
+    Covered(CPC + "test_cp2_composes_and_trains_as_one_process", ("cp",), MIXED),
+    Covered(CPC + "test_cp2_composes_and_trains_as_one_process", ("cp x ddp",), ("fp16-mixed",)),
+    Covered(CPC + "test_cp2_composes_and_trains_as_one_process", ("cp", "cp x ddp"), ("fp32",), ("LoRA",)),
+    *(Covered(CPC + "test_cp2_composes_and_trains_as_one_process", ("cp",), ("fp32",), extra=extra)
+      for extra in EXTRAS if extra.startswith("recompute=")),
+    Covered(CPC + "test_cp2_compiled_trains_as_one_process_compiled", ("cp",), ("fp32",), extra="compiled"),
+    Covered(CPC + "test_tp2_times_cp2_trains_as_one_process", ("tp x cp",), ("fp32", "bf16-mixed")),
+    Covered(CPC + "test_tp2_times_cp2_trains_as_one_process", ("tp x cp",), ("fp32",), ("LoRA",)),
 )
 
 

@@ -25,9 +25,10 @@ from lmforge.parallel.tp_ops import TP_KIND, copy_to_region, gather_sequence, li
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, comm: Collectives,
-                                 vocab_start: int) -> torch.Tensor:
+                                 vocab_start: int, reduction: str = "mean") -> torch.Tensor:
     """Mean cross-entropy over the targets that are not IGNORE_INDEX (what model/transformer.py's
-    cross_entropy_loss gives for the gathered logits), from this rank's (..., V/tp) logits."""
+    cross_entropy_loss gives for the gathered logits), from this rank's (..., V/tp) logits;
+    reduction="sum": their sum (context parallelism divides by its whole group's count)."""
     logits = local_logits.flatten(0, -2).to(torch.promote_types(local_logits.dtype, torch.float32))
     targets = targets.flatten()
     with torch.no_grad():
@@ -41,7 +42,8 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     sum_exp = reduce_from_region(shifted.exp().sum(dim=-1), comm)
     per_token = sum_exp.log() - target_logit
     counted = targets != IGNORE_INDEX
-    return torch.where(counted, per_token, 0.0).sum() / counted.sum()
+    total = torch.where(counted, per_token, 0.0).sum()
+    return total if reduction == "sum" else total / counted.sum()
 
 
 class VocabParallelHeadLoss(nn.Module):
@@ -50,15 +52,15 @@ class VocabParallelHeadLoss(nn.Module):
     above. Parameter-free, as HeadLoss, so swapping it renames nothing. With sequence
     parallelism x holds this rank's tokens: the normalised ones are gathered on the way in."""
 
-    def __init__(self, comm: Collectives, vocab_start: int, sequence_parallel: bool = False):
+    def __init__(self, comm: Collectives, vocab_start: int, sequence_parallel: bool = False, reduction: str = "mean"):
         super().__init__()
-        self.comm, self.vocab_start = comm, vocab_start
+        self.comm, self.vocab_start, self.reduction = comm, vocab_start, reduction
         self.enter = gather_sequence if sequence_parallel else copy_to_region
         self.matmul = linear_on_gathered if sequence_parallel else F.linear  # keeps the shard (tp_ops.py)
 
     def forward(self, x: torch.Tensor, norm: nn.Module, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
         local_logits = self.matmul(self.enter(norm(x), self.comm), lm_head.weight, lm_head.bias)
-        return vocab_parallel_cross_entropy(local_logits, targets, self.comm, self.vocab_start)
+        return vocab_parallel_cross_entropy(local_logits, targets, self.comm, self.vocab_start, self.reduction)
 
     def extra_repr(self) -> str:
-        return f"vocab_start={self.vocab_start}, tp={self.comm.world}"
+        return f"vocab_start={self.vocab_start}, tp={self.comm.world}, reduction={self.reduction}"

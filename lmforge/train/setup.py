@@ -11,7 +11,9 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
     1c. context   with parallel.cp > 1: each attention core swapped for ring attention over the cp
                   group, positions for the shard's, the loss for the group's, and a forward
                   pre-hook that cuts each whole batch to this rank's zig-zag shard
-                  (parallel/cp_model.py); the engine is DDP over the dp x cp ranks (cp_engine.py)
+                  (parallel/cp_model.py); the engine is DDP over the dp x cp ranks (cp_engine.py).
+                  After 1b on a tensor-parallel model: the ring runs on each tp rank's heads and
+                  the group's loss sums the vocabulary-parallel cross-entropy (tp x cp)
     2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
                   (precision/policy.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
@@ -69,7 +71,7 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.build import make_optimizer, param_groups
 from lmforge.modes.precision import Policy, get_policy
 from lmforge.parallel.comm import Collectives
-from lmforge.parallel.cp_engine import ContextParallelDDPEngine
+from lmforge.parallel.cp_engine import context_parallel_engine
 from lmforge.parallel.cp_model import apply_context_parallel
 from lmforge.parallel.mesh import build_groups
 from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine, require_process_group
@@ -151,10 +153,10 @@ def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu"
         require_process_group(f"parallel.tp={cfg.parallel.tp} parallel.cp={cfg.parallel.cp}")
         groups = build_groups(cfg.parallel.tp, device, cfg.parallel.cp)
         tp_comm = Collectives(groups.tp_group) if cfg.parallel.tp > 1 else None
-    if cfg.parallel.cp > 1:  # DDP over the dp x cp ranks (parallel/cp_engine.py); tp x cp is refused at launch
-        model = build_model(cfg, policy, device, base_state, cp_group=groups.cp_group)
-        return ContextParallelDDPEngine(model, make_optimizer(cfg, policy, param_groups(cfg, model)), groups,
-                                        cfg.train.bucket_mb)
+    if cfg.parallel.cp > 1:  # DDP over the dp x cp ranks (parallel/cp_engine.py), tensor-parallel inside with tp > 1
+        model = build_model(cfg, policy, device, base_state, tp_comm=tp_comm, cp_group=groups.cp_group)
+        return context_parallel_engine(model, make_optimizer(cfg, policy, param_groups(cfg, model)), groups,
+                                       cfg.train.bucket_mb, tp_comm)
     return parallelize(build_model(cfg, policy, device, base_state, tp_comm=tp_comm), cfg, policy,
                        make_optimizer=lambda groups: make_optimizer(cfg, policy, groups),
                        weight_decay_groups=lambda model: param_groups(cfg, model),
