@@ -83,12 +83,9 @@ def assert_cell(name: str, overrides: list[str], case: dict) -> None:
                                              recompute=cfg.train.recompute, tp=cfg.parallel.tp)
     assert case["traffic"] == {k: case["steps"] * v for k, v in per_micro_batch.items()}, name
     # every cp rank holds the whole model (tp x cp: its tp slice) as ddp (tp x ddp) does: the plan's
-    # bytes. Not for LoRA under tp: model_state_bytes divides the adapters by tp evenly, while
-    # parallel/tp_lora.py keeps one factor of each whole (measured 37,888 bytes against 27,648: a
-    # tp planning gap (the formula tp x ddp is planned with too), not a cp one)
-    if "LoRA" in name and cfg.parallel.tp > 1:
-        return
-    lora = lora_parameters(cfg.model, cfg.finetune.lora_rank, cfg.finetune.lora_targets) if "LoRA" in name else None
+    # bytes (LoRA under tp: the adapters one tensor rank holds, as tp_lora.py splits them)
+    lora = (lora_parameters(cfg.model, cfg.finetune.lora_rank, cfg.finetune.lora_targets, tp=cfg.parallel.tp)
+            if "LoRA" in name else None)
     plan = model_state_bytes(cfg.model, get_policy(cfg.train.precision), tp=cfg.parallel.tp, lora_trainable=lora)
     assert {k: case["held"][k] for k in plan} == plan, name
 
