@@ -25,15 +25,12 @@ import torch
 
 from lmforge.accounting.hardware import _measured, device_name
 from lmforge.accounting.roofline import Roof
-from lmforge.accounting.roofline_measure import DTYPES, MATMUL_DIMS, _best_rate
+from lmforge.accounting.roofline_measure import DTYPES, MATMUL_DIMS, MINIMAL, _best_rate
 from lmforge.accounting.roofline_trace import dispatched_calls
-from lmforge.config import ModelConfig
 from lmforge.generate.sampling import KVCache, sample_next
 from lmforge.model.transformer import Transformer
 
 GEMV_ROWS = (1, 8)  # rows of a decode step's matmuls: batch 1 and batch 8
-# a model whose decode step is all fixed cost: every tensor a few hundred bytes
-MINIMAL = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=32)
 MINIMAL_CONTEXT = 16
 
 
