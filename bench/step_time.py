@@ -68,16 +68,18 @@ def build(model: str, precision: str, batch: int, seq_len: int | None, extra: tu
     return cfg, step
 
 
-def measure(step, steps: int, warmup: int) -> float:
-    """Median seconds of `steps` optimizer steps after `warmup` untimed ones."""
+def measure(step, steps: int, warmup: int, at_least: float = 2.0) -> tuple[float, int]:
+    """(median seconds, steps timed): `steps` optimizer steps after `warmup` untimed ones, more while
+    the timed ones sum to less than `at_least` seconds (a 10 ms step: a median of 200, not of 5;
+    under torchrun 0, so that every rank runs the same steps)."""
     for _ in range(warmup):
         step()
     times = []
-    for _ in range(steps):
+    while len(times) < steps or sum(times) < at_least:
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], len(times)
 
 
 # Kernels the trace records as one call whatever they run inside (the zero-fill of NLL's
@@ -139,11 +141,11 @@ def main() -> None:
             name, peak, memory = this_device(setup.policy.matmul_dtype, device)
             plan = make_plan(cfg.model, setup, (name, peak, memory), roof)
             predicted = plan["roofline"]
-            measured = measure(step, args.steps, args.warmup)
+            measured, timed = measure(step, args.steps, args.warmup)
             ratio = predicted["seconds_per_step"] / measured
             print(f"\n{model} {precision} batch {args.batch_size} x seq {cfg.seq_len}: predicted "
                   f"{predicted['seconds_per_step'] * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of "
-                  f"{args.steps}), predicted/measured {ratio:.3f}")
+                  f"{timed}), predicted/measured {ratio:.3f}")
             kernels = profiled(step, args.steps)
             print(f"  {'class':<20}{'predicted ms':>14}{'profiled ms':>14}{'ratio':>8}")
             for cls in [*predicted["classes"], "other"]:

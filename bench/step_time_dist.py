@@ -61,7 +61,7 @@ def timed(model: str, args, strategy: str) -> tuple:
 
     cfg, step = build(model, args.precision, args.batch_size, None, (f"train.parallel={strategy}",))
     dist.barrier()
-    return cfg, measure(step, args.steps, args.warmup)
+    return cfg, measure(step, args.steps, args.warmup, at_least=0)[0]
 
 
 def main() -> None:
