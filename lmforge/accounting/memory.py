@@ -91,7 +91,8 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
     `parameter_shapes`: the parameters this device holds, default the whole model; a pipeline
     stage holds its own (accounting/pipeline.py). Tensor parallelism (tp) splits the weights
     themselves: a tensor rank holds the shapes parallel/tp.py gives it (shapes.py's
-    tensor_rank_shapes: the split matrices divided by tp, norm gains and row-parallel biases
+    tensor_rank_shapes: the split matrices divided by tp (k and v by their KV heads where tp
+    is a multiple of them: replicated KV heads), norm gains and row-parallel biases
     whole), so do its gradients and optimizer states; a pipeline stage's shapes are divided by
     tp evenly. `lora_trainable`: the adapter parameters one device holds (lora_parameters with tp). ZeRO's and FSDP's padding to a multiple of dp is not counted
     (none where each unit or dimension divides evenly). `hidden_matrices`: a stage's Muon elements.
