@@ -39,6 +39,7 @@ RUNS = {  # 4 ranks: tp=4 is one replica (2 copies of each KV head); tp=2 of one
     "mqa tp2 x ddp": ["parallel.tp=2", MQA],
     "mqa tp2 x zero1": ["parallel.tp=2", MQA, "train.parallel=zero1"],
     "mqa tp2 x zero2@bf16": ["parallel.tp=2", MQA, "train.parallel=zero2", "train.precision=bf16-mixed"],
+    "mqa tp2 x zero3": ["parallel.tp=2", MQA, "train.parallel=zero3"],
 }
 
 
@@ -75,11 +76,12 @@ def test_plan_equals_measured_per_rank(four_ranks, run):
 
 def test_zero_replicas_of_replicated_kv_heads_train_as_ddp_replicas(four_ranks):
     """ZeRO keeps the module's parameters, so tp.py's hooks sum the copies' gradients before it
-    shards them: after one update the next loss is DDP's (fp32: the same arithmetic, as in
+    shards them (ZeRO-3 too: it gathers into the same parameters): after one update the next loss is DDP's (fp32: the same arithmetic, as in
     tests/test_tp_zero_dist.py; 1e-6 relative, where an unsummed copy moves it by ~lr). DDP's
     replicas against one process: tests/test_tp_replicated_kv_dist.py."""
-    for ddp, zero in zip(four_ranks["mqa tp2 x ddp"], four_ranks["mqa tp2 x zero1"]):
-        assert zero["next_loss"] == pytest.approx(ddp["next_loss"], rel=1e-6)
+    for stage in ("zero1", "zero3"):
+        for ddp, zero in zip(four_ranks["mqa tp2 x ddp"], four_ranks[f"mqa tp2 x {stage}"]):
+            assert zero["next_loss"] == pytest.approx(ddp["next_loss"], rel=1e-6), stage
 
 
 @pytest.mark.slow

@@ -39,7 +39,8 @@ into n_kv_heads slices and rank r keeps slice r // (tp / n_kv_heads). Each copy'
 its own rank's query heads only, so the copies' gradients are summed (`_sum_over_copies`); f already
 sums the input gradient over every rank, which counts each copy's share once. The plan counts its
 shapes, saved k and v and the copies' all-reduce (accounting/shapes.py, memory.py, comm.py);
-`lmforge train` refuses it under FSDP2 only (parallel/launch.py), whose new parameters drop the hook.
+`lmforge train` refuses it under FSDP2 (its new parameters drop the hook) and with context
+parallelism (untested) only (parallel/launch.py).
 
 `apply_tensor_parallel` is a module swap applied from outside (train/setup.py, step 1b): each
 parallel module is built from the nn.Linear or nn.Embedding it replaces, keeping its slice of the
