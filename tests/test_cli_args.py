@@ -69,10 +69,11 @@ print("torch loaded:", "torch" in sys.modules)
 
 
 def test_plan_tp_must_divide_the_heads(tmp_path):
-    result = lmforge("plan", "--model", "llama3-8b", "--tp", "16", "--hardware", "h100-sxm", cwd=tmp_path)
+    result = lmforge("plan", "--model", "llama3-8b", "--tp", "12", "--hardware", "h100-sxm", cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.strip() == ("lmforge: error: tp 16 must divide the 32 attention heads and 8 KV heads "
-                                     "(each rank holds whole heads): use one of 1, 2, 4, 8")
+    assert result.stderr.strip() == ("lmforge: error: tp 12 must divide the 32 attention heads and divide the 8 KV "
+                                     "heads or be a multiple of them (each rank holds whole heads): use one of "
+                                     "1, 2, 4, 8, 16, 32")
     assert lmforge("plan", "--model", "llama3-8b", "--tp", "8", "--hardware", "h100-sxm").returncode == 0
 
 

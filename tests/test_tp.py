@@ -77,7 +77,8 @@ def test_apply_keeps_names_splits_shapes_and_refuses_twice():
     (["parallel.tp=2"], (0, 4, 0), "2 replicas x parallel.tp=2: the replicas share their gradients by "
                                    "train.parallel=ddp"),
     (["parallel.tp=2", "train.parallel=zero2", "optim.name=muon"], (0, 4, 0), "muon does not combine with parallel.tp=2"),
-    (["parallel.tp=4"], (0, 4, 0), "does not combine with model.n_kv_heads: fewer KV heads than ranks are replicated"),
+    (["parallel.tp=4", "train.parallel=fsdp"], (0, 8, 0),
+     "does not combine with model.n_kv_heads: fewer KV heads than ranks are replicated .* FSDP2"),
     (["parallel.tp=3", "model.n_heads=6", "model.n_kv_heads=2", "model.d_model=48"], (0, 3, 0),
      r"must divide the KV heads \(model.n_kv_heads\) = 2 or be a multiple of them"),
     (["parallel.tp=2", "model.vocab_size=511"], (0, 2, 0), "must divide model.vocab_size = 511"),
@@ -106,6 +107,11 @@ def test_launches_accepted():
     assert check_launch(make_config("tiny", overrides=[*base, "train.parallel=ddp"]), (3, 4, 3), 0).type == "cpu"
     for strategy in ("zero1", "zero2", "zero3", "fsdp"):  # sharded replicas (parallel/tp_engine.py)
         assert check_launch(make_config("tiny", overrides=[*base, f"train.parallel={strategy}"]), (3, 4, 3), 0).type == "cpu"
+    # fewer KV heads than ranks (tiny: 2), replicated: alone, or replicas by ddp or ZeRO (not FSDP2: refused)
+    kv = ["train.device=cpu", "train.sample_tokens=0", "parallel.tp=4"]
+    assert check_launch(make_config("tiny", overrides=kv), (1, 4, 1), 0).type == "cpu"
+    for strategy in ("ddp", "zero1", "zero2", "zero3"):
+        assert check_launch(make_config("tiny", overrides=[*kv, f"train.parallel={strategy}"]), (3, 8, 3), 0).type == "cpu"
 
 
 def test_parallel_tp_must_be_positive():

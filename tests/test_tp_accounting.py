@@ -3,6 +3,8 @@ group: building the shards runs no collective), for every architecture tp takes:
 own rule of what is split (accounting/shapes.py TP_SPLIT) must be the module swap's. The bytes
 measured with real processes: tests/test_tp_accounting_dist.py."""
 
+import dataclasses
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +31,34 @@ def test_tensor_rank_shapes_are_those_tp_builds(arch):
     assert shapes.tensor_rank_shapes(2) == tuple(tuple(p.shape) for p in params)
     assert shapes.tp_dims == tuple(sharded_dim(p) for p in params)
     assert model_state_bytes(cfg, tp=2)["parameters"] == sum(p.nbytes for p in params)
+
+
+@pytest.mark.parametrize("overrides,tp", [([], 4), (["model.n_kv_heads=1"], 2),
+                                         (["model.n_kv_heads=1", "model.qkv_bias=true", "model.qk_norm=true"], 4)],
+                         ids=["tp4 of 2 KV heads", "tp2 of 1", "tp4 of 1, biases, QK-norm"])
+def test_replicated_kv_heads_shapes_are_those_tp_builds(overrides, tp):
+    """Fewer KV heads than ranks: every rank's shapes (k and v: one KV head's rows) and bytes."""
+    cfg = make_config("tiny", overrides=overrides).model
+    for rank in range(tp):
+        model = apply_tensor_parallel(Transformer(cfg), SimpleNamespace(rank=rank, world=tp))
+        params = list(dict.fromkeys(model.parameters()))
+        assert model_shapes(cfg).tensor_rank_shapes(tp) == tuple(tuple(p.shape) for p in params)
+        assert model_state_bytes(cfg, tp=tp)["parameters"] == sum(p.nbytes for p in params)
+
+
+def test_replicated_kv_heads_are_not_the_even_split():
+    """What the even split over tp (the plan before replicated KV heads were counted) misses, tiny
+    at tp=4 (2 layers, k and v of 32 x 64, fp32): a rank holds half of k and v, not a quarter,
+    2 x 2 x 512 elements more; and the copies' all-reduce of the whole projections, twice (an
+    all-reduce), per micro-batch. tests/test_tp_replicated_kv_plan_dist.py measures both."""
+    cfg = make_config("tiny").model
+    shapes = model_shapes(cfg)
+    even = dataclasses.replace(shapes, tp_slices=())
+    held = (sum(map(math.prod, shapes.tensor_rank_shapes(4))) - sum(map(math.prod, even.tensor_rank_shapes(4))))
+    assert held == 2 * 2 * (32 * 64 // 4)
+    parts = tensor_parallel_communication(cfg, 4, 64, 4, False, grad_accum=2)["ring_bytes"]
+    assert parts["kv_copies"] == 2 * (2 * 2 * 32 * 64) * 4 * 2
+    assert "kv_copies" not in tensor_parallel_communication(cfg, 4, 64, 2, False)["ring_bytes"]
 
 
 def test_tensor_parallel_traffic_by_part():

@@ -4,6 +4,7 @@ against one process on the same global batch (tests/tp_worker.py's steps, fp32, 
 
     tiny (4 heads, 2 KV heads) at tp=4 on 4 ranks:   2 copies of each KV head
     tiny with one KV head (multi-query) at tp=2:      both ranks hold the one KV head
+    the same as 2 ddp replicas on 4 ranks
     the same with sequence parallelism
     the same with LoRA on k and v too (a replicated head's B is replicated with it)
 
@@ -60,6 +61,15 @@ def test_tp2_with_one_kv_head_trains_as_one_process(tmp_path, extra):
     reference = one_process(replicas=1, extra=[e for e in extra if not e.startswith("parallel.")])
     assert_same_training(result, reference, lr=LR)
     assert_whole_state(result, reference, [e for e in extra if not e.startswith("parallel.")])
+
+
+def test_tp2_times_ddp2_with_one_kv_head_trains_as_one_process(tmp_path):
+    """4 ranks: 2 ddp replicas of 2 tensor ranks, both holding the one KV head: the copies' sum
+    (tp group) and the replicas' average (dp group) each once."""
+    result = run_worker(tmp_path, 4, 2, "train", ["model.n_kv_heads=1"])["train"]
+    reference = one_process(replicas=2, extra=["model.n_kv_heads=1"])
+    assert_same_training(result, reference, lr=LR)
+    assert_whole_state(result, reference, ["model.n_kv_heads=1"])
 
 
 def test_lora_on_a_replicated_kv_head_trains_as_one_process(tmp_path):

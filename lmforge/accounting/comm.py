@@ -24,7 +24,7 @@ Under tensor parallelism a replica's rank holds and reduces only its tensor rank
 `tensor_parallel_communication`.
 """
 
-from lmforge.accounting.shapes import meta_model, model_shapes, tensor_parallel_dim
+from lmforge.accounting.shapes import meta_model, model_shapes, tensor_parallel_dim, tensor_parallel_slices
 from lmforge.config import ModelConfig
 from lmforge.modes.parallel import get_strategy, shard_unit
 from lmforge.modes.precision import POLICIES, Policy
@@ -127,6 +127,10 @@ def tensor_parallel_communication(cfg: ModelConfig, b: int, s: int, tp: int, seq
       gradient sums                 an all-reduce of each whole parameter a rank uses on its share
                                     only: QK-norm gains (its heads); with sequence parallelism
                                     every whole one (norms, row-parallel biases: its tokens)
+      KV copies                     with fewer KV heads than ranks, each k and v projection's
+                                    gradient all-reduced in n_kv_heads slots, zeros but this
+                                    rank's head (parallel/tp.py's _sum_over_copies): the whole
+                                    projection's elements, n_kv_heads x the one head a rank holds
 
     Ring bytes count S per all-gather or reduce-scatter and 2S per all-reduce (parallel/comm.py);
     a ring of tp ranks sends (tp-1)/tp of them."""
@@ -143,5 +147,9 @@ def tensor_parallel_communication(cfg: ModelConfig, b: int, s: int, tp: int, seq
     summed = sum(param.numel() for name, param in meta_model(cfg).named_parameters()
                  if tensor_parallel_dim(name) is None and (sequence_parallel or "_norm." in name and ".attn." in name))
     parts["gradient_sums"] = 2 * summed * p.gradient
+    if tp > cfg.kv_heads:
+        copied = sum(param.numel() for name, param in meta_model(cfg).named_parameters()
+                     if tensor_parallel_dim(name) is not None and tensor_parallel_slices(name, cfg, tp) < tp)
+        parts["kv_copies"] = 2 * copied * p.gradient
     ring = {part: grad_accum * n for part, n in parts.items()}
     return {"ring_bytes": ring, "sent_bytes": sum(ring.values()) * (tp - 1) / tp}

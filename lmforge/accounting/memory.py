@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from lmforge.accounting.activations import FAMILY_ACTIVATIONS
 from lmforge.accounting.optimizers import OPTIMIZERS, optimizer_state_bytes
-from lmforge.accounting.shapes import model_shapes
+from lmforge.accounting.shapes import model_shapes, tensor_rank_model
 from lmforge.config import ModelConfig
 from lmforge.common.errors import lookup
 from lmforge.modes.attention import BACKENDS
@@ -66,7 +66,7 @@ def lora_parameters(cfg: ModelConfig, rank: int, targets: str, tp: int = 1) -> i
     from the meta-device model with the adapters applied. With tp > 1, those one tensor rank holds
     (parallel/tp_lora.py): a column-parallel layer's B is split by its output rows and its A whole,
     a row-parallel layer's A is split by its input columns and its B whole."""
-    from lmforge.accounting.shapes import meta_model, tensor_parallel_dim
+    from lmforge.accounting.shapes import meta_model, tensor_parallel_dim, tensor_parallel_slices
     from lmforge.model.lora import apply_lora
 
     held = 0
@@ -75,7 +75,8 @@ def lora_parameters(cfg: ModelConfig, rank: int, targets: str, tp: int = 1) -> i
             continue
         layer, adapter = name.rsplit(".", 1)
         split = {0: "lora_B", 1: "lora_A"}.get(tensor_parallel_dim(f"{layer}.weight"))
-        held += param.numel() // (tp if adapter == split else 1)
+        # a replicated KV head's B is its head's rows (tp_lora.py): n_kv_heads slices, not tp
+        held += param.numel() // (tensor_parallel_slices(f"{layer}.weight", cfg, tp) if adapter == split else 1)
     return held
 
 
@@ -90,7 +91,8 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
     `parameter_shapes`: the parameters this device holds, default the whole model; a pipeline
     stage holds its own (accounting/pipeline.py). Tensor parallelism (tp) splits the weights
     themselves: a tensor rank holds the shapes parallel/tp.py gives it (shapes.py's
-    tensor_rank_shapes: the split matrices divided by tp, norm gains and row-parallel biases
+    tensor_rank_shapes: the split matrices divided by tp (k and v by their KV heads where tp
+    is a multiple of them: replicated KV heads), norm gains and row-parallel biases
     whole), so do its gradients and optimizer states; a pipeline stage's shapes are divided by
     tp evenly. `lora_trainable`: the adapter parameters one device holds (lora_parameters with tp). ZeRO's and FSDP's padding to a multiple of dp is not counted
     (none where each unit or dimension divides evenly). `hidden_matrices`: a stage's Muon elements.
@@ -255,12 +257,14 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
     the rotary tables on every stage (each keeps its own). The default is the whole model.
     Under ZeRO or FSDP, `policy` is the engine's (sharded_layout): no weight casts under autocast.
     """
-    mode, shapes = get_recompute(recompute), model_shapes(cfg)
+    # a replicated KV head's k and v, and their weights' casts (parallel/tp.py): each rank keeps its copy's
+    per_rank = tensor_rank_model(cfg, tp)
+    mode, shapes = get_recompute(recompute), model_shapes(per_rank)
     p = policy.bytes
     layers = cfg.n_layers if layers is None else layers
     family = FAMILY_ACTIVATIONS[cfg.family](cfg, b, s, policy)
     gathering = tp > 1 and sequence_parallel  # the column-parallel linears keep their input's shard
-    layer = layer_activation_breakdown(cfg, b, s, policy, attention, recompute, fp32_attention)
+    layer = layer_activation_breakdown(per_rank, b, s, policy, attention, recompute, fp32_attention)
     bs, bsd = b * s, b * s * cfg.d_model
     head_input = p.compute if policy.autocast else p.linear_input  # the LM head is never fp8
     head_weights = shapes.linear_weights["lm_head"]
@@ -290,7 +294,7 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
                           + (0 if loss_chunk_tokens or not last else head_weights * p.head_weight_copy)) / tp,
     }
     if mode.blocks:  # backward reruns one block at a time: its activations come back
-        recomputed = layer_activation_breakdown(cfg, b, s, policy, attention, fp32_attention=fp32_attention)
+        recomputed = layer_activation_breakdown(per_rank, b, s, policy, attention, fp32_attention=fp32_attention)
         result["recomputed_layer"] = split_over_tensor_ranks(
             kept_shards(recomputed, bsd, p.residual) if gathering else recomputed, tp, sequence_parallel)
     return result

@@ -42,11 +42,17 @@ class Shapes:
     # beside parameter_shapes: the dimension tensor parallelism splits each along, None if whole
     tp_dims: tuple = ()
     parameter_units: tuple = ()  # beside parameter_shapes: each one's ZeRO unit
+    # beside parameter_shapes: the most slices tensor parallelism cuts each into (a k or v
+    # projection's: its KV heads; more ranks hold copies), None where tp slices it tp ways
+    tp_slices: tuple = ()
 
     def tensor_rank_shapes(self, tp: int) -> tuple:
-        """The shapes one of tp tensor ranks holds (parallel/tp.py): split dimensions divided by tp."""
-        return tuple(shape if dim is None else (*shape[:dim], shape[dim] // tp, *shape[dim + 1:])
-                     for shape, dim in zip(self.parameter_shapes, self.tp_dims))
+        """The shapes one of tp tensor ranks holds (parallel/tp.py): split dimensions divided by
+        tp, a k or v projection's by its KV heads where tp is a multiple of them (a replicated KV
+        head: one head's rows on each of tp / n_kv_heads ranks)."""
+        slices = self.tp_slices or (None,) * len(self.parameter_shapes)
+        return tuple(shape if dim is None else (*shape[:dim], shape[dim] // min(tp, cap or tp), *shape[dim + 1:])
+                     for shape, dim, cap in zip(self.parameter_shapes, self.tp_dims, slices))
 
     def tensor_rank_unit_sizes(self, tp: int) -> dict[str, int]:
         """unit_sizes on one of tp tensor ranks."""
@@ -89,15 +95,40 @@ TP_SPLIT = {f"{layer}.{kind}": 0 for layer in ("attn.q_proj", "attn.k_proj", "at
 TP_SPLIT.update({"attn.o_proj.weight": 1, "mlp.down_proj.weight": 1, "tok_embeddings.weight": 0, "lm_head.weight": 0})
 
 
+# Split by KV heads: with tp a multiple of them, each slice (one KV head's rows) is on tp / n_kv_heads ranks
+KV_SPLIT = {f"attn.{layer}.{kind}" for layer in ("k_proj", "v_proj") for kind in ("weight", "bias")}
+
+
+def _in_block(name: str) -> str:
+    return name.split(".", 2)[2] if name.startswith("blocks.") else name
+
+
 def tensor_parallel_dim(name: str) -> int | None:
     """The dimension tensor parallelism splits the parameter `name` along; None where it stays whole."""
-    return TP_SPLIT.get(name.split(".", 2)[2] if name.startswith("blocks.") else name)
+    return TP_SPLIT.get(_in_block(name))
 
 
-def tensor_parallel_degrees(cfg: ModelConfig) -> list[int]:
-    """The tensor-parallel degrees that split attention by whole heads: those that divide the
-    query and the KV heads alike (Shoeybi et al. 2019, section 3)."""
-    return [tp for tp in range(1, cfg.kv_heads + 1) if cfg.n_heads % tp == 0 and cfg.kv_heads % tp == 0]
+def tensor_parallel_slices(name: str, cfg: ModelConfig, tp: int) -> int:
+    """How many distinct slices tp ranks hold of the split parameter `name`: tp, but a k or v
+    projection's n_kv_heads where tp is a larger multiple of them (parallel/tp.py's `copies`)."""
+    return min(tp, cfg.kv_heads) if _in_block(name) in KV_SPLIT else tp
+
+
+def tensor_parallel_degrees(cfg: ModelConfig, replicate_kv_heads: bool = True) -> list[int]:
+    """The tensor-parallel degrees that split attention by whole heads (Shoeybi et al. 2019,
+    section 3): those that divide the query heads and divide the KV heads, or are a multiple of
+    them (each KV head then held by tp / n_kv_heads ranks, as Megatron-LM replicates them:
+    parallel/tp.py). `replicate_kv_heads=False`: only those that divide the KV heads (the
+    inference plan splits its KV cache tp ways)."""
+    return [tp for tp in range(1, cfg.n_heads + 1) if cfg.n_heads % tp == 0
+            and (cfg.kv_heads % tp == 0 or (replicate_kv_heads and tp % cfg.kv_heads == 0))]
+
+
+def tensor_rank_model(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model whose even split over tp ranks gives each rank the heads parallel/tp.py gives it:
+    `cfg`, or with fewer KV heads than ranks `cfg` with tp KV heads (each rank's copy of its KV
+    head counted as its own). Attention's saved activations are counted on it (memory.py)."""
+    return cfg if tp <= cfg.kv_heads else dataclasses.replace(cfg, n_kv_heads=tp)
 
 
 def meta_model(cfg: ModelConfig, device: str = "meta"):
@@ -147,4 +178,5 @@ def _shapes(values: str) -> Shapes:
     return Shapes(parameters=model.num_params(), linear_weights=MappingProxyType(linear_weights),
                   parameter_shapes=tuple(tuple(p.shape) for _, p in named),
                   unit_sizes=MappingProxyType(units), tp_dims=tuple(tensor_parallel_dim(n) for n, _ in named),
-                  parameter_units=tuple(shard_unit(n) for n, _ in named))
+                  parameter_units=tuple(shard_unit(n) for n, _ in named),
+                  tp_slices=tuple(model.cfg.kv_heads if _in_block(n) in KV_SPLIT else None for n, _ in named))

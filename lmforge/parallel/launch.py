@@ -130,9 +130,10 @@ TP_REFUSED = {
                                                      "alike (Megatron's model-parallel RNG is not written)"),
     "model.logit_softcap": (lambda c: c.model.logit_softcap is not None,
                             "the vocabulary-parallel loss does not soft-cap the logits (parallel/tp_loss.py)"),
-    "model.n_kv_heads": (lambda c: c.model.kv_heads < c.parallel.tp and c.parallel.tp % c.model.kv_heads == 0,
-                         "fewer KV heads than ranks are replicated (parallel/tp.py, tested against one process), "
-                         "but the plan does not count their shapes and traffic yet: use parallel.tp <= n_kv_heads"),
+    "model.n_kv_heads": (lambda c: c.model.kv_heads < c.parallel.tp and (c.train.parallel == "fsdp" or c.parallel.cp > 1),
+                         "fewer KV heads than ranks are replicated (parallel/tp.py), and neither FSDP2 (its new "
+                         "parameters drop the copies' gradient sum) nor context parallelism (untested) is wired to "
+                         "them: use train.parallel=zero3 without parallel.cp, or parallel.tp <= n_kv_heads"),
     "train.sample_tokens": (lambda c: c.train.sample_tokens > 0 and c.parallel.sequence_parallel,
                             "a decoding step's one new token cannot be split along the sequence: set "
                             "train.sample_tokens=0, or parallel.sequence_parallel=false"),

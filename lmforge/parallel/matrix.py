@@ -57,14 +57,16 @@ def layouts() -> list[Layout]:
     """One process, each strategy on 2 ranks, a 2-stage pipeline, and the pipeline with 2 replicas
     under each strategy (4 ranks): every strategy modes/parallel.py names, with and without stages;
     tensor parallelism on 2 ranks, and 2 of them as replicas under each strategy (4 ranks); context
-    parallelism on 2 ranks, 2 of them as ddp replicas, and tp=2 x cp=2 (4 ranks each)."""
+    parallelism on 2 ranks, 2 of them as ddp replicas, and tp=2 x cp=2 (4 ranks each); tp=4 over
+    the model's 2 KV heads (parallel/tp.py replicates each on 2 ranks)."""
     strategies = [name for name in PARALLEL_STRATEGIES if name != "none"]
     return ([Layout("one process", "none")] + [Layout(s, s, 1, 2) for s in strategies]
             + [Layout("pipeline", "none", STAGES, STAGES)]
             + [Layout(f"pipeline x {s}", s, STAGES, 2 * STAGES) for s in strategies]
             + [Layout("tp", "none", 1, 2, tp=2)] + [Layout(f"tp x {s}", s, 1, 4, tp=2) for s in strategies]
             + [Layout("cp", "ddp", 1, 2, cp=2), Layout("cp x ddp", "ddp", 1, 4, cp=2),
-               Layout("tp x cp", "ddp", 1, 4, tp=2, cp=2)])
+               Layout("tp x cp", "ddp", 1, 4, tp=2, cp=2)]
+            + [Layout("tp=4, KV heads replicated", "none", 1, 4, tp=4)])  # tiny's 2 KV heads, each on 2 ranks
 
 
 LAYOUTS = {layout.name: layout for layout in layouts()}
@@ -211,6 +213,9 @@ COVERAGE = (
     Covered(CPC + "test_cp2_compiled_trains_as_one_process_compiled", ("cp",), ("fp32",), extra="compiled"),
     Covered(CPC + "test_tp2_times_cp2_trains_as_one_process", ("tp x cp",), ("fp32", "bf16-mixed")),
     Covered(CPC + "test_tp2_times_cp2_trains_as_one_process", ("tp x cp",), ("fp32",), ("LoRA",)),
+    # fewer KV heads than ranks (tests/test_tp_replicated_kv_plan_dist.py: their bytes as planned, bf16-mixed too)
+    Covered("tests/test_tp_replicated_kv_dist.py::test_tp4_with_2_kv_heads_trains_as_one_process",
+            ("tp=4, KV heads replicated",), ("fp32",)),
 )
 
 

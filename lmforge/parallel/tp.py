@@ -37,8 +37,10 @@ Grouped-query attention with fewer KV heads than ranks replicates each KV head o
 ranks (as Megatron-LM does): a rank's query heads all read one KV head, so k_proj and v_proj are cut
 into n_kv_heads slices and rank r keeps slice r // (tp / n_kv_heads). Each copy's gradient covers
 its own rank's query heads only, so the copies' gradients are summed (`_sum_over_copies`); f already
-sums the input gradient over every rank, which counts each copy's share once. `lmforge train` still
-refuses it (parallel/launch.py): the plan does not count its shapes and traffic yet.
+sums the input gradient over every rank, which counts each copy's share once. The plan counts its
+shapes, saved k and v and the copies' all-reduce (accounting/shapes.py, memory.py, comm.py);
+`lmforge train` refuses it under FSDP2 (its new parameters drop the hook) and with context
+parallelism (untested) only (parallel/launch.py).
 
 `apply_tensor_parallel` is a module swap applied from outside (train/setup.py, step 1b): each
 parallel module is built from the nn.Linear or nn.Embedding it replaces, keeping its slice of the
@@ -188,7 +190,7 @@ def _sum_over_copies(param: nn.Parameter, comm: Collectives, copies: int) -> Non
         slots = grad.new_zeros((comm.world // copies, *grad.shape))
         slots[slot] = grad
         comm.all_reduce(slots, kind=TP_KIND)
-        return slots[slot]
+        return slots[slot].clone()  # a view would keep every slot alive as the gradient's storage
     param.register_hook(hook)
 
 

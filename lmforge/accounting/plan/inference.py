@@ -34,7 +34,7 @@ class InferenceSetup:
         if self.reserve_bytes < 0:
             raise ValueError(f"reserve must be >= 0, got {self.reserve_bytes}")
         check_hardware(self.hardware)
-        if self.tp not in tensor_parallel_degrees(model):
+        if self.tp not in tensor_parallel_degrees(model, replicate_kv_heads=False):  # its KV cache split tp ways
             raise ValueError(f"tp {self.tp} must divide the {model.n_heads} attention heads and {model.kv_heads} "
                              f"KV heads (each rank holds whole heads)")
 

@@ -132,9 +132,9 @@ class Setup:
                     f"chunks do not divide the {model.n_layers} layers")
         if model is not None:  # tensor parallelism splits attention by whole heads
             fitting = tensor_parallel_degrees(model)
-            require(self.tp in fitting, f"tp {self.tp} must divide the {model.n_heads} attention heads and "
-                                        f"{model.kv_heads} KV heads (each rank holds whole heads): use one of "
-                                        f"{', '.join(map(str, fitting))}")
+            require(self.tp in fitting, f"tp {self.tp} must divide the {model.n_heads} attention heads and divide "
+                                        f"the {model.kv_heads} KV heads or be a multiple of them (each rank holds "
+                                        f"whole heads): use one of {', '.join(map(str, fitting))}")
 
 
 def strategy_of(setup: Setup) -> str:
