@@ -23,7 +23,7 @@ from lmforge.precision.policy import autocast
 from lmforge.train.loop import train_step
 from lmforge.train.setup import build_engine
 
-BATCH, SEQ, ACCUM = 4, 64, 2  # rows per micro-batch (every cp rank of a replica reads the same rows), tokens
+BATCH, ACCUM = 4, 2  # rows per micro-batch (every cp rank of a replica reads the same rows); tokens: train.seq_len
 
 
 def cp_config(overrides: list[str]):
@@ -33,7 +33,7 @@ def cp_config(overrides: list[str]):
 
 def batch(cfg, replica: int, step: int):
     g = torch.Generator().manual_seed(1000 * step + replica)
-    tokens = torch.randint(0, cfg.model.vocab_size, (BATCH, SEQ + 1), generator=g)
+    tokens = torch.randint(0, cfg.model.vocab_size, (BATCH, cfg.seq_len + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
