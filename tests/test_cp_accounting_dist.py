@@ -78,3 +78,24 @@ def test_tp2_times_cp2_as_planned(tmp_path):
     plan = planned(runs["tp2xcp2"], 4)
     for rank, measured in enumerate(result["tp2xcp2"]):
         assert measured == plan, rank
+
+
+@pytest.mark.slow
+def test_lmforge_train_tables_cp_memory_as_planned(tmp_path, corpus_dir, data_dir):
+    """`lmforge train` under torchrun, cp=2: the end-of-run table's model states and first
+    micro-batch's saved bytes, predicted == measured (rank 0's), and its gradient all-reduce."""
+    import json
+    import subprocess
+
+    from tests.conftest import tiny_overrides
+    from tests.test_distributed_train import env, torchrun
+
+    overrides = [*tiny_overrides(corpus_dir, data_dir, max_steps=3, eval_interval=2, checkpoint_interval=10),
+                 "train.device=cpu", "train.grad_accum=2", CP2, "train.parallel=ddp", "train.sample_tokens=0"]
+    result = subprocess.run(torchrun(2, "--model", "tiny", *overrides, "--out", "run"), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300, env=env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = json.loads((tmp_path / "run" / "summary.json").read_text())["predicted_vs_measured"]
+    for row in ("parameters_bytes", "gradients_bytes", "optimizer_states_bytes", "activations_bytes",
+                "sent_bytes_per_step"):
+        assert table[row]["measured"] == table[row]["predicted"], (row, table[row])

@@ -58,8 +58,12 @@ def context_parallel_bytes(cfg: ModelConfig, batch: int, seq_len: int, cp: int, 
 
 
 # ContextParallelLoss (parallel/cp_model.py) divides the summed loss by the group's fp32 target
-# count, which the division keeps; measured, the loss then keeps 8 bytes more than the mean loss.
-GROUP_LOSS_BYTES = 8
+# count, which the division keeps (4 bytes). The plain summed cross-entropy also keeps its fp32
+# total weight, which memory.py's one-process count leaves out (tests/test_memory.py allows those 8
+# bytes); the vocabulary-parallel sum (tp x cp) keeps no int64 count, which the mean's count has.
+GROUP_COUNT_BYTES = 4
+CROSS_ENTROPY_WEIGHT_BYTES = 4  # fp32
+MEAN_COUNT_BYTES = 8  # int64: memory.vocab_parallel_head_and_loss's last term
 
 
 def ring_activation_breakdown(cfg: ModelConfig, batch: int, seq_len: int, cp: int,
@@ -75,7 +79,7 @@ def ring_activation_breakdown(cfg: ModelConfig, batch: int, seq_len: int, cp: in
         sdpa's output is already laid out (b, n, h d) and is the tensor it keeps;
       - ShardRotaryTables gathers the cos/sin rows of the shard's positions (2 n d_head fp32)
         instead of slicing the whole tables;
-      - the group's loss keeps GROUP_LOSS_BYTES more.
+      - the group's loss keeps its fp32 target count (and the terms above GROUP_COUNT_BYTES).
 
     With tp (tp x cp, no sequence parallelism: parallel/launch.py refuses it) each rank has its
     heads' share of all that, as tensor parallelism alone gives it."""
@@ -91,5 +95,5 @@ def ring_activation_breakdown(cfg: ModelConfig, batch: int, seq_len: int, cp: in
         parts["layers"] += cfg.n_layers * copy
     if parts["rope_tables"]:
         parts["rope_tables"] = 2 * n * cfg.head_dim * 4
-    parts["head_and_loss"] += GROUP_LOSS_BYTES
+    parts["head_and_loss"] += GROUP_COUNT_BYTES + (-MEAN_COUNT_BYTES if tp > 1 else CROSS_ENTROPY_WEIGHT_BYTES)
     return parts
