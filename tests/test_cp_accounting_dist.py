@@ -27,7 +27,8 @@ WORKER = Path(__file__).parent / "cp_accounting_worker.py"
 CP2 = "parallel.cp=2"
 RUNS = {"cp2": [CP2], "cp2@bf16": [CP2, "train.precision=bf16-mixed"], "cp2+selective": [CP2, "train.recompute=selective"],
         "cp2+full": [CP2, "train.recompute=full"], "cp2@gpt": [CP2, "model.family=gpt", "model.n_kv_heads=4"],
-        "cp2@29": [CP2, "train.seq_len=29"]}
+        "cp2@29": [CP2, "train.seq_len=29"],
+        "cp2@bf16+fp32attn": [CP2, "train.precision=bf16-mixed", "train.fp32_attention=true"]}
 MACHINE = ("test", 1e12, 2**40)  # a made-up device: the memory and bytes do not depend on it
 
 
@@ -108,4 +109,5 @@ def test_lmforge_train_tables_cp_memory_as_planned(tmp_path, corpus_dir, data_di
     table = json.loads((tmp_path / "run" / "summary.json").read_text())["predicted_vs_measured"]
     for row in ("parameters_bytes", "gradients_bytes", "optimizer_states_bytes", "activations_bytes",
                 "sent_bytes_per_step"):
+        print(row, table[row])  # for docs/context-parallel.md
         assert table[row]["measured"] == table[row]["predicted"], (row, table[row])
