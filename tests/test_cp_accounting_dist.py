@@ -108,6 +108,6 @@ def test_lmforge_train_tables_cp_memory_as_planned(tmp_path, corpus_dir, data_di
     assert result.returncode == 0, result.stderr[-3000:]
     table = json.loads((tmp_path / "run" / "summary.json").read_text())["predicted_vs_measured"]
     for row in ("parameters_bytes", "gradients_bytes", "optimizer_states_bytes", "activations_bytes",
-                "sent_bytes_per_step"):
+                "sent_bytes_per_step", "cp_sent_bytes_per_step"):
         print(row, table[row])  # for docs/context-parallel.md
         assert table[row]["measured"] == table[row]["predicted"], (row, table[row])
