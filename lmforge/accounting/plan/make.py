@@ -11,13 +11,13 @@ counted in pipeline.py.
 from dataclasses import asdict, dataclass
 
 from lmforge.accounting import comm, flops, memory
-from lmforge.accounting.plan.context_parallel import (check_context_parallel, context_parallel_section, local_tokens,
-                                                      ring_bytes_per_step, shard_activations)
 from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak, check_hardware
 from lmforge.accounting.optimizers import OPTIMIZERS
 from lmforge.accounting.pipeline import stage_communication, stage_parameters
 from lmforge.accounting.roofline import datasheet_roof
 from lmforge.accounting.roofline_ops import predict_step
+from lmforge.accounting.plan.context_parallel import (check_context_parallel, context_parallel_section, local_tokens,
+                                                      ring_bytes_per_step, shard_activations)
 from lmforge.accounting.plan.pipeline import pipeline_plan
 from lmforge.accounting.shapes import model_shapes, tensor_parallel_degrees
 from lmforge.config import ModelConfig

@@ -19,7 +19,7 @@ from lmforge.modes.parallel import get_strategy
 # The options that take several comma-separated values with --compare, and the type of each value.
 LISTS = {"batch_size": int, "seq_len": int, "precision": str, "optimizer": str, "zero_stage": int, "dp": int,
          "tp": int, "cp": int, "pp": int, "recompute": str, "attention": str, "hardware": str, "weights": str, "kv_dtype": str}
-TRAINING_ONLY = ("grad_accum", "precision", "optimizer", "zero_stage", "dp", "pp", "recompute", "attention",
+TRAINING_ONLY = ("grad_accum", "precision", "optimizer", "zero_stage", "dp", "cp", "pp", "recompute", "attention",
                  "fp32_attention", "sequence_parallel", "tokens", "price_per_hour")
 INFERENCE_ONLY = ("weights", "group_size", "kv_dtype")
 MAX_TP = 8  # tensor parallelism stays inside one node's NVLink domain (Narayanan et al. 2021, section 3.3)
