@@ -79,7 +79,8 @@ def ring_activation_breakdown(cfg: ModelConfig, batch: int, seq_len: int, cp: in
         sdpa's output is already laid out (b, n, h d) and is the tensor it keeps;
       - ShardRotaryTables gathers the cos/sin rows of the shard's positions (2 n d_head fp32)
         instead of slicing the whole tables;
-      - the group's loss keeps its fp32 target count (and the terms above GROUP_COUNT_BYTES).
+      - the group's loss keeps its fp32 target count, and its summed cross-entropy differs in the
+        scalars it keeps (the constants above).
 
     With tp (tp x cp, no sequence parallelism: parallel/launch.py refuses it) each rank has its
     heads' share of all that, as tensor parallelism alone gives it."""
