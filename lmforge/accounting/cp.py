@@ -14,9 +14,15 @@ forward in backward, and with it the ring's forward: `recompute` counts those me
 backward's own are unchanged: the rerun forward keeps no state the backward ring would skip).
 The loss count and the
 gradient all-reduce across the CP group are collectives of parallel/comm.py, counted there.
+
+What a rank saves for backward (`ring_activation_breakdown`): every layer at its n tokens, as one
+process saves for a sequence of n (memory.activation_breakdown), but for what the ring does
+differently from a fused kernel; tests/test_cp_accounting_dist.py measures it to the byte.
 """
 
+from lmforge.accounting.memory import activation_breakdown
 from lmforge.config import ModelConfig
+from lmforge.modes.precision import POLICIES, Policy
 from lmforge.modes.recompute import get_recompute
 
 ACCUMULATOR_BYTES = 4  # dK/dV accumulate in fp32 whatever the activations' dtype
@@ -49,3 +55,46 @@ def context_parallel_bytes(cfg: ModelConfig, batch: int, seq_len: int, cp: int, 
     forwards = 2 if mode.blocks or mode.attention_cores else 1
     layer = {**layer, "forward": forwards * layer["forward"], "sends_forward": forwards * layer["sends_forward"]}
     return {key: cfg.n_layers * value for key, value in layer.items()}
+
+
+# ContextParallelLoss (parallel/cp_model.py) divides the summed loss by the group's fp32 target
+# count, which the division keeps (4 bytes). The plain summed cross-entropy also keeps its fp32
+# total weight, which memory.py's one-process count leaves out (tests/test_memory.py allows those 8
+# bytes); the vocabulary-parallel sum (tp x cp) keeps no int64 count, which the mean's count has.
+GROUP_COUNT_BYTES = 4
+CROSS_ENTROPY_WEIGHT_BYTES = 4  # fp32
+MEAN_COUNT_BYTES = 8  # int64: memory.vocab_parallel_head_and_loss's last term
+
+
+def ring_activation_breakdown(cfg: ModelConfig, batch: int, seq_len: int, cp: int,
+                              policy: Policy = POLICIES["fp32"], recompute: str = "none", tp: int = 1,
+                              fp32_attention: bool = False) -> dict[str, float]:
+    """Bytes one of the cp ranks saves for backward over a (batch, seq_len) micro-batch, by the
+    parts of memory.activation_breakdown at the rank's n = padded / cp tokens (two zig-zag chunks
+    of padded / 2cp). The ring (RingAttention in parallel/cp.py) keeps what a fused kernel keeps,
+    of this rank's shard only: Q, K, V, O and the fp32 log-sum-exp (no K/V of other ranks, no fp32
+    accumulator: O is cast to the inputs' dtype, dK/dV accumulate in backward). Three terms differ:
+
+      - its output is (b, h, n, d) and the output projection reads it transposed, a copy, where
+        sdpa's output is already laid out (b, n, h d) and is the tensor it keeps;
+      - ShardRotaryTables gathers the cos/sin rows of the shard's positions (2 n d_head fp32)
+        instead of slicing the whole tables;
+      - the group's loss keeps its fp32 target count, and its summed cross-entropy differs in the
+        scalars it keeps (the constants above).
+
+    With tp (tp x cp, no sequence parallelism: parallel/launch.py refuses it) each rank has its
+    heads' share of all that, as tensor parallelism alone gives it."""
+    n, mode, p = padded_length(seq_len, cp) // cp, get_recompute(recompute), policy.bytes
+    parts = activation_breakdown(cfg, batch, n, policy, "sdpa", recompute, tp, fp32_attention,
+                                 sequence_parallel=False)
+    # memory.layer_activation_breakdown's shares_kernel_output, which the ring's output never does
+    sdpa_shares = p.linear_input == p.compute and not (fp32_attention and p.compute < 4)
+    copy = batch * n * cfg.n_heads * cfg.head_dim * p.linear_input / tp if sdpa_shares else 0
+    if mode.blocks:  # the block rerun in backward holds one layer's activations again
+        parts["recomputed_layer"] += copy
+    elif not mode.attention_cores:  # a recomputed core keeps its inputs only: no output of its own
+        parts["layers"] += cfg.n_layers * copy
+    if parts["rope_tables"]:
+        parts["rope_tables"] = 2 * n * cfg.head_dim * 4
+    parts["head_and_loss"] += GROUP_COUNT_BYTES + (-MEAN_COUNT_BYTES if tp > 1 else CROSS_ENTROPY_WEIGHT_BYTES)
+    return parts

@@ -198,10 +198,10 @@ def _numel(shape: tuple) -> int:
 
 def predict_step(cfg: ModelConfig, setup, roof, strategy: str) -> dict | None:
     """The roofline's prediction of one optimizer step of `setup` on `roof` (roofline.predict), or
-    None where the trace does not cover the setup yet (tensor or pipeline parallelism, LoRA, fp8)."""
+    None where the trace does not cover the setup yet (tensor, context or pipeline parallelism, LoRA, fp8)."""
     from lmforge.accounting.roofline import predict
 
-    if setup.tp > 1 or setup.pp > 1 or setup.lora_rank is not None or setup.policy.fp8:
+    if setup.tp > 1 or setup.cp > 1 or setup.pp > 1 or setup.lora_rank is not None or setup.policy.fp8:
         return None
     if roof.elementwise_ops_warm and written_bytes(cfg, setup) <= roof.cache_bytes:
         # everything the step writes fits in the cache: its operands are read warm (tiny's 27 MiB

@@ -54,6 +54,8 @@ def _add_plan_setup(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--zero-stage", metavar="LIST", help="ZeRO stage 0-3 (shards over --dp; default 0)")
     plan.add_argument("--dp", metavar="LIST", help="data-parallel degree (default 1)")
     plan.add_argument("--tp", metavar="LIST", help="tensor-parallel degree (default 1)")
+    plan.add_argument("--cp", metavar="LIST", help="context-parallel degree, parallel.cp (default 1): each rank holds "
+                                                 "seq/cp tokens, ring attention (docs/context-parallel.md)")
     plan.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                       help="with --tp: split norms and the layer input along the sequence too (default on; "
                            "Korthikanti et al. 2022 table 2 has both)")

@@ -167,6 +167,11 @@ class ContextParallel:
         model.register_forward_pre_hook(shard_inputs, with_kwargs=True)
 
 
+def ring_traffic(model: nn.Module) -> RingTraffic | None:
+    """The ring's byte counter of a model under apply_context_parallel (its cores share one), else None."""
+    return next((m.traffic for m in model.modules() if isinstance(m, RingAttentionCore)), None)
+
+
 def apply_context_parallel(model: nn.Module, group) -> ContextParallel:
     """Swap `model`'s attention cores, positions and loss for their CP versions (module docstring)."""
     cfg = model.cfg

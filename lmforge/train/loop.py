@@ -36,6 +36,7 @@ from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.modes.parallel import get_strategy
 from lmforge.modes.precision import Policy, get_policy
 from lmforge.optim.schedule import Schedule
+from lmforge.parallel.cp_model import ring_traffic
 from lmforge.parallel.parallelize import Engine
 from lmforge.parallel.pipeline.report import pipeline_report
 from lmforge.parallel.pipeline.timeline import Timeline
@@ -154,6 +155,7 @@ class Trainer:
         self.timeline = Timeline() if cfg.train.pipeline_stages > 1 else None  # what each pipeline step did, when
         self.engine = build_engine(cfg, self.policy, self.device, self.base_state, timeline=self.timeline)
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
+        self.ring = ring_traffic(self.model)  # the cp ring's sent bytes (None without cp)
         self.base_state = None  # copied into the model: let it go
         self.scaler = LossScaler(enabled=self.policy.loss_scaling)
         # sequences per optimizer step: every replica's micro-batches
@@ -205,11 +207,14 @@ class Trainer:
         cfg, state, run = self.cfg, self.state, self.measurements
         tp_comm = getattr(self.engine, "tp_comm", None)  # its training traffic only: evaluation sends too
         tp_before = tp_comm.sent_bytes("tp") if tp_comm is not None else 0.0
+        ring_before = sum(self.ring.bytes.values()) if self.ring is not None else 0
         loss_sum, grad_norm, self.step_skipped = train_step(
             self.engine, lambda: next(self.loader), cfg.train.grad_accum, Schedule.of(cfg)(state.step),
             cfg.optim.grad_clip, self.scaler, self.policy, self.device)
         if tp_comm is not None:
             run.tp_sent_bytes = (run.tp_sent_bytes or 0.0) + tp_comm.sent_bytes("tp") - tp_before
+        if self.ring is not None:
+            run.cp_sent_bytes = (run.cp_sent_bytes or 0.0) + sum(self.ring.bytes.values()) - ring_before
         if self.step_skipped:
             state.skipped_steps += 1
         elif run.lost_updates is not None:

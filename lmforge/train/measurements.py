@@ -50,6 +50,7 @@ class RunMeasurements:
     data_wait_seconds: float = 0.0  # of those, waiting for the data loader
     sent_bytes: float | None = None  # by the engine's collectives (None: it counts none, as fsdp's own)
     tp_sent_bytes: float | None = None  # by the tensor-parallel group's, in training steps (None: no tp)
+    cp_sent_bytes: float | None = None  # by the context-parallel ring, in training steps (None: no cp)
     first_step: dict = field(default_factory=dict)  # FirstStepMeasurement's bytes
     pipeline: dict | None = None  # a pipeline run's report, measured_by_stage included (parallel/pipeline/report.py)
 

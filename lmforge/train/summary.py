@@ -195,6 +195,9 @@ def predicted_vs_measured(plan: dict, run: RunMeasurements, tokens_per_s: float)
     if run.tp_sent_bytes is not None and "tensor_parallel" in plan["communication"]:
         rows["tp_sent_bytes_per_step"] = (plan["communication"]["tensor_parallel"]["sent_bytes"],
                                           run.tp_sent_bytes / max(run.state.step - run.start_step, 1))
+    if run.cp_sent_bytes is not None and "context_parallel" in plan["communication"]:
+        rows["cp_sent_bytes_per_step"] = (plan["communication"]["context_parallel"]["sent_bytes"],
+                                          run.cp_sent_bytes / max(run.state.step - run.start_step, 1))
     if "peak_allocated" in measured:  # rank 0's: in a pipeline, stage 0's
         rows["peak_memory_bytes"] = (stages[0]["total_bytes"] if stages else plan["memory"]["per_device_bytes"],
                                      measured["peak_allocated"])

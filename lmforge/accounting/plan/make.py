@@ -16,6 +16,8 @@ from lmforge.accounting.optimizers import OPTIMIZERS
 from lmforge.accounting.pipeline import stage_communication, stage_parameters
 from lmforge.accounting.roofline import datasheet_roof
 from lmforge.accounting.roofline_ops import predict_step
+from lmforge.accounting.plan.context_parallel import (check_context_parallel, context_parallel_section, local_tokens,
+                                                      ring_bytes_per_step, shard_activations)
 from lmforge.accounting.plan.pipeline import pipeline_plan
 from lmforge.accounting.shapes import model_shapes, tensor_parallel_degrees
 from lmforge.config import ModelConfig
@@ -46,7 +48,8 @@ class Setup:
     dp: int = 1  # data-parallel degree
     tp: int = 1  # tensor-parallel degree
     sequence_parallel: bool = True  # with tp: norms and dropout split along the sequence (Korthikanti et al. 2022)
-    pp: int = 1  # pipeline stages (train.pipeline_stages); devices = dp x tp x pp
+    pp: int = 1  # pipeline stages (train.pipeline_stages); devices = dp x cp x tp x pp
+    cp: int = 1  # context-parallel degree (parallel.cp): each rank holds seq/cp tokens of every row (zig-zag)
     micro_batches: int = 1  # pipeline micro-batches per optimizer step, each of batch_size sequences
     schedule: str = "1f1b"  # gpipe | 1f1b (modes/parallel.py's PIPELINE_SCHEDULES): how many are in flight
     pipeline_split: str = ""  # layers per stage, "4,4,4,4"; "": balanced by FLOPs (accounting/pipeline.py)
@@ -75,7 +78,7 @@ class Setup:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def tokens_per_step(self) -> int:
@@ -91,7 +94,8 @@ class Setup:
                       loss_chunk_tokens=cfg.train.loss_chunk_tokens, lora_rank=cfg.finetune.lora_rank,
                       lora_targets=cfg.finetune.lora_targets, pp=cfg.train.pipeline_stages,
                       micro_batches=cfg.train.micro_batches, schedule=cfg.train.schedule,
-                      pipeline_split=cfg.train.pipeline_split, virtual_stages=cfg.train.pipeline_virtual_stages)
+                      pipeline_split=cfg.train.pipeline_split, virtual_stages=cfg.train.pipeline_virtual_stages,
+                      cp=cfg.parallel.cp)
         values.update({k: v for k, v in changes.items() if v is not None})
         return cls(**values)
 
@@ -100,7 +104,7 @@ class Setup:
         def require(ok, message):
             if not ok:
                 raise ValueError(message)
-        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "micro_batches", "virtual_stages"):
+        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "micro_batches", "virtual_stages"):
             require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         get_policy(self.precision)
         lookup(OPTIMIZERS, self.optimizer, "optimizer")
@@ -130,6 +134,8 @@ class Setup:
             require(self.schedule != "interleaved-1f1b" or model.n_layers % (self.pp * self.virtual_stages) == 0,
                     f"pp {self.pp} x {self.virtual_stages} virtual stages = {self.pp * self.virtual_stages} equal "
                     f"chunks do not divide the {model.n_layers} layers")
+        if self.cp > 1:
+            check_context_parallel(self, model)
         if model is not None:  # tensor parallelism splits attention by whole heads
             fitting = tensor_parallel_degrees(model)
             require(self.tp in fitting, f"tp {self.tp} must divide the {model.n_heads} attention heads and divide "
@@ -139,6 +145,8 @@ class Setup:
 
 def strategy_of(setup: Setup) -> str:
     """The data-parallel strategy a setup names, or implies by its ZeRO stage and dp."""
+    if setup.cp > 1:  # DDP over the dp x cp ranks (parallel/cp_engine.py), also at dp 1
+        return "ddp"
     if setup.parallel != "none":
         return setup.parallel
     return f"zero{setup.zero_stage}" if setup.zero_stage else ("ddp" if setup.dp > 1 else "none")
@@ -190,6 +198,8 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
         plan["lora"] = _lora(cfg, setup, policy, cost, lora, n_params)
     if cost.pipeline is not None:
         plan["pipeline"] = cost.pipeline
+    if setup.cp > 1:
+        plan["context_parallel"] = context_parallel_section(cfg, setup, step_flops)
     if setup.hardware != "this" and datasheet_roofline:
         roof = datasheet_roof(setup.hardware, peak, ACCELERATORS[setup.hardware].memory_bandwidth)
     predicted = predict_step(cfg, setup, roof, strategy_of(setup)) if roof is not None else None
@@ -228,18 +238,26 @@ def _single_stage_cost(cfg: ModelConfig, setup: Setup, policy: Policy, lora: int
                                       lora_trainable=held_lora, fully_shard=strategy_of(setup) == "fsdp")
     # the sharding engines compute on 16-bit working weights under a mixed policy: no weight casts
     layout = memory.sharded_layout(policy, get_strategy(strategy_of(setup)).zero_stage)
-    activations = memory.activation_breakdown(cfg, b, s, layout, setup.attention, setup.recompute,
-                                              setup.tp, setup.fp32_attention, setup.loss_chunk_tokens,
-                                              setup.sequence_parallel)
+    if setup.cp > 1:  # this rank's zig-zag shard of every row (plan/context_parallel.py)
+        activations, logits = shard_activations(cfg, setup, layout)
+    else:
+        activations = memory.activation_breakdown(cfg, b, s, layout, setup.attention, setup.recompute,
+                                                  setup.tp, setup.fp32_attention, setup.loss_chunk_tokens,
+                                                  setup.sequence_parallel)
+        logits = memory.logits_bytes(cfg, b, s, policy, setup.loss_chunk_tokens) / setup.tp
     breakdown = {**states,
                  "weight_copies": activations.pop("weight_copies"),
                  "activations": sum(activations.values()),
-                 "logits": memory.logits_bytes(cfg, b, s, policy, setup.loss_chunk_tokens) / setup.tp}
-    communication = comm.step_communication(cfg, strategy_of(setup), setup.dp, policy, setup.grad_accum,
+                 "logits": logits}
+    # with cp, each cp rank is one more replica to the gradient all-reduce (parallel/cp_engine.py)
+    communication = comm.step_communication(cfg, strategy_of(setup), setup.dp * setup.cp, policy, setup.grad_accum,
                                                  lora=setup.lora, tp=setup.tp, optimizer=setup.optimizer)
-    if setup.tp > 1:  # the tensor ranks' activations, besides the replicas' gradients
+    if setup.tp > 1:  # the tensor ranks' activations (of this rank's tokens), besides the replicas' gradients
         communication["tensor_parallel"] = comm.tensor_parallel_communication(
-            cfg, b, s, setup.tp, setup.sequence_parallel, layout, setup.grad_accum)
+            cfg, b, local_tokens(s, setup.cp) if setup.cp > 1 else s, setup.tp, setup.sequence_parallel,
+            layout, setup.grad_accum)
+    if setup.cp > 1:  # the ring's K/V and dK/dV (accounting/cp.py)
+        communication["context_parallel"] = ring_bytes_per_step(cfg, setup, layout)
     return Cost(breakdown, activations, communication, step_seconds)
 
 

@@ -17,6 +17,7 @@ def print_comparison(console: Console, comparison: dict) -> None:
               "activations_bytes": "saved for backward, one micro-batch", "peak_memory_bytes": "peak memory (CUDA)",
               "sent_bytes_per_step": "sent per step per rank (collectives)",
               "tp_sent_bytes_per_step": "sent per step per rank (tensor-parallel activations)",
+              "cp_sent_bytes_per_step": "sent per step per rank (context-parallel ring)",
               "activations_in_flight_bytes": "saved for backward, peak alive at once"}
     for key, row in comparison.items():
         predicted, measured = row["predicted"], row["measured"]

@@ -18,8 +18,8 @@ from lmforge.modes.parallel import get_strategy
 
 # The options that take several comma-separated values with --compare, and the type of each value.
 LISTS = {"batch_size": int, "seq_len": int, "precision": str, "optimizer": str, "zero_stage": int, "dp": int,
-         "tp": int, "pp": int, "recompute": str, "attention": str, "hardware": str, "weights": str, "kv_dtype": str}
-TRAINING_ONLY = ("grad_accum", "precision", "optimizer", "zero_stage", "dp", "pp", "recompute", "attention",
+         "tp": int, "cp": int, "pp": int, "recompute": str, "attention": str, "hardware": str, "weights": str, "kv_dtype": str}
+TRAINING_ONLY = ("grad_accum", "precision", "optimizer", "zero_stage", "dp", "cp", "pp", "recompute", "attention",
                  "fp32_attention", "sequence_parallel", "tokens", "price_per_hour")
 INFERENCE_ONLY = ("weights", "group_size", "kv_dtype")
 MAX_TP = 8  # tensor parallelism stays inside one node's NVLink domain (Narayanan et al. 2021, section 3.3)
@@ -132,7 +132,10 @@ def _plan(cfg: Config, args, chosen: dict, machines: Machines) -> dict:
             setup.validate(cfg.model)
             machine = machines.inference(setup.weights) if setup.hardware == "this" else None
             return make_inference_plan(cfg.model, setup, machine)
-        setup = Setup.from_config(cfg, **chosen, grad_accum=args.grad_accum, sequence_parallel=args.sequence_parallel,
+        sequence_parallel = args.sequence_parallel
+        if sequence_parallel is None and chosen.get("cp", cfg.parallel.cp) > 1:
+            sequence_parallel = False  # context parallelism does not combine with it (parallel/launch.py)
+        setup = Setup.from_config(cfg, **chosen, grad_accum=args.grad_accum, sequence_parallel=sequence_parallel,
                                   fp32_attention=args.fp32_attention, mfu=args.mfu, tokens=args.tokens,
                                   price_per_hour=args.price_per_hour, reserve_bytes=args.reserve * 2**30,
                                   lora_rank=args.lora_rank, lora_targets=args.lora_targets)

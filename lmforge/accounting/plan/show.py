@@ -55,6 +55,9 @@ def head_table(plan: dict, title: str) -> Table:
              else f"accum {st['grad_accum']}")
     if st["tp"] > 1:
         parallel += ", sequence parallel" if st["sequence_parallel"] else ", no sequence parallelism"
+    cp = plan.get("context_parallel")
+    if cp:
+        parallel = f"dp {st['dp']} x cp {cp['cp']} x tp {st['tp']} = {st['devices']} device(s)"
     head = facts_table(title, [
         ("model", f"{m['family']}: {m['layers']} layers, d_model {m['d_model']}, {m['heads']} heads "
                   f"({m['kv_heads']} kv), ffn {m['ffn_dim']}, vocab {m['vocab_size']:,}"),
@@ -67,6 +70,11 @@ def head_table(plan: dict, title: str) -> Table:
          + ("; between stages: see below" if piped else "")),
         *([("sent by tensor ranks", tensor_parallel_line(plan["communication"]["tensor_parallel"]))]
           if "tensor_parallel" in plan["communication"] else []),
+        *([("context parallel", f"{cp['tokens_per_rank_per_sequence']:,} of {cp['padded_seq_len']:,} tokens of "
+                                f"each row per rank ({cp['chunks']} zig-zag chunks of {cp['chunk_tokens']:,}); ring "
+                                f"sends {human_bytes(plan['communication']['context_parallel']['sent_bytes'])} "
+                                f"per step per rank; {human_count(cp['training_flops_per_rank_per_step'])} "
+                                f"training FLOPs per step per rank")] if cp else []),
         # LoRA: no weight gradients for the frozen base (flops.lora_training_flops_per_token)
         ("training FLOPs per token", f"{human_count(f['training_per_token'])}"
                                      + (" with LoRA (full: " if "lora" in plan else " (PaLM 6N+12LHQT: ")
