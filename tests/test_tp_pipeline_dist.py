@@ -73,3 +73,14 @@ def test_each_stage_measures_its_micro_batches_in_flight(four_ranks):
         in_flight = four_ranks[schedule]["in_flight"]
         assert {stage: in_flight[0, stage]["micro_batches"] for stage in (0, 1)} == held
         assert all(in_flight[0, stage]["activation_bytes"] > 0 for stage in (0, 1))
+
+
+@pytest.mark.slow  # 8 processes on 2 shared cores
+def test_pp2_x_dp2_x_tp2_trains_as_one_process_with_ddp_and_zero1_replicas(tmp_path):
+    """8 ranks: each stage's two replicas (the dp line of the same tensor rank) average their
+    gradients (ddp) or shard its optimizer states (zero1), each on its rows of the global batch."""
+    results = run_worker(tmp_path, 8, {strategy: pipeline(2, "1f1b", M, *TP, f"train.parallel={strategy}")
+                                       for strategy in ("ddp", "zero1")})
+    reference = single_process(M, 2)
+    for strategy in ("ddp", "zero1"):
+        assert_trains_as_one_process(results[strategy], reference)
