@@ -24,13 +24,16 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_worker import STEPS  # noqa: E402
+from pipeline_worker import STEPS, config  # noqa: E402
 from test_pipeline import FOUR_LAYERS, pipeline, run_worker, single_process  # noqa: E402
+
+from lmforge.accounting.plan.make import Setup, make_plan  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
 M, LR = 2, 3e-3  # micro-batches per step (few: the CPU is shared); pipeline_worker's learning rate
-TP = ["parallel.tp=2"]
+TP, LORA = ["parallel.tp=2"], ["finetune.lora_rank=4"]
+WORKER = Path(__file__).parent / "pipeline_compose_worker.py"  # losses, norms, whole model, bytes, a resume
 
 
 def assert_trains_as_one_process(result: dict, reference: dict):
@@ -49,17 +52,22 @@ def assert_trains_as_one_process(result: dict, reference: dict):
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    """2 stages x tp 2: GPipe and 1F1B, tied and clipped (tiny's defaults), and untied on 4 layers."""
-    return run_worker(tmp_path_factory.mktemp("pptp4"), 4, {
+    """2 stages x tp 2: GPipe and 1F1B, tied and clipped (tiny's defaults), untied on 4 layers,
+    bf16-mixed, fully recomputed and LoRA."""
+    return run_worker(tmp_path_factory.mktemp("pptp4"), 4, worker=WORKER, runs={
         "gpipe": pipeline(2, "gpipe", M, *TP),
         "1f1b": pipeline(2, "1f1b", M, *TP),
         "untied": pipeline(2, "1f1b", M, *TP, *FOUR_LAYERS, "model.tie_embeddings=false"),
+        "bf16": pipeline(2, "1f1b", M, *TP, "train.precision=bf16-mixed"),
+        "recompute": pipeline(2, "gpipe", M, *TP, "train.recompute=full"),
+        "lora": pipeline(2, "1f1b", M, *TP, *LORA),
     })
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_two_tensor_parallel_stages_train_as_one_process(four_ranks, schedule):
     assert_trains_as_one_process(four_ranks[schedule], single_process(M))
+    assert four_ranks[schedule]["resumes_exactly"]  # the state by name (whole tensors) loads into a fresh engine
 
 
 def test_untied_four_layer_tensor_parallel_stages_train_as_one_process(four_ranks):
@@ -67,19 +75,32 @@ def test_untied_four_layer_tensor_parallel_stages_train_as_one_process(four_rank
                                                                       "model.tie_embeddings=false"))
 
 
-def test_each_stage_measures_its_micro_batches_in_flight(four_ranks):
-    # 1F1B holds at most p - s micro-batches on stage s, GPipe all m (pipeline/schedules.py)
-    for schedule, held in (("gpipe", {0: M, 1: M}), ("1f1b", {0: 2, 1: 1})):
-        in_flight = four_ranks[schedule]["in_flight"]
-        assert {stage: in_flight[0, stage]["micro_batches"] for stage in (0, 1)} == held
-        assert all(in_flight[0, stage]["activation_bytes"] > 0 for stage in (0, 1))
+@pytest.mark.parametrize("key, extra", [("bf16", ["train.precision=bf16-mixed"]),
+                                        ("recompute", ["train.recompute=full"]), ("lora", LORA)])
+def test_tensor_parallel_stages_compose_and_train_as_one_process(four_ranks, key, extra):
+    result = four_ranks[key]
+    assert_trains_as_one_process(result, single_process(M, 1, *extra))
+    assert result["resumes_exactly"]
+    if key == "lora":  # only the adapters train, and the optimizer names them as one process does
+        assert all(n.endswith((".lora_A", ".lora_B")) for names in result["trainable"].values() for n in names)
+
+
+def test_each_ranks_bytes_against_the_plans_stage(four_ranks):
+    cfg = config(pipeline(2, "1f1b", M, *TP))
+    stages = make_plan(cfg.model, Setup.from_config(cfg, tp=2, sequence_parallel=False,
+                                                    hardware="h100-sxm"))["pipeline"]["stages_detail"]
+    for (replica, stage), held in four_ranks["1f1b"]["bytes"].items():
+        planned = stages[stage]["breakdown_bytes"]
+        print(stage, {part: (held[part], planned[part]) for part in ("parameters", "gradients", "optimizer_states")})
+        for part in ("parameters", "gradients", "optimizer_states"):
+            assert held[part] == planned[part], (replica, stage, part)
 
 
 @pytest.mark.slow  # 8 processes on 2 shared cores
 def test_pp2_x_dp2_x_tp2_trains_as_one_process_with_ddp_and_zero1_replicas(tmp_path):
     """8 ranks: each stage's two replicas (the dp line of the same tensor rank) average their
     gradients (ddp) or shard its optimizer states (zero1), each on its rows of the global batch."""
-    results = run_worker(tmp_path, 8, {strategy: pipeline(2, "1f1b", M, *TP, f"train.parallel={strategy}")
+    results = run_worker(tmp_path, 8, worker=WORKER, runs={strategy: pipeline(2, "1f1b", M, *TP, f"train.parallel={strategy}")
                                        for strategy in ("ddp", "zero1")})
     reference = single_process(M, 2)
     for strategy in ("ddp", "zero1"):

@@ -132,9 +132,6 @@ PP_TP_REFUSED = {
     "parallel.sequence_parallel": (lambda c: c.parallel.sequence_parallel,
                                    "the stages would send sequence shards (not written): set "
                                    "parallel.sequence_parallel=false"),
-    "finetune.lora_rank": (lambda c: c.finetune.lora_rank is not None,
-                           "split adapters on pipeline stages are untested: use parallel.tp=1 or "
-                           "train.pipeline_stages=1"),
 }
 
 

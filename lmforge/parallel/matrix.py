@@ -57,12 +57,15 @@ def layouts() -> list[Layout]:
     """One process, each strategy on 2 ranks, a 2-stage pipeline, and the pipeline with 2 replicas
     under each strategy (4 ranks): every strategy modes/parallel.py names, with and without stages;
     tensor parallelism on 2 ranks, and 2 of them as replicas under each strategy (4 ranks); context
-    parallelism on 2 ranks, 2 of them as ddp replicas, and tp=2 x cp=2 (4 ranks each)."""
+    parallelism on 2 ranks, 2 of them as ddp replicas, and tp=2 x cp=2 (4 ranks each); pipelines of
+    tp=2 stages (4 ranks), their stages replicated under ddp or zero1 (8 ranks: pp x dp x tp)."""
     strategies = [name for name in PARALLEL_STRATEGIES if name != "none"]
     return ([Layout("one process", "none")] + [Layout(s, s, 1, 2) for s in strategies]
             + [Layout("pipeline", "none", STAGES, STAGES)]
             + [Layout(f"pipeline x {s}", s, STAGES, 2 * STAGES) for s in strategies]
             + [Layout("tp", "none", 1, 2, tp=2)] + [Layout(f"tp x {s}", s, 1, 4, tp=2) for s in strategies]
+            + [Layout("pipeline x tp", "none", STAGES, 2 * STAGES, tp=2)]
+            + [Layout(f"pipeline x tp x {s}", s, STAGES, 4 * STAGES, tp=2) for s in ("ddp", "zero1")]
             + [Layout("cp", "ddp", 1, 2, cp=2), Layout("cp x ddp", "ddp", 1, 4, cp=2),
                Layout("tp x cp", "ddp", 1, 4, tp=2, cp=2)])
 
@@ -115,6 +118,7 @@ TPZ = "tests/test_tp_zero_dist.py::"
 TP_SHARDED = ("tp x zero1", "tp x zero2", "tp x zero3", "tp x fsdp")
 TPR = "tests/test_tp_resume_dist.py::"
 CPC = "tests/test_cp_compose_dist.py::"
+TPP = "tests/test_tp_pipeline_dist.py::"
 PIPELINES = ("pipeline", "pipeline x ddp", "pipeline x zero1")
 ALL_KINDS = tuple(KINDS)
 COVERAGE = (
@@ -211,6 +215,12 @@ COVERAGE = (
     Covered(CPC + "test_cp2_compiled_trains_as_one_process_compiled", ("cp",), ("fp32",), extra="compiled"),
     Covered(CPC + "test_tp2_times_cp2_trains_as_one_process", ("tp x cp",), ("fp32", "bf16-mixed")),
     Covered(CPC + "test_tp2_times_cp2_trains_as_one_process", ("tp x cp",), ("fp32",), ("LoRA",)),
+    # pipelines of tensor-parallel stages (tests/test_tp_pipeline_dist.py, tests/test_tp_pipeline_train_dist.py)
+    Covered(TPP + "test_two_tensor_parallel_stages_train_as_one_process", ("pipeline x tp",), ("fp32",)),
+    Covered(TPP + "test_pp2_x_dp2_x_tp2_trains_as_one_process_with_ddp_and_zero1_replicas",
+            ("pipeline x tp x ddp", "pipeline x tp x zero1"), ("fp32",)),
+    Covered("tests/test_tp_pipeline_train_dist.py::test_lmforge_train_pp2_x_tp2_trains_as_one_process_and_resumes_"
+            "in_one_process", ("pipeline x tp",), ("fp32",), extra="checkpoint + resume"),
 )
 
 

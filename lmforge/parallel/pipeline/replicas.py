@@ -1,6 +1,6 @@
 """How the replicas of one pipeline stage share its gradients and its optimizer: the engine the
 pipeline engine (pipeline/engine.py) hands everything after the schedule to, over `data_group`,
-the ranks that hold the same stage (layout.py: ranks s, s + p, s + 2p, ...).
+the ranks that hold the same stage (layout.py: with N replicas and tp = 1, ranks s N .. s N + N - 1).
 
     ddp, none   StageReplicas        every replica keeps the stage's whole optimizer; after the
                                      schedule each gradient is all-reduced once and divided by the
