@@ -15,17 +15,17 @@ and sending the gradient of its input. Then `finish_gradients`:
     the ranks holding that stage: all-reduced (ddp) or reduce-scattered into ZeRO-1 shards (zero1).
 The gradient norm for clipping is summed over the stages, and with ZeRO-1 over each stage's
 shards (the tied matrix counted once), the fp16 found-inf over all ranks, and the loss (known on
-the last stage) averaged over the replicas.
+the last stage) averaged over the replicas. The optimizer step, the state by name and the bytes
+held are the replicas engine's, renamed and gathered over the stages here.
 
 Pipelines of tensor-parallel stages (parallel.tp > 1; Narayanan et al. 2021, section 3): each
 stage's piece is split over its tp ranks (parallel/tp.py, before the cut), and tensor rank t of
 stage s sends to and receives from tensor rank t of stages s +- 1 (layout.py): the activations
-between the regions are whole on every tensor rank, so each pair exchanges the same tensor. The last
-stage's loss is the vocabulary-parallel one (tp_loss.py), known on each of its tensor ranks. The
-norm sums a split matrix's squares over the tp group and counts a whole parameter once (as
-tp_engine.py), then over the stages; checkpoints hold whole tensors by name, gathered over the tp
-group by the stage's replicas engine (tp_engine.py's TensorParallelMixin, pipeline/replicas.py). The optimizer step, the state by name and the bytes
-held are the replicas engine's, renamed and gathered over the stages here.
+between the regions are whole on every tensor rank, so each pair exchanges the same tensor. The
+last stage's loss is the vocabulary-parallel one (tp_loss.py), known on each of its tensor ranks.
+The norm sums a split matrix's squares over the tp group and counts a whole parameter once
+(tp_engine.py's `tp_square_sum`), then over the stages; checkpoints hold whole tensors by name,
+gathered over the tp group by the stage's replicas engine (TensorParallelMixin: pipeline/replicas.py).
 
 What it costs: every stage idles while the pipeline fills and drains, (p - 1) / (m + p - 1) of the
 step (accounting/pipeline.py); the timeline (pipeline/timeline.py) measures it.
@@ -44,7 +44,7 @@ from lmforge.parallel.comm import Collectives
 from lmforge.parallel.engine import Engine
 from lmforge.parallel.pipeline.layout import PipelineLayout, chunk_views, new_groups
 from lmforge.parallel.pipeline.schedules import peak_in_flight, schedule_actions
-from lmforge.parallel.tp import shard_copies, sharded_dim
+from lmforge.parallel.tp_engine import tp_square_sum
 from lmforge.precision.policy import autocast
 
 TIED_NAME, HEAD_NAME = "tok_embeddings.weight", "lm_head.weight"
@@ -229,28 +229,14 @@ class PipelineEngine(Engine):
             group = None if self.stage_engine.grads_sharded else self.pipeline_group
             norm = clip_grad_norm([SimpleNamespace(grad=g) for g, _ in counted], 0.0,
                                   sum_across_ranks=lambda t: dist.all_reduce(t, group=group))
-        else:
-            norm = self._tensor_parallel_norm(counted)
+        else:  # a split matrix's squares over the tp group, a whole one's once (tp_engine.py)
+            total = tp_square_sum(counted, self.tp_comm, self.device)
+            if self.stage_engine.grads_sharded:
+                dist.all_reduce(total, group=self.data_group)
+            dist.all_reduce(total, group=self.pipeline_group)
+            norm = total.sqrt()
         scale_to_norm(grads, norm, max_norm)
         return False, norm
-
-    def _tensor_parallel_norm(self, pieces) -> torch.Tensor:
-        """sqrt(sum ||g||^2) over the whole model: a split matrix's squares summed over the tp group
-        (a replicated KV head's slice divided by its copies), a whole one's the same on every tensor
-        rank and taken once, then over the stage's shards (ZeRO-1) and the stages."""
-        sharded, whole = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-        for grad, param in pieces:
-            square = torch.linalg.vector_norm(grad, dtype=torch.float32).square() / shard_copies(param)
-            if sharded_dim(param) is None:
-                whole += square
-            else:
-                sharded += square
-        self.tp_comm.all_reduce(sharded, kind="scalar")
-        total = sharded + whole
-        if self.stage_engine.grads_sharded:
-            dist.all_reduce(total, group=self.data_group)
-        dist.all_reduce(total, group=self.pipeline_group)
-        return total.sqrt()
 
     def step(self) -> None:
         self.stage_engine.step()
