@@ -133,7 +133,7 @@ def test_rank_s_holds_chunks_s_s_plus_p_round_robin():
     assert layout.chunks == 2 and layers == [2, 3, 6, 7]
     assert [layout.virtual_stage(c) for c in range(2)] == [1, 3] and layout.gives_loss(1) and not layout.gives_loss(0)
     assert layout.rank_of_virtual(2) == 0 and layout.rank_of_virtual(3) == 1
-    assert PipelineLayout.of(2, 4, 2, 2).rank_of_virtual(1) == 3  # replica 1's rank of virtual stage 1
+    assert PipelineLayout.of(1, 4, 2, 2).rank_of_virtual(1) == 3  # replica 1's rank of virtual stage 1
 
 
 def test_chunk_views_run_the_whole_model_in_virtual_stage_order():

@@ -43,10 +43,16 @@ def test_the_bubble_is_p_minus_1_over_m_plus_p_minus_1():
     assert bubble_fraction(1, 8) == 0
 
 
-def test_ranks_are_replicas_of_contiguous_pipelines():
+def test_ranks_are_laid_out_stages_outermost_as_the_mesh():
+    # parallel/mesh.py's (pp, dp, tp) order: rank = (stage * replicas + replica) * tp + tp_rank
     layouts = [PipelineLayout.of(rank, 4, 2) for rank in range(4)]
-    assert [(l.stage, l.replica) for l in layouts] == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    assert layouts[3].rank_of(0) == 2 and layouts[0].last is False and layouts[1].last
+    assert [(l.stage, l.replica) for l in layouts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert layouts[3].rank_of(0) == 1 and layouts[1].last is False and layouts[2].last
+    # 2 stages x 2 replicas x tp 2: tensor rank t of a stage sends to tensor rank t of the next
+    layouts = [PipelineLayout.of(rank, 8, 2, tp=2) for rank in range(8)]
+    assert [(l.stage, l.replica, l.tp_rank) for l in layouts] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert [l.rank_of(1) for l in layouts[:4]] == [4, 5, 6, 7] and layouts[7].rank_of(0) == 3
 
 
 def test_the_balanced_split_gives_the_head_stage_fewer_layers_and_beats_an_even_one():

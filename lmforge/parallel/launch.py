@@ -44,6 +44,8 @@ def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> to
         return _rank_device(cfg.train.device, env[2], cuda_devices)
     if cfg.parallel.tp > 1:
         _check_tensor_parallel(cfg, env)
+        if stages > 1:  # pipelines of tensor-parallel stages
+            _check_pipeline(cfg, env[1])
         return _rank_device(cfg.train.device, env[2], cuda_devices)
     if env is None:
         if stages > 1:
@@ -96,12 +98,13 @@ PIPELINE_REFUSED = {  # why: a pipeline step runs one backward per micro-batch (
 def _check_pipeline(cfg, world_size: int) -> None:
     """What a pipeline of train.pipeline_stages stages on `world_size` ranks cannot do."""
     t = cfg.train
-    p, parallel = t.pipeline_stages, get_strategy(t.parallel).name
-    launch = f"launch with torchrun --nproc_per_node={p} -m lmforge train ... (or lmforge train --nproc {p} ...)"
-    if world_size < p or world_size % p:
-        raise LmforgeError(f"train.pipeline_stages={p} needs one process per stage (or a multiple of {p}: replicas), "
+    p, parallel, tp = t.pipeline_stages, get_strategy(t.parallel).name, cfg.parallel.tp
+    launch = f"launch with torchrun --nproc_per_node={p * tp} -m lmforge train ... (or lmforge train --nproc {p * tp} ...)"
+    if world_size < p * tp or world_size % (p * tp):
+        per_stage = "one process per stage" if tp == 1 else f"parallel.tp={tp} processes per stage"
+        raise LmforgeError(f"train.pipeline_stages={p} needs {per_stage} (or a multiple of {p * tp}: replicas), "
                            f"not {world_size}: {launch}")
-    replicas = world_size // p
+    replicas = world_size // (p * tp)
     if parallel in PIPELINE_REFUSED:
         raise LmforgeError(f"train.parallel={parallel} does not combine with train.pipeline_stages={p}: "
                            f"{PIPELINE_REFUSED[parallel]}; use train.parallel=zero1 (shards each stage's optimizer "
@@ -112,11 +115,28 @@ def _check_pipeline(cfg, world_size: int) -> None:
     if t.precision == "fp16-mixed" and t.pipeline_engine == "torch":
         raise LmforgeError("train.pipeline_engine=torch does not scale the loss (fp16-mixed): use "
                            "train.pipeline_engine=lmforge or bf16-mixed")
+    if tp > 1:
+        for setting, (refused, why) in PP_TP_REFUSED.items():
+            if refused(cfg):
+                raise LmforgeError(f"train.pipeline_stages={p} with parallel.tp={tp} does not combine with "
+                                   f"{setting}: {why}")
+
+
+# what pipelines of tensor-parallel stages (parallel/pipeline/engine.py) are not combined with yet, and why
+PP_TP_REFUSED = {
+    "train.pipeline_engine": (lambda c: c.train.pipeline_engine == "torch",
+                              "torch.distributed.pipelining's stages do not know the tensor-parallel groups: use "
+                              "train.pipeline_engine=lmforge"),
+    "train.schedule": (lambda c: c.train.schedule == "interleaved-1f1b",
+                       "interleaved tensor-parallel stages are untested: use train.schedule=1f1b or gpipe"),
+    "parallel.sequence_parallel": (lambda c: c.parallel.sequence_parallel,
+                                   "the stages would send sequence shards (not written): set "
+                                   "parallel.sequence_parallel=false"),
+}
 
 
 # what tensor parallelism (parallel/tp.py) is not combined with yet, and why: setting -> (refused when, why)
 TP_REFUSED = {
-    "train.pipeline_stages": (lambda c: c.train.pipeline_stages > 1, "pipelines of tensor-parallel stages are not wired"),
     "train.precision": (lambda c: c.train.precision in ("fp16-mixed", "fp8"),
                         "fp16's loss scaler and fp8's swapped linears are untested with it: use fp32, bf16-mixed or bf16-pure"),
     "train.loss_chunk_tokens": (lambda c: c.train.loss_chunk_tokens > 0,
@@ -158,17 +178,20 @@ def tp_divisibility(model_cfg, tp: int) -> str | None:
 
 
 def _check_tensor_parallel(cfg, env) -> None:
-    """parallel.tp > 1: world = (world / tp) replicas x tp ranks (parallel/mesh.py), the replicas
+    """parallel.tp > 1: world = (world / tp) replicas x tp ranks (parallel/mesh.py; with pipeline stages,
+    stages x replicas x tp), the replicas
     under train.parallel=ddp, zero1-3 or fsdp (or none with one replica), and a model the ranks can split."""
     tp, parallel = cfg.parallel.tp, get_strategy(cfg.train.parallel).name
     if env is None:
         raise LmforgeError(f"parallel.tp={tp} needs {tp} processes per model replica: launch with torchrun "
                            f"--nproc_per_node={tp} -m lmforge train ... or lmforge train --nproc {tp} ...")
-    world_size = env[1]
-    if world_size % tp:
+    world_size, stages = env[1], cfg.train.pipeline_stages
+    if world_size % (tp * stages):
         raise LmforgeError(f"parallel.tp={tp} on {world_size} processes: the world must be (replicas x tp), "
-                           f"a multiple of {tp}")
-    dp = world_size // tp
+                           f"a multiple of {tp}" if stages == 1 else
+                           f"train.pipeline_stages={stages} x parallel.tp={tp} on {world_size} processes: the "
+                           f"world must be (stages x replicas x tp), a multiple of {stages * tp}")
+    dp = world_size // (tp * stages)
     if parallel not in TP_DATA_PARALLEL or (dp > 1 and parallel == "none"):
         raise LmforgeError(f"{world_size} processes = {dp} replicas x parallel.tp={tp}: the replicas share their "
                            f"gradients by train.parallel=ddp, zero1, zero2, zero3 or fsdp (or none with one replica), "

@@ -58,12 +58,15 @@ def layouts() -> list[Layout]:
     under each strategy (4 ranks): every strategy modes/parallel.py names, with and without stages;
     tensor parallelism on 2 ranks, and 2 of them as replicas under each strategy (4 ranks); context
     parallelism on 2 ranks, 2 of them as ddp replicas, and tp=2 x cp=2 (4 ranks each); tp=4 over
-    the model's 2 KV heads (parallel/tp.py replicates each on 2 ranks)."""
+    the model's 2 KV heads (parallel/tp.py replicates each on 2 ranks); pipelines of tp=2 stages
+    (4 ranks), their stages replicated under ddp or zero1 (8 ranks: pp x dp x tp)."""
     strategies = [name for name in PARALLEL_STRATEGIES if name != "none"]
     return ([Layout("one process", "none")] + [Layout(s, s, 1, 2) for s in strategies]
             + [Layout("pipeline", "none", STAGES, STAGES)]
             + [Layout(f"pipeline x {s}", s, STAGES, 2 * STAGES) for s in strategies]
             + [Layout("tp", "none", 1, 2, tp=2)] + [Layout(f"tp x {s}", s, 1, 4, tp=2) for s in strategies]
+            + [Layout("pipeline x tp", "none", STAGES, 2 * STAGES, tp=2)]
+            + [Layout(f"pipeline x tp x {s}", s, STAGES, 4 * STAGES, tp=2) for s in ("ddp", "zero1")]
             + [Layout("cp", "ddp", 1, 2, cp=2), Layout("cp x ddp", "ddp", 1, 4, cp=2),
                Layout("tp x cp", "ddp", 1, 4, tp=2, cp=2)]
             + [Layout("tp=4, KV heads replicated", "none", 1, 4, tp=4)])  # tiny's 2 KV heads, each on 2 ranks
@@ -117,6 +120,7 @@ TPZ = "tests/test_tp_zero_dist.py::"
 TP_SHARDED = ("tp x zero1", "tp x zero2", "tp x zero3", "tp x fsdp")
 TPR = "tests/test_tp_resume_dist.py::"
 CPC = "tests/test_cp_compose_dist.py::"
+TPP = "tests/test_tp_pipeline_dist.py::"
 PIPELINES = ("pipeline", "pipeline x ddp", "pipeline x zero1")
 ALL_KINDS = tuple(KINDS)
 COVERAGE = (
@@ -216,6 +220,18 @@ COVERAGE = (
     # fewer KV heads than ranks (tests/test_tp_replicated_kv_plan_dist.py: their bytes as planned, bf16-mixed too)
     Covered("tests/test_tp_replicated_kv_dist.py::test_tp4_with_2_kv_heads_trains_as_one_process",
             ("tp=4, KV heads replicated",), ("fp32",)),
+    # pipelines of tensor-parallel stages (tests/test_tp_pipeline_dist.py, tests/test_tp_pipeline_train_dist.py)
+    Covered(TPP + "test_two_tensor_parallel_stages_train_as_one_process", ("pipeline x tp",), ("fp32",)),
+    Covered(TPP + "test_bf16_mixed_tensor_parallel_stages_train_as_one_process_to_16_bit_bounds", ("pipeline x tp",),
+            ("bf16-mixed",)),
+    Covered(TPP + "test_tensor_parallel_stages_compose_and_train_as_one_process", ("pipeline x tp",), ("fp32",),
+            ("LoRA",)),
+    Covered(TPP + "test_tensor_parallel_stages_compose_and_train_as_one_process", ("pipeline x tp",), ("fp32",),
+            extra="recompute=full"),
+    Covered(TPP + "test_pp2_x_dp2_x_tp2_trains_as_one_process_with_ddp_and_zero1_replicas",
+            ("pipeline x tp x ddp", "pipeline x tp x zero1"), ("fp32",)),
+    Covered("tests/test_tp_pipeline_train_dist.py::test_lmforge_train_pp2_x_tp2_trains_as_one_process_and_resumes_"
+            "in_one_process", ("pipeline x tp",), ("fp32",), extra="checkpoint + resume"),
 )
 
 
@@ -309,6 +325,10 @@ TAIL = ["Tolerances (tests/test_composition_dist.py says why): fp32 as float rou
         "matrix's last-bit sum flips a 16-bit rounding: its docstring measures it); its resume cells are",
         "state round trips, and `lmforge train` on 2 stages x 2 ZeRO-1 replicas stopped by SIGTERM resumes",
         "bit for bit. Run: `python -m pytest -m dist tests/test_pipeline_cells_dist.py`.",
+        "",
+        "Pipelines of tensor-parallel stages (2 stages x tp 2, and x 2 replicas on 8 ranks):",
+        "tests/test_tp_pipeline_dist.py, tensor parallelism's bounds (docs/tensor-parallel.md); each rank's",
+        "bytes equal its stage's tensors, but the plan's stage figures count the norm gains as split (0.2% under).",
         "",
         "Not in the table: `train.pipeline_engine=torch` with fp16-mixed is refused (it does not scale the",
         "loss); interleaved 1F1B compiled and in bf16-mixed, and the torch engine with ZeRO-1 replicas,",

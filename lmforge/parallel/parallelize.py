@@ -30,7 +30,8 @@ from lmforge.parallel.ddp import DDPEngine
 from lmforge.parallel.engine import Engine
 from lmforge.parallel.fsdp import FSDPEngine
 from lmforge.parallel.pipeline.engine import PipelineEngine
-from lmforge.parallel.pipeline.replicas import StageReplicas, StageZero
+from lmforge.parallel.pipeline.replicas import (StageReplicas, StageZero, TensorParallelStageReplicas,
+                                                TensorParallelStageZero)
 from lmforge.parallel.tp_engine import (TensorParallelDDPEngine, TensorParallelEngine, TensorParallelFSDPEngine,
                                         TensorParallelZeroEngine)
 from lmforge.parallel.zero import ZeroEngine
@@ -119,11 +120,16 @@ PIPELINE_STAGE_ENGINES = {"lmforge": PipelineEngine, "torch": _torch_pipeline_en
 
 # -- how a stage's replicas share its work, by strategy: builder(model, cfg, policy, make_optimizer, weight_decay_groups, comm)
 
-def _stage_replicas(model, cfg, policy, make_optimizer, weight_decay_groups, comm) -> Engine:
+def _stage_replicas(model, cfg, policy, make_optimizer, weight_decay_groups, comm, tp_comm=None) -> Engine:
+    if tp_comm is not None:
+        return TensorParallelStageReplicas(model, make_optimizer(weight_decay_groups(model)), comm, tp_comm)
     return StageReplicas(model, make_optimizer(weight_decay_groups(model)), comm)
 
 
-def _stage_zero(model, cfg, policy, make_optimizer, weight_decay_groups, comm) -> Engine:
+def _stage_zero(model, cfg, policy, make_optimizer, weight_decay_groups, comm, tp_comm=None) -> Engine:
+    if tp_comm is not None:
+        return TensorParallelStageZero(model, make_optimizer, weight_decay_groups(model), comm, working_dtype(policy),
+                                       tp_comm)
     return StageZero(model, make_optimizer, weight_decay_groups(model), comm, working_dtype(policy))
 
 
@@ -131,9 +137,10 @@ STAGE_REPLICA_ENGINES = {"none": _stage_replicas, "ddp": _stage_replicas, "zero1
 
 
 def pipeline_engine(model, cfg, policy: Policy, layout, make_optimizer, weight_decay_groups, device: torch.device,
-                    timeline=None) -> Engine:
+                    groups, timeline=None, tp_comm=None) -> Engine:
     """The engine of a pipeline stage (`model` already cut and wrapped); `make_optimizer` and
-    `weight_decay_groups` as `parallelize` takes them, for the engine of the stage's replicas."""
+    `weight_decay_groups` as `parallelize` takes them, for the engine of the stage's replicas;
+    `groups` the (pp, dp, tp) mesh's (parallel/mesh.py), `tp_comm` its tp group's with parallel.tp > 1."""
     t = cfg.train
     strategy = get_strategy(t.parallel).name
     replicas = STAGE_REPLICA_ENGINES[strategy]
@@ -141,10 +148,10 @@ def pipeline_engine(model, cfg, policy: Policy, layout, make_optimizer, weight_d
     hidden_dtype = working_dtype(policy) if strategy == "zero1" else torch_dtype(policy.param_dtype)
 
     def replicas_engine(comm) -> Engine:  # over the stage's data group, which the pipeline engine creates
-        return replicas(model, cfg, policy, make_optimizer, weight_decay_groups, comm)
+        return replicas(model, cfg, policy, make_optimizer, weight_decay_groups, comm, tp_comm)
 
     engine = PIPELINE_STAGE_ENGINES[t.pipeline_engine](
         model, replicas_engine, layout, t.schedule, t.micro_batches, (t.batch_size, cfg.seq_len, cfg.model.d_model),
-        hidden_dtype, device, tied=cfg.model.tie_embeddings, timeline=timeline)
+        hidden_dtype, device, tied=cfg.model.tie_embeddings, groups=groups, timeline=timeline, tp_comm=tp_comm)
     engine.comm.reset()  # setup's broadcasts are not a step's traffic
     return engine

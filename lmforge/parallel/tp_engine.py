@@ -50,12 +50,11 @@ def slice_full(full: torch.Tensor, dim: int, comm: Collectives, copies: int = 1)
 
 
 @torch.no_grad()
-def sharded_norm_and_clip(pieces, comm: Collectives, tp_comm: Collectives, max_norm: float):
-    """The global norm from this rank's pieces: disjoint over the dp ranks (ZeRO's or FSDP's slices), and,
-    for a split matrix, over the tp ranks too; a whole parameter's piece is the same on every tp
-    rank, so it is counted once (summed over dp only), as is a replicated KV head's slice (divided by
-    its copies). fp16 is refused with tp (launch.py)."""
-    sharded, whole = torch.zeros(()), torch.zeros(())
+def tp_square_sum(pieces, tp_comm: Collectives, device=None) -> torch.Tensor:
+    """sum ||g||^2 of (gradient, parameter) `pieces` over the tp group: a split parameter's squares
+    summed over the tp ranks (a replicated KV head's slice divided by its copies), a whole one's,
+    the same on every tp rank, taken once."""
+    sharded, whole = torch.zeros((), device=device), torch.zeros((), device=device)
     for grad, param in pieces:
         square = torch.linalg.vector_norm(grad, dtype=torch.float32).square() / shard_copies(param)
         if sharded_dim(param) is None:
@@ -63,7 +62,16 @@ def sharded_norm_and_clip(pieces, comm: Collectives, tp_comm: Collectives, max_n
         else:
             sharded += square
     tp_comm.all_reduce(sharded, kind="scalar")
-    total = sharded + whole
+    return sharded + whole
+
+
+@torch.no_grad()
+def sharded_norm_and_clip(pieces, comm: Collectives, tp_comm: Collectives, max_norm: float):
+    """The global norm from this rank's pieces: disjoint over the dp ranks (ZeRO's or FSDP's slices), and,
+    for a split matrix, over the tp ranks too; a whole parameter's piece is the same on every tp
+    rank, so it is counted once (summed over dp only), as is a replicated KV head's slice (divided by
+    its copies). fp16 is refused with tp (launch.py)."""
+    total = tp_square_sum(pieces, tp_comm)
     comm.all_reduce(total, kind="scalar")
     total_norm = total.sqrt()
     scale_to_norm([grad for grad, _ in pieces], total_norm, max_norm)

@@ -145,9 +145,12 @@ def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu"
     if cfg.train.pipeline_stages > 1:
         require_process_group(f"train.pipeline_stages={cfg.train.pipeline_stages}")
         layout, layers = pipeline_place(cfg, torch.distributed.get_rank(), torch.distributed.get_world_size())
-        model = build_model(cfg, policy, device, base_state, stage=(layers, layout.first, layout.last))
+        groups = build_groups(cfg.parallel.tp, device, pp=cfg.train.pipeline_stages)  # the (pp, dp, tp) mesh
+        tp_comm = Collectives(groups.tp_group) if cfg.parallel.tp > 1 else None  # tensor-parallel stages
+        model = build_model(cfg, policy, device, base_state, stage=(layers, layout.first, layout.last), tp_comm=tp_comm)
         return pipeline_engine(model, cfg, policy, layout, lambda groups: make_optimizer(cfg, policy, groups),
-                               lambda model: param_groups(cfg, model), torch.device(device), timeline)
+                               lambda model: param_groups(cfg, model), torch.device(device), groups, timeline,
+                               tp_comm)
     groups = tp_comm = None
     if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:  # the (dp, cp, tp) mesh: parallel/mesh.py
         require_process_group(f"parallel.tp={cfg.parallel.tp} parallel.cp={cfg.parallel.cp}")

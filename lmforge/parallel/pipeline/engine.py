@@ -18,6 +18,15 @@ shards (the tied matrix counted once), the fp16 found-inf over all ranks, and th
 the last stage) averaged over the replicas. The optimizer step, the state by name and the bytes
 held are the replicas engine's, renamed and gathered over the stages here.
 
+Pipelines of tensor-parallel stages (parallel.tp > 1; Narayanan et al. 2021, section 3): each
+stage's piece is split over its tp ranks (parallel/tp.py, before the cut), and tensor rank t of
+stage s sends to and receives from tensor rank t of stages s +- 1 (layout.py): the activations
+between the regions are whole on every tensor rank, so each pair exchanges the same tensor. The
+last stage's loss is the vocabulary-parallel one (tp_loss.py), known on each of its tensor ranks.
+The norm sums a split matrix's squares over the tp group and counts a whole parameter once
+(tp_engine.py's `tp_square_sum`), then over the stages; checkpoints hold whole tensors by name,
+gathered over the tp group by the stage's replicas engine (TensorParallelMixin: pipeline/replicas.py).
+
 What it costs: every stage idles while the pipeline fills and drains, (p - 1) / (m + p - 1) of the
 step (accounting/pipeline.py); the timeline (pipeline/timeline.py) measures it.
 """
@@ -35,6 +44,7 @@ from lmforge.parallel.comm import Collectives
 from lmforge.parallel.engine import Engine
 from lmforge.parallel.pipeline.layout import PipelineLayout, chunk_views, new_groups
 from lmforge.parallel.pipeline.schedules import peak_in_flight, schedule_actions
+from lmforge.parallel.tp_engine import tp_square_sum
 from lmforge.precision.policy import autocast
 
 TIED_NAME, HEAD_NAME = "tok_embeddings.weight", "lm_head.weight"
@@ -57,10 +67,13 @@ class PipelineEngine(Engine):
 
     def __init__(self, model: nn.Module, replicas_engine, layout: PipelineLayout, schedule: str, micro_batches: int,
                  hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype, device: torch.device, tied: bool,
-                 timeline=None):
+                 groups, timeline=None, tp_comm: Collectives | None = None):
         """`replicas_engine(comm)`: the engine of this stage's replicas over `comm`, the counting
-        collectives of the data group (pipeline/replicas.py; parallelize.py builds it)."""
-        self.pipeline_group, self.data_group, self.tied_group = new_groups(layout)
+        collectives of the data group (pipeline/replicas.py; parallelize.py builds it). `groups`:
+        the (pp, dp, tp) mesh's (parallel/mesh.py); `tp_comm`: the tp group's, with parallel.tp > 1."""
+        assert groups.pp_rank == layout.stage, "the layout and the mesh order the ranks alike"
+        self.pipeline_group, self.data_group, self.tied_group = new_groups(layout, groups)
+        self.tp_comm = tp_comm
         self.stage_engine = replicas_engine(Collectives(self.data_group))
         super().__init__(model, self.stage_engine.optimizer)
         self.comm = self.stage_engine.comm  # the gradient reduction across replicas
@@ -74,7 +87,8 @@ class PipelineEngine(Engine):
             tied_copy = model.tok_embeddings.weight if layout.first else model.lm_head.weight if layout.last else None
         # the last stage saves and loads its copy under the first stage's name (the one-process name)
         self.renamed = {HEAD_NAME: TIED_NAME} if tied_copy is not None and layout.last else {}
-        self.tied_numel = tied_copy.numel() if self.renamed else 0  # counted on the first stage only
+        # counted on the first stage only (the whole matrix: tp slices of it)
+        self.tied_numel = tied_copy.numel() * layout.tp if self.renamed else 0
         # whose gradient the two copies sum: none when the matrix is frozen (a LoRA base)
         self.tied_param = tied_copy if tied_copy is not None and tied_copy.requires_grad else None
         # -- the schedule's chunks (interleaved 1F1B: several per rank; else [model]) --
@@ -208,12 +222,19 @@ class PipelineEngine(Engine):
             dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank skips the same steps
             if found.item():
                 return True, torch.tensor(float("inf"))
-        # ||g||^2 summed over the stages of this pipeline (ZeRO-1: and over each stage's shards,
-        # so over every rank), the tied matrix once (the first stage's)
-        counted = self.stage_engine.local_grads(leave_out=self.tied_param if self.layout.last else None)
-        group = None if self.stage_engine.grads_sharded else self.pipeline_group
-        norm = clip_grad_norm([SimpleNamespace(grad=g) for g in counted], 0.0,
-                              sum_across_ranks=lambda t: dist.all_reduce(t, group=group))
+        # ||g||^2 summed over the stages of this pipeline (ZeRO-1: and over each stage's shards), the
+        # tied matrix once (the first stage's); with tp, a split matrix's over the tp group
+        counted = self.stage_engine.local_pieces(leave_out=self.tied_param if self.layout.last else None)
+        if self.tp_comm is None:
+            group = None if self.stage_engine.grads_sharded else self.pipeline_group
+            norm = clip_grad_norm([SimpleNamespace(grad=g) for g, _ in counted], 0.0,
+                                  sum_across_ranks=lambda t: dist.all_reduce(t, group=group))
+        else:  # a split matrix's squares over the tp group, a whole one's once (tp_engine.py)
+            total = tp_square_sum(counted, self.tp_comm, self.device)
+            if self.stage_engine.grads_sharded:
+                dist.all_reduce(total, group=self.data_group)
+            dist.all_reduce(total, group=self.pipeline_group)
+            norm = total.sqrt()
         scale_to_norm(grads, norm, max_norm)
         return False, norm
 
@@ -227,10 +248,11 @@ class PipelineEngine(Engine):
         return self.stage_engine.state_bytes()
 
     def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """The loss, known on the last stages: summed over all ranks (zero elsewhere), averaged over replicas."""
+        """The loss, known on the last stages (on each of their tensor ranks): summed over all ranks
+        (zero elsewhere), averaged over replicas and tensor ranks."""
         value = value.detach().clone()
         dist.all_reduce(value)
-        return value / self.replicas
+        return value / (self.replicas * self.layout.tp)
 
     # -- state by parameter name: each stage its own tensors ---------------------------------------
 
@@ -277,7 +299,7 @@ class PipelineEngine(Engine):
         return sum(self._gather(count))
 
     def num_params(self) -> int:
-        local = self.model.num_params() - self.tied_numel
+        local = self.stage_engine.num_params() - self.tied_numel  # whole tensors (tp: all its ranks' slices)
         return sum(self._gather(local))
 
     def merged_over_stages(self, per_stage: dict) -> dict:

@@ -1,7 +1,13 @@
 """Where each rank of a pipeline run sits, and what its stage holds.
 
-    rank = replica * p + stage          p = train.pipeline_stages; with more ranks than p, the
-                                        pipelines are replicated (data parallel across replicas)
+    rank = (stage * replicas + replica) * tp + tp_rank
+                                        p = train.pipeline_stages; with more ranks than p x tp, the
+                                        pipelines are replicated (data parallel across replicas);
+                                        with parallel.tp > 1 each stage is tensor-parallel over tp
+                                        neighbouring ranks, and a stage's tensor rank t exchanges
+                                        activations with tensor rank t of the stages beside it
+
+(parallel/mesh.py's (pp, dp, cp, tp) order, torchtitan's: the stages outermost, cp = 1.)
 
 Stage s holds a contiguous range of blocks (accounting/pipeline.py splits them by cost or as
 train.pipeline_split says); the first also holds the embedding, the last the final norm, the LM head
@@ -33,10 +39,14 @@ class PipelineLayout:
     stage: int
     replica: int
     chunks: int = 1
+    tp: int = 1  # tensor ranks per stage
+    tp_rank: int = 0
 
     @classmethod
-    def of(cls, rank: int, world_size: int, stages: int, chunks: int = 1) -> "PipelineLayout":
-        return cls(stages, world_size // stages, rank % stages, rank // stages, chunks)
+    def of(cls, rank: int, world_size: int, stages: int, chunks: int = 1, tp: int = 1) -> "PipelineLayout":
+        replicas = world_size // (stages * tp)
+        outer = rank // tp  # the rank's place in the (pp, dp) grid
+        return cls(stages, replicas, outer // replicas, outer % replicas, chunks, tp, rank % tp)
 
     def virtual_stage(self, chunk: int) -> int:
         return chunk * self.stages + self.stage
@@ -62,36 +72,30 @@ class PipelineLayout:
         return self.stage == self.stages - 1
 
     def rank_of(self, stage: int) -> int:
-        """The global rank of `stage` in this rank's pipeline."""
-        return self.replica * self.stages + stage
+        """The global rank of `stage` in this rank's pipeline (the same tensor rank)."""
+        return (stage * self.replicas + self.replica) * self.tp + self.tp_rank
 
 
 def pipeline_place(cfg, rank: int, world_size: int) -> tuple[PipelineLayout, list[int]]:
     """(this rank's PipelineLayout, the layers its stage holds: those of all its chunks)."""
     t = cfg.train
-    layout = PipelineLayout.of(rank, world_size, t.pipeline_stages, t.pipeline_virtual_stages)
+    layout = PipelineLayout.of(rank, world_size, t.pipeline_stages, t.pipeline_virtual_stages, cfg.parallel.tp)
     split = virtual_split(cfg.model, layout.stages, layout.chunks, t.pipeline_split, cfg.seq_len)
     return layout, [layer for chunk in rank_chunks(split, layout.stages, layout.stage) for layer in chunk]
 
 
-def new_groups(layout: PipelineLayout):
+def new_groups(layout: PipelineLayout, groups):
     """(this pipeline's ranks, this stage's replicas, this pipeline's first and last stage) as
-    process groups. Every rank must create every group, in the same order (torch.distributed's rule)."""
-    p, n = layout.stages, layout.replicas
-    mine = {}
-    for replica in range(n):
-        group = dist.new_group([replica * p + s for s in range(p)])
-        if replica == layout.replica:
-            mine["pipeline"] = group
-    for stage in range(p):
-        group = dist.new_group([replica * p + stage for replica in range(n)])
-        if stage == layout.stage:
-            mine["data"] = group
-    for replica in range(n):
-        group = dist.new_group([replica * p, replica * p + p - 1])
-        if replica == layout.replica:
-            mine["tied"] = group
-    return mine["pipeline"], mine["data"], mine["tied"]
+    process groups: the first two are the mesh's pp and dp lines through this rank (`groups`:
+    parallel/mesh.py's ParallelGroups), the third the pp line itself with two stages. Every rank must
+    create every group, in the same order (torch.distributed's rule)."""
+    if layout.stages == 2:
+        tied = groups.pp_group
+    else:  # one group per (replica, tensor rank): its first and last stage
+        ends = [[PipelineLayout(layout.stages, layout.replicas, 0, r, layout.chunks, layout.tp, t).rank_of(s)
+                 for s in (0, layout.stages - 1)] for r in range(layout.replicas) for t in range(layout.tp)]
+        tied, _ = dist.new_subgroups_by_enumeration(ends)
+    return groups.pp_group, groups.dp_group, tied
 
 
 def cut_stage(model: nn.Module, layers, first: bool, last: bool) -> nn.Module:

@@ -1,6 +1,6 @@
 """How the replicas of one pipeline stage share its gradients and its optimizer: the engine the
 pipeline engine (pipeline/engine.py) hands everything after the schedule to, over `data_group`,
-the ranks that hold the same stage (layout.py: ranks s, s + p, s + 2p, ...).
+the ranks that hold the same stage (layout.py: with N replicas and tp = 1, ranks s N .. s N + N - 1).
 
     ddp, none   StageReplicas        every replica keeps the stage's whole optimizer; after the
                                      schedule each gradient is all-reduced once and divided by the
@@ -21,12 +21,18 @@ pipeline engine for the same reason.
 
 Both engines keep frozen parameters (a LoRA base) whole and out of every collective: only the
 adapters' gradients cross the replicas.
+
+A tensor-parallel stage (parallel.tp > 1) takes the same engine with tp_engine.py's
+TensorParallelMixin (the pipeline engine's norm is its own, over the stages): its state by name is of whole tensors, gathered over the
+tp group to save and sliced to load, and its parameter count the whole stage's.
 """
 
 import torch
 import torch.nn as nn
 
+from lmforge.parallel.comm import Collectives
 from lmforge.parallel.engine import DistributedEngine
+from lmforge.parallel.tp_engine import TensorParallelMixin
 from lmforge.parallel.zero import ZeroEngine
 
 
@@ -44,9 +50,12 @@ class StageReplicas(DistributedEngine):
                 self.comm.all_reduce(p.grad)
                 p.grad.div_(self.world_size)
 
+    def local_pieces(self, leave_out: nn.Parameter | None = None) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(gradient, parameter) of the stage's, but `leave_out`'s (the tied matrix's second copy, for the norm)."""
+        return [(p.grad, p) for p in self.trained() if p is not leave_out]
+
     def local_grads(self, leave_out: nn.Parameter | None = None) -> list[torch.Tensor]:
-        """The stage's gradients, but `leave_out`'s (the tied matrix's second copy, for the norm)."""
-        return [p.grad for p in self.trained() if p is not leave_out]
+        return [g for g, _ in self.local_pieces(leave_out)]
 
     def step(self) -> None:
         self.optimizer.step()
@@ -61,7 +70,28 @@ class StageZero(ZeroEngine):
     def __init__(self, model, make_optimizer, weight_decay_groups: list[dict], comm, working_dtype: torch.dtype):
         super().__init__(model, make_optimizer, weight_decay_groups, comm, 1, working_dtype)
 
-    def local_grads(self, leave_out: nn.Parameter | None = None) -> list[torch.Tensor]:
-        """This rank's slices of the stage's gradients, but those of `leave_out`."""
-        return [piece.grad for unit in self.units for i, piece in unit.piece_tensors.items()
+    def local_pieces(self, leave_out: nn.Parameter | None = None) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(this rank's slice of a gradient, its parameter) for the stage's, but those of `leave_out`."""
+        return [(piece.grad, unit.params[i]) for unit in self.units for i, piece in unit.piece_tensors.items()
                 if unit.params[i] is not leave_out]
+
+    def local_grads(self, leave_out: nn.Parameter | None = None) -> list[torch.Tensor]:
+        return [g for g, _ in self.local_pieces(leave_out)]
+
+
+class TensorParallelStageReplicas(TensorParallelMixin, StageReplicas):
+    """StageReplicas of a tensor-parallel stage: whole tensors by name (tp_engine.py)."""
+
+    def __init__(self, model, optimizer, comm: Collectives, tp_comm: Collectives):
+        self.tp_comm = tp_comm
+        super().__init__(model, optimizer, comm)
+
+
+class TensorParallelStageZero(TensorParallelMixin, StageZero):
+    """StageZero of a tensor-parallel stage: ZeRO-1 over the dp ranks of each tensor rank (as
+    tp_engine.py's TensorParallelZeroEngine), whole tensors by name."""
+
+    def __init__(self, model, make_optimizer, weight_decay_groups: list[dict], comm, working_dtype: torch.dtype,
+                 tp_comm: Collectives):
+        self.tp_comm = tp_comm
+        super().__init__(model, make_optimizer, weight_decay_groups, comm, working_dtype)
