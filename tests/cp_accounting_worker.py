@@ -7,12 +7,9 @@ ring's K/V and dK/dV), the bytes saved for backward by the next micro-batch's fo
 (accounting/measure.py) and the model states after its backward, as tests/tp_accounting_worker.py.
 """
 
-import datetime
-import json
 import sys
 
 import torch
-import torch.distributed as dist
 
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
 from lmforge.config import make_config
@@ -22,6 +19,9 @@ from lmforge.precision.loss_scaler import LossScaler
 from lmforge.precision.policy import autocast
 from lmforge.train.loop import train_step
 from lmforge.train.setup import build_engine
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from gather_runs import gather_runs  # noqa: E402
 
 BATCH, ACCUM = 4, 2  # rows per micro-batch (every cp rank of a replica reads the same rows); tokens: train.seq_len
 
@@ -58,18 +58,5 @@ def measure(overrides: list[str]) -> dict:
     return dict(saved=saved.activations, state=model_state_bytes_measured(engine.model, engine.optimizer), sent=sent)
 
 
-def main(out: str, runs: dict):
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results = {}
-    for name, overrides in runs.items():
-        mine = measure(overrides)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        results[name] = every
-    if dist.get_rank() == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], json.loads(sys.argv[2]))
+    gather_runs(lambda name, overrides: measure(overrides))

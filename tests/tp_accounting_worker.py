@@ -8,14 +8,13 @@ forward (accounting/measure.py), and the bytes of parameters, gradients and opti
 its backward.
 """
 
-import datetime
-import json
 import sys
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from gather_runs import gather_runs  # noqa: E402
 from tp_worker import tp_config  # noqa: E402
 
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured  # noqa: E402
@@ -53,18 +52,5 @@ def measure(overrides: list[str]) -> dict:
     return dict(saved=saved.activations, state=model_state_bytes_measured(engine.model, engine.optimizer), sent=sent)
 
 
-def main(out: str, runs: dict):
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results = {}
-    for name, overrides in runs.items():
-        mine = measure(overrides)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        results[name] = every
-    if dist.get_rank() == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], json.loads(sys.argv[2]))
+    gather_runs(lambda name, overrides: measure(overrides))

@@ -9,14 +9,13 @@ micro-batch's saved bytes, the tensors' bytes after its backward) and the engine
 the next micro-batch (after one update).
 """
 
-import datetime
-import json
 import sys
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from gather_runs import gather_runs  # noqa: E402
 from tp_accounting_worker import BATCH, batch  # noqa: E402
 from tp_worker import tp_config  # noqa: E402
 
@@ -47,18 +46,5 @@ def measure(overrides: list[str]) -> dict:
     return dict(saved=saved.activations, held=held, sent=sent, next_loss=loss.item())
 
 
-def main(out: str, runs: dict):
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results = {}
-    for name, overrides in runs.items():
-        mine = measure(overrides)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        results[name] = every
-    if dist.get_rank() == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], json.loads(sys.argv[2]))
+    gather_runs(lambda name, overrides: measure(overrides))

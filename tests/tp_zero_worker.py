@@ -10,14 +10,13 @@ backward, and the data-parallel bytes one step sent.
 """
 
 import copy
-import datetime
-import json
 import sys
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from gather_runs import gather_runs  # noqa: E402
 from parallel_worker import ROWS, global_batches, train  # noqa: E402
 from tp_worker import tp_config  # noqa: E402
 
@@ -63,18 +62,5 @@ def train_from(engine, cfg) -> float:
     return loss.item()
 
 
-def main(out: str, runs: dict):
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results = {}
-    for name, overrides in runs.items():
-        mine = run(name.split("@")[0], overrides)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        results[name] = every
-    if dist.get_rank() == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], json.loads(sys.argv[2]))
+    gather_runs(lambda name, overrides: run(name.split("@")[0], overrides))

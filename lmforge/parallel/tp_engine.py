@@ -95,12 +95,7 @@ class TensorParallelMixin:
     def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
         # fp16-mixed (a loss scaler) is refused with tensor parallelism by parallel/launch.py
         params = [p for p in dict.fromkeys(self.model.parameters()) if p.grad is not None]
-        # a slice held by several ranks (a replicated KV head) is summed over them: counted once
-        squares = [torch.linalg.vector_norm(p.grad, dtype=torch.float32).square() / shard_copies(p) for p in params]
-        sharded = sum((s for s, p in zip(squares, params) if sharded_dim(p) is not None), torch.zeros(()))
-        self.tp_comm.all_reduce(sharded, kind="scalar")
-        whole = sum((s for s, p in zip(squares, params) if sharded_dim(p) is None), torch.zeros(()))
-        total_norm = (sharded + whole).sqrt()
+        total_norm = tp_square_sum([(p.grad, p) for p in params], self.tp_comm).sqrt()
         scale_to_norm([p.grad for p in params], total_norm, max_norm)
         return False, total_norm
 
