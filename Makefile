@@ -29,7 +29,7 @@ test: setup-test
 	$(BIN)/python -m pytest -q
 
 test-dist: setup-test
-	$(BIN)/python -m pytest -q -m dist
+	$(BIN)/python -m pytest -q -m "dist and not slow"
 
 test-all: setup-test
 	$(BIN)/python -m pytest -q -m "slow or dist or not (slow or dist)"

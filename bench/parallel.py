@@ -6,6 +6,9 @@ activations, planned (accounting/) beside measured, and bytes sent per step per 
 Writes a table to stdout and bench/parallel_memory.png.
 
     nice -n 10 python bench/parallel.py [--model tiny] [--steps 10] [--precision fp32]
+
+With --layouts: tensor, sequence, context and pipeline layouts instead (bench/parallel_layouts.py,
+its options after it), per rank, the trainer's own predicted-vs-measured table.
 """
 
 import argparse
@@ -92,6 +95,10 @@ def plan_of(model: str, strategy: str, precision: str) -> dict:
 
 
 def main() -> None:
+    if "--layouts" in sys.argv[1:]:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from parallel_layouts import main as layouts
+        return layouts(sys.argv[1:])
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=10)

@@ -15,6 +15,7 @@ Under torchrun with data parallelism (ddp, zero2 on 2 CPU ranks): bench/step_tim
 """
 
 import argparse
+import dataclasses
 import time
 from collections import defaultdict
 
@@ -40,13 +41,13 @@ def classify(name: str) -> str:
     return "other"
 
 
-def build(model: str, precision: str, batch: int, seq_len: int | None, extra: tuple = ()):
-    """(config, step callable) for one shape: lmforge's engine and train_step on random tokens
-    (`extra`: more overrides, e.g. train.parallel=ddp under torchrun: bench/step_time_dist.py)."""
+def build_parts(model: str, precision: str, batch: int, seq_len: int | None, extra: tuple = ()):
+    """(config, engine, next batch, loss scaler, policy, device) of one shape: lmforge's engine on
+    random tokens (`extra`: more overrides, e.g. train.parallel=ddp under torchrun:
+    bench/step_time_dist.py)."""
     from lmforge.config import make_config
     from lmforge.modes.precision import get_policy
     from lmforge.precision.loss_scaler import LossScaler
-    from lmforge.train.loop import train_step
     from lmforge.train.setup import build_engine
 
     overrides = [f"train.precision={precision}", f"train.batch_size={batch}"]
@@ -61,6 +62,14 @@ def build(model: str, precision: str, batch: int, seq_len: int | None, extra: tu
     def batch_of_tokens():
         w = torch.randint(0, cfg.model.vocab_size, (batch, cfg.seq_len + 1), generator=generator)
         return w[:, :-1], w[:, 1:]
+    return cfg, engine, batch_of_tokens, scaler, policy, device
+
+
+def build(model: str, precision: str, batch: int, seq_len: int | None, extra: tuple = ()):
+    """(config, step callable) for one shape: build_parts's engine and train_step."""
+    from lmforge.train.loop import train_step
+
+    cfg, engine, batch_of_tokens, scaler, policy, device = build_parts(model, precision, batch, seq_len, extra)
 
     def step():
         train_step(engine, batch_of_tokens, cfg.train.grad_accum, cfg.optim.lr, cfg.optim.grad_clip, scaler,
@@ -114,6 +123,28 @@ def profiled(step, steps: int) -> dict:
     return dict(by_class)
 
 
+def warm_rates(device: torch.device) -> dict:
+    """{family: [[bytes per call, bytes/s]]} of each family's call repeated on the same operands (in
+    cache): the warm rates the roof held before its rates after W bytes of writes (roofline v6)."""
+    from lmforge.accounting.roofline_elementwise import ELEMENTWISE_SIZES, _family_calls
+    from lmforge.accounting.roofline_measure import _best_rate
+
+    grid = {}
+    for n in ELEMENTWISE_SIZES:
+        for family, (call, nbytes) in _family_calls(n, device).items():
+            grid.setdefault(family, []).append([nbytes, _best_rate(call, nbytes, device)])
+    return grid
+
+
+def previous_rule(cfg, setup, roof, warm: dict):
+    """`roof` priced as before elementwise_ops_after: the warm rates for a step whose writes fit in
+    the cache, else the cold ones (the same measured roof, for a before/after ratio in one run)."""
+    from lmforge.accounting.roofline_ops import written_bytes
+
+    fits = written_bytes(cfg, setup) <= roof.cache_bytes
+    return dataclasses.replace(roof, elementwise_ops_after={}, elementwise_ops=warm if fits else roof.elementwise_ops)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,small,gpt2-124m")
@@ -128,11 +159,13 @@ def main() -> None:
     from lmforge.accounting.hardware import this_device
     from lmforge.accounting.plan.make import Setup, make_plan
     from lmforge.accounting.roofline_measure import this_roof
+    from lmforge.accounting.roofline_ops import predict_step
     from lmforge.train.host_memory import retain_freed_memory
 
     retain_freed_memory()  # as `lmforge train` (and `lmforge plan`) run
     device = torch.device("cpu")
     roof = this_roof(device, remeasure=args.remeasure)
+    warm = warm_rates(device)
     print(f"roof: {roof.name}; {torch.get_num_threads()} threads, torch {torch.__version__}")
     for model in args.models.split(","):
         for precision in args.precisions.split(","):
@@ -143,9 +176,11 @@ def main() -> None:
             predicted = plan["roofline"]
             measured, timed = measure(step, args.steps, args.warmup)
             ratio = predicted["seconds_per_step"] / measured
+            before = predict_step(cfg.model, setup, previous_rule(cfg.model, setup, roof, warm), "none")
             print(f"\n{model} {precision} batch {args.batch_size} x seq {cfg.seq_len}: predicted "
                   f"{predicted['seconds_per_step'] * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of "
-                  f"{timed}), predicted/measured {ratio:.3f}")
+                  f"{timed}), predicted/measured {ratio:.3f} (warm rates if the step's writes fit the cache, "
+                  f"else cold, instead: {before['seconds_per_step'] / measured:.3f})")
             kernels = profiled(step, args.steps)
             print(f"  {'class':<20}{'predicted ms':>14}{'profiled ms':>14}{'ratio':>8}")
             for cls in [*predicted["classes"], "other"]:

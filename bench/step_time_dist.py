@@ -9,7 +9,8 @@ hide. The prediction is the trainer's: the plan's roofline on this machine's roo
 measured on the launched group (roofline_measure.measure_collective), its communication added in
 full (no overlap assumed). Printed by rank 0: predicted and measured step, their ratio, and the
 communication predicted beside the measured exposed part (1 - exposed / predicted: the share of the
-collectives' time that overlapped compute).
+collectives' time that overlapped compute), and the ratio before the rates after the step's writes
+(warm if one rank's step fits the cache, else cold: step_time.previous_rule).
 
     python bench/step_time_dist.py [--nproc 2] [--parallel ddp,zero2] [--models tiny,small]
                                    [--batch-size 8] [--steps 5] [--warmup 2] [--remeasure]
@@ -27,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_time import build, measure  # noqa: E402
+from step_time import build, measure, previous_rule, warm_rates  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -71,6 +72,7 @@ def main() -> None:
     from lmforge.accounting.hardware import this_device
     from lmforge.accounting.plan.make import Setup, make_plan
     from lmforge.accounting.roofline_measure import measure_collective, this_roof
+    from lmforge.accounting.roofline_ops import predict_step
     from lmforge.modes.parallel import get_strategy
     from lmforge.train.host_memory import retain_freed_memory
 
@@ -79,13 +81,14 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
     roof = this_roof(device, remeasure=args.remeasure) if rank == 0 else None
+    warm = warm_rates(device) if rank == 0 else None  # for the previous rule's ratio (step_time.previous_rule)
     dist.barrier()
     collective = measure_collective()
     if rank == 0:
         print(f"roof: {roof.name}; {world} ranks on {collective['backend']}, all-reduce latency "
               f"{collective['latency_s'] * 1e6:.0f} us, {collective['bytes_per_second'] / 1e9:.2f} GB/s")
         print(f"{'model':<8}{'strategy':<9}{'predicted ms':>13}{'measured ms':>12}{'pred/meas':>10}"
-              f"{'comm pred ms':>13}{'exposed ms':>11}{'hidden':>8}")
+              f"{'comm pred ms':>13}{'exposed ms':>11}{'hidden':>8}{'before':>8}")
     for model in args.models.split(","):
         _, alone = timed(model, args, "none")
         for strategy in args.parallel.split(","):
@@ -94,13 +97,15 @@ def main() -> None:
                 continue
             setup = Setup.from_config(cfg, mfu=1.0, dp=world, zero_stage=get_strategy(strategy).zero_stage)
             name, peak, memory = this_device(setup.policy.matmul_dtype, device)
-            plan = make_plan(cfg.model, setup, (name, peak, memory), dataclasses.replace(roof, collective=collective))
-            predicted = plan["roofline"]
+            measured_roof = dataclasses.replace(roof, collective=collective)
+            predicted = make_plan(cfg.model, setup, (name, peak, memory), measured_roof)["roofline"]
+            before = predict_step(cfg.model, setup, previous_rule(cfg.model, setup, measured_roof, warm), strategy)
             comm = predicted["classes"].get("communication", {}).get("seconds", 0.0)
             exposed = measured - alone
             print(f"{model:<8}{strategy:<9}{predicted['seconds_per_step'] * 1e3:>13.1f}{measured * 1e3:>12.1f}"
                   f"{predicted['seconds_per_step'] / measured:>10.3f}{comm * 1e3:>13.1f}{exposed * 1e3:>11.1f}"
-                  f"{(1 - exposed / comm if comm else float('nan')):>8.0%}")
+                  f"{(1 - exposed / comm if comm else float('nan')):>8.0%}"
+                  f"{before['seconds_per_step'] / measured:>8.3f}")
     dist.destroy_process_group()
 
 

@@ -14,7 +14,6 @@ Scratch for finding a class's miss; bench/RESULTS.md's figures come from step_ti
 """
 
 import argparse
-import dataclasses
 import time
 from collections import defaultdict
 
@@ -25,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline import op_time
-from lmforge.accounting.roofline_ops import op_of, written_bytes
+from lmforge.accounting.roofline_ops import op_of, step_roof
 from lmforge.accounting.roofline_trace import _BOOKKEEPING, Record, _meta
 
 
@@ -73,8 +72,7 @@ def main() -> None:
     retain_freed_memory()
     roof = this_roof(torch.device("cpu"), remeasure=True, store=False)
     cfg, step = build(args.model, args.precision, args.batch_size, args.seq_len)
-    if roof.elementwise_ops_warm and written_bytes(cfg.model, Setup.from_config(cfg)) <= roof.cache_bytes:
-        roof = dataclasses.replace(roof, elementwise_ops=roof.elementwise_ops_warm)  # as predict_step does
+    roof = step_roof(cfg.model, Setup.from_config(cfg), roof)  # as predict_step prices it
     clock = _Clock(roof)
     register_optimizer_step_pre_hook(lambda *_: setattr(clock, "phase", "optimizer"))
     register_optimizer_step_post_hook(lambda *_: setattr(clock, "phase", "step"))

@@ -2,8 +2,9 @@
 (not a test module itself): pipelines with LoRA, ZeRO-1 over each stage's replicas, each precision,
 full fine-tunes, compile and recomputation, trained a few steps as tests/pipeline_worker.py trains
 them; rank 0 saves, per run, the whole model by name (replica 0's stages), the losses and
-norms, each rank's state bytes after the first step, the optimizer state's names, and whether a
-fresh engine that loads the state by name continues exactly as the trained one."""
+norms, each rank's state bytes, sent bytes (by kind) and activations in flight after the first
+step, the optimizer state's names, and whether a fresh engine that loads the state by name
+continues exactly as the trained one."""
 
 import copy
 import datetime
@@ -60,11 +61,16 @@ def train_and_measure(overrides: list[str]) -> dict:
     def step_and_measure():  # the bytes held once the first step has made the optimizer states
         original_step()
         held.setdefault("bytes", {**engine.state_bytes(), "sent": engine.comm.sent_bytes("model"),
-                                  "sent_optimizer": engine.comm.sent_bytes("optimizer")})
+                                  "sent_optimizer": engine.comm.sent_bytes("optimizer"),
+                                  "sent_p2p": dict(engine.p2p_sent),
+                                  "sent_tied": engine.tied_comm.sent_bytes("tied") if engine.tied_comm else 0.0,
+                                  "sent_tp": engine.tp_comm.sent_bytes("tp") if engine.tp_comm else 0.0,
+                                  "in_flight": dict(engine.in_flight)})
     engine.step = step_and_measure
     losses, norms = train(engine, cfg, cfg.train.micro_batches, engine.replica, engine.replicas)
     engine.step = original_step
-    mine = {"stage": engine.layout.stage, "replica": engine.replica, "model": engine.model_state_dict(),
+    mine = {"stage": engine.layout.stage, "replica": engine.replica, "tp_rank": engine.layout.tp_rank,
+            "model": engine.model_state_dict(),
             "bytes": held["bytes"], "trainable": sorted(n for n, p in engine.model.named_parameters()
                                                         if p.requires_grad)}
     parts = [None] * dist.get_world_size()
@@ -74,7 +80,8 @@ def train_and_measure(overrides: list[str]) -> dict:
         whole.update(part["model"] if part["replica"] == 0 else {})
     optimizer_names = [n for g in engine.optimizer_state_dict()["param_groups"] for n in g["params"]]
     return dict(model=whole, losses=losses, norms=norms, optimizer_names=optimizer_names,
-                bytes={(p["replica"], p["stage"]): p["bytes"] for p in parts},
+                bytes={(p["replica"], p["stage"]): p["bytes"] for p in parts},  # one tensor rank's
+                rank_bytes={(p["replica"], p["stage"], p["tp_rank"]): p["bytes"] for p in parts},
                 trainable={(p["replica"], p["stage"]): p["trainable"] for p in parts},
                 replicas_equal=all(torch.equal(part["model"][k], whole[k]) for part in parts
                                    for k in part["model"]),

@@ -183,7 +183,7 @@ def kill_rank_after_first_checkpoint(command: list[str], run_dir, cwd, rank: int
             proc.kill()
     assert proc.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("lmforge: error:")]
-    assert errors, stderr[-3000:]
+    assert errors, stderr[-12000:]
     return errors
 
 

@@ -2,6 +2,11 @@
 a setup that cannot work before any work (lmforge/parallel/world.py). The runs under torchrun are
 in test_distributed_train.py (marker `dist`)."""
 
+import signal
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -98,3 +103,42 @@ def test_the_command_refuses_a_parallel_run_without_processes_before_any_write(t
     assert main(["train", "--model", "tiny", "--nproc", "2", "--out", "run"]) == 2
     assert "--nproc 2 needs a way to share the work: add train.parallel=ddp" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+LAUNCHER = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+time.sleep(60)  # killed long before
+"""
+RANK = """
+import os, sys, time
+from lmforge.parallel import world as world_module
+from lmforge.parallel.world import World, watch_launcher
+world = World(rank=0, world_size=2, local_rank=0, device=None, launcher_pid=watch_launcher())
+open(sys.argv[1] + ".ready", "w").close()
+deadline = time.monotonic() + 60
+while not world._launcher_gone() and time.monotonic() < deadline:
+    time.sleep(0.05)
+with open(sys.argv[1], "w") as f:
+    f.write(f"gone={world._launcher_gone()} signalled={bool(world_module._LAUNCHER_DEATH_RECEIVED)}")
+"""
+
+
+def test_a_rank_learns_at_once_that_its_launcher_was_killed(tmp_path):
+    """A real SIGKILL to a real parent: the kernel's death signal reaches the child's handler (not
+    SIGTERM, which would read as a plain stop request while the parent's threads still exit)."""
+    report = tmp_path / "report"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, RANK, str(report)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "report.ready").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGKILL)
+        while not report.exists() or not report.read_text():
+            assert time.monotonic() < deadline, "the child never saw its launcher die"
+            time.sleep(0.05)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert report.read_text() == "gone=True signalled=True"

@@ -1,6 +1,8 @@
 """Faults under torchrun, each with a real signal to a real rank or launcher (issue 26, part 5).
 
 - rank 0 killed (SIGKILL) or hung (SIGSTOP): the surviving rank prints the one lmforge line;
+- a rank stuck in a collective when SIGTERM comes (torchrun's agent stopping the survivors) still
+  says who is missing (train/signals.py's watch);
 - torchrun's agent killed (SIGKILL): its ranks see their parent gone, save and stop, and release
   the run folder's lock (parallel/world.py, watch_launcher);
 - SIGTERM to torchrun: the line printed says the torchrun command that resumes, and it does;
@@ -187,3 +189,26 @@ def test_the_nproc_launcher_refuses_as_one_process_does(tmp_path, settings):
                             cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=env())
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert len(errors(result.stderr)) == 1 and "already exists" in result.stderr, result.stderr[-3000:]
+
+
+def test_a_rank_stuck_in_a_collective_when_sigterm_comes_says_who_is_missing(tmp_path):
+    """tests/stuck_worker.py: rank 0 waits in dist.recv for a rank that never sends; a real SIGTERM
+    reaches rank 0 there (its Python handler cannot run), and the watch takes the roll call."""
+    worker = Path(__file__).parent / "stuck_worker.py"
+    proc = start([*torchrun(2)[:5], str(worker)], tmp_path)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (tmp_path / "waiting").exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "rank 0 never started waiting"
+            time.sleep(0.2)
+        time.sleep(1.0)  # inside dist.recv by now
+        os.kill(rank_pid(proc.pid, 0), signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)  # the group's own timeout is 300 s
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    errors = [line for line in stderr.splitlines() if line.startswith("lmforge: error:")]
+    assert errors == ["lmforge: error: rank 1 stopped answering (died or hangs); rank 0 stops too (stopped by "
+                      "torchrun's agent while waiting in a collective); continue from the last checkpoint with "
+                      "the same launch command and --resume"], stderr[-3000:]

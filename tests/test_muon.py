@@ -147,15 +147,21 @@ def test_shape_needing_optimizers_are_refused_where_the_shards_lose_the_shapes(n
     assert check_launch(ok, (0, 2, 0), cuda_devices=0) == torch.device("cpu")
 
 
-def test_whole_matrix_optimizers_are_refused_with_tensor_parallelism():
+def test_tensor_parallelism_takes_muon_under_none_and_ddp_and_refuses_adafactor():
+    """Muon gathers each split matrix over tp (parallel/tp_engine.py), where the optimizer holds
+    whole tp slices; Adafactor's factored moment is refused (tests/test_tp.py has the rest)."""
     from lmforge.common.errors import LmforgeError
     from lmforge.parallel.launch import check_launch
 
-    for name in ("muon", "adafactor"):
-        cfg = make_config("tiny", overrides=[f"optim.name={name}", "parallel.tp=2", "train.parallel=none",
-                                             "train.sample_tokens=0", "train.device=cpu"])
-        with pytest.raises(LmforgeError, match=f"optim.name={name} does not combine with parallel.tp=2"):
-            check_launch(cfg, (0, 2, 0), cuda_devices=0)
+    def cfg(name, strategy):
+        return make_config("tiny", overrides=[f"optim.name={name}", "parallel.tp=2", f"train.parallel={strategy}",
+                                              "train.sample_tokens=0", "train.device=cpu"])
+    assert check_launch(cfg("muon", "none"), (0, 2, 0), cuda_devices=0) == torch.device("cpu")
+    assert check_launch(cfg("muon", "ddp"), (0, 4, 0), cuda_devices=0) == torch.device("cpu")
+    with pytest.raises(LmforgeError, match="muon does not combine with parallel.tp=2 and train.parallel=zero1"):
+        check_launch(cfg("muon", "zero1"), (0, 4, 0), cuda_devices=0)
+    with pytest.raises(LmforgeError, match="optim.name=adafactor does not combine with parallel.tp=2"):
+        check_launch(cfg("adafactor", "none"), (0, 2, 0), cuda_devices=0)
 
 
 def lora_run(name: str, steps: int = 4):

@@ -35,12 +35,12 @@ M = 4  # micro-batches per step
 FOUR_LAYERS = ["model.n_layers=4"]
 
 
-def run_worker(tmp_path, ranks: int, runs: dict, worker: Path = WORKER) -> dict:
+def run_worker(tmp_path, ranks: int, runs: dict, worker: Path = WORKER, timeout: int = TIMEOUT) -> dict:
     """`worker` under torchrun on `ranks` ranks, given `runs` (name -> overrides); its saved results."""
     out = tmp_path / f"{ranks}.pt"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
                              f"--master_port={free_port()}", str(worker), str(out), json.dumps(runs)],
-                            capture_output=True, text=True, timeout=TIMEOUT, env=env())
+                            capture_output=True, text=True, timeout=timeout, env=env())
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out, weights_only=False)
 
@@ -59,7 +59,7 @@ def single_process(m: int, replicas: int = 1, *extra: str) -> dict:
     return dict(model=engine.model_state_dict(), losses=losses, norms=norms)
 
 
-def assert_same_training(result: dict, reference: dict, lr: float = 3e-3):
+def assert_same_training(result: dict, reference: dict, lr: float = 3e-3, atol: float = 1e-6):
     assert result["losses"] == pytest.approx(reference["losses"], rel=1e-6)
     assert result["norms"] == pytest.approx(reference["norms"], rel=1e-5)
     ref = reference["model"]
@@ -67,7 +67,8 @@ def assert_same_training(result: dict, reference: dict, lr: float = 3e-3):
     assert set(ref) - set(result["model"]) <= {"lm_head.weight"} and set(result["model"]) <= set(ref)
     diff = torch.cat([(result["model"][k] - ref[k]).abs().flatten() for k in result["model"]])
     assert diff.max().item() <= 2 * STEPS * lr
-    assert (diff > 1e-6).float().mean().item() <= 1e-3
+    assert (diff > atol).float().mean().item() <= 1e-3, ((diff > 1e-6).float().mean().item(),
+                                                        (diff > 1e-5).float().mean().item(), diff.max().item())
     assert result["replicas_equal"]  # every replica, and both copies of a tied matrix, hold the same numbers
 
 

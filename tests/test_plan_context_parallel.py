@@ -58,10 +58,20 @@ def test_tp_times_cp_turns_sequence_parallelism_off(capsys):
     assert "tensor_parallel" in plan["communication"]
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_shards_the_model_states_over_dp_times_cp(capsys, stage):
+    """Each cp rank is one more replica to ZeRO (parallel/cp_engine.py): on dp 2 x cp 2 its states
+    are those of ZeRO over 4 replicas without cp (measured == in tests/test_cp_zero_dist.py)."""
+    keys = ("parameters", "gradients", "master_weights", "optimizer_states")
+    cp = plan_json(capsys, "--cp", "2", "--dp", "2", "--zero-stage", str(stage))
+    dp4 = plan_json(capsys, "--dp", "4", "--zero-stage", str(stage))
+    assert {k: cp["memory"]["breakdown_bytes"][k] for k in keys} == {k: dp4["memory"]["breakdown_bytes"][k] for k in keys}
+    assert cp["communication"]["strategy"] == f"zero{stage}" and cp["communication"]["ranks"] == 4
+    assert cp["communication"]["sent_bytes"] == dp4["communication"]["sent_bytes"]
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--pp", "2"], "cp 2 does not combine with a pipeline"),
-    (["--zero-stage", "1"], "cp 2 does not combine with ZeRO or FSDP"),
-    (["--tp", "2", "--sequence-parallel"], "cp 2 does not combine with sequence parallelism"),
     (["--seq-len", "3"], "cp 2 does not combine with a sequence shorter than 2 x cp = 4 tokens"),
     (["model.dropout=0.1"], "cp 2 does not combine with dropout"),
 ])

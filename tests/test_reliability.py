@@ -24,7 +24,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.common.folder_lock import FolderLock, lock_path
 from lmforge.runs.checkpoint.find import find_checkpoint, list_checkpoints, verify_checkpoint
-from lmforge.train.signals import StopRequests
+from lmforge.train.signals import StopRequests, Stopped
 from tests.conftest import tiny_overrides
 
 DEADLINE_S = 180  # for any one wait; generous for a loaded 2-core machine
@@ -141,6 +141,39 @@ def test_a_second_ctrl_c_interrupts_at_once():
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is previous
+
+
+REPORTING_RANK = """
+import os, signal, sys
+from lmforge.train.signals import StopRequests
+try:
+    with StopRequests():
+        raise RuntimeError("a peer died")
+except RuntimeError:
+    os.kill(os.getpid(), signal.SIGTERM)  # torchrun's agent, the moment it sees the peer die
+    print("lmforge: error: the peer died", file=sys.stderr, flush=True)
+    sys.exit(2)
+"""
+
+
+def test_a_rank_reporting_an_error_under_torchrun_outlives_the_agents_sigterm():
+    """A real process, a real SIGTERM after the block is left on an error: under torchrun (WORLD_SIZE
+    set) the error is still said and the exit status is the error's; alone, SIGTERM kills as usual."""
+    under_torchrun = subprocess.run([sys.executable, "-c", REPORTING_RANK], capture_output=True, text=True,
+                                    env={**os.environ, "WORLD_SIZE": "2"}, timeout=60)
+    assert (under_torchrun.returncode, under_torchrun.stderr) == (2, "lmforge: error: the peer died\n")
+    alone = subprocess.run([sys.executable, "-c", REPORTING_RANK], capture_output=True, text=True,
+                           env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}, timeout=60)
+    assert alone.returncode == -signal.SIGTERM
+
+
+def test_a_stop_leaves_the_handlers_as_they_were_under_torchrun(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped):
+        with StopRequests():
+            raise Stopped(signal.SIGTERM, 3, None)
+    assert signal.getsignal(signal.SIGTERM) is previous
 
 
 def test_one_prepare_per_data_folder_and_a_killed_ones_leftovers_are_removed(tmp_path, corpus_dir):

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline import Roof, family_of, memory_rate, op_time
-from lmforge.accounting.roofline_measure import cache_bytes
+from lmforge.accounting.roofline_elementwise import cache_bytes
 from lmforge.accounting.roofline_ops import Op, op_of, predict_step, written_bytes
 from lmforge.accounting.roofline_trace import trace_step
 from lmforge.config import make_config
@@ -53,15 +53,17 @@ def test_an_inplace_op_falls_back_to_its_familys_rate_on_an_older_roof():
 
 
 def _roof(cold: float, warm: float, cache: float = 0.0) -> Roof:
-    """Flat rates: `cold` bytes/s for elementwise families out of cache, `warm` in it, the binary
-    family 10x faster at 1 MB a call than at 1 kB."""
+    """Flat rates: `cold` bytes/s for elementwise families out of cache, `warm` after up to
+    `cache` bytes of other writes (cold again after 4x that), the binary family 10x faster at 1 MB
+    a call than at 1 kB; no cache (0): no grid by writes."""
     flat = {d: [[1, 1, 1, 1e12]] for d in ("float32", "bfloat16")}
     flat2 = {d: [[1, 1, 1e12]] for d in ("float32", "bfloat16")}  # SDPA's (T, head_dim) grids
     families = {f: [[1, cold]] for f in ("unary", "copy", "reduce", "vector_norm", "softmax")}
     families["binary"] = [[1e3, cold], [1e6, 10 * cold]]
-    hot = {f: [[1, warm]] for f in families}
+    after = {f: [[size, cache, warm] for size, _ in rows] + [[size, 4 * cache, rate] for size, rate in rows]
+             for f, rows in families.items()} if cache else {}
     return Roof("synthetic", 1e11, flat, flat2, flat2, [[1, cold]], elementwise_ops=families,
-                elementwise_ops_warm=hot, cache_bytes=cache)
+                elementwise_ops_after=after, cache_bytes=cache)
 
 
 def test_a_foreach_op_streams_its_whole_list_and_an_elementwise_op_each_call():
@@ -75,11 +77,12 @@ def test_a_foreach_op_streams_its_whole_list_and_an_elementwise_op_each_call():
 
 def test_a_step_that_fits_in_the_cache_is_priced_warm():
     """The same step on two roofs that differ only in cache size: written_bytes under the cache
-    reads the warm grid (100x faster here), so norms/elementwise' memory time drops 100x."""
+    reads the warm rates (100x faster here), 4x over it the cold ones, so norms/elementwise' memory
+    time drops 10-100x (binary's cold rate is 10x faster at 1 MB a call)."""
     cfg = make_config("tiny")
     setup = Setup.from_config(cfg)
     written = written_bytes(cfg.model, setup)
-    cold = predict_step(cfg.model, setup, _roof(1e9, 1e11, cache=written / 2), cfg.train.parallel)
+    cold = predict_step(cfg.model, setup, _roof(1e9, 1e11, cache=written / 4), cfg.train.parallel)
     warm = predict_step(cfg.model, setup, _roof(1e9, 1e11, cache=written), cfg.train.parallel)
     ratio = cold["classes"]["norms/elementwise"]["memory_s"] / warm["classes"]["norms/elementwise"]["memory_s"]
     # every norms/elementwise op has a family here (flat 1e9 cold) but binary's 1e10 at >= 1 MB a call

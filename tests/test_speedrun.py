@@ -64,11 +64,18 @@ def test_the_ablation_adds_and_removes_each_technique():
     assert len(runs) == 2 + 2 * len(best)
 
 
+def test_a_recipe_plus_a_technique_adds_it():
+    runs = speedrun.plan_runs(["speedrun+ns4", "ns3"], ablation=False)
+    assert runs == {"baseline": [], "speedrun+ns4": [*speedrun.RECIPES["speedrun"], "ns4"], "ns3": ["ns3"]}
+    with pytest.raises(speedrun.LmforgeError, match="unknown recipe 'ns9'"):
+        speedrun.plan_runs(["speedrun+ns9"], ablation=False)
+
+
 def test_an_unknown_recipe_or_override_is_one_line(tmp_path):
     done = script("--dry-run", "--recipes", "bestt", "--out", str(tmp_path))
     assert done.returncode == 2 and done.stderr.strip() == (
         f"speedrun: error: unknown recipe 'bestt'; recipes: {', '.join(speedrun.RECIPES)}; "
-        f"or one technique: {', '.join(speedrun.TECHNIQUES)}")
+        f"or one technique: {', '.join(speedrun.TECHNIQUES)}; a recipe+technique adds one")
     done = script("--dry-run", "--recipes", "best", "--out", str(tmp_path), "train.max_step=5")
     assert done.returncode == 2 and "unknown config key 'train.max_step'" in done.stderr
     assert not any(tmp_path.iterdir())  # nothing written
@@ -93,3 +100,61 @@ def test_a_real_run_on_tiny_reports_ratios_tokens_and_a_plot(corpus_dir, data_di
     ratio = results["ratios"]["lr2x"]["per_seed"]["1"]
     assert ratio == pytest.approx(results["runs"][1]["seconds"] / results["runs"][0]["seconds"])
     assert (tmp_path / "sr.png").stat().st_size > 0 and "time/baseline geometric mean" in done.stdout
+
+
+def test_every_recipe_is_evaluated_at_the_same_token_counts(tmp_path):
+    """EVAL_TOKENS in each recipe's steps: batch 8 x 256 every 20 steps, batch 16 every 10."""
+    args = speedrun.parse_args(["--out", str(tmp_path)])
+    for techniques, interval in (([], 20), (["batch16"], 10)):
+        words = speedrun.run_overrides(args, techniques, 1, tmp_path)
+        cfg = make_config("small", overrides=words)
+        assert cfg.train.eval_interval == cfg.train.log_interval == interval
+        assert interval * cfg.train.batch_size * cfg.seq_len == speedrun.EVAL_TOKENS
+    given = speedrun.run_overrides(speedrun.parse_args(["--out", str(tmp_path), "train.eval_interval=7"]), [], 1, tmp_path)
+    assert make_config("small", overrides=given).train.eval_interval == 7  # the user's setting wins
+
+
+spec_cost = importlib.util.spec_from_file_location("speedrun_cost", ROOT / "bench" / "speedrun_cost.py")
+speedrun_cost = importlib.util.module_from_spec(spec_cost)
+spec_cost.loader.exec_module(speedrun_cost)
+
+
+def test_a_cost_run_is_the_recipe_for_a_few_steps_without_evaluation_or_target(tmp_path):
+    args = speedrun_cost.main.__globals__["argparse"].Namespace(steps=7, overrides=["train.batch_size=4"])
+    cfg = make_config("small", overrides=speedrun_cost.cost_overrides(args, ["batch16", "muon"], 2, tmp_path))
+    assert (cfg.train.max_steps, cfg.train.eval_interval, cfg.train.log_interval) == (7, 0, 7)
+    assert cfg.train.target_loss is None and cfg.optim.name == "muon" and cfg.train.precision == "bf16-mixed"
+    assert cfg.train.batch_size == 4 and cfg.train.seed == speedrun.FIRST_SEED + 1  # the user's last; round 2
+
+
+@pytest.mark.slow
+def test_the_cost_pass_on_tiny_sets_each_rate_against_the_baseline(corpus_dir, data_dir, tmp_path):
+    overrides = [o for o in tiny_overrides(corpus_dir, data_dir)
+                 if not any(key in o for key in ("max_steps", "interval", "batch_size"))]
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "speedrun_cost.py"), "--model", "tiny", "--steps", "3",
+                           "--rounds", "1", "--recipes", "batch16", "--out", str(tmp_path / "cost"), *overrides],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    cost = json.loads((tmp_path / "cost" / "cost.json").read_text())
+    assert cost["cost_ratio"]["baseline"] == 1.0
+    assert cost["cost_ratio"]["batch16"] == pytest.approx(cost["rates"]["batch16"][0] / cost["rates"]["baseline"][0])
+    summary = json.loads((tmp_path / "cost" / "round1" / "batch16" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["tokens_trained"] == 3 * 16 * 64  # batch16's 16 windows of 64
+
+
+def test_the_ablation_can_be_one_kind_of_row():
+    best = speedrun.RECIPES["best"]
+    removed = speedrun.plan_runs(["best"], ablation="removed")
+    assert list(removed) == ["baseline", "best", *(f"best-{t}" for t in best)]
+    added = speedrun.plan_runs(["best"], ablation="added")
+    assert list(added) == ["baseline", "best", *(f"+{t}" for t in best)]
+    assert speedrun.parse_args(["--ablation", "removed"]).ablation == "removed"
+    assert speedrun.parse_args(["--ablation"]).ablation is True
+
+
+def test_the_shipped_speedrun_recipe_is_the_benchs_best():
+    """recipes/speedrun.yaml (`lmforge train --config recipes/speedrun.yaml`) trains what the bench measured."""
+    shipped = make_config("small", path=ROOT / "recipes" / "speedrun.yaml")
+    bench = make_config("small", overrides=[*speedrun.BASELINE, *speedrun.overrides_of(speedrun.RECIPES["speedrun"]),
+                                            "train.max_steps=240"])
+    assert (shipped.model, shipped.optim, shipped.train) == (bench.model, bench.optim, bench.train)

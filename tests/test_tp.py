@@ -77,25 +77,24 @@ def test_apply_keeps_names_splits_shapes_and_refuses_twice():
     (["parallel.tp=2"], (0, 4, 0), "2 replicas x parallel.tp=2: the replicas share their gradients by "
                                    "train.parallel=ddp"),
     (["parallel.tp=2", "train.parallel=zero2", "optim.name=muon"], (0, 4, 0), "muon does not combine with parallel.tp=2"),
-    (["parallel.tp=4", "train.parallel=fsdp"], (0, 8, 0),
-     "does not combine with model.n_kv_heads: fewer KV heads than ranks are replicated .* FSDP2"),
+    (["parallel.tp=2", "parallel.cp=2", "train.parallel=ddp", "optim.name=muon"], (0, 4, 0),
+     "muon does not combine with parallel.tp=2 and parallel.cp=2"),
+    (["parallel.tp=2", "train.pipeline_stages=2", "optim.name=muon"], (0, 4, 0),
+     "muon does not combine with parallel.tp=2 and train.pipeline_stages=2"),
+    (["parallel.tp=2", "optim.name=adafactor"], (0, 2, 0), "adafactor does not combine with parallel.tp=2: its"),
     (["parallel.tp=3", "model.n_heads=6", "model.n_kv_heads=2", "model.d_model=48"], (0, 3, 0),
      r"must divide the KV heads \(model.n_kv_heads\) = 2 or be a multiple of them"),
     (["parallel.tp=2", "model.vocab_size=511"], (0, 2, 0), "must divide model.vocab_size = 511"),
     (["parallel.tp=2", "train.pipeline_stages=2"], (0, 2, 0), r"the world must be \(stages x replicas x tp\)"),
-    (["parallel.tp=2", "train.pipeline_stages=2", "train.pipeline_engine=torch"], (0, 4, 0),
-     "does not combine with train.pipeline_engine"),
     (["parallel.tp=2", "train.pipeline_stages=2", "train.parallel=zero2"], (0, 8, 0),
      "zero2 does not combine with train.pipeline_stages=2"),
-    (["parallel.tp=2", "train.pipeline_stages=2", "parallel.sequence_parallel=true"], (0, 4, 0),
-     "does not combine with parallel.sequence_parallel"),
-    (["parallel.tp=2", "train.precision=fp16-mixed"], (0, 2, 0), "does not combine with train.precision"),
+    (["parallel.tp=2", "train.pipeline_stages=2", "parallel.sequence_parallel=true", "train.pipeline_engine=torch"],
+     (0, 4, 0), "does not combine with parallel.sequence_parallel: train.pipeline_engine=torch"),
+    (["parallel.tp=2", "train.precision=fp8", "parallel.sequence_parallel=true"], (0, 2, 0),
+     "does not combine with train.precision: fp8's split linears would keep the gathered input"),
     (["parallel.tp=2", "train.loss_chunk_tokens=64"], (0, 2, 0), "does not combine with train.loss_chunk_tokens"),
-    (["parallel.tp=2", "model.dropout=0.1"], (0, 2, 0), "does not combine with model.dropout"),
-    (["parallel.tp=2", "finetune.lora_rank=4", "finetune.lora_dropout=0.1"], (0, 2, 0), "set finetune.lora_dropout=0"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "train.sample_tokens=10"], (0, 2, 0),
      "cannot be split along the sequence"),
-    (["parallel.tp=2", "model.logit_softcap=30"], (0, 2, 0), "does not soft-cap the logits"),
     (["parallel.sequence_parallel=true"], None, "set parallel.tp > 1"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=33"], (0, 2, 0), "use a multiple of 2"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "model.family=gpt", "model.n_kv_heads=null"], (0, 2, 0),
@@ -111,12 +110,14 @@ def test_launches_accepted():
     base = ["train.device=cpu", "train.sample_tokens=0", "parallel.tp=2"]
     assert check_launch(make_config("tiny", overrides=base), (1, 2, 1), 0).type == "cpu"
     assert check_launch(make_config("tiny", overrides=[*base, "train.parallel=ddp"]), (3, 4, 3), 0).type == "cpu"
+    for muon in (["optim.name=muon"], ["optim.name=muon", "train.parallel=ddp"]):  # gathered over tp (tp_engine.py)
+        assert check_launch(make_config("tiny", overrides=[*base, *muon]), (1, 2 * len(muon), 1), 0).type == "cpu"
     for strategy in ("zero1", "zero2", "zero3", "fsdp"):  # sharded replicas (parallel/tp_engine.py)
         assert check_launch(make_config("tiny", overrides=[*base, f"train.parallel={strategy}"]), (3, 4, 3), 0).type == "cpu"
-    # fewer KV heads than ranks (tiny: 2), replicated: alone, or replicas by ddp or ZeRO (not FSDP2: refused)
+    # fewer KV heads than ranks (tiny: 2), replicated: alone, or replicas by ddp, ZeRO or FSDP2 (tp_engine.py)
     kv = ["train.device=cpu", "train.sample_tokens=0", "parallel.tp=4"]
     assert check_launch(make_config("tiny", overrides=kv), (1, 4, 1), 0).type == "cpu"
-    for strategy in ("ddp", "zero1", "zero2", "zero3"):
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
         assert check_launch(make_config("tiny", overrides=[*kv, f"train.parallel={strategy}"]), (3, 8, 3), 0).type == "cpu"
 
 

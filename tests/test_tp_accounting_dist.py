@@ -49,6 +49,14 @@ def planned(overrides: list[str], world: int) -> dict:
                       "model": dp["sent_bytes"]})
 
 
+# LoRA on the whole (non-pipeline) model: the plan's tensor-parallel LoRA and recompute terms
+# (accounting/comm.py), added for pipelines, against a measured run's traffic
+LORA = ["parallel.tp=2", "finetune.lora_rank=4"]
+MLP_TARGETS = "finetune.lora_targets=q_proj,v_proj,o_proj,gate_proj,down_proj"  # both kinds, both regions
+LORA_RUNS = {"tp2+lora": LORA, "tp2+lora+recompute": [*LORA, "train.recompute=full"],
+             "tp2+lora(mlp)+recompute": [*LORA, MLP_TARGETS, "train.recompute=full"]}
+
+
 # Korthikanti et al. 2022, table 2, by measurement: one layer's bytes are the difference between
 # the model of 2 layers and of 1 (the embedding, head and loss are the same in both)
 ONE_LAYER = "model.n_layers=1"
@@ -58,7 +66,7 @@ TABLE2_RUNS = {"tp1": ["parallel.tp=1"], "tp1@L1": ["parallel.tp=1", ONE_LAYER],
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return run_worker(tmp_path_factory.mktemp("tp-accounting"), 2, {**RUNS, **TABLE2_RUNS}, WORKER)
+    return run_worker(tmp_path_factory.mktemp("tp-accounting"), 2, {**RUNS, **TABLE2_RUNS, **LORA_RUNS}, WORKER)
 
 
 @pytest.mark.parametrize("run", list(RUNS))
@@ -67,6 +75,21 @@ def test_plan_equals_measured_per_rank(two_ranks, run):
     plan = planned(RUNS[run], 2)
     for rank, measured in enumerate(two_ranks[run]):
         assert measured == plan, (run, rank)
+
+
+@pytest.mark.parametrize("run", list(LORA_RUNS))
+def test_lora_tensor_parallel_traffic_equals_the_plan(two_ranks, run):
+    """tp=2 LoRA (fp32; and train.recompute=full): the bytes each tensor rank sends in a step
+    (kind "tp") == the plan's, its LoRA and recompute terms included; no data-parallel traffic."""
+    cfg = tp_config(2, 2, [f"train.batch_size={BATCH}", *LORA_RUNS[run]])
+    t, f = cfg.train, cfg.finetune
+    plan = tensor_parallel_communication(cfg.model, BATCH, SEQ, 2, False, get_policy(t.precision), t.grad_accum,
+                                         recompute=t.recompute, lora=(f.lora_rank, f.lora_targets))
+    without_lora = tensor_parallel_communication(cfg.model, BATCH, SEQ, 2, False, get_policy(t.precision),
+                                                 t.grad_accum, recompute=t.recompute)
+    assert plan["sent_bytes"] != without_lora["sent_bytes"]  # the LoRA terms are there to be checked
+    for rank, measured in enumerate(two_ranks[run]):
+        assert measured["sent"] == {"tp": plan["sent_bytes"], "model": 0.0}, (run, rank)
 
 
 def test_korthikanti_table2_rows_by_measurement(two_ranks):

@@ -31,6 +31,14 @@ def test_lmforge_train_pp2_x_tp2_trains_as_one_process_and_resumes_in_one_proces
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["parameters"] == json.loads((reference / "summary.json").read_text())["parameters"]
     assert summary["pipeline"]["stages"] == 2
+    # one rank per stage measured (tensor rank 0), not both tensor ranks of stage 0: stage 1's
+    # saved bytes are its own (the plan's), and the timeline has one row per stage
+    assert len(summary["pipeline"]["measured_by_stage"]) == len(summary["pipeline"]["idle_fraction_per_stage"]) == 2
+    # the end-of-run table: each stage's bytes and rank 0's tensor-parallel traffic as planned, exactly
+    rows = summary["predicted_vs_measured"]
+    for row in [f"stage {s} {k}_bytes" for s in (0, 1) for k in ("parameters", "gradients", "optimizer_states",
+                                                                    "activations")] + ["tp_sent_bytes_per_step"]:
+        assert rows[row]["predicted"] == rows[row]["measured"], row
     # both resumed to step 6 in one process: the checkpoint holds the whole model by name
     for folder in (run_dir, reference):
         run([sys.executable, "-m", "lmforge", "train", "--no-progress", "--resume", str(folder), "train.max_steps=6",

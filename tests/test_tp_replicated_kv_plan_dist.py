@@ -78,8 +78,9 @@ def test_zero_replicas_of_replicated_kv_heads_train_as_ddp_replicas(four_ranks):
     """ZeRO keeps the module's parameters, so tp.py's hooks sum the copies' gradients before it
     shards them (ZeRO-3 too: it gathers into the same parameters): after one update the next loss
     is DDP's (fp32: the same arithmetic, as in tests/test_tp_zero_dist.py, 1e-6 relative; an engine
-    that lost the hook, as FSDP2's does, would update k and v by half their gradient: not broken
-    on purpose here). DDP's replicas against one process: tests/test_tp_replicated_kv_dist.py."""
+    that lost the hook would update k and v by half their gradient: FSDP2's new parameters do, and
+    tp_engine.py sums the copies after backward instead, tests/test_sp_cp_dist.py, which breaks it).
+    DDP's replicas against one process: tests/test_tp_replicated_kv_dist.py."""
     for stage in ("zero1", "zero3"):
         for ddp, zero in zip(four_ranks["mqa tp2 x ddp"], four_ranks[f"mqa tp2 x {stage}"]):
             assert zero["next_loss"] == pytest.approx(ddp["next_loss"], rel=1e-6), stage

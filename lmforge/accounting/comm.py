@@ -24,10 +24,14 @@ Under tensor parallelism a replica's rank holds and reduces only its tensor rank
 `tensor_parallel_communication`.
 """
 
+import torch.nn as nn
+
 from lmforge.accounting.shapes import meta_model, model_shapes, tensor_parallel_dim, tensor_parallel_slices
 from lmforge.config import ModelConfig
 from lmforge.modes.parallel import get_strategy, shard_unit
 from lmforge.modes.precision import POLICIES, Policy
+from lmforge.optim.muon import is_hidden_matrix
+from lmforge.modes.recompute import get_recompute
 
 
 def unit_sizes(cfg: ModelConfig, lora: tuple[int, str] | None = None,
@@ -56,14 +60,17 @@ def element_bytes(strategy: str, policy: Policy) -> int:
 
 def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy = POLICIES["fp32"],
                        grad_accum: int = 1, lora: tuple[int, str] | None = None, tp: int = 1,
-                       optimizer: str = "adamw") -> dict:
+                       optimizer: str = "adamw", replicate: int = 1) -> dict:
     """Per rank per step: `ring_elements` (sum of S over the collectives, S in elements, twice for
     an all-reduce), `sent_bytes` = (N-1)/N of it in bytes, and the paper's figure `paper_elements`
     (2 Psi or 3 Psi, the N -> infinity limit, no padding). Gradients are reduced once per step
     (accumulation micro-steps do not communicate); ZeRO-3 gathers parameters in every micro-step.
     With `lora` = (rank, targets) Psi is the adapters' count: only their gradients cross, and our
     ZeRO keeps frozen weights whole; FSDP2 shards (so gathers) the frozen base too. With `tp`, Psi
-    is one tensor rank's share (LoRA's adapters: not split yet, parallel/launch.py refuses them)."""
+    is one tensor rank's share (LoRA's adapters: not split yet, parallel/launch.py refuses them).
+    With `replicate` > 1 (hybrid sharding, FSDP2 over a (replicate, dp) mesh) `dp` is the shard
+    group's size, and each reduce-scattered gradient shard is then all-reduced over the replicate
+    group (Zhao et al. 2023, section 3.2.2): part "replicate", included in `sent_bytes`."""
     stage = get_strategy(strategy).zero_stage
     sizes = unit_sizes(cfg, lora) if tp == 1 or lora is not None else model_shapes(cfg).tensor_rank_unit_sizes(tp)
     psi = sum(sizes.values())
@@ -80,6 +87,10 @@ def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy 
         gathers = sum((2 if u != "rest" else 1) * n for u, n in gathered.items())
         ring, paper = grad_accum * gathers + sum(padded.values()), 2 * sum(held.values()) + psi
     sent = communication(strategy, dp, element_bytes(strategy, policy), ring, paper)
+    if replicate > 1:  # the gradient shard this rank holds (padded units / dp), all-reduced
+        shard = sum(padded.values()) // dp
+        sent["replicate"] = communication("ddp", replicate, sent["element_bytes"], 2 * shard, 2 * psi / dp)
+        sent["sent_bytes"] += sent["replicate"]["sent_bytes"]
     blocks = [n for u, n in sizes.items() if u != "rest"]
     return with_optimizer_gather(sent, blocks, strategy, dp, policy, lora is not None, optimizer)
 
@@ -109,7 +120,9 @@ def communication(strategy: str, dp: int, size: int, ring: float, paper: float) 
 
 
 def tensor_parallel_communication(cfg: ModelConfig, b: int, s: int, tp: int, sequence_parallel: bool,
-                                  policy: Policy = POLICIES["fp32"], grad_accum: int = 1) -> dict:
+                                  policy: Policy = POLICIES["fp32"], grad_accum: int = 1,
+                                  optimizer: str = "adamw", stage: tuple[int, bool, bool] | None = None,
+                                  recompute: str = "none", lora: tuple[int, str] | None = None) -> dict:
     """What one of tp tensor ranks sends per step (parallel/tp_ops.py's collectives, kind "tp"),
     by part, for grad_accum micro-batches of b sequences of s tokens. S is one micro-batch's
     residual stream, b*s*d elements: the regions' inputs in the residual dtype, the row-parallel
@@ -122,6 +135,21 @@ def tensor_parallel_communication(cfg: ModelConfig, b: int, s: int, tp: int, seq
                                     re-gather (tp_ops.linear_on_gathered): 5S
                                     the embedding's reduce-scatter and its all-gather back 2S,
                                     the head's all-gather, re-gather and reduce-scatter 3S
+      recomputed blocks             (train.recompute=full) each block's forward runs again in
+                                    backward as far as the last tensor backward needs (torch's
+                                    non-reentrant checkpoint stops there: the MLP's down
+                                    projection and its exit are not rerun): + 2S per block
+                                    without sequence parallelism (the attention's g); with it
+                                    + 3S, both entries' all-gathers and the attention's
+                                    reduce-scatter (derived, not measured: pipelines refuse it)
+      LoRA adapters                 (`lora`: rank, targets; parallel/tp_lora.py) each column-parallel
+                                    target's whole A has its fp32 gradient all-reduced, each
+                                    row-parallel one's A x (r per token) leaves through g: 2S'
+                                    each; and the first region of the model takes no input
+                                    gradient (the embedding is frozen): - 2S there; recomputed
+                                    blocks rerun each row-parallel one's g (+ 2S'), and an adapter
+                                    on down_proj the MLP's exit too (+ 2S). Without sequence
+                                    parallelism only (with it: not counted)
       the vocabulary-parallel loss  3 all-reduces of one fp32 number per token (max, sum of
                                     exponentials, target logit: parallel/tp_loss.py)
       gradient sums                 an all-reduce of each whole parameter a rank uses on its share
@@ -131,25 +159,87 @@ def tensor_parallel_communication(cfg: ModelConfig, b: int, s: int, tp: int, seq
                                     gradient all-reduced in n_kv_heads slots, zeros but this
                                     rank's head (parallel/tp.py's _sum_over_copies): the whole
                                     projection's elements, n_kv_heads x the one head a rank holds
+      optimizer (Muon)              once a step, not per micro-batch: each split block matrix's
+                                    update all-gathered whole for Newton-Schulz (parallel/tp_engine.py's
+                                    TensorParallelMatrices), tp x the slice in the gradient's dtype;
+                                    none with LoRA (the adapters are AdamW's)
+      fp8 amax                      fp8: each split linear of the blocks all-reduces (max) the
+                                    amax of the two operands it holds a slice of, one fp32 number
+                                    each (parallel/tp_fp8.py): 2 x 2 x 4 bytes per linear
 
     Ring bytes count S per all-gather or reduce-scatter and 2S per all-reduce (parallel/comm.py);
-    a ring of tp ranks sends (tp-1)/tp of them."""
+    a ring of tp ranks sends (tp-1)/tp of them. `stage`: (layers, first, last) of one pipeline
+    stage's tensor rank (accounting/plan/pipeline.py): its blocks' parts, the embedding's only on
+    the first stage, the head's and the loss's only on the last; default the whole model."""
     p = policy.bytes
     if tp == 1:
         return {"ring_bytes": {}, "sent_bytes": 0.0}
+    layers, first, last = stage or (cfg.n_layers, True, True)
     entry, exit_ = b * s * cfg.d_model * p.residual, b * s * cfg.d_model * p.compute
-    regions = 2 * cfg.n_layers  # attention and MLP of every block
+    regions = 2 * layers  # attention and MLP of every block
     if sequence_parallel:
         parts = {"embedding": 2 * entry, "layers": regions * (3 * entry + 2 * exit_), "head": 3 * entry}
     else:
         parts = {"embedding": 2 * entry, "layers": regions * 2 * (entry + exit_), "head": 2 * entry}
     parts["loss"] = 3 * 2 * b * s * 4
+    if get_recompute(recompute).blocks:
+        parts["recomputed_layers"] = layers * (2 * exit_ if not sequence_parallel else 2 * entry + exit_)
+    if lora is not None and not sequence_parallel:
+        parts.update(_lora_parts(cfg, b * s, p.compute, entry, lora, (layers, first, last),
+                                 get_recompute(recompute).blocks))
+    parts = {part: n for part, n in parts.items()
+             if "layers" in part or part.startswith("lora") or (first if part == "embedding" else last)}
     summed = sum(param.numel() for name, param in meta_model(cfg).named_parameters()
-                 if tensor_parallel_dim(name) is None and (sequence_parallel or "_norm." in name and ".attn." in name))
+                 if tensor_parallel_dim(name) is None and (sequence_parallel or "_norm." in name and ".attn." in name)
+                 and _held_by_stage(name, layers, first, last))
     parts["gradient_sums"] = 2 * summed * p.gradient
     if tp > cfg.kv_heads:
         copied = sum(param.numel() for name, param in meta_model(cfg).named_parameters()
-                     if tensor_parallel_dim(name) is not None and tensor_parallel_slices(name, cfg, tp) < tp)
+                     if tensor_parallel_dim(name) is not None and tensor_parallel_slices(name, cfg, tp) < tp
+                     and _held_by_stage(name, layers, first, last))
         parts["kv_copies"] = 2 * copied * p.gradient
+    if policy.fp8:
+        linears = sum(type(m) is nn.Linear for name, m in meta_model(cfg).named_modules()
+                      if name.startswith("blocks.") and _held_by_stage(name, layers, first, last))
+        parts["fp8_amax"] = linears * 2 * 2 * 4
     ring = {part: grad_accum * n for part, n in parts.items()}
+    if optimizer == "muon" and not lora:
+        ring["optimizer"] = sum(param.numel() * tp // tensor_parallel_slices(name, cfg, tp) * p.gradient
+                                for name, param in meta_model(cfg).named_parameters()
+                                if tensor_parallel_dim(name) is not None and is_hidden_matrix(name, param.shape))
     return {"ring_bytes": ring, "sent_bytes": sum(ring.values()) * (tp - 1) / tp}
+
+
+def _lora_parts(cfg: ModelConfig, tokens: int, compute_bytes: int, entry: float, lora: tuple[int, str],
+                stage: tuple, recomputed: bool = False) -> dict:
+    """tensor_parallel_communication's LoRA parts (ring bytes per micro-batch) for a stage. Recomputed
+    blocks rerun each row-parallel adapter's g: B's gradient needs its output, so recomputation runs
+    as far as it, and for an adapter on the MLP's exit (down_proj) through that exit's own g too
+    (2S more: without the adapter the rerun stops before it)."""
+    from lmforge.model.lora import apply_lora  # here, as memory.lora_parameters: torch when first asked
+
+    rank, targets = lora
+    parts = {"lora_gradient_sums": 0, "lora_row_parallel": 0, "lora_recomputed": 0}
+    for name, param in apply_lora(meta_model(cfg), targets, rank).named_parameters():
+        layer, leaf = name.rsplit(".", 1)
+        if leaf != "lora_A" or not _held_by_stage(name, *stage):
+            continue
+        if tensor_parallel_dim(f"{layer}.weight") == 0:  # column-parallel: the whole A's gradient, fp32
+            parts["lora_gradient_sums"] += 2 * param.numel() * 4
+        else:  # row-parallel: A_r x_r summed over the ranks
+            parts["lora_row_parallel"] += 2 * tokens * rank * compute_bytes
+            if recomputed:
+                exit_rerun = 2 * tokens * cfg.d_model * compute_bytes if layer.endswith("down_proj") else 0
+                parts["lora_recomputed"] += 2 * tokens * rank * compute_bytes + exit_rerun
+    if stage[1]:  # the model's first region: nothing before it trains, so f's backward is not run
+        parts["lora_frozen_input"] = -2 * entry
+    return parts
+
+
+def _held_by_stage(name: str, layers: int, first: bool, last: bool) -> bool:
+    """Whether a stage of `layers` blocks (the blocks are alike: counted as blocks 0 .. layers - 1)
+    at that place holds the parameter `name` (accounting/pipeline.py's stage_of_parameter)."""
+    top = name.split(".")[0]
+    if top == "blocks":
+        return int(name.split(".")[1]) < layers
+    return first if top in ("tok_embeddings", "pos_embeddings") else last

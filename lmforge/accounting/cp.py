@@ -20,6 +20,8 @@ process saves for a sequence of n (memory.activation_breakdown), but for what th
 differently from a fused kernel; tests/test_cp_accounting_dist.py measures it to the byte.
 """
 
+import math
+
 from lmforge.accounting.memory import activation_breakdown
 from lmforge.config import ModelConfig
 from lmforge.modes.precision import POLICIES, Policy
@@ -28,9 +30,12 @@ from lmforge.modes.recompute import get_recompute
 ACCUMULATOR_BYTES = 4  # dK/dV accumulate in fp32 whatever the activations' dtype
 
 
-def padded_length(seq_len: int, cp: int) -> int:
-    """The sequence length rounded up to a multiple of 2 cp (the zig-zag's chunk count)."""
-    return -(-seq_len // (2 * cp)) * (2 * cp)
+def padded_length(seq_len: int, cp: int, sequence_shards: int = 1) -> int:
+    """The sequence length rounded up to a multiple of 2 cp (the zig-zag's chunk count) and, under
+    sequence parallelism over `sequence_shards` = tp ranks, of cp tp (each rank's shard of padded / cp
+    tokens is then cut tp ways again): a multiple of lcm(2 cp, cp tp) = cp lcm(2, tp)."""
+    multiple = cp * math.lcm(2, sequence_shards)
+    return -(-seq_len // multiple) * multiple
 
 
 def ring_attention_bytes(batch: int, kv_heads: int, local_len: int, head_dim: int, cp: int,
@@ -45,12 +50,15 @@ def ring_attention_bytes(batch: int, kv_heads: int, local_len: int, head_dim: in
 
 
 def context_parallel_bytes(cfg: ModelConfig, batch: int, seq_len: int, cp: int, element_bytes: int,
-                           recompute: str = "none", tp: int = 1) -> dict:
+                           recompute: str = "none", tp: int = 1, sequence_parallel: bool = False) -> dict:
     """ring_attention_bytes summed over the model's layers, for a (batch, seq_len) micro-batch;
     under train.recompute=`recompute` a mode that reruns attention sends the forward twice; with
-    parallel.tp=`tp` each rank's ring carries its own kv_heads / tp heads."""
-    layer = ring_attention_bytes(batch, cfg.kv_heads // tp, padded_length(seq_len, cp) // cp, cfg.head_dim, cp,
-                                 element_bytes)
+    parallel.tp=`tp` each rank's ring carries its own kv_heads / tp heads (one, a copy, with fewer
+    KV heads than tp ranks: parallel/tp.py), on the whole cp shard (gathered first under
+    `sequence_parallel`, whose padding to a multiple of cp tp the shard's length follows)."""
+    shards = tp if sequence_parallel else 1
+    layer = ring_attention_bytes(batch, max(cfg.kv_heads // tp, 1), padded_length(seq_len, cp, shards) // cp,
+                                 cfg.head_dim, cp, element_bytes)
     mode = get_recompute(recompute)
     forwards = 2 if mode.blocks or mode.attention_cores else 1
     layer = {**layer, "forward": forwards * layer["forward"], "sends_forward": forwards * layer["sends_forward"]}
@@ -68,7 +76,7 @@ MEAN_COUNT_BYTES = 8  # int64: memory.vocab_parallel_head_and_loss's last term
 
 def ring_activation_breakdown(cfg: ModelConfig, batch: int, seq_len: int, cp: int,
                               policy: Policy = POLICIES["fp32"], recompute: str = "none", tp: int = 1,
-                              fp32_attention: bool = False) -> dict[str, float]:
+                              fp32_attention: bool = False, sequence_parallel: bool = False) -> dict[str, float]:
     """Bytes one of the cp ranks saves for backward over a (batch, seq_len) micro-batch, by the
     parts of memory.activation_breakdown at the rank's n = padded / cp tokens (two zig-zag chunks
     of padded / 2cp). The ring (RingAttention in parallel/cp.py) keeps what a fused kernel keeps,
@@ -82,11 +90,14 @@ def ring_activation_breakdown(cfg: ModelConfig, batch: int, seq_len: int, cp: in
       - the group's loss keeps its fp32 target count, and its summed cross-entropy differs in the
         scalars it keeps (the constants above).
 
-    With tp (tp x cp, no sequence parallelism: parallel/launch.py refuses it) each rank has its
-    heads' share of all that, as tensor parallelism alone gives it."""
-    n, mode, p = padded_length(seq_len, cp) // cp, get_recompute(recompute), policy.bytes
+    With tp (tp x cp) each rank has its heads' share of all that, as tensor parallelism alone gives
+    it; with `sequence_parallel` too, its 1/tp of the shard's norms and residual stream (memory.py's
+    sequence-parallel terms at n tokens, n padded to a multiple of tp), while attention, after the
+    all-gather, keeps its heads' share of all n tokens as without it."""
+    n = padded_length(seq_len, cp, tp if sequence_parallel else 1) // cp
+    mode, p = get_recompute(recompute), policy.bytes
     parts = activation_breakdown(cfg, batch, n, policy, "sdpa", recompute, tp, fp32_attention,
-                                 sequence_parallel=False)
+                                 sequence_parallel=sequence_parallel)
     # memory.layer_activation_breakdown's shares_kernel_output, which the ring's output never does
     sdpa_shares = p.linear_input == p.compute and not (fp32_attention and p.compute < 4)
     copy = batch * n * cfg.n_heads * cfg.head_dim * p.linear_input / tp if sdpa_shares else 0

@@ -89,12 +89,12 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
     compares them in every cell it trains).
 
     `parameter_shapes`: the parameters this device holds, default the whole model; a pipeline
-    stage holds its own (accounting/pipeline.py). Tensor parallelism (tp) splits the weights
+    stage's rank holds its own (accounting/pipeline.py's stage_parameters: a tensor rank's slices,
+    as given, divided no further). Tensor parallelism (tp) splits the weights
     themselves: a tensor rank holds the shapes parallel/tp.py gives it (shapes.py's
     tensor_rank_shapes: the split matrices divided by tp (k and v by their KV heads where tp
     is a multiple of them: replicated KV heads), norm gains and row-parallel biases
-    whole), so do its gradients and optimizer states; a pipeline stage's shapes are divided by
-    tp evenly. `lora_trainable`: the adapter parameters one device holds (lora_parameters with tp). ZeRO's and FSDP's padding to a multiple of dp is not counted
+    whole), so do its gradients and optimizer states. `lora_trainable`: the adapter parameters one device holds (lora_parameters with tp). ZeRO's and FSDP's padding to a multiple of dp is not counted
     (none where each unit or dimension divides evenly). `hidden_matrices`: a stage's Muon elements.
 
     `fully_shard` (train.parallel=fsdp, zero_stage 3): FSDP2 shards the parameters as the policy
@@ -115,9 +115,12 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
         raise ValueError(f"fully_shard shards parameters: zero stage 3, got {zero_stage}")
     p = policy.bytes
     layout = (policy if fully_shard else sharded_layout(policy, zero_stage)).bytes
-    even = tp  # what is left to divide evenly
-    if tp > 1 and parameter_shapes is None and lookup(OPTIMIZERS, optimizer, "optimizer").hidden_matrix_states is None:
-        parameter_shapes, even = model_shapes(cfg).tensor_rank_shapes(tp), 1
+    even = tp if parameter_shapes is None else 1  # what is left to divide evenly
+    if tp > 1 and parameter_shapes is None:  # a tensor rank's own shapes: its norm gains whole
+        shapes = model_shapes(cfg)
+        parameter_shapes, even = shapes.tensor_rank_shapes(tp), 1
+        if lookup(OPTIMIZERS, optimizer, "optimizer").hidden_matrix_states is not None:  # Muon: its slices
+            hidden_matrices = shapes.tensor_rank_block_matmul_weights(tp, cfg.kv_heads)
     held = parameter_count(cfg) if parameter_shapes is None else sum(math.prod(shape) for shape in parameter_shapes)
     n = held / even
     if lora_trainable is None:
@@ -274,7 +277,9 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
         row_parallel = shapes.linear_weights["attn.o_proj"] + shapes.linear_weights["mlp.down_proj"]
         block_weights = row_parallel // cfg.n_layers * layers  # only F.linear's casts are kept
     if tp > 1:  # the vocabulary-parallel head and loss (parallel/tp_loss.py) instead
-        head_and_loss = vocab_parallel_head_and_loss(cfg, family.final_norm, b, s, head_input, tp, sequence_parallel)
+        head_and_loss = (vocab_parallel_head_and_loss(cfg, family.final_norm, b, s, head_input, tp, sequence_parallel)
+                         # a soft-capped head: tanh keeps its output, this rank's V/tp logits of every token
+                         + (bs * (cfg.vocab_size // tp) * p.compute if cfg.logit_softcap else 0))
     else:  # final norm, the LM head's input, the fp32 log-probabilities and the int64 targets
         head_and_loss = family.final_norm + (
             bsd * p.residual + head_weights * 4 if loss_chunk_tokens

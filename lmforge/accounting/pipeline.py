@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 
 from lmforge.accounting.comm import communication, element_bytes, with_optimizer_gather
 from lmforge.accounting.flops import forward_flops_breakdown
-from lmforge.accounting.shapes import meta_model
+from lmforge.accounting.shapes import meta_model, tensor_rank_shape
 from lmforge.config import ModelConfig
 from lmforge.modes.parallel import parse_split
 from lmforge.modes.precision import Policy
@@ -138,8 +138,8 @@ def stage_layers(split: list[int]) -> list[range]:
 
 @dataclass(frozen=True)
 class StageParameters:
-    shapes: tuple  # the shape of every parameter the stage holds (the tied matrix on both end stages)
-    adapters: int | None = None  # with LoRA: the trainable adapter parameters (`shapes` is the frozen base)
+    shapes: tuple  # every parameter one rank of the stage holds (the tied matrix on both end stages; tp: its slice)
+    adapters: int | None = None  # with LoRA: the trainable adapter elements (`shapes` is the frozen base)
     hidden_matrices: int = 0  # elements of its trained blocks' 2-D weights: Muon's (optim/muon.py's is_hidden_matrix)
     block_units: tuple = ()  # trained elements of each block it holds (ZeRO's units: Muon's gather)
 
@@ -162,19 +162,23 @@ def stage_of_parameter(name: str, split: list[int]) -> int:
 
 
 def stage_parameters(cfg: ModelConfig, split: list[int], lora_rank: int | None = None,
-                     lora_targets: str = "") -> tuple[StageParameters, ...]:
-    """The parameters each stage holds, read from the model built on the meta device. A tied
-    matrix is held by the first and by the last stage (once where they are one stage)."""
-    return _stage_parameters(json.dumps(asdict(cfg), sort_keys=True), tuple(split), lora_rank, lora_targets)
+                     lora_targets: str = "", tp: int = 1) -> tuple[StageParameters, ...]:
+    """The parameters one rank of each stage holds, read from the model built on the meta device:
+    with tp > 1 a tensor rank's shapes, by name (shapes.py's tensor_rank_shape: the split matrices'
+    slices, the norm gains and other whole tensors whole). A tied matrix is held by the first and by
+    the last stage (once where they are one stage)."""
+    return _stage_parameters(json.dumps(asdict(cfg), sort_keys=True), tuple(split), lora_rank, lora_targets, tp)
 
 
 @functools.lru_cache(maxsize=64)  # --solve and --compare plan the same stages many times
-def _stage_parameters(values: str, split: tuple, lora_rank: int | None, lora_targets: str) -> tuple:
+def _stage_parameters(values: str, split: tuple, lora_rank: int | None, lora_targets: str, tp: int) -> tuple:
+    cfg = ModelConfig(**json.loads(values))
     held: list[dict] = [{} for _ in split]  # per stage: tensor -> (shape, trainable)
     hidden = [0 for _ in split]  # per stage: elements of the trained hidden matrices
     blocks: list[dict] = [{} for _ in split]  # per stage: "blocks.N" -> its trained elements
     stage_of = {}  # by the name's first two parts: "blocks.7", "lm_head.weight"
-    for name, tensor, shape, trainable in _named_parameters(values, lora_rank, lora_targets):
+    for name, tensor, whole, trainable in _named_parameters(values, lora_rank, lora_targets):
+        shape = tensor_rank_shape(name, whole, cfg, tp)
         prefix = ".".join(name.split(".")[:2])
         if prefix not in stage_of:
             stage_of[prefix] = stage_of_parameter(name, list(split))
@@ -209,14 +213,15 @@ def _named_parameters(values: str, lora_rank: int | None, lora_targets: str) -> 
                  for name, tensor in model.named_parameters(remove_duplicate=False))
 
 
-def stage_communication(params: StageParameters, dp: int, tp: int, policy: Policy, zero_stage: int = 0,
+def stage_communication(params: StageParameters, dp: int, policy: Policy, zero_stage: int = 0,
                         optimizer: str = "adamw") -> dict:
     """One stage's gradient reduction among its dp replicas, per rank per step, in
     comm.step_communication's terms: an all-reduce (ddp), or ZeRO-1's reduce-scatter of the
     gradients and all-gather of the parameters (zero_stage 1), 2 x the elements either way (a ring
-    sends (N-1)/N of them); tensor ranks each hold 1/tp of the stage's trained parameters. Muon
-    under ZeRO-1 also gathers the stage's blocks (comm.with_optimizer_gather)."""
-    trained = (params.count if params.adapters is None else params.adapters) / tp
+    sends (N-1)/N of them), of the parameters one rank of the stage holds (`params`, a tensor
+    rank's with tp: stage_parameters). Muon under ZeRO-1 also gathers the stage's blocks
+    (comm.with_optimizer_gather)."""
+    trained = params.count if params.adapters is None else params.adapters
     ring = 2 * trained if dp > 1 else 0
     strategy = "zero1" if zero_stage == 1 else "ddp" if dp > 1 else "none"
     sent = communication(strategy, dp, element_bytes(strategy, policy), ring, ring)

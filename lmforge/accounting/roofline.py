@@ -33,14 +33,18 @@ class Roof:
     view_call_seconds: float | None = None  # one view (no kernel, just dispatch); None: call_seconds
     foreach_call_seconds: float = 0.0  # one tensor of a torch._foreach_* op (the C++ loop on CPU)
     collective: dict = field(default_factory=dict)  # {"latency_s", "bytes_per_second"} of all-reduce, if measured
-    # the same families timed again and again on the same operands (in cache), and the size of the
-    # cache they stay in (the CPU's last level, a GPU's L2; 0: unknown): a step that writes less
-    # than the cache reads warm operands (roofline_ops.predict_step)
-    elementwise_ops_warm: dict = field(default_factory=dict)
-    cache_bytes: float = 0.0
+    cache_bytes: float = 0.0  # the cache operands stay in between operators (a CPU's last level, a GPU's L2; 0: unknown)
+    cache_shared: bool = False  # True: every rank on the machine writes into it (a CPU's last level; a GPU's L2 is its own)
     # {"sdpa_forward" | "sdpa_backward": {dtype: seconds}}: one SDPA call's fixed cost, its
     # launch included, whatever its batch x heads (the sdpa grids then hold the work's rate)
     sdpa_call_seconds: dict = field(default_factory=dict)
+    # {"fixed_s", "per_tensor_s"}: AdamW's optimizer phase (clip, step, zero_grad) on a model that does
+    # no work, by parameter tensor: its operators' launches and the Python between them
+    optimizer_phase: dict = field(default_factory=dict)
+    # {family: [[bytes per call, bytes written since its operands were touched, bytes/s], ...]}: the
+    # families timed after W bytes of other writes, W from a sixteenth of the cache to past it
+    # (the top row: elementwise_ops). A step is priced at its own writes (rates_after)
+    elementwise_ops_after: dict = field(default_factory=dict)
     source: str = "measured"
 
 
@@ -84,7 +88,7 @@ def compute_rate(roof: Roof, op) -> float:
     return interpolate(grid[rate_dtype(op.dtype)], op.shape)
 
 
-# The measured families of elementwise operators (roofline_measure.measure_elementwise_ops), by
+# The measured families of elementwise operators (roofline_elementwise.measure_elementwise_ops), by
 # the aten name's stem: each family's rate at a call's size stands for its members'.
 FAMILIES = {
     "binary": ("add", "sub", "mul", "div", "where", "lerp", "addcmul", "addcdiv", "maximum", "clamp",
@@ -127,9 +131,25 @@ def memory_rate(roof: Roof, op) -> float:
     return roof.bandwidth
 
 
+def rates_after(roof: Roof, written: float) -> dict:
+    """{family: [[bytes per call, bytes/s]]}: the elementwise_ops_after grid read at `written`
+    bytes of other writes since the operands were last touched (interpolated in log W, clamped to
+    the grid's W: a step writing less than its smallest W reads at that W's rate, near the warm
+    one; one writing more than its largest at the cold rates)."""
+    rates = {}
+    for family, points in roof.elementwise_ops_after.items():
+        sizes = sorted({p[0] for p in points})
+        rates[family] = [[size, interpolate(points, (size, max(written, 1.0)))] for size in sizes]
+    return rates
+
+
 def op_time(roof: Roof, op) -> dict:
     """One operation's predicted seconds and the bound it hits: max(FLOPs / rate, bytes / bandwidth)
     (whichever is larger is the bound), plus its kernel launches."""
+    if op.kind == "phase":  # one optimizer phase's fixed cost over `calls` parameter tensors
+        p = roof.optimizer_phase
+        seconds = (p["fixed_s"] + op.calls * p["per_tensor_s"]) if p else 0.0
+        return {"seconds": seconds, "compute_s": 0.0, "memory_s": 0.0, "launch_s": seconds, "bound": "launch"}
     if op.kind == "collective":
         c = roof.collective
         seconds = op.calls * c["latency_s"] + op.bytes / c["bytes_per_second"] if c else 0.0
@@ -142,7 +162,8 @@ def op_time(roof: Roof, op) -> dict:
                 }.get(op.kind, roof.call_seconds)
     if op.kind in roof.sdpa_call_seconds:
         per_call = roof.sdpa_call_seconds[op.kind].get(rate_dtype(op.dtype), per_call)
-    launch_s = op.calls * per_call
+    # an op of a phase measured whole pays no launch of its own, where the roof has that measure
+    launch_s = 0.0 if not op.launched and roof.optimizer_phase else op.calls * per_call
     return {"seconds": max(compute_s, memory_s) + launch_s, "compute_s": compute_s, "memory_s": memory_s,
             "launch_s": launch_s, "bound": "compute" if compute_s >= memory_s else "memory"}
 

@@ -1,6 +1,7 @@
 """Measuring this machine's roof (roofline.py's Roof): matmul FLOP/s over a grid of shapes per
 dtype, the bandwidth of a large copy, SDPA FLOP/s by sequence length and head size (forward, and
-backward), elementwise bytes/s by call size, the fixed cost of one operator of a model's step, and,
+backward), elementwise bytes/s by call size (operands out of cache, and after W bytes of other
+writes up to the cache's size), the fixed cost of one operator of a model's step, and,
 under torchrun, all-reduce latency and bandwidth on the launched backend.
 
 Each figure is the best of a few short timings, as hardware.py's peak is (a moment when other
@@ -9,18 +10,23 @@ ten seconds and cached with the matmul peak (hardware.py's cache: when, under wh
 `lmforge plan --hardware this --remeasure` replaces it.
 """
 
+import dataclasses
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from lmforge.accounting.hardware import _calls_per_second, _measured, _sync, cache_path, device_name
 from lmforge.accounting.roofline import Roof
+from lmforge.accounting.roofline_elementwise import (cache_bytes, measure_elementwise,
+                                                   measure_elementwise_after, measure_elementwise_ops)
 from lmforge.accounting.roofline_trace import dispatched_calls
-from lmforge.config import ModelConfig
+from lmforge.config import Config, ModelConfig
 from lmforge.model.transformer import Transformer
+from lmforge.modes.precision import get_policy
+from lmforge.optim.build import make_optimizer, param_groups
+from lmforge.optim.clip import clip_grad_norm
 
 # The grid: every (M, N, K) with each dimension from MATMUL_DIMS. 64..1024 brackets the small
 # models' widths; larger shapes are read at the grid's edge (their rate has saturated by then).
@@ -28,9 +34,7 @@ MATMUL_DIMS = (64, 256, 1024)
 SDPA_SEQ = (64, 256, 1024)
 SDPA_HEAD_DIMS = (16, 64)
 SDPA_BATCH_HEADS = 8  # batch x heads of each timed SDPA call
-ELEMENTWISE_SIZES = (2**12, 2**16, 2**20, 2**23)  # fp32 elements of each operand of an add
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-EVICT_MIB = 128  # written before each timed elementwise call: more than a CPU's last-level cache or a GPU's L2
 
 
 def _best_rate(op, work: float, device: torch.device, runs: int = 2, seconds: float = 0.02) -> float:
@@ -38,26 +42,6 @@ def _best_rate(op, work: float, device: torch.device, runs: int = 2, seconds: fl
     op()
     _sync(device)
     return max(work * _calls_per_second(op, device, seconds)[0] for _ in range(runs))
-
-
-def _cold_rate(op, work: float, device: torch.device, runs: int = 3) -> float:
-    """Best `work` units per second of single calls of `op`, each timed after EVICT_MIB of writes
-    have pushed its operands out of cache. In a training step an elementwise operator's operands
-    were last touched many operators before (the backward reads what the forward saved, the
-    optimizer each state once a step), so they come from memory: the same operands timed again and
-    again stay in cache and run faster (on the EPYC, a 1 MiB multiply warm 34 us, cold 154 us; at
-    ~5 MB a call the model's multiplies ran at a third of the warm rate, bench/step_time.py)."""
-    evict = torch.empty(EVICT_MIB * 2**20 // 4, device=device)
-    op()
-    best = float("inf")
-    for _ in range(runs):
-        evict.fill_(1.0)
-        _sync(device)
-        started = time.perf_counter()
-        op()
-        _sync(device)
-        best = min(best, time.perf_counter() - started)
-    return work / best
 
 
 def measure_matmuls(device: torch.device) -> dict:
@@ -116,60 +100,6 @@ def measure_sdpa(device: torch.device) -> tuple[dict, dict, dict]:
     return forward, backward, fixed
 
 
-def measure_elementwise(device: torch.device) -> list:
-    """[[bytes per call, bytes/s]] of an out-of-place fp32 add (reads two operands, writes one),
-    as eager code runs it in a step: its operands out of cache (_cold_rate)."""
-    rows = []
-    for n in ELEMENTWISE_SIZES:
-        x, y = torch.ones(n, device=device), torch.ones(n, device=device)
-        rows.append([3 * 4 * n, _cold_rate(lambda: x + y, 3 * 4 * n, device)])
-    return rows
-
-
-def _family_calls(n: int, device: torch.device) -> dict:
-    """{family: (the call, bytes it moves)} of one representative operator of each family of
-    roofline.FAMILIES on n fp32 elements, bytes counted as roofline_ops counts them."""
-    x, y = torch.ones(n, device=device), torch.ones(n, device=device)
-    rows = x.view(-1, 64)
-    return {
-        "binary": (lambda: x * y, 3 * 4 * n),
-        "binary_inplace": (lambda: x.mul_(y), 3 * 4 * n),  # ones times ones: x stays ones
-        "unary": (lambda: torch.rsqrt(x), 2 * 4 * n),
-        "copy": (lambda: x.to(torch.bfloat16), 4 * n + 2 * n),
-        "reduce": (lambda: rows.mean(-1, keepdim=True), 4 * n + 4 * n // 64),
-        "vector_norm": (lambda: torch.linalg.vector_norm(x), 4 * n + 4),
-        "softmax": (lambda: torch.log_softmax(rows, -1), 2 * 4 * n),
-    }
-
-
-def measure_elementwise_ops(device: torch.device, cold: bool = True) -> dict:
-    """{family: [[bytes per call, bytes/s]]} of each family's representative at ELEMENTWISE_SIZES,
-    operands out of cache (or, not `cold`, in it: the same call again and again) (an RMSNorm's
-    mean runs at another rate than an add; a cast at its own)."""
-    grid = {}
-    for n in ELEMENTWISE_SIZES:
-        for family, (call, nbytes) in _family_calls(n, device).items():
-            rate = _cold_rate(call, nbytes, device) if cold else _best_rate(call, nbytes, device)
-            grid.setdefault(family, []).append([nbytes, rate])
-    return grid
-
-
-def cache_bytes(device: torch.device) -> float:
-    """The cache an operand can stay in between operators: a GPU's L2, a CPU's last level (as
-    Linux reports it for CPU 0), 0 where unknown."""
-    if device.type == "cuda":
-        return float(torch.cuda.get_device_properties(device).L2_cache_size)
-    sizes = []
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
-    return float(max(sizes, default=0))
-
-
 def measure_copy_bandwidth(device: torch.device, megabytes: int = 128) -> float:
     """Bytes/s of copying a `megabytes` MiB tensor into another (read once, written once)."""
     src = torch.ones(megabytes * 2**20 // 4, device=device)
@@ -201,6 +131,51 @@ def measure_launch(device: torch.device) -> tuple[float, float]:
     return per_call, per_tensor
 
 
+def _optimizer_phase(layers: int, device: torch.device) -> tuple[int, float]:
+    """(parameter tensors, seconds) of MINIMAL's whole optimizer phase at `layers` layers:
+    clip_grad_norm, lmforge's AdamW step (the default optimizer, made as the trainer makes it) and
+    zero_grad(set_to_none=True), on gradients put back each time (that loop timed alone and taken
+    off). Its tensors are a few hundred bytes: the time is all fixed cost, the operators' launches
+    and the Python between them (torch.optim.Optimizer.step's wrapper and hooks, the foreach path's
+    per-parameter state lookups and lists, zero_grad's loop over the parameters)."""
+    cfg = Config(model=dataclasses.replace(MINIMAL, n_layers=layers))
+    model = Transformer(cfg.model).to(device)
+    optimizer = make_optimizer(cfg, get_policy("fp32"), param_groups(cfg, model))
+    params = list(model.parameters())
+    grads = [torch.full_like(p, 1e-3) for p in params]
+
+    def put_back():
+        for p, g in zip(params, grads):
+            p.grad = g
+
+    def phase():
+        clip_grad_norm(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        put_back()
+
+    put_back()
+    phase()  # the first step makes AdamW's state
+    seconds = 1 / _best_rate(phase, 1, device, runs=3, seconds=0.05) - 1 / _best_rate(put_back, 1, device, runs=3)
+    return len(params), seconds
+
+
+def measure_optimizer_phase(device: torch.device) -> dict:
+    """{"fixed_s", "per_tensor_s"}: the fixed cost of the optimizer phase (_optimizer_phase), fitted
+    t = fixed + tensors x per_tensor through MINIMAL at 1 and 3 layers (11 and 29 parameter
+    tensors). It stands for the launches of the phase's operators too (roofline_ops.step_ops):
+    priced one by one at the model's cost per operator, clipping's bare operators came out above
+    what they take, and the Python between them was not counted at all."""
+    return line_through(_optimizer_phase(1, device), _optimizer_phase(3, device))
+
+
+def line_through(a: tuple[float, float], b: tuple[float, float]) -> dict:
+    """{"fixed_s", "per_tensor_s"} of the line t = fixed + n x per_tensor through two points (n, t)."""
+    (n0, t0), (n1, t1) = a, b
+    slope = (t1 - t0) / (n1 - n0)
+    return {"fixed_s": t0 - slope * n0, "per_tensor_s": slope}
+
+
 def measure_roof(device: torch.device) -> dict:
     """This machine's roof as a JSON-ready dict (Roof's fields but its name and source). The global
     RNG is left as it was: a run that measures its roof first draws the dropout masks and batches
@@ -209,11 +184,12 @@ def measure_roof(device: torch.device) -> dict:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         forward, backward, sdpa_call = measure_sdpa(device)
         call, foreach = measure_launch(device)
-        return {"bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
+        cold, cache = measure_elementwise_ops(device), cache_bytes(device)
+        return {"optimizer_phase": measure_optimizer_phase(device), "bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
                 "sdpa_forward": forward, "sdpa_backward": backward,
                 "sdpa_call_seconds": sdpa_call, "elementwise": measure_elementwise(device),
-                "elementwise_ops": measure_elementwise_ops(device),
-                "elementwise_ops_warm": measure_elementwise_ops(device, cold=False), "cache_bytes": cache_bytes(device),
+                "elementwise_ops": cold, "cache_bytes": cache, "cache_shared": device.type == "cpu",
+                "elementwise_ops_after": measure_elementwise_after(device, cold, cache),
                 "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": call,
                 "measure_seconds": time.perf_counter() - started}
 
@@ -222,7 +198,9 @@ def _key(device: torch.device) -> str:
     # v2: the per-family elementwise rates and the per-dispatched-call launch cost; v3: SDPA's
     # backward timed alone, elementwise rates on operands out of cache, the vector_norm and binary_inplace families, SDPA's fixed cost (an older cached roof, without them, is measured again rather than read)
     # v4: the launch cost per operator of a minimal model's step, views alike (a chain of adds paid less)
-    return f"roofline v4|{device_name(device)}|torch {torch.__version__}"
+    # v6: the optimizer phase's fixed cost measured whole (optimizer_phase; a v5 roof of this branch held an earlier form of it)
+    # v7: the families after W bytes of other writes (elementwise_ops_after) in place of the warm rates
+    return f"roofline v7|{device_name(device)}|torch {torch.__version__}"
 
 
 def this_roof(device: torch.device, remeasure: bool = False, store: bool = True, collective: dict | None = None) -> Roof:

@@ -18,7 +18,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from lmforge.accounting import comm
+from lmforge.accounting.roofline import predict, rates_after
 from lmforge.accounting.roofline_trace import Record, trace_step
+from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.modes.parallel import get_strategy
 
@@ -41,6 +43,7 @@ class Op:
     calls: int = 1
     dtype: str = "float32"
     op: str = ""  # the aten operator: which measured elementwise rate applies (roofline.memory_rate)
+    launched: bool = True  # False: its launch is in a phase measured whole (optimizer_phase_op)
 
 
 def _touched(meta: tuple) -> int:
@@ -171,8 +174,6 @@ def step_ops(cfg: ModelConfig, setup, strategy: str) -> list[Op]:
     ops = micro_batch_ops(cfg, setup.batch_size, setup.seq_len, p.name, setup.recompute, setup.loss_chunk_tokens,
                           setup.fp32_attention) * setup.grad_accum
     if setup.grad_accum > 1:
-        from lmforge.accounting.shapes import model_shapes
-
         shapes = model_shapes(cfg).parameter_shapes
         elements = sum(_numel(shape) for shape in shapes)
         ops.append(Op("gradient accumulation", "norms/elementwise", "elementwise", 0.0,
@@ -180,6 +181,9 @@ def step_ops(cfg: ModelConfig, setup, strategy: str) -> list[Op]:
                       len(shapes) * (setup.grad_accum - 1), p.param_dtype, "add_"))
     shards = setup.dp if get_strategy(strategy).zero_stage >= 1 else 1
     ops += optimizer_ops(cfg, setup.batch_size, setup.seq_len, p.name, setup.optimizer, shards)
+    if setup.optimizer == "adamw":  # the optimizer its fixed cost is measured with (optimizer_phase_op)
+        ops = [dataclasses.replace(op, launched=False) if op.cls == "optimizer" else op for op in ops]
+        ops.append(optimizer_phase_op(cfg))
     sent = comm.step_communication(cfg, strategy, setup.dp, p, setup.grad_accum)
     if sent["sent_bytes"]:
         units = len(comm.unit_sizes(cfg))
@@ -187,6 +191,18 @@ def step_ops(cfg: ModelConfig, setup, strategy: str) -> list[Op]:
         ops.append(Op(f"{strategy} collectives", "communication", "collective", 0.0, sent["sent_bytes"], (),
                       collectives))
     return ops
+
+
+def optimizer_phase_op(cfg: ModelConfig) -> Op:
+    """The fixed cost of AdamW's optimizer phase (clipping, the step, zero_grad) over the model's
+    parameter tensors (a tied one once), as roofline_measure.measure_optimizer_phase measures it on
+    a model that does no work: its operators' launches and the Python between them (torch.optim's
+    wrapper, the per-parameter state lookups, zero_grad's loop). The phase's operators then pay
+    their bytes only (launched=False): measured one by one, their launches were priced at the
+    model's cost per operator and the Python between them not at all."""
+    tensors = len(model_shapes(cfg).parameter_shapes)
+    return Op("optimizer phase's fixed cost (launches, wrapper, state lookups, zero_grad)", "optimizer", "phase",
+              0.0, 0.0, (), tensors)
 
 
 def _numel(shape: tuple) -> int:
@@ -199,15 +215,23 @@ def _numel(shape: tuple) -> int:
 def predict_step(cfg: ModelConfig, setup, roof, strategy: str) -> dict | None:
     """The roofline's prediction of one optimizer step of `setup` on `roof` (roofline.predict), or
     None where the trace does not cover the setup yet (tensor, context or pipeline parallelism, LoRA, fp8)."""
-    from lmforge.accounting.roofline import predict
-
     if setup.tp > 1 or setup.cp > 1 or setup.pp > 1 or setup.lora_rank is not None or setup.policy.fp8:
         return None
-    if roof.elementwise_ops_warm and written_bytes(cfg, setup) <= roof.cache_bytes:
-        # everything the step writes fits in the cache: its operands are read warm (tiny's 27 MiB
-        # in the EPYC's 32 MiB L3; priced cold, its elementwise ops came out 1.8x the measured)
-        roof = dataclasses.replace(roof, elementwise_ops=roof.elementwise_ops_warm)
-    return predict(roof, step_ops(cfg, setup, strategy), setup.tokens_per_step)
+    return predict(step_roof(cfg, setup, roof), step_ops(cfg, setup, strategy), setup.tokens_per_step)
+
+
+def step_roof(cfg: ModelConfig, setup, roof):
+    """`roof` with its elementwise rates those measured after as many bytes of other writes as the
+    step writes (roofline.rates_after): an operand of a step was last touched up to a step's writes
+    before (the optimizer's states, the weights and their gradients a whole step; what the forward
+    saves, the rest of the forward and part of the backward). A step writing far more than the
+    cache (small: 1.2 GB) reads the cold rates, one writing little nearly the warm ones. Where the
+    cache is shared (a CPU's last level), the data-parallel ranks on the machine write into it at
+    once: a step's writes are theirs all. A roof without that grid (a datasheet's) keeps its rates."""
+    if not roof.elementwise_ops_after:
+        return roof
+    written = written_bytes(cfg, setup) * (setup.dp if roof.cache_shared else 1)
+    return dataclasses.replace(roof, elementwise_ops=rates_after(roof, written))
 
 
 def written_bytes(cfg: ModelConfig, setup) -> float:

@@ -6,7 +6,7 @@ model size, in a second or so.
 
 Each record: the operator's name, the phase it ran in (step: forward and backward; optimizer:
 clipping and the update), its tensor inputs and outputs as (shape, stride, dtype), and the
-innermost module that ran it (torch.utils.module_tracker, forward and backward). roofline_ops.py
+innermost module that ran it (_Modules below, forward and backward). roofline_ops.py
 turns the records into the roofline's operations. This is the model's own code, pieces below
 accounting only (model, precision, wrap, optim): the same pieces train/setup.py's build_model and
 parallel/engine.py's step put together for one process.
@@ -14,13 +14,15 @@ parallel/engine.py's step put together for one process.
 
 import contextlib
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._pytree import tree_flatten
-from torch.utils.module_tracker import ModuleTracker
 
 from lmforge.config import Config, ModelConfig
 from lmforge.model.transformer import Transformer
@@ -51,10 +53,79 @@ def _meta(t: torch.Tensor) -> tuple:
 _BOOKKEEPING = ("aten::lift_fresh", "aten::_local_scalar_dense")
 
 
+class _Modules:
+    """The modules running now, innermost last, in forward and in backward (a module's backward
+    runs from the gradients of its outputs to those of its inputs: grad hooks on them), named by
+    their path from the first module seen ("Transformer.blocks.0.attn").
+
+    A list, not torch.utils.module_tracker.ModuleTracker's set: HeadLoss calls the model's norm
+    and head, which are not its children, so a set holds "Transformer.loss" and "Transformer.norm"
+    equally deep and cannot say which is inner. Picking from it went by the set's iteration
+    order, which follows the process's string hash seed and the set's history (a deeper model
+    adds and removes more names before the head): the final norm's operators were loss in one
+    process and norms/elementwise in another, and a 5-layer trace disagreed with layer_extrapolated's
+    2- and 3-layer ones (tests/test_roofline.py)."""
+
+    def __init__(self):
+        self.running: list[str] = []
+        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._handles, self._reset_queued = [], False
+
+    def innermost(self) -> str:
+        return self.running[-1] if self.running else ""
+
+    def _name(self, module) -> str:
+        if module not in self._names:  # a root: it and all it holds named from its class
+            for name, sub in module.named_modules(prefix=type(module).__name__):
+                self._names[sub] = name
+        return self._names[module]
+
+    def _grad_hook(self, tensors, fn) -> None:
+        tensors = [t for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            self._handles.append(register_multi_grad_hook(tensors, lambda *_: fn()))
+
+    def _pre(self, module, args) -> None:
+        name = self._name(module)
+        self.running.append(name)
+        self._grad_hook(args, lambda: self._leave(name))  # its backward ends at its inputs' gradients
+
+    def _post(self, module, args, output) -> None:
+        name = self._name(module)
+        self._leave(name)
+        # its backward starts at its outputs' gradients; an input handed back (a dropout of p=0)
+        # has no backward of its own (its gradient would enter the module after leaving it)
+        inputs = tree_flatten(args)[0]
+        made = [t for t in tree_flatten(output)[0] if not any(t is a for a in inputs)]
+        self._grad_hook(made, lambda: self._enter_backward(name))
+
+    def _leave(self, name: str) -> None:
+        if name in self.running:  # its latest entry (a module may run inside itself)
+            del self.running[len(self.running) - 1 - self.running[::-1].index(name)]
+
+    def _enter_backward(self, name: str) -> None:
+        if not self._reset_queued:  # modules whose inputs need no gradient (the embedding) never leave
+            torch.autograd.Variable._execution_engine.queue_callback(self._reset)
+            self._reset_queued = True
+        self.running.append(name)
+
+    def _reset(self) -> None:
+        self.running, self._reset_queued = [], False
+
+    def __enter__(self):
+        self._hooks = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._hooks + self._handles:
+            handle.remove()
+        self._handles = []
+
+
 class _Recorder(TorchDispatchMode):
-    def __init__(self, tracker: ModuleTracker):
+    def __init__(self, modules: _Modules):
         super().__init__()
-        self.tracker, self.phase, self.records = tracker, "step", []
+        self.modules, self.phase, self.records = modules, "step", []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -62,12 +133,10 @@ class _Recorder(TorchDispatchMode):
             return out
         inputs = tuple(_meta(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
         outputs = tuple(_meta(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-        parents = [p for p in self.tracker.parents if p != "Global"]
-        module = max(parents, key=lambda p: p.count(".")) if parents else ""
         view = func.is_view or func._schema.name in ("aten::_unsafe_view", "aten::detach")
         name = func._schema.name.removeprefix("aten::")
         calls = len(args[0]) if name.startswith("_foreach") else 1
-        self.records.append(Record(name, self.phase, module, inputs, outputs, bool(view), calls))
+        self.records.append(Record(name, self.phase, self.modules.innermost(), inputs, outputs, bool(view), calls))
         return out
 
 
@@ -129,17 +198,17 @@ def record_step(cfg: ModelConfig, batch: int, seq_len: int, precision: str = "fp
             opt.zero_grad(set_to_none=True)
 
     one_step()  # the first step creates the optimizer's state
-    tracker = ModuleTracker()
-    recorder = _Recorder(tracker)
-    with tracker:
+    modules = _Modules()
+    recorder = _Recorder(modules)
+    with modules:
         one_step(recorder)
     return tuple(recorder.records)
 
 
 def recorded(fn) -> tuple[Record, ...]:
     """The aten operators `fn()` dispatches, recorded as trace_step records them (phase "step")."""
-    tracker = ModuleTracker()
-    with tracker, _Recorder(tracker) as recorder:
+    modules = _Modules()
+    with modules, _Recorder(modules) as recorder:
         fn()
     return tuple(recorder.records)
 

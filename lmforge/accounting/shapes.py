@@ -54,6 +54,12 @@ class Shapes:
         return tuple(shape if dim is None else (*shape[:dim], shape[dim] // min(tp, cap or tp), *shape[dim + 1:])
                      for shape, dim, cap in zip(self.parameter_shapes, self.tp_dims, slices))
 
+    def tensor_rank_block_matmul_weights(self, tp: int, kv_heads: int) -> int:
+        """block_matmul_weights on one of tp tensor ranks: every block linear is split tp ways, k and
+        v by their KV heads where tp is a multiple of them (as tensor_rank_shapes)."""
+        return sum(w // (min(tp, kv_heads) if name in ("attn.k_proj", "attn.v_proj") else tp)
+                   for name, w in self.linear_weights.items() if name != "lm_head")
+
     def tensor_rank_unit_sizes(self, tp: int) -> dict[str, int]:
         """unit_sizes on one of tp tensor ranks."""
         if tp == 1:
@@ -112,6 +118,23 @@ def tensor_parallel_slices(name: str, cfg: ModelConfig, tp: int) -> int:
     """How many distinct slices tp ranks hold of the split parameter `name`: tp, but a k or v
     projection's n_kv_heads where tp is a larger multiple of them (parallel/tp.py's `copies`)."""
     return min(tp, cfg.kv_heads) if _in_block(name) in KV_SPLIT else tp
+
+
+def tensor_rank_shape(name: str, shape: tuple, cfg: ModelConfig, tp: int) -> tuple:
+    """The shape one of tp tensor ranks holds of the parameter `name` (as named_parameters names it,
+    a LoRA layer's base weight under `.base.`): its split dimension divided by its slices
+    (parallel/tp.py), a LoRA adapter's as parallel/tp_lora.py splits it (a column-parallel layer's
+    B by its output rows, a row-parallel layer's A by its input columns; the other one whole)."""
+    name = name.replace(".base.", ".")
+    layer, leaf = name.rsplit(".", 1)
+    if leaf in ("lora_A", "lora_B"):
+        weight = f"{layer}.weight"
+        dim = {(0, "lora_B"): 0, (1, "lora_A"): 1}.get((tensor_parallel_dim(weight), leaf))
+    else:
+        weight, dim = name, tensor_parallel_dim(name)
+    if tp == 1 or dim is None:
+        return tuple(shape)
+    return (*shape[:dim], shape[dim] // tensor_parallel_slices(weight, cfg, tp), *shape[dim + 1:])
 
 
 def tensor_parallel_degrees(cfg: ModelConfig, replicate_kv_heads: bool = True) -> list[int]:

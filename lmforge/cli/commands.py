@@ -41,6 +41,8 @@ def cmd_finetune(args) -> int:
 
     cfg, run_dir = resumed_finetune_config(args) if args.resume else finetune_config(args)
     check_step_fits(cfg, this_device)  # before the base or the data is read: a step that cannot fit stops here
+    if args.nproc is not None:
+        return launch_train(args, cfg, run_dir)
     return _run_trainer(cfg, run_dir, args, "finetune")
 
 

@@ -78,6 +78,8 @@ def add_finetune(commands) -> None:
     finetune.add_argument("--config", metavar="FILE", help="YAML file with data/optim/train/finetune sections")
     add_overrides(finetune, "data.source=pairs.jsonl train.max_steps=300 optim.lr=1e-3")
     add_training_outputs(finetune, "continue the fine-tuning run in folder RUN")
+    finetune.add_argument("--nproc", type=COUNT, metavar="N",
+                          help="start N processes on this machine through torchrun's launcher, as train --nproc")
 
 
 def add_generate(commands) -> None:

@@ -53,6 +53,10 @@ def _add_plan_setup(plan: argparse.ArgumentParser) -> None:
                                                            f"the config's optim.name, adamw)")
     plan.add_argument("--zero-stage", metavar="LIST", help="ZeRO stage 0-3 (shards over --dp; default 0)")
     plan.add_argument("--dp", metavar="LIST", help="data-parallel degree (default 1)")
+    plan.add_argument("--dp-shard", type=COUNT, help="data-parallel ranks that shard the states, parallel.dp_shard "
+                                                     "(FSDP unless --zero-stage; with --dp-replicate: hybrid sharding)")
+    plan.add_argument("--dp-replicate", type=COUNT, help="data-parallel ranks that replicate, parallel.dp_replicate "
+                                                         "(dp = dp_replicate x dp_shard)")
     plan.add_argument("--tp", metavar="LIST", help="tensor-parallel degree (default 1)")
     plan.add_argument("--cp", metavar="LIST", help="context-parallel degree, parallel.cp (default 1): each rank holds "
                                                  "seq/cp tokens, ring attention (docs/context-parallel.md)")

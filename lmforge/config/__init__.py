@@ -8,6 +8,7 @@ and then validated, so every bad value stops with one line that names it and wha
     presets.py   MODEL_PRESETS: published model shapes by name
     load.py      the layers above, and a run's config.yaml written and read back
     validate.py  validate (the first setting that cannot work) and config_warnings (the likely mistakes)
+    degrees.py   the parallel section's degrees (pp x dp_replicate x dp_shard x cp x tp), resolved by validate
 
 This file presents the package's names; config/ imports only lmforge.modes and lmforge.common, and no
 torch (the CLI parses its arguments before torch is loaded).

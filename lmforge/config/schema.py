@@ -199,6 +199,13 @@ class ParallelConfig:
     # (zig-zag); the world is then dp x cp x tp (parallel/mesh.py), gradients averaged by
     # train.parallel=ddp over the dp x cp ranks (docs/context-parallel.md)
     cp: int = 1
+    # the mesh's other degrees, torchtitan's names (config/degrees.py; 0: not set, inferred): pipeline
+    # stages (sets train.pipeline_stages), data-parallel ranks that replicate the model and ranks that
+    # shard its states (> 1: train.parallel fsdp; both > 1: hybrid sharding, HSDP); the world is then
+    # pp x dp_replicate x dp_shard x cp x tp (parallel/mesh.py)
+    pp: int = 0
+    dp_replicate: int = 0
+    dp_shard: int = 0
 
 
 @dataclass

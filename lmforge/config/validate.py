@@ -1,15 +1,17 @@
 """Checking a config: `validate` stops at the first setting that cannot work, with one line that names
 it and what is allowed; `config_warnings` lists the ones that can but are probably not meant.
 
-Only the config is read here. Whether the launch fits it (processes, devices) is checked when the
-run starts (parallel/world.py, check_world).
+Only the config is read here. Whether the launch fits it (processes, devices, the product of the
+parallel degrees) is checked when the run starts (parallel/launch.py's check_launch).
 """
 
 import dataclasses
 import difflib
 import math
+import os
 
-from lmforge.common.errors import LmforgeError
+from lmforge.common.errors import LmforgeError, warn
+from lmforge.config.degrees import resolve_degrees
 from lmforge.config.schema import (FAMILIES, INIT_SCHEMES, LR_SCHEDULES, MLPS, MUON_ADJUST_LR, ROPE_SCALING_KEYS,
                                    SECTIONS, Config, DataConfig, FinetuneConfig, ModelConfig, OptimConfig, TrainConfig)
 # The names a setting can take, each from its one registry (light modules: no torch)
@@ -38,7 +40,12 @@ MODEL_SIZE_LIMITS = {"n_layers": 256, "d_model": 2**17, "d_ff": 2**19, "max_seq_
 
 def validate(cfg: Config) -> None:
     """Raise LmforgeError for the first setting that cannot work (see config_warnings for the
-    ones that can but are probably not meant)."""
+    ones that can but are probably not meant). First the parallel section's degrees are resolved
+    (config/degrees.py: they may set train.pipeline_stages and train.parallel, said in a warning by
+    one process of a launch)."""
+    for note in resolve_degrees(cfg):
+        if os.environ.get("RANK", "0") == "0":
+            warn(note)
     _check_numbers(cfg)
     _check_model(cfg.model)
     _check_architecture_choices(cfg.model)

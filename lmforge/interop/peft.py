@@ -31,6 +31,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.config import ModelConfig
 from lmforge.interop.hf_names import LAYOUTS, hf_module, lmforge_modules
 from lmforge.model.lora import adapter_state_dict, apply_lora, has_lora, load_adapter_state_dict
+from lmforge.parallel.tp_lora import adapter_slices
 
 PREFIX = "base_model.model."
 FUSED_LINEARS = ("attn.q_proj", "attn.k_proj", "attn.v_proj")  # GPT-2's c_attn, in its order
@@ -219,9 +220,10 @@ def peft_settings(folder: str | Path, model_cfg: ModelConfig) -> dict:
 
 def load_peft_weights(model: torch.nn.Module, folder: str | Path, model_cfg: ModelConfig) -> None:
     """Copy the PEFT adapter's weights into `model`'s LoRA layers (applied with its settings); a
-    pipeline stage takes the layers it holds."""
+    pipeline stage takes the layers it holds, a tensor-parallel rank its slices of them."""
     state, _, _, _ = read_peft_adapter(folder, model_cfg)
     held = adapter_state_dict(model)
     if len(held) < len(state):  # a pipeline stage (train/setup.py cuts the model before LoRA)
         state = {name: value for name, value in state.items() if name in held}
+    state = adapter_slices(model, state)  # a tensor-parallel rank's split layers hold slices (parallel/tp_lora.py)
     load_adapter_state_dict(model, state, origin=str(folder))

@@ -128,7 +128,8 @@ class Muon(AdamW):
                 group.setdefault(key, value)
                 self.defaults[key] = value
         # None: every Muon parameter is a whole matrix (checked at each step). An engine that hands
-        # the optimizer flat pieces of matrices (ZeRO: parallel/whole_matrices.py) sets its own.
+        # the optimizer flat pieces of matrices (ZeRO: parallel/whole_matrices.py) or tensor-parallel
+        # slices of them (parallel/tp_engine.py) sets its own.
         self.whole_matrices = None
 
     @torch.no_grad()

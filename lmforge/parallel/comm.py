@@ -32,8 +32,11 @@ class Collectives:
         self.ring_bytes = defaultdict(int)  # kind -> sum of S over the calls (twice for all-reduce)
         self.calls = defaultdict(int)  # (op, kind) -> number of calls
 
-    def _count(self, op: str, kind: str, tensor_bytes: int, passes: int = 1) -> None:
-        self.ring_bytes[kind] += passes * tensor_bytes
+    # eager under torch.compile: traced, the counts are guards that recompile a tensor-parallel
+    # block at every collective until dynamo's recompile limit sends it back to eager
+    @torch.compiler.disable
+    def _count(self, op: str, kind: str, tensor: torch.Tensor, passes: int = 1) -> None:
+        self.ring_bytes[kind] += passes * tensor.nbytes  # read here: a traced tensor may have symbolic sizes
         self.calls[op, kind] += 1
 
     def sent_bytes(self, kind: str = "model") -> float:
@@ -41,22 +44,22 @@ class Collectives:
         return self.ring_bytes[kind] * (self.world - 1) / self.world
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "model", async_op: bool = False):
-        self._count("all_reduce", kind, tensor.nbytes, passes=2)
+        self._count("all_reduce", kind, tensor, passes=2)
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, kind: str = "model", async_op: bool = False):
         """shard <- rank's 1/N slice of the sum over ranks of `full` (1-D, N * shard elements)."""
-        self._count("reduce_scatter", kind, full.nbytes)
+        self._count("reduce_scatter", kind, full)
         return dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, kind: str = "model", async_op: bool = False):
         """full <- every rank's `shard`, concatenated in rank order."""
-        self._count("all_gather", kind, full.nbytes)
+        self._count("all_gather", kind, full)
         return dist.all_gather_single(full, shard, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, kind: str = "state"):
         """From the group's rank `src` (a pipeline stage's data group is not ranks 0..N-1)."""
-        self._count("broadcast", kind, tensor.nbytes)
+        self._count("broadcast", kind, tensor)
         return dist.broadcast(tensor, group=self.group, group_src=src)
 
     def reset(self) -> None:

@@ -67,10 +67,11 @@ def zigzag_unsplit(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat([chunks[r][0] for r in range(cp)] + [chunks[r][1] for r in reversed(range(cp))], dim=dim)
 
 
-def shard_batch(tokens: torch.Tensor, targets: torch.Tensor | None, cp: int, rank: int):
+def shard_batch(tokens: torch.Tensor, targets: torch.Tensor | None, cp: int, rank: int, sequence_shards: int = 1):
     """(tokens, targets, positions) of rank's shard of a (batch, seq) batch, padded at the end to a
-    multiple of 2 cp: pad tokens are id 0, their targets IGNORE_INDEX (left out of the loss)."""
-    pad = padded_length(tokens.shape[1], cp) - tokens.shape[1]
+    multiple of 2 cp (and of cp tp under sequence parallelism over `sequence_shards` = tp ranks:
+    accounting/cp.py's padded_length): pad tokens are id 0, their targets IGNORE_INDEX (left out of the loss)."""
+    pad = padded_length(tokens.shape[1], cp, sequence_shards) - tokens.shape[1]
     tokens = torch.nn.functional.pad(tokens, (0, pad), value=0)
     if targets is not None:
         targets = zigzag_split(torch.nn.functional.pad(targets, (0, pad), value=IGNORE_INDEX), cp, rank)

@@ -18,6 +18,13 @@ A module swap from outside, like the other wrappers (the model file does not cha
                    token by token over the tp group, so it sums this cp rank's tokens as the plain
                    one does, and the ring runs over the cp group on each tp rank's own heads
 
+Sequence parallelism inside (tp x cp, parallel/tp.py's sequence_parallel): each tp rank's residual
+stream holds 1/tp of its cp shard (contiguous: the first tp rank the shard's first tokens), so the
+shard is padded to a multiple of tp as well (`shard`); attention all-gathers the whole cp shard over
+the tp group before the ring runs on the rank's heads, so the rotary tables are the cp shard's
+global positions, asked for by SequenceShardRope for tp x its tokens; the loss gathers the
+normalised shard before the vocabulary-parallel head, as tensor parallelism alone does.
+
 Everything else (embeddings, norms, MLPs, the head) works token by token and needs no change.
 Every CP rank holds the whole model; each computes the gradient of its loss, the ring having
 carried dK/dV home, so the model's gradient is the mean over the group (`all_reduce_gradients`).
@@ -43,8 +50,8 @@ from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.cp import RingTraffic, ring_attention, shard_batch, zigzag_positions
-from lmforge.parallel.tp_loss import VocabParallelHeadLoss
-from lmforge.parallel.tp_ops import copy_to_region
+from lmforge.parallel.tp import SequenceShardRope
+from lmforge.parallel.tp_loss import SoftcappedVocabParallelHeadLoss, VocabParallelHeadLoss
 
 
 class RingAttentionCore(nn.Module):
@@ -136,12 +143,14 @@ class ContextParallel:
     max_seq_len: int
     traffic: RingTraffic = field(default_factory=RingTraffic)  # ring bytes (accounting/cp.py predicts them)
     collectives: Collectives | None = None  # the loss count and the gradient all-reduce
+    sequence_shards: int = 1  # tp under sequence parallelism: each shard is cut again over the tp ranks
 
     def shard(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        """This rank's zig-zag shard of a (batch, seq) batch (padded to a multiple of 2 cp)."""
+        """This rank's zig-zag shard of a (batch, seq) batch (padded to a multiple of 2 cp, and of
+        cp tp under sequence parallelism)."""
         if tokens.shape[1] > self.max_seq_len:
             raise LmforgeError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len {self.max_seq_len}")
-        tokens, targets, _ = shard_batch(tokens, targets, self.cp, self.rank)
+        tokens, targets, _ = shard_batch(tokens, targets, self.cp, self.rank, self.sequence_shards)
         return tokens, targets
 
     def all_reduce_gradients(self, model: nn.Module) -> None:
@@ -181,11 +190,15 @@ def apply_context_parallel(model: nn.Module, group) -> ContextParallel:
     if cfg.dropout > 0:
         raise LmforgeError(f"context parallelism needs model.dropout=0 (got {cfg.dropout}): ring attention "
                            f"has no dropout, and per-rank masks would not match one process's")
+    sequence_parallel = isinstance(model.rope, SequenceShardRope)  # tp.py's, applied first
     cp_state = ContextParallel(group, dist.get_world_size(group), dist.get_rank(group), cfg.max_seq_len,
-                               collectives=Collectives(group))
+                               collectives=Collectives(group),
+                               sequence_shards=model.rope.parts if sequence_parallel else 1)
     for block in model.blocks.values():
         block.attn.core = RingAttentionCore(group, cp_state.traffic)
-    if model.rope is not None:
+    if sequence_parallel:  # the whole cp shard's positions, asked for by tp x each tp rank's tokens
+        model.rope = SequenceShardRope(ShardRotaryTables(model.rope.rope, cp_state.cp, cp_state.rank), model.rope.parts)
+    elif model.rope is not None:
         model.rope = ShardRotaryTables(model.rope, cp_state.cp, cp_state.rank)
     if model.pos_embeddings is not None:
         model.pos_embeddings = ShardPositionEmbedding(model.pos_embeddings, cp_state.cp, cp_state.rank)
@@ -196,7 +209,8 @@ def apply_context_parallel(model: nn.Module, group) -> ContextParallel:
 def _summed_loss(loss: nn.Module) -> nn.Module:
     """The summed form of the model's head loss: vocabulary-parallel (tp x cp) or plain."""
     if isinstance(loss, VocabParallelHeadLoss):
-        if loss.enter is not copy_to_region:  # parallel/launch.py refuses it first
-            raise LmforgeError("context parallelism with parallel.sequence_parallel=true is not written")
-        return VocabParallelHeadLoss(loss.comm, loss.vocab_start, reduction="sum")
+        if isinstance(loss, SoftcappedVocabParallelHeadLoss):  # model.logit_softcap: the same cap
+            return SoftcappedVocabParallelHeadLoss(loss.comm, loss.vocab_start, loss.cap, loss.sequence_parallel,
+                                                   reduction="sum")
+        return VocabParallelHeadLoss(loss.comm, loss.vocab_start, loss.sequence_parallel, reduction="sum")
     return SummedHeadLoss()

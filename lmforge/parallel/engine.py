@@ -184,6 +184,7 @@ class DistributedEngine(Engine):
     def __init__(self, model, optimizer, comm):
         super().__init__(model, optimizer)
         self.comm = comm
+        self.norm_comm = comm  # the ranks whose gradient pieces are disjoint (hybrid sharding: a shard group)
         self.world_size, self.rank = comm.world, comm.rank
         self.replicas, self.replica = comm.world, comm.rank
         self.syncing = True  # False inside no_sync(): the gradient hooks then only accumulate
@@ -209,7 +210,7 @@ class DistributedEngine(Engine):
             self.comm.all_reduce(found, op=dist.ReduceOp.MAX, kind="scalar")
             if found.item():
                 return True, torch.tensor(float("inf"))
-        reduce = (lambda t: self.comm.all_reduce(t, kind="scalar")) if self.grads_sharded else None
+        reduce = (lambda t: self.norm_comm.all_reduce(t, kind="scalar")) if self.grads_sharded else None
         return False, clip_grad_norm(holders, max_norm, sum_across_ranks=reduce)
 
     def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmforge.model.lora import LoRALinear
+from lmforge.parallel.comm import Collectives
 from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
 from lmforge.parallel.shards import parameter_units, unit_modules
 
@@ -49,7 +50,9 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 class FSDPEngine(DistributedEngine):
     def __init__(self, model, make_optimizer, weight_decay_groups_of, comm, working_dtype: torch.dtype, mesh=None):
         """`mesh`: the 1-D device mesh of `comm`'s ranks (a tensor-parallel model's dp dimension,
-        parallel/tp_engine.py); None: every rank (fully_shard's default)."""
+        parallel/tp_engine.py), or the 2-D (dp_replicate, dp_shard) one of hybrid sharding (HSDP:
+        fully_shard shards over dp_shard and all-reduces the gradients over dp_replicate; the
+        norm's squares are then summed over a shard group only); None: every rank (fully_shard's default)."""
         super().__init__(model, None, comm)
         self.broadcast_from_rank0()
         param_dtype = None if working_dtype == next(model.parameters()).dtype else working_dtype
@@ -62,6 +65,8 @@ class FSDPEngine(DistributedEngine):
                 fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         self.optimizer = make_optimizer(weight_decay_groups_of(model))  # over the sharded parameters
+        if mesh is not None and mesh.ndim == 2:  # hybrid sharding: each shard held by every replicate group
+            self.norm_comm = Collectives(mesh["dp_shard"].get_group())
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -6,6 +6,7 @@ the device a name stands for."""
 import torch
 
 from lmforge.common.errors import LmforgeError
+from lmforge.config.degrees import mesh_degrees
 from lmforge.modes.parallel import get_strategy
 
 
@@ -36,6 +37,8 @@ def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> to
     parallel = get_strategy(cfg.train.parallel).name
     stages = cfg.train.pipeline_stages
     _check_optimizer(cfg, parallel)
+    if env is not None and (cfg.parallel.dp_replicate or cfg.parallel.dp_shard):
+        mesh_degrees(cfg, env[1])  # the product of the degrees given against the world
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         raise LmforgeError("parallel.sequence_parallel=true splits the tokens over the tensor-parallel ranks: "
                            "set parallel.tp > 1")
@@ -71,11 +74,21 @@ def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> to
 def _check_optimizer(cfg, parallel: str) -> None:
     """An optimizer that needs whole matrices where the strategy shards them in a way it cannot use
     (docs/optimizers.md's "where each runs" says what is tested where)."""
-    name = cfg.optim.name
-    if name in ("muon", "adafactor") and cfg.parallel.tp > 1:
-        raise LmforgeError(f"optim.name={name} does not combine with parallel.tp={cfg.parallel.tp}: it needs whole "
-                           f"matrices and each tensor rank holds a slice of them; use an element-wise optimizer "
-                           f"(adamw, lion, sgd, ...) or parallel.tp=1")
+    name, tp = cfg.optim.name, cfg.parallel.tp
+    if name == "adafactor" and tp > 1:
+        raise LmforgeError(f"optim.name=adafactor does not combine with parallel.tp={tp}: its factored second moment "
+                           f"needs each whole matrix's row and column sums and each tensor rank holds a slice; use "
+                           f"another optimizer (adamw, muon, lion, ...) or parallel.tp=1")
+    # Muon gathers each split matrix over the tp group (parallel/tp_engine.py's TensorParallelMatrices)
+    # where the optimizer holds whole tp slices: strategy none or ddp, one stage, no cp
+    if name == "muon" and tp > 1 and (parallel not in ("none", "ddp") or cfg.parallel.cp > 1
+                                      or cfg.train.pipeline_stages > 1):
+        where = (f"train.parallel={parallel}" if parallel not in ("none", "ddp") else
+                 f"parallel.cp={cfg.parallel.cp}" if cfg.parallel.cp > 1 else
+                 f"train.pipeline_stages={cfg.train.pipeline_stages}")
+        raise LmforgeError(f"optim.name=muon does not combine with parallel.tp={tp} and {where}: Newton-Schulz "
+                           f"gathers each matrix over the tensor ranks only under train.parallel=none or ddp, "
+                           f"without cp or pipeline stages; use one of those or parallel.tp=1")
     if name == "adafactor" and parallel in ("zero1", "zero2", "zero3", "fsdp"):
         raise LmforgeError(f"optim.name=adafactor does not combine with train.parallel={parallel}: its second "
                            f"moment is factored by each matrix's rows and columns, which {parallel}'s flat shards "
@@ -124,36 +137,19 @@ def _check_pipeline(cfg, world_size: int) -> None:
 
 # what pipelines of tensor-parallel stages (parallel/pipeline/engine.py) are not combined with yet, and why
 PP_TP_REFUSED = {
-    "train.pipeline_engine": (lambda c: c.train.pipeline_engine == "torch",
-                              "torch.distributed.pipelining's stages do not know the tensor-parallel groups: use "
-                              "train.pipeline_engine=lmforge"),
-    "train.schedule": (lambda c: c.train.schedule == "interleaved-1f1b",
-                       "interleaved tensor-parallel stages are untested: use train.schedule=1f1b or gpipe"),
-    "parallel.sequence_parallel": (lambda c: c.parallel.sequence_parallel,
-                                   "the stages would send sequence shards (not written): set "
-                                   "parallel.sequence_parallel=false"),
+    "parallel.sequence_parallel": (lambda c: c.parallel.sequence_parallel and c.train.pipeline_engine == "torch",
+                                   "train.pipeline_engine=torch's stages with sequence shards are untested: use "
+                                   "train.pipeline_engine=lmforge or parallel.sequence_parallel=false"),
 }
 
 
 # what tensor parallelism (parallel/tp.py) is not combined with yet, and why: setting -> (refused when, why)
 TP_REFUSED = {
-    "train.precision": (lambda c: c.train.precision in ("fp16-mixed", "fp8"),
-                        "fp16's loss scaler and fp8's swapped linears are untested with it: use fp32, bf16-mixed or bf16-pure"),
+    "train.precision": (lambda c: c.train.precision == "fp8" and c.parallel.sequence_parallel,
+                        "fp8's split linears would keep the gathered input for backward, not this rank's "
+                        "sequence shard (parallel/tp_fp8.py): set parallel.sequence_parallel=false"),
     "train.loss_chunk_tokens": (lambda c: c.train.loss_chunk_tokens > 0,
                                 "the vocabulary-parallel loss already never holds the whole logits"),
-    "finetune.lora_dropout": (lambda c: c.finetune.lora_rank is not None and c.finetune.lora_dropout > 0,
-                              "a row-parallel rank would draw its mask over its own input slice: set "
-                              "finetune.lora_dropout=0"),
-    "finetune.adapter": (lambda c: c.finetune.adapter is not None,
-                         "a PEFT adapter is read whole into split layers (not written): continue it with parallel.tp=1"),
-    "model.dropout": (lambda c: c.model.dropout > 0, "the ranks' dropout masks of their heads would be drawn "
-                                                     "alike (Megatron's model-parallel RNG is not written)"),
-    "model.logit_softcap": (lambda c: c.model.logit_softcap is not None,
-                            "the vocabulary-parallel loss does not soft-cap the logits (parallel/tp_loss.py)"),
-    "model.n_kv_heads": (lambda c: c.model.kv_heads < c.parallel.tp and (c.train.parallel == "fsdp" or c.parallel.cp > 1),
-                         "fewer KV heads than ranks are replicated (parallel/tp.py), and neither FSDP2 (its new "
-                         "parameters drop the copies' gradient sum) nor context parallelism (untested) is wired to "
-                         "them: use train.parallel=zero3 without parallel.cp, or parallel.tp <= n_kv_heads"),
     "train.sample_tokens": (lambda c: c.train.sample_tokens > 0 and c.parallel.sequence_parallel,
                             "a decoding step's one new token cannot be split along the sequence: set "
                             "train.sample_tokens=0, or parallel.sequence_parallel=false"),
@@ -206,15 +202,13 @@ def _check_tensor_parallel(cfg, env) -> None:
         if cfg.model.family == "gpt":
             raise LmforgeError("parallel.sequence_parallel=true with model.family=gpt: its learned positions are "
                                "added to the whole sequence (not written); use the llama family")
-        if cfg.seq_len % tp:
+        if cfg.seq_len % tp and cfg.parallel.cp == 1:  # with cp, each cp shard is padded to a multiple of tp
             raise LmforgeError(f"parallel.sequence_parallel=true splits train.seq_len={cfg.seq_len} over "
                                f"parallel.tp={tp} ranks: use a multiple of {tp}")
 
 
 # what context parallelism (parallel/cp_model.py) is not combined with yet, and why: setting -> (refused when, why)
 CP_REFUSED = {
-    "parallel.sequence_parallel": (lambda c: c.parallel.sequence_parallel,
-                                   "sequence parallelism would cut each cp shard again over the tp ranks (not written)"),
     "train.pipeline_stages": (lambda c: c.train.pipeline_stages > 1, "pipelines of context-parallel stages are not wired"),
     "model.dropout": (lambda c: c.model.dropout > 0, "ring attention has no dropout, and per-rank masks would not "
                                                      "match one process's: set model.dropout=0"),
@@ -227,8 +221,8 @@ CP_REFUSED = {
 
 
 def _check_context_parallel(cfg, env) -> None:
-    """parallel.cp > 1: world = dp replicas x cp ranks (parallel/mesh.py), gradients averaged over
-    them by train.parallel=ddp (parallel/cp_engine.py), sequences long enough to shard."""
+    """parallel.cp > 1: world = dp replicas x cp ranks (parallel/mesh.py), gradients reduced over
+    them by train.parallel (ddp, zero1-3, fsdp: parallel/cp_engine.py), sequences long enough to shard."""
     cp, parallel = cfg.parallel.cp, get_strategy(cfg.train.parallel).name
     if env is None:
         raise LmforgeError(f"parallel.cp={cp} needs {cp} processes per model replica: launch with torchrun "
@@ -237,9 +231,9 @@ def _check_context_parallel(cfg, env) -> None:
     if world_size % per_replica:
         raise LmforgeError(f"parallel.cp={cp} on {world_size} processes: the world must be (replicas x cp x tp), "
                            f"a multiple of {per_replica}")
-    if parallel != "ddp":
-        raise LmforgeError(f"parallel.cp={cp} averages the gradients over its {world_size} ranks as DDP does "
-                           f"(each cp rank a replica of its shard): set train.parallel=ddp, not {parallel}")
+    if parallel == "none":
+        raise LmforgeError(f"parallel.cp={cp} reduces the gradients over its {world_size} ranks (each cp rank a "
+                           f"replica of its shard): set train.parallel=ddp, zero1, zero2, zero3 or fsdp")
     for setting, (refused, why) in CP_REFUSED.items():
         if refused(cfg):
             raise LmforgeError(f"parallel.cp={cp} does not combine with {setting}: {why}")

@@ -20,6 +20,14 @@ data-parallel engine; a pipeline (pp > 1) takes the pp group as its pipeline and
 each stage's replicas (parallel/pipeline/engine.py). The pp dimension is in the mesh only with pp > 1
 (torchtitan too leaves out a dimension of degree 1). parallel/launch.py's `check_launch` has already
 refused a world size that is not pp x dp x cp x tp.
+
+Hybrid sharding (parallel.dp_replicate and parallel.dp_shard both > 1: config/degrees.py) splits
+the dp dimension in two, as torchtitan names them: (pp, dp_replicate, dp_shard, cp, tp), the
+same rank order (dp_index = replicate_index * dp_shard + shard_index), with the two flattened
+back into "dp" for the loader and the loss average; FSDP2 takes the 2-D (dp_replicate, dp_shard)
+sub-mesh (`fsdp_mesh`).
+
+    4 ranks, dp_replicate = 2, dp_shard = 2:  shard groups {0, 1}, {2, 3}; replicate groups {0, 2}, {1, 3}
 """
 
 from dataclasses import dataclass
@@ -27,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lmforge.config.degrees import mesh_degrees
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,12 @@ class ParallelGroups:
     cp: int = 1  # ranks in each context-parallel group (shards of each sequence)
     dp_cp_group: dist.ProcessGroup | None = None  # this rank's dp x cp ranks (same tp index); with cp > 1
     pp: int = 1  # pipeline stages
+    dp_replicate: int = 1  # > 1: hybrid sharding, the dp ranks split into dp_replicate x dp_shard
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """FSDP2's mesh: the dp dimension, or (dp_replicate, dp_shard) for hybrid sharding."""
+        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp"]
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
@@ -64,7 +80,7 @@ class ParallelGroups:
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh.get_local_rank("dp")
+        return self.mesh["dp"].get_local_rank()
 
     @property
     def cp_rank(self) -> int:
@@ -76,13 +92,28 @@ def dp_cp_ranks(dp: int, cp: int, tp: int) -> list[list[int]]:
     return [[(d * cp + c) * tp + t for d in range(dp) for c in range(cp)] for t in range(tp)]
 
 
-def build_groups(tp: int, device: torch.device | str = "cpu", cp: int = 1, pp: int = 1) -> ParallelGroups:
-    """The (pp, dp, cp, tp) mesh over every rank of the initialised default group ((dp, cp, tp) with pp = 1)."""
+def build_groups(tp: int, device: torch.device | str = "cpu", cp: int = 1, pp: int = 1,
+                 replicate: int = 1) -> ParallelGroups:
+    """The (pp, dp, cp, tp) mesh over every rank of the initialised default group ((dp, cp, tp) with
+    pp = 1); with `replicate` > 1 dp is split into (dp_replicate, dp_shard), flattened back as "dp"."""
     world = dist.get_world_size()
     dp = world // (pp * cp * tp)
     shape, names = ((pp,), ("pp",)) if pp > 1 else ((), ())
-    mesh = init_device_mesh(torch.device(device).type, (*shape, dp, cp, tp), mesh_dim_names=(*names, "dp", "cp", "tp"))
+    dp_shape, dp_names = ((dp,), ("dp",)) if replicate == 1 else \
+        ((replicate, dp // replicate), ("dp_replicate", "dp_shard"))
+    mesh = init_device_mesh(torch.device(device).type, (*shape, *dp_shape, cp, tp),
+                            mesh_dim_names=(*names, *dp_names, "cp", "tp"))
+    if replicate > 1:
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torchtitan's way (torch's API has no public one yet)
     dp_cp_group = None
     if cp > 1:  # every rank creates every group, in the same order (torch.distributed's rule)
         dp_cp_group, _ = dist.new_subgroups_by_enumeration(dp_cp_ranks(dp, cp, tp))
-    return ParallelGroups(mesh=mesh, tp=tp, dp=dp, cp=cp, dp_cp_group=dp_cp_group, pp=pp)
+    return ParallelGroups(mesh=mesh, tp=tp, dp=dp, cp=cp, dp_cp_group=dp_cp_group, pp=pp, dp_replicate=replicate)
+
+
+def hybrid_replicate(cfg) -> int:
+    """parallel.dp_replicate of a hybrid-sharded launch (config/degrees.py), else 1."""
+    if not (cfg.parallel.dp_replicate or cfg.parallel.dp_shard) or not dist.is_initialized():
+        return 1
+    degrees = mesh_degrees(cfg, dist.get_world_size())
+    return degrees.dp_replicate if degrees.hybrid else 1

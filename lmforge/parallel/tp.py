@@ -21,7 +21,8 @@ all-reduces in forward (the two g) and two in backward (the two f).
     embedding   rows split by vocabulary; a rank looks up the tokens in its range, zeros the rest,
                 and g sums (section 3, "input embedding")
     LM head     rows split by vocabulary (tied: the embedding's own slice); the loss is taken over
-                the split logits without gathering them (tp_loss.py)
+                the split logits without gathering them (tp_loss.py); a soft-capped head caps
+                each rank's logits (model.logit_softcap acts on each logit alone)
 
 Norms, biases of row-parallel layers and position tables stay whole on every rank: the activations
 they touch are the same on every rank, and so are their gradients. A QK-norm gain reads only this
@@ -36,11 +37,11 @@ by a hook. The rotary tables are asked for the whole sequence (`SequenceShardRop
 Grouped-query attention with fewer KV heads than ranks replicates each KV head over tp / n_kv_heads
 ranks (as Megatron-LM does): a rank's query heads all read one KV head, so k_proj and v_proj are cut
 into n_kv_heads slices and rank r keeps slice r // (tp / n_kv_heads). Each copy's gradient covers
-its own rank's query heads only, so the copies' gradients are summed (`_sum_over_copies`); f already
+its own rank's query heads only, so the copies' gradients are summed (`sum_over_copies`); f already
 sums the input gradient over every rank, which counts each copy's share once. The plan counts its
-shapes, saved k and v and the copies' all-reduce (accounting/shapes.py, memory.py, comm.py);
-`lmforge train` refuses it under FSDP2 (its new parameters drop the hook) and with context
-parallelism (untested) only (parallel/launch.py).
+shapes, saved k and v and the copies' all-reduce (accounting/shapes.py, memory.py, comm.py). Under
+FSDP2, whose new parameters drop the hook, tp_engine.py sums the copies' gradient shards after
+backward; under context parallelism each tp rank's ring carries its one (copied) KV head.
 
 `apply_tensor_parallel` is a module swap applied from outside (train/setup.py, step 1b): each
 parallel module is built from the nn.Linear or nn.Embedding it replaces, keeping its slice of the
@@ -56,13 +57,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lmforge.common.errors import LmforgeError
-from lmforge.model.recipe import ReLU2MLP
+from lmforge.model.recipe import ReLU2MLP, SoftcapHead
 from lmforge.model.transformer import Attention, GeluMLP, SwiGLU, Transformer
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.launch import tp_divisibility
-from lmforge.parallel.tp_loss import VocabParallelHeadLoss
+from lmforge.parallel.tp_loss import SoftcappedVocabParallelHeadLoss, VocabParallelHeadLoss
 from lmforge.parallel.tp_ops import (TP_KIND, copy_to_region, gather_from_region, gather_sequence, linear_on_gathered,
                                      reduce_from_region, scatter_sequence)
+from lmforge.parallel.tp_rng import apply_tensor_rank_rng
 
 def shard(tensor: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
     """Rank `rank`'s contiguous 1/parts slice of `tensor` along `dim` (a copy: the full one can go)."""
@@ -123,6 +125,18 @@ class ColumnParallelLinear(nn.Module):
         return f"out_features={self.weight.shape[0]} of {self.out_features}, tp={self.comm.world}{copies}"
 
 
+class SoftcapColumnParallelHead(ColumnParallelLinear):
+    """A soft-capped LM head (model/recipe.py's SoftcapHead) split by vocabulary: each rank caps its
+    own logits, c tanh(z / c) acting on each logit alone, then they are gathered."""
+
+    def __init__(self, head: nn.Linear, comm: Collectives, cap: float):
+        super().__init__(head, comm, gather_output=True)
+        self.cap = cap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_from_region(self.cap * torch.tanh(self.matmul(x, self.weight, self.bias) / self.cap), self.comm)
+
+
 class RowParallelLinear(nn.Module):
     """Y = g(sum_r X_r B_r) + b: this rank's input features (columns of the weight); the bias,
     whole on every rank, is added once after the sum (to this rank's tokens, with sequence
@@ -179,19 +193,23 @@ def _sum_gradient(param: nn.Parameter, comm: Collectives) -> None:
     param.tp_summed = True  # FSDP2 replaces the parameter, and the hook with it: tp_engine.py sums it then
 
 
-def _sum_over_copies(param: nn.Parameter, comm: Collectives, copies: int) -> None:
-    """A slice held by `copies` ranks (a replicated KV head): each rank's gradient covers its own
-    query heads, the slice's is their sum. One all-reduce over the tp group of every slice's slot,
-    zeros but this rank's: world / copies times the slice's bytes, where an all-reduce within the
-    copies alone would send it once, but no second process group to build, order and time out."""
-    slot = comm.rank // copies
+def sum_over_copies(grad: torch.Tensor, comm: Collectives, copies: int) -> torch.Tensor:
+    """The sum of `grad` over the `copies` ranks holding the same slice (a replicated KV head): each
+    rank's gradient covers its own query heads, the slice's is their sum. One all-reduce over the tp
+    group of every slice's slot, zeros but this rank's: world / copies times the slice's bytes, where
+    an all-reduce within the copies alone would send it once, but no second process group to build,
+    order and time out. The same on FSDP2's dp shard of the gradient (tp_engine.py): the copies'
+    shards are alike, as their parameters are."""
+    slots = grad.new_zeros((comm.world // copies, *grad.shape))
+    slots[comm.rank // copies] = grad
+    comm.all_reduce(slots, kind=TP_KIND)
+    return slots[comm.rank // copies].clone()  # a view would keep every slot alive as the gradient's storage
 
-    def hook(grad):
-        slots = grad.new_zeros((comm.world // copies, *grad.shape))
-        slots[slot] = grad
-        comm.all_reduce(slots, kind=TP_KIND)
-        return slots[slot].clone()  # a view would keep every slot alive as the gradient's storage
-    param.register_hook(hook)
+
+def _sum_over_copies(param: nn.Parameter, comm: Collectives, copies: int) -> None:
+    """sum_over_copies on `param`'s gradient, by a hook (FSDP2 replaces the parameter, and the hook
+    with it: tp_engine.py sums its gradient then)."""
+    param.register_hook(lambda grad: sum_over_copies(grad, comm, copies))
 
 
 class SequenceShardRope(nn.Module):
@@ -255,14 +273,19 @@ def apply_tensor_parallel(model: Transformer, comm: Collectives, sequence_parall
         if model.pos_embeddings is not None:  # parallel/launch.py refuses it first
             raise LmforgeError("sequence parallelism with learned positions (model.family=gpt) is not written")
         model.rope = SequenceShardRope(model.rope, comm.world)
+    if model.cfg.dropout > 0:  # the masks inside the regions drawn per rank (tp_rng.py)
+        apply_tensor_rank_rng(model, comm.rank, sp)
     tied = model.cfg.tie_embeddings
     model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, comm, sp)
-    model.lm_head = ColumnParallelLinear(model.lm_head, comm, gather_output=True)
+    cap = model.lm_head.cap if isinstance(model.lm_head, SoftcapHead) else None  # model.logit_softcap
+    model.lm_head = (SoftcapColumnParallelHead(model.lm_head, comm, cap) if cap is not None
+                     else ColumnParallelLinear(model.lm_head, comm, gather_output=True))
     if tied:
         model.lm_head.weight = model.tok_embeddings.weight  # the same rows of the same matrix
     model.lm_head.register_forward_pre_hook(_entering(comm, sp))
-    model.loss = VocabParallelHeadLoss(comm, vocab_start=model.lm_head.weight.shape[0] * comm.rank,
-                                       sequence_parallel=sp)
+    vocab_start = model.lm_head.weight.shape[0] * comm.rank
+    model.loss = (SoftcappedVocabParallelHeadLoss(comm, vocab_start, cap, sp) if cap is not None
+                  else VocabParallelHeadLoss(comm, vocab_start, sequence_parallel=sp))
     return model
 
 

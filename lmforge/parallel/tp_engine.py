@@ -18,28 +18,34 @@ in ZeRO's flat units and those sharded over its dp peers, the ranks of the same 
 (parallel/zero.py unchanged: it sees a model of smaller matrices and a group of dp ranks). So a
 rank holds 1/(tp dp) of a split matrix's states and 1/dp of a whole one's (norm gains). FSDP2
 the same way: `fully_shard` over the mesh's dp dimension, applied after the tensor-parallel split
-(torchtitan's order); it replaces every parameter, so the engine puts `tp_dim` back on the new ones
-by name, and sums over tp, after backward, the gradients that tp.py's hooks (lost with the old
-parameters) would have summed.
+(torchtitan's order); it replaces every parameter, so the engine puts `tp_dim` and `tp_copies` back
+on the new ones by name, and sums over tp, after backward, the gradients that tp.py's hooks (lost
+with the old parameters) would have summed: the whole parameters' (norms) over every tp rank, a
+replicated KV head's over its copies (tp.py's sum_over_copies, on each rank's dp shard).
 """
 
+from types import SimpleNamespace
+
 import torch
+import torch.distributed as dist
 
 from lmforge.optim.clip import scale_to_norm
+from lmforge.optim.muon import Muon, orthogonalize
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.ddp import DDPEngine
 from lmforge.parallel.engine import Engine
 from lmforge.parallel.fsdp import FSDPEngine, local
-from lmforge.parallel.tp import shard_copies, sharded_dim
+from lmforge.parallel.tp import shard_copies, sharded_dim, sum_over_copies
 from lmforge.parallel.zero import ZeroEngine
 
 
-def gather_full(shard: torch.Tensor, dim: int, comm: Collectives, copies: int = 1) -> torch.Tensor:
+def gather_full(shard: torch.Tensor, dim: int, comm: Collectives, copies: int = 1,
+                kind: str = "state") -> torch.Tensor:
     """The whole tensor whose rank-r slice along `dim` is rank r's `shard` (with `copies` > 1, ranks
-    r .. r + copies - 1 hold the same slice: a replicated KV head, kept once)."""
+    r .. r + copies - 1 hold the same slice: a replicated KV head, kept once); counted under `kind`."""
     parts = shard.detach().movedim(dim, 0).contiguous()
     full = parts.new_empty((comm.world * parts.shape[0], *parts.shape[1:]))
-    comm.all_gather(full, parts, kind="state")
+    comm.all_gather(full, parts, kind=kind)
     if copies > 1:  # rank order: each slice `copies` times in a row
         full = full.unflatten(0, (comm.world, parts.shape[0]))[::copies].flatten(0, 1)
     return full.movedim(0, dim).contiguous()
@@ -66,16 +72,68 @@ def tp_square_sum(pieces, tp_comm: Collectives, device=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sharded_norm_and_clip(pieces, comm: Collectives, tp_comm: Collectives, max_norm: float):
-    """The global norm from this rank's pieces: disjoint over the dp ranks (ZeRO's or FSDP's slices), and,
-    for a split matrix, over the tp ranks too; a whole parameter's piece is the same on every tp
-    rank, so it is counted once (summed over dp only), as is a replicated KV head's slice (divided by
-    its copies). fp16 is refused with tp (launch.py)."""
+def found_inf_anywhere(scaler, grads, tp_comm: Collectives, comm: Collectives | None) -> bool:
+    """fp16-mixed: unscale this rank's gradients; True if any rank of the tp group or of the dp
+    group (with them, every rank of the run) found an inf or NaN. Every rank must skip the same
+    steps: a rank skipping alone would keep its slice (or its copy of a whole parameter) while the
+    others step, and the ranks' loss scales would part. A max of one number over each group."""
+    device = grads[0].device if grads else None  # the group's device (NCCL reduces CUDA tensors)
+    found = torch.tensor(float(scaler.unscale_([SimpleNamespace(grad=g) for g in grads])), device=device)
+    tp_comm.all_reduce(found, op=dist.ReduceOp.MAX, kind="scalar")
+    if comm is not None:
+        comm.all_reduce(found, op=dist.ReduceOp.MAX, kind="scalar")
+    return bool(found.item())
+
+
+@torch.no_grad()
+def sharded_norm_and_clip(pieces, comm: Collectives, tp_comm: Collectives, max_norm: float, scaler):
+    """fp16's found-inf over every rank (`scaler` enabled), then the global norm from this rank's
+    pieces: disjoint over the dp ranks (ZeRO's or FSDP's slices), and, for a split matrix, over the
+    tp ranks too; a whole parameter's piece is the same on every tp rank, so it is counted once
+    (summed over dp only), as is a replicated KV head's slice (divided by its copies)."""
+    if scaler.enabled and found_inf_anywhere(scaler, [g for g, _ in pieces], tp_comm, comm):
+        return True, torch.tensor(float("inf"))
     total = tp_square_sum(pieces, tp_comm)
     comm.all_reduce(total, kind="scalar")
     total_norm = total.sqrt()
     scale_to_norm([grad for grad, _ in pieces], total_norm, max_norm)
     return False, total_norm
+
+
+class TensorParallelMatrices:
+    """Set as a Muon optimizer's `whole_matrices` on a tensor-parallel replica (strategy none or
+    ddp): each split matrix's update is all-gathered whole over the tp group along its `tp_dim`,
+    orthogonalised, and this rank keeps its slice of the result.
+
+    Why gather rather than split the iteration: NS_5's A = X X^T contracts the matrix's longer
+    dimension (optim/muon.py transposes a tall one), so a shard along the shorter one would need X
+    gathered in each of the five iterations, and a shard along the longer one an all-reduce of
+    partial Gram matrices in each, summed from bf16 partial products, in another rounding than one
+    process's. One gather per step (of tp x the slice, in the gradient's dtype, counted under kind
+    "tp" so the trainer's tp bytes include it: accounting/comm.py's part "optimizer") hands every
+    rank the one-process input, so the step is the one-process step up to the gradients' own
+    summation order; the price is that every tp rank runs the whole matrix's Newton-Schulz."""
+
+    def __init__(self, tp_comm: Collectives):
+        self.comm = tp_comm
+
+    def orthogonalize(self, params: list[torch.Tensor], updates: list[torch.Tensor], group: dict):
+        """(each parameter's slice of its orthogonalised whole update, each whole matrix's shape)."""
+        orthos, shapes = [], []
+        for param, update in zip(params, updates):  # the same parameters in the same order on every tp rank
+            dim, copies = sharded_dim(param), shard_copies(param)
+            whole = update if dim is None else gather_full(update, dim, self.comm, copies, kind="tp")
+            ortho = orthogonalize(whole, group["ns_coefficients"], group["ns_steps"])
+            orthos.append(ortho if dim is None else slice_full(ortho, dim, self.comm, copies))
+            shapes.append(whole.shape)
+        return orthos, shapes
+
+
+def whole_matrices_over_tp(optimizer, tp_comm: Collectives) -> None:
+    """Muon's matrices gathered over the tp group (TensorParallelMatrices); other optimizers are
+    element-wise and take the slices as they are."""
+    if isinstance(optimizer, Muon):
+        optimizer.whole_matrices = TensorParallelMatrices(tp_comm)
 
 
 class TensorParallelMixin:
@@ -93,8 +151,9 @@ class TensorParallelMixin:
 
     @torch.no_grad()
     def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
-        # fp16-mixed (a loss scaler) is refused with tensor parallelism by parallel/launch.py
         params = [p for p in dict.fromkeys(self.model.parameters()) if p.grad is not None]
+        if scaler.enabled and found_inf_anywhere(scaler, [p.grad for p in params], self.tp_comm, self.comm):
+            return True, torch.tensor(float("inf"))
         total_norm = tp_square_sum([(p.grad, p) for p in params], self.tp_comm).sqrt()
         scale_to_norm([p.grad for p in params], total_norm, max_norm)
         return False, total_norm
@@ -162,7 +221,7 @@ class TensorParallelZeroEngine(TensorParallelMixin, ZeroEngine):
 
     @torch.no_grad()
     def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
-        return sharded_norm_and_clip(self._pieces(), self.comm, self.tp_comm, max_norm)
+        return sharded_norm_and_clip(self._pieces(), self.comm, self.tp_comm, max_norm, scaler)
 
 
 class TensorParallelFSDPEngine(TensorParallelMixin, FSDPEngine):
@@ -171,23 +230,31 @@ class TensorParallelFSDPEngine(TensorParallelMixin, FSDPEngine):
     def __init__(self, model, make_optimizer, weight_decay_groups_of, comm: Collectives, working_dtype: torch.dtype,
                  dp_mesh, tp_comm: Collectives):
         self.tp_comm = tp_comm
-        marks = {name: (sharded_dim(p), getattr(p, "tp_summed", False)) for name, p in model.named_parameters()}
+        marks = {name: (sharded_dim(p), getattr(p, "tp_summed", False), shard_copies(p))
+                 for name, p in model.named_parameters()}
         super().__init__(model, make_optimizer, weight_decay_groups_of, comm, working_dtype, mesh=dp_mesh)
-        self.summed = []
+        self.summed, self.copied = [], []
         for name, p in model.named_parameters():  # fully_shard's new parameters, under the same names
-            dim, summed = marks[name]
+            dim, summed, copies = marks[name]
             if dim is not None:
                 p.tp_dim = dim
             if summed:
                 self.summed.append(p)
+            if copies > 1:
+                p.tp_copies = copies
+                self.copied.append(p)
 
     def finish_gradients(self) -> None:
         super().finish_gradients()
         for p in self.summed:  # each tp rank's dp shard of its partial gradient: the sum is over tp
             if p.grad is not None:
                 self.tp_comm.all_reduce(local(p.grad), kind="tp")
+        for p in self.copied:  # a replicated KV head's: over its copies (tp.py's hook, lost)
+            if p.grad is not None:
+                shard = local(p.grad)
+                shard.copy_(sum_over_copies(shard, self.tp_comm, p.tp_copies))
 
     @torch.no_grad()
     def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
         pieces = [(local(p.grad), p) for p in self.model.parameters() if p.grad is not None]
-        return sharded_norm_and_clip(pieces, self.comm, self.tp_comm, max_norm)
+        return sharded_norm_and_clip(pieces, self.norm_comm, self.tp_comm, max_norm, scaler)

@@ -12,17 +12,22 @@ ranks together compute one process's y = W x + (alpha / r) B A x and train its A
 
 The adapters are drawn whole, exactly as one process draws them (LoRALinear reads the layer's whole
 in_features / out_features), then sliced: a seed gives one process's adapters, and B starts at zero
-on every rank. Each slice carries `tp_dim`, so checkpoints hold the whole A and B by name
-(tp_engine.py) and a merge folds B_r A (column) or B A_r (row) into this rank's weight slice.
-LoRA dropout is refused with tensor parallelism (parallel/launch.py): a row-parallel rank would
-draw its mask over its own input slice, not one process's mask.
+on every rank. Each slice carries `tp_dim`, so the engine's state by name gives the whole A and B
+(tp_engine.py), which checkpoints hold and a merge folds B_r A (column) or B A_r (row) into this rank's weight slice.
+LoRA dropout acts on the layer's input x before A. A column-parallel rank holds the whole x and
+draws the whole mask from the default generator, alike on every rank (parallel/tp_rng.py) and as
+one process does. A row-parallel rank holds its slice x_r: it draws the mask of the whole width,
+as one process's nn.Dropout would on the whole x, and keeps its columns (`SlicedDropout`), so the
+ranks together apply one process's mask and the generator advances as one process's.
 """
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-from lmforge.model.lora import LoRALinear, apply_lora
+from lmforge.model.lora import LoRALinear, apply_lora, lora_layers
 from lmforge.parallel.tp import (ColumnParallelLinear, RowParallelLinear, _sharded_parameter, _sum_gradient,
-                                 leave_region)
+                                 leave_region, shard, shard_copies, sharded_dim)
 
 
 class ColumnParallelLoRA(LoRALinear):
@@ -34,6 +39,24 @@ class ColumnParallelLoRA(LoRALinear):
         _sum_gradient(self.lora_A, base.comm)
 
 
+class SlicedDropout(nn.Module):
+    """Dropout on this rank's `width` of the last dimension's `width * world` features: the whole
+    mask drawn as nn.Dropout draws it (F.dropout of ones is the mask, scaled by 1 / (1 - p)), this
+    rank's columns kept."""
+
+    def __init__(self, p: float, rank: int, world: int):
+        super().__init__()
+        self.p, self.rank, self.world = p, rank, world
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[-1]
+        mask = F.dropout(x.new_ones((*x.shape[:-1], width * self.world)), self.p, self.training)
+        return x * mask.narrow(-1, self.rank * width, width)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, rank={self.rank} of {self.world}"
+
+
 class RowParallelLoRA(LoRALinear):
     """LoRA on a row-parallel linear: A_r (r, in / tp), A x summed by g before B (whole)."""
 
@@ -43,12 +66,14 @@ class RowParallelLoRA(LoRALinear):
         self.lora_A = _sharded_parameter(self.lora_A, 1, base.comm)
         if base.sequence_parallel:  # B sees this rank's tokens only
             _sum_gradient(self.lora_B, base.comm)
+        if dropout > 0:  # one process's mask over the whole input, this rank's columns of it
+            self.dropout = SlicedDropout(dropout, base.comm.rank, base.comm.world)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if self.merged:
             return y
-        ax = leave_region(x.to(self.lora_A.dtype) @ self.lora_A.t(), self.comm, self.sequence_parallel)
+        ax = leave_region(self.dropout(x).to(self.lora_A.dtype) @ self.lora_A.t(), self.comm, self.sequence_parallel)
         return y + ((ax @ self.lora_B.t()) * self.scaling).to(y.dtype)
 
 
@@ -63,3 +88,26 @@ def apply_tensor_parallel_lora(model, targets, rank: int, alpha: float | None, d
     each layer carries its tensor-parallel group."""
     return apply_lora(model, targets, rank, alpha, dropout, kinds=(ColumnParallelLinear, RowParallelLinear),
                       wrap=_wrap)
+
+
+def _split_adapters(model, names) -> dict[str, tuple]:
+    """name -> (split dimension, tp group, copies) of the split adapters among `names`
+    (adapter_state_dict's): only split layers' adapters carry tp_dim, and their base its group."""
+    layers, out = lora_layers(model), {}
+    for name in names:
+        layer, which = name.rsplit(".", 1)
+        param = getattr(layers[layer], which)
+        if sharded_dim(param) is not None:
+            out[name] = (sharded_dim(param), layers[layer].base.comm, shard_copies(param))
+    return out
+
+
+def adapter_slices(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole adapters by adapter_state_dict's names (a checkpoint's, a PEFT adapter's:
+    interop/peft.py) cut to the slices this rank's split layers hold: B_r of a column-parallel
+    layer (a replicated KV head's: its head's rows), A_r of a row-parallel one, the rest (and a
+    model without tensor parallelism) whole."""
+    out = dict(state)
+    for name, (dim, comm, copies) in _split_adapters(model, state).items():
+        out[name] = shard(state[name], dim, comm.rank // copies, comm.world // copies)
+    return out

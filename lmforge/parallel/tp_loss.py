@@ -12,6 +12,11 @@ exponentials (an all-reduce of the ranks' sums) and the target's logit (the rank
 contributes it, the others 0). So each rank sends 3 numbers per token instead of V/tp logits. The
 two sums pass through g (all-reduce forward, identity backward: tp_ops.py): every rank computes the
 same loss, and its gradient reaches each rank's logits as softmax_v - [v = t] for its own v.
+
+A soft-capped head (model.logit_softcap, model/recipe.py) scores c tanh(z_v / c) instead of z_v:
+the cap acts on each logit alone, so each rank caps its own slice before its maximum and sum of
+exponentials (`SoftcappedVocabParallelHeadLoss`), and autograd multiplies the gradient by
+1 - tanh^2 (z_v / c) logit by logit, as in one process.
 """
 
 import torch
@@ -55,12 +60,33 @@ class VocabParallelHeadLoss(nn.Module):
     def __init__(self, comm: Collectives, vocab_start: int, sequence_parallel: bool = False, reduction: str = "mean"):
         super().__init__()
         self.comm, self.vocab_start, self.reduction = comm, vocab_start, reduction
+        self.sequence_parallel = sequence_parallel
         self.enter = gather_sequence if sequence_parallel else copy_to_region
         self.matmul = linear_on_gathered if sequence_parallel else F.linear  # keeps the shard (tp_ops.py)
 
+    def logits(self, x: torch.Tensor, norm: nn.Module, lm_head: nn.Module) -> torch.Tensor:
+        """This rank's (..., V/tp) logits."""
+        return self.matmul(self.enter(norm(x), self.comm), lm_head.weight, lm_head.bias)
+
     def forward(self, x: torch.Tensor, norm: nn.Module, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
-        local_logits = self.matmul(self.enter(norm(x), self.comm), lm_head.weight, lm_head.bias)
-        return vocab_parallel_cross_entropy(local_logits, targets, self.comm, self.vocab_start, self.reduction)
+        return vocab_parallel_cross_entropy(self.logits(x, norm, lm_head), targets, self.comm, self.vocab_start,
+                                            self.reduction)
 
     def extra_repr(self) -> str:
         return f"vocab_start={self.vocab_start}, tp={self.comm.world}, reduction={self.reduction}"
+
+
+class SoftcappedVocabParallelHeadLoss(VocabParallelHeadLoss):
+    """The loss above for a soft-capped head: each rank's logits capped, c tanh(z / c), in the
+    compute dtype as SoftcapHead caps them (model/recipe.py), before the vocabulary-wide sums."""
+
+    def __init__(self, comm: Collectives, vocab_start: int, cap: float, sequence_parallel: bool = False,
+                 reduction: str = "mean"):
+        super().__init__(comm, vocab_start, sequence_parallel, reduction)
+        self.cap = cap
+
+    def logits(self, x: torch.Tensor, norm: nn.Module, lm_head: nn.Module) -> torch.Tensor:
+        return self.cap * torch.tanh(super().logits(x, norm, lm_head) / self.cap)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, cap={self.cap:g}"

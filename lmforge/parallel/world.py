@@ -44,9 +44,14 @@ WAIT_FIRST_NOTE_SECONDS = 2
 WAIT_NOTE_SECONDS = 30
 # prctl's option: the signal this process gets when its parent dies (linux/prctl.h)
 PR_SET_PDEATHSIG = 1
+# That signal: one of its own, not SIGTERM. The kernel sends it when the *thread* that started this
+# rank exits, and a SIGKILLed launcher's threads exit one by one: the signal can come while getppid()
+# still names the launcher, and a SIGTERM then reads as a plain stop request (a CI failure).
+LAUNCHER_DEATH_SIGNAL = signal.SIGUSR2
 # Every rank calls main_first in the same order: the n-th call's store key is the same on all.
 _MAIN_FIRST_CALLS = itertools.count()
 _LAUNCHER_GONE_SAID: list[bool] = []  # whether this process said that its launcher died
+_LAUNCHER_DEATH_RECEIVED: list[bool] = []  # whether the kernel sent LAUNCHER_DEATH_SIGNAL
 
 
 class ReportedOnRank0(LmforgeError):
@@ -102,6 +107,13 @@ class World:
         if kind == "error":
             raise ReportedOnRank0(value)
         return value
+
+    def measured_on_main(self, make, doing: str):
+        """from_main for a measurement rank 0 may have to take (or retake: the machine cache redoes
+        one taken while the machine was busier), which can outlast train.dist_timeout: the others
+        wait through the store, as in main_first, then every rank gets rank 0's result."""
+        result = self.main_first(lambda: make() if self.is_main else None, doing)
+        return self.from_main(lambda: result)
 
     def main_first(self, make, doing: str = ""):
         """Rank 0 runs `make()` first (it may write: prepare the data, lock the run folder); once it
@@ -188,8 +200,8 @@ class World:
         return signal.SIGTERM if flags[0] > 0 else signal.SIGINT if flags[1] > 0 else None
 
     def _launcher_gone(self) -> bool:
-        """Whether the launcher died (this rank's parent changed)."""
-        return self.launcher_pid is not None and os.getppid() != self.launcher_pid
+        """Whether the launcher died (the kernel said so, or this rank's parent changed)."""
+        return self.launcher_pid is not None and (bool(_LAUNCHER_DEATH_RECEIVED) or os.getppid() != self.launcher_pid)
 
     def _say_launcher_gone(self) -> None:
         """The one line, once, from the first process of each node."""
@@ -208,11 +220,11 @@ class World:
 
     # -- failure ---------------------------------------------------------------------------------
 
-    def failure(self, err: BaseException) -> LmforgeError:
+    def failure(self, err: BaseException, roll_call: tuple[list[int], bool] | None = None) -> LmforgeError:
         """The one-line error for a collective that failed: which ranks did not answer a roll call
         through the rendezvous store (which torchrun's agent holds, so it outlives any rank). Rank 0
         prints it; if rank 0 is among the missing, the lowest rank that answered does."""
-        missing, store_lost = self._roll_call()
+        missing, store_lost = roll_call or self._roll_call()
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped answering "
                f"(died or hangs)") if missing else "a collective failed on another rank"
@@ -224,13 +236,24 @@ class World:
         reporter = self.local_rank == 0 if store_lost else self.rank == min(set(range(self.world_size)) - set(missing))
         return ReportedHere(message) if 0 in missing and reporter else ReportedOnRank0(message)
 
+    def report_stuck(self) -> None:
+        """Called by the trainer's StopRequests watch (train/signals.py) when torchrun's agent sent
+        SIGTERM and the main thread, waiting in a collective, did not take it: if the roll call finds
+        a rank missing, print the failure's line as the CLI would and exit (status 2, the CLI's)."""
+        roll_call = self._roll_call()
+        if not roll_call[0]:
+            return  # every rank answers: a stop request on a slow step, which the step's end takes
+        error = self.failure(RuntimeError("stopped by torchrun's agent while waiting in a collective"), roll_call)
+        if not isinstance(error, ReportedOnRank0):
+            print(f"lmforge: error: {error}", file=sys.stderr, flush=True)
+        os._exit(2)  # the main thread is stuck in C++; the kernel drops the run folder's lock
+
     def _roll_call(self) -> tuple[list[int], bool]:
         """(the ranks that did not say they are alive within ROLL_CALL_SECONDS, whether the store
         itself is gone)."""
         store = dist.distributed_c10d._get_default_store()
-        # torchrun's agent sends SIGTERM to the survivors as soon as it sees a rank die: let it wait
-        # (it allows 30 s) until this rank has said who is missing; it exits right after anyway
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # torchrun's agent sends SIGTERM to the survivors as soon as it sees a rank die: the trainer
+        # only records it meanwhile (train/signals.py); the agent allows 30 s before SIGKILL
         try:
             store.set(f"lmforge/alive/{self.rank}", "1")
             keys = [f"lmforge/alive/{rank}" for rank in range(self.world_size)]
@@ -241,8 +264,6 @@ class World:
             return [rank for rank, key in enumerate(keys) if not store.check([key])], False
         except Exception:  # noqa: BLE001 - the store itself is gone (its host died)
             return [rank for rank in range(self.world_size) if rank != self.rank], True
-        finally:
-            signal.signal(signal.SIGTERM, previous)
 
     def close(self) -> None:
         leave_group()
@@ -301,15 +322,16 @@ def leave_group() -> None:
 
 def watch_launcher() -> int:
     """Make this rank stop when the launcher that started it dies (`kill -9` of torchrun's agent
-    leaves its ranks running, holding the run folder's lock): on Linux the kernel sends SIGTERM
-    (prctl PR_SET_PDEATHSIG), which the loop takes as a stop request; and `World.stop_requested`
-    compares the parent's pid with this one each step (other systems, or a launcher that died
-    before the prctl). Returns the launcher's pid."""
+    leaves its ranks running, holding the run folder's lock): on Linux the kernel sends
+    LAUNCHER_DEATH_SIGNAL (prctl PR_SET_PDEATHSIG), recorded here; `World.stop_requested` takes it,
+    or a parent pid that changed (other systems, or a launcher that died before the prctl), as a
+    SIGTERM. Returns the launcher's pid."""
     parent = os.getppid()
     if sys.platform.startswith("linux"):
         try:
+            signal.signal(LAUNCHER_DEATH_SIGNAL, lambda signum, frame: _LAUNCHER_DEATH_RECEIVED.append(True))
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):  # no prctl: the per-step check remains
+            libc.prctl(PR_SET_PDEATHSIG, LAUNCHER_DEATH_SIGNAL, 0, 0, 0)
+        except (OSError, AttributeError, ValueError):  # no prctl, or not the main thread: the per-step check remains
             pass
     return parent

@@ -39,6 +39,7 @@ from lmforge.modes.precision import FP8_SCALINGS
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
+HISTORY = 16  # amax values delayed scaling keeps per operand
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -97,15 +98,20 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
 
 
 class AmaxHistory:
-    """Per-tensor scale state of one operand (input, weight or gradient) of one layer."""
+    """Per-tensor scale state of one operand (input, weight or gradient) of one layer. `reduce`,
+    where this process holds a slice of the operand (a tensor-parallel layer: parallel/tp_fp8.py),
+    turns the slice's amax into the whole tensor's, in place (a max over the processes holding the
+    slices), so that the scale is the one a single process computes."""
 
-    def __init__(self, dtype: torch.dtype, scaling: str, length: int):
+    def __init__(self, dtype: torch.dtype, scaling: str, length: int, reduce=None):
         lookup(FP8_SCALINGS, scaling, "fp8 scaling")
-        self.dtype, self.scaling, self.length = dtype, scaling, length
+        self.dtype, self.scaling, self.length, self.reduce = dtype, scaling, length, reduce
         self.history: list[float] = []  # the last `length` amax values, newest last
 
     def scale(self, x: torch.Tensor, record: bool) -> torch.Tensor:
         amax = torch.linalg.vector_norm(x.detach(), ord=float("inf")).float()  # max |x|, one pass
+        if self.reduce is not None:
+            self.reduce(amax)
         if self.scaling == "delayed" and self.history:
             scale = scale_for(torch.tensor(max(self.history), device=x.device), self.dtype)
         else:  # current scaling, or the first step of delayed scaling (no history yet)
@@ -122,7 +128,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     higher-precision x: this is where fp8 saves activation memory."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: "Fp8Linear", out_dtype: torch.dtype, record: bool):
+    def forward(ctx, x, weight, bias, layer: "Fp8Scales", out_dtype: torch.dtype, record: bool):
         hardware = hardware_fp8(x.device)
         x2 = x.reshape(-1, x.shape[-1])
         sx, sw = layer.amax_x.scale(x2, record), layer.amax_w.scale(weight, record)
@@ -151,32 +157,16 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-class Fp8Linear(nn.Linear):
-    """nn.Linear whose matmuls run in fp8. Parameters (names, dtype, storage) are those of the
-    layer it replaces, so checkpoints, weight tying and the optimizer see no difference. The
-    output has the autocast dtype inside autocast, else the input's dtype."""
+class Fp8Scales:
+    """The amax histories of a layer whose matmul runs in fp8 (input, weight, gradient), and their
+    state for checkpoints (delayed scaling). `reduce` maps an operand name to its amax reduction
+    (AmaxHistory), for the operands this process holds a slice of."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, scaling: str = "current",
-                 history: int = 16, device=None, dtype=None):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.amax_x = AmaxHistory(E4M3, scaling, history)
-        self.amax_w = AmaxHistory(E4M3, scaling, history)
-        self.amax_grad = AmaxHistory(E5M2, scaling, history)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, scaling: str = "current", history: int = 16) -> "Fp8Linear":
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, scaling=scaling,
-                    history=history, device="meta")
-        layer.weight, layer.bias = linear.weight, linear.bias  # the same Parameter objects
-        layer.train(linear.training)
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        device = x.device.type
-        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        record = self.training and torch.is_grad_enabled()  # amax histories learn from training steps only
-        with torch.autocast(device, enabled=False):  # the Function picks its own dtypes
-            return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, record)
+    def init_scales(self, scaling: str, history: int, reduce: dict | None = None) -> None:
+        reduce = reduce or {}
+        self.amax_x = AmaxHistory(E4M3, scaling, history, reduce.get("x"))
+        self.amax_w = AmaxHistory(E4M3, scaling, history, reduce.get("w"))
+        self.amax_grad = AmaxHistory(E5M2, scaling, history, reduce.get("grad"))
 
     def scale_state(self) -> dict[str, list[float]]:
         return {"x": self.amax_x.history, "w": self.amax_w.history, "grad": self.amax_grad.history}
@@ -184,3 +174,34 @@ class Fp8Linear(nn.Linear):
     def load_scale_state(self, state: dict[str, list[float]]) -> None:
         self.amax_x.history, self.amax_w.history = list(state["x"]), list(state["w"])
         self.amax_grad.history = list(state["grad"])
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Fp8Scales) -> torch.Tensor:
+    """x @ weight^T + bias with the matmuls in fp8, scaled by `layer`'s amax histories; the output
+    has the autocast dtype inside autocast, else the input's dtype."""
+    device = x.device.type
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    record = layer.training and torch.is_grad_enabled()  # amax histories learn from training steps only
+    with torch.autocast(device, enabled=False):  # the Function picks its own dtypes
+        return _Fp8LinearFunction.apply(x, weight, bias, layer, out_dtype, record)
+
+
+class Fp8Linear(Fp8Scales, nn.Linear):
+    """nn.Linear whose matmuls run in fp8. Parameters (names, dtype, storage) are those of the
+    layer it replaces, so checkpoints, weight tying and the optimizer see no difference."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, scaling: str = "current",
+                 history: int = HISTORY, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.init_scales(scaling, history)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scaling: str = "current", history: int = HISTORY) -> "Fp8Linear":
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, scaling=scaling,
+                    history=history, device="meta")
+        layer.weight, layer.bias = linear.weight, linear.bias  # the same Parameter objects
+        layer.train(linear.training)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, self)

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from lmforge.common.errors import LmforgeError, lookup
 from lmforge.model.transformer import Attention
-from lmforge.precision.fp8 import Fp8Linear, hardware_fp8
+from lmforge.precision.fp8 import Fp8Linear, Fp8Scales, hardware_fp8
 from lmforge.modes.precision import FP8_SCALINGS, Policy
 
 
@@ -62,7 +62,7 @@ def prepare_model(model: nn.Module, policy: Policy, fp32_attention: bool = False
     """Apply `policy` to a freshly built model, in place, before the optimizer is created:
     parameter dtype, then fp8 linears (a module swap), then fp32 attention (a wrapper module)."""
     lookup(FP8_SCALINGS, fp8_scaling, "fp8 scaling")
-    if any(isinstance(m, (Fp8Linear, Fp32Attention)) for m in model.modules()) or any(
+    if any(isinstance(m, (Fp8Scales, Fp32Attention)) for m in model.modules()) or any(
             p.dtype != torch.float32 for p in model.parameters()):
         raise ValueError("a precision policy is already applied to this model")
     if policy.param_dtype != "float32":
@@ -104,10 +104,10 @@ def autocast(policy: Policy, device: torch.device):
 
 def fp8_scale_state(model: nn.Module) -> dict:
     """The amax histories of every fp8 layer (delayed scaling), by module name, for checkpoints."""
-    return {name: m.scale_state() for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    return {name: m.scale_state() for name, m in model.named_modules() if isinstance(m, Fp8Scales)}
 
 
 def load_fp8_scale_state(model: nn.Module, state: dict) -> None:
     for name, module in model.named_modules():
-        if isinstance(module, Fp8Linear) and name in state:
+        if isinstance(module, Fp8Scales) and name in state:
             module.load_scale_state(state[name])

@@ -37,6 +37,7 @@ from lmforge.modes.parallel import get_strategy
 from lmforge.modes.precision import Policy, get_policy
 from lmforge.optim.schedule import Schedule
 from lmforge.parallel.cp_model import ring_traffic
+from lmforge.parallel.mesh import hybrid_replicate
 from lmforge.parallel.parallelize import Engine
 from lmforge.parallel.pipeline.report import pipeline_report
 from lmforge.parallel.pipeline.timeline import Timeline
@@ -167,8 +168,8 @@ class Trainer:
         """The run's measurements record (train/measurements.py) and the plan to set them beside."""
         cfg, engine = self.cfg, self.engine
         # measured by rank 0; each rank has its share
-        machine = rank_share(self.world.from_main(lambda: machine(matmul_dtype(cfg.train.precision), self.device)),
-                             self.device)
+        machine = rank_share(self.world.measured_on_main(lambda: machine(matmul_dtype(cfg.train.precision), self.device),
+                                                         "measure this machine's matmul peak"), self.device)
         self.measurements = start_measurements(
             cfg, engine, self.world, self.state, self.policy.name,
             loss_scale=self.scaler.scale_value if self.scaler.enabled else None,
@@ -176,10 +177,11 @@ class Trainer:
         # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
         setup = Setup.from_config(cfg, mfu=1.0, dp=engine.replicas,
                                   zero_stage=get_strategy(cfg.train.parallel).zero_stage,
-                                  tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+                                  tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel,
+                                  dp_replicate=hybrid_replicate(cfg))
         # the roofline's step time; under torchrun with data parallelism, all-reduce measured on every rank
         collective = measure_collective() if self.world.world_size > 1 and cfg.train.pipeline_stages == 1 else None
-        measured_roof = self.world.from_main(lambda: roof(self.device))
+        measured_roof = self.world.measured_on_main(lambda: roof(self.device), "measure this machine's roofline")
         if measured_roof is not None and collective is not None:
             measured_roof = dataclasses.replace(measured_roof, collective=collective)
         self.plan = make_plan(cfg.model, setup, machine, measured_roof)
@@ -231,22 +233,24 @@ class Trainer:
         save a checkpoint and raise `Stopped`. The run folder's lock is released on return."""
         run = self.measurements
         self.measuring = FirstStepMeasurement(self.engine, self.device, into=run.first_step)
-        try:
-            with StopRequests() as stop:
+        # a SIGTERM is only recorded until the error (if any) is said: torchrun sends one to the
+        # survivors the moment a rank dies, while they find out who (train/signals.py)
+        with StopRequests(stuck=self.world.report_stuck if self.world.world_size > 1 else None) as stop:
+            try:
                 self._loop(stop)
-            run.data_wait_seconds = self.loader.wait_seconds
-            run.sent_bytes = self.engine.comm.sent_bytes() if self.engine.comm is not None else None
-            if self.timeline is not None:
-                run.pipeline = pipeline_report(self.engine, self.timeline.events, self.cfg, run.first_step,
-                                               self.step, self.run_dir, self.world.is_main)
-            return write_summary(run, self.cfg, self.plan, self.data, self.model, self.run_dir, self.console,
-                                 self.world.is_main)
-        except Exception as err:
-            if self.world.world_size > 1 and is_collective_failure(err):  # a rank died or hangs
-                raise self.world.failure(err) from None
-            raise
-        finally:
-            self.close()
+                run.data_wait_seconds = self.loader.wait_seconds
+                run.sent_bytes = self.engine.comm.sent_bytes() if self.engine.comm is not None else None
+                if self.timeline is not None:
+                    run.pipeline = pipeline_report(self.engine, self.timeline.events, self.cfg, run.first_step,
+                                                   self.step, self.run_dir, self.world.is_main)
+                return write_summary(run, self.cfg, self.plan, self.data, self.model, self.run_dir, self.console,
+                                     self.world.is_main)
+            except Exception as err:
+                if self.world.world_size > 1 and is_collective_failure(err):  # a rank died or hangs
+                    raise self.world.failure(err) from None
+                raise
+            finally:
+                self.close()
 
     def close(self) -> None:
         """Stop the loader, close the logs, remove the measuring hooks, release the folder."""

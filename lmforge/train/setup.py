@@ -11,11 +11,13 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
     1c. context   with parallel.cp > 1: each attention core swapped for ring attention over the cp
                   group, positions for the shard's, the loss for the group's, and a forward
                   pre-hook that cuts each whole batch to this rank's zig-zag shard
-                  (parallel/cp_model.py); the engine is DDP over the dp x cp ranks (cp_engine.py).
+                  (parallel/cp_model.py); the engine (ddp, zero1-3, fsdp) runs over the dp x cp
+                  ranks (cp_engine.py).
                   After 1b on a tensor-parallel model: the ring runs on each tp rank's heads and
                   the group's loss sums the vocabulary-parallel cross-entropy (tp x cp)
     2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
-                  (precision/policy.py)
+                  (precision/policy.py); on a tensor-parallel model fp8 swaps the split linears for
+                  their fp8 forms, each scale the whole tensor's amax (parallel/tp_fp8.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
                   (wrap/recompute.py)
     4. loss       the chunked head + loss in place of the plain one (wrap/chunked_loss.py)
@@ -71,12 +73,12 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.build import make_optimizer, param_groups
 from lmforge.modes.precision import Policy, get_policy
 from lmforge.parallel.comm import Collectives
-from lmforge.parallel.cp_engine import context_parallel_engine
 from lmforge.parallel.cp_model import apply_context_parallel
-from lmforge.parallel.mesh import build_groups
+from lmforge.parallel.mesh import build_groups, hybrid_replicate
 from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine, require_process_group
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place
 from lmforge.parallel.tp import apply_tensor_parallel
+from lmforge.parallel.tp_fp8 import apply_tensor_parallel_fp8
 from lmforge.parallel.tp_lora import apply_tensor_parallel_lora
 from lmforge.precision.policy import prepare_model
 from lmforge.wrap.chunked_loss import apply_chunked_loss
@@ -111,6 +113,8 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
         model.to(device)
     prepare_model(model, policy, fp32_attention=cfg.train.fp32_attention,
                   fp8_scaling=cfg.train.fp8_scaling)
+    if tp_comm is not None and policy.fp8:  # step 2's fp8 for the split linears (parallel/tp_fp8.py)
+        apply_tensor_parallel_fp8(model, cfg.train.fp8_scaling)
     apply_recompute(model, cfg.train.recompute)
     apply_chunked_loss(model, cfg.train.loss_chunk_tokens)
     f = cfg.finetune
@@ -152,15 +156,14 @@ def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu"
                                lambda model: param_groups(cfg, model), torch.device(device), groups, timeline,
                                tp_comm)
     groups = tp_comm = None
-    if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:  # the (dp, cp, tp) mesh: parallel/mesh.py
+    replicate = hybrid_replicate(cfg)  # > 1: hybrid sharding, dp split into (dp_replicate, dp_shard)
+    if cfg.parallel.tp > 1 or cfg.parallel.cp > 1 or replicate > 1:  # the (dp, cp, tp) mesh: parallel/mesh.py
         require_process_group(f"parallel.tp={cfg.parallel.tp} parallel.cp={cfg.parallel.cp}")
-        groups = build_groups(cfg.parallel.tp, device, cfg.parallel.cp)
+        groups = build_groups(cfg.parallel.tp, device, cfg.parallel.cp, replicate=replicate)
         tp_comm = Collectives(groups.tp_group) if cfg.parallel.tp > 1 else None
-    if cfg.parallel.cp > 1:  # DDP over the dp x cp ranks (parallel/cp_engine.py), tensor-parallel inside with tp > 1
-        model = build_model(cfg, policy, device, base_state, tp_comm=tp_comm, cp_group=groups.cp_group)
-        return context_parallel_engine(model, make_optimizer(cfg, policy, param_groups(cfg, model)), groups,
-                                       cfg.train.bucket_mb, tp_comm)
-    return parallelize(build_model(cfg, policy, device, base_state, tp_comm=tp_comm), cfg, policy,
+    # with cp > 1 the ring over the cp group, and train.parallel over the dp x cp ranks (parallel/cp_engine.py)
+    cp_group = groups.cp_group if cfg.parallel.cp > 1 else None
+    return parallelize(build_model(cfg, policy, device, base_state, tp_comm=tp_comm, cp_group=cp_group), cfg, policy,
                        make_optimizer=lambda groups: make_optimizer(cfg, policy, groups),
                        weight_decay_groups=lambda model: param_groups(cfg, model),
                        groups=groups, tp_comm=tp_comm)

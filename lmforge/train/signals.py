@@ -8,13 +8,29 @@ second SIGINT means "now": it raises KeyboardInterrupt at once, as Python does b
 Under torchrun one Ctrl-C reaches each rank twice, from the terminal (the whole foreground process
 group) and forwarded by torchrun's agent a moment later: there, a SIGINT within SAME_REQUEST_SECONDS
 of the first is that same request, not the second one.
+
+Under torchrun a rank that leaves the block on an error (a peer died, its own failure) is on its
+way out, reporting: torchrun's agent sends SIGTERM to every survivor the moment it sees a rank die,
+and the default action would kill the report mid-line. So there SIGTERM stays ignored after such an
+exit; the agent still SIGKILLs a rank that has not exited 30 s later.
+
+A survivor can also be stuck when that SIGTERM comes: waiting in a collective that has not noticed
+the death (it would give up only after train.dist_timeout, past the agent's 30 s). Python runs a
+handler between bytecodes, and the collective holds the main thread in C++, so the request is not
+even recorded. Python does write the signal's number to its wakeup fd (signal.set_wakeup_fd) at
+once: with `stuck` given, a watch thread reads it, and if the main thread has not recorded the
+SIGTERM within STUCK_SECONDS, calls `stuck()` (the trainer's: World.report_stuck, which takes the
+roll call and, if a rank is missing, says so and exits).
 """
 
 import os
 import signal
+import socket
+import threading
 import time
 
 SAME_REQUEST_SECONDS = 1.0
+STUCK_SECONDS = 5.0  # a recorded SIGTERM comes within a bytecode; the roll call then takes up to 10 s of the agent's 30
 
 
 class Stopped(Exception):
@@ -34,10 +50,13 @@ class StopRequests:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, stuck=None):
         self.received: int | None = None
+        self._stuck, self._wakeup = stuck, None  # see the module's docstring
+        self._sigterms = 0  # SIGTERMs the main thread recorded (the watch counts those that came)
         self._first_at = 0.0  # when the first request came (time.monotonic)
-        self._same = SAME_REQUEST_SECONDS if "WORLD_SIZE" in os.environ else -1.0  # under torchrun
+        self.under_torchrun = "WORLD_SIZE" in os.environ
+        self._same = SAME_REQUEST_SECONDS if self.under_torchrun else -1.0
         self._previous: dict = {}
 
     def _handle(self, signum, frame):
@@ -48,12 +67,42 @@ class StopRequests:
         if self.received is None:
             self._first_at = time.monotonic()
         self.received = signum
+        self._sigterms += signum == signal.SIGTERM
 
     def __enter__(self):
         for signum in self.SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
+        if self._stuck is not None:
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            self._wakeup = (reader, writer, signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False))
+            threading.Thread(target=self._watch, args=(reader,), name="lmforge-stuck-watch", daemon=True).start()
         return self
 
-    def __exit__(self, *exc):
+    def _watch(self, reader: socket.socket) -> None:
+        """The watch thread: a SIGTERM the main thread has not recorded in STUCK_SECONDS calls `stuck`."""
+        came = 0
+        try:
+            while data := reader.recv(64):
+                came += data.count(signal.SIGTERM)
+                deadline = time.monotonic() + STUCK_SECONDS
+                while self._sigterms < came and self._wakeup is not None and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if self._sigterms < came and self._wakeup is not None:
+                    self._stuck()
+        except OSError:  # closed by __exit__
+            pass
+
+    def __exit__(self, exc_type, exc, traceback):
+        if self._wakeup is not None:
+            reader, writer, previous = self._wakeup
+            self._wakeup = None
+            signal.set_wakeup_fd(previous)
+            writer.close()
+            reader.shutdown(socket.SHUT_RDWR)  # the watch's recv returns
+            reader.close()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        if exc_type is not None and self.under_torchrun and not issubclass(exc_type, (Stopped, KeyboardInterrupt)):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # reporting an error: see the module's docstring
+

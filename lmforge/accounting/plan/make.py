@@ -13,12 +13,12 @@ from dataclasses import asdict, dataclass
 from lmforge.accounting import comm, flops, memory
 from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak, check_hardware
 from lmforge.accounting.optimizers import OPTIMIZERS
-from lmforge.accounting.pipeline import stage_communication, stage_parameters
+from lmforge.accounting.pipeline import rank_chunks, stage_communication
 from lmforge.accounting.roofline import datasheet_roof
 from lmforge.accounting.roofline_ops import predict_step
 from lmforge.accounting.plan.context_parallel import (check_context_parallel, context_parallel_section, local_tokens,
-                                                      ring_bytes_per_step, shard_activations)
-from lmforge.accounting.plan.pipeline import pipeline_plan
+                                                      ring_bytes_per_step, sequence_shards, shard_activations)
+from lmforge.accounting.plan.pipeline import pipeline_plan, rank_parameters, stage_tensor_parallel
 from lmforge.accounting.shapes import model_shapes, tensor_parallel_degrees
 from lmforge.config import ModelConfig
 from lmforge.common.errors import lookup
@@ -50,6 +50,7 @@ class Setup:
     sequence_parallel: bool = True  # with tp: norms and dropout split along the sequence (Korthikanti et al. 2022)
     pp: int = 1  # pipeline stages (train.pipeline_stages); devices = dp x cp x tp x pp
     cp: int = 1  # context-parallel degree (parallel.cp): each rank holds seq/cp tokens of every row (zig-zag)
+    dp_replicate: int = 1  # > 1: hybrid sharding, dp = dp_replicate x dp_shard, states sharded over dp_shard
     micro_batches: int = 1  # pipeline micro-batches per optimizer step, each of batch_size sequences
     schedule: str = "1f1b"  # gpipe | 1f1b (modes/parallel.py's PIPELINE_SCHEDULES): how many are in flight
     pipeline_split: str = ""  # layers per stage, "4,4,4,4"; "": balanced by FLOPs (accounting/pipeline.py)
@@ -79,6 +80,18 @@ class Setup:
     @property
     def devices(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks the gradients are reduced over and ZeRO/FSDP shard over: dp x cp (each cp rank
+        one more replica of its shard: parallel/cp_engine.py)."""
+        return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks ZeRO/FSDP shard the states over: the data ranks, or one dp_shard group of
+        them under hybrid sharding (parallel/mesh.py)."""
+        return self.data_ranks // self.dp_replicate
 
     @property
     def tokens_per_step(self) -> int:
@@ -118,6 +131,10 @@ class Setup:
                     f"(parallel/pipeline/replicas.py); use zero stage 1 or 0")
             require(self.grad_accum == 1, f"grad_accum {self.grad_accum} with pp {self.pp}: a pipeline "
                                           f"accumulates over its micro-batches; set train.micro_batches instead")
+        if self.dp_replicate > 1:  # hybrid sharding: FSDP2's 2-D mesh (config/degrees.py)
+            require(self.dp % self.dp_replicate == 0 and strategy_of(self) == "fsdp" and self.cp == 1,
+                    f"dp_replicate {self.dp_replicate} (hybrid sharding) needs FSDP, dp a multiple of it "
+                    f"(dp {self.dp}) and cp 1")
         lookup(BACKENDS, self.attention, "attention backend")
         check_hardware(self.hardware)
         require(0 < self.mfu <= 1, f"mfu must be in (0, 1], got {self.mfu}")
@@ -145,11 +162,9 @@ class Setup:
 
 def strategy_of(setup: Setup) -> str:
     """The data-parallel strategy a setup names, or implies by its ZeRO stage and dp."""
-    if setup.cp > 1:  # DDP over the dp x cp ranks (parallel/cp_engine.py), also at dp 1
-        return "ddp"
     if setup.parallel != "none":
         return setup.parallel
-    return f"zero{setup.zero_stage}" if setup.zero_stage else ("ddp" if setup.dp > 1 else "none")
+    return f"zero{setup.zero_stage}" if setup.zero_stage else ("ddp" if setup.data_ranks > 1 else "none")
 
 
 @dataclass
@@ -222,11 +237,15 @@ def _pipelined_cost(cfg: ModelConfig, setup: Setup, policy: Policy, peak: float)
     """Every stage counted on its own (plan/pipeline.py); a device holds the largest."""
     piped = pipeline_plan(cfg, setup, policy, peak * setup.mfu)
     largest = piped["stages_detail"][piped["largest_stage"]]
-    held = stage_parameters(cfg, piped["split"], setup.lora_rank, setup.lora_targets)
-    return Cost(largest["breakdown_bytes"], largest["activation_breakdown_bytes"],
-                stage_communication(held[0], setup.dp, setup.tp, memory.sharded_layout(policy, setup.zero_stage),
-                                    setup.zero_stage, setup.optimizer),  # rank 0's, as the trainer counts
-                piped["seconds_per_step"], piped, held[piped["largest_stage"]].shapes)
+    first, held = (rank_parameters(cfg, setup, piped["split"], s) for s in (0, piped["largest_stage"]))
+    layout = memory.sharded_layout(policy, setup.zero_stage)
+    # rank 0's, as the trainer counts
+    communication = stage_communication(first, setup.dp, layout, setup.zero_stage, setup.optimizer)
+    if setup.tp > 1:
+        layers = sum(map(len, rank_chunks(piped["split"], setup.pp, 0)))
+        communication["tensor_parallel"] = stage_tensor_parallel(cfg, setup, layout, 0, layers)
+    return Cost(largest["breakdown_bytes"], largest["activation_breakdown_bytes"], communication,
+                piped["seconds_per_step"], piped, held.shapes)
 
 
 def _single_stage_cost(cfg: ModelConfig, setup: Setup, policy: Policy, lora: int | None,
@@ -234,7 +253,7 @@ def _single_stage_cost(cfg: ModelConfig, setup: Setup, policy: Policy, lora: int
     """The whole model on each device (split tp ways, sharded by ZeRO over dp)."""
     b, s = setup.batch_size, setup.seq_len
     held_lora = None if lora is None else memory.lora_parameters(cfg, setup.lora_rank, setup.lora_targets, setup.tp)
-    states = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
+    states = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.shard_ranks, setup.tp,
                                       lora_trainable=held_lora, fully_shard=strategy_of(setup) == "fsdp")
     # the sharding engines compute on 16-bit working weights under a mixed policy: no weight casts
     layout = memory.sharded_layout(policy, get_strategy(strategy_of(setup)).zero_stage)
@@ -250,12 +269,14 @@ def _single_stage_cost(cfg: ModelConfig, setup: Setup, policy: Policy, lora: int
                  "activations": sum(activations.values()),
                  "logits": logits}
     # with cp, each cp rank is one more replica to the gradient all-reduce (parallel/cp_engine.py)
-    communication = comm.step_communication(cfg, strategy_of(setup), setup.dp * setup.cp, policy, setup.grad_accum,
-                                                 lora=setup.lora, tp=setup.tp, optimizer=setup.optimizer)
+    communication = comm.step_communication(cfg, strategy_of(setup), setup.shard_ranks, policy, setup.grad_accum,
+                                            lora=setup.lora, tp=setup.tp, optimizer=setup.optimizer,
+                                            replicate=setup.dp_replicate)
     if setup.tp > 1:  # the tensor ranks' activations (of this rank's tokens), besides the replicas' gradients
+        tokens = local_tokens(s, setup.cp, sequence_shards(setup)) if setup.cp > 1 else s
         communication["tensor_parallel"] = comm.tensor_parallel_communication(
-            cfg, b, local_tokens(s, setup.cp) if setup.cp > 1 else s, setup.tp, setup.sequence_parallel,
-            layout, setup.grad_accum)
+            cfg, b, tokens, setup.tp, setup.sequence_parallel, layout, setup.grad_accum, setup.optimizer,
+            recompute=setup.recompute, lora=None if setup.lora_rank is None else (setup.lora_rank, setup.lora_targets))
     if setup.cp > 1:  # the ring's K/V and dK/dV (accounting/cp.py)
         communication["context_parallel"] = ring_bytes_per_step(cfg, setup, layout)
     return Cost(breakdown, activations, communication, step_seconds)
@@ -290,7 +311,8 @@ def _memory(cfg: ModelConfig, setup: Setup, policy: Policy, cost: Cost, device_m
         "reserve_bytes": setup.reserve_bytes,
         "fits": total + setup.reserve_bytes <= device_memory,
         "kv_cache_inference_bytes": memory.kv_cache_bytes(cfg, b, s, policy.bytes.compute),
-        "zero_paper_model_state_bytes": memory.zero_paper_model_state_bytes(n_params, setup.zero_stage, setup.dp),
+        "zero_paper_model_state_bytes": memory.zero_paper_model_state_bytes(n_params, setup.zero_stage,
+                                                                            setup.shard_ranks),
         "activations_korthikanti_bytes": korthikanti,
         "activations_korthikanti_flash_bytes": korthikanti_flash,
         "parameters_16bit_bytes": 2 * n_params,
@@ -330,7 +352,7 @@ def _lora(cfg: ModelConfig, setup: Setup, policy: Policy, cost: Cost, lora: int,
     """plan["lora"]: what LoRA saves against training every weight: gradients, master copies and
     moments of the frozen base. Activations stay in the plan as for full fine-tuning: the gradient
     of an early adapter flows back through every later layer, which therefore keeps its inputs."""
-    full = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.dp, setup.tp,
+    full = memory.model_state_bytes(cfg, policy, setup.optimizer, setup.zero_stage, setup.shard_ranks, setup.tp,
                                     parameter_shapes=cost.largest_shapes, fully_shard=strategy_of(setup) == "fsdp")
     return {"rank": setup.lora_rank, "targets": setup.lora_targets, "trainable_parameters": lora,
             "trainable_fraction": lora / n_params,

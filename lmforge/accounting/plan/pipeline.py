@@ -21,10 +21,12 @@ memory), and stages_detail, one dict per stage:
   once; interleaved, chunks_in_flight / v micro-batches' worth, the chunks taken as saving equal
   bytes), chunks_in_flight, forward_flops_per_token, seconds_per_micro_batch (forward + backward),
   sent_bytes_per_step (by what: activations forward, their gradients backward, the tied matrix's
-  gradient between the end stages, the data-parallel all-reduce of the stage's gradients).
+  gradient between the end stages, the data-parallel all-reduce of the stage's gradients, the
+  tensor-parallel collectives of one tensor rank of the stage). With tp > 1 every figure is one
+  tensor rank's: its slices of the split matrices, the norm gains and other whole tensors whole.
 """
 
-from lmforge.accounting import memory
+from lmforge.accounting import comm, memory
 from lmforge.accounting.pipeline import (StageParameters, bubble_fraction, chunks_in_flight, micro_batches_in_flight,
                                          rank_chunks, stage_communication, stage_costs, stage_parameters,
                                          virtual_split)
@@ -57,17 +59,13 @@ def stage_details(cfg: ModelConfig, setup, policy: Policy, split: list[int], flo
     tokens = setup.batch_size * setup.seq_len  # per micro-batch
     details = []
     saved: dict = {}  # what one micro-batch saves, by (layers, first, last): stages repeat (80 layers, 40 stages)
-    held = stage_parameters(cfg, split, setup.lora_rank, setup.lora_targets)
     costs = stage_costs(cfg, setup.seq_len, split)
     # ZeRO-1 over each stage's replicas computes on 16-bit working weights under a mixed policy
     layout = memory.sharded_layout(policy, setup.zero_stage)
     for stage in range(p):
         chunks = rank_chunks(split, p, stage)
         virtual = range(stage, len(split), p)  # the virtual stages of its chunks
-        params = StageParameters(tuple(shape for vs in virtual for shape in held[vs].shapes),
-                                 None if setup.lora_rank is None else sum(held[vs].adapters for vs in virtual),
-                                 sum(held[vs].hidden_matrices for vs in virtual),
-                                 tuple(n for vs in virtual for n in held[vs].block_units))
+        params = rank_parameters(cfg, setup, split, stage)
         parts: dict = {}  # one micro-batch through all the stage's chunks
         for vs, layers in zip(virtual, chunks):
             shape = len(layers), vs == 0, vs == len(split) - 1
@@ -87,8 +85,20 @@ def stage_details(cfg: ModelConfig, setup, policy: Policy, split: list[int], flo
                         "forward_flops_per_token": cost,
                         # forward + backward, 3x the forward (flops.py); tensor ranks share it
                         "seconds_per_micro_batch": 3 * cost * tokens / setup.tp / flops_per_second,
-                        "sent_bytes_per_step": stage_sends(cfg, setup, layout, stage, params)})
+                        "sent_bytes_per_step": stage_sends(cfg, setup, layout, stage, params,
+                                                           sum(map(len, chunks)))})
     return details
+
+
+def rank_parameters(cfg: ModelConfig, setup, split: list[int], stage: int) -> StageParameters:
+    """The parameters one rank of stage `stage` holds: those of its chunks (the virtual stages
+    stage, stage + p, ... of `split`), a tensor rank's slices with tp > 1."""
+    held = stage_parameters(cfg, split, setup.lora_rank, setup.lora_targets, setup.tp)
+    virtual = range(stage, len(split), setup.pp)
+    return StageParameters(tuple(shape for vs in virtual for shape in held[vs].shapes),
+                           None if setup.lora_rank is None else sum(held[vs].adapters for vs in virtual),
+                           sum(held[vs].hidden_matrices for vs in virtual),
+                           tuple(n for vs in virtual for n in held[vs].block_units))
 
 
 def stage_memory(cfg: ModelConfig, setup, policy: Policy, stage: int, params: StageParameters, saved: dict) -> dict:
@@ -113,21 +123,38 @@ def stage_memory(cfg: ModelConfig, setup, policy: Policy, stage: int, params: St
             "activations_in_flight_bytes": per_micro_batch * in_flight}
 
 
-def stage_sends(cfg: ModelConfig, setup, policy: Policy, stage: int, params: StageParameters) -> dict:
-    """Bytes one rank of stage `stage` sends per optimizer step, by what. The hidden states (b, s, d)
-    travel in the residual stream's dtype (fp32 under the autocast policies); with tensor
-    parallelism each tensor rank sends its 1/tp of them (Narayanan et al. 2021, section 4.1). The
+def stage_sends(cfg: ModelConfig, setup, policy: Policy, stage: int, params: StageParameters, layers: int) -> dict:
+    """Bytes one rank of stage `stage` (`layers` blocks) sends per optimizer step, by what. The
+    hidden states (b, s, d) travel in the residual stream's dtype (fp32 under the autocast
+    policies), whole from each tensor rank to the same tensor rank of the next stage (the regions'
+    outputs are whole on every tensor rank: parallel/pipeline/engine.py; Megatron-LM's scatter and
+    gather, Narayanan et al. 2021 section 4.1, would send 1/tp and all-gather it), or with sequence
+    parallelism the rank's 1/tp of the sequence (Korthikanti et al. 2022: the stream is split). The
     tied matrix's two gradient copies are summed between the end stages (each sends one copy);
     the data-parallel replicas of a stage all-reduce its gradients (a ring: 2 (N-1)/N of them;
     ZeRO-1 reduce-scatters them and all-gathers the parameters: as much; Muon adds its gather).
     `policy`: as the stage runs it (memory.sharded_layout under ZeRO-1). Interleaved, a micro-batch leaves each of the
     stage's v chunks (but the model's last) and its gradient each chunk (but the first): v times
-    1F1B's traffic, less one chunk on the end stages."""
-    p, m, v = setup.pp, setup.micro_batches, setup.virtual_stages
-    hidden = m * setup.batch_size * setup.seq_len * cfg.d_model * policy.bytes.residual / setup.tp
+    1F1B's traffic, less one chunk on the end stages. With tp > 1, the tensor-parallel
+    collectives of the stage's blocks (and of the embedding on the first, the head and loss on
+    the last) for its m micro-batches: comm.tensor_parallel_communication."""
+    p, m, v, b, s = setup.pp, setup.micro_batches, setup.virtual_stages, setup.batch_size, setup.seq_len
+    hidden = m * b * s * cfg.d_model * policy.bytes.residual / (setup.tp if setup.sequence_parallel else 1)
     tied = cfg.tie_embeddings and stage in (0, p - 1) and setup.lora_rank is None
+    tensor_parallel = stage_tensor_parallel(cfg, setup, policy, stage, layers)
     return {"activations": hidden * (v - (stage == p - 1)),
             "activation_gradients": hidden * (v - (stage == 0)),
             "tied_embedding_gradient": cfg.vocab_size * cfg.d_model * policy.bytes.gradient / setup.tp if tied else 0,
-            "data_parallel": stage_communication(params, setup.dp, setup.tp, policy,
-                                                 setup.zero_stage, setup.optimizer)["sent_bytes"]}
+            "data_parallel": stage_communication(params, setup.dp, policy,
+                                                 setup.zero_stage, setup.optimizer)["sent_bytes"],
+            "tensor_parallel": tensor_parallel["sent_bytes"]}
+
+
+def stage_tensor_parallel(cfg: ModelConfig, setup, policy: Policy, stage: int, layers: int) -> dict:
+    """comm.tensor_parallel_communication for one tensor rank of stage `stage` (`layers` blocks; the
+    embedding on the first stage, the head and loss on the last) over the step's m micro-batches."""
+    return comm.tensor_parallel_communication(cfg, setup.batch_size, setup.seq_len, setup.tp, setup.sequence_parallel,
+                                              policy, setup.micro_batches, setup.optimizer,
+                                              stage=(layers, stage == 0, stage == setup.pp - 1),
+                                              recompute=setup.recompute, lora=None if setup.lora_rank is None
+                                              else (setup.lora_rank, setup.lora_targets))

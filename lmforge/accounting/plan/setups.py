@@ -19,7 +19,8 @@ from lmforge.modes.parallel import get_strategy
 # The options that take several comma-separated values with --compare, and the type of each value.
 LISTS = {"batch_size": int, "seq_len": int, "precision": str, "optimizer": str, "zero_stage": int, "dp": int,
          "tp": int, "cp": int, "pp": int, "recompute": str, "attention": str, "hardware": str, "weights": str, "kv_dtype": str}
-TRAINING_ONLY = ("grad_accum", "precision", "optimizer", "zero_stage", "dp", "cp", "pp", "recompute", "attention",
+TRAINING_ONLY = ("grad_accum", "precision", "optimizer", "zero_stage", "dp", "dp_shard", "dp_replicate", "cp", "pp",
+                 "recompute", "attention",
                  "fp32_attention", "sequence_parallel", "tokens", "price_per_hour")
 INFERENCE_ONLY = ("weights", "group_size", "kv_dtype")
 MAX_TP = 8  # tensor parallelism stays inside one node's NVLink domain (Narayanan et al. 2021, section 3.3)
@@ -134,7 +135,8 @@ def _plan(cfg: Config, args, chosen: dict, machines: Machines) -> dict:
             return make_inference_plan(cfg.model, setup, machine)
         sequence_parallel = args.sequence_parallel
         if sequence_parallel is None and chosen.get("cp", cfg.parallel.cp) > 1:
-            sequence_parallel = False  # context parallelism does not combine with it (parallel/launch.py)
+            sequence_parallel = False  # the trainer's default (parallel.sequence_parallel=false); --sequence-parallel
+        chosen = {**chosen, **_data_degrees(cfg, args, chosen)}
         setup = Setup.from_config(cfg, **chosen, grad_accum=args.grad_accum, sequence_parallel=sequence_parallel,
                                   fp32_attention=args.fp32_attention, mfu=args.mfu, tokens=args.tokens,
                                   price_per_hour=args.price_per_hour, reserve_bytes=args.reserve * 2**30,
@@ -147,6 +149,26 @@ def _plan(cfg: Config, args, chosen: dict, machines: Machines) -> dict:
         return make_plan(cfg.model, setup, machine, roof, datasheet_roofline=bool(getattr(args, "roofline", None)))
     except ValueError as err:
         raise LmforgeError(str(err)) from None
+
+
+def _data_degrees(cfg: Config, args, chosen: dict) -> dict:
+    """--dp-shard N --dp-replicate M as the plan's settings (config/degrees.py's rules): dp = N x M;
+    N > 1 shards (FSDP, or the ZeRO stage given), over N ranks only when M > 1 too (hybrid sharding)."""
+    if args.dp_shard is None and args.dp_replicate is None:
+        return {}
+    if "dp" in chosen:
+        raise LmforgeError("--dp and --dp-shard/--dp-replicate say the same: give --dp-shard N --dp-replicate M "
+                           "(dp = N x M) or --dp")
+    shard, replicate = args.dp_shard or 1, args.dp_replicate or 1
+    if shard == 1:
+        return {"dp": replicate, "parallel": "ddp", "zero_stage": 0}
+    stage = chosen.get("zero_stage", get_strategy(cfg.train.parallel).zero_stage)
+    if cfg.train.parallel == "fsdp" or "zero_stage" not in chosen and cfg.train.parallel in ("none", "ddp"):
+        return {"dp": shard * replicate, "parallel": "fsdp", "zero_stage": 3, "dp_replicate": replicate}
+    if replicate > 1:
+        raise LmforgeError(f"--dp-replicate {replicate} x --dp-shard {shard} (hybrid sharding) runs on FSDP2's "
+                           f"2-D mesh, not lmforge's ZeRO: leave out --zero-stage")
+    return {"dp": shard, "parallel": "none", "zero_stage": stage}
 
 
 def _solve_batch(cfg: Config, args, chosen: dict, machines: Machines) -> tuple[dict, str]:

@@ -51,6 +51,9 @@ def head_table(plan: dict, title: str) -> Table:
     m, st, f = plan["model"], plan["setup"], plan["flops"]
     piped = plan.get("pipeline")
     parallel = f"dp {st['dp']} x tp {st['tp']} x pp {st['pp']} = {st['devices']} device(s)"
+    if st.get("dp_replicate", 1) > 1:  # hybrid sharding: dp split as parallel/mesh.py splits it
+        parallel = parallel.replace(f"dp {st['dp']}", f"dp_replicate {st['dp_replicate']} x dp_shard "
+                                                      f"{st['dp'] // st['dp_replicate']}", 1)
     steps = (f"{st['micro_batches']} micro-batches" if piped or st["micro_batches"] > 1
              else f"accum {st['grad_accum']}")
     if st["tp"] > 1:

@@ -91,6 +91,9 @@ class PipelineEngine(Engine):
         self.tied_numel = tied_copy.numel() * layout.tp if self.renamed else 0
         # whose gradient the two copies sum: none when the matrix is frozen (a LoRA base)
         self.tied_param = tied_copy if tied_copy is not None and tied_copy.requires_grad else None
+        self.tied_comm = Collectives(self.tied_group) if self.tied_param is not None else None
+        # bytes this rank sent point to point in training steps, by what (the plan's sent_bytes_per_step keys)
+        self.p2p_sent = {"activations": 0, "activation_gradients": 0}
         # -- the schedule's chunks (interleaved 1F1B: several per rank; else [model]) --
         self.chunks = chunk_views(model, layout)
         self.actions = schedule_actions(schedule, layout.stages, micro_batches, layout.stage, layout.chunks)
@@ -110,6 +113,9 @@ class PipelineEngine(Engine):
     # backends that ignore tags (NCCL)
     def _send(self, tensor: torch.Tensor, stage: int, kind: str, micro: int, tag: int = 0) -> None:
         tensor = tensor.detach().to(self.hidden_dtype).contiguous()
+        if micro >= 0:  # a training step's (evaluation: micro -1)
+            self.p2p_sent["activations" if kind == "send_forward" else "activation_gradients"] += \
+                tensor.numel() * tensor.element_size()
         with self._span(kind, micro):
             self._sends.append((dist.isend(tensor, self.layout.rank_of_virtual(stage), tag=tag), tensor))
 
@@ -211,7 +217,7 @@ class PipelineEngine(Engine):
     def finish_gradients(self) -> None:
         # the tied sum first, on the full gradients: ZeRO-1's reduce-scatter leaves only slices
         if self.tied_param is not None:  # the shared matrix: the embedding's and the head's parts
-            dist.all_reduce(self.tied_param.grad, group=self.tied_group)
+            self.tied_comm.all_reduce(self.tied_param.grad, kind="tied")
         self.stage_engine.finish_gradients()
 
     def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:

@@ -5,7 +5,7 @@ on rank 0 and written into the run folder beside the summary.
     pipeline_trace.json   the same events for chrome://tracing or ui.perfetto.dev
     summary.json          "pipeline": the measured bubble beside (p-1)/(m+p-1), per stage
 
-`measured_by_stage` (replica 0's rank of each stage): the bytes that stage holds (parameters,
+`measured_by_stage` (replica 0's rank of each stage, tensor rank 0 of it): the bytes that stage holds (parameters,
 gradients, optimizer states), the activations one micro-batch's forward saved, and the most saved
 at once during the first step ("activations_in_flight"), for the predicted-vs-measured table.
 """
@@ -25,13 +25,14 @@ def pipeline_report(engine, events: list[dict], cfg: Config, first_step_bytes: d
     the session's first step, `first_step_bytes`, and the pipeline engine's); rank 0 (`is_main`)
     writes the files into `run_dir`. Every rank calls it."""
     t, layout = cfg.train, engine.layout
-    mine = {"stage": layout.stage, "replica": layout.replica, "events": events,
+    mine = {"stage": layout.stage, "replica": layout.replica, "tp_rank": layout.tp_rank, "events": events,
             "bytes": {**first_step_bytes, "activations": engine.in_flight.get("one_micro_batch_bytes"),
                       "activations_in_flight": engine.in_flight.get("activation_bytes"),
                       "micro_batches_in_flight": engine.in_flight["micro_batches"]}}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    first_pipeline = sorted((r for r in everyone if r["replica"] == 0), key=lambda r: r["stage"])
+    # one rank per stage: replica 0's, its tensor rank 0 with tp stages (the others hold as much)
+    first_pipeline = sorted((r for r in everyone if r["replica"] == 0 and r["tp_rank"] == 0), key=lambda r: r["stage"])
     events_by_stage = [r["events"] for r in first_pipeline]
     # torch.distributed.pipelining's schedule (train.pipeline_engine=torch) runs without our timeline
     timed = all(events_by_stage)

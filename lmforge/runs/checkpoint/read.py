@@ -35,12 +35,14 @@ def load_model_weights(model: torch.nn.Module, path: Path, strict: bool = True) 
 def load_engine_weights(engine, path: Path) -> None:
     """Load the checkpoint's weights into the model of `engine` (any data-parallel strategy, any
     world size: every rank reads the full tensors and keeps its part); strict, by name."""
-    if has_lora(engine.model):  # the adapters alone (a pipeline stage its own, knowing every stage's names)
-        tensors, _, _ = _read_by_name(path, adapter_state_dict(engine.model), strict=True,
-                                      known=engine.model_names(), local=True)
-        engine.model.load_state_dict(tensors, strict=False)
-        return
     expected = engine.model_state_dict()
+    if has_lora(engine.model):  # the adapters alone (a pipeline stage its own, knowing every stage's names)
+        adapters = {name: expected[name] for name in adapter_state_dict(engine.model)}
+        tensors, _, _ = _read_by_name(path, adapters, strict=True, known=engine.model_names(), local=True)
+        # the frozen base as the engine holds it, the adapters from the checkpoint: through the
+        # engine, which keeps each rank's part (ZeRO's shards and master copies, FSDP's, tp slices)
+        engine.load_model_state_dict({**expected, **tensors})
+        return
     # a tied weight's second name: the same tensor in the state dict, or (FSDP2's full state dict
     # copies each name) the same parameter in the model
     aliases = {**storage_aliases(expected), **_tied_names(engine.model)}

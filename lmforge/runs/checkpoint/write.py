@@ -22,9 +22,11 @@ def model_tensors(engine) -> dict[str, torch.Tensor]:
     """What a checkpoint keeps of the model of `engine` (lmforge/parallel/: any strategy, full
     tensors on every rank): its tensors by parameter name, a tied tensor under its first name only;
     of a model with LoRA adapters, the adapters alone (state.json names the frozen base)."""
-    if has_lora(engine.model):
-        return {name: t.contiguous() for name, t in adapter_state_dict(engine.model).items()}
     state = engine.model_state_dict()
+    if has_lora(engine.model):
+        # through the engine, like every other state: ZeRO-3 frees the adapters' storage between
+        # steps, FSDP2 holds DTensor shards, tensor parallelism slices; the engine gathers them whole
+        return {name: state[name].contiguous() for name in adapter_state_dict(engine.model)}
     aliases = storage_aliases(state)
     return {name: tensor for name, tensor in state.items() if name not in aliases}
 
