@@ -212,3 +212,29 @@ def test_a_rank_stuck_in_a_collective_when_sigterm_comes_says_who_is_missing(tmp
     assert errors == ["lmforge: error: rank 1 stopped answering (died or hangs); rank 0 stops too (stopped by "
                       "torchrun's agent while waiting in a collective); continue from the last checkpoint with "
                       "the same launch command and --resume"], stderr[-3000:]
+
+
+def test_a_slow_step_when_every_rank_gets_sigterm_is_a_plain_stop(tmp_path):
+    """tests/stuck_worker.py slow: a scheduler's SIGTERM reaches both ranks while rank 0 waits in
+    dist.recv past STUCK_SECONDS for rank 1's slow step. Rank 0's watch takes the roll call; rank 1
+    answers it (its watch says it is alive on the SIGTERM), so nobody is reported and both ranks
+    record the stop. Without rank 1's answer, rank 0 says "rank 1 stopped answering" and exits 2."""
+    worker = Path(__file__).parent / "stuck_worker.py"
+    proc = start([*torchrun(2)[:5], str(worker), "slow"], tmp_path)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not all((tmp_path / f"waiting{rank}").exists() for rank in (0, 1)):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        time.sleep(0.5)  # rank 0 inside dist.recv by now
+        for rank in (0, 1):
+            os.kill(rank_pid(proc.pid, rank), signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "lmforge: error:" not in stderr and proc.returncode == 0, stderr[-3000:]
+    recorded = [(tmp_path / f"stopped{rank}").read_text() for rank in (0, 1)]
+    assert recorded == [str(int(signal.SIGTERM))] * 2, recorded
+

@@ -248,6 +248,14 @@ class World:
             print(f"lmforge: error: {error}", file=sys.stderr, flush=True)
         os._exit(2)  # the main thread is stuck in C++; the kernel drops the run folder's lock
 
+    def answer_roll_call(self) -> None:
+        """Say this rank is alive, for a roll call now or later (the StopRequests watch calls it on
+        every SIGTERM: train/signals.py). Without the store there is nobody to tell."""
+        try:
+            dist.distributed_c10d._get_default_store().set(f"lmforge/alive/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the store is gone (its host died): the roll call says so
+            pass
+
     def _roll_call(self) -> tuple[list[int], bool]:
         """(the ranks that did not say they are alive within ROLL_CALL_SECONDS, whether the store
         itself is gone)."""
@@ -255,7 +263,7 @@ class World:
         # torchrun's agent sends SIGTERM to the survivors as soon as it sees a rank die: the trainer
         # only records it meanwhile (train/signals.py); the agent allows 30 s before SIGKILL
         try:
-            store.set(f"lmforge/alive/{self.rank}", "1")
+            store.set(f"lmforge/alive/{self.rank}", "1")  # as answer_roll_call, but a lost store is said
             keys = [f"lmforge/alive/{rank}" for rank in range(self.world_size)]
             try:
                 store.wait(keys, datetime.timedelta(seconds=ROLL_CALL_SECONDS))

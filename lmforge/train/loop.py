@@ -235,7 +235,9 @@ class Trainer:
         self.measuring = FirstStepMeasurement(self.engine, self.device, into=run.first_step)
         # a SIGTERM is only recorded until the error (if any) is said: torchrun sends one to the
         # survivors the moment a rank dies, while they find out who (train/signals.py)
-        with StopRequests(stuck=self.world.report_stuck if self.world.world_size > 1 else None) as stop:
+        many = self.world.world_size > 1
+        with StopRequests(stuck=self.world.report_stuck if many else None,
+                          alive=self.world.answer_roll_call if many else None) as stop:
             try:
                 self._loop(stop)
                 run.data_wait_seconds = self.loader.wait_seconds

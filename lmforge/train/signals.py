@@ -20,7 +20,10 @@ handler between bytecodes, and the collective holds the main thread in C++, so t
 even recorded. Python does write the signal's number to its wakeup fd (signal.set_wakeup_fd) at
 once: with `stuck` given, a watch thread reads it, and if the main thread has not recorded the
 SIGTERM within STUCK_SECONDS, calls `stuck()` (the trainer's: World.report_stuck, which takes the
-roll call and, if a rank is missing, says so and exits).
+roll call and, if a rank is missing, says so and exits). On every SIGTERM the watch first calls
+`alive()` (World.answer_roll_call): a rank in the middle of a slow step, whose main thread took the
+SIGTERM at once, must still answer a stuck peer's roll call, or a plain stop of every rank (a
+scheduler's SIGTERM) would read as that rank missing.
 """
 
 import os
@@ -50,9 +53,9 @@ class StopRequests:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, stuck=None):
+    def __init__(self, stuck=None, alive=None):
         self.received: int | None = None
-        self._stuck, self._wakeup = stuck, None  # see the module's docstring
+        self._stuck, self._alive, self._wakeup = stuck, alive, None  # see the module's docstring
         self._sigterms = 0  # SIGTERMs the main thread recorded (the watch counts those that came)
         self._first_at = 0.0  # when the first request came (time.monotonic)
         self.under_torchrun = "WORLD_SIZE" in os.environ
@@ -84,7 +87,11 @@ class StopRequests:
         came = 0
         try:
             while data := reader.recv(64):
+                if not data.count(signal.SIGTERM):
+                    continue
                 came += data.count(signal.SIGTERM)
+                if self._alive is not None:
+                    self._alive()
                 deadline = time.monotonic() + STUCK_SECONDS
                 while self._sigterms < came and self._wakeup is not None and time.monotonic() < deadline:
                     time.sleep(0.1)
