@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from lmforge.runs.checkpoint.find import find_checkpoint, list_checkpoints
 from lmforge.runs.checkpoint.read import read_tensors
 from test_distributed_train import env, losses
-from test_finetune_dist import STEPS, base, common, finetune, settings  # noqa: F401 (base: a fixture)
+from test_finetune_dist import STEPS, TIMEOUT, base, common, finetune, settings  # noqa: F401 (base: a fixture)
 
 pytestmark = pytest.mark.dist
 
@@ -41,7 +41,7 @@ SLOW = {"fsdp", "tp=2 x zero3"}
 def export_peft(cwd, run: str) -> dict[str, torch.Tensor]:
     """`lmforge export RUN --format peft` (one process, from the run's last checkpoint): its adapter."""
     result = subprocess.run([sys.executable, "-m", "lmforge", "export", run, "--format", "peft", "--out",
-                             f"{run}-peft"], cwd=cwd, capture_output=True, text=True, timeout=60, env=env())
+                             f"{run}-peft"], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT, env=env())
     assert result.returncode == 0, result.stderr[-2000:]
     return load_file(str(cwd / f"{run}-peft" / "adapter_model.safetensors"))
 
