@@ -6,7 +6,7 @@ import torch
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.optim.muon import Muon, muon_param_groups, orthogonalize
+from lmforge.optim.muon import Muon, muon_param_groups, orthogonalize, orthogonalize_all
 
 # tall (MLP up), wide (MLP down) and square (attention) matrices, as in a block
 SHAPES = [(48, 16), (16, 48), (24, 24)]
@@ -58,6 +58,20 @@ def test_newton_schulz_brings_singular_values_near_one():
         s = torch.linalg.svdvals(orthogonalize(x).float())
         assert s.min() > 0.6 and s.max() < 1.3
     assert orthogonalize(m).dtype == torch.bfloat16 and orthogonalize(m).shape == m.shape
+
+
+def test_matrices_of_one_shape_are_orthogonalized_in_one_batch_bit_for_bit():
+    """orthogonalize_all stacks the matrices of each shape (tall ones transposed as copies) and
+    runs one batched iteration per shape: each result equals the 2-D path's bit for bit, in the
+    list's order, shapes interleaved and one shape alone included."""
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(48, 16), (16, 48), (24, 24), (48, 16), (24, 24), (48, 16), (16, 48), (8, 40)]
+    updates = [torch.randn(shape, generator=generator) for shape in shapes]
+    batched = orthogonalize_all(updates)
+    assert [tuple(o.shape) for o in batched] == shapes
+    for update, ortho in zip(updates, batched):
+        assert torch.equal(ortho, orthogonalize(update))
+    assert not torch.equal(batched[0], batched[3])  # each matrix its own, not the stack's first
 
 
 def test_the_split_on_the_tiny_model():

@@ -57,19 +57,44 @@ NS_EPS = 1e-7  # keeps the normalisation finite for a zero update
 
 def orthogonalize(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS,
                   eps: float = NS_EPS) -> torch.Tensor:
-    """NS_steps(update): the 2-D `update` with its singular values pushed to about 1, in bf16."""
+    """NS_steps(update): the 2-D `update` (or each matrix of a (k, m, n) stack) with its singular
+    values pushed to about 1, in bf16."""
     a, b, c = coefficients
     x = update.bfloat16()
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
-        gram = x @ x.T
+        gram = x @ x.mT
         # b A + c A A, then a X + (that) X: one rounding each, in addmm's fused form
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x.T if tall else x
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c) if x.ndim == 3 else \
+            torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a) if x.ndim == 3 else torch.addmm(x, poly, x, beta=a)
+    return x.mT if tall else x
+
+
+def orthogonalize_all(updates: list[torch.Tensor], coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS,
+                      eps: float = NS_EPS) -> list[torch.Tensor]:
+    """orthogonalize(u) for each of `updates`, the matrices of one shape stacked into one batched
+    iteration: a block's projections share a few shapes, and one bmm per shape instead of one mm per
+    matrix costs 2.6x less on `small` (36 matrices, 4 shapes: bench/muon_batched.py). A tall
+    matrix is transposed into the stack as a copy, so each matrix's arithmetic is the 2-D path's,
+    bit for bit (tests/test_muon.py)."""
+    by_shape: dict[tuple, list[int]] = {}
+    for i, u in enumerate(updates):
+        by_shape.setdefault(tuple(u.shape), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(updates)
+    for (rows, cols), indices in by_shape.items():
+        if len(indices) == 1:
+            out[indices[0]] = orthogonalize(updates[indices[0]], coefficients, steps, eps)
+            continue
+        tall = rows > cols
+        stack = torch.stack([updates[i].bfloat16().T if tall else updates[i].bfloat16() for i in indices])
+        stack = orthogonalize(stack, coefficients, steps, eps)  # wide now: not transposed again
+        for i, ortho in zip(indices, stack.unbind()):
+            out[i] = ortho.T if tall else ortho
+    return out
 
 
 def adjusted_lr(lr: float, shape: torch.Size, rule: str) -> float:
@@ -164,7 +189,7 @@ class Muon(AdamW):
             buf.lerp_(param.grad, 1.0 - mu)  # mu B + (1 - mu) G
             updates.append(param.grad.lerp(buf, mu) if group["nesterov"] else buf)  # (1 - mu) G + mu B
         if self.whole_matrices is None:
-            orthos = [orthogonalize(u, group["ns_coefficients"], group["ns_steps"]) for u in updates]
+            orthos = orthogonalize_all(updates, group["ns_coefficients"], group["ns_steps"])
             shapes = [p.shape for p in params]
         else:  # pieces of matrices (ZeRO): the engine gathers, orthogonalises and hands back each piece
             orthos, shapes = self.whole_matrices.orthogonalize(params, updates, group)
