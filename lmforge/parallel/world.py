@@ -252,7 +252,7 @@ class World:
         """Say this rank is alive, for a roll call now or later (the StopRequests watch calls it on
         every SIGTERM: train/signals.py). Without the store there is nobody to tell."""
         try:
-            dist.distributed_c10d._get_default_store().set(f"lmforge/alive/{self.rank}", "1")
+            dist.distributed_c10d._get_default_store().set(alive_key(self.rank), "1")
         except Exception:  # noqa: BLE001 - the store is gone (its host died): the roll call says so
             pass
 
@@ -263,8 +263,8 @@ class World:
         # torchrun's agent sends SIGTERM to the survivors as soon as it sees a rank die: the trainer
         # only records it meanwhile (train/signals.py); the agent allows 30 s before SIGKILL
         try:
-            store.set(f"lmforge/alive/{self.rank}", "1")  # as answer_roll_call, but a lost store is said
-            keys = [f"lmforge/alive/{rank}" for rank in range(self.world_size)]
+            store.set(alive_key(self.rank), "1")  # as answer_roll_call, but a lost store is said
+            keys = [alive_key(rank) for rank in range(self.world_size)]
             try:
                 store.wait(keys, datetime.timedelta(seconds=ROLL_CALL_SECONDS))
             except Exception:  # noqa: BLE001 - a timeout: some rank did not answer
@@ -275,6 +275,11 @@ class World:
 
     def close(self) -> None:
         leave_group()
+
+
+def alive_key(rank: int) -> str:
+    """The store key by which `rank` answers the roll call."""
+    return f"lmforge/alive/{rank}"
 
 
 def is_collective_failure(err: BaseException) -> bool:
