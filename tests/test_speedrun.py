@@ -120,26 +120,43 @@ spec_cost.loader.exec_module(speedrun_cost)
 
 
 def test_a_cost_run_is_the_recipe_for_a_few_steps_without_evaluation_or_target(tmp_path):
-    args = speedrun_cost.main.__globals__["argparse"].Namespace(steps=7, overrides=["train.batch_size=4"])
+    args = speedrun_cost.main.__globals__["argparse"].Namespace(steps=7, skip=3, overrides=["train.batch_size=4"])
     cfg = make_config("small", overrides=speedrun_cost.cost_overrides(args, ["batch16", "muon"], 2, tmp_path))
-    assert (cfg.train.max_steps, cfg.train.eval_interval, cfg.train.log_interval) == (7, 0, 7)
+    assert (cfg.train.max_steps, cfg.train.eval_interval, cfg.train.log_interval) == (7, 0, 3)
     assert cfg.train.target_loss is None and cfg.optim.name == "muon" and cfg.train.precision == "bf16-mixed"
     assert cfg.train.batch_size == 4 and cfg.train.seed == speedrun.FIRST_SEED + 1  # the user's last; round 2
+
+
+def test_the_cost_rate_leaves_out_the_first_window(tmp_path):
+    """Windows of 10 steps of 100 tokens at 50 (the first: warm-up), 100 and 200 tokens/s: 2000 tokens
+    in 10 + 5 s after the first window."""
+    (tmp_path / "summary.json").write_text(json.dumps({"tokens_trained": 3000, "steps": 30}))
+    lines = [{"step": s, "train_loss": 5.0, "tokens_per_s": r} for s, r in ((10, 50.0), (20, 100.0), (30, 200.0))]
+    lines.insert(2, {"step": 20, "val_loss": 5.5})  # an evaluation record is not a window
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)))
+    assert speedrun_cost.steady_tokens_per_second(tmp_path) == pytest.approx(2000 / 15)
+
+
+def test_a_skip_not_below_the_steps_is_refused_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "speedrun_cost.py"), "--steps", "10", "--skip", "10",
+                           "--out", str(tmp_path / "cost")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2 and "--skip 10 must be at least 1 and below --steps 10" in done.stderr
+    assert not (tmp_path / "cost").exists()
 
 
 @pytest.mark.slow
 def test_the_cost_pass_on_tiny_sets_each_rate_against_the_baseline(corpus_dir, data_dir, tmp_path):
     overrides = [o for o in tiny_overrides(corpus_dir, data_dir)
                  if not any(key in o for key in ("max_steps", "interval", "batch_size"))]
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "speedrun_cost.py"), "--model", "tiny", "--steps", "3",
-                           "--rounds", "1", "--recipes", "batch16", "--out", str(tmp_path / "cost"), *overrides],
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "speedrun_cost.py"), "--model", "tiny", "--steps", "4",
+                           "--skip", "2", "--rounds", "1", "--recipes", "batch16", "--out", str(tmp_path / "cost"), *overrides],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     cost = json.loads((tmp_path / "cost" / "cost.json").read_text())
     assert cost["cost_ratio"]["baseline"] == 1.0
     assert cost["cost_ratio"]["batch16"] == pytest.approx(cost["rates"]["batch16"][0] / cost["rates"]["baseline"][0])
     summary = json.loads((tmp_path / "cost" / "round1" / "batch16" / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["tokens_trained"] == 3 * 16 * 64  # batch16's 16 windows of 64
+    assert summary["steps"] == 4 and summary["tokens_trained"] == 4 * 16 * 64  # batch16's 16 windows of 64
 
 
 def test_the_ablation_can_be_one_kind_of_row():
@@ -155,6 +172,6 @@ def test_the_ablation_can_be_one_kind_of_row():
 def test_the_shipped_speedrun_recipe_is_the_benchs_best():
     """recipes/speedrun.yaml (`lmforge train --config recipes/speedrun.yaml`) trains what the bench measured."""
     shipped = make_config("small", path=ROOT / "recipes" / "speedrun.yaml")
-    bench = make_config("small", overrides=[*speedrun.BASELINE, *speedrun.overrides_of(speedrun.RECIPES["speedrun"]),
-                                            "train.max_steps=240"])
+    bench = make_config("small", overrides=[*speedrun.BASELINE, *speedrun.overrides_of(speedrun.RECIPES[speedrun.SHIPPED]),
+                                            "train.max_steps=220"])
     assert (shipped.model, shipped.optim, shipped.train) == (bench.model, bench.optim, bench.train)
