@@ -102,7 +102,7 @@ RECIPES = {  # name -> techniques added to the baseline
     # speedrun with the higher peaks and a 220-step schedule
     "speedrun-hi": ["muon", "b16", "lr_hi2", "sched220", "wsd", "zero_init", "relu2", "qk_norm", "softcap"],
     # speedrun-hi without the logit soft-cap: its ablation reached the target at the same step (210) without
-    # it, and the cap's tanh over the 16 x 256 x 4096 logits costs 6% of a step on this CPU (bench/RESULTS.md)
+    # it, and the cap's tanh is one more pass over the 16 x 256 x 4096 logits each way (bench/RESULTS.md)
     "speedrun-nocap": ["muon", "b16", "lr_hi2", "sched220", "wsd", "zero_init", "relu2", "qk_norm"],
     "lion": ["lion"],
 }

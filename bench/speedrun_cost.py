@@ -12,8 +12,9 @@ first --skip (metrics.jsonl's logged windows: the first window holds the first a
 optimizer's state being made and, under train.compile, the compile) is set against the baseline's of
 the same round, and the rounds' ratios are averaged geometrically. (Counting every step instead, as
 this script first did, read `speedrun-hi` at 0.84x the baseline's tokens/s in 30-step runs, where its
-full-length timed runs measured 0.93-0.96x: bench/RESULTS.md.) With --tokens (a bench/speedrun.py results file), each recipe's estimated
-time to target over the baseline's is printed: (tokens ratio) / (tokens/s ratio).
+full-length timed runs measured 0.87-0.96x and this rule 0.90x: bench/RESULTS.md.) With --tokens (a
+bench/speedrun.py results file), each recipe's estimated time to target over the baseline's is
+printed: (tokens ratio) / (tokens/s ratio).
 """
 
 import argparse
