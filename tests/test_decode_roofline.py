@@ -82,6 +82,30 @@ def test_a_decode_step_is_the_sum_of_its_ops_and_tokens_are_the_batch():
     assert predicted["tokens_per_second"] == pytest.approx(8 / predicted["seconds_per_step"], rel=1e-12)
 
 
+def test_a_decode_step_is_priced_at_the_rates_after_its_own_writes():
+    """The elementwise rates of a decode step are the grid's read at the bytes the step writes
+    (every non-view result: tiny at batch 8 writes about 160 kB), as a training step's are: here
+    between the grid's 64 KiB and 2 MiB rows, so neither row's rates alone."""
+    import dataclasses
+
+    from lmforge.accounting.roofline import rates_after
+    from lmforge.accounting.roofline_ops import records_written
+
+    cfg = make_config("tiny").model
+    written = records_written(record_decode(cfg, 8, 30))
+    assert written == records_written(record_decode(cfg, 8, 30, fake=False))  # the fake trace's count is a real step's
+    assert 2**16 < written < 2**21
+    after = {"binary": [[1e3, 2.0**16, 8e9], [1e6, 2.0**16, 4e10], [1e3, 2.0**21, 1e9], [1e6, 2.0**21, 5e9]]}
+    roof = dataclasses.replace(_roof(call=0.0), elementwise_ops_after=after, call_seconds=0.0)
+    predicted = predict_decode(cfg, 8, 30, roof)
+    priced = dataclasses.replace(roof, elementwise_ops=rates_after(roof, written))
+    ops = decode_ops(cfg, 8, 30)
+    assert predicted["seconds_per_step"] == pytest.approx(sum(op_time(priced, op)["seconds"] for op in ops), rel=1e-12)
+    at_edges = [sum(op_time(dataclasses.replace(roof, elementwise_ops=rates_after(roof, w)), op)["seconds"] for op in ops)
+                for w in (2.0**16, 2.0**21)]
+    assert at_edges[0] < predicted["seconds_per_step"] < at_edges[1]
+
+
 @pytest.mark.parametrize("setup, why", [
     ({"tp": 2, "weights": "fp32", "kv_dtype": "fp32"}, "tensor parallelism"),
     ({"tp": 1, "weights": "int4", "kv_dtype": "bf16"}, "no quantised kernels"),

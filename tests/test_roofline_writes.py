@@ -86,8 +86,9 @@ def test_written_bytes_are_what_a_real_step_writes():
 
 
 def test_the_measurement_follows_each_fraction_of_the_cache_and_ends_on_the_cold_grid(monkeypatch):
-    """A regular grid: every family at every call size after cache x AFTER_CACHE_FRACTIONS bytes,
-    then the cold grid's row at EVICT_MIB; an unknown cache (0) measures nothing."""
+    """A regular grid: every family at every call size after 64 KiB, 2 MiB and cache x
+    AFTER_CACHE_FRACTIONS bytes (each W once), then the cold grid's row at EVICT_MIB; an unknown
+    cache (0) measures nothing."""
     monkeypatch.setattr(measure, "ELEMENTWISE_SIZES", (2**12,))
     device = torch.device("cpu")
     cold = {"binary": [[3 * 4 * 2**12, 1.0]]}
@@ -95,7 +96,9 @@ def test_the_measurement_follows_each_fraction_of_the_cache_and_ends_on_the_cold
     grid = measure.measure_elementwise_after(device, cold, cache)
     families = set(measure._family_calls(2**12, device))
     assert set(grid) == families
-    ws = [cache * f for f in measure.AFTER_CACHE_FRACTIONS]
+    ws = [2**16, cache / 4, cache / 2, 3 * cache / 4, cache, 2 * MIB]  # cache / 16 is 64 KiB: measured once
+    assert measure.after_writes(cache) == sorted(ws)
+    assert measure.after_writes(1024 * MIB) == [2**16, 2 * MIB, 64 * MIB]  # none at or past the cold grid's W
     for family, rows in grid.items():
         assert sorted(w for _, w, _ in rows) == sorted(ws + ([measure.EVICT_MIB * MIB] if family == "binary" else []))
         assert all(rate > 0 for _, _, rate in rows)

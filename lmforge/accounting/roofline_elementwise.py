@@ -50,6 +50,7 @@ def _family_calls(n: int, device: torch.device) -> dict:
     roofline.FAMILIES on n fp32 elements, bytes counted as roofline_ops counts them."""
     x, y = torch.ones(n, device=device), torch.ones(n, device=device)
     rows = x.view(-1, 64)
+    gelu_backward = torch.ops.aten.gelu_backward
     return {
         "binary": (lambda: x * y, 3 * 4 * n),
         "binary_inplace": (lambda: x.mul_(y), 3 * 4 * n),  # ones times ones: x stays ones
@@ -58,6 +59,8 @@ def _family_calls(n: int, device: torch.device) -> dict:
         "reduce": (lambda: rows.mean(-1, keepdim=True), 4 * n + 4 * n // 64),
         "vector_norm": (lambda: torch.linalg.vector_norm(x), 4 * n + 4),
         "softmax": (lambda: torch.log_softmax(rows, -1), 2 * 4 * n),
+        "gelu": (lambda: torch.nn.functional.gelu(x, approximate="tanh"), 2 * 4 * n),  # as GeluMLP calls it
+        "gelu_backward": (lambda: gelu_backward(y, x, approximate="tanh"), 3 * 4 * n),
     }
 
 
@@ -72,13 +75,24 @@ def measure_elementwise_ops(device: torch.device, evict_bytes: float = EVICT_MIB
     return grid
 
 
-# the bytes of other writes each call of measure_elementwise_after follows, as fractions of the cache
+# the bytes of other writes each call of measure_elementwise_after follows: as fractions of the
+# last-level cache, and below them writes that a core's own caches hold (64 KiB: L1 and L2; 2 MiB:
+# about one core's L2), where a decode step's few hundred kB of writes fall (bench/decode_time.py:
+# priced after a sixteenth of a 480 MiB last level, small's batch-8 decode came out at 0.72 of the
+# measured tokens/s, after these at 0.91)
 AFTER_CACHE_FRACTIONS = (1 / 16, 1 / 4, 1 / 2, 3 / 4, 1)
+AFTER_PRIVATE_BYTES = (2.0**16, 2.0**21)
+
+
+def after_writes(cache: float, evict: float = EVICT_MIB * 2**20) -> list[float]:
+    """The Ws of measure_elementwise_after, rising: AFTER_PRIVATE_BYTES, then cache x each of
+    AFTER_CACHE_FRACTIONS, those below `evict` (the cold grid's W) and each once."""
+    return sorted({w for w in (*AFTER_PRIVATE_BYTES, *(cache * f for f in AFTER_CACHE_FRACTIONS)) if w < evict})
 
 
 def measure_elementwise_after(device: torch.device, cold: dict, cache: float) -> dict:
     """{family: [[bytes per call, W, bytes/s]]}: measure_elementwise_ops after W bytes of other
-    writes, W each of AFTER_CACHE_FRACTIONS of `cache` (the last-level cache), and the cold grid
+    writes, W each of after_writes(`cache`) (`cache`: the last-level cache), and the cold grid
     `cold` (measured after EVICT_MIB) as the row of the largest W; {} where the cache is unknown.
     A step that writes less than the cache does not find its operands where a loop repeating one
     call keeps them (L1, L2): what it wrote since an operand was last touched has pushed part of
@@ -90,7 +104,7 @@ def measure_elementwise_after(device: torch.device, cold: dict, cache: float) ->
     if not cache:
         return {}
     grid = {}
-    for w in [cache * f for f in AFTER_CACHE_FRACTIONS if cache * f < evict]:
+    for w in after_writes(cache, evict):
         for family, rows in measure_elementwise_ops(device, w).items():
             grid.setdefault(family, []).extend([nbytes, w, rate] for nbytes, rate in rows)
     for family, rows in cold.items():

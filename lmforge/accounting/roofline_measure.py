@@ -200,7 +200,9 @@ def _key(device: torch.device) -> str:
     # v4: the launch cost per operator of a minimal model's step, views alike (a chain of adds paid less)
     # v6: the optimizer phase's fixed cost measured whole (optimizer_phase; a v5 roof of this branch held an earlier form of it)
     # v7: the families after W bytes of other writes (elementwise_ops_after) in place of the warm rates
-    return f"roofline v7|{device_name(device)}|torch {torch.__version__}"
+    # v8: elementwise_ops_after also after 64 KiB and 2 MiB of writes (a decode step's, in a core's own caches);
+    # the gelu and gelu_backward families
+    return f"roofline v8|{device_name(device)}|torch {torch.__version__}"
 
 
 def this_roof(device: torch.device, remeasure: bool = False, store: bool = True, collective: dict | None = None) -> Roof:

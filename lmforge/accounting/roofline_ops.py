@@ -18,14 +18,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from lmforge.accounting import comm
-from lmforge.accounting.roofline import predict, rates_after
+from lmforge.accounting.roofline import ITEMSIZE, predict, rates_after
 from lmforge.accounting.roofline_trace import Record, trace_step
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.modes.parallel import get_strategy
 
-ITEMSIZE = {"float64": 8, "float32": 4, "int64": 8, "int32": 4, "bfloat16": 2, "float16": 2, "bool": 1,
-            "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
 MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 ATTENTION_FORWARD = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
@@ -228,10 +226,20 @@ def step_roof(cfg: ModelConfig, setup, roof):
     cache (small: 1.2 GB) reads the cold rates, one writing little nearly the warm ones. Where the
     cache is shared (a CPU's last level), the data-parallel ranks on the machine write into it at
     once: a step's writes are theirs all. A roof without that grid (a datasheet's) keeps its rates."""
+    return roof_after_writes(roof, written_bytes(cfg, setup) * (setup.dp if roof.cache_shared else 1))
+
+
+def roof_after_writes(roof, written: float):
+    """`roof` with its elementwise rates read after `written` bytes of other writes
+    (roofline.rates_after); a roof without that grid (a datasheet's) as it is."""
     if not roof.elementwise_ops_after:
         return roof
-    written = written_bytes(cfg, setup) * (setup.dp if roof.cache_shared else 1)
     return dataclasses.replace(roof, elementwise_ops=rates_after(roof, written))
+
+
+def records_written(records) -> float:
+    """Bytes of every non-view result among the trace's `records`: what they write."""
+    return float(sum(_touched(t) for r in records if not r.is_view for t in r.outputs))
 
 
 def written_bytes(cfg: ModelConfig, setup) -> float:
@@ -243,7 +251,7 @@ def written_bytes(cfg: ModelConfig, setup) -> float:
         # micro_batch_ops's trace (cached), its AdamW step standing in for the optimizer's writes
         records = trace_step(c, setup.batch_size, setup.seq_len, setup.policy.name, setup.recompute, "adamw",
                              setup.loss_chunk_tokens, True, setup.fp32_attention)
-        return float(sum(_touched(t) for r in records if not r.is_view for t in r.outputs))
+        return records_written(records)
 
     if cfg.n_layers <= 3:
         return of(cfg.n_layers)

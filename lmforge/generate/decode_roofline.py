@@ -19,7 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lmforge.accounting.roofline import predict
-from lmforge.accounting.roofline_ops import ATTENTION_FORWARD, Op, op_of
+from lmforge.accounting.roofline_ops import ATTENTION_FORWARD, Op, op_of, records_written, roof_after_writes
 from lmforge.accounting.roofline_trace import recorded
 from lmforge.config import ModelConfig
 from lmforge.generate.sampling import KVCache, sample_next
@@ -81,11 +81,15 @@ def decode_ops(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype = 
 
 
 def predict_decode(cfg: ModelConfig, batch: int, context: int, roof, weights: str = "fp32") -> dict | None:
-    """roofline.predict of one decode step (tokens: `batch`), on `roof` (roofline_decode.decode_roof's),
-    or None for a weight format lmforge does not run (int8, int4: no quantised kernels)."""
+    """roofline.predict of one decode step (tokens: `batch`), on `roof` (roofline_decode.decode_roof's)
+    with its elementwise rates those after the step's own writes, as a training step's are
+    (roofline_ops.step_roof: a decode step writes a few hundred kB, so its activations stay in a
+    core's caches), or None for a weight format lmforge does not run (int8, int4: no quantised kernels)."""
     if weights not in TRACED_WEIGHTS:
         return None
-    result = predict(roof, decode_ops(cfg, batch, context, TRACED_WEIGHTS[weights]), batch)
+    dtype = TRACED_WEIGHTS[weights]
+    written = records_written(record_decode(cfg, batch, context, dtype))
+    result = predict(roof_after_writes(roof, written), decode_ops(cfg, batch, context, dtype), batch)
     result["overlap"] = "none (eager: one kernel at a time)"
     return {**result, "batch": batch, "context": context, "weights": weights}
 
