@@ -87,9 +87,8 @@ def predict_decode(cfg: ModelConfig, batch: int, context: int, roof, weights: st
     core's caches), or None for a weight format lmforge does not run (int8, int4: no quantised kernels)."""
     if weights not in TRACED_WEIGHTS:
         return None
-    dtype = TRACED_WEIGHTS[weights]
-    written = records_written(record_decode(cfg, batch, context, dtype))
-    result = predict(roof_after_writes(roof, written), decode_ops(cfg, batch, context, dtype), batch)
+    records = record_decode(cfg, batch, context, TRACED_WEIGHTS[weights])
+    result = predict(roof_after_writes(roof, records_written(records)), [decode_op(r) for r in records], batch)
     result["overlap"] = "none (eager: one kernel at a time)"
     return {**result, "batch": batch, "context": context, "weights": weights}
 
