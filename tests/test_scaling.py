@@ -145,12 +145,25 @@ def test_a_real_sweep_trains_resumes_and_fits(tmp_path, corpus_dir, data_dir):
     assert len(finished) == 6
     again = subprocess.run(sweep, capture_output=True, text=True, timeout=300)  # every run finished: skipped
     assert again.returncode == 0 and "val loss" not in again.stdout
-    fitted = subprocess.run([sys.executable, "-m", "lmforge", "scaling", "fit", str(out), "--out",
-                             str(tmp_path / "fit.json"), "--plot", str(tmp_path / "fit.png"), "--bootstrap", "10"],
-                            capture_output=True, text=True, timeout=600)
-    assert fitted.returncode == 0, fitted.stderr[-3000:]
-    report = json.loads((tmp_path / "fit.json").read_text())
+
+    def fit_runs(name: str, max_passes: float) -> dict:
+        fitted = subprocess.run([sys.executable, "-m", "lmforge", "scaling", "fit", str(out), "--out",
+                                 str(tmp_path / name), "--plot", str(tmp_path / "fit.png"), "--bootstrap", "10",
+                                 "--max-passes", str(max_passes)], capture_output=True, text=True, timeout=600)
+        assert fitted.returncode == 0, fitted.stderr[-3000:]
+        return json.loads((tmp_path / name).read_text())
+
+    report = fit_runs("fit.json", 1e6)  # the test corpus is small: some runs read it more than once
     assert len(report["runs"]) == 6 and (tmp_path / "fit.png").stat().st_size > 10_000
+    split = json.loads((data_dir / "meta.json").read_text())["splits"]["train"]["tokens"]
+    for run in report["runs"]:
+        assert run["passes"] == pytest.approx(run["tokens"] / split)
+    # --max-passes leaves out exactly the runs that read their split more often than it allows
+    most, second = sorted(report["runs"], key=lambda run: run["passes"])[-1:-3:-1]
+    assert most["passes"] > second["passes"]
+    fewer = fit_runs("fewer.json", second["passes"])
+    assert [run["name"] for run in fewer["left_out_repeated"]] == [most["name"]]
+    assert sorted(run["name"] for run in fewer["runs"]) == sorted(r["name"] for r in report["runs"] if r is not most)
     fit = read_fit(str(tmp_path / "fit.json"))
     for run in report["runs"]:  # the fit passes near every run it was fitted to
         assert fit.loss(run["parameters"], run["tokens"]) == pytest.approx(run["val_loss"], rel=0.05)

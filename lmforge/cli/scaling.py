@@ -45,6 +45,9 @@ def add_scaling(commands) -> None:
     fit.add_argument("--bootstrap", type=number(int, at_least=0), default=100, help="refits on resampled runs (default 100)")
     fit.add_argument("--check", action="append", default=[], metavar="RUN",
                      help="a finished run outside the fit: its loss beside the prediction")
+    fit.add_argument("--max-passes", type=number(float, at_least=0), default=1.0, metavar="P",
+                     help="leave out runs that read their training split more than P times (default 1: "
+                          "Chinchilla's runs all see their data once)")
 
 
 def cmd_scaling(args) -> int:
@@ -123,7 +126,12 @@ def fit(args) -> int:
     from lmforge.accounting.scaling_chart import plot_scaling
 
     console = Console()
-    points = [point for folder in args.runs for point in scaling_points(folder)]
+    points, repeated = [], []
+    for point in (point for folder in args.runs for point in scaling_points(folder)):
+        (repeated if point["passes"] is not None and point["passes"] > args.max_passes else points).append(point)
+    for p in repeated:
+        console.print(f"  {p['name']}: left out ({p['passes']:.2f} passes over its training split > "
+                      f"--max-passes {args.max_passes:g}: the law's D is tokens seen once)")
     if len(points) < 5:
         raise LmforgeError(f"{len(points)} finished runs with a validation loss in {' '.join(args.runs)}: a fit "
                            f"of 5 constants needs at least 5 (lmforge scaling sweep makes them)")
@@ -135,7 +143,8 @@ def fit(args) -> int:
     budgets = [(p["flops"], p["parameters"], p["val_loss"]) for p in points if p.get("flops")]
     minima = scaling.isoflop_minima(budgets)
     report = {"fit": result.as_dict(), "intervals_5_95": intervals, "counting": scaling.COUNTING,
-              "isoflop_minima": [m.__dict__ for m in minima], "runs": points}
+              "isoflop_minima": [m.__dict__ for m in minima], "runs": points,
+              "max_passes": args.max_passes, "left_out_repeated": repeated}
     if len(minima) >= 2:
         report["isoflop_exponent"], _ = scaling.power_law([m.flops for m in minima], [m.n_opt for m in minima])
     console.print(f"L(N, D) = {result.E:.4f} + {result.A:.4g} / N^{result.alpha:.4f} + {result.B:.4g} / D^{result.beta:.4f}"
@@ -151,8 +160,10 @@ def fit(args) -> int:
     for folder in args.check:
         for p in scaling_points(folder):
             predicted = result.loss(p["parameters"], p["tokens"])
-            console.print(f"check {p['name']}: N {p['parameters']:,}, D {p['tokens']:,}: measured {p['val_loss']:.4f}, "
-                          f"predicted {predicted:.4f} ({(predicted - p['val_loss']) / p['val_loss']:+.2%})")
+            passes = "" if p["passes"] is None else f" ({p['passes']:.2f} passes)"
+            console.print(f"check {p['name']}: N {p['parameters']:,}, D {p['tokens']:,}{passes}: measured "
+                          f"{p['val_loss']:.4f}, predicted {predicted:.4f} "
+                          f"({(predicted - p['val_loss']) / p['val_loss']:+.2%})")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"fit: {args.out} (lmforge plan --scaling {args.out})")
@@ -164,8 +175,10 @@ def fit(args) -> int:
 
 def scaling_points(folder: str) -> list[dict]:
     """One point per finished run in `folder` (or `folder` itself): its N (matmul weights), D (tokens
-    trained), final validation loss and, for a sweep run, its budget C."""
+    trained), passes over its training split (None when its prepared data is not found), final
+    validation loss and, for a sweep run, its budget C."""
     from lmforge.accounting.shapes import model_shapes
+    from lmforge.data.prepare import data_dir_of
     from lmforge.runs.listing import find_runs
 
     points = []
@@ -178,6 +191,9 @@ def scaling_points(folder: str) -> list[dict]:
             continue
         name = run.path.name
         flops = float(name[1:name.index("-L")]) if name.startswith("C") and "-L" in name else None
+        meta = data_dir_of(run.cfg) / "meta.json"
+        split = json.loads(meta.read_text())["splits"]["train"]["tokens"] if meta.is_file() else None
         points.append({"name": name, "parameters": model_shapes(run.cfg.model).matmul_weights,
-                       "tokens": summary["tokens_trained"], "val_loss": summary["val_loss"], "flops": flops})
+                       "tokens": summary["tokens_trained"], "val_loss": summary["val_loss"], "flops": flops,
+                       "passes": summary["tokens_trained"] / split if split else None})
     return points
