@@ -107,8 +107,9 @@ def main() -> None:
     dist.barrier()
     collective = measure_collective()
     if rank == 0:
-        print(f"roof: {roof.name}; {world} ranks on {collective['backend']}, all-reduce latency "
-              f"{collective['latency_s'] * 1e6:.0f} us, {collective['bytes_per_second'] / 1e9:.2f} GB/s")
+        measured = ", ".join(f"{name} {c['latency_s'] * 1e6:.0f} us + {c['bytes_per_second'] / 1e9:.2f} GB/s"
+                             for name, c in collective["operators"].items())
+        print(f"roof: {roof.name}; {world} ranks on {collective['backend']}: {measured}")
         print(f"{'model':<8}{'strategy':<9}{'predicted ms':>13}{'measured ms':>12}{'pred/meas':>10}"
               f"{'comm pred ms':>13}{'exposed ms':>11}{'hidden':>8}{'before':>8}")
     for model in args.models.split(","):

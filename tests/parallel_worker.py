@@ -145,7 +145,8 @@ def main(out: str, strategies: str, grad_accum: int, steps: int):
         losses, norms = train(engine, cfg, steps, rank, ranks,
                               on_grads=lambda e: held.update(e.state_bytes(), sent=e.comm.sent_bytes("model")
                                                              if e.comm else None,
-                                                             ring=dict(e.comm.ring_bytes) if e.comm else None))
+                                                             ring=dict(e.comm.ring_bytes) if e.comm else None,
+                                                             calls=dict(e.comm.calls) if e.comm else None))
         if engine.comm is not None:
             engine.comm.reset()
         model_state = engine.model_state_dict()

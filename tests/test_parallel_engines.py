@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_worker import ROWS, config, make_engine, train, variant_config  # noqa: E402
 
-from lmforge.accounting.comm import step_communication  # noqa: E402
+from lmforge.accounting.comm import step_collectives, step_communication  # noqa: E402
 from lmforge.accounting.memory import model_state_bytes  # noqa: E402
 from lmforge.modes.parallel import get_strategy  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
@@ -172,6 +172,23 @@ def test_counted_collective_bytes_equal_the_formula(two_ranks, three_ranks):
             held = results[f"{strategy}@fp32"]["held"]
             assert held["ring"]["model"] == formula["ring_elements"] * formula["element_bytes"], (ranks, strategy)
             assert held["sent"] == pytest.approx(formula["sent_bytes"], rel=1e-12)
+
+
+def test_counted_collective_calls_equal_what_the_roofline_prices(two_ranks, three_ranks):
+    """accounting/comm.py's step_collectives (one latency each in the roofline) against the calls
+    the engines made in a step of ACCUM micro-batches: by operator for the model's tensors, and the
+    step's scalar all-reduces."""
+    cfg = config("none", "fp32", ACCUM)
+    for ranks, results in ((2, two_ranks), (3, three_ranks)):
+        for strategy in ("ddp", "zero1", "zero2", "zero3"):
+            if f"{strategy}@fp32" not in results:
+                continue
+            calls = results[f"{strategy}@fp32"]["held"]["calls"]
+            counted = {op: n for (op, kind), n in calls.items() if kind == "model"}
+            counted["scalar_all_reduce"] = sum(n for (op, kind), n in calls.items() if kind == "scalar")
+            assert {kind for _, kind in calls} == {"model", "scalar"}, (ranks, strategy)  # none of setup's
+            assert counted == step_collectives(cfg.model, strategy, ranks, get_policy("fp32"), ACCUM,
+                                               cfg.train.bucket_mb), (ranks, strategy)
 
 
 def test_bf16_mixed_uses_the_papers_layout_and_trains(two_ranks):

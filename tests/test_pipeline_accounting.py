@@ -328,6 +328,21 @@ def fake_measurements(plan: dict, measured_by_stage=None) -> RunMeasurements:
                            pipeline=None if measured_by_stage is None else {"measured_by_stage": measured_by_stage})
 
 
+def test_the_mfu_row_predicts_the_utilisation_at_the_rooflines_step_time():
+    """With a roofline the MFU row's prediction is the MFU at the predicted step time (not the 100%
+    bound), so its measured / predicted is the predicted / measured step time."""
+    plan = make_plan(make_config("tiny").model, Setup(hardware="h100-sxm", mfu=1.0))
+    plan["roofline"] = {"seconds_per_step": 0.02}
+    run = fake_measurements(plan)
+    run.tokens_per_step = 1000
+    rows = predicted_vs_measured(plan, run, tokens_per_s=25_000.0)  # measured: 0.04 s a step
+    assert rows["step_seconds"] == {"predicted": 0.02, "measured": pytest.approx(0.04)}
+    assert rows["mfu"]["predicted"] == pytest.approx(run.mfu(1000 / 0.02))
+    assert rows["mfu"]["measured"] / rows["mfu"]["predicted"] == pytest.approx(0.5)
+    del plan["roofline"]
+    assert predicted_vs_measured(plan, run, tokens_per_s=25_000.0)["mfu"]["predicted"] == 1.0  # the bound
+
+
 def test_predicted_vs_measured_has_a_row_per_stage():
     plan = make_plan(make_config("small").model, Setup(pp=2, micro_batches=4, hardware="h100-sxm", mfu=1.0))
     stages = plan["pipeline"]["stages_detail"]

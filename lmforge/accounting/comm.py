@@ -24,6 +24,8 @@ Under tensor parallelism a replica's rank holds and reduces only its tensor rank
 `tensor_parallel_communication`.
 """
 
+import math
+
 import torch.nn as nn
 
 from lmforge.accounting.shapes import meta_model, model_shapes, tensor_parallel_dim, tensor_parallel_slices
@@ -76,23 +78,57 @@ def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy 
     psi = sum(sizes.values())
     padded = {u: -(-n // dp) * dp for u, n in sizes.items()}
     if strategy == "none" or dp == 1:
-        ring, paper = 0, 0
+        by_op, paper = {}, 0
     elif strategy == "ddp":
-        ring, paper = 2 * psi, 2 * psi  # one all-reduce of every gradient
+        by_op, paper = {"all_reduce": 2 * psi}, 2 * psi  # one all-reduce of every gradient
     elif stage in (1, 2):
-        ring, paper = 2 * sum(padded.values()), 2 * psi  # reduce-scatter + all-gather
+        by_op, paper = {"reduce_scatter": sum(padded.values()), "all_gather": sum(padded.values())}, 2 * psi
     else:  # zero3, fsdp: gather for forward and for backward ("rest" once), reduce-scatter
         held = sizes if strategy != "fsdp" or lora is None else unit_sizes(cfg, lora, trainable_only=False)
         gathered = {u: -(-n // dp) * dp for u, n in held.items()}
         gathers = sum((2 if u != "rest" else 1) * n for u, n in gathered.items())
-        ring, paper = grad_accum * gathers + sum(padded.values()), 2 * sum(held.values()) + psi
-    sent = communication(strategy, dp, element_bytes(strategy, policy), ring, paper)
+        by_op = {"all_gather": grad_accum * gathers, "reduce_scatter": sum(padded.values())}
+        paper = 2 * sum(held.values()) + psi
+    sent = communication(strategy, dp, element_bytes(strategy, policy), sum(by_op.values()), paper)
+    sent["ring_elements_by_op"] = by_op  # the model's collectives' share, by operator
     if replicate > 1:  # the gradient shard this rank holds (padded units / dp), all-reduced
         shard = sum(padded.values()) // dp
         sent["replicate"] = communication("ddp", replicate, sent["element_bytes"], 2 * shard, 2 * psi / dp)
         sent["sent_bytes"] += sent["replicate"]["sent_bytes"]
     blocks = [n for u, n in sizes.items() if u != "rest"]
     return with_optimizer_gather(sent, blocks, strategy, dp, policy, lora is not None, optimizer)
+
+
+def step_collectives(cfg: ModelConfig, strategy: str, dp: int, policy: Policy = POLICIES["fp32"],
+                     grad_accum: int = 1, bucket_mb: float = 25.0) -> dict[str, int]:
+    """Calls per rank per step of each collective the engines make (parallel/comm.py's counts), by
+    operator: "all_reduce", "reduce_scatter", "all_gather" of the gradients and parameters (kind
+    "model": their bytes are step_communication's), and "scalar_all_reduce", the few numbers every
+    step reduces (kind "scalar"). DDP all-reduces one bucket of about `bucket_mb` MiB at a time,
+    filled in the order backward produces the gradients (parallel/ddp.py); ZeRO moves each unit
+    once a step (ZeRO-3: gathered for forward and again for backward, "rest" once, each
+    micro-batch). The scalars: the step's target count (engine.loss_divisors), its loss averaged
+    for the log (mean_across_ranks), the squared gradient norm summed where gradients are sharded
+    (ZeRO, FSDP), and fp16's found-inf. FSDP2's own collectives are counted as ZeRO-3's."""
+    stage = get_strategy(strategy).zero_stage
+    if strategy == "none" or dp == 1:
+        return {}
+    units = unit_sizes(cfg)
+    if strategy == "ddp":
+        buckets, size = 0, 0
+        limit = bucket_mb * 2**20
+        for shape in reversed(model_shapes(cfg).parameter_shapes):
+            nbytes = math.prod(shape) * policy.bytes.parameter
+            if size and size + nbytes > limit:
+                buckets, size = buckets + 1, 0
+            size += nbytes
+        calls = {"all_reduce": buckets + (size > 0)}
+    elif stage in (1, 2):
+        calls = {"reduce_scatter": len(units), "all_gather": len(units)}
+    else:
+        calls = {"all_gather": grad_accum * sum(2 if u != "rest" else 1 for u in units), "reduce_scatter": len(units)}
+    calls["scalar_all_reduce"] = 2 + (stage >= 1) + policy.loss_scaling
+    return calls
 
 
 def with_optimizer_gather(sent: dict, block_units: list[int], strategy: str, dp: int, policy: Policy,

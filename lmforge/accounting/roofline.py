@@ -34,7 +34,9 @@ class Roof:
     elementwise_ops: dict = field(default_factory=dict)  # {family: [[bytes per call, bytes/s], ...]}
     view_call_seconds: float | None = None  # one view (no kernel, just dispatch); None: call_seconds
     foreach_call_seconds: float = 0.0  # one tensor of a torch._foreach_* op (the C++ loop on CPU)
-    collective: dict = field(default_factory=dict)  # {"latency_s", "bytes_per_second"} of all-reduce, if measured
+    # {"latency_s", "bytes_per_second"} of all-reduce, and "operators": {operator: the same} of
+    # all_reduce, reduce_scatter and all_gather, if measured (under torchrun: measure_collective)
+    collective: dict = field(default_factory=dict)
     cache_bytes: float = 0.0  # the cache operands stay in between operators (a CPU's last level, a GPU's L2; 0: unknown)
     cache_shared: bool = False  # True: every rank on the machine writes into it (a CPU's last level; a GPU's L2 is its own)
     # {"sdpa_forward" | "sdpa_backward": {dtype: seconds}}: one SDPA call's fixed cost, its
@@ -161,8 +163,8 @@ def op_time(roof: Roof, op) -> dict:
         p = roof.optimizer_phase
         seconds = (p["fixed_s"] + op.calls * p["per_tensor_s"]) if p else 0.0
         return {"seconds": seconds, "compute_s": 0.0, "memory_s": 0.0, "launch_s": seconds, "bound": "launch"}
-    if op.kind == "collective":
-        c = roof.collective
+    if op.kind == "collective":  # at its operator's measured latency and bandwidth, else all-reduce's
+        c = roof.collective.get("operators", {}).get(op.op, roof.collective)
         seconds = op.calls * c["latency_s"] + op.bytes / c["bytes_per_second"] if c else 0.0
         return {"seconds": seconds, "compute_s": 0.0, "memory_s": seconds, "bound": "network" if c else "not measured"}
     rate = compute_rate(roof, op)

@@ -226,28 +226,41 @@ def _roof(device: torch.device, fields: dict, collective: dict | None = None) ->
     return Roof(name=f"this machine: {device_name(device)}", collective=collective or {}, **fields)
 
 
-def measure_collective(group=None, sizes: tuple[int, ...] = (2**10, 2**20), repeats: int = 5) -> dict:
-    """All-reduce latency and bandwidth on the launched process group (every rank calls it): the
-    best time of `repeats` all-reduces of each size in fp32; bytes counted as comm.py counts them
-    (a ring sends 2 (N-1)/N of the tensor per rank), fitted t = latency + bytes / bandwidth
-    through the smallest and largest size."""
+def measure_collective(group=None, sizes: tuple[int, ...] = (2**2, 2**19), repeats: int = 9) -> dict:
+    """Latency and bandwidth of all-reduce, reduce-scatter and all-gather on the launched process
+    group (every rank calls it), fitted t = latency + bytes / bandwidth through the median time of
+    `repeats` calls at the smallest and the largest of `sizes` (fp32 elements of the full tensor),
+    bytes counted as parallel/comm.py counts them (a ring sends 2 (N-1)/N of an all-reduced
+    tensor per rank, (N-1)/N of a reduce-scattered or all-gathered one). The median, not the best:
+    in a step the ranks do not reach a collective together, and one started during backward on a
+    core that computes pays about its median (2 CPU ranks, gloo: a 16-byte all-reduce's best 127 us,
+    median 254 us, 291 us during a matmul loop). The top level keeps all-reduce's figures."""
     import torch.distributed as dist
 
     ranks = dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    points = []
-    for n in sizes:
-        x = torch.ones(n, device=device)
-        dist.all_reduce(x, group=group)  # warm-up: connection set-up
-        best = float("inf")
-        for _ in range(repeats):
-            dist.barrier(group=group)
-            started = time.perf_counter()
-            dist.all_reduce(x, group=group)
-            _sync(device)
-            best = min(best, time.perf_counter() - started)
-        points.append((2 * (ranks - 1) / ranks * x.nbytes, best))
-    (b0, t0), (b1, t1) = points[0], points[-1]
-    bandwidth = (b1 - b0) / (t1 - t0) if t1 > t0 else b1 / t1
-    return {"latency_s": max(t0 - b0 / bandwidth, 0.0), "bytes_per_second": bandwidth, "ranks": ranks,
+    calls = {
+        "all_reduce": (2, lambda full, shard: dist.all_reduce(full, group=group)),
+        "reduce_scatter": (1, lambda full, shard: dist.reduce_scatter_single(shard, full, group=group)),
+        "all_gather": (1, lambda full, shard: dist.all_gather_single(full, shard, group=group)),
+    }
+    operators = {}
+    for operator, (passes, call) in calls.items():
+        points = []
+        for n in sizes:
+            full = torch.ones(n * ranks, device=device)  # a multiple of the ranks: the shards are whole
+            shard = torch.ones(n, device=device)
+            call(full, shard)  # warm-up: connection set-up
+            times = []
+            for _ in range(repeats):
+                dist.barrier(group=group)
+                started = time.perf_counter()
+                call(full, shard)
+                _sync(device)
+                times.append(time.perf_counter() - started)
+            points.append((passes * (ranks - 1) / ranks * full.nbytes, sorted(times)[repeats // 2]))
+        (b0, t0), (b1, t1) = points[0], points[-1]
+        bandwidth = (b1 - b0) / (t1 - t0) if t1 > t0 else b1 / t1
+        operators[operator] = {"latency_s": max(t0 - b0 / bandwidth, 0.0), "bytes_per_second": bandwidth}
+    return {**operators["all_reduce"], "operators": operators, "ranks": ranks,
             "backend": str(dist.get_backend(group))}

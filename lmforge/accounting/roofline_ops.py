@@ -182,12 +182,24 @@ def step_ops(cfg: ModelConfig, setup, strategy: str) -> list[Op]:
     if setup.optimizer == "adamw":  # the optimizer its fixed cost is measured with (optimizer_phase_op)
         ops = [dataclasses.replace(op, launched=False) if op.cls == "optimizer" else op for op in ops]
         ops.append(optimizer_phase_op(cfg))
-    sent = comm.step_communication(cfg, strategy, setup.dp, p, setup.grad_accum)
-    if sent["sent_bytes"]:
-        units = len(comm.unit_sizes(cfg))
-        collectives = units * (1 if strategy == "ddp" else 2 if get_strategy(strategy).zero_stage < 3 else 3)
-        ops.append(Op(f"{strategy} collectives", "communication", "collective", 0.0, sent["sent_bytes"], (),
-                      collectives))
+    return ops + collective_ops(cfg, setup, strategy)
+
+
+def collective_ops(cfg: ModelConfig, setup, strategy: str) -> list[Op]:
+    """One Op per collective operator a rank calls in a step of `strategy` (comm.step_collectives),
+    its calls and the bytes it sends (comm.step_communication's, by operator; a scalar's none, a
+    Muon gather's with the all-gathers), priced at that operator's measured latency and bandwidth."""
+    p = setup.policy
+    sent = comm.step_communication(cfg, strategy, setup.dp, p, setup.grad_accum, optimizer=setup.optimizer)
+    per_element = sent["element_bytes"] * (setup.dp - 1) / setup.dp
+    ops = []
+    for name, calls in comm.step_collectives(cfg, strategy, setup.dp, p, setup.grad_accum, setup.bucket_mb).items():
+        operator = "all_reduce" if name == "scalar_all_reduce" else name
+        nbytes = sent["ring_elements_by_op"].get(name, 0) * per_element
+        if name == "all_gather":
+            nbytes += sent["optimizer_sent_bytes"]
+        ops.append(Op(f"{strategy} {name.replace('_', ' ')}", "communication", "collective", 0.0, float(nbytes), (),
+                      calls, op=operator))
     return ops
 
 

@@ -174,7 +174,7 @@ class Trainer:
             cfg, engine, self.world, self.state, self.policy.name,
             loss_scale=self.scaler.scale_value if self.scaler.enabled else None,
             tokens_per_step=self.global_batch * cfg.seq_len, peak_flops=machine[1])
-        # The plan, at 100% MFU: its time is a lower bound and measured/predicted throughput is the MFU.
+        # The plan's time estimates at 100% MFU (a bound); the roofline below predicts the step's time.
         setup = Setup.from_config(cfg, mfu=1.0, dp=engine.replicas,
                                   zero_stage=get_strategy(cfg.train.parallel).zero_stage,
                                   tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel,

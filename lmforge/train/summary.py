@@ -164,15 +164,16 @@ def predicted_vs_measured(plan: dict, run: RunMeasurements, tokens_per_s: float)
     activations = plan["memory"]["activation_breakdown_bytes"]
     stages = plan["pipeline"]["stages_detail"] if "pipeline" in plan else None
     rows = {}
-    if "roofline" in plan and tokens_per_s:  # the step time the roofline predicted (accounting/roofline.py)
+    # the utilisations at the step time the roofline predicted (accounting/roofline.py); without it,
+    # the bound: 100%, or less for a pipeline (its bubble and unequal stages)
+    predicted_tokens_per_s = None
+    if "roofline" in plan and tokens_per_s:
         rows["step_seconds"] = (plan["roofline"]["seconds_per_step"], run.tokens_per_step / tokens_per_s)
-    rows |= {
-        # a pipeline's bubble and unequal stages leave less than 100% at best
-        "mfu": (plan["pipeline"]["best_mfu"] if stages else 1.0,
-                run.mfu(tokens_per_s)),
-    }
+        predicted_tokens_per_s = run.tokens_per_step / plan["roofline"]["seconds_per_step"]
+    bound = plan["pipeline"]["best_mfu"] if stages else 1.0
+    rows["mfu"] = (run.mfu(predicted_tokens_per_s) if predicted_tokens_per_s else bound, run.mfu(tokens_per_s))
     if run.hardware_flops_per_token is not None:
-        rows["hfu"] = (1.0, run.hfu(tokens_per_s))
+        rows["hfu"] = (run.hfu(predicted_tokens_per_s) if predicted_tokens_per_s else 1.0, run.hfu(tokens_per_s))
     if stages:
         by_stage = run.pipeline["measured_by_stage"] if run.pipeline is not None else [None] * len(stages)
         for stage, got in zip(stages, by_stage):

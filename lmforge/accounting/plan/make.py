@@ -66,6 +66,7 @@ class Setup:
     reserve_bytes: float = DEFAULT_RESERVE_BYTES  # kept free per device: CUDA context, fragmentation
     lora_rank: int | None = None  # LoRA adapters of this rank on a frozen base (None: every weight trains)
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # the linear layers LoRA wraps (model/lora.py)
+    bucket_mb: float = 25.0  # train.bucket_mb: DDP all-reduces its gradients in buckets of about this many MiB
 
     @property
     def policy(self) -> Policy:
@@ -108,7 +109,7 @@ class Setup:
                       lora_targets=cfg.finetune.lora_targets, pp=cfg.train.pipeline_stages,
                       micro_batches=cfg.train.micro_batches, schedule=cfg.train.schedule,
                       pipeline_split=cfg.train.pipeline_split, virtual_stages=cfg.train.pipeline_virtual_stages,
-                      cp=cfg.parallel.cp)
+                      cp=cfg.parallel.cp, bucket_mb=cfg.train.bucket_mb)
         values.update({k: v for k, v in changes.items() if v is not None})
         return cls(**values)
 
