@@ -17,7 +17,8 @@ What this implementation moves besides the paper's idealisation, counted here to
   every accumulation micro-step, so that many times per step.
 - Gradients travel in the working dtype: 16-bit under the mixed policies for ZeRO (the paper's
   layout), the parameters' dtype for DDP (fp32 under bf16-mixed: autocast keeps fp32 weights).
-A step also reduces a few scalars (loss, gradient norm, found-inf): counted apart, not here.
+A step also reduces a few scalars (loss, gradient norm, found-inf): `step_collectives` counts
+those calls beside the model's; their bytes are not in these figures.
 FSDP2 moves what ZeRO-3 does, up to its own padding (each parameter's dim 0, not each unit).
 Under tensor parallelism a replica's rank holds and reduces only its tensor rank's parameters
 (shapes.py's tensor_rank_unit_sizes); the tensor ranks' own activations traffic is
