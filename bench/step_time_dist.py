@@ -10,7 +10,9 @@ measured on the launched group (roofline_measure.measure_collective), its commun
 full (no overlap assumed). Printed by rank 0: predicted and measured step, their ratio, and the
 communication predicted beside the measured exposed part (1 - exposed / predicted: the share of the
 collectives' time that overlapped compute), and the ratio before the rates after the step's writes
-(warm if one rank's step fits the cache, else cold: step_time.previous_rule).
+(warm if one rank's step fits the cache, else cold: step_time.previous_rule). Then, by strategy, each
+collective operator's price beside the time it held rank 0 per timed step (CollectiveClock), and
+the exposed time no collective held.
 
     python bench/step_time_dist.py [--nproc 2] [--parallel ddp,zero2] [--models tiny,small]
                                    [--batch-size 8] [--steps 5] [--warmup 2] [--remeasure]
@@ -22,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -29,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_time import build, previous_rule, warm_rates  # noqa: E402
+from step_time import build_parts, previous_rule, warm_rates  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -58,15 +61,71 @@ def launch() -> None:
 
 
 def timed(model: str, args, strategy: str) -> tuple:
-    """(config, median seconds per step) of `strategy` on every rank at once."""
+    """(config, median seconds per step, {collective: seconds it held this rank per step}) of
+    `strategy` on every rank at once."""
     import torch.distributed as dist
 
-    cfg, step = build(model, args.precision, args.batch_size, None, (f"train.parallel={strategy}",))
+    from lmforge.train.loop import train_step
+
+    cfg, engine, batch_of_tokens, scaler, policy, device = build_parts(model, args.precision, args.batch_size, None,
+                                                                      (f"train.parallel={strategy}",))
+    clock = CollectiveClock(engine.comm) if engine.comm is not None else None
+
+    def step():
+        train_step(engine, batch_of_tokens, cfg.train.grad_accum, cfg.optim.lr, cfg.optim.grad_clip, scaler,
+                   policy, device)
+
     dist.barrier()
-    return cfg, measure_together(step, args.steps, args.warmup)
+    times = measure_together(step, args.steps, args.warmup, clock)
+    held = clock.median() if clock else {}
+    return cfg, sorted(times)[len(times) // 2], held
 
 
-def measure_together(step, steps: int, warmup: int, at_least: float = 2.0) -> float:
+class CollectiveClock:
+    """The time a rank is held by each collective operator in its steps: a synchronous call's
+    duration, an asynchronous one's launch and the time its wait() blocks, summed by operator
+    (scalar all-reduces apart) over a step (`lap` ends one), wrapped around the engine's
+    Collectives (parallel/comm.py), through which every collective of a step goes. `median()`:
+    each operator's median over the steps, as the step time is a median (a mean takes in the few
+    steps that stall for milliseconds on this VM)."""
+
+    OPERATORS = ("all_reduce", "reduce_scatter", "all_gather")
+
+    def __init__(self, comm):
+        self.held, self.steps = defaultdict(float), []
+        for name in self.OPERATORS:
+            setattr(comm, name, self._timed(name, getattr(comm, name)))
+
+    def lap(self) -> None:
+        self.steps.append(dict(self.held))
+        self.held.clear()
+
+    def median(self) -> dict:
+        names = {name for step in self.steps for name in step}
+        return {name: sorted(step.get(name, 0.0) for step in self.steps)[len(self.steps) // 2] for name in names}
+
+    def _timed(self, name, call):
+        def timed(*args, **kwargs):
+            scalar = name == "all_reduce" and args[0].numel() == 1
+            key = "scalar_all_reduce" if scalar else name
+            started = time.perf_counter()
+            work = call(*args, **kwargs)
+            self.held[key] += time.perf_counter() - started
+            return self._Wait(work, self.held, key) if work is not None else None
+        return timed
+
+    class _Wait:
+        def __init__(self, work, held, key):
+            self.work, self.held, self.key = work, held, key
+
+        def wait(self):
+            started = time.perf_counter()
+            done = self.work.wait()
+            self.held[self.key] += time.perf_counter() - started
+            return done
+
+
+def measure_together(step, steps: int, warmup: int, clock=None, at_least: float = 2.0) -> list:
     """step_time.measure on every rank at once: at least `steps` timed steps, more until every rank's
     sum to `at_least` seconds (tiny's 12 ms step: a median of ~170, where 20 read 0.95-1.25 of the
     prediction from run to run), the ranks agreeing after each step (outside the timing) so that
@@ -75,16 +134,20 @@ def measure_together(step, steps: int, warmup: int, at_least: float = 2.0) -> fl
 
     for _ in range(warmup):
         step()
+    if clock is not None:
+        clock.held.clear()  # the timed steps' only (the agreement below is not through the engine)
     times = []
     while True:
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
+        if clock is not None:
+            clock.lap()
         if len(times) >= steps:
             enough = torch.tensor([float(sum(times) >= at_least)])
             dist.all_reduce(enough, op=dist.ReduceOp.MIN)
             if enough.item():
-                return sorted(times)[len(times) // 2]
+                return times
 
 
 def main() -> None:
@@ -112,10 +175,11 @@ def main() -> None:
         print(f"roof: {roof.name}; {world} ranks on {collective['backend']}: {measured}")
         print(f"{'model':<8}{'strategy':<9}{'predicted ms':>13}{'measured ms':>12}{'pred/meas':>10}"
               f"{'comm pred ms':>13}{'exposed ms':>11}{'hidden':>8}{'before':>8}")
+    attribution = []
     for model in args.models.split(","):
-        _, alone = timed(model, args, "none")
+        _, alone, _ = timed(model, args, "none")
         for strategy in args.parallel.split(","):
-            cfg, measured = timed(model, args, strategy)  # every rank builds and steps (collectives)
+            cfg, measured, held = timed(model, args, strategy)  # every rank builds and steps (collectives)
             if rank:
                 continue
             setup = Setup.from_config(cfg, mfu=1.0, dp=world, zero_stage=get_strategy(strategy).zero_stage)
@@ -129,7 +193,28 @@ def main() -> None:
                   f"{predicted['seconds_per_step'] / measured:>10.3f}{comm * 1e3:>13.1f}{exposed * 1e3:>11.1f}"
                   f"{(1 - exposed / comm if comm else float('nan')):>8.0%}"
                   f"{before['seconds_per_step'] / measured:>8.3f}")
+            attribution.append(attribute(cfg, setup, measured_roof, strategy, held, exposed))
+    if rank == 0:
+        print("\nthe exposed time by collective: priced (calls per step) against the time it held rank 0 in a step (median)")
+        for line in attribution:
+            print(line)
     dist.destroy_process_group()
+
+
+def attribute(cfg, setup, roof, strategy: str, held: dict, exposed: float) -> str:
+    """One line: each collective operator's price (roofline_ops.collective_ops at the roof's
+    measured figures) beside the time it held the rank in the timed steps (CollectiveClock), and
+    what of the exposed time no collective held (the engine's hooks, copies and fills, and compute
+    slowed by the collectives' threads)."""
+    from lmforge.accounting.roofline import op_time
+    from lmforge.accounting.roofline_ops import collective_ops
+
+    parts = []
+    for op in collective_ops(cfg.model, setup, strategy):
+        name = "scalar_all_reduce" if "scalar" in op.name else op.op
+        parts.append(f"{name} x{op.calls} {op_time(roof, op)['seconds'] * 1e3:.2f}/{held.get(name, 0.0) * 1e3:.2f} ms")
+    rest = exposed - sum(held.values())
+    return f"  {cfg.model.n_layers}-layer {strategy:<6} " + ", ".join(parts) + f"; held by none of them {rest * 1e3:.2f} ms"
 
 
 if __name__ == "__main__":
