@@ -14,14 +14,15 @@ ELEMENTWISE_SIZES = (2**12, 2**16, 2**20, 2**23)  # fp32 elements of each operan
 EVICT_MIB = 128  # written before each timed elementwise call: more than a CPU's last-level cache or a GPU's L2
 
 
-def _cold_rate(op, work: float, device: torch.device, runs: int = 3, evict_bytes: float = EVICT_MIB * 2**20) -> float:
+def _cold_rate(op, work: float, device: torch.device, runs: int = 9, evict_bytes: float = EVICT_MIB * 2**20) -> float:
     """Best `work` units per second of single calls of `op`, each timed after `evict_bytes` of writes
     (by default enough to push its operands out of cache). In a training step an elementwise
     operator's operands were last touched many operators before (the backward reads what the
     forward saved, the optimizer each state once a step), so they come from memory: the same
     operands timed again and again stay in cache and run faster (on the EPYC, a 1 MiB multiply
     warm 34 us, cold 154 us; at ~5 MB a call the model's multiplies ran at a third of the warm
-    rate, bench/step_time.py)."""
+    rate, bench/step_time.py). The best of 9: of 3, four roofs measured one after another on the
+    2-core Intel VM priced tiny's norms/elementwise at 4.40-4.92 ms, of 9 at 3.87-3.98 ms."""
     evict = torch.empty(int(evict_bytes) // 4, device=device)
     op()
     best = float("inf")

@@ -201,8 +201,9 @@ def _key(device: torch.device) -> str:
     # v6: the optimizer phase's fixed cost measured whole (optimizer_phase; a v5 roof of this branch held an earlier form of it)
     # v7: the families after W bytes of other writes (elementwise_ops_after) in place of the warm rates
     # v8: elementwise_ops_after also after 64 KiB and 2 MiB of writes (a decode step's, in a core's own caches);
-    # the gelu and gelu_backward families
-    return f"roofline v8|{device_name(device)}|torch {torch.__version__}"
+    # the gelu and gelu_backward families; v9: the elementwise rates the best of 9 calls, not 3;
+    # the collectives the median of 21 calls after 3 warm-up ones
+    return f"roofline v9|{device_name(device)}|torch {torch.__version__}"
 
 
 def this_roof(device: torch.device, remeasure: bool = False, store: bool = True, collective: dict | None = None) -> Roof:
@@ -226,7 +227,7 @@ def _roof(device: torch.device, fields: dict, collective: dict | None = None) ->
     return Roof(name=f"this machine: {device_name(device)}", collective=collective or {}, **fields)
 
 
-def measure_collective(group=None, sizes: tuple[int, ...] = (2**2, 2**19), repeats: int = 9) -> dict:
+def measure_collective(group=None, sizes: tuple[int, ...] = (2**2, 2**19), repeats: int = 21) -> dict:
     """Latency and bandwidth of all-reduce, reduce-scatter and all-gather on the launched process
     group (every rank calls it), fitted t = latency + bytes / bandwidth through the median time of
     `repeats` calls at the smallest and the largest of `sizes` (fp32 elements of the full tensor),
@@ -250,7 +251,8 @@ def measure_collective(group=None, sizes: tuple[int, ...] = (2**2, 2**19), repea
         for n in sizes:
             full = torch.ones(n * ranks, device=device)  # a multiple of the ranks: the shards are whole
             shard = torch.ones(n, device=device)
-            call(full, shard)  # warm-up: connection set-up
+            for _ in range(3):  # warm-up: connection set-up (after one call a 16 B all-reduce's median of 9 once read 3.2 ms)
+                call(full, shard)
             times = []
             for _ in range(repeats):
                 dist.barrier(group=group)
