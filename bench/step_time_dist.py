@@ -11,8 +11,8 @@ full (no overlap assumed). Printed by rank 0: predicted and measured step, their
 communication predicted beside the measured exposed part (1 - exposed / predicted: the share of the
 collectives' time that overlapped compute), and the ratio before the rates after the step's writes
 (warm if one rank's step fits the cache, else cold: step_time.previous_rule). Then, by strategy, each
-collective operator's price beside the time it held rank 0 per timed step (CollectiveClock), and
-the exposed time no collective held.
+collective operator's price beside the time it held rank 0 in a timed step (the median over the
+steps: CollectiveClock), and the exposed time no collective held.
 
     python bench/step_time_dist.py [--nproc 2] [--parallel ddp,zero2] [--models tiny,small]
                                    [--batch-size 8] [--steps 5] [--warmup 2] [--remeasure]

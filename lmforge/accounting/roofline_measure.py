@@ -251,7 +251,7 @@ def measure_collective(group=None, sizes: tuple[int, ...] = (2**2, 2**19), repea
         for n in sizes:
             full = torch.ones(n * ranks, device=device)  # a multiple of the ranks: the shards are whole
             shard = torch.ones(n, device=device)
-            for _ in range(3):  # warm-up: connection set-up (after one call a 16 B all-reduce's median of 9 once read 3.2 ms)
+            for _ in range(3):  # warm-up: connection set-up (with one, a 16 B all-reduce's median of 9 once read 3.2 ms, 10x its usual)
                 call(full, shard)
             times = []
             for _ in range(repeats):
