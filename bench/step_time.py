@@ -2,7 +2,9 @@
 torch.profiler pass that attributes the measured time to the roofline's operation classes.
 
 For each model shape and precision: the plan's roofline prediction (accounting/roofline.py, the
-roof measured on this machine and cached: `lmforge plan --hardware this --remeasure`), then a few
+roof measured on this machine and cached: `lmforge plan --hardware this --remeasure`, with the
+step's own matmul shapes timed alone: roofline_shapes.py; beside it, every matmul read off the
+grid), then a few
 real optimizer steps of lmforge's own engine (train/setup.py's build_engine and train/loop.py's
 train_step, random tokens) timed after warm-up steps, then one profiled step whose operators are
 sorted into the classes by name (CLASS_OF below; inside Optimizer.step: the optimizer) beside
@@ -123,28 +125,6 @@ def profiled(step, steps: int) -> dict:
     return dict(by_class)
 
 
-def warm_rates(device: torch.device) -> dict:
-    """{family: [[bytes per call, bytes/s]]} of each family's call repeated on the same operands (in
-    cache): the warm rates the roof held before its rates after W bytes of writes (roofline v6)."""
-    from lmforge.accounting.roofline_elementwise import ELEMENTWISE_SIZES, _family_calls
-    from lmforge.accounting.roofline_measure import _best_rate
-
-    grid = {}
-    for n in ELEMENTWISE_SIZES:
-        for family, (call, nbytes) in _family_calls(n, device).items():
-            grid.setdefault(family, []).append([nbytes, _best_rate(call, nbytes, device)])
-    return grid
-
-
-def previous_rule(cfg, setup, roof, warm: dict):
-    """`roof` priced as before elementwise_ops_after: the warm rates for a step whose writes fit in
-    the cache, else the cold ones (the same measured roof, for a before/after ratio in one run)."""
-    from lmforge.accounting.roofline_ops import written_bytes
-
-    fits = written_bytes(cfg, setup) <= roof.cache_bytes
-    return dataclasses.replace(roof, elementwise_ops_after={}, elementwise_ops=warm if fits else roof.elementwise_ops)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,small,gpt2-124m")
@@ -158,29 +138,29 @@ def main() -> None:
 
     from lmforge.accounting.hardware import this_device
     from lmforge.accounting.plan.make import Setup, make_plan
-    from lmforge.accounting.roofline_measure import this_roof
     from lmforge.accounting.roofline_ops import predict_step
+    from lmforge.accounting.roofline_shapes import this_step_roof
     from lmforge.train.host_memory import retain_freed_memory
 
     retain_freed_memory()  # as `lmforge train` (and `lmforge plan`) run
     device = torch.device("cpu")
-    roof = this_roof(device, remeasure=args.remeasure)
-    warm = warm_rates(device)
+    roof = this_step_roof(device, remeasure=args.remeasure)
     print(f"roof: {roof.name}; {torch.get_num_threads()} threads, torch {torch.__version__}")
     for model in args.models.split(","):
         for precision in args.precisions.split(","):
             cfg, step = build(model, precision, args.batch_size, args.seq_len)
             setup = Setup.from_config(cfg)
             name, peak, memory = this_device(setup.policy.matmul_dtype, device)
-            plan = make_plan(cfg.model, setup, (name, peak, memory), roof)
+            shaped = this_step_roof(device, cfg.model, setup)  # the step's own matmul shapes timed
+            plan = make_plan(cfg.model, setup, (name, peak, memory), shaped)
             predicted = plan["roofline"]
             measured, timed = measure(step, args.steps, args.warmup)
             ratio = predicted["seconds_per_step"] / measured
-            before = predict_step(cfg.model, setup, previous_rule(cfg.model, setup, roof, warm), "none")
+            grid_only = predict_step(cfg.model, setup, dataclasses.replace(shaped, matmul_shapes={}), "none")
             print(f"\n{model} {precision} batch {args.batch_size} x seq {cfg.seq_len}: predicted "
                   f"{predicted['seconds_per_step'] * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of "
-                  f"{timed}), predicted/measured {ratio:.3f} (warm rates if the step's writes fit the cache, "
-                  f"else cold, instead: {before['seconds_per_step'] / measured:.3f})")
+                  f"{timed}), predicted/measured {ratio:.3f} (every matmul read off the grid instead: "
+                  f"{grid_only['seconds_per_step'] / measured:.3f})")
             kernels = profiled(step, args.steps)
             print(f"  {'class':<20}{'predicted ms':>14}{'profiled ms':>14}{'ratio':>8}")
             for cls in [*predicted["classes"], "other"]:

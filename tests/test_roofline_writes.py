@@ -98,7 +98,9 @@ def test_the_measurement_follows_each_fraction_of_the_cache_and_ends_on_the_cold
     assert set(grid) == families
     ws = [2**16, cache / 4, cache / 2, 3 * cache / 4, cache, 2 * MIB]  # cache / 16 is 64 KiB: measured once
     assert measure.after_writes(cache) == sorted(ws)
-    assert measure.after_writes(1024 * MIB) == [2**16, 2 * MIB, 64 * MIB]  # none at or past the cold grid's W
+    # a last level past EVICT_MIB: every fraction below it, the cold grid's W the cache itself (cold_writes)
+    assert measure.after_writes(1024 * MIB) == [2**16, 2 * MIB, 64 * MIB, 256 * MIB, 512 * MIB, 768 * MIB]
+    assert measure.cold_writes(1024 * MIB) == 1024 * MIB and measure.cold_writes(cache) == measure.EVICT_MIB * MIB
     for family, rows in grid.items():
         assert sorted(w for _, w, _ in rows) == sorted(ws + ([measure.EVICT_MIB * MIB] if family == "binary" else []))
         assert all(rate > 0 for _, _, rate in rows)

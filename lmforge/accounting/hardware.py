@@ -212,13 +212,44 @@ def memory_bandwidth(dtype: torch.dtype = torch.float32, device: str | torch.dev
     return _measured(key, "bytes_per_second", lambda: measure_memory_bandwidth(dtype, device), remeasure, store)
 
 
-def _measured(key: str, field: str, measure, remeasure: bool, store: bool) -> float:
-    """`measure()`'s result for `key`, from the cache unless `remeasure`, or stale (see _busier_then)."""
+def _read_cache() -> dict:
+    try:
+        cache = json.loads(cache_path().read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _write_cache(cache: dict) -> None:
     path = cache_path()
     try:
-        cache = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        cache = {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: concurrent writers
+        tmp.write_text(json.dumps(cache, indent=2))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home still gets the number, just not cached
+
+
+def cached_field(key: str, field: str):
+    """The cache's `field` of the entry `key`, or None."""
+    entry = _read_cache().get(key)
+    return entry.get(field) if isinstance(entry, dict) else None
+
+
+def store_field(key: str, field: str, value) -> None:
+    """Set `field` of the cache's existing entry `key` (one measured alongside it, e.g. the rates of
+    a model's matmul shapes beside the roof they refine); no entry, nothing stored."""
+    cache = _read_cache()
+    if isinstance(cache.get(key), dict):
+        cache[key][field] = value
+        _write_cache(cache)
+
+
+def _measured(key: str, field: str, measure, remeasure: bool, store: bool) -> float:
+    """`measure()`'s result for `key`, from the cache unless `remeasure`, or stale (see _busier_then).
+    A new measurement replaces the whole entry, the fields stored beside it (store_field) with it."""
+    cache = _read_cache()
     entry = cache.get(key)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     if remeasure or not isinstance(entry, dict) or field not in entry or _busier_then(entry, load):
@@ -227,15 +258,8 @@ def _measured(key: str, field: str, measure, remeasure: bool, store: bool) -> fl
         entry = cache[key] = {field: measure(),
                               "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                               "load_average_1_5_15_min": load, "cpus": os.cpu_count()}
-        if not store:
-            return entry[field]
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: concurrent writers
-            tmp.write_text(json.dumps(cache, indent=2))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only home still gets the number, just not cached
+        if store:
+            _write_cache(cache)
     return entry[field]
 
 

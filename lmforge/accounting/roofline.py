@@ -49,6 +49,10 @@ class Roof:
     # families timed after W bytes of other writes, W from a sixteenth of the cache to past it
     # (the top row: elementwise_ops). A step is priced at its own writes (rates_after)
     elementwise_ops_after: dict = field(default_factory=dict)
+    # {dtype: {shape_key: FLOP/s}}: a model's own matmul shapes timed alone (roofline_shapes.py),
+    # read before the grid: a CPU's kernel library picks its kernel by shape, so the rate is not
+    # smooth between grid points (bf16 at (1024, 768, 768) 1.6 TFLOP/s, at (1024, 2304, 768) 3.3)
+    matmul_shapes: dict = field(default_factory=dict)
     source: str = "measured"
 
 
@@ -84,10 +88,21 @@ def rate_dtype(dtype: str) -> str:
     return "float32" if dtype in ("float32", "tf32") else "bfloat16"
 
 
+def shape_key(operator: str, m: int, n: int, k: int, layout: str) -> str:
+    """A matmul call's key in Roof.matmul_shapes: the operator (mm; addmm, which adds a bias),
+    "MxNxK" and its operands' layout ("nt": A as stored, B transposed, as F.linear calls it)."""
+    return f"{operator} {m}x{n}x{k} {layout}"
+
+
 def compute_rate(roof: Roof, op) -> float:
-    """Achieved FLOP/s of `op` (roofline_ops.Op) at its shape, or 0 for an op with no FLOPs."""
+    """Achieved FLOP/s of `op` (roofline_ops.Op) at its shape, or 0 for an op with no FLOPs: a
+    matmul's own shape and layout if timed (Roof.matmul_shapes), else read off the grid."""
     if not op.flops:
         return 0.0
+    if op.kind == "matmul" and getattr(op, "layout", ""):
+        timed = roof.matmul_shapes.get(rate_dtype(op.dtype), {}).get(shape_key(op.op, *op.shape, op.layout))
+        if timed:
+            return timed
     grid = {"matmul": roof.matmul, "sdpa_forward": roof.sdpa_forward, "sdpa_backward": roof.sdpa_backward}[op.kind]
     return interpolate(grid[rate_dtype(op.dtype)], op.shape)
 

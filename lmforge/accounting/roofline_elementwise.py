@@ -11,7 +11,15 @@ import torch
 from lmforge.accounting.hardware import _sync
 
 ELEMENTWISE_SIZES = (2**12, 2**16, 2**20, 2**23)  # fp32 elements of each operand of an add
-EVICT_MIB = 128  # written before each timed elementwise call: more than a CPU's last-level cache or a GPU's L2
+EVICT_MIB = 128  # written before each timed elementwise call at least (cold_writes): a GPU's L2, most CPUs' last level
+
+
+def cold_writes(cache: float) -> float:
+    """Bytes of other writes after which an operand is out of cache: the last level's size, and at
+    least EVICT_MIB. On the 2-core Intel VM, whose last level Linux reports as 480 MiB, calls timed
+    after 128 MiB of writes ran 1.2-1.9x faster than after 512 MiB (after 768 MiB and 1 GiB as after
+    512): a fixed 128 MiB priced GPT-2's step, which writes gigabytes, warmer than it runs."""
+    return max(float(EVICT_MIB * 2**20), cache)
 
 
 def _cold_rate(op, work: float, device: torch.device, runs: int = 9, evict_bytes: float = EVICT_MIB * 2**20) -> float:
@@ -36,13 +44,13 @@ def _cold_rate(op, work: float, device: torch.device, runs: int = 9, evict_bytes
     return work / best
 
 
-def measure_elementwise(device: torch.device) -> list:
+def measure_elementwise(device: torch.device, evict_bytes: float = EVICT_MIB * 2**20) -> list:
     """[[bytes per call, bytes/s]] of an out-of-place fp32 add (reads two operands, writes one),
-    as eager code runs it in a step: its operands out of cache (_cold_rate)."""
+    as eager code runs it in a step: its operands out of cache (_cold_rate after `evict_bytes`)."""
     rows = []
     for n in ELEMENTWISE_SIZES:
         x, y = torch.ones(n, device=device), torch.ones(n, device=device)
-        rows.append([3 * 4 * n, _cold_rate(lambda: x + y, 3 * 4 * n, device)])
+        rows.append([3 * 4 * n, _cold_rate(lambda: x + y, 3 * 4 * n, device, evict_bytes=evict_bytes)])
     return rows
 
 
@@ -85,27 +93,28 @@ AFTER_CACHE_FRACTIONS = (1 / 16, 1 / 4, 1 / 2, 3 / 4, 1)
 AFTER_PRIVATE_BYTES = (2.0**16, 2.0**21)
 
 
-def after_writes(cache: float, evict: float = EVICT_MIB * 2**20) -> list[float]:
+def after_writes(cache: float) -> list[float]:
     """The Ws of measure_elementwise_after, rising: AFTER_PRIVATE_BYTES, then cache x each of
-    AFTER_CACHE_FRACTIONS, those below `evict` (the cold grid's W) and each once."""
+    AFTER_CACHE_FRACTIONS, those below cold_writes(cache) (the cold grid's W) and each once."""
+    evict = cold_writes(cache)
     return sorted({w for w in (*AFTER_PRIVATE_BYTES, *(cache * f for f in AFTER_CACHE_FRACTIONS)) if w < evict})
 
 
 def measure_elementwise_after(device: torch.device, cold: dict, cache: float) -> dict:
     """{family: [[bytes per call, W, bytes/s]]}: measure_elementwise_ops after W bytes of other
     writes, W each of after_writes(`cache`) (`cache`: the last-level cache), and the cold grid
-    `cold` (measured after EVICT_MIB) as the row of the largest W; {} where the cache is unknown.
+    `cold` (measured after cold_writes(cache)) as the row of the largest W; {} where the cache is unknown.
     A step that writes less than the cache does not find its operands where a loop repeating one
     call keeps them (L1, L2): what it wrote since an operand was last touched has pushed part of
     it out of a cache that is shared, a victim of L2 and set-associative (on the EPYC, tiny's step
     writes 28 MiB of its 32 MiB L3; one thread, loaded machine: priced at warm rates it came out
     0.6-0.66 of the measured, at cold ones 1.6, after 16-24 MiB of writes 0.91-0.95). The curve
     between is the machine's, measured here; roofline_ops.step_roof reads it at the step's writes."""
-    evict = EVICT_MIB * 2**20
+    evict = cold_writes(cache)
     if not cache:
         return {}
     grid = {}
-    for w in after_writes(cache, evict):
+    for w in after_writes(cache):
         for family, rows in measure_elementwise_ops(device, w).items():
             grid.setdefault(family, []).extend([nbytes, w, rate] for nbytes, rate in rows)
     for family, rows in cold.items():

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from lmforge.accounting.hardware import _calls_per_second, _measured, _sync, cache_path, device_name
 from lmforge.accounting.roofline import Roof
-from lmforge.accounting.roofline_elementwise import (cache_bytes, measure_elementwise,
+from lmforge.accounting.roofline_elementwise import (cache_bytes, cold_writes, measure_elementwise,
                                                    measure_elementwise_after, measure_elementwise_ops)
 from lmforge.accounting.roofline_trace import dispatched_calls
 from lmforge.config import Config, ModelConfig
@@ -184,10 +184,11 @@ def measure_roof(device: torch.device) -> dict:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         forward, backward, sdpa_call = measure_sdpa(device)
         call, foreach = measure_launch(device)
-        cold, cache = measure_elementwise_ops(device), cache_bytes(device)
+        cache = cache_bytes(device)
+        cold = measure_elementwise_ops(device, cold_writes(cache))
         return {"optimizer_phase": measure_optimizer_phase(device), "bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
                 "sdpa_forward": forward, "sdpa_backward": backward,
-                "sdpa_call_seconds": sdpa_call, "elementwise": measure_elementwise(device),
+                "sdpa_call_seconds": sdpa_call, "elementwise": measure_elementwise(device, cold_writes(cache)),
                 "elementwise_ops": cold, "cache_bytes": cache, "cache_shared": device.type == "cpu",
                 "elementwise_ops_after": measure_elementwise_after(device, cold, cache),
                 "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": call,
@@ -202,8 +203,9 @@ def _key(device: torch.device) -> str:
     # v7: the families after W bytes of other writes (elementwise_ops_after) in place of the warm rates
     # v8: elementwise_ops_after also after 64 KiB and 2 MiB of writes (a decode step's, in a core's own caches);
     # the gelu and gelu_backward families; v9: the elementwise rates the best of 9 calls, not 3;
-    # the collectives the median of 21 calls after 3 warm-up ones
-    return f"roofline v9|{device_name(device)}|torch {torch.__version__}"
+    # the collectives the median of 21 calls after 3 warm-up ones; v10: the cold rates after the last
+    # level's size of writes, at least 128 MiB (cold_writes), and the after-W grid up to it
+    return f"roofline v10|{device_name(device)}|torch {torch.__version__}"
 
 
 def this_roof(device: torch.device, remeasure: bool = False, store: bool = True, collective: dict | None = None) -> Roof:

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from lmforge.accounting import comm
-from lmforge.accounting.roofline import ITEMSIZE, predict, rates_after
+from lmforge.accounting.roofline import ITEMSIZE, predict, rate_dtype, rates_after
 from lmforge.accounting.roofline_trace import Record, trace_step
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
@@ -42,6 +42,7 @@ class Op:
     dtype: str = "float32"
     op: str = ""  # the aten operator: which measured elementwise rate applies (roofline.memory_rate)
     launched: bool = True  # False: its launch is in a phase measured whole (optimizer_phase_op)
+    layout: str = ""  # an mm/addmm's operands: "n" as stored, "t" transposed (roofline.shape_key)
 
 
 def _touched(meta: tuple) -> int:
@@ -60,6 +61,14 @@ def _matmul(r: Record) -> tuple[float, tuple]:
     batch = a[0] if len(a) == 3 else 1
     m, k, n = a[-2], a[-1], b[-1]
     return 2.0 * batch * m * n * k, (batch * m, n, k)
+
+
+def _layout(r: Record) -> str:
+    """An mm or addmm's operand layouts, "n" (rows contiguous) or "t" (a transposed view: columns
+    contiguous) each, e.g. "nt" for F.linear's x @ W.T; "" for a batched matmul."""
+    if r.op not in ("mm", "addmm"):
+        return ""
+    return "".join("n" if stride[-1] == 1 else "t" for _, stride, _ in r.inputs[-2:])
 
 
 def _nll_bytes(r: Record) -> float:
@@ -95,7 +104,7 @@ def op_of(r: Record) -> Op:
     if r.op in MATMULS:
         flops, shape = _matmul(r)
         return Op(name, "attention" if r.op.startswith(("bmm", "baddbmm")) else "matmuls", "matmul", flops,
-                  nbytes, shape, 1, dtype, r.op)
+                  nbytes, shape, 1, dtype, r.op, layout=_layout(r))
     backward = r.op.endswith("_backward")
     if r.op.removesuffix("_backward") in ATTENTION_FORWARD:
         b, h, s, d = r.inputs[1 if backward else 0][0]  # backward's first argument is the output gradient
@@ -125,7 +134,7 @@ def layer_extrapolated(cfg: ModelConfig, ops_of) -> list[Op]:
             # one): class, rate, shape, dtype, operator and bytes per kernel (a foreach op's lists
             # and the optimizer's stacked norms grow with the layers: one key each)
             size = None if op.cls == "optimizer" else op.bytes / max(op.calls, 1)
-            key = (op.cls, op.kind, op.shape, op.dtype, op.op, size)
+            key = (op.cls, op.kind, op.shape, op.dtype, op.op, size, op.layout)
             flops, moved, calls = by_key.get(key, (0.0, 0.0, 0))
             by_key[key] = (flops + op.flops, moved + op.bytes, calls + op.calls)
         totals.append(by_key)
@@ -136,9 +145,9 @@ def layer_extrapolated(cfg: ModelConfig, ops_of) -> list[Op]:
         a, b = one.get(key, (0.0, 0.0, 0)), two.get(key, (0.0, 0.0, 0))
         flops, moved, calls = (x + more * (y - x) for x, y in zip(a, b))
         if calls > 0 or flops > 0 or moved > 0:
-            cls, kind, shape, dtype, aten, _ = key
+            cls, kind, shape, dtype, aten, _, layout = key
             ops.append(Op(f"{aten} x {int(round(calls))} (every layer)", cls, kind, flops, moved, shape,
-                          int(round(calls)), dtype, aten))
+                          int(round(calls)), dtype, aten, layout=layout))
     return ops
 
 
@@ -160,7 +169,7 @@ def optimizer_ops(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", opt
         return [op_of(r) for r in trace_step(c, b, s, precision, "none", optimizer, 0, clip) if r.phase == "optimizer"]
 
     ops = layer_extrapolated(cfg, ops_of)
-    return [Op(o.name, o.cls, o.kind, o.flops, o.bytes / shards, o.shape, o.calls, o.dtype, o.op) for o in ops]
+    return [dataclasses.replace(o, bytes=o.bytes / shards) for o in ops]
 
 
 def step_ops(cfg: ModelConfig, setup, strategy: str) -> list[Op]:
@@ -222,12 +231,29 @@ def _numel(shape: tuple) -> int:
     return n
 
 
+def traced(setup) -> bool:
+    """Whether the trace covers `setup` (not yet: tensor, context or pipeline parallelism, LoRA, fp8)."""
+    return not (setup.tp > 1 or setup.cp > 1 or setup.pp > 1 or setup.lora_rank is not None or setup.policy.fp8)
+
+
 def predict_step(cfg: ModelConfig, setup, roof, strategy: str) -> dict | None:
     """The roofline's prediction of one optimizer step of `setup` on `roof` (roofline.predict), or
-    None where the trace does not cover the setup yet (tensor, context or pipeline parallelism, LoRA, fp8)."""
-    if setup.tp > 1 or setup.cp > 1 or setup.pp > 1 or setup.lora_rank is not None or setup.policy.fp8:
+    None where the trace does not cover the setup yet (traced)."""
+    if not traced(setup):
         return None
     return predict(step_roof(cfg, setup, roof), step_ops(cfg, setup, strategy), setup.tokens_per_step)
+
+
+def step_matmul_shapes(cfg: ModelConfig, setup) -> tuple:
+    """((dtype, operator, M, N, K, layout), ...): the distinct mm/addmm calls of one micro-batch's forward
+    and backward, in the dtype whose rates price them (roofline.rate_dtype), for
+    roofline_shapes.py to time alone; () where the trace does not cover the setup."""
+    if not traced(setup):
+        return ()
+    p = setup.policy
+    ops = micro_batch_ops(cfg, setup.batch_size, setup.seq_len, p.name, setup.recompute, setup.loss_chunk_tokens,
+                          setup.fp32_attention)
+    return tuple(dict.fromkeys((rate_dtype(op.dtype), op.op, *op.shape, op.layout) for op in ops if op.layout))
 
 
 def step_roof(cfg: ModelConfig, setup, roof):
@@ -238,7 +264,13 @@ def step_roof(cfg: ModelConfig, setup, roof):
     cache (small: 1.2 GB) reads the cold rates, one writing little nearly the warm ones. Where the
     cache is shared (a CPU's last level), the data-parallel ranks on the machine write into it at
     once: a step's writes are theirs all. A roof without that grid (a datasheet's) keeps its rates."""
-    return roof_after_writes(roof, written_bytes(cfg, setup) * (setup.dp if roof.cache_shared else 1))
+    return roof_after_writes(roof, step_writes(cfg, setup, roof))
+
+
+def step_writes(cfg: ModelConfig, setup, roof) -> float:
+    """Bytes written into the cache an operand of a step waits in between its uses: the step's
+    (written_bytes), times the data-parallel ranks where the cache is shared (a CPU's last level)."""
+    return written_bytes(cfg, setup) * (setup.dp if roof.cache_shared else 1)
 
 
 def roof_after_writes(roof, written: float):

@@ -29,7 +29,8 @@ from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
 from lmforge.accounting.plan.show import print_plan
 from lmforge.accounting.scaling import predicted_loss, read_fit
 from lmforge.accounting.shapes import model_shapes
-from lmforge.accounting.roofline_measure import cached_roof, measure_collective
+from lmforge.accounting.roofline_measure import measure_collective
+from lmforge.accounting.roofline_shapes import cached_step_roof
 from lmforge.common.errors import warn
 from lmforge.config import Config, config_warnings
 from lmforge.data.loader import BatchLoader, window_batch
@@ -88,15 +89,16 @@ class Trainer:
     `machine(matmul_dtype, device)` gives (name, peak FLOP/s, memory bytes) of the device for MFU
     and the plan, once the checks have passed; by default accounting.hardware.this_device, reading
     the measured peak from the cache `lmforge` keeps but never writing to it (the CLI does).
-    `roof(device)` gives the measured roofline (accounting/roofline_measure.py) behind the plan's
-    step time, or None; by default read from the cache alone (the CLI measures it when absent).
+    `roof(device, model_config, setup)` gives the measured roofline (accounting/roofline_measure.py)
+    with the rates of the step's own matmul shapes (roofline_shapes.py) behind the plan's step
+    time, or None; by default read from the cache alone (the CLI measures what is absent).
 
     `world`: this process's place under torchrun; by default read from the environment (and the
     process group joined), a single process outside torchrun."""
 
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
                  progress: bool = True, machine=functools.partial(this_device, store=False),
-                 world: World | None = None, roof=cached_roof):
+                 world: World | None = None, roof=cached_step_roof):
         self.world = world if world is not None else init_world(cfg)  # a launch that cannot work stops here
         main = self.world.is_main
         # rank 0's folder for all (a default name holds the time, which the ranks may read a second apart)
@@ -181,7 +183,8 @@ class Trainer:
                                   dp_replicate=hybrid_replicate(cfg))
         # the roofline's step time; under torchrun with data parallelism, all-reduce measured on every rank
         collective = measure_collective() if self.world.world_size > 1 and cfg.train.pipeline_stages == 1 else None
-        measured_roof = self.world.measured_on_main(lambda: roof(self.device), "measure this machine's roofline")
+        measured_roof = self.world.measured_on_main(lambda: roof(self.device, cfg.model, setup),
+                                                    "measure this machine's roofline")
         if measured_roof is not None and collective is not None:
             measured_roof = dataclasses.replace(measured_roof, collective=collective)
         self.plan = make_plan(cfg.model, setup, machine, measured_roof)

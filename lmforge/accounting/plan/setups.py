@@ -105,13 +105,14 @@ class Machines:
             self.seen["inference", weights] = (f"this machine: {name}", peak, memory, bandwidth)
         return self.seen["inference", weights]
 
-    def roof(self):
-        """This machine's measured roofline (roofline_measure.py), for the plan's step time."""
-        from lmforge.accounting.roofline_measure import this_roof
+    def roof(self, cfg, setup):
+        """This machine's measured roofline (roofline_measure.py) with the rates of the step's own
+        matmul shapes (roofline_shapes.py), for the plan's step time; --remeasure: the roof measured
+        again once a plan, its step's shapes timed again with it."""
+        from lmforge.accounting.roofline_shapes import this_step_roof
 
-        if "roof" not in self.seen:
-            self.seen["roof"] = this_roof(self.device(), remeasure=self.remeasure)
-        return self.seen["roof"]
+        remeasure, self.seen["roof"] = self.remeasure and "roof" not in self.seen, True
+        return this_step_roof(self.device(), cfg, setup, remeasure=remeasure)
 
     @staticmethod
     def device():
@@ -145,7 +146,7 @@ def _plan(cfg: Config, args, chosen: dict, machines: Machines) -> dict:
         machine = roof = None
         if setup.hardware == "this":
             name, peak, memory = machines.training(setup.policy.matmul_dtype)
-            machine, roof = (f"this machine: {name}", peak, memory), machines.roof()
+            machine, roof = (f"this machine: {name}", peak, memory), machines.roof(cfg.model, setup)
         return make_plan(cfg.model, setup, machine, roof, datasheet_roofline=bool(getattr(args, "roofline", None)))
     except ValueError as err:
         raise LmforgeError(str(err)) from None
