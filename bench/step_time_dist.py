@@ -9,8 +9,8 @@ hide. The prediction is the trainer's: the plan's roofline on this machine's roo
 measured on the launched group (roofline_measure.measure_collective), its communication added in
 full (no overlap assumed). Printed by rank 0: predicted and measured step, their ratio, and the
 communication predicted beside the measured exposed part (1 - exposed / predicted: the share of the
-collectives' time that overlapped compute), and the ratio before the rates after the step's writes
-(warm if one rank's step fits the cache, else cold: step_time.previous_rule). Then, by strategy, each
+collectives' time that overlapped compute), and the ratio with every matmul read off the roof's grid
+instead of the step's own calls timed (roofline_shapes.py). Then, by strategy, each
 collective operator's price beside the time it held rank 0 in a timed step (the median over the
 steps: CollectiveClock), and the exposed time no collective held.
 
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_time import build_parts, previous_rule, warm_rates  # noqa: E402
+from step_time import build_parts  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -156,8 +156,10 @@ def main() -> None:
 
     from lmforge.accounting.hardware import this_device
     from lmforge.accounting.plan.make import Setup, make_plan
-    from lmforge.accounting.roofline_measure import measure_collective, this_roof
+    from lmforge.accounting.roofline_measure import measure_collective
     from lmforge.accounting.roofline_ops import predict_step
+    from lmforge.accounting.roofline_shapes import this_step_roof
+    from lmforge.config import make_config
     from lmforge.modes.parallel import get_strategy
     from lmforge.train.host_memory import retain_freed_memory
 
@@ -165,8 +167,18 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
-    roof = this_roof(device, remeasure=args.remeasure) if rank == 0 else None
-    warm = warm_rates(device) if rank == 0 else None  # for the previous rule's ratio (step_time.previous_rule)
+
+    def setup_of(cfg, strategy: str):
+        return Setup.from_config(cfg, mfu=1.0, dp=world, zero_stage=get_strategy(strategy).zero_stage)
+
+    roofs = {}  # rank 0 measures the roof and times each step's own matmul calls while the others wait
+    if rank == 0:
+        roof = this_step_roof(device, remeasure=args.remeasure)
+        for model in args.models.split(","):
+            for strategy in args.parallel.split(","):
+                cfg = make_config(model, overrides=[f"train.precision={args.precision}",
+                                                    f"train.batch_size={args.batch_size}", f"train.parallel={strategy}"])
+                roofs[model, strategy] = this_step_roof(device, cfg.model, setup_of(cfg, strategy))
     dist.barrier()
     collective = measure_collective()
     if rank == 0:
@@ -174,7 +186,7 @@ def main() -> None:
                              for name, c in collective["operators"].items())
         print(f"roof: {roof.name}; {world} ranks on {collective['backend']}: {measured}")
         print(f"{'model':<8}{'strategy':<9}{'predicted ms':>13}{'measured ms':>12}{'pred/meas':>10}"
-              f"{'comm pred ms':>13}{'exposed ms':>11}{'hidden':>8}{'before':>8}")
+              f"{'comm pred ms':>13}{'exposed ms':>11}{'hidden':>8}{'grid':>8}")
     attribution = []
     for model in args.models.split(","):
         _, alone, _ = timed(model, args, "none")
@@ -182,17 +194,17 @@ def main() -> None:
             cfg, measured, held = timed(model, args, strategy)  # every rank builds and steps (collectives)
             if rank:
                 continue
-            setup = Setup.from_config(cfg, mfu=1.0, dp=world, zero_stage=get_strategy(strategy).zero_stage)
+            setup = setup_of(cfg, strategy)
             name, peak, memory = this_device(setup.policy.matmul_dtype, device)
-            measured_roof = dataclasses.replace(roof, collective=collective)
+            measured_roof = dataclasses.replace(roofs[model, strategy], collective=collective)
             predicted = make_plan(cfg.model, setup, (name, peak, memory), measured_roof)["roofline"]
-            before = predict_step(cfg.model, setup, previous_rule(cfg.model, setup, measured_roof, warm), strategy)
+            grid = predict_step(cfg.model, setup, dataclasses.replace(measured_roof, matmul_shapes={}), strategy)
             comm = predicted["classes"].get("communication", {}).get("seconds", 0.0)
             exposed = measured - alone
             print(f"{model:<8}{strategy:<9}{predicted['seconds_per_step'] * 1e3:>13.1f}{measured * 1e3:>12.1f}"
                   f"{predicted['seconds_per_step'] / measured:>10.3f}{comm * 1e3:>13.1f}{exposed * 1e3:>11.1f}"
                   f"{(1 - exposed / comm if comm else float('nan')):>8.0%}"
-                  f"{before['seconds_per_step'] / measured:>8.3f}")
+                  f"{grid['seconds_per_step'] / measured:>8.3f}")
             attribution.append(attribute(cfg, setup, measured_roof, strategy, held, exposed))
     if rank == 0:
         print("\nthe exposed time by collective: priced (calls per step) against the time it held rank 0 in a step (median)")

@@ -66,13 +66,14 @@ def main() -> None:
     time.perf_counter = time.thread_time  # the roof's timings (roofline_measure) in CPU time too
 
     from step_time import build  # bench/step_time.py, beside this file (on the path: the script's folder)
-    from lmforge.accounting.roofline_measure import this_roof
+    from lmforge.accounting.roofline_shapes import this_step_roof
     from lmforge.train.host_memory import retain_freed_memory
 
     retain_freed_memory()
-    roof = this_roof(torch.device("cpu"), remeasure=True, store=False)
     cfg, step = build(args.model, args.precision, args.batch_size, args.seq_len)
-    roof = step_roof(cfg.model, Setup.from_config(cfg), roof)  # as predict_step prices it
+    # the roof and the step's own matmul calls, measured here (not cached), as predict_step prices them
+    roof = this_step_roof(torch.device("cpu"), cfg.model, Setup.from_config(cfg), remeasure=True, store=False)
+    roof = step_roof(cfg.model, Setup.from_config(cfg), roof)
     clock = _Clock(roof)
     register_optimizer_step_pre_hook(lambda *_: setattr(clock, "phase", "optimizer"))
     register_optimizer_step_post_hook(lambda *_: setattr(clock, "phase", "step"))

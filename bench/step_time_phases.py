@@ -58,16 +58,15 @@ def main() -> None:
     args = parser.parse_args()
 
     from step_time import build_parts  # bench/step_time.py, beside this file
-    from lmforge.accounting.roofline_measure import this_roof
+    from lmforge.accounting.roofline_shapes import this_step_roof
     from lmforge.train.host_memory import retain_freed_memory
     from lmforge.train.loop import train_step
 
     retain_freed_memory()
-    roof = this_roof(torch.device("cpu"))
     cfg, engine, next_batch, scaler, policy, device = build_parts(args.model, args.precision, args.batch_size,
                                                                    args.seq_len)
     setup = Setup.from_config(cfg)
-    roof = step_roof(cfg.model, setup, roof)  # as predict_step prices it
+    roof = step_roof(cfg.model, setup, this_step_roof(torch.device("cpu"), cfg.model, setup))  # as predict_step prices it
     steps = phases(engine, next_batch, cfg, scaler, policy, device)
     for _ in range(3):
         for _, thunk in steps:
