@@ -15,7 +15,7 @@ from tests.test_distributed_train import env, free_port
 
 pytestmark = pytest.mark.dist
 
-TIMEOUT = 300  # seconds a launch may take before the test fails (the roof is measured once, ~10 s)
+TIMEOUT = 300  # seconds a launch may take before the test fails (the roof is measured once, 10-35 s)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])

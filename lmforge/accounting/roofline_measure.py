@@ -6,8 +6,9 @@ under torchrun, all-reduce latency and bandwidth on the launched backend.
 
 Each figure is the best of a few short timings, as hardware.py's peak is (a moment when other
 work shares the machine lowers some timings, not the best). The whole roof is measured in about
-ten seconds and cached with the matmul peak (hardware.py's cache: when, under what load), and
-`lmforge plan --hardware this --remeasure` replaces it.
+ten seconds (33 s where each cold timing first writes a 480 MiB last level) and cached with the
+matmul peak (hardware.py's cache: when, under what load), and `lmforge plan --hardware this
+--remeasure` replaces it. A step's own matmul calls are timed beside it: roofline_shapes.py.
 """
 
 import dataclasses
@@ -216,7 +217,7 @@ def this_roof(device: torch.device, remeasure: bool = False, store: bool = True,
 
 def cached_roof(device: torch.device) -> Roof | None:
     """This machine's roof if the cache holds one (never measured here: a Trainer built directly,
-    as the tests build it, should not spend ten seconds measuring), else None."""
+    as the tests build it, should not spend half a minute measuring), else None."""
     try:
         entry = json.loads(cache_path().read_text()).get(_key(device))
     except (OSError, json.JSONDecodeError):
