@@ -87,6 +87,9 @@ def test_each_call_is_timed_once_after_the_writes_and_one_the_grid_prices_too_lo
     assert "mm 64x32x16 nt after 1048576" in again["float32"] and len(timed) == 4
     # the grid prices this call at 2 * 64 * 32 * 16 / 1e3 = 65 s, past SHAPE_SECONDS: left on the grid
     assert shapes.timed_rates(_roof(peak=1e3), calls[:1], 2**16, CPU, {}) == {} and len(timed) == 4
+    # a call whose tensors pass SHAPE_BYTES (here 64 x 2^22 fp32 and its result: 2 GiB) is not timed either
+    wide = ("float32", "mm", 64, 2**22, 16, "nn")
+    assert shapes.timed_rates(_roof(peak=1e15), (wide,), 2**16, CPU, {}) == {} and len(timed) == 4
     # the roof carries the step's rates by call, those after its own writes
     assert shapes.at_writes(again, 2**20) == {"float32": {"mm 64x32x16 nt": again["float32"]["mm 64x32x16 nt after 1048576"]},
                                               "bfloat16": {}}

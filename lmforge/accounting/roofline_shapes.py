@@ -13,7 +13,8 @@ The grid priced GPT-2's bf16 matmuls at 0.72-0.81 of their profiled time. So the
 step's own calls (roofline_ops.step_matmul_shapes: a dozen for GPT-2, seconds in all), cold where
 the step writes more than the cache (writes_before), and caches the rates in the roof's cache
 entry: a roof measured again drops them with the rest. A call the grid prices above
-SHAPE_SECONDS is not timed (a large model's head on a CPU: seconds a call) and stays on the grid.
+SHAPE_SECONDS, or whose tensors pass SHAPE_BYTES, is not timed (a large model's head on a CPU:
+seconds a call and gigabytes) and stays on the grid.
 """
 
 import dataclasses
@@ -27,6 +28,7 @@ from lmforge.accounting.roofline_measure import DTYPES, _key, cached_roof, this_
 from lmforge.accounting.roofline_ops import step_matmul_shapes, step_writes, traced
 
 SHAPE_SECONDS = 0.25  # the longest call, as the grid prices it, timed on its own shape
+SHAPE_BYTES = 2**29  # the most bytes of operands and result a timed call may allocate (GPT-2's fp32 head: 363 MB)
 SHAPE_RUNS = 5  # each shape's time: the best of as many calls, each after the step's writes
 
 
@@ -60,13 +62,14 @@ def writes_before(written: float, cache: float) -> float:
 def timed_rates(roof: Roof, shapes, after: float, device: torch.device, known: dict) -> dict:
     """{dtype: {"shape_key after W": FLOP/s}}: `known` with every call of `shapes`
     ((dtype, operator, M, N, K, layout)) it lacks timed after `after` bytes of writes, but those the
-    grid prices above SHAPE_SECONDS a call."""
+    grid prices above SHAPE_SECONDS a call or whose tensors pass SHAPE_BYTES."""
     rates = {dtype: dict(by_key) for dtype, by_key in known.items()}
     for dtype, operator, m, n, k, layout in shapes:
         key = f"{shape_key(operator, m, n, k, layout)} after {int(after)}"
         if key in rates.get(dtype, {}) or dtype not in DTYPES:
             continue
-        if 2 * m * n * k / interpolate(roof.matmul[dtype], (m, n, k)) <= SHAPE_SECONDS:
+        nbytes = (m * k + k * n + m * n) * DTYPES[dtype].itemsize
+        if 2 * m * n * k / interpolate(roof.matmul[dtype], (m, n, k)) <= SHAPE_SECONDS and nbytes <= SHAPE_BYTES:
             rates.setdefault(dtype, {})[key] = time_shape(dtype, operator, m, n, k, layout, after, device)
     return rates
 
