@@ -12,13 +12,12 @@ matmul peak (hardware.py's cache: when, under what load), and `lmforge plan --ha
 """
 
 import dataclasses
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 
-from lmforge.accounting.hardware import _calls_per_second, _measured, _sync, cache_path, device_name
+from lmforge.accounting.hardware import _calls_per_second, _measured, _sync, cached_field, device_name
 from lmforge.accounting.roofline import Roof
 from lmforge.accounting.roofline_elementwise import (cache_bytes, cold_writes, measure_elementwise,
                                                    measure_elementwise_after, measure_elementwise_ops)
@@ -218,11 +217,8 @@ def this_roof(device: torch.device, remeasure: bool = False, store: bool = True,
 def cached_roof(device: torch.device) -> Roof | None:
     """This machine's roof if the cache holds one (never measured here: a Trainer built directly,
     as the tests build it, should not spend half a minute measuring), else None."""
-    try:
-        entry = json.loads(cache_path().read_text()).get(_key(device))
-    except (OSError, json.JSONDecodeError):
-        return None
-    return _roof(device, entry["roof"]) if isinstance(entry, dict) and "roof" in entry else None
+    fields = cached_field(_key(device), "roof")
+    return _roof(device, fields) if isinstance(fields, dict) else None
 
 
 def _roof(device: torch.device, fields: dict, collective: dict | None = None) -> Roof:
