@@ -112,4 +112,6 @@ def _torchrun_options(command: str) -> list[str] | None:
     start = next((j + 1 for j, word in enumerate(words[:entry])
                   if word in ("torch.distributed.run", "torch.distributed.launch") or Path(word).name == "torchrun"),
                  None)
-    return None if start is None else [word for word in words[start:entry] if word not in ("--no-python", "--no_python")]
+    if start is None:
+        return None
+    return [word for word in words[start:entry] if word not in ("--no-python", "--no_python")]

@@ -90,7 +90,8 @@ def add_generate(commands) -> None:
                                           "(--dtype to choose); the KV cache holds the prompt and --max-new-tokens.",
                               epilog="examples:\n"
                                      "  lmforge generate runs/<name> --prompt 'def fib(' --max-new-tokens 100\n"
-                                     "  lmforge generate ~/models/Llama-3.2-1B --prompt 'The capital of France' --stats\n"
+                                     "  lmforge generate ~/models/Llama-3.2-1B --stats "
+                                     "--prompt 'The capital of France'\n"
                                      "  lmforge generate runs/<name> --prompt 'Q: 2+3? A: ' --format json",
                               formatter_class=RAW)
     add_run(gen, "run folder (e.g. runs/small-20261130-120000), checkpoint folder or Hugging Face folder")
@@ -140,7 +141,8 @@ def add_chat(commands) -> None:
                       help="0 for greedy (default: the model's generation_config.json, else 0.8)")
     chat.add_argument("--top-k", type=COUNT, default=None, help="sample among the k most likely tokens "
                                                               "(default: the model's)")
-    chat.add_argument("--top-p", type=number(float, above=0, at_most=1), default=None, help="nucleus mass (default: the model's, else 0.95)")
+    chat.add_argument("--top-p", type=number(float, above=0, at_most=1), default=None,
+                      help="nucleus mass (default: the model's, else 0.95)")
     chat.add_argument("--seed", type=SEED, default=0)
     add_model_options(chat, "answer every turn in FMT by constrained decoding: json")
 
@@ -159,7 +161,8 @@ def add_runs(commands) -> None:
     runs.add_argument("dir", nargs="?", default="runs", metavar="DIR", help="folder holding run folders (default runs)")
     runs.add_argument("--plot", nargs="*", metavar="RUN",
                       help="draw the loss curves of these runs (names in DIR or paths; none: all of DIR)")
-    runs.add_argument("--out", metavar="PNG", default="runs.png", help="where --plot saves its figure (default runs.png)")
+    runs.add_argument("--out", metavar="PNG", default="runs.png",
+                      help="where --plot saves its figure (default runs.png)")
 
 
 def add_export(commands) -> None:

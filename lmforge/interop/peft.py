@@ -130,7 +130,8 @@ def write_peft_adapter(adapter_state: dict[str, torch.Tensor], model_cfg: ModelC
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
-def read_peft_adapter(folder: str | Path, model_cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], int, float, list[str]]:
+def read_peft_adapter(folder: str | Path,
+                      model_cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], int, float, list[str]]:
     """A PEFT LoRA adapter folder as (adapter state by lmforge name, rank, alpha, targets), checked
     against lmforge's model for `model_cfg`; one line for anything lmforge's LoRA cannot hold."""
     folder = Path(folder)

@@ -36,7 +36,8 @@ from lmforge.runs.checkpoint.read import load_model_weights, read_tensors
 from lmforge.runs.checkpoint.tensors import stored_tensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype's choices, and auto
-KINDS = "an lmforge run folder (config.yaml, checkpoints/) or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"
+KINDS = ("an lmforge run folder (config.yaml, checkpoints/) or a Hugging Face model folder (config.json, "
+         "*.safetensors, tokenizer.json)")
 
 
 def model_folder(path: str | Path) -> tuple[str, Path]:
