@@ -42,7 +42,8 @@ from lmforge.parallel.mesh import hybrid_replicate
 from lmforge.parallel.parallelize import Engine
 from lmforge.parallel.pipeline.report import pipeline_report
 from lmforge.parallel.pipeline.timeline import Timeline
-from lmforge.parallel.world import World, init_world, is_collective_failure
+from lmforge.parallel.faults import is_collective_failure
+from lmforge.parallel.world import World, init_world
 from lmforge.precision.loss_scaler import LossScaler
 from lmforge.precision.policy import device_notes
 from lmforge.runs.state import RunFolder, RunState
