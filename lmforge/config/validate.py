@@ -109,8 +109,10 @@ def _check_model(m: ModelConfig) -> None:
         value = getattr(m, key)
         _require(value is None or value <= limit, f"model.{key}={value} is beyond lmforge's limit of {limit:,} "
                                                   f"(docs/bad-input.md says why)")
-    _require(m.d_head is not None or m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
-    _require(m.n_heads % m.kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
+    _require(m.d_head is not None or m.d_model % m.n_heads == 0,
+             f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    _require(m.n_heads % m.kv_heads == 0,
+             f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
     _require(m.family != "llama" or m.head_dim % 2 == 0, f"rotary embeddings need an even head dimension, "
                                                          f"got a head dimension of {m.head_dim}")
     _require(m.family != "gpt" or m.kv_heads == m.n_heads, "model.n_kv_heads applies to the llama family only")
@@ -135,7 +137,8 @@ def _check_architecture_choices(m: ModelConfig) -> None:
 def _check_recipe(m: ModelConfig, o: OptimConfig) -> None:
     """The recipe switches (docs/recipe.md): initialisation, MLP, logit cap, schedule shape."""
     _choose("model.init", m.init, INIT_SCHEMES)
-    _require(isinstance(m.zero_init_proj, bool), f"model.zero_init_proj must be true or false, got {m.zero_init_proj!r}")
+    _require(isinstance(m.zero_init_proj, bool),
+             f"model.zero_init_proj must be true or false, got {m.zero_init_proj!r}")
     if m.mlp is not None:
         _choose("model.mlp", m.mlp, MLPS)
     _positive("model.logit_softcap", m.logit_softcap)
