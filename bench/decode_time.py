@@ -1,8 +1,8 @@
 """Predicted (roofline) against measured decode tokens/s, one process, eager, fp32.
 
-For each model and batch: the roofline's decode step (generate/decode_roofline.py: one step of
+For each model and batch: the roofline's decode step (accounting/roofline/decode.py: one step of
 generate()'s loop traced on fake tensors, priced at this machine's measured roof with its GEMV
-rates and no-grad launch costs: accounting/roofline_decode.py), then the real thing with random
+rates and no-grad launch costs: accounting/roofline/decode_roof.py), then the real thing with random
 weights (decode time does not depend on their values) and a KV cache filled with random keys
 and values up to the context (a prefill changes nothing in a decode step's work):
 
@@ -30,10 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lmforge.generate.decode_roof import decode_roof, this_decode_measurements  # noqa: E402
-from lmforge.accounting.roofline_measure import this_roof  # noqa: E402
+from lmforge.accounting.roofline.decode_roof import decode_roof, this_decode_measurements  # noqa: E402
+from lmforge.accounting.roofline.measure import this_roof  # noqa: E402
 from lmforge.config import make_config  # noqa: E402
-from lmforge.generate.decode_roofline import predict_decode  # noqa: E402
+from lmforge.accounting.roofline.decode import predict_decode  # noqa: E402
 from lmforge.generate.sampling import KVCache, generate, sample_next  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
 

@@ -18,8 +18,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from lmforge.accounting.plan.make import Setup
-    from lmforge.accounting.roofline_measure import _roof, measure_roof
-    from lmforge.accounting.roofline_ops import predict_step
+    from lmforge.accounting.roofline.measure import _roof, measure_roof
+    from lmforge.accounting.roofline.ops import predict_step
     from lmforge.config import make_config
 
     device = torch.device("cpu")

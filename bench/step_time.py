@@ -1,9 +1,9 @@
 """Predicted (roofline) against measured training-step time, one process, eager, with a
 torch.profiler pass that attributes the measured time to the roofline's operation classes.
 
-For each model shape and precision: the plan's roofline prediction (accounting/roofline.py, the
+For each model shape and precision: the plan's roofline prediction (accounting/roofline/__init__.py, the
 roof measured on this machine and cached: `lmforge plan --hardware this --remeasure`, with the
-step's own matmul shapes timed alone: roofline_shapes.py; beside it, every matmul read off the
+step's own matmul shapes timed alone: roofline/shapes.py; beside it, every matmul read off the
 grid), then a few
 real optimizer steps of lmforge's own engine (train/setup.py's build_engine and train/loop.py's
 train_step, random tokens) timed after warm-up steps, then one profiled step whose operators are
@@ -138,8 +138,8 @@ def main() -> None:
 
     from lmforge.accounting.hardware import this_device
     from lmforge.accounting.plan.make import Setup, make_plan
-    from lmforge.accounting.roofline_ops import predict_step
-    from lmforge.accounting.roofline_shapes import this_step_roof
+    from lmforge.accounting.roofline.ops import predict_step
+    from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.train.host_memory import retain_freed_memory
 
     retain_freed_memory()  # as `lmforge train` (and `lmforge plan`) run

@@ -6,11 +6,11 @@ tokens, as bench/step_time.py), timed after warm-up steps (median); then the sam
 the same ranks at the same time with no communication (train.parallel=none: each rank steps alone,
 as busy as in the real run), so that the measured difference is the communication the step did not
 hide. The prediction is the trainer's: the plan's roofline on this machine's roof with all-reduce
-measured on the launched group (roofline_measure.measure_collective), its communication added in
+measured on the launched group (measure.measure_collective), its communication added in
 full (no overlap assumed). Printed by rank 0: predicted and measured step, their ratio, and the
 communication predicted beside the measured exposed part (1 - exposed / predicted: the share of the
 collectives' time that overlapped compute), and the ratio with every matmul read off the roof's grid
-instead of the step's own calls timed (roofline_shapes.py). Then, by strategy, each
+instead of the step's own calls timed (roofline/shapes.py). Then, by strategy, each
 collective operator's price beside the time it held rank 0 in a timed step (the median over the
 steps: CollectiveClock), and the exposed time no collective held.
 
@@ -156,9 +156,9 @@ def main() -> None:
 
     from lmforge.accounting.hardware import this_device
     from lmforge.accounting.plan.make import Setup, make_plan
-    from lmforge.accounting.roofline_measure import measure_collective
-    from lmforge.accounting.roofline_ops import predict_step
-    from lmforge.accounting.roofline_shapes import this_step_roof
+    from lmforge.accounting.roofline.measure import measure_collective
+    from lmforge.accounting.roofline.ops import predict_step
+    from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.config import make_config
     from lmforge.modes.parallel import get_strategy
     from lmforge.train.host_memory import retain_freed_memory
@@ -214,12 +214,12 @@ def main() -> None:
 
 
 def attribute(cfg, setup, roof, strategy: str, held: dict, exposed: float) -> str:
-    """One line: each collective operator's price (roofline_ops.collective_ops at the roof's
+    """One line: each collective operator's price (ops.collective_ops at the roof's
     measured figures) beside the time it held the rank in the timed steps (CollectiveClock), and
     what of the exposed time no collective held (the engine's hooks, copies and fills, and compute
     slowed by the collectives' threads)."""
     from lmforge.accounting.roofline import op_time
-    from lmforge.accounting.roofline_ops import collective_ops
+    from lmforge.accounting.roofline.ops import collective_ops
 
     parts = []
     for op in collective_ops(cfg.model, setup, strategy):

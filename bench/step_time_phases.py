@@ -20,8 +20,8 @@ import torch
 
 from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline import op_time
-from lmforge.accounting.roofline_ops import op_of, optimizer_phase_op, step_ops, step_roof
-from lmforge.accounting.roofline_trace import recorded
+from lmforge.accounting.roofline.ops import op_of, optimizer_phase_op, step_ops, step_roof
+from lmforge.accounting.roofline.trace import recorded
 
 
 def phases(engine, next_batch, cfg, scaler, policy, device):
@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from step_time import build_parts  # bench/step_time.py, beside this file
-    from lmforge.accounting.roofline_shapes import this_step_roof
+    from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.train.host_memory import retain_freed_memory
     from lmforge.train.loop import train_step
 

@@ -1,4 +1,4 @@
-"""The decode step's roofline (generate/decode_roofline.py, generate/decode_roof.py) without a
+"""The decode step's roofline (accounting/roofline/decode.py, accounting/roofline/decode_roof.py) without a
 clock: the traced operators against a real step's, their bytes against the tensors' sizes (the KV
 cache read per step, every weight read once), the GEMV grid joined to the training grid, and what
 `lmforge plan --inference` prints. Nothing here asserts a time."""
@@ -12,8 +12,8 @@ from lmforge.accounting.roofline import Roof, interpolate, op_time
 from lmforge.accounting.shapes import model_shapes
 from lmforge.cli import main
 from lmforge.config import make_config
-from lmforge.generate.decode_roof import decode_roof
-from lmforge.generate.decode_roofline import decode_ops, plan_decode, predict_decode, record_decode
+from lmforge.accounting.roofline.decode_roof import decode_roof
+from lmforge.accounting.roofline.decode import decode_ops, plan_decode, predict_decode, record_decode
 
 
 def test_the_fake_decode_trace_is_what_a_real_step_dispatches():
@@ -89,7 +89,7 @@ def test_a_decode_step_is_priced_at_the_rates_after_its_own_writes():
     import dataclasses
 
     from lmforge.accounting.roofline import rates_after
-    from lmforge.accounting.roofline_ops import records_written
+    from lmforge.accounting.roofline.ops import records_written
 
     cfg = make_config("tiny").model
     written = records_written(record_decode(cfg, 8, 30))

@@ -27,7 +27,7 @@ def test_the_cached_peak_says_when_and_under_what_load_and_remeasure_replaces_it
     path.write_text(json.dumps({k: e for k, e in cache.items() if "|torch.float32|" not in k}))
     before = datetime.now(timezone.utc).replace(microsecond=0)
     measured = plan_peak(tmp_path)
-    # the matmul peak's entry (the cache also holds the roofline's: accounting/roofline_measure.py)
+    # the matmul peak's entry (the cache also holds the roofline's: accounting/roofline/measure.py)
     (key, entry), = [(k, e) for k, e in json.loads(path.read_text()).items()
                      if k.endswith(f"|torch.float32|torch {hardware.torch.__version__}")]
     assert entry["flops"] == measured > 1e6

@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lmforge.accounting import flops
 from lmforge.accounting.plan.make import Setup, make_plan
 from lmforge.accounting.roofline import Roof, interpolate, op_time, predict
-from lmforge.accounting.roofline_ops import Op, micro_batch_ops, optimizer_ops
+from lmforge.accounting.roofline.ops import Op, micro_batch_ops, optimizer_ops
 from lmforge.cli import main
 from lmforge.config import Config, make_config
 from lmforge.optim.build import param_groups
@@ -68,7 +68,7 @@ def test_the_fake_trace_is_what_a_real_step_dispatches_and_what_the_profiler_see
     others, so only these top-level operators are compared by name)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from lmforge.accounting.roofline_trace import record_step
+    from lmforge.accounting.roofline.trace import record_step
 
     cfg = make_config("tiny").model
     for precision in ("fp32", "bf16-mixed"):
@@ -192,12 +192,12 @@ def test_the_end_of_run_table_sets_the_roofline_step_beside_the_measured_one():
 
 @pytest.mark.parametrize("precision, optimizer", [("fp32", "adamw"), ("bf16-mixed", "lion")])
 def test_a_deep_models_ops_come_from_two_shallow_traces_exactly(precision, optimizer):
-    """roofline_ops.layer_extrapolated: 2- and 3-layer traces extended to 5 layers give the 5-layer
+    """ops.layer_extrapolated: 2- and 3-layer traces extended to 5 layers give the 5-layer
     trace's totals per class (FLOPs, bytes, kernels), forward, backward and optimizer alike."""
     import dataclasses
 
-    from lmforge.accounting.roofline_ops import layer_extrapolated, op_of
-    from lmforge.accounting.roofline_trace import trace_step
+    from lmforge.accounting.roofline.ops import layer_extrapolated, op_of
+    from lmforge.accounting.roofline.trace import trace_step
     from lmforge.config import make_config
 
     cfg = dataclasses.replace(make_config("tiny").model, n_layers=5)
@@ -221,7 +221,7 @@ def test_a_deep_models_ops_come_from_two_shallow_traces_exactly(precision, optim
 
 
 _MODULES_OF_A_TRACE = """
-from lmforge.accounting.roofline_trace import record_step
+from lmforge.accounting.roofline.trace import record_step
 from lmforge.config import make_config
 print(repr([(r.op, r.module) for r in record_step(make_config("tiny").model, 2, 16)]))
 """
@@ -238,7 +238,7 @@ def test_each_op_is_its_innermost_modules_whatever_the_hash_seed():
     import subprocess
     import sys
 
-    from lmforge.accounting.roofline_trace import record_step
+    from lmforge.accounting.roofline.trace import record_step
 
     records = record_step(make_config("tiny").model, 2, 16)
     ops = [r.op for r in records]

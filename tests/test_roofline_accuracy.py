@@ -14,9 +14,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline import Roof, family_of, memory_rate, op_time
-from lmforge.accounting.roofline_elementwise import cache_bytes
-from lmforge.accounting.roofline_ops import Op, op_of, predict_step, written_bytes
-from lmforge.accounting.roofline_trace import trace_step
+from lmforge.accounting.roofline.elementwise import cache_bytes
+from lmforge.accounting.roofline.ops import Op, op_of, predict_step, written_bytes
+from lmforge.accounting.roofline.trace import trace_step
 from lmforge.config import make_config
 
 
@@ -116,7 +116,7 @@ def test_a_step_that_fits_in_the_cache_is_priced_warm():
 def test_written_bytes_extends_by_layer_exactly():
     """written_bytes of 5 layers from traces of 2 and 3 equals the sum over a direct 5-layer trace
     (the blocks are identical: layer_extrapolated's argument)."""
-    from lmforge.accounting.roofline_ops import _touched
+    from lmforge.accounting.roofline.ops import _touched
 
     cfg = dataclasses.replace(make_config("tiny").model, n_layers=5)
     setup = Setup(batch_size=2, seq_len=16)
@@ -159,7 +159,7 @@ def test_the_profiler_gives_a_kernels_inner_operators_its_class():
 
 
 def test_an_sdpa_call_pays_its_measured_fixed_cost_in_place_of_a_launch():
-    """t = c + FLOPs / rate of the work (roofline_measure.measure_sdpa's fit): a call's launch term
+    """t = c + FLOPs / rate of the work (measure.measure_sdpa's fit): a call's launch term
     is SDPA's fixed cost for its kind and dtype; another op keeps the plain launch cost."""
     roof = dataclasses.replace(_roof(1e9, 1e11), call_seconds=3e-6,
                                sdpa_call_seconds={"sdpa_backward": {"bfloat16": 2e-4}})

@@ -1,6 +1,6 @@
 """The roofline's step time under torchrun: 2 CPU ranks on gloo, train.parallel=ddp and zero2, the
 tiny model. The trainer measures all-reduce on the launched group (measure_collective), adds the
-communication the roofline predicts (not hidden behind compute: accounting/roofline.py) and sets
+communication the roofline predicts (not hidden behind compute: accounting/roofline/__init__.py) and sets
 the predicted step beside the measured one in the end-of-run table. No time is asserted."""
 
 import json

@@ -1,4 +1,4 @@
-"""The optimizer phase's fixed cost measured whole (roofline_measure.measure_optimizer_phase,
+"""The optimizer phase's fixed cost measured whole (measure.measure_optimizer_phase,
 roofline.op_time's "phase" op): the fit's arithmetic, how a step charges it in place of its
 operators' launches, and what the measurement runs. No timed assertion."""
 
@@ -9,8 +9,8 @@ import torch
 
 from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline import Roof, op_time, predict
-from lmforge.accounting.roofline_measure import MINIMAL, _optimizer_phase, line_through
-from lmforge.accounting.roofline_ops import Op, optimizer_phase_op, step_ops
+from lmforge.accounting.roofline.measure import MINIMAL, _optimizer_phase, line_through
+from lmforge.accounting.roofline.ops import Op, optimizer_phase_op, step_ops
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer

@@ -1,4 +1,4 @@
-"""A step's own matmul calls timed alone (roofline_shapes.py) and read before the grid
+"""A step's own matmul calls timed alone (roofline/shapes.py) and read before the grid
 (roofline.compute_rate): the layouts the trace records, which calls are timed and after how many
 writes, and how the rates are cached with the roof they refine. No timed assertion."""
 
@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-import lmforge.accounting.roofline_measure as measure
-import lmforge.accounting.roofline_shapes as shapes
+import lmforge.accounting.roofline.measure as measure
+import lmforge.accounting.roofline.shapes as shapes
 from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline import Roof, compute_rate
-from lmforge.accounting.roofline_ops import Op, micro_batch_ops, step_matmul_shapes
+from lmforge.accounting.roofline.ops import Op, micro_batch_ops, step_matmul_shapes
 from lmforge.config import make_config
 
 MIB = 2.0**20

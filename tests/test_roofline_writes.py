@@ -1,5 +1,5 @@
 """Elementwise rates by the bytes written since an operator's operands were last touched
-(roofline_elementwise.measure_elementwise_after, roofline.rates_after, roofline_ops.step_roof): the
+(elementwise.measure_elementwise_after, roofline.rates_after, ops.step_roof): the
 grid's arithmetic, the step's count of written bytes it is read at, and what the measurement runs.
 No timed assertion."""
 
@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-import lmforge.accounting.roofline_elementwise as measure
+import lmforge.accounting.roofline.elementwise as measure
 from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline import Roof, rates_after
-from lmforge.accounting.roofline_ops import _touched, predict_step, step_roof, written_bytes
-from lmforge.accounting.roofline_trace import record_step
+from lmforge.accounting.roofline.ops import _touched, predict_step, step_roof, written_bytes
+from lmforge.accounting.roofline.trace import record_step
 from lmforge.config import make_config
 
 MIB = 2.0**20

@@ -48,7 +48,6 @@ def cmd_finetune(args) -> int:
 
 def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     from lmforge.accounting.hardware import this_device
-    from lmforge.accounting.roofline_shapes import this_step_roof
     from lmforge.parallel.launch import resolve_device
     from lmforge.runs.checkpoint.find import list_checkpoints
     from lmforge.train.host_memory import retain_freed_memory
@@ -58,8 +57,7 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     if resolve_device(cfg.train.device).type == "cpu":
         retain_freed_memory()  # process-wide malloc tuning, chosen here (train/host_memory.py says why)
     # the measured matmul peak behind MFU, cached per machine (lmforge plan --hardware this --remeasure)
-    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device,
-                      roof=this_step_roof)  # the roofline behind the plan's step time, measured once and cached
+    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device)
     resume = resume_command(command, run_dir)  # as this run was launched (one process, --nproc, torchrun)
     try:
         trainer.run()

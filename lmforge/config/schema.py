@@ -158,6 +158,9 @@ class TrainConfig:
     # a fit written by `lmforge scaling fit --out`: the plan and the summary set the final validation
     # loss beside the loss it predicts for this model and max_steps' tokens (accounting/scaling.py)
     scaling_fit: str | None = None
+    # the summary's step time predicted by the roofline beside the measured, after the run, on the roof
+    # `lmforge plan --roofline X.png` cached (never measured inside training: accounting/roofline/)
+    roofline: bool = False
     tensorboard: bool = True  # TensorBoard event files in the run folder (tensorboard --logdir runs)
     wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)
     # data parallelism under torchrun (batch_size is per rank): none | ddp | zero1 | zero2 | zero3 | fsdp

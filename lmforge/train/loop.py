@@ -16,7 +16,6 @@ runs/state.py keeps the run folder and its checkpoints, train/measurements.py ho
 measures, train/report.py logs each record and train/summary.py writes the end of the run.
 """
 
-import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -29,8 +28,6 @@ from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
 from lmforge.accounting.plan.show import print_plan
 from lmforge.accounting.scaling import predicted_loss, read_fit
 from lmforge.accounting.shapes import model_shapes
-from lmforge.accounting.roofline_measure import measure_collective
-from lmforge.accounting.roofline_shapes import cached_step_roof
 from lmforge.common.errors import warn
 from lmforge.config import Config, config_warnings
 from lmforge.data.loader import BatchLoader, window_batch
@@ -50,7 +47,7 @@ from lmforge.train.checkpoints import Checkpoints
 from lmforge.train.evaluate import evaluate
 from lmforge.train.finetune import prepare_run_data
 from lmforge.train.guard import check_bad_steps
-from lmforge.train.measurements import FirstStepMeasurement, WindowClock, rank_share, start_measurements
+from lmforge.train.measurements import FirstStepMeasurement, WindowClock, estimate, rank_share, start_measurements
 from lmforge.train.report import SilentLog, StepLog, training_record
 from lmforge.train.setup import build_engine, check_attention, check_memory
 from lmforge.train.signals import StopRequests, Stopped
@@ -88,17 +85,15 @@ class Trainer:
 
     `machine(matmul_dtype, device)` gives (name, peak FLOP/s, memory bytes) of the device for MFU
     and the plan, once the checks have passed; by default accounting.hardware.this_device, reading
-    the measured peak from the cache `lmforge` keeps but never writing to it (the CLI does).
-    `roof(device, model_config, setup)` gives the measured roofline (accounting/roofline_measure.py)
-    with the rates of the step's own matmul shapes (roofline_shapes.py) behind the plan's step
-    time, or None; by default read from the cache alone (the CLI measures what is absent).
+    the measured peak from the cache `lmforge` keeps but never writing to it (the CLI does). The
+    plan is closed-form accounting; no estimator or report can stop the run (measurements.estimate).
 
     `world`: this process's place under torchrun; by default read from the environment (and the
     process group joined), a single process outside torchrun."""
 
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
                  progress: bool = True, machine=functools.partial(this_device, store=False),
-                 world: World | None = None, roof=cached_step_roof):
+                 world: World | None = None):
         self.world = world if world is not None else init_world(cfg)  # a launch that cannot work stops here
         main = self.world.is_main
         # rank 0's folder for all (a default name holds the time, which the ranks may read a second apart)
@@ -118,13 +113,18 @@ class Trainer:
         self.folder = self.world.main_first(
             lambda: RunFolder(self.run_dir, warn=lambda msg: self.console.print(f"warning: {msg}"), world=self.world))
         try:
-            self._setup(resume, machine, roof)
+            self._setup(resume, machine)
         except BaseException:
             self.close()
             raise
-        print_plan(self.console, self.plan, title="lmforge train: plan")
+        if self.plan is not None:
+            self._estimate("printing the plan", lambda: print_plan(self.console, self.plan, title="lmforge train: plan"))
 
-    def _setup(self, resume: bool, machine, roof) -> None:
+    def _estimate(self, what: str, fn):
+        """`fn()` of an estimator or report: a failure is one warning line (rank 0's) and None."""
+        return estimate(what, fn, warn if self.world.is_main else lambda message: None)
+
+    def _setup(self, resume: bool, machine) -> None:
         """Build, restore and measure, checking as it goes; then the run folder's first files."""
         cfg = self.cfg
         checkpoint = self.world.from_main(self.folder.latest_checkpoint if resume else self.folder.check_new)
@@ -133,8 +133,9 @@ class Trainer:
                                        self.base_identity, self.global_batch)
         self.state, metrics_kept = (self.checkpoints.restore(*checkpoint, self.console) if resume
                                     else (RunState(), None))
-        self._measure(machine, roof)
-        check_memory(self.plan, cfg)  # before the loader draws a batch that cannot fit
+        self._measure(machine)
+        if self.plan is not None:
+            check_memory(self.plan, cfg)  # before the loader draws a batch that cannot fit
         # fine-tuning examples draw their own batches (train/finetune.py); text, windows of its tokens
         self.make_batch = getattr(self.data, "batches", window_batch)
         # each replica of the model draws its rows of the global batch (every stage of a pipeline the same)
@@ -166,7 +167,7 @@ class Trainer:
                              * cfg.train.micro_batches)
         return self.engine
 
-    def _measure(self, machine, roof) -> None:
+    def _measure(self, machine) -> None:
         """The run's measurements record (train/measurements.py) and the plan to set them beside."""
         cfg, engine = self.cfg, self.engine
         # measured by rank 0; each rank has its share
@@ -176,22 +177,30 @@ class Trainer:
             cfg, engine, self.world, self.state, self.policy.name,
             loss_scale=self.scaler.scale_value if self.scaler.enabled else None,
             tokens_per_step=self.global_batch * cfg.seq_len, peak_flops=machine[1])
-        # The plan's time estimates at 100% MFU (a bound); the roofline below predicts the step's time.
-        setup = Setup.from_config(cfg, mfu=1.0, dp=engine.replicas,
-                                  zero_stage=get_strategy(cfg.train.parallel).zero_stage,
-                                  tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel,
-                                  dp_replicate=hybrid_replicate(cfg))
-        # the roofline's step time; under torchrun with data parallelism, all-reduce measured on every rank
-        collective = measure_collective() if self.world.world_size > 1 and cfg.train.pipeline_stages == 1 else None
-        measured_roof = self.world.measured_on_main(lambda: roof(self.device, cfg.model, setup),
-                                                    "measure this machine's roofline")
-        if measured_roof is not None and collective is not None:
-            measured_roof = dataclasses.replace(measured_roof, collective=collective)
-        self.plan = make_plan(cfg.model, setup, machine, measured_roof)
+        self.plan = self._estimate("the plan", lambda: make_plan(cfg.model, self._plan_setup(), machine))
         if cfg.train.scaling_fit:  # what the fit says this run's tokens buy (a bad file stops here, before any write)
             fit = read_fit(cfg.train.scaling_fit, option="train.scaling_fit")
-            self.plan["scaling"] = predicted_loss(fit, model_shapes(cfg.model).matmul_weights,
-                                                  cfg.train.max_steps * self.global_batch * cfg.seq_len)
+            scaling = self._estimate("the scaling fit's predicted loss", lambda: predicted_loss(
+                fit, model_shapes(cfg.model).matmul_weights, cfg.train.max_steps * self.global_batch * cfg.seq_len))
+            if self.plan is not None and scaling is not None:
+                self.plan["scaling"] = scaling
+
+    def _plan_setup(self) -> Setup:
+        """The plan's setup of this run, its time estimates at 100% MFU (a bound)."""
+        cfg = self.cfg
+        return Setup.from_config(cfg, mfu=1.0, dp=self.engine.replicas,
+                                 zero_stage=get_strategy(cfg.train.parallel).zero_stage,
+                                 tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel,
+                                 dp_replicate=hybrid_replicate(cfg))
+
+    def _roofline(self) -> None:
+        """train.roofline: the plan's step time by the roofline, after training, on a cached roof only."""
+        from lmforge.train.roofline import end_of_run_roofline
+
+        predicted = self._estimate("the roofline's step time",
+                                   lambda: end_of_run_roofline(self.cfg, self._plan_setup(), self.device))
+        if predicted is not None:
+            self.plan["roofline"] = predicted
 
     def save(self) -> Path:
         self.state.loader_position = self.loader.position
@@ -248,8 +257,10 @@ class Trainer:
                 if self.timeline is not None:
                     run.pipeline = pipeline_report(self.engine, self.timeline.events, self.cfg, run.first_step,
                                                    self.step, self.run_dir, self.world.is_main)
+                if self.cfg.train.roofline and self.plan is not None and self.world.is_main:
+                    self._roofline()  # the last checkpoint is written: nothing an estimator does can lose it
                 return write_summary(run, self.cfg, self.plan, self.data, self.model, self.run_dir, self.console,
-                                     self.world.is_main)
+                                     self.world.is_main, self._estimate)
             except Exception as err:
                 if self.world.world_size > 1 and is_collective_failure(err):  # a rank died or hangs
                     raise self.world.failure(err) from None

@@ -71,6 +71,18 @@ class RunMeasurements:
         return tokens_per_s * self.hardware_flops_per_token / self.world_peak_flops
 
 
+def estimate(what: str, fn, warn):
+    """`fn()` of an estimator or a report (the plan, the summary's comparison with it, the scaling
+    fit's loss, the roofline): an accounting bug must never stop training, so any exception it
+    raises is one `warn` line, naming it, and None."""
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - whatever it is, the run goes on without that figure
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        warn(f"{what} failed ({type(err).__name__}{': ' + first if first else ''}); the run goes on without it")
+        return None
+
+
 def rank_share(machine: tuple[str, float, int], device: torch.device) -> tuple[str, float, int]:
     """(name, peak FLOP/s, memory bytes) of this rank's share of `machine`: CPU ranks on one machine
     whose threads outnumber its cores share them (the peak was measured with this process's threads

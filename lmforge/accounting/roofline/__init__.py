@@ -2,9 +2,9 @@
 bytes / memory bandwidth), plus the fixed cost of the kernels it launches (Williams, Waterman &
 Patterson 2009, "Roofline"; the launch term is what an eager framework adds on top of it).
 
-Pure arithmetic on a `Roof`: the machine as measured by roofline_measure.py (this machine) or as
+Pure arithmetic on a `Roof`: the machine as measured by roofline/measure.py (this machine) or as
 a datasheet gives it (a named accelerator: one flat peak, no shape dependence, no launch cost).
-The operations come from roofline_ops.py. How an achieved rate is read off the measured grid:
+The operations come from roofline/ops.py. How an achieved rate is read off the measured grid:
 multilinear interpolation of log(rate) in log2 of each dimension, clamped at the grid's edges
 (a shape larger than the grid in some dimension runs at the rate of the grid's largest there:
 a matmul's rate saturates once every dimension is large).
@@ -49,7 +49,7 @@ class Roof:
     # families timed after W bytes of other writes, W from a sixteenth of the cache to past it
     # (the top row: elementwise_ops). A step is priced at its own writes (rates_after)
     elementwise_ops_after: dict = field(default_factory=dict)
-    # {dtype: {shape_key: FLOP/s}}: a model's own matmul shapes timed alone (roofline_shapes.py),
+    # {dtype: {shape_key: FLOP/s}}: a model's own matmul shapes timed alone (roofline/shapes.py),
     # read before the grid: a CPU's kernel library picks its kernel by shape, so the rate is not
     # smooth between grid points (bf16 at (1024, 768, 768) 1.6 TFLOP/s, at (1024, 2304, 768) 3.3)
     matmul_shapes: dict = field(default_factory=dict)
@@ -95,7 +95,7 @@ def shape_key(operator: str, m: int, n: int, k: int, layout: str) -> str:
 
 
 def compute_rate(roof: Roof, op) -> float:
-    """Achieved FLOP/s of `op` (roofline_ops.Op) at its shape, or 0 for an op with no FLOPs: a
+    """Achieved FLOP/s of `op` (ops.Op) at its shape, or 0 for an op with no FLOPs: a
     matmul's own shape and layout if timed (Roof.matmul_shapes), else read off the grid."""
     if not op.flops:
         return 0.0
@@ -107,12 +107,12 @@ def compute_rate(roof: Roof, op) -> float:
     return interpolate(grid[rate_dtype(op.dtype)], op.shape)
 
 
-# The measured families of elementwise operators (roofline_elementwise.measure_elementwise_ops), by
+# The measured families of elementwise operators (elementwise.measure_elementwise_ops), by
 # the aten name's stem: each family's rate at a call's size stands for its members'.
 FAMILIES = {
     "binary": ("add", "sub", "mul", "div", "where", "lerp", "addcmul", "addcdiv", "maximum", "clamp",
                "threshold_backward", "silu_backward", "embedding_dense_backward"),
-    # NLL's backward is a zero-fill of its gradient (its bytes), its forward a gather (roofline_ops)
+    # NLL's backward is a zero-fill of its gradient (its bytes), its forward a gather (ops)
     "unary": ("neg", "rsqrt", "sqrt", "pow", "exp", "reciprocal", "silu", "tanh", "sigmoid", "fill",
               "zero", "ones_like", "zeros_like", "nll_loss_backward"),
     "copy": ("_to_copy", "copy", "clone", "cat", "stack", "embedding", "index_select", "_unsafe_view",

@@ -8,7 +8,7 @@ Each figure is the best of a few short timings, as hardware.py's peak is (a mome
 work shares the machine lowers some timings, not the best). The whole roof is measured in about
 ten seconds (33 s where each cold timing first writes a 480 MiB last level) and cached with the
 matmul peak (hardware.py's cache: when, under what load), and `lmforge plan --hardware this
---remeasure` replaces it. A step's own matmul calls are timed beside it: roofline_shapes.py.
+--remeasure` replaces it. A step's own matmul calls are timed beside it: roofline/shapes.py.
 """
 
 import dataclasses
@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from lmforge.accounting.hardware import _calls_per_second, _measured, _sync, cached_field, device_name
 from lmforge.accounting.roofline import Roof
-from lmforge.accounting.roofline_elementwise import (cache_bytes, cold_writes, measure_elementwise,
+from lmforge.accounting.roofline.elementwise import (cache_bytes, cold_writes, measure_elementwise,
                                                    measure_elementwise_after, measure_elementwise_ops)
-from lmforge.accounting.roofline_trace import dispatched_calls
+from lmforge.accounting.roofline.trace import dispatched_calls
 from lmforge.config import Config, ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.modes.precision import get_policy
@@ -113,7 +113,7 @@ MINIMAL = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_hea
 
 def measure_launch(device: torch.device) -> tuple[float, float]:
     """(seconds per operator of MINIMAL's forward, cross-entropy and backward on 8 tokens, divided
-    by the aten operators it dispatches as roofline_trace.py counts them, views included; seconds
+    by the aten operators it dispatches as roofline/trace.py counts them, views included; seconds
     per tensor of a foreach op over 64 one-element tensors): the fixed cost every call pays before
     it moves a byte. A model's operator pays more than a bare one (a chain of one-element adds:
     2.4 us here against 4.0 us): the module calls, the Python between operators, the composite
@@ -163,7 +163,7 @@ def _optimizer_phase(layers: int, device: torch.device) -> tuple[int, float]:
 def measure_optimizer_phase(device: torch.device) -> dict:
     """{"fixed_s", "per_tensor_s"}: the fixed cost of the optimizer phase (_optimizer_phase), fitted
     t = fixed + tensors x per_tensor through MINIMAL at 1 and 3 layers (11 and 29 parameter
-    tensors). It stands for the launches of the phase's operators too (roofline_ops.step_ops):
+    tensors). It stands for the launches of the phase's operators too (ops.step_ops):
     priced one by one at the model's cost per operator, clipping's bare operators came out above
     what they take, and the Python between them was not counted at all."""
     return line_through(_optimizer_phase(1, device), _optimizer_phase(3, device))
