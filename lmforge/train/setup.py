@@ -109,7 +109,9 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
         apply_tensor_parallel(model, tp_comm, cfg.parallel.sequence_parallel)
     if cp_group is not None:
         apply_context_parallel(model, cp_group).shard_every_forward(model)
-    if on_device and stage is None:
+    # made where it trains already (the CPU), it is not moved: the roofline's trace builds it on fake
+    # tensors (accounting/roofline/trace.py), which torch cannot move
+    if on_device and stage is None and torch.device(device) != next(model.parameters()).device:
         model.to(device)
     prepare_model(model, policy, fp32_attention=cfg.train.fp32_attention,
                   fp8_scaling=cfg.train.fp8_scaling)
