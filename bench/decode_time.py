@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cpu")
     roof = decode_roof(this_roof(device, remeasure=args.remeasure),
-                       this_decode_measurements(device, remeasure=args.remeasure))
+                       this_decode_measurements(decode_step, device, remeasure=args.remeasure))
     print(f"roof: {roof.name}; {torch.get_num_threads()} threads, torch {torch.__version__}; decode call "
           f"{roof.call_seconds * 1e6:.2f} us per operator")
     print(f"{'model':<8}{'batch':>6}{'context':>9}{'predicted tok/s':>17}{'measured tok/s':>16}"
@@ -90,7 +90,7 @@ def main() -> None:
             runs = [seconds_per_token_step(model, batch, context, args.tokens) for _ in range(args.repeats)]
             wall, cpu = (statistics.median(r[i] for r in runs) for i in (0, 1))
             best = min(r[0] for r in runs)
-            predicted = predict_decode(cfg, batch, context + args.tokens // 2, roof)
+            predicted = predict_decode(decode_step, cfg, batch, context + args.tokens // 2, roof)
             tokens_per_s = predicted["tokens_per_second"]
             classes = ", ".join(f"{cls} {row['seconds'] * 1e3:.3f} ({row['bound']})"
                                 for cls, row in predicted["classes"].items())

@@ -33,7 +33,7 @@ def main() -> None:
         took = time.perf_counter() - started
         rows = []
         for name, cfg, setup in cases:
-            p = predict_step(cfg.model, setup, roof, "none")
+            p = predict_step(one_process_engine, cfg.model, setup, roof, "none")
             classes = p["classes"]
             rows.append(f"{name} {p['seconds_per_step'] * 1e3:.2f} ms (norms/elementwise "
                         f"{classes['norms/elementwise']['seconds'] * 1e3:.2f}, matmuls {classes['matmuls']['seconds'] * 1e3:.2f})")

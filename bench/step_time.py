@@ -151,12 +151,12 @@ def main() -> None:
             cfg, step = build(model, precision, args.batch_size, args.seq_len)
             setup = Setup.from_config(cfg)
             name, peak, memory = this_device(setup.policy.matmul_dtype, device)
-            shaped = this_step_roof(device, cfg.model, setup)  # the step's own matmul shapes timed
+            shaped = this_step_roof(device, one_process_engine, cfg.model, setup)  # the step's own matmul shapes timed
             plan = make_plan(cfg.model, setup, (name, peak, memory), shaped)
             predicted = plan["roofline"]
             measured, timed = measure(step, args.steps, args.warmup)
             ratio = predicted["seconds_per_step"] / measured
-            grid_only = predict_step(cfg.model, setup, dataclasses.replace(shaped, matmul_shapes={}), "none")
+            grid_only = predict_step(one_process_engine, cfg.model, setup, dataclasses.replace(shaped, matmul_shapes={}), "none")
             print(f"\n{model} {precision} batch {args.batch_size} x seq {cfg.seq_len}: predicted "
                   f"{predicted['seconds_per_step'] * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of "
                   f"{timed}), predicted/measured {ratio:.3f} (every matmul read off the grid instead: "

@@ -178,7 +178,7 @@ def main() -> None:
             for strategy in args.parallel.split(","):
                 cfg = make_config(model, overrides=[f"train.precision={args.precision}",
                                                     f"train.batch_size={args.batch_size}", f"train.parallel={strategy}"])
-                roofs[model, strategy] = this_step_roof(device, cfg.model, setup_of(cfg, strategy))
+                roofs[model, strategy] = this_step_roof(device, one_process_engine, cfg.model, setup_of(cfg, strategy))
     dist.barrier()
     collective = measure_collective()
     if rank == 0:
@@ -198,7 +198,7 @@ def main() -> None:
             name, peak, memory = this_device(setup.policy.matmul_dtype, device)
             measured_roof = dataclasses.replace(roofs[model, strategy], collective=collective)
             predicted = make_plan(cfg.model, setup, (name, peak, memory), measured_roof)["roofline"]
-            grid = predict_step(cfg.model, setup, dataclasses.replace(measured_roof, matmul_shapes={}), strategy)
+            grid = predict_step(one_process_engine, cfg.model, setup, dataclasses.replace(measured_roof, matmul_shapes={}), strategy)
             comm = predicted["classes"].get("communication", {}).get("seconds", 0.0)
             exposed = measured - alone
             print(f"{model:<8}{strategy:<9}{predicted['seconds_per_step'] * 1e3:>13.1f}{measured * 1e3:>12.1f}"

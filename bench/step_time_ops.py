@@ -72,8 +72,8 @@ def main() -> None:
     retain_freed_memory()
     cfg, step = build(args.model, args.precision, args.batch_size, args.seq_len)
     # the roof and the step's own matmul calls, measured here (not cached), as predict_step prices them
-    roof = this_step_roof(torch.device("cpu"), cfg.model, Setup.from_config(cfg), remeasure=True, store=False)
-    roof = step_roof(cfg.model, Setup.from_config(cfg), roof)
+    roof = this_step_roof(torch.device("cpu"), one_process_engine, cfg.model, Setup.from_config(cfg), remeasure=True, store=False)
+    roof = step_roof(one_process_engine, cfg.model, Setup.from_config(cfg), roof)
     clock = _Clock(roof)
     register_optimizer_step_pre_hook(lambda *_: setattr(clock, "phase", "optimizer"))
     register_optimizer_step_post_hook(lambda *_: setattr(clock, "phase", "step"))

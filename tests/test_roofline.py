@@ -11,13 +11,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lmforge.accounting import flops
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.make import Setup, make_plan, strategy_of
 from lmforge.accounting.roofline import Roof, interpolate, op_time, predict
-from lmforge.accounting.roofline.ops import Op, micro_batch_ops, optimizer_ops
+from lmforge.accounting.roofline.ops import Op, micro_batch_ops, optimizer_ops, plan_roofline
 from lmforge.cli import main
 from lmforge.config import Config, make_config
 from lmforge.optim.build import param_groups
 from lmforge.model.transformer import Transformer
+from lmforge.train.roofline import one_process_engine
 
 
 def _by_class(ops) -> dict:
@@ -40,7 +41,7 @@ def test_flops_by_class_sum_to_flops_py_and_to_flop_counter(overrides, seq_len):
     backend's attention einsums) = the attention class. Other classes count no FLOPs."""
     cfg = make_config("tiny", overrides=overrides + ["model.attention=naive"]).model
     batch = 2
-    per_class = _by_class(micro_batch_ops(cfg, batch, seq_len, "fp32"))
+    per_class = _by_class(micro_batch_ops(one_process_engine, cfg, batch, seq_len, "fp32"))
     assert per_class["matmuls"] + per_class["attention"] == flops.training_flops_per_token(cfg, seq_len) * batch * seq_len
     assert per_class["norms/elementwise"] == per_class["loss"] == 0
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
@@ -55,7 +56,7 @@ def test_flops_by_class_sum_to_flops_py_and_to_flop_counter(overrides, seq_len):
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_recomputation_adds_its_forward_as_flops_py_counts_it(recompute):
     cfg = make_config("tiny").model
-    ops = micro_batch_ops(cfg, 2, 64, "fp32", recompute)
+    ops = micro_batch_ops(one_process_engine, cfg, 2, 64, "fp32", recompute)
     assert sum(op.flops for op in ops) == flops.hardware_flops_per_token(cfg, 64, recompute) * 2 * 64
 
 
@@ -72,14 +73,14 @@ def test_the_fake_trace_is_what_a_real_step_dispatches_and_what_the_profiler_see
 
     cfg = make_config("tiny").model
     for precision in ("fp32", "bf16-mixed"):
-        fake = record_step(cfg, 2, 32, precision)
-        real = record_step(cfg, 2, 32, precision, fake=False)
+        fake = record_step(one_process_engine, cfg, 2, 32, precision)
+        real = record_step(one_process_engine, cfg, 2, 32, precision, fake=False)
         assert [(r.op, r.phase, r.inputs, r.outputs, r.calls) for r in fake] == \
             [(r.op, r.phase, r.inputs, r.outputs, r.calls) for r in real]
-    real = record_step(cfg, 2, 32, "fp32", fake=False)
+    real = record_step(one_process_engine, cfg, 2, 32, "fp32", fake=False)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with record_function("traced"):
-            record_step(cfg, 2, 32, "fp32", fake=False)
+            record_step(one_process_engine, cfg, 2, 32, "fp32", fake=False)
     compared = ("mm", "addmm", "_scaled_dot_product_flash_attention_for_cpu",
                 "_scaled_dot_product_flash_attention_for_cpu_backward", "_log_softmax", "nll_loss_forward",
                 "_foreach_lerp_", "_foreach_addcdiv_", "_foreach_sqrt")
@@ -101,7 +102,7 @@ def test_an_ops_bytes_are_its_tensors_sizes_and_adamw_makes_84_per_element():
     from lmforge.accounting.shapes import model_shapes
 
     cfg = make_config("tiny").model
-    ops = micro_batch_ops(cfg, 2, 32, "fp32")
+    ops = micro_batch_ops(one_process_engine, cfg, 2, 32, "fp32")
     first = next(o for o in ops if o.op == "mm")
     m, k, n = first.shape[0], first.shape[2], first.shape[1]
     assert first.bytes == 4 * (m * k + k * n + m * n) and first.flops == 2 * m * n * k
@@ -111,7 +112,7 @@ def test_an_ops_bytes_are_its_tensors_sizes_and_adamw_makes_84_per_element():
     for shards in (1, 2):
         # the step counters (0-d tensors, 12 bytes a tensor) left out; each op's scalar operand is
         # one 0-d tensor of at most 8 bytes: the only slack allowed
-        update = [o for o in optimizer_ops(cfg, 2, 32, "fp32", shards=shards)
+        update = [o for o in optimizer_ops(one_process_engine, cfg, 2, 32, "fp32", shards=shards)
                   if o.kind == "foreach" and o.bytes / o.calls > 64 / shards]
         total = sum(o.bytes for o in update)
         assert 0 <= total - expected / shards <= 8 * len(update) / shards
@@ -162,9 +163,16 @@ def test_the_plan_prints_the_roofline_rows(capsys, tmp_path):
         assert row in out, row
 
 
+def datasheet_plan(cfg, setup: Setup, roof=None) -> dict:
+    """make_plan's plan with the roofline's step time, on `roof` or the datasheet's (`plan --roofline`)."""
+    plan = make_plan(cfg, setup, None if roof is None else ("this machine", 1e12, 2**34))
+    plan["roofline"] = plan_roofline(one_process_engine, cfg, setup, plan, strategy_of(setup), roof)
+    return plan
+
+
 def test_ddp_adds_communication_that_needs_a_measured_network():
     cfg = make_config("tiny").model
-    plan = make_plan(cfg, Setup(dp=2, parallel="ddp", hardware="h100-sxm"), datasheet_roofline=True)
+    plan = datasheet_plan(cfg, Setup(dp=2, parallel="ddp", hardware="h100-sxm"))
     assert plan["roofline"]["classes"]["communication"]["bytes"] == plan["communication"]["sent_bytes"]
     assert plan["roofline"]["classes"]["communication"]["seconds"] == 0  # a datasheet has no network figure
 
@@ -182,7 +190,7 @@ def test_the_end_of_run_table_sets_the_roofline_step_beside_the_measured_one():
     from tests.test_pipeline_accounting import fake_measurements
     from lmforge.train.summary import predicted_vs_measured
 
-    plan = make_plan(make_config("tiny").model, Setup(hardware="h100-sxm", mfu=1.0), datasheet_roofline=True)
+    plan = datasheet_plan(make_config("tiny").model, Setup(hardware="h100-sxm", mfu=1.0))
     run = dataclasses.replace(fake_measurements(plan), tokens_per_step=plan["setup"]["tokens_per_step"])
     rows = predicted_vs_measured(plan, run, tokens_per_s=1000.0)
     assert rows["step_seconds"] == {"predicted": plan["roofline"]["seconds_per_step"],
@@ -203,7 +211,7 @@ def test_a_deep_models_ops_come_from_two_shallow_traces_exactly(precision, optim
     cfg = dataclasses.replace(make_config("tiny").model, n_layers=5)
 
     def ops_of(c):
-        return [op_of(r) for r in trace_step(c, 2, 16, precision, "none", optimizer, 0, True)]
+        return [op_of(r) for r in trace_step(one_process_engine, c, 2, 16, precision, "none", optimizer, 0)]
 
     def totals(ops):
         out = {}
@@ -223,7 +231,8 @@ def test_a_deep_models_ops_come_from_two_shallow_traces_exactly(precision, optim
 _MODULES_OF_A_TRACE = """
 from lmforge.accounting.roofline.trace import record_step
 from lmforge.config import make_config
-print(repr([(r.op, r.module) for r in record_step(make_config("tiny").model, 2, 16)]))
+from lmforge.train.roofline import one_process_engine
+print(repr([(r.op, r.module) for r in record_step(one_process_engine, make_config("tiny").model, 2, 16)]))
 """
 
 
@@ -240,7 +249,7 @@ def test_each_op_is_its_innermost_modules_whatever_the_hash_seed():
 
     from lmforge.accounting.roofline.trace import record_step
 
-    records = record_step(make_config("tiny").model, 2, 16)
+    records = record_step(one_process_engine, make_config("tiny").model, 2, 16)
     ops = [r.op for r in records]
     forward = records[:ops.index("nll_loss_forward") + 1]  # the forward ends on the loss
     assert {r.op for r in forward if r.module == "Transformer.norm"} >= {"pow", "mean", "rsqrt", "mul"}

@@ -14,6 +14,7 @@ from lmforge.accounting.roofline.ops import Op, optimizer_phase_op, step_ops
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
+from lmforge.train.roofline import one_process_engine
 
 
 def _roof(**fields) -> Roof:
@@ -55,7 +56,7 @@ def test_the_step_charges_it_once_over_the_models_parameter_tensors(optimizer, c
     optimizer it is measured with, whose phase's operators then pay no launch of their own; another
     optimizer's operators keep theirs."""
     cfg = make_config("tiny", overrides=[f"optim.name={optimizer}"])
-    ops = step_ops(cfg.model, Setup.from_config(cfg), "none")
+    ops = step_ops(one_process_engine, cfg.model, Setup.from_config(cfg), "none")
     phases = [op for op in ops if op.kind == "phase"]
     tensors = len(list(Transformer(cfg.model).parameters()))
     assert tensors == len(model_shapes(cfg.model).parameter_shapes) == 20
