@@ -23,8 +23,9 @@ def cmd_prepare(args) -> int:
     cfg = make_config(args.model or DEFAULT_PRESET, args.config, args.overrides)
     data = prepare_data(cfg, progress=sys.stderr.isatty())  # no progress bar in a log
     meta = data.meta
+    splits = meta["splits"]
     print(f"{data.dir}: tokenizer.json ({meta['tokenizer_vocab_size']} tokens), "
-          f"train.bin ({meta['splits']['train']['tokens']:,} tokens), val.bin ({meta['splits']['val']['tokens']:,} tokens)")
+          f"train.bin ({splits['train']['tokens']:,} tokens), val.bin ({splits['val']['tokens']:,} tokens)")
     return 0
 
 
@@ -164,7 +165,8 @@ def cmd_export(args) -> int:
         print(f"{out}: a PEFT LoRA adapter; load it with peft.PeftModel.from_pretrained(<the base, exported with "
               f"--format hf from the base run>, {str(out)!r})")
     else:
-        print(f"{out}: a Hugging Face folder; load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+        print(f"{out}: a Hugging Face folder; load it with "
+              f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 

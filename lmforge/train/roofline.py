@@ -4,7 +4,7 @@ The roofline's trace runs the trainer's own model and step and the decoder's own
 tensors; accounting imports no training or generation code, so its callers (`lmforge plan
 --roofline`, bench/, the end of a run with train.roofline=true) hand these down.
 
-`end_of_run_roofline` is train.roofline's row: the step time the roofline predicts for the run,
+`add_roofline` is train.roofline's row: the step time the roofline predicts for the run,
 set beside the measured one in the summary. It runs after the last checkpoint is written, on a
 roof already cached by `lmforge plan --roofline X.png` (nothing is measured inside training).
 """
@@ -16,6 +16,7 @@ from lmforge.accounting.roofline.ops import predict_step
 from lmforge.accounting.roofline.shapes import cached_step_roof
 from lmforge.common.errors import warn
 from lmforge.parallel.engine import Engine
+from lmforge.train.measurements import plan_setup
 from lmforge.train.setup import build
 
 
@@ -35,12 +36,18 @@ def decode_step(model, batch: int, context: int):
     return lambda: sample_next(model(feed, kv_cache=cache, start_pos=context)[:, -1], temperature=0.0)
 
 
-def end_of_run_roofline(cfg, setup, device: torch.device) -> dict | None:
-    """plan["roofline"] of the run's `setup` (plan/make.py's) on the roof cached for `device`, or
-    None: no roof cached (one warning line saying how to cache one), or a setup not traced."""
-    roof = cached_step_roof(device, one_process_engine, cfg.model, setup)
-    if roof is None:
-        warn("train.roofline: no roofline is cached for this machine; run `lmforge plan --roofline X.png` "
-             "first (it measures and caches one)")
-        return None
-    return predict_step(one_process_engine, cfg.model, setup, roof, strategy_of(setup))
+def add_roofline(plan: dict, cfg, replicas: int, device: torch.device, estimate) -> None:
+    """train.roofline: plan["roofline"] of the run on the roof cached for `device`, after training;
+    no roof cached is one warning line saying how to cache one, a failure one line of `estimate`'s."""
+    def predicted():
+        setup = plan_setup(cfg, replicas)
+        roof = cached_step_roof(device, one_process_engine, cfg.model, setup)
+        if roof is None:
+            warn("train.roofline: no roofline is cached for this machine; run `lmforge plan --roofline X.png` "
+                 "first (it measures and caches one)")
+            return None
+        return predict_step(one_process_engine, cfg.model, setup, roof, strategy_of(setup))
+
+    result = estimate("the roofline's step time", predicted)
+    if result is not None:
+        plan["roofline"] = result
