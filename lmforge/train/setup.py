@@ -61,11 +61,11 @@ LoRA comes after precision and recomputation, not before:
 import torch
 import torch.nn as nn
 
-from lmforge.accounting.shapes import meta_model
 from lmforge.config import Config
 from lmforge.data.loader import check_windows
 from lmforge.common.errors import LmforgeError
 from lmforge.kernels import flash_triton
+from lmforge.model.meta import meta_model
 from lmforge.modes.attention import FLASH_BACKENDS
 from lmforge.interop.peft import load_peft_weights
 from lmforge.model.lora import apply_lora
@@ -99,7 +99,7 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     `tp_comm`: the Collectives of this rank's tensor-parallel group (step 1b); `cp_group`: its
     context-parallel group (step 1c)."""
     if torch.device(device).type == "meta":
-        model = meta_model(cfg.model)  # the accounting's own meta build: no initialisation to skip
+        model = meta_model(cfg.model)  # model/meta.py: shapes only, no initialisation to skip
     else:
         model = Transformer(cfg.model)
         if base_state is not None:
