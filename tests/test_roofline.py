@@ -12,8 +12,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lmforge.accounting import flops
 from lmforge.accounting.plan.make import Setup, make_plan, strategy_of
-from lmforge.accounting.roofline import Roof, interpolate, op_time, predict
-from lmforge.accounting.roofline.ops import Op, micro_batch_ops, optimizer_ops, plan_roofline
+from lmforge.accounting.hardware import ACCELERATORS
+from lmforge.accounting.roofline import Roof, datasheet_roof, interpolate, op_time, predict
+from lmforge.accounting.roofline.ops import Op, micro_batch_ops, optimizer_ops, predict_step
 from lmforge.cli import main
 from lmforge.config import Config, make_config
 from lmforge.optim.build import param_groups
@@ -166,7 +167,10 @@ def test_the_plan_prints_the_roofline_rows(capsys, tmp_path):
 def datasheet_plan(cfg, setup: Setup, roof=None) -> dict:
     """make_plan's plan with the roofline's step time, on `roof` or the datasheet's (`plan --roofline`)."""
     plan = make_plan(cfg, setup, None if roof is None else ("this machine", 1e12, 2**34))
-    plan["roofline"] = plan_roofline(one_process_engine, cfg, setup, plan, strategy_of(setup), roof)
+    if roof is None:
+        roof = datasheet_roof(setup.hardware, plan["time"]["peak_flops_per_device"],
+                              ACCELERATORS[setup.hardware].memory_bandwidth)
+    plan["roofline"] = predict_step(one_process_engine, cfg, setup, roof, strategy_of(setup))
     return plan
 
 

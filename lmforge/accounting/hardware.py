@@ -27,8 +27,6 @@ from pathlib import Path
 import torch
 
 TERA = 1e12
-
-
 MIB, GIB = 2**20, 2**30
 
 

@@ -180,7 +180,7 @@ class Cost:
 def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, float] | None = None) -> dict:
     """The plan as a JSON-ready dict. `this_machine` = (name, peak FLOP/s, memory bytes) is needed
     when setup.hardware is "this" (the caller measures it; accounting stays pure). The step time
-    from the roofline is opt-in, added by its callers (accounting/roofline/ops.py's plan_roofline)."""
+    from the roofline is opt-in, added by its callers (accounting/roofline/ops.py's predict_step)."""
     setup.validate(cfg)
     policy = setup.policy
     hardware_name, peak, device_memory = _hardware(setup, policy, this_machine)

@@ -111,15 +111,19 @@ class Machines:
         """The plan's step time by the roofline: on this machine's measured roof (roofline/measure.py)
         with the rates of the step's own matmul shapes (roofline/shapes.py), or a named accelerator's
         datasheet roof; --remeasure: the roof measured again once a plan, its step's shapes with it."""
+        from lmforge.accounting.hardware import ACCELERATORS
         from lmforge.accounting.plan.make import strategy_of
-        from lmforge.accounting.roofline.ops import plan_roofline
+        from lmforge.accounting.roofline import datasheet_roof
+        from lmforge.accounting.roofline.ops import predict_step
         from lmforge.accounting.roofline.shapes import this_step_roof
 
-        roof = None
         if setup.hardware == "this":
             remeasure, self.seen["roof"] = self.remeasure and "roof" not in self.seen, True
             roof = this_step_roof(self.device(), self.trace, cfg, setup, remeasure=remeasure)
-        return plan_roofline(self.trace, cfg, setup, plan, strategy_of(setup), roof)
+        else:
+            roof = datasheet_roof(setup.hardware, plan["time"]["peak_flops_per_device"],
+                                  ACCELERATORS[setup.hardware].memory_bandwidth)
+        return predict_step(self.trace, cfg, setup, roof, strategy_of(setup))
 
     @staticmethod
     def device():

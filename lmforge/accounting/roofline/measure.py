@@ -208,22 +208,22 @@ def _key(device: torch.device) -> str:
     return f"roofline v10|{device_name(device)}|torch {torch.__version__}"
 
 
-def this_roof(device: torch.device, remeasure: bool = False, store: bool = True, collective: dict | None = None) -> Roof:
-    """This machine's roof, from the cache unless `remeasure` (hardware.py's cache and its rules);
-    `collective` is measure_collective's result when launched under torchrun."""
-    return _roof(device, _measured(_key(device), "roof", lambda: measure_roof(device), remeasure, store), collective)
+def this_roof(device: torch.device, remeasure: bool = False, store: bool = True) -> Roof:
+    """This machine's roof, from the cache unless `remeasure` (hardware.py's cache and its rules); the
+    collectives are measured on a launched group apart (measure_collective: bench/step_time_dist.py)."""
+    return _roof(device, _measured(_key(device), "roof", lambda: measure_roof(device), remeasure, store))
 
 
 def cached_roof(device: torch.device) -> Roof | None:
-    """This machine's roof if the cache holds one (never measured here: a Trainer built directly,
-    as the tests build it, should not spend half a minute measuring), else None."""
+    """This machine's roof if the cache holds one (never measured here: the end of a training run
+    reads a roof, it never spends half a minute measuring one), else None."""
     fields = cached_field(_key(device), "roof")
     return _roof(device, fields) if isinstance(fields, dict) else None
 
 
-def _roof(device: torch.device, fields: dict, collective: dict | None = None) -> Roof:
+def _roof(device: torch.device, fields: dict) -> Roof:
     fields = {k: v for k, v in fields.items() if k != "measure_seconds"}
-    return Roof(name=f"this machine: {device_name(device)}", collective=collective or {}, **fields)
+    return Roof(name=f"this machine: {device_name(device)}", **fields)
 
 
 def measure_collective(group=None, sizes: tuple[int, ...] = (2**2, 2**19), repeats: int = 21) -> dict:

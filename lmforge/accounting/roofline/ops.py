@@ -15,11 +15,11 @@ model run on fake tensors of the real shapes), one Op per operator call.
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from lmforge.accounting import comm
-from lmforge.accounting.hardware import ACCELERATORS
-from lmforge.accounting.roofline import ITEMSIZE, datasheet_roof, predict, rate_dtype, rates_after
+from lmforge.accounting.roofline import ITEMSIZE, predict, rate_dtype, rates_after
 from lmforge.accounting.roofline.trace import Record, trace_step
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
@@ -184,7 +184,7 @@ def step_ops(build, cfg: ModelConfig, setup, strategy: str) -> list[Op]:
                           setup.loss_chunk_tokens, setup.fp32_attention) * setup.grad_accum
     if setup.grad_accum > 1:
         shapes = model_shapes(cfg).parameter_shapes
-        elements = sum(_numel(shape) for shape in shapes)
+        elements = sum(math.prod(shape) for shape in shapes)
         ops.append(Op("gradient accumulation", "norms/elementwise", "elementwise", 0.0,
                       3.0 * p.bytes.gradient * elements * (setup.grad_accum - 1), (),
                       len(shapes) * (setup.grad_accum - 1), p.param_dtype, "add_"))
@@ -226,13 +226,6 @@ def optimizer_phase_op(cfg: ModelConfig) -> Op:
               0.0, 0.0, (), tensors)
 
 
-def _numel(shape: tuple) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
-
-
 def traced(setup) -> bool:
     """Whether the trace covers `setup` (not yet: tensor, context or pipeline parallelism, LoRA, fp8)."""
     return not (setup.tp > 1 or setup.cp > 1 or setup.pp > 1 or setup.lora_rank is not None or setup.policy.fp8)
@@ -244,15 +237,6 @@ def predict_step(build, cfg: ModelConfig, setup, roof, strategy: str) -> dict | 
     if not traced(setup):
         return None
     return predict(step_roof(build, cfg, setup, roof), step_ops(build, cfg, setup, strategy), setup.tokens_per_step)
-
-
-def plan_roofline(build, cfg: ModelConfig, setup, plan: dict, strategy: str, roof=None) -> dict | None:
-    """plan["roofline"] of `plan` (make_plan's, of `setup`): predict_step on `roof` (this machine's,
-    measured) or, with none, on setup.hardware's datasheet roof (its peak, its bandwidth)."""
-    if roof is None:
-        roof = datasheet_roof(setup.hardware, plan["time"]["peak_flops_per_device"],
-                              ACCELERATORS[setup.hardware].memory_bandwidth)
-    return predict_step(build, cfg, setup, roof, strategy)
 
 
 def step_matmul_shapes(build, cfg: ModelConfig, setup) -> tuple:

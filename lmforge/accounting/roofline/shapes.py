@@ -82,11 +82,11 @@ def at_writes(rates: dict, after: float) -> dict:
 
 
 def this_step_roof(device: torch.device, build=None, cfg=None, setup=None, remeasure: bool = False,
-                   store: bool = True, collective: dict | None = None) -> Roof:
+                   store: bool = True) -> Roof:
     """This machine's roof (measure.this_roof) and, given a step (`build`: the trainer's engine, as
     trace.trace_step takes it; `cfg`: ModelConfig; `setup`: plan/make.py's Setup), the rates of its
     own matmul shapes after its writes, those not cached with the roof timed now (and cached, with `store`)."""
-    roof = this_roof(device, remeasure=remeasure, store=store, collective=collective)
+    roof = this_roof(device, remeasure=remeasure, store=store)
     shapes = step_matmul_shapes(build, cfg, setup) if cfg is not None else ()
     if not shapes:  # no step, or one the trace does not cover
         return roof
