@@ -36,6 +36,7 @@ from lmforge.config import make_config  # noqa: E402
 from lmforge.accounting.roofline.decode import predict_decode  # noqa: E402
 from lmforge.generate.sampling import KVCache, generate, sample_next  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
+from lmforge.train.roofline import decode_step  # noqa: E402
 
 
 def filled_cache(model: Transformer, batch: int, context: int, tokens: int) -> KVCache:

@@ -21,6 +21,7 @@ def main() -> None:
     from lmforge.accounting.roofline.measure import _roof, measure_roof
     from lmforge.accounting.roofline.ops import predict_step
     from lmforge.config import make_config
+    from lmforge.train.roofline import one_process_engine
 
     device = torch.device("cpu")
     cases = []
@@ -36,7 +37,8 @@ def main() -> None:
             p = predict_step(one_process_engine, cfg.model, setup, roof, "none")
             classes = p["classes"]
             rows.append(f"{name} {p['seconds_per_step'] * 1e3:.2f} ms (norms/elementwise "
-                        f"{classes['norms/elementwise']['seconds'] * 1e3:.2f}, matmuls {classes['matmuls']['seconds'] * 1e3:.2f})")
+                        f"{classes['norms/elementwise']['seconds'] * 1e3:.2f}, "
+                        f"matmuls {classes['matmuls']['seconds'] * 1e3:.2f})")
         print(f"roof {i} ({took:.0f} s): " + " | ".join(rows), flush=True)
 
 

@@ -154,14 +154,14 @@ def main() -> None:
     args = parse()
     import torch.distributed as dist
 
-    from lmforge.accounting.hardware import this_device
-    from lmforge.accounting.plan.make import Setup, make_plan
+    from lmforge.accounting.plan.make import Setup
     from lmforge.accounting.roofline.measure import measure_collective
     from lmforge.accounting.roofline.ops import predict_step
     from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.config import make_config
     from lmforge.modes.parallel import get_strategy
     from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.train.roofline import one_process_engine
 
     retain_freed_memory()
     dist.init_process_group("gloo")
@@ -176,9 +176,10 @@ def main() -> None:
         roof = this_step_roof(device, remeasure=args.remeasure)
         for model in args.models.split(","):
             for strategy in args.parallel.split(","):
-                cfg = make_config(model, overrides=[f"train.precision={args.precision}",
-                                                    f"train.batch_size={args.batch_size}", f"train.parallel={strategy}"])
-                roofs[model, strategy] = this_step_roof(device, one_process_engine, cfg.model, setup_of(cfg, strategy))
+                cfg = make_config(model, overrides=[f"train.precision={args.precision}", f"train.parallel={strategy}",
+                                                    f"train.batch_size={args.batch_size}"])
+                roofs[model, strategy] = this_step_roof(device, one_process_engine, cfg.model,
+                                                        setup_of(cfg, strategy))
     dist.barrier()
     collective = measure_collective()
     if rank == 0:
@@ -195,10 +196,10 @@ def main() -> None:
             if rank:
                 continue
             setup = setup_of(cfg, strategy)
-            name, peak, memory = this_device(setup.policy.matmul_dtype, device)
             measured_roof = dataclasses.replace(roofs[model, strategy], collective=collective)
-            predicted = make_plan(cfg.model, setup, (name, peak, memory), measured_roof)["roofline"]
-            grid = predict_step(one_process_engine, cfg.model, setup, dataclasses.replace(measured_roof, matmul_shapes={}), strategy)
+            predicted = predict_step(one_process_engine, cfg.model, setup, measured_roof, strategy)
+            grid_roof = dataclasses.replace(measured_roof, matmul_shapes={})
+            grid = predict_step(one_process_engine, cfg.model, setup, grid_roof, strategy)
             comm = predicted["classes"].get("communication", {}).get("seconds", 0.0)
             exposed = measured - alone
             print(f"{model:<8}{strategy:<9}{predicted['seconds_per_step'] * 1e3:>13.1f}{measured * 1e3:>12.1f}"
@@ -207,7 +208,8 @@ def main() -> None:
                   f"{grid['seconds_per_step'] / measured:>8.3f}")
             attribution.append(attribute(cfg, setup, measured_roof, strategy, held, exposed))
     if rank == 0:
-        print("\nthe exposed time by collective: priced (calls per step) against the time it held rank 0 in a step (median)")
+        print("\nthe exposed time by collective: priced (calls per step) against the time it held rank 0 in a "
+              "step (median)")
         for line in attribution:
             print(line)
     dist.destroy_process_group()
@@ -226,7 +228,8 @@ def attribute(cfg, setup, roof, strategy: str, held: dict, exposed: float) -> st
         name = "scalar_all_reduce" if "scalar" in op.name else op.op
         parts.append(f"{name} x{op.calls} {op_time(roof, op)['seconds'] * 1e3:.2f}/{held.get(name, 0.0) * 1e3:.2f} ms")
     rest = exposed - sum(held.values())
-    return f"  {cfg.model.n_layers}-layer {strategy:<6} " + ", ".join(parts) + f"; held by none of them {rest * 1e3:.2f} ms"
+    return (f"  {cfg.model.n_layers}-layer {strategy:<6} " + ", ".join(parts)
+            + f"; held by none of them {rest * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

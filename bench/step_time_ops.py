@@ -10,7 +10,8 @@ name, tensors, phase). The mode's own Python costs each operator a few microseco
 measured time (views and tiny ops read high); the first line gives the step's CPU time without it.
 Scratch for finding a class's miss; bench/RESULTS.md's figures come from step_time.py idle.
 
-    taskset -c 1 env OMP_NUM_THREADS=1 python bench/step_time_ops.py tiny fp32 [--batch-size 8] [--seq-len N] [--steps 3] [--ops]
+    taskset -c 1 env OMP_NUM_THREADS=1 python bench/step_time_ops.py tiny fp32 [--batch-size 8] [--seq-len N] \
+        [--steps 3] [--ops]
 """
 
 import argparse
@@ -68,12 +69,14 @@ def main() -> None:
     from step_time import build  # bench/step_time.py, beside this file (on the path: the script's folder)
     from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.train.roofline import one_process_engine
 
     retain_freed_memory()
     cfg, step = build(args.model, args.precision, args.batch_size, args.seq_len)
     # the roof and the step's own matmul calls, measured here (not cached), as predict_step prices them
-    roof = this_step_roof(torch.device("cpu"), one_process_engine, cfg.model, Setup.from_config(cfg), remeasure=True, store=False)
-    roof = step_roof(one_process_engine, cfg.model, Setup.from_config(cfg), roof)
+    setup = Setup.from_config(cfg)
+    roof = this_step_roof(torch.device("cpu"), one_process_engine, cfg.model, setup, remeasure=True, store=False)
+    roof = step_roof(one_process_engine, cfg.model, setup, roof)
     clock = _Clock(roof)
     register_optimizer_step_pre_hook(lambda *_: setattr(clock, "phase", "optimizer"))
     register_optimizer_step_post_hook(lambda *_: setattr(clock, "phase", "step"))

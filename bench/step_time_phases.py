@@ -60,13 +60,16 @@ def main() -> None:
     from step_time import build_parts  # bench/step_time.py, beside this file
     from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.train.host_memory import retain_freed_memory
-    from lmforge.train.loop import train_step
+    from lmforge.train.roofline import one_process_engine
+    from lmforge.train.step import train_step
 
     retain_freed_memory()
     cfg, engine, next_batch, scaler, policy, device = build_parts(args.model, args.precision, args.batch_size,
                                                                    args.seq_len)
     setup = Setup.from_config(cfg)
-    roof = step_roof(one_process_engine, cfg.model, setup, this_step_roof(torch.device("cpu"), one_process_engine, cfg.model, setup))  # as predict_step prices it
+    # as predict_step prices it
+    roof = step_roof(one_process_engine, cfg.model, setup,
+                     this_step_roof(torch.device("cpu"), one_process_engine, cfg.model, setup))
     steps = phases(engine, next_batch, cfg, scaler, policy, device)
     for _ in range(3):
         for _, thunk in steps:
