@@ -94,7 +94,8 @@ def test_a_decode_step_is_priced_at_the_rates_after_its_own_writes():
 
     cfg = make_config("tiny").model
     written = records_written(record_decode(decode_step, cfg, 8, 30))
-    assert written == records_written(record_decode(decode_step, cfg, 8, 30, fake=False))  # the fake trace's count is a real step's
+    # the fake trace's count is a real step's
+    assert written == records_written(record_decode(decode_step, cfg, 8, 30, fake=False))
     assert 2**16 < written < 2**21
     after = {"binary": [[1e3, 2.0**16, 8e9], [1e6, 2.0**16, 4e10], [1e3, 2.0**21, 1e9], [1e6, 2.0**21, 5e9]]}
     roof = dataclasses.replace(_roof(call=0.0), elementwise_ops_after=after, call_seconds=0.0)
@@ -102,8 +103,8 @@ def test_a_decode_step_is_priced_at_the_rates_after_its_own_writes():
     priced = dataclasses.replace(roof, elementwise_ops=rates_after(roof, written))
     ops = decode_ops(decode_step, cfg, 8, 30)
     assert predicted["seconds_per_step"] == pytest.approx(sum(op_time(priced, op)["seconds"] for op in ops), rel=1e-12)
-    at_edges = [sum(op_time(dataclasses.replace(roof, elementwise_ops=rates_after(roof, w)), op)["seconds"] for op in ops)
-                for w in (2.0**16, 2.0**21)]
+    at_edges = [sum(op_time(dataclasses.replace(roof, elementwise_ops=rates_after(roof, w)), op)["seconds"]
+                    for op in ops) for w in (2.0**16, 2.0**21)]
     assert at_edges[0] < predicted["seconds_per_step"] < at_edges[1]
 
 

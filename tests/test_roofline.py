@@ -43,7 +43,8 @@ def test_flops_by_class_sum_to_flops_py_and_to_flop_counter(overrides, seq_len):
     cfg = make_config("tiny", overrides=overrides + ["model.attention=naive"]).model
     batch = 2
     per_class = _by_class(micro_batch_ops(one_process_engine, cfg, batch, seq_len, "fp32"))
-    assert per_class["matmuls"] + per_class["attention"] == flops.training_flops_per_token(cfg, seq_len) * batch * seq_len
+    counted = flops.training_flops_per_token(cfg, seq_len) * batch * seq_len
+    assert per_class["matmuls"] + per_class["attention"] == counted
     assert per_class["norms/elementwise"] == per_class["loss"] == 0
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
     counter = FlopCounterMode(display=False)
@@ -185,7 +186,8 @@ def test_roofline_png_is_written_and_a_missing_folder_refused(tmp_path, capsys):
     out = tmp_path / "roof.png"
     assert main(["plan", "--model", "tiny", "--hardware", "h100-sxm", "--roofline", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["plan", "--model", "tiny", "--hardware", "h100-sxm", "--roofline", str(tmp_path / "no" / "r.png")]) == 2
+    missing = str(tmp_path / "no" / "r.png")
+    assert main(["plan", "--model", "tiny", "--hardware", "h100-sxm", "--roofline", missing]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lmforge: error: --roofline") and "does not exist" in err and err.count("\n") == 1
 

@@ -121,7 +121,8 @@ def test_written_bytes_extends_by_layer_exactly():
 
     cfg = dataclasses.replace(make_config("tiny").model, n_layers=5)
     setup = Setup(batch_size=2, seq_len=16)
-    direct = sum(_touched(t) for r in trace_step(one_process_engine, cfg, 2, 16, "fp32") if not r.is_view for t in r.outputs)
+    records = trace_step(one_process_engine, cfg, 2, 16, "fp32")
+    direct = sum(_touched(t) for r in records if not r.is_view for t in r.outputs)
     assert written_bytes(one_process_engine, cfg, setup) == direct
 
 

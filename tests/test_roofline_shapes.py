@@ -54,10 +54,12 @@ def test_the_steps_calls_are_its_distinct_matmuls_in_the_dtype_that_prices_them(
     setup = Setup.from_config(cfg)
     calls = step_matmul_shapes(one_process_engine, cfg.model, setup)
     traced = {("bfloat16", op.op, *op.shape, op.layout)
-              for op in micro_batch_ops(one_process_engine, cfg.model, setup.batch_size, setup.seq_len, "bf16-mixed") if op.layout}
+              for op in micro_batch_ops(one_process_engine, cfg.model, setup.batch_size, setup.seq_len, "bf16-mixed")
+              if op.layout}
     assert set(calls) == traced and len(calls) == len(set(calls))
     assert {c[-1] for c in calls} == {"nt", "nn", "tn"}
-    assert step_matmul_shapes(one_process_engine, cfg.model, dataclasses.replace(setup, tp=2)) == ()  # not traced: nothing to time
+    # not traced: nothing to time
+    assert step_matmul_shapes(one_process_engine, cfg.model, dataclasses.replace(setup, tp=2)) == ()
 
 
 def test_a_step_writing_past_the_cache_is_timed_cold_and_one_within_it_in_cache():
@@ -92,8 +94,8 @@ def test_each_call_is_timed_once_after_the_writes_and_one_the_grid_prices_too_lo
     wide = ("float32", "mm", 64, 2**22, 16, "nn")
     assert shapes.timed_rates(_roof(peak=1e15), (wide,), 2**16, CPU, {}) == {} and len(timed) == 4
     # the roof carries the step's rates by call, those after its own writes
-    assert shapes.at_writes(again, 2**20) == {"float32": {"mm 64x32x16 nt": again["float32"]["mm 64x32x16 nt after 1048576"]},
-                                              "bfloat16": {}}
+    after = again["float32"]["mm 64x32x16 nt after 1048576"]
+    assert shapes.at_writes(again, 2**20) == {"float32": {"mm 64x32x16 nt": after}, "bfloat16": {}}
 
 
 def test_the_rates_are_cached_with_their_roof_and_measured_again_with_it(monkeypatch, tmp_path):
@@ -110,7 +112,7 @@ def test_the_rates_are_cached_with_their_roof_and_measured_again_with_it(monkeyp
     setup = Setup.from_config(cfg)
     calls = step_matmul_shapes(one_process_engine, cfg.model, setup)
 
-    assert shapes.cached_step_roof(CPU, one_process_engine, cfg.model, setup) is None  # nothing cached: nothing measured
+    assert shapes.cached_step_roof(CPU, one_process_engine, cfg.model, setup) is None  # nothing cached or measured
     first = shapes.this_step_roof(CPU, one_process_engine, cfg.model, setup)
     assert len(roofs) == 1 and len(timed) == len(calls)
     assert sum(len(by_key) for by_key in first.matmul_shapes.values()) == len(calls)

@@ -34,7 +34,8 @@ COLD = {"binary": [[1e3, 1e9], [1e6, 5e9]]}
 
 
 def test_a_grid_point_reads_its_measured_rates():
-    assert rates_after(_roof(AFTER, COLD), 8 * MIB) == {"binary": [[1e3, pytest.approx(2e9)], [1e6, pytest.approx(1e10)]]}
+    assert rates_after(_roof(AFTER, COLD), 8 * MIB) == {"binary": [[1e3, pytest.approx(2e9)],
+                                                                   [1e6, pytest.approx(1e10)]]}
 
 
 def test_between_two_ws_the_rate_is_interpolated_in_log_w():
@@ -63,12 +64,12 @@ def test_the_step_is_priced_at_the_rates_after_its_own_writes():
         assert step_roof(one_process_engine, cfg.model, setup, roof).elementwise_ops == rates_after(roof, written)
         expected = dataclasses.replace(roof, elementwise_ops=rates_after(roof, written), elementwise_ops_after={})
         got = predict_step(one_process_engine, cfg.model, setup, roof, "none")
-        assert got["seconds_per_step"] == pytest.approx(predict_step(one_process_engine, cfg.model, setup, expected, "none")["seconds_per_step"],
-                                                        rel=1e-12)
+        want = predict_step(one_process_engine, cfg.model, setup, expected, "none")["seconds_per_step"]
+        assert got["seconds_per_step"] == pytest.approx(want, rel=1e-12)
         if written_over:  # past the grid: the cold rates, as before the grid existed
             old = dataclasses.replace(roof, elementwise_ops_after={})
-            assert got["seconds_per_step"] == pytest.approx(predict_step(one_process_engine, cfg.model, setup, old, "none")["seconds_per_step"],
-                                                            rel=1e-12)
+            want = predict_step(one_process_engine, cfg.model, setup, old, "none")["seconds_per_step"]
+            assert got["seconds_per_step"] == pytest.approx(want, rel=1e-12)
 
 
 def test_a_roof_without_the_grid_keeps_its_rates():

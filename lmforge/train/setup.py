@@ -54,8 +54,8 @@ LoRA comes after precision and recomputation, not before:
   - recomputation wraps whole blocks or attention cores, which contain the linears: an adapter
     placed inside a recomputed block afterwards is recomputed with it, so nothing is lost by
     wrapping later, and names stay canonical either way (both wrappers drop their segment);
-  - before compile (which traces the adapters with the block) and data parallelism, which must see the final set of trainable parameters (it reduces
-    the gradients of those alone).
+  - before compile (which traces the adapters with the block) and data parallelism, which must see
+    the final set of trainable parameters (it reduces the gradients of those alone).
 """
 
 import torch

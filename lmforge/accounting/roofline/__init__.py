@@ -14,8 +14,9 @@ import math
 from dataclasses import dataclass, field
 
 CLASSES = ("matmuls", "attention", "norms/elementwise", "loss", "optimizer", "communication")
+# bytes per element, by the trace's dtype names
 ITEMSIZE = {"float64": 8, "float32": 4, "int64": 8, "int32": 4, "bfloat16": 2, "float16": 2, "bool": 1,
-            "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}  # bytes per element, by the trace's dtype names
+            "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,10 @@ class Roof:
     # {"latency_s", "bytes_per_second"} of all-reduce, and "operators": {operator: the same} of
     # all_reduce, reduce_scatter and all_gather, if measured (under torchrun: measure_collective)
     collective: dict = field(default_factory=dict)
-    cache_bytes: float = 0.0  # the cache operands stay in between operators (a CPU's last level, a GPU's L2; 0: unknown)
-    cache_shared: bool = False  # True: every rank on the machine writes into it (a CPU's last level; a GPU's L2 is its own)
+    # the cache operands stay in between operators (a CPU's last level, a GPU's L2; 0: unknown), and whether
+    # every rank on the machine writes into it (a CPU's last level; a GPU's L2 is its own)
+    cache_bytes: float = 0.0
+    cache_shared: bool = False
     # {"sdpa_forward" | "sdpa_backward": {dtype: seconds}}: one SDPA call's fixed cost, its
     # launch included, whatever its batch x heads (the sdpa grids then hold the work's rate)
     sdpa_call_seconds: dict = field(default_factory=dict)

@@ -87,7 +87,7 @@ def measure_sdpa(device: torch.device) -> tuple[dict, dict, dict]:
     forward, backward, fixed = {}, {}, {"sdpa_forward": {}, "sdpa_backward": {}}
     t0, d0 = SDPA_SEQ[0], SDPA_HEAD_DIMS[0]
     for name, dtype in DTYPES.items():
-        few, many = _sdpa_seconds(SDPA_BATCH_HEADS, t0, d0, dtype, device), _sdpa_seconds(4 * SDPA_BATCH_HEADS, t0, d0, dtype, device)
+        few, many = (_sdpa_seconds(heads, t0, d0, dtype, device) for heads in (SDPA_BATCH_HEADS, 4 * SDPA_BATCH_HEADS))
         costs = [max((4 * a - b) / 3, 0.0) for a, b in zip(few, many)]
         fixed["sdpa_forward"][name], fixed["sdpa_backward"][name] = costs
         forward[name], backward[name] = [], []
@@ -95,7 +95,8 @@ def measure_sdpa(device: torch.device) -> tuple[dict, dict, dict]:
             for d in SDPA_HEAD_DIMS:
                 flops = 4 * SDPA_BATCH_HEADS * t * t * d
                 seconds = _sdpa_seconds(SDPA_BATCH_HEADS, t, d, dtype, device)
-                for grid, work, s, c in ((forward, flops, seconds[0], costs[0]), (backward, 2 * flops, seconds[1], costs[1])):
+                for grid, work, s, c in ((forward, flops, seconds[0], costs[0]),
+                                         (backward, 2 * flops, seconds[1], costs[1])):
                     grid[name].append([t, d, work / max(s - c, s / 2)])  # the work at least half of a call
     return forward, backward, fixed
 
@@ -186,7 +187,8 @@ def measure_roof(device: torch.device) -> dict:
         call, foreach = measure_launch(device)
         cache = cache_bytes(device)
         cold = measure_elementwise_ops(device, cold_writes(cache))
-        return {"optimizer_phase": measure_optimizer_phase(device), "bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
+        return {"optimizer_phase": measure_optimizer_phase(device), "bandwidth": measure_copy_bandwidth(device),
+                "matmul": measure_matmuls(device),
                 "sdpa_forward": forward, "sdpa_backward": backward,
                 "sdpa_call_seconds": sdpa_call, "elementwise": measure_elementwise(device, cold_writes(cache)),
                 "elementwise_ops": cold, "cache_bytes": cache, "cache_shared": device.type == "cpu",
@@ -197,9 +199,11 @@ def measure_roof(device: torch.device) -> dict:
 
 def _key(device: torch.device) -> str:
     # v2: the per-family elementwise rates and the per-dispatched-call launch cost; v3: SDPA's
-    # backward timed alone, elementwise rates on operands out of cache, the vector_norm and binary_inplace families, SDPA's fixed cost (an older cached roof, without them, is measured again rather than read)
+    # backward timed alone, elementwise rates on operands out of cache, the vector_norm and binary_inplace
+    # families, SDPA's fixed cost (an older cached roof, without them, is measured again rather than read)
     # v4: the launch cost per operator of a minimal model's step, views alike (a chain of adds paid less)
-    # v6: the optimizer phase's fixed cost measured whole (optimizer_phase; a v5 roof of this branch held an earlier form of it)
+    # v6: the optimizer phase's fixed cost measured whole (optimizer_phase; a v5 roof of this branch held an
+    # earlier form of it)
     # v7: the families after W bytes of other writes (elementwise_ops_after) in place of the warm rates
     # v8: elementwise_ops_after also after 64 KiB and 2 MiB of writes (a decode step's, in a core's own caches);
     # the gelu and gelu_backward families; v9: the elementwise rates the best of 9 calls, not 3;
@@ -238,7 +242,8 @@ def measure_collective(group=None, sizes: tuple[int, ...] = (2**2, 2**19), repea
     import torch.distributed as dist
 
     ranks = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     calls = {
         "all_reduce": (2, lambda full, shard: dist.all_reduce(full, group=group)),
         "reduce_scatter": (1, lambda full, shard: dist.reduce_scatter_single(shard, full, group=group)),
@@ -250,7 +255,8 @@ def measure_collective(group=None, sizes: tuple[int, ...] = (2**2, 2**19), repea
         for n in sizes:
             full = torch.ones(n * ranks, device=device)  # a multiple of the ranks: the shards are whole
             shard = torch.ones(n, device=device)
-            for _ in range(3):  # warm-up: connection set-up (with one, a 16 B all-reduce's median of 9 once read 3.2 ms, 10x its usual)
+            # warm-up: connection set-up (with one, a 16 B all-reduce's median of 9 once read 3.2 ms, 10x its usual)
+            for _ in range(3):
                 call(full, shard)
             times = []
             for _ in range(repeats):

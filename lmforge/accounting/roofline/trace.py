@@ -137,7 +137,8 @@ class _Recorder(TorchDispatchMode):
 
 
 def trace_step(build, cfg: ModelConfig, batch: int, seq_len: int, precision: str = "fp32", recompute: str = "none",
-               optimizer: str = "adamw", loss_chunk_tokens: int = 0, fp32_attention: bool = False) -> tuple[Record, ...]:
+               optimizer: str = "adamw", loss_chunk_tokens: int = 0,
+               fp32_attention: bool = False) -> tuple[Record, ...]:
     """The aten operators of one micro-batch's forward + backward and one clip + optimizer step
     (the second step's: AdamW's moments exist by then, as in every step of a run but the first),
     cached by its arguments (a ModelConfig is not hashable: by its repr). `build(cfg: Config)` is
@@ -160,8 +161,8 @@ def record_step(build, cfg: ModelConfig, batch: int, seq_len: int, precision: st
     policy = get_policy(precision)
     # a plan may ask for a longer sequence than the config's context (the accounting allows it)
     full = Config(model=dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq_len)))
-    full.optim.name, t = optimizer, full.train
-    t.precision, t.recompute, t.loss_chunk_tokens, t.fp32_attention = precision, recompute, loss_chunk_tokens, fp32_attention
+    full.optim.name, full.train.precision, full.train.recompute = optimizer, precision, recompute
+    full.train.loss_chunk_tokens, full.train.fp32_attention = loss_chunk_tokens, fp32_attention
     fake = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with fake:  # the optimizer makes its state in its first step, outside: its step counters real tensors
         engine = build(full)
