@@ -22,6 +22,7 @@ from lmforge.accounting.measure import measure_saved_bytes
 from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
 from lmforge.accounting.scaling import predicted_loss, read_fit
 from lmforge.accounting.shapes import model_shapes
+from lmforge.common.errors import LmforgeError
 from lmforge.config import Config
 from lmforge.modes.parallel import get_strategy
 from lmforge.parallel.mesh import hybrid_replicate
@@ -78,9 +79,11 @@ class RunMeasurements:
 def estimate(what: str, fn, warn):
     """`fn()` of an estimator or a report (the plan, the summary's comparison with it, the scaling
     fit's loss, the roofline): an accounting bug must never stop training, so any exception it
-    raises is one `warn` line, naming it, and None."""
+    raises is one `warn` line, naming it, and None. Bad input (LmforgeError) still stops with its line."""
     try:
         return fn()
+    except LmforgeError:
+        raise
     except Exception as err:  # noqa: BLE001 - whatever it is, the run goes on without that figure
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         warn(f"{what} failed ({type(err).__name__}{': ' + first if first else ''}); the run goes on without it")
