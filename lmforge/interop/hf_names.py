@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lmforge.accounting.shapes import meta_model
 from lmforge.common.errors import LmforgeError
 from lmforge.config import ModelConfig
+from lmforge.model.meta import meta_model
 
 
 @dataclass(frozen=True)

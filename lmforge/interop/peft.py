@@ -26,11 +26,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lmforge.accounting.shapes import meta_model
 from lmforge.common.errors import LmforgeError
 from lmforge.config import ModelConfig
 from lmforge.interop.hf_names import LAYOUTS, hf_module, lmforge_modules
 from lmforge.model.lora import adapter_state_dict, apply_lora, has_lora, load_adapter_state_dict
+from lmforge.model.meta import meta_model
 from lmforge.parallel.tp_lora import adapter_slices
 
 PREFIX = "base_model.model."

@@ -54,18 +54,18 @@ LoRA comes after precision and recomputation, not before:
   - recomputation wraps whole blocks or attention cores, which contain the linears: an adapter
     placed inside a recomputed block afterwards is recomputed with it, so nothing is lost by
     wrapping later, and names stay canonical either way (both wrappers drop their segment);
-  - before compile (which traces the adapters with the block) and data parallelism, which must see the final set of trainable parameters (it reduces
-    the gradients of those alone).
+  - before compile (which traces the adapters with the block) and data parallelism, which must see
+    the final set of trainable parameters (it reduces the gradients of those alone).
 """
 
 import torch
 import torch.nn as nn
 
-from lmforge.accounting.shapes import meta_model
 from lmforge.config import Config
 from lmforge.data.loader import check_windows
 from lmforge.common.errors import LmforgeError
 from lmforge.kernels import flash_triton
+from lmforge.model.meta import meta_model
 from lmforge.modes.attention import FLASH_BACKENDS
 from lmforge.interop.peft import load_peft_weights
 from lmforge.model.lora import apply_lora
@@ -99,7 +99,7 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     `tp_comm`: the Collectives of this rank's tensor-parallel group (step 1b); `cp_group`: its
     context-parallel group (step 1c)."""
     if torch.device(device).type == "meta":
-        model = meta_model(cfg.model)  # the accounting's own meta build: no initialisation to skip
+        model = meta_model(cfg.model)  # model/meta.py: shapes only, no initialisation to skip
     else:
         model = Transformer(cfg.model)
         if base_state is not None:
@@ -109,7 +109,9 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
         apply_tensor_parallel(model, tp_comm, cfg.parallel.sequence_parallel)
     if cp_group is not None:
         apply_context_parallel(model, cp_group).shard_every_forward(model)
-    if on_device and stage is None:
+    # made where it trains already (the CPU), it is not moved: the roofline's trace builds it on fake
+    # tensors (accounting/roofline/trace.py), which torch cannot move
+    if on_device and stage is None and torch.device(device) != next(model.parameters()).device:
         model.to(device)
     prepare_model(model, policy, fp32_attention=cfg.train.fp32_attention,
                   fp8_scaling=cfg.train.fp8_scaling)

@@ -14,8 +14,6 @@ from lmforge.accounting import comm, flops, memory
 from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak, check_hardware
 from lmforge.accounting.optimizers import OPTIMIZERS
 from lmforge.accounting.pipeline import rank_chunks, stage_communication
-from lmforge.accounting.roofline import datasheet_roof
-from lmforge.accounting.roofline_ops import predict_step
 from lmforge.accounting.plan.context_parallel import (check_context_parallel, context_parallel_section, local_tokens,
                                                       ring_bytes_per_step, sequence_shards, shard_activations)
 from lmforge.accounting.plan.pipeline import pipeline_plan, rank_parameters, stage_tensor_parallel
@@ -179,14 +177,10 @@ class Cost:
     largest_shapes: tuple | None = None  # the parameters of the largest stage (None: the whole model)
 
 
-def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, float] | None = None,
-              roof=None, datasheet_roofline: bool = False) -> dict:
+def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, float] | None = None) -> dict:
     """The plan as a JSON-ready dict. `this_machine` = (name, peak FLOP/s, memory bytes) is needed
-    when setup.hardware is "this" (the caller measures it; accounting stays pure), and `roof`
-    (roofline.Roof, measured) for its step time from the roofline. A named accelerator's roofline
-    is its datasheet's, with `datasheet_roofline` only (`plan --roofline`): the step's trace
-    (roofline_trace.py) takes seconds, where a plan of a named accelerator otherwise answers in
-    a fraction of one."""
+    when setup.hardware is "this" (the caller measures it; accounting stays pure). The step time
+    from the roofline is opt-in, added by its callers (accounting/roofline/ops.py's predict_step)."""
     setup.validate(cfg)
     policy = setup.policy
     hardware_name, peak, device_memory = _hardware(setup, policy, this_machine)
@@ -216,11 +210,6 @@ def make_plan(cfg: ModelConfig, setup: Setup, this_machine: tuple[str, float, fl
         plan["pipeline"] = cost.pipeline
     if setup.cp > 1:
         plan["context_parallel"] = context_parallel_section(cfg, setup, step_flops)
-    if setup.hardware != "this" and datasheet_roofline:
-        roof = datasheet_roof(setup.hardware, peak, ACCELERATORS[setup.hardware].memory_bandwidth)
-    predicted = predict_step(cfg, setup, roof, strategy_of(setup)) if roof is not None else None
-    if predicted is not None:
-        plan["roofline"] = predicted
     return plan
 
 

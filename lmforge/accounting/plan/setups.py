@@ -31,8 +31,10 @@ def option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def plan_setups(cfg: Config, args) -> tuple[list[dict], list[str], str]:
-    """(plans, the options that vary across them, a note from --solve) for `lmforge plan`'s args."""
+def plan_setups(cfg: Config, args, trace=None) -> tuple[list[dict], list[str], str]:
+    """(plans, the options that vary across them, a note from --solve) for `lmforge plan`'s args;
+    with `trace` (the trainer's one-process engine, built for roofline/trace.py) each training plan's
+    step time by the roofline too (--roofline)."""
     wrong = INFERENCE_ONLY if not args.inference else TRAINING_ONLY
     given = [name for name in wrong if getattr(args, name) is not None]
     if given:
@@ -50,7 +52,7 @@ def plan_setups(cfg: Config, args) -> tuple[list[dict], list[str], str]:
         if seq_len > cfg.model.max_seq_len:
             raise LmforgeError(f"--seq-len {seq_len} is beyond the model's {cfg.model.max_seq_len} positions: "
                                f"lower it, or add model.max_seq_len={seq_len}")
-    machines = Machines(args.remeasure)
+    machines = Machines(args.remeasure, trace)
     plans = [_plan(cfg, args, dict(zip(lists, values)), machines) for values in itertools.product(*lists.values())]
     note = ""
     if args.solve:
@@ -86,8 +88,8 @@ def _lists(args) -> dict[str, list]:
 class Machines:
     """This machine's measured peak (per matmul dtype) and memory bandwidth, measured once each."""
 
-    def __init__(self, remeasure: bool):
-        self.remeasure, self.seen = remeasure, {}
+    def __init__(self, remeasure: bool, trace=None):
+        self.remeasure, self.seen, self.trace = remeasure, {}, trace
 
     def training(self, dtype: str) -> tuple[str, float, int]:
         from lmforge.accounting.hardware import this_device
@@ -105,14 +107,23 @@ class Machines:
             self.seen["inference", weights] = (f"this machine: {name}", peak, memory, bandwidth)
         return self.seen["inference", weights]
 
-    def roof(self, cfg, setup):
-        """This machine's measured roofline (roofline_measure.py) with the rates of the step's own
-        matmul shapes (roofline_shapes.py), for the plan's step time; --remeasure: the roof measured
-        again once a plan, its step's shapes timed again with it."""
-        from lmforge.accounting.roofline_shapes import this_step_roof
+    def roofline(self, cfg, setup, plan: dict) -> dict | None:
+        """The plan's step time by the roofline: on this machine's measured roof (roofline/measure.py)
+        with the rates of the step's own matmul shapes (roofline/shapes.py), or a named accelerator's
+        datasheet roof; --remeasure: the roof measured again once a plan, its step's shapes with it."""
+        from lmforge.accounting.hardware import ACCELERATORS
+        from lmforge.accounting.plan.make import strategy_of
+        from lmforge.accounting.roofline import datasheet_roof
+        from lmforge.accounting.roofline.ops import predict_step
+        from lmforge.accounting.roofline.shapes import this_step_roof
 
-        remeasure, self.seen["roof"] = self.remeasure and "roof" not in self.seen, True
-        return this_step_roof(self.device(), cfg, setup, remeasure=remeasure)
+        if setup.hardware == "this":
+            remeasure, self.seen["roof"] = self.remeasure and "roof" not in self.seen, True
+            roof = this_step_roof(self.device(), self.trace, cfg, setup, remeasure=remeasure)
+        else:
+            roof = datasheet_roof(setup.hardware, plan["time"]["peak_flops_per_device"],
+                                  ACCELERATORS[setup.hardware].memory_bandwidth)
+        return predict_step(self.trace, cfg, setup, roof, strategy_of(setup))
 
     @staticmethod
     def device():
@@ -143,11 +154,15 @@ def _plan(cfg: Config, args, chosen: dict, machines: Machines) -> dict:
                                   price_per_hour=args.price_per_hour, reserve_bytes=args.reserve * 2**30,
                                   lora_rank=args.lora_rank, lora_targets=args.lora_targets)
         setup.validate(cfg.model)
-        machine = roof = None
+        machine = None
         if setup.hardware == "this":
             name, peak, memory = machines.training(setup.policy.matmul_dtype)
-            machine, roof = (f"this machine: {name}", peak, memory), machines.roof(cfg.model, setup)
-        return make_plan(cfg.model, setup, machine, roof, datasheet_roofline=bool(getattr(args, "roofline", None)))
+            machine = (f"this machine: {name}", peak, memory)
+        plan = make_plan(cfg.model, setup, machine)
+        predicted = machines.roofline(cfg.model, setup, plan) if machines.trace is not None else None
+        if predicted is not None:
+            plan["roofline"] = predicted
+        return plan
     except ValueError as err:
         raise LmforgeError(str(err)) from None
 
