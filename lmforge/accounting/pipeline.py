@@ -34,7 +34,7 @@ first stage also the token (and learned position) embeddings, the last the final
 and loss; with tied embeddings the first and the last stage each hold a full copy of the shared
 matrix. Pipelines replicate whole stages for data parallelism, DDP-style or with ZeRO-1 (each
 stage's optimizer states sharded over its replicas); ZeRO-2, ZeRO-3 and FSDP do not combine
-(parallel/pipeline/replicas.py says why).
+(config/rules.py's PIPELINE_REFUSED says why).
 """
 
 import bisect

@@ -168,8 +168,7 @@ def _check_world_degrees(cfg, world: int) -> None:
     _check_degrees(cfg, mesh_degrees(cfg, world))
 
 
-# why each strategy a pipeline's replicas cannot take is refused (parallel/pipeline/replicas.py says
-# more): a pipeline step runs one backward per micro-batch (m of them); the rest are STAGE_REPLICAS
+# why each strategy a pipeline's replicas cannot take is refused: a pipeline step runs one backward per micro-batch (m of them); the rest are STAGE_REPLICAS
 PIPELINE_REFUSED = {
     "zero2": "ZeRO-2 would reduce-scatter each gradient m times a step, or keep it whole (ZeRO-1's memory)",
     "zero3": "ZeRO-3 would gather each block 2m times a step, not 2, or keep it gathered",
@@ -278,7 +277,7 @@ CP_REFUSED = {
 
 def _check_context_parallel(cfg, world: int | None) -> None:
     """parallel.cp > 1: world = dp replicas x cp ranks (parallel/mesh.py), gradients reduced over
-    them by a data-parallel strategy (parallel/cp_engine.py), sequences long enough to shard."""
+    them by a data-parallel strategy (parallel/engine.py, over the dp x cp group), sequences long enough to shard."""
     cp = cfg.parallel.cp
     if world is None:
         _refuse(f"parallel.cp={cp} needs {cp} processes per model replica: launch with torchrun "
