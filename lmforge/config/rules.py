@@ -168,7 +168,8 @@ def _check_world_degrees(cfg, world: int) -> None:
     _check_degrees(cfg, mesh_degrees(cfg, world))
 
 
-# why each strategy a pipeline's replicas cannot take is refused: a pipeline step runs one backward per micro-batch (m of them); the rest are STAGE_REPLICAS
+# why each strategy a pipeline's replicas cannot take is refused: a pipeline step runs one backward
+# per micro-batch (m of them); the rest are STAGE_REPLICAS
 PIPELINE_REFUSED = {
     "zero2": "ZeRO-2 would reduce-scatter each gradient m times a step, or keep it whole (ZeRO-1's memory)",
     "zero3": "ZeRO-3 would gather each block 2m times a step, not 2, or keep it gathered",
