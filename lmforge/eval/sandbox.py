@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,8 +79,8 @@ def interpreter() -> tuple[str, bool]:
     own; then the system's, if `nobody` may run it; else this one as root (no process limit)."""
     if os.getuid() != 0:
         return sys.executable, False
-    for candidate in (sys.executable, shutil.which("python3") or ""):
-        if candidate and others_may_run(candidate):
+    for candidate in (sys.executable, shutil.which("python3") or "", "/usr/bin/python3", "/usr/local/bin/python3"):
+        if candidate and Path(candidate).exists() and others_may_run(candidate):
             return candidate, True
     return sys.executable, False
 
@@ -124,12 +125,24 @@ def run_program(code: str, timeout: float = 10.0, memory_mb: int = 1024, process
     return outcome
 
 
+def run_programs(codes: list[str], workers: int = 4, **limits_) -> list[Outcome]:
+    """run_program on each of `codes`, `workers` at a time (each in its own sandbox)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda code: run_program(code, **limits_), codes))
+
+
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the program's whole process group, and reap the program."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """SIGKILL the program's whole process group until none of it is left (a process forked while the
+    signal went out joins the group too), and reap the program."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            break
+        proc.poll()
+        time.sleep(0.01)
     proc.wait()
 
 
