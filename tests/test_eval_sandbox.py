@@ -78,17 +78,13 @@ def test_a_forked_child_that_leaves_the_group_is_killed_too():
 
 
 def check_human_eval(problems: list[dict]) -> None:
+    """About 10 s for all 164 of each on a 2-core machine: in the default suite."""
     canonical = run_programs([code_program("codex_humaneval", p["canonical_solution"], p) for p in problems])
     empty = run_programs([code_program("codex_humaneval", "", p) for p in problems])
     assert [p["task_id"] for p, o in zip(problems, canonical) if not o.passed] == []
     assert [p["task_id"] for p, o in zip(problems, empty) if o.passed] == []
 
 
-def test_human_eval_canonical_solutions_pass_and_empty_bodies_fail_first_twenty():
-    check_human_eval(human_eval()[:20])
-
-
-@pytest.mark.slow
 def test_human_eval_canonical_solutions_pass_164_of_164_and_empty_bodies_none():
     problems = human_eval()
     assert len(problems) == 164
