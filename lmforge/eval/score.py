@@ -50,11 +50,14 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def score_alone(model, context: list[int], continuation: list[int]) -> float:
-    """log p(continuation | context) on lm-eval's window: the last max_seq_len + 1 tokens, less the last."""
+    """log p(continuation | context) on lm-eval's window: the last max_seq_len + 1 tokens, less the last.
+    A continuation longer than the model's positions (lm-eval refuses it) has its last max_seq_len
+    tokens scored."""
     window = (context + continuation)[-(model.cfg.max_seq_len + 1):]
+    scored = continuation[-(len(window) - 1):]
     device = next(model.parameters()).device
-    logits = model(torch.tensor([window[:-1]], device=device))[0, -len(continuation):]
-    return float(token_logprobs(logits, torch.tensor(continuation, device=device)).sum())
+    logits = model(torch.tensor([window[:-1]], device=device))[0, -len(scored):]
+    return float(token_logprobs(logits, torch.tensor(scored, device=device)).sum())
 
 
 @torch.no_grad()
