@@ -39,6 +39,7 @@ _socket.socket = _socket.create_connection = _socket.socketpair = _no_network
 del _socket, _no_network
 '''
 NOBODY = 65534
+UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
 
 
 @dataclass
@@ -53,13 +54,11 @@ def namespaces() -> bool:
     if shutil.which("unshare") is None:
         return False
     try:
-        done = subprocess.run([*UNSHARE, "true"], capture_output=True, timeout=10, preexec_fn=limits(256, 5, 8, interpreter()[1]))
+        done = subprocess.run([*UNSHARE, "true"], capture_output=True, timeout=10,
+                              preexec_fn=limits(256, 5, 8, interpreter()[1]))
     except (OSError, subprocess.SubprocessError):
         return False
     return done.returncode == 0
-
-
-UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
 
 
 def network_isolation() -> str:

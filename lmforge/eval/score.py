@@ -48,6 +48,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def tail_logits(model, tokens: torch.Tensor, last: int, kv_cache=None) -> torch.Tensor:
+    """The logits of the last `last` positions only: the LM head is not run over a whole context
+    (at a 128k vocabulary, 2,000 positions of fp32 logits would be 1 GB)."""
+    hidden = model.run_blocks(model.embed(tokens), kv_cache)
+    return model.head(hidden[:, -last:])
+
+
 @torch.no_grad()
 def score_alone(model, context: list[int], continuation: list[int]) -> float:
     """log p(continuation | context) on lm-eval's window: the last max_seq_len + 1 tokens, less the last.
@@ -56,7 +63,7 @@ def score_alone(model, context: list[int], continuation: list[int]) -> float:
     window = (context + continuation)[-(model.cfg.max_seq_len + 1):]
     scored = continuation[-(len(window) - 1):]
     device = next(model.parameters()).device
-    logits = model(torch.tensor([window[:-1]], device=device))[0, -len(scored):]
+    logits = tail_logits(model, torch.tensor([window[:-1]], device=device), len(scored))[0]
     return float(token_logprobs(logits, torch.tensor(scored, device=device)).sum())
 
 
@@ -66,7 +73,7 @@ def score_shared(model, context: list[int], continuations: list[list[int]]) -> l
     device = next(model.parameters()).device
     longest = max(len(c) for c in continuations)
     one = KVCache.for_model(model, len(context))
-    last = model(torch.tensor([context], device=device), kv_cache=one)[0, -1]  # predicts each first token
+    last = tail_logits(model, torch.tensor([context], device=device), 1, one)[0, -1]  # predicts each first token
     first = torch.tensor([c[0] for c in continuations], device=device)
     scores = token_logprobs(last.expand(len(continuations), -1), first)
     if longest > 1:  # the rest: every choice's tokens but its last, one row each, from position len(context)
