@@ -72,3 +72,30 @@ def test_a_damaged_request_file_is_one_line(llama_folder, tmp_path, monkeypatch,
     monkeypatch.setattr(tasks, "data_root", lambda: tmp_path / "oe_eval_tasks")
     assert "is damaged" in one_line(capsys, "eval", llama_folder, "--tasks", "piqa", "--out", tmp_path)
     assert not (tmp_path / "eval.json").exists()
+
+
+def test_a_model_folder_without_a_tokenizer_is_one_line(llama_folder, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((llama_folder / name).read_bytes())
+    assert "tokenizer" in one_line(capsys, "eval", bare, "--tasks", "piqa", "--limit", 2)
+    assert not (bare / "eval.json").exists()
+
+
+def test_ctrl_c_keeps_the_items_scored_so_far(llama_folder, tmp_path, monkeypatch, capsys):
+    from lmforge.eval import run
+
+    real, calls = run.score_question, []
+
+    def interrupted_at_the_fourth(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(run, "score_question", interrupted_at_the_fourth)
+    line = one_line(capsys, "eval", llama_folder, "--tasks", "piqa,arc_easy", "--limit", 5, "--out", tmp_path)
+    assert "interrupted: the 3 items scored so far are in" in line
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert list(report["tasks"]) == ["piqa"] and report["tasks"]["piqa"]["items"] == 3

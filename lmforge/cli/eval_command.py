@@ -36,5 +36,8 @@ def cmd_eval(args) -> int:
                 "limit": args.limit, "dtype": args.dtype}
     print(table(results, TITLES))
     json_path, png_path = write_results(results, out, settings)
-    print(f"wrote {json_path} and {png_path}" + (" (partial: interrupted)" if interrupted else ""))
+    if interrupted:
+        raise LmforgeError(f"interrupted: the {sum(r['items'] for r in results.values())} items scored so far are "
+                           f"in {json_path} and {png_path}")
+    print(f"wrote {json_path} and {png_path}")
     return 0
