@@ -57,7 +57,6 @@ def evaluate(loaded, tasks: list[str], fmt: str = "rc", shots: int | None = None
                 results[task] = {**summarise(rows, truncated), "seconds": time.perf_counter() - start, "rows": rows}
             if not results:
                 raise
-            log("interrupted: keeping the items finished", file=sys.stderr)
             break
         results[task] = {**summarise(rows, truncated), "seconds": time.perf_counter() - start, "rows": rows}
         log(f"{TITLES[task]}: {len(rows)} items in {results[task]['seconds']:.1f} s", file=sys.stderr)
