@@ -21,14 +21,14 @@ def cmd_eval(args) -> int:
     kind, folder = model_folder(args.run)
     out = Path(args.out) if args.out else (folder if kind != "checkpoint" else folder.parent.parent)
     device = resolve_device(args.device, setting="--device")
-    loaded, _ = load_for_sampling(args.run, args.adapter, args.merge, args.dtype, device)
+    loaded, special = load_for_sampling(args.run, args.adapter, args.merge, args.dtype, device)
     if loaded.end_id is None:
         raise LmforgeError(f"{folder}'s tokenizer has no end-of-text token ({loaded.cfg.data.end_token!r}): "
                            f"evaluation needs one (an empty context, a generation's end)")
     if any(t in ("codex_humaneval", "codex_mbpp") for t in tasks):
         print(f"code runs in lmforge's sandbox; network: {network_isolation()}")
     try:
-        results = evaluate(loaded, tasks, args.format, args.shots, args.limit, args.max_new_tokens)
+        results = evaluate(loaded, tasks, args.format, args.shots, args.limit, args.max_new_tokens, special.stop_ids)
     except KeyboardInterrupt:
         raise LmforgeError("interrupted before any item was scored: nothing written") from None
     interrupted = len(results) < len(tasks) or any(r["items"] < (args.limit or r["items"]) for r in results.values())

@@ -41,11 +41,12 @@ class StopAt:
         return any(stop in text for stop in self.stops)
 
 
-def complete(model, tokenizer, prompt: Prompt, end_id: int, max_new_tokens: int | None = None) -> tuple[str, bool]:
-    """The greedy continuation of the prompt, cut at its first stop sequence, and whether the prompt
-    had to be truncated (it filled the model's positions: generate keeps the latest of them)."""
+def complete(model, tokenizer, prompt: Prompt, stop_ids, max_new_tokens: int | None = None) -> tuple[str, bool]:
+    """The greedy continuation of the prompt, cut at its first stop sequence (or a stop token of the
+    model's, `stop_ids`), and whether the prompt had to be truncated (it filled the model's positions:
+    generate keeps the latest of them)."""
     ids = tokenizer.encode(prompt.context).ids
-    new = generate(model, ids, max_new_tokens or prompt.max_new_tokens, temperature=0.0, stop_token=end_id,
+    new = generate(model, ids, max_new_tokens or prompt.max_new_tokens, temperature=0.0, stop_token=stop_ids,
                    constraint=StopAt(tokenizer, prompt.stops))
     text = tokenizer.decode(new)
     cut = min((text.index(s) for s in prompt.stops if s in text), default=len(text))

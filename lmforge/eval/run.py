@@ -24,11 +24,11 @@ def multiple_choice(model, tokenizer, end_id: int, questions, rows: list[dict]) 
     return truncated
 
 
-def generation(model, tokenizer, end_id: int, task: str, prompts, max_new_tokens, rows: list[dict]) -> int:
+def generation(model, tokenizer, end_id: int, stop_ids, task: str, prompts, max_new_tokens, rows: list[dict]) -> int:
     """Each prompt's greedy completion judged, and the gold continuation's bits per byte, appended to `rows`."""
     truncated = 0
     for p in prompts:
-        text, cut = complete(model, tokenizer, p, end_id, max_new_tokens)
+        text, cut = complete(model, tokenizer, p, stop_ids, max_new_tokens)
         (gold,), _ = score_question(model, tokenizer, [p.context], [p.gold], end_id)
         correct = judge(task, text, p.doc)
         rows.append({"acc": correct, "pass@1": pass_at_k(1, int(correct), 1), "chance": 0.0,
@@ -39,16 +39,17 @@ def generation(model, tokenizer, end_id: int, task: str, prompts, max_new_tokens
 
 
 def evaluate(loaded, tasks: list[str], fmt: str = "rc", shots: int | None = None, limit: int | None = None,
-             max_new_tokens: int | None = None, log=print) -> dict:
-    """Every task's summary (metrics.summarise) and per-item rows, in task order."""
+             max_new_tokens: int | None = None, stop_ids=None, log=print) -> dict:
+    """Every task's summary (metrics.summarise) and per-item rows, in task order. `stop_ids`: the
+    tokens that end a generation (the model's, data/special_tokens.py; default its end of text)."""
     model, tokenizer, end_id = loaded.model, loaded.tokenizer, loaded.end_id
     results = {}
     for task in tasks:
         start, rows, truncated = time.perf_counter(), [], 0
         try:
             if task in GENERATION:
-                truncated = generation(model, tokenizer, end_id, task, load_prompts(task, shots, limit),
-                                       max_new_tokens, rows)
+                truncated = generation(model, tokenizer, end_id, stop_ids or (end_id,), task,
+                                       load_prompts(task, shots, limit), max_new_tokens, rows)
             else:
                 questions = load_questions(task, fmt, shots, limit)
                 truncated = multiple_choice(model, tokenizer, end_id, questions, rows)

@@ -45,7 +45,8 @@ def encode_pair(tokenizer, context: str, continuation: str, end_id: int) -> tupl
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[target] for each position: (..., vocab) and (...) -> (...), in fp32 at least."""
-    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def tail_logits(model, tokens: torch.Tensor, last: int, kv_cache=None) -> torch.Tensor:
