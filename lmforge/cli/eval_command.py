@@ -1,0 +1,43 @@
+"""`lmforge eval MODEL --tasks ...`: glue from the command line to lmforge/eval/."""
+
+from pathlib import Path
+
+from lmforge.common.errors import LmforgeError
+
+
+def cmd_eval(args) -> int:
+    from lmforge.eval.metrics import table
+    from lmforge.eval.run import evaluate, write_results
+    from lmforge.eval.sandbox import network_isolation
+    from lmforge.eval.tasks import GENERATION, TITLES, data_root, expand_tasks, load_prompts, load_questions
+    from lmforge.generate.load import load_for_sampling
+    from lmforge.parallel.launch import resolve_device
+    from lmforge.runs.load import model_folder
+
+    tasks = expand_tasks(args.tasks.split(","))
+    data_root()  # the data installed: one line saying what to install if not
+    for task in tasks:  # every request file read before the model loads: a damaged one stops at once
+        load_prompts(task, args.shots, 1) if task in GENERATION else load_questions(task, args.format, args.shots, 1)
+    kind, folder = model_folder(args.run)
+    out = Path(args.out) if args.out else (folder if kind != "checkpoint" else folder.parent.parent)
+    device = resolve_device(args.device, setting="--device")
+    loaded, special = load_for_sampling(args.run, args.adapter, args.merge, args.dtype, device)
+    if loaded.end_id is None:
+        raise LmforgeError(f"{folder}'s tokenizer has no end-of-text token ({loaded.cfg.data.end_token!r}): "
+                           f"evaluation needs one (an empty context, a generation's end)")
+    if any(t in ("codex_humaneval", "codex_mbpp") for t in tasks):
+        print(f"code runs in lmforge's sandbox; network: {network_isolation()}")
+    try:
+        results = evaluate(loaded, tasks, args.format, args.shots, args.limit, args.max_new_tokens, special.stop_ids)
+    except KeyboardInterrupt:
+        raise LmforgeError("interrupted before any item was scored: nothing written") from None
+    interrupted = len(results) < len(tasks) or any(r["items"] < (args.limit or r["items"]) for r in results.values())
+    settings = {"model": str(args.run), "tasks": tasks, "format": args.format, "shots": args.shots,
+                "limit": args.limit, "dtype": args.dtype}
+    print(table(results, TITLES))
+    json_path, png_path = write_results(results, out, settings)
+    if interrupted:
+        raise LmforgeError(f"interrupted: the {sum(r['items'] for r in results.values())} items scored so far are "
+                           f"in {json_path} and {png_path}")
+    print(f"wrote {json_path} and {png_path}")
+    return 0

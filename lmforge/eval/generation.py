@@ -1,0 +1,86 @@
+"""Generation tasks: greedy decoding until a stop sequence, then the answer checked.
+
+Decoding is generate/sampling.py's `generate` itself (temperature 0: greedy), stopped at the task's
+stop sequences through its `constraint` hook: `StopAt` allows every token and declares generation
+finished once the decoded text holds a stop sequence; the text is then cut before it.
+
+GSM8K (Cobbe et al. 2021): the number after "the answer is" (the few-shot examples' format), else
+the last number of the text, compared by exact match with the reference after OLMES's normalisation
+(commas, "$", a trailing "." removed). HumanEval (Chen et al. 2021) and MBPP (Austin et al. 2021):
+the program (prompt + completion + the task's tests) runs in sandbox.py; pass@1 from one greedy sample.
+"""
+
+import re
+
+import torch
+
+from lmforge.eval.sandbox import run_program
+from lmforge.eval.tasks import Prompt
+from lmforge.generate.sampling import generate
+
+NUMBER = r"-?[\d,]*\.?\d+"
+
+
+class StopAt:
+    """A `generate` constraint that restricts nothing and finishes at any of `stops` in the text."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops, self.ids = tokenizer, stops, []
+        self.mask = None
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        if self.mask is None:
+            self.mask = torch.ones(vocab_size, dtype=torch.bool)
+        return self.mask
+
+    def consume(self, token: int) -> None:
+        self.ids.append(token)
+
+    def finished(self) -> bool:
+        text = self.tokenizer.decode(self.ids)
+        return any(stop in text for stop in self.stops)
+
+
+def complete(model, tokenizer, prompt: Prompt, stop_ids, max_new_tokens: int | None = None) -> tuple[str, bool]:
+    """The greedy continuation of the prompt, cut at its first stop sequence (or a stop token of the
+    model's, `stop_ids`), and whether the prompt had to be truncated (it filled the model's positions:
+    generate keeps the latest of them)."""
+    ids = tokenizer.encode(prompt.context).ids
+    new = generate(model, ids, max_new_tokens or prompt.max_new_tokens, temperature=0.0, stop_token=stop_ids,
+                   constraint=StopAt(tokenizer, prompt.stops))
+    text = tokenizer.decode(new)
+    cut = min((text.index(s) for s in prompt.stops if s in text), default=len(text))
+    return text[:cut], len(ids) >= model.cfg.max_seq_len
+
+
+def normalise(answer: str) -> str:
+    """OLMES's GSM8K normalisation: commas, dollar signs and a trailing period removed."""
+    return re.sub(r"\.$", "", answer.replace(",", "").replace("$", "").strip())
+
+
+def gsm8k_answer(text: str) -> str:
+    """The model's answer: after "the answer is", else the last number; "" if there is none."""
+    stated = re.findall(rf"answer is \$?({NUMBER})", text, flags=re.IGNORECASE)
+    numbers = stated or re.findall(NUMBER, text)
+    return normalise(numbers[-1]) if numbers else ""
+
+
+def gsm8k_correct(text: str, doc: dict) -> bool:
+    reference = doc.get("short_answer") or str(doc.get("label") or "")
+    return gsm8k_answer(text) == normalise(reference)
+
+
+def code_program(task: str, completion: str, doc: dict) -> str:
+    """The program that passes when `completion` solves the task: HumanEval's prompt, the body and
+    check(entry_point); MBPP's script followed by its setup and asserts."""
+    if task == "codex_humaneval":
+        return f"{doc['prompt']}{completion}\n\n{doc['test']}\n\ncheck({doc['entry_point']})\n"
+    tests = "\n".join(doc.get("test_list", []))
+    return f"{completion}\n\n{doc.get('test_setup_code', '')}\n{tests}\n"
+
+
+def judge(task: str, completion: str, doc: dict) -> bool:
+    """Whether a completion is right: exact match for GSM8K, the tests passed in the sandbox for code."""
+    if task == "gsm8k":
+        return gsm8k_correct(completion, doc)
+    return run_program(code_program(task, completion, doc)).passed

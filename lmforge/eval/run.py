@@ -1,0 +1,92 @@
+"""`lmforge eval`: the tasks asked for, scored on one loaded model; results as a table, eval.json
+and eval.png. A Ctrl-C keeps the tasks finished so far (and the items of the one under way)."""
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from lmforge.eval.generation import complete, judge
+from lmforge.eval.metrics import aggregate, question_row, summarise
+from lmforge.eval.score import score_question
+from lmforge.eval.tasks import GENERATION, TITLES, load_prompts, load_questions
+from lmforge.eval.sandbox import pass_at_k
+
+
+def multiple_choice(model, tokenizer, end_id: int, questions, rows: list[dict]) -> int:
+    """Each question's row appended to `rows` (kept on a Ctrl-C); the number truncated."""
+    truncated = 0
+    for q in questions:
+        scored, cut = score_question(model, tokenizer, q.contexts, q.continuations, end_id)
+        rows.append(question_row(scored, q.continuations, q.gold))
+        truncated += cut
+    return truncated
+
+
+def generation(model, tokenizer, end_id: int, stop_ids, task: str, prompts, max_new_tokens, rows: list[dict]) -> int:
+    """Each prompt's greedy completion judged, and the gold continuation's bits per byte, appended to `rows`."""
+    truncated = 0
+    for p in prompts:
+        text, cut = complete(model, tokenizer, p, stop_ids, max_new_tokens)
+        (gold,), _ = score_question(model, tokenizer, [p.context], [p.gold], end_id)
+        correct = judge(task, text, p.doc)
+        rows.append({"acc": correct, "pass@1": pass_at_k(1, int(correct), 1), "chance": 0.0,
+                     "bpb": -gold.logprob / (math.log(2) * max(1, len(p.gold.encode("utf-8")))),
+                     "completion": text})
+        truncated += cut
+    return truncated
+
+
+def evaluate(loaded, tasks: list[str], fmt: str = "rc", shots: int | None = None, limit: int | None = None,
+             max_new_tokens: int | None = None, stop_ids=None, log=print) -> dict:
+    """Every task's summary (metrics.summarise) and per-item rows, in task order. `stop_ids`: the
+    tokens that end a generation (the model's, data/special_tokens.py; default its end of text)."""
+    model, tokenizer, end_id = loaded.model, loaded.tokenizer, loaded.end_id
+    results = {}
+    for task in tasks:
+        start, rows, truncated = time.perf_counter(), [], 0
+        try:
+            if task in GENERATION:
+                truncated = generation(model, tokenizer, end_id, stop_ids or (end_id,), task,
+                                       load_prompts(task, shots, limit), max_new_tokens, rows)
+            else:
+                questions = load_questions(task, fmt, shots, limit)
+                truncated = multiple_choice(model, tokenizer, end_id, questions, rows)
+        except KeyboardInterrupt:
+            if rows:  # the items finished so far count; the tasks after it are not started
+                results[task] = {**summarise(rows, truncated), "seconds": time.perf_counter() - start, "rows": rows}
+            if not results:
+                raise
+            break
+        results[task] = {**summarise(rows, truncated), "seconds": time.perf_counter() - start, "rows": rows}
+        log(f"{TITLES[task]}: {len(rows)} items in {results[task]['seconds']:.1f} s", file=sys.stderr)
+    return results
+
+
+def write_results(results: dict, out: Path, settings: dict) -> tuple[Path, Path]:
+    """eval.json (summaries, settings and per-item rows) and eval.png (centered accuracy and bpb per task)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {task: {k: v for k, v in r.items() if k != "rows"} for task, r in results.items()}
+    report = {"settings": settings, "aggregate_centered": aggregate(results), "tasks": summary,
+              "items": {task: r["rows"] for task, r in results.items()}}
+    json_path, png_path = out / "eval.json", out / "eval.png"
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(json_path)
+    names = [TITLES[t] for t in summary]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 2))
+    left.barh(names, [r["centered"] for r in summary.values()], color="tab:blue")
+    left.axvline(0, color="gray", lw=0.8)
+    left.set_xlabel("centered accuracy (acc - chance) / (1 - chance)")
+    right.barh(names, [r["bpb"] for r in summary.values()], color="tab:orange")
+    right.set_xlabel("bits per byte of the gold answer")
+    right.set_yticks([])
+    fig.suptitle(f"{settings.get('model', '')}: aggregate {report['aggregate_centered']:.3f}")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return json_path, png_path

