@@ -56,10 +56,13 @@ def cmd_scaling(args) -> int:
 
 
 def _numbers(text: str, option: str, kind=float) -> list:
+    """The comma-separated numbers of `option`; an int list takes whole numbers only (2.5 is refused,
+    never cut to 2)."""
     try:
-        values = [kind(float(v)) if kind is int else kind(v) for v in text.split(",") if v.strip()]
+        values = [kind(v.strip()) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise LmforgeError(f"{option} {text}: give comma-separated numbers") from None
+        what = "whole numbers" if kind is int else "numbers"
+        raise LmforgeError(f"{option} {text}: give comma-separated {what}") from None
     if not values or any(not v > 0 or v == float("inf") for v in values):
         raise LmforgeError(f"{option} {text}: every value must be a positive finite number")
     return values
