@@ -3,6 +3,7 @@ saves its own tokenizer in, and the files beside it that name the special tokens
 template and the generation defaults (data/special_tokens.py's HF_TOKENIZER_FILES), read and
 written back byte for byte."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -57,8 +58,15 @@ def read_hf_tokenizer_files(folder: Path) -> dict[str, bytes]:
 
 
 def read_hf_special_tokens(folder: Path, tokenizer: Tokenizer) -> SpecialTokens:
-    """The special tokens, stop tokens and chat template of HF folder `folder`."""
-    return special_tokens(tokenizer, read_end_token(folder, tokenizer), read_hf_tokenizer_files(folder))
+    """The special tokens, stop tokens and chat template of HF folder `folder`. A generation_config.json
+    that names no eos_token_id stops at config.json's, as the model's config still says its turn ends."""
+    files = read_hf_tokenizer_files(folder)
+    special = special_tokens(tokenizer, read_end_token(folder, tokenizer), files)
+    if (folder / "config.json").is_file() and "eos_token_id" not in json.loads(files["generation_config.json"]):
+        eos = read_json(folder / "config.json").get("eos_token_id")
+        extra = special_tokens(tokenizer, special.end, {"generation_config.json": json.dumps({"eos_token_id": eos})})
+        special = dataclasses.replace(special, stop_ids=tuple(dict.fromkeys(special.stop_ids + extra.stop_ids)))
+    return special
 
 
 def hf_token_ids(special: SpecialTokens) -> dict:
