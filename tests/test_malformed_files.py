@@ -22,7 +22,7 @@ GENERATE = ["generate", "runs/x", "--prompt", "def", "--max-new-tokens", "1", "-
 IMPORT = ["import-hf", "hf", "--out", "runs/new"]
 FIT = ["scaling", "fit", "sweep", "--bootstrap", "0"]
 RUNS = ["runs", "runs"]
-FINETUNE = ["finetune", "runs/x", "data.source=bad.jsonl", "train.max_steps=1", "--out", "runs/ft"]
+FINETUNE = ["finetune", "runs/x", "data.source=bad.jsonl", "train.max_steps=1", "optim.warmup_steps=0", "--out", "runs/ft"]
 TRAIN = ["train", "--model", "tiny", "--config", "bad.yaml", "--out", "runs/t"]
 
 

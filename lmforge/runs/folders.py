@@ -10,7 +10,6 @@ bit-identical. Both commands read and check everything before writing, write int
 staging folder, and rename it into place: a failure leaves nothing half-written.
 """
 
-import json
 from pathlib import Path
 
 import yaml
@@ -102,7 +101,7 @@ def check_not_imported(run_dir: Path) -> None:
     found = list_checkpoints(Path(run_dir))
     try:
         state = read_state(found[-1]) if found else {}
-    except (OSError, json.JSONDecodeError):
+    except LmforgeError:
         return  # a damaged checkpoint: resuming reports it, with the checkpoints it can use instead
     if "imported_from" in state:
         raise LmforgeError(f"{run_dir} holds a model imported from {state['imported_from']}, not a training run "
