@@ -118,7 +118,8 @@ def test_sample_prompt_defaults_to_the_start_of_a_validation_document(tmp_path, 
     (["finetune", "runs/x", "--name", "a", "--out", "runs/b"], "--name a (runs/a) and --out runs/b name different"),
     (["import-hf", "hf", "--name", "a", "--out", "c"], "--name a (runs/a) and --out c name different run folders"),
     (["scaling", "sweep", "--out", "s", "--depths", "2.5", "--dry-run"], "--depths 2.5: give comma-separated whole"),
-    (["scaling", "sweep", "--out", "s", "--depths", "2,3.0", "--dry-run"], "--depths 2,3.0: give comma-separated whole"),
+    (["scaling", "sweep", "--out", "s", "--depths", "2,3.0", "--dry-run"],
+     "--depths 2,3.0: give comma-separated whole"),
 ])
 def test_two_options_for_one_thing_or_a_cut_integer_are_refused(tmp_path, monkeypatch, args, message, capsys):
     """Two spellings of one setting that disagree, and a fraction where a whole number belongs, stop

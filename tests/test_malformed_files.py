@@ -22,7 +22,8 @@ GENERATE = ["generate", "runs/x", "--prompt", "def", "--max-new-tokens", "1", "-
 IMPORT = ["import-hf", "hf", "--out", "runs/new"]
 FIT = ["scaling", "fit", "sweep", "--bootstrap", "0"]
 RUNS = ["runs", "runs"]
-FINETUNE = ["finetune", "runs/x", "data.source=bad.jsonl", "train.max_steps=1", "optim.warmup_steps=0", "--out", "runs/ft"]
+FINETUNE = ["finetune", "runs/x", "data.source=bad.jsonl", "train.max_steps=1", "optim.warmup_steps=0",
+            "--out", "runs/ft"]
 TRAIN = ["train", "--model", "tiny", "--config", "bad.yaml", "--out", "runs/t"]
 
 
@@ -80,10 +81,12 @@ FILES = {
     "runs/x/config.yaml": (RUNS, [("truncated", "model: {d_model: "), ("a list", "- 1\n"),
                                   ("a section wrong-typed", "model: 5\n"),
                                   ("max_steps wrong-typed", "train: {max_steps: many}\n")]),
-    "bad.yaml": (TRAIN, [("truncated", "model: {d_model: "), ("a list", "- 1\n"), ("a section wrong-typed", "train: 5\n"),
+    "bad.yaml": (TRAIN, [("truncated", "model: {d_model: "), ("a list", "- 1\n"),
+                         ("a section wrong-typed", "train: 5\n"),
                          ("a key wrong-typed", "train: {max_steps: many}\n")]),
     "bad.jsonl": (FINETUNE, [("empty", ""), ("truncated", '{"prompt": "a", "resp'), ("a list", "[]\n"),
-                             ("no response", '{"prompt": "a"}\n'), ("response wrong-typed", '{"prompt": "a", "response": 5}\n'),
+                             ("no response", '{"prompt": "a"}\n'),
+                             ("response wrong-typed", '{"prompt": "a", "response": 5}\n'),
                              ("messages wrong-typed", '{"messages": "hi"}\n'),
                              ("a message wrong-typed", '{"messages": [{"role": "user", "content": 5}]}\n')]),
 }

@@ -36,7 +36,7 @@ def read_end_token(folder: Path, tokenizer: Tokenizer) -> str:
         if (folder / name).is_file():
             eos = read_json(folder / name).get("eos_token_id")
             eos = eos[0] if isinstance(eos, list) and eos else eos
-            if isinstance(eos, int) and tokenizer.id_to_token(eos) is not None:
+            if isinstance(eos, int) and 0 <= eos < 2**31 and tokenizer.id_to_token(eos) is not None:
                 return tokenizer.id_to_token(eos)
     if (folder / "tokenizer_config.json").is_file():
         eos = read_json(folder / "tokenizer_config.json").get("eos_token")
