@@ -190,8 +190,10 @@ def scaling_points(folder: str) -> list[dict]:
     points = []
     for run in find_runs(folder):
         summary = read_summary(run.path, cut_off_ok=False)  # a damaged one is named, never left out quietly
-        if run.status != "finished" or summary is None:
+        if run.status != "finished" or summary is None or summary.get("val_loss") is None:
             continue
+        if summary.get("tokens_trained") is None:
+            raise LmforgeError(f"{run.path / 'summary.json'} has no tokens_trained (expected an integer)")
         name = run.path.name
         flops = _budget(name)
         split = _train_tokens(data_dir_of(run.cfg) / "meta.json")

@@ -80,7 +80,7 @@ def read_config(path: Path) -> Config:
 
 
 # summary.json's fields `lmforge runs` and `scaling fit` read: (types, required)
-SUMMARY_FIELDS = {"steps": (int, True), "tokens_trained": (int, True), "val_loss": ((int, float), True),
+SUMMARY_FIELDS = {"steps": (int, True), "tokens_trained": (int, False), "val_loss": ((int, float), False),
                   "tokens_per_s": ((int, float), False), "mfu": ((int, float), False), "parameters": (int, False)}
 
 
