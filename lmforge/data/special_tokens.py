@@ -30,7 +30,8 @@ HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_
                       "generation_config.json")
 
 
-def _json(files: dict[str, bytes], name: str) -> dict:
+def json_object(files: dict[str, bytes], name: str) -> dict:
+    """File `name` of `files` as a JSON object ({} if absent); one line if it is no JSON object."""
     if name not in files:
         return {}
     try:
@@ -118,8 +119,9 @@ def special_tokens(tokenizer: Tokenizer, end_token: str, files: dict[str, bytes]
     end_id = tokenizer.token_to_id(end_token)
     if end_id is None:
         raise LmforgeError(f"the tokenizer has no {end_token} token (data.end_token)")
-    config, generation = _json(files, "tokenizer_config.json"), _json(files, "generation_config.json")
-    names = {key: token_name(value) for key, value in {**_json(files, "special_tokens_map.json"), **config}.items()
+    config, generation = json_object(files, "tokenizer_config.json"), json_object(files, "generation_config.json")
+    named = {**json_object(files, "special_tokens_map.json"), **config}
+    names = {key: token_name(value) for key, value in named.items()
              if key.endswith("_token") and token_name(value) is not None}
     stops = [end_id, *_stop_ids(generation.get("eos_token_id"))]
     template = _template(files, config)

@@ -3,14 +3,13 @@ saves its own tokenizer in, and the files beside it that name the special tokens
 template and the generation defaults (data/special_tokens.py's HF_TOKENIZER_FILES), read and
 written back byte for byte."""
 
-import dataclasses
 import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from lmforge.common.errors import LmforgeError
-from lmforge.data.special_tokens import HF_TOKENIZER_FILES, SpecialTokens, special_tokens
+from lmforge.data.special_tokens import HF_TOKENIZER_FILES, SpecialTokens, special_tokens, json_object
 from lmforge.interop.hf_config import read_json
 
 
@@ -48,25 +47,23 @@ def read_end_token(folder: Path, tokenizer: Tokenizer) -> str:
 
 def read_hf_tokenizer_files(folder: Path) -> dict[str, bytes]:
     """The files of HF_TOKENIZER_FILES that `folder` has, as bytes. Without generation_config.json,
-    one made of config.json's bos_token_id and eos_token_id, as transformers makes it."""
+    one made of config.json's bos_token_id and eos_token_id, as transformers makes it; one that names
+    no eos_token_id gets config.json's, so that the model stops where its config says its turn ends
+    (in this folder and in any run imported from it)."""
     files = {name: (folder / name).read_bytes() for name in HF_TOKENIZER_FILES if (folder / name).is_file()}
-    if "generation_config.json" not in files and (folder / "config.json").is_file():
+    generation = json_object(files, "generation_config.json")
+    if "eos_token_id" not in generation and (folder / "config.json").is_file():
         config = read_json(folder / "config.json")
-        ids = {key: config[key] for key in ("bos_token_id", "eos_token_id") if config.get(key) is not None}
-        files["generation_config.json"] = (json.dumps(ids, indent=2) + "\n").encode()
+        keys = ("eos_token_id",) if "generation_config.json" in files else ("bos_token_id", "eos_token_id")
+        ids = {key: config[key] for key in keys if config.get(key) is not None}
+        if ids or "generation_config.json" not in files:
+            files["generation_config.json"] = (json.dumps({**generation, **ids}, indent=2) + "\n").encode()
     return files
 
 
 def read_hf_special_tokens(folder: Path, tokenizer: Tokenizer) -> SpecialTokens:
-    """The special tokens, stop tokens and chat template of HF folder `folder`. A generation_config.json
-    that names no eos_token_id stops at config.json's, as the model's config still says its turn ends."""
-    files = read_hf_tokenizer_files(folder)
-    special = special_tokens(tokenizer, read_end_token(folder, tokenizer), files)
-    if (folder / "config.json").is_file() and "eos_token_id" not in json.loads(files["generation_config.json"]):
-        eos = read_json(folder / "config.json").get("eos_token_id")
-        extra = special_tokens(tokenizer, special.end, {"generation_config.json": json.dumps({"eos_token_id": eos})})
-        special = dataclasses.replace(special, stop_ids=tuple(dict.fromkeys(special.stop_ids + extra.stop_ids)))
-    return special
+    """The special tokens, stop tokens and chat template of HF folder `folder`."""
+    return special_tokens(tokenizer, read_end_token(folder, tokenizer), read_hf_tokenizer_files(folder))
 
 
 def hf_token_ids(special: SpecialTokens) -> dict:
