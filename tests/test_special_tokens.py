@@ -103,6 +103,11 @@ def test_every_eos_token_id_of_config_or_generation_config_stops(instruct, gener
     if generation is not None:
         (instruct / "generation_config.json").write_text(json.dumps(generation))
     assert set(read_hf_special_tokens(instruct, tok).stop_ids) == set(eos)
+    from lmforge.runs.folders import import_run
+    from lmforge.runs.load import model_special_tokens
+
+    run = import_run(instruct, instruct.parent / "run")  # and a run imported from it
+    assert set(model_special_tokens(run, tok).stop_ids) == set(eos)
 
 
 def test_instruct_model_stops_where_transformers_generate_stops(instruct, tmp_path, capsys):
