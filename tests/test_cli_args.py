@@ -110,3 +110,31 @@ def test_sample_prompt_defaults_to_the_start_of_a_validation_document(tmp_path, 
     assert main(["train", "--model", "tiny", "--name", "s", "--no-progress", "data.val_fraction=0.2",
                  *overrides]) == 0
     assert (tmp_path / "runs" / "s" / "sample.txt").read_text().startswith("Story number ")
+
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--name", "a", "--out", "b"], "--name a (runs/a) and --out b name different run folders"),
+    (["finetune", "runs/x", "--name", "a", "--out", "runs/b"], "--name a (runs/a) and --out runs/b name different"),
+    (["import-hf", "hf", "--name", "a", "--out", "c"], "--name a (runs/a) and --out c name different run folders"),
+    (["scaling", "sweep", "--out", "s", "--depths", "2.5", "--dry-run"], "--depths 2.5: give comma-separated whole"),
+    (["scaling", "sweep", "--out", "s", "--depths", "2,3.0", "--dry-run"],
+     "--depths 2,3.0: give comma-separated whole"),
+])
+def test_two_options_for_one_thing_or_a_cut_integer_are_refused(tmp_path, monkeypatch, args, message, capsys):
+    """Two spellings of one setting that disagree, and a fraction where a whole number belongs, stop
+    in one line (never the last one silently wins, never 2.5 read as 2), before anything is written."""
+    from lmforge.cli import build_parser, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:  # the command line alone decides: the parse, or a sweep's dry run
+        raise SystemExit(main(args)) if args[0] == "scaling" else parse_args(build_parser(), args)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "s").exists()
+
+
+def test_the_same_folder_by_name_and_by_out_is_one():
+    from lmforge.cli import build_parser, parse_args
+
+    args = parse_args(build_parser(), ["train", "--name", "a", "--out", "runs/a"])
+    assert (args.name, args.out) == ("a", "runs/a")

@@ -24,6 +24,7 @@ import pytest
 from lmforge.cli import build_parser, parse_args
 from lmforge.common.errors import LmforgeError
 from lmforge.config import DEFAULT_PRESET, make_config, parse_override
+from lmforge.config.validate import config_warnings
 from lmforge.modes.attention import BACKENDS
 from lmforge.modes.precision import ALIASES, POLICIES
 from lmforge.modes.recompute import RECOMPUTE_MODES
@@ -94,6 +95,7 @@ def check_train(args) -> None:
     if getattr(args, "resume", None):
         return check_resumed(args)
     cfg = make_config(args.model or DEFAULT_PRESET, config_file(args), args.overrides)
+    assert not config_warnings(cfg), config_warnings(cfg)[0]  # e.g. a run all warmup, whose schedule never shows
     if getattr(args, "nproc", None) is not None:
         assert cfg.train.parallel != "none" or cfg.train.pipeline_stages > 1 or cfg.parallel.tp > 1, \
             "--nproc needs train.parallel (or train.pipeline_stages, parallel.tp) to share the work"
@@ -201,3 +203,11 @@ def test_extraction():
 def test_a_wrong_command_fails(words):
     with pytest.raises((AssertionError, LmforgeError)):
         check(words)
+
+
+def test_readme_commands_read_only_files_the_clone_ships():
+    """A README row runs as written on a fresh clone: every file or folder its data.source names
+    (examples/...) is in the repository; a placeholder (runs/<name>) is the reader's own."""
+    named = [part for _, words, _ in command_lines((ROOT / "README.md").read_text()) for word in words
+             if word.startswith("data.source=") for part in word.removeprefix("data.source=").split(",")]
+    assert named and all((ROOT / part).exists() for part in named), [p for p in named if not (ROOT / p).exists()]

@@ -91,6 +91,25 @@ def stopping_prompt(folder):
     raise AssertionError("no prompt makes this model stop at <|eot_id|>")
 
 
+@pytest.mark.parametrize("generation", [None, {"temperature": 0.6}, {"eos_token_id": [309, 312]}])
+def test_every_eos_token_id_of_config_or_generation_config_stops(instruct, generation):
+    """An eos_token_id list stops at any of its ids, wherever the folder gives it: generation_config.json,
+    or config.json alone (no generation_config.json, or one that names no eos_token_id)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(instruct / "tokenizer.json"))
+    eos = [tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")]
+    (instruct / "generation_config.json").unlink()
+    if generation is not None:
+        (instruct / "generation_config.json").write_text(json.dumps(generation))
+    assert set(read_hf_special_tokens(instruct, tok).stop_ids) == set(eos)
+    from lmforge.runs.folders import import_run
+    from lmforge.runs.load import model_special_tokens
+
+    run = import_run(instruct, instruct.parent / "run")  # and a run imported from it
+    assert set(model_special_tokens(run, tok).stop_ids) == set(eos)
+
+
 def test_instruct_model_stops_where_transformers_generate_stops(instruct, tmp_path, capsys):
     prompt, expected = stopping_prompt(instruct)
     hf_tok = AutoTokenizer.from_pretrained(instruct)

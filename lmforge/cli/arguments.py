@@ -4,6 +4,7 @@ of every numeric option, which checks it (finite, in range) as it is read."""
 
 import argparse
 import math
+from pathlib import Path
 
 from lmforge.config import DEFAULT_PRESET, MODEL_PRESETS
 
@@ -97,3 +98,12 @@ def one_run(subcommand: argparse.ArgumentParser, args: argparse.Namespace) -> No
     setattr(args, dest, positional if positional is not None else given)
     if required and getattr(args, dest) is None:
         subcommand.error("the following arguments are required: RUN")
+
+
+def one_folder(subcommand: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--name NAME and --out DIR both name the run folder (runs/NAME or DIR): given both, they must
+    name the same one, or the command stops in one line (train, finetune, import-hf)."""
+    name, out = getattr(args, "name", None), getattr(args, "out", None)
+    if name is not None and out is not None and Path(out) != Path("runs") / name:
+        subcommand.exit(2, f"{subcommand.prog}: error: --name {name} (runs/{name}) and --out {out} name "
+                           f"different run folders: give one of them\n")

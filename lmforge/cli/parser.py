@@ -9,7 +9,7 @@ Building the parser imports no torch, so that `lmforge --help` answers at once.
 import argparse
 
 from lmforge.cli.arguments import (COUNT, RAW, SEED, Parser, add_config_args, add_overrides, add_run,
-                                   add_training_outputs, number, one_run)
+                                   add_training_outputs, number, one_folder, one_run)
 from lmforge.cli.plan_parser import add_plan
 from lmforge.cli.scaling import add_scaling
 from lmforge.config import MODEL_PRESETS, _did_you_mean
@@ -287,4 +287,5 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
         args.overrides = [*args.overrides, *extras]
     if hasattr(subcommand, "run_arg"):
         one_run(subcommand, args)
+    one_folder(subcommand, args)
     return args

@@ -56,10 +56,13 @@ def cmd_scaling(args) -> int:
 
 
 def _numbers(text: str, option: str, kind=float) -> list:
+    """The comma-separated numbers of `option`; an int list takes whole numbers only (2.5 is refused,
+    never cut to 2)."""
     try:
-        values = [kind(float(v)) if kind is int else kind(v) for v in text.split(",") if v.strip()]
+        values = [kind(v.strip()) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise LmforgeError(f"{option} {text}: give comma-separated numbers") from None
+        what = "whole numbers" if kind is int else "numbers"
+        raise LmforgeError(f"{option} {text}: give comma-separated {what}") from None
     if not values or any(not v > 0 or v == float("inf") for v in values):
         raise LmforgeError(f"{option} {text}: every value must be a positive finite number")
     return values
@@ -182,21 +185,41 @@ def scaling_points(folder: str) -> list[dict]:
     validation loss and, for a sweep run, its budget C."""
     from lmforge.accounting.shapes import model_shapes
     from lmforge.data.prepare import data_dir_of
-    from lmforge.runs.listing import find_runs
+    from lmforge.runs.listing import find_runs, read_summary
 
     points = []
     for run in find_runs(folder):
-        summary_file = run.path / "summary.json"
-        if run.status != "finished" or not summary_file.is_file():
+        summary = read_summary(run.path, cut_off_ok=False)  # a damaged one is named, never left out quietly
+        if run.status != "finished" or summary is None or summary.get("val_loss") is None:
             continue
-        summary = json.loads(summary_file.read_text())
-        if summary.get("val_loss") is None:
-            continue
+        if summary.get("tokens_trained") is None:
+            raise LmforgeError(f"{run.path / 'summary.json'} has no tokens_trained (expected an integer)")
         name = run.path.name
-        flops = float(name[1:name.index("-L")]) if name.startswith("C") and "-L" in name else None
-        meta = data_dir_of(run.cfg) / "meta.json"
-        split = json.loads(meta.read_text())["splits"]["train"]["tokens"] if meta.is_file() else None
+        flops = _budget(name)
+        split = _train_tokens(data_dir_of(run.cfg) / "meta.json")
         points.append({"name": name, "parameters": model_shapes(run.cfg.model).matmul_weights,
                        "tokens": summary["tokens_trained"], "val_loss": summary["val_loss"], "flops": flops,
                        "passes": summary["tokens_trained"] / split if split else None})
     return points
+
+
+def _budget(name: str) -> float | None:
+    """A sweep run's compute budget C, from its name (C3e12-L4), else None."""
+    try:
+        return float(name[1:name.index("-L")]) if name.startswith("C") and "-L" in name else None
+    except ValueError:
+        return None
+
+
+def _train_tokens(meta: Path) -> int | None:
+    """The tokens of a prepared training split (meta.json), None if it is not found."""
+    if not meta.is_file():
+        return None
+    try:
+        tokens = json.loads(meta.read_bytes())["splits"]["train"]["tokens"]
+    except (ValueError, KeyError, TypeError):
+        raise LmforgeError(f"{meta}: expected the prepared data's splits.train.tokens (lmforge prepare writes it); "
+                           f"prepare the data again") from None
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+        raise LmforgeError(f"{meta}: splits.train.tokens is {tokens!r}, expected a positive integer")
+    return tokens

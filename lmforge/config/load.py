@@ -79,7 +79,10 @@ def set_value(cfg: Config, key: str, value, origin: str) -> None:
     section, name = key.split(".")
     target = getattr(cfg, section)
     hint = typing.get_type_hints(type(target))[name]
-    setattr(target, name, _coerce(value, hint, key))
+    try:
+        setattr(target, name, _coerce(value, hint, key))
+    except LmforgeError as err:  # a file's wrong-typed value: name the file
+        raise LmforgeError(str(err) if origin == "command line" else f"{origin}: {err}") from None
 
 
 def _coerce(value, hint, key: str):

@@ -30,14 +30,39 @@ HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_
                       "generation_config.json")
 
 
-def _json(files: dict[str, bytes], name: str) -> dict:
+def json_object(files: dict[str, bytes], name: str) -> dict:
+    """File `name` of `files` as a JSON object ({} if absent); one line if it is no JSON object."""
     if name not in files:
         return {}
     try:
         value = json.loads(files[name])
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise LmforgeError(f"{name} is not JSON ({err})") from None
-    return value if isinstance(value, dict) else {}
+    if not isinstance(value, dict):
+        raise LmforgeError(f"{name} holds a JSON {type(value).__name__}, expected an object of settings")
+    return value
+
+
+def _stop_ids(eos) -> list[int]:
+    """generation_config.json's eos_token_id: one id, a list of them (any stops), or none."""
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise LmforgeError(f"generation_config.json: eos_token_id is {eos!r}, expected a token id or a list of them")
+    return ids
+
+
+def _template(files: dict[str, bytes], config: dict) -> str | None:
+    """The chat template: chat_template.jinja, else tokenizer_config.json's (a string, or a list of
+    named ones: the default)."""
+    if "chat_template.jinja" in files:
+        return files["chat_template.jinja"].decode(errors="replace")
+    template = config.get("chat_template")
+    if isinstance(template, list) and all(isinstance(t, dict) for t in template):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if template is not None and not isinstance(template, str):
+        raise LmforgeError(f"tokenizer_config.json: chat_template is {template!r:.40}, expected a Jinja template "
+                           f"(a string) or a list of named ones")
+    return template
 
 
 def token_name(value) -> str | None:
@@ -94,17 +119,15 @@ def special_tokens(tokenizer: Tokenizer, end_token: str, files: dict[str, bytes]
     end_id = tokenizer.token_to_id(end_token)
     if end_id is None:
         raise LmforgeError(f"the tokenizer has no {end_token} token (data.end_token)")
-    config, generation = _json(files, "tokenizer_config.json"), _json(files, "generation_config.json")
-    names = {key: token_name(value) for key, value in {**_json(files, "special_tokens_map.json"), **config}.items()
+    config, generation = json_object(files, "tokenizer_config.json"), json_object(files, "generation_config.json")
+    named = {**json_object(files, "special_tokens_map.json"), **config}
+    names = {key: token_name(value) for key, value in named.items()
              if key.endswith("_token") and token_name(value) is not None}
-    eos = generation.get("eos_token_id")
-    stops = [end_id, *(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])]
-    template = files["chat_template.jinja"].decode() if "chat_template.jinja" in files else config.get("chat_template")
-    if isinstance(template, list):  # several named templates: the default one
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    stops = [end_id, *_stop_ids(generation.get("eos_token_id"))]
+    template = _template(files, config)
     defaults = {key: generation[key] for key in ("temperature", "top_k", "top_p", "do_sample") if key in generation}
     return SpecialTokens(end_token, end_id, tuple(dict.fromkeys(stops)), leading_special_ids(tokenizer),
-                         template if isinstance(template, str) else None, names, defaults, files)
+                         template, names, defaults, files)
 
 
 def _render(template: str, messages: list[dict], add_generation_prompt: bool, names: dict) -> str:

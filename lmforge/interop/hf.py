@@ -28,7 +28,10 @@ from lmforge.interop.hf_tokenizer import hf_token_ids, read_hf_tokenizer, write_
 def weight_files(folder: Path) -> list[Path]:
     """model.safetensors, or the shards listed in model.safetensors.index.json; one line if one is missing."""
     index = folder / "model.safetensors.index.json"
-    names = sorted(set(read_json(index)["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    weight_map = read_json(index).get("weight_map") if index.is_file() else {"": "model.safetensors"}
+    if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+        raise LmforgeError(f"{index}: weight_map must map tensor names to file names")
+    names = sorted(set(weight_map.values()))
     for name in names:
         if not (folder / name).is_file():
             bin_only = (folder / "pytorch_model.bin").is_file()

@@ -14,12 +14,41 @@ from lmforge.config import FAMILY_MLPS, ROPE_SCALING_KEYS, Config, ModelConfig, 
 from lmforge.interop.hf_names import ARCHITECTURES, LAYOUTS, LLAMA_ARCHITECTURES, MODEL_TYPES
 
 
+# config.json's numbers, by the type lmforge reads them as (bool is no number here)
+HF_INTS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner", "hidden_size", "intermediate_size",
+           "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "head_dim",
+           "sliding_window", "max_window_layers")
+HF_FLOATS = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon")
+HF_REQUIRED = {"gpt": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
+               "llama": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                         "num_attention_heads", "max_position_embeddings")}
+
+
 def read_json(path: Path) -> dict:
-    """One JSON file of a Hugging Face folder; one line if it is missing or damaged."""
+    """One JSON object file of a Hugging Face folder; one line if it is missing, damaged or no object."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        value = json.loads(path.read_bytes())
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise LmforgeError(f"{path} is unreadable ({err}): is the folder a complete Hugging Face download?") from None
+    if not isinstance(value, dict):
+        raise LmforgeError(f"{path} holds a JSON {type(value).__name__}, expected an object of settings")
+    return value
+
+
+def check_hf_fields(config: dict, family: str, where: str) -> None:
+    """config.json's fields lmforge reads, present and of their type, or one line naming the first
+    that is not (a missing count would be a KeyError, a string one a TypeError, 2.5 layers cut to 2)."""
+    for key in HF_REQUIRED[family]:
+        if config.get(key) is None:
+            raise LmforgeError(f"{where}/config.json has no {key} (expected an integer)")
+    for keys, kinds, what in ((HF_INTS, int, "an integer"), (HF_FLOATS, (int, float), "a number")):
+        for key in keys:
+            value = config.get(key)
+            if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+                raise LmforgeError(f"{where}/config.json: {key} is {value!r}, expected {what}")
+    for key in ("rope_parameters", "rope_scaling"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise LmforgeError(f"{where}/config.json: {key} is {config[key]!r}, expected an object")
 
 
 def read_model_config(folder: Path) -> ModelConfig:
@@ -84,12 +113,14 @@ def hf_config(cfg: ModelConfig, end_id: int, dtype: torch.dtype) -> dict:
 
 def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     """lmforge's ModelConfig for an HF config.json; one line for what lmforge cannot represent."""
-    arch = (config.get("architectures") or [None])[0] or config.get("model_type")
-    arch = MODEL_TYPES.get(arch, arch)
+    archs = config.get("architectures")
+    arch = (archs[0] if isinstance(archs, list) and archs else None) or config.get("model_type")
+    arch = MODEL_TYPES.get(arch, arch) if isinstance(arch, str) else None
     if arch not in ARCHITECTURES:
         raise LmforgeError(f"{where}: architecture {arch} is not supported; lmforge reads "
                            f"{', '.join(ARCHITECTURES)}")
     family = ARCHITECTURES[arch]
+    check_hf_fields(config, family, where)
 
     def require(ok: bool, what: str) -> None:
         if not ok:
@@ -153,4 +184,7 @@ def _rope(config: dict, where: str) -> tuple[float, dict | None]:
         return theta, None
     if kind != "llama3":
         raise LmforgeError(f"{where}: rope scaling of type {kind} is not supported (lmforge implements llama3)")
+    missing = [key for key in ROPE_SCALING_KEYS[1:] if not isinstance(params.get(key), (int, float))]
+    if missing:
+        raise LmforgeError(f"{where}/config.json: llama3 rope scaling without a number for {missing[0]}")
     return theta, {"rope_type": "llama3", **{key: params[key] for key in ROPE_SCALING_KEYS[1:]}}

@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from lmforge.common.errors import LmforgeError
-from lmforge.data.special_tokens import HF_TOKENIZER_FILES, SpecialTokens, special_tokens
+from lmforge.data.special_tokens import HF_TOKENIZER_FILES, SpecialTokens, special_tokens, json_object
 from lmforge.interop.hf_config import read_json
 
 
@@ -35,7 +35,7 @@ def read_end_token(folder: Path, tokenizer: Tokenizer) -> str:
         if (folder / name).is_file():
             eos = read_json(folder / name).get("eos_token_id")
             eos = eos[0] if isinstance(eos, list) and eos else eos
-            if isinstance(eos, int) and tokenizer.id_to_token(eos) is not None:
+            if isinstance(eos, int) and 0 <= eos < 2**31 and tokenizer.id_to_token(eos) is not None:
                 return tokenizer.id_to_token(eos)
     if (folder / "tokenizer_config.json").is_file():
         eos = read_json(folder / "tokenizer_config.json").get("eos_token")
@@ -47,12 +47,17 @@ def read_end_token(folder: Path, tokenizer: Tokenizer) -> str:
 
 def read_hf_tokenizer_files(folder: Path) -> dict[str, bytes]:
     """The files of HF_TOKENIZER_FILES that `folder` has, as bytes. Without generation_config.json,
-    one made of config.json's bos_token_id and eos_token_id, as transformers makes it."""
+    one made of config.json's bos_token_id and eos_token_id, as transformers makes it; one that names
+    no eos_token_id gets config.json's, so that the model stops where its config says its turn ends
+    (in this folder and in any run imported from it)."""
     files = {name: (folder / name).read_bytes() for name in HF_TOKENIZER_FILES if (folder / name).is_file()}
-    if "generation_config.json" not in files and (folder / "config.json").is_file():
+    generation = json_object(files, "generation_config.json")
+    if "eos_token_id" not in generation and (folder / "config.json").is_file():
         config = read_json(folder / "config.json")
-        ids = {key: config[key] for key in ("bos_token_id", "eos_token_id") if config.get(key) is not None}
-        files["generation_config.json"] = (json.dumps(ids, indent=2) + "\n").encode()
+        keys = ("eos_token_id",) if "generation_config.json" in files else ("bos_token_id", "eos_token_id")
+        ids = {key: config[key] for key in keys if config.get(key) is not None}
+        if ids or "generation_config.json" not in files:
+            files["generation_config.json"] = (json.dumps({**generation, **ids}, indent=2) + "\n").encode()
     return files
 
 

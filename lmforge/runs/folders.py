@@ -10,7 +10,6 @@ bit-identical. Both commands read and check everything before writing, write int
 staging folder, and rename it into place: a failure leaves nothing half-written.
 """
 
-import json
 from pathlib import Path
 
 import yaml
@@ -20,7 +19,7 @@ from lmforge.common.folder_lock import FolderLock
 from lmforge.config import Config, DataConfig, config_to_dict, load_config
 from lmforge.data.tokenizer import load_special_tokens, load_tokenizer
 from lmforge.interop.hf import export_hf, import_hf
-from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens, read_hf_tokenizer_files
+from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens
 from lmforge.interop.peft import lora_target, write_peft_adapter
 from lmforge.model.lora import adapter_state_dict, lora_layers
 from lmforge.runs.checkpoint.find import (CHECKPOINT_DIR, find_checkpoint, list_checkpoints, read_state,
@@ -102,7 +101,7 @@ def check_not_imported(run_dir: Path) -> None:
     found = list_checkpoints(Path(run_dir))
     try:
         state = read_state(found[-1]) if found else {}
-    except (OSError, json.JSONDecodeError):
+    except LmforgeError:
         return  # a damaged checkpoint: resuming reports it, with the checkpoints it can use instead
     if "imported_from" in state:
         raise LmforgeError(f"{run_dir} holds a model imported from {state['imported_from']}, not a training run "
@@ -114,13 +113,13 @@ def import_run(hf_folder: str | Path, out: str | Path) -> Path:
     hf_folder, out = Path(hf_folder), Path(out)
     _check_free(out)
     model_cfg, state, tokenizer = import_hf(hf_folder)
-    end_token = read_end_token(hf_folder, tokenizer)
-    cfg = Config(model=model_cfg, data=DataConfig(end_token=end_token))
+    special = read_hf_special_tokens(hf_folder, tokenizer)  # every token file read and checked before writing
+    cfg = Config(model=model_cfg, data=DataConfig(end_token=special.end))
     tied = {"lm_head.weight"} if model_cfg.tie_embeddings else set()  # a tied head is stored once
     weights = {name: t.contiguous() for name, t in state.items() if name not in tied}
     config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
     files = {"config.yaml": config_yaml.encode(), "tokenizer.json": tokenizer.to_str(pretty=True).encode(),
-             **read_hf_tokenizer_files(hf_folder)}  # its chat template, stop tokens, generation defaults
+             **special.files}  # its chat template, stop tokens, generation defaults
     lock = FolderLock(out, "importing")
     try:
         _check_free(out)  # again, now that no other process can be writing it

@@ -23,7 +23,7 @@ from rich.table import Table
 from lmforge.accounting.memory import parameter_count
 from lmforge.common.errors import LmforgeError
 from lmforge.common.folder_lock import is_locked
-from lmforge.config import SECTIONS, Config
+from lmforge.config import SECTIONS, Config, set_value
 from lmforge.runs.checkpoint.find import list_checkpoints, read_state
 from lmforge.runs.metrics import read_metrics
 from lmforge.runs.plots import batch_label, model_label
@@ -53,40 +53,70 @@ def checkpoint_parameters(path: Path) -> int | None:
         return None
     try:
         return read_state(found[-1]).get("parameters")
-    except (OSError, ValueError):
+    except LmforgeError:
         return None
 
 
 def read_config(path: Path) -> Config:
     """The run's config.yaml, read leniently: settings this version does not know are left out,
-    so that runs written by other versions still list."""
+    so that runs written by other versions still list; a known one of the wrong type stops in one line."""
+    file = path / "config.yaml"
     try:
-        data = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    except yaml.YAMLError as err:
-        raise LmforgeError(f"{path}/config.yaml is not valid YAML: {str(err).splitlines()[0]}") from None
+        data = yaml.safe_load(file.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise LmforgeError(f"{file} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise LmforgeError(f"{file} must hold a mapping of sections (model, data, optim, train)")
     cfg = Config()
     for section in SECTIONS:
-        target = getattr(cfg, section)
-        known = {f.name for f in dataclasses.fields(target)}
-        values = {k: v for k, v in (data.get(section) or {}).items() if k in known}
-        setattr(cfg, section, dataclasses.replace(target, **values))
+        values = data.get(section) or {}
+        if not isinstance(values, dict):
+            raise LmforgeError(f"{file}: {section!r} must be a section holding key: value pairs")
+        known = {f.name for f in dataclasses.fields(getattr(cfg, section))}
+        for key, value in values.items():
+            if key in known:
+                set_value(cfg, f"{section}.{key}", value, origin=str(file))
     return cfg
+
+
+# summary.json's fields `lmforge runs` and `scaling fit` read: (types, required)
+SUMMARY_FIELDS = {"steps": (int, True), "tokens_trained": (int, False), "val_loss": ((int, float), False),
+                  "tokens_per_s": ((int, float), False), "mfu": ((int, float), False), "parameters": (int, False)}
+
+
+def read_summary(path: Path, cut_off_ok: bool = True) -> dict | None:
+    """The run's summary.json, its fields checked (one line naming the first that is missing or of
+    the wrong type); None without one. Written at the very end, a summary cut off while written
+    (not JSON) means the session did not end normally: None where `cut_off_ok`, else one line."""
+    file = path / "summary.json"
+    if not file.is_file():
+        return None
+    try:
+        summary = json.loads(file.read_bytes())
+    except ValueError:
+        if cut_off_ok:
+            return None
+        raise LmforgeError(f"{file} is not JSON (cut off while written?): resume the run to write it again") from None
+    if not isinstance(summary, dict):
+        raise LmforgeError(f"{file} holds a JSON {type(summary).__name__}, expected an object of results")
+    for key, (kinds, required) in SUMMARY_FIELDS.items():
+        value = summary.get(key)
+        if (value is None and required) or (value is not None and (not isinstance(value, kinds)
+                                                                   or isinstance(value, bool))):
+            raise LmforgeError(f"{file}: {key} is {'missing' if key not in summary else repr(value)}, "
+                               f"expected {'an integer' if kinds is int else 'a number'}")
+    return summary
 
 
 def read_run(path: Path) -> Run:
     cfg = read_config(path)
     records = read_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
-    summary = None
-    if (path / "summary.json").is_file():
-        try:
-            summary = json.loads((path / "summary.json").read_text())
-        except json.JSONDecodeError:
-            summary = None  # written at the very end: damaged means the session did not end normally
+    summary = read_summary(path)
     # a summary counts only if it covers the whole run: an extended run that stopped keeps the old one
-    finished = summary is not None and summary.get("steps", 0) >= cfg.train.max_steps
+    finished = summary is not None and summary["steps"] >= cfg.train.max_steps
     step = max([r.get("step", 0) for r in records] + [summary["steps"] if finished else 0])
     if finished:  # the whole last session's average
-        tokens_per_s, mfu = summary["tokens_per_s"], summary["mfu"]
+        tokens_per_s, mfu = summary.get("tokens_per_s"), summary.get("mfu")
     else:  # the latest logged window's
         speed = [r for r in records if r.get("tokens_per_s") is not None]
         tokens_per_s, mfu = (speed[-1]["tokens_per_s"], speed[-1].get("mfu")) if speed else (None, None)

@@ -62,9 +62,28 @@ def _read_lines(path: Path, advice: str = "") -> tuple[list[tuple[str, dict]], b
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            records.append((line, json.loads(line)))
+            record = json.loads(line)
         except json.JSONDecodeError:
             if number == len(lines):
                 return records, True
             raise LmforgeError(f"{path} line {number} is not JSON: the file is damaged{advice}") from None
+        problem = _record_problem(record)
+        if problem:
+            raise LmforgeError(f"{path} line {number}: {problem}{advice}")
+        records.append((line, record))
     return records, False
+
+
+def _record_problem(record) -> str | None:
+    """What is wrong with one metrics.jsonl record: not an object, a step that is no whole number,
+    or a value where a number belongs that is no number (None: nothing)."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, expected an object with a step"
+    step = record.get("step", 0)
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"step is {step!r}, expected an integer"
+    for key, value in record.items():
+        if (key.endswith(("loss", "_per_s", "mfu")) and value is not None
+                and (not isinstance(value, (int, float)) or isinstance(value, bool))):
+            return f"{key} is {value!r}, expected a number"
+    return None

@@ -26,16 +26,28 @@ def file_sha256(path: Path) -> str:
 
 
 def read_state(path: Path) -> dict:
-    """Checkpoint `path`'s state.json (OSError or json.JSONDecodeError if it is unreadable)."""
-    return json.loads((path / "state.json").read_text())
+    """Checkpoint `path`'s state.json; one line if it is unreadable, no object or its step no integer."""
+    try:
+        state = json.loads((path / "state.json").read_bytes())
+    except (OSError, ValueError):
+        raise LmforgeError(f"checkpoint {path} is corrupt: state.json unreadable") from None
+    step = state.get("step", 0) if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise LmforgeError(f"checkpoint {path} is corrupt: state.json must be an object whose step is an integer")
+    return state
 
 
 def read_manifest(path: Path) -> dict[str, dict]:
     """Checkpoint `path`'s manifest: file name -> {"bytes", "sha256"}."""
     try:
-        return json.loads((path / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        manifest = json.loads((path / "manifest.json").read_bytes())
+    except (OSError, ValueError):
         raise LmforgeError(f"checkpoint {path} is corrupt: manifest.json unreadable") from None
+    if not isinstance(manifest, dict) or not all(
+            isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)
+            for entry in manifest.values()):
+        raise LmforgeError(f"checkpoint {path} is corrupt: manifest.json must map each file to its bytes and sha256")
+    return manifest
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -61,11 +73,12 @@ def find_checkpoint(run_dir: str | Path, warn: Callable[[str], None] | None = No
     for path in reversed(found):
         try:
             verify_checkpoint(path)
-            return path
         except LmforgeError as err:
             problems.append(str(err))
-            if warn is not None:
-                warn(f"skipping {err}")
+            continue
+        for problem in problems if warn is not None else ():  # said only when an earlier one is used
+            warn(f"skipping {problem}")
+        return path
     raise LmforgeError(problems[0] if len(problems) == 1 else f"{problems[0]} (and no earlier checkpoint is intact)")
 
 
