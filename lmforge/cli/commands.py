@@ -174,8 +174,6 @@ def cmd_export(args) -> int:
 def cmd_import_hf(args) -> int:
     from lmforge.runs.folders import import_run
 
-    if args.name and args.out:
-        raise LmforgeError("give --name or --out, not both")
     out = Path(args.out) if args.out else Path("runs") / (args.name or Path(args.folder).resolve().name)
     import_run(args.folder, out)
     print(f"{out}: imported; try lmforge generate {out} --prompt \"...\"")
