@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from lmforge.config import Config
-from lmforge.data.corpus import fingerprint, load_documents, split_documents, stdlib_name
+from lmforge.data.corpus import fingerprint, load_documents, source_stamp, split_documents, stdlib_name
 from lmforge.data.loader import check_windows
 from lmforge.data.tokenizer import encode_documents, load_tokenizer, tokenizer_hash, train_tokenizer
 from lmforge.data.tokens import META_FORMAT, open_tokens, read_meta, token_dtype, unigram_entropy, write_tokens
@@ -55,11 +55,16 @@ def data_dir_of(cfg: Config) -> Path:
 
 
 def prepare_data(cfg: Config, log: Callable[[str], None] = print, progress: bool = True) -> PreparedData:
-    """Prepared data for cfg, reused when it exists with the same settings, else built."""
+    """Prepared data for cfg, reused when it exists with the same settings, else built. A folder whose
+    meta records the same stamp of the source's files (names, sizes, times) is reused without reading
+    the corpus; otherwise the corpus is read and its sha256 compared with the one the folder records."""
     data_dir = data_dir_of(cfg)
+    stamp = source_stamp(cfg.data.source)
+    settings = {"source": cfg.data.source, "vocab_size": cfg.model.vocab_size, "val_fraction": cfg.data.val_fraction}
+    if data_dir.exists() and read_meta(data_dir).get("source_stamp") == stamp:
+        return _reuse(data_dir, settings)  # no file of the source changed since: its source_sha256 still holds
     docs = load_documents(cfg.data.source)
-    settings = {"source": cfg.data.source, "source_sha256": fingerprint(docs),
-                "vocab_size": cfg.model.vocab_size, "val_fraction": cfg.data.val_fraction}
+    settings["source_sha256"] = fingerprint(docs)
     if data_dir.exists():
         return _reuse(data_dir, settings)
     new_parent = not data_dir.parent.exists()
@@ -68,6 +73,7 @@ def prepare_data(cfg: Config, log: Callable[[str], None] = print, progress: bool
         with FolderLock(data_dir, "preparing data"):
             if data_dir.exists():  # prepared by another process while we gathered the documents
                 return _reuse(data_dir, settings)
+            settings["source_stamp"] = stamp
             for leftover in data_dir.parent.glob(f".{data_dir.name}.partial-*"):  # from a killed prepare
                 shutil.rmtree(leftover, ignore_errors=True)
             _build(data_dir, docs, settings, cfg, log, progress)
