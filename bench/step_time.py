@@ -139,7 +139,7 @@ def main() -> None:
     from lmforge.accounting.plan.make import Setup
     from lmforge.accounting.roofline.ops import predict_step
     from lmforge.accounting.roofline.shapes import this_step_roof
-    from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.cli.launch import retain_freed_memory
     from lmforge.train.roofline import one_process_engine
 
     retain_freed_memory()  # as `lmforge train` (and `lmforge plan`) run

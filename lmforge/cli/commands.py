@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from lmforge.cli.launch import launch_train, quiet_rank, resume_command
+from lmforge.cli.launch import launch_train, quiet_rank, resume_command, retain_freed_memory
 from lmforge.cli.parser import build_parser, parse_args
 from lmforge.cli.plan_command import cmd_plan
 from lmforge.cli.run_config import finetune_config, resumed_config, resumed_finetune_config, train_config
@@ -51,12 +51,11 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     from lmforge.accounting.hardware import this_device
     from lmforge.parallel.launch import resolve_device
     from lmforge.runs.checkpoint.find import list_checkpoints
-    from lmforge.train.host_memory import retain_freed_memory
     from lmforge.train.loop import Trainer
     from lmforge.train.signals import Stopped
 
     if resolve_device(cfg.train.device).type == "cpu":
-        retain_freed_memory()  # process-wide malloc tuning, chosen here (train/host_memory.py says why)
+        retain_freed_memory()  # process-wide malloc tuning, chosen here (cli/launch.py says why)
     # the measured matmul peak behind MFU, cached per machine (lmforge plan --hardware this --remeasure)
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device)
     resume = resume_command(command, run_dir)  # as this run was launched (one process, --nproc, torchrun)

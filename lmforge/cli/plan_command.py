@@ -13,7 +13,7 @@ def cmd_plan(args) -> int:
 
     from lmforge.accounting.plan.show import print_dtypes
     from lmforge.accounting.plan.setups import plan_overrides
-    from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.cli.launch import retain_freed_memory
 
     console = Console()
     if args.dtypes:
