@@ -49,7 +49,7 @@ def build_parts(model: str, precision: str, batch: int, seq_len: int | None, ext
     bench/step_time_dist.py)."""
     from lmforge.config import make_config
     from lmforge.modes.precision import get_policy
-    from lmforge.precision.loss_scaler import LossScaler
+    from lmforge.precision.policy import LossScaler
     from lmforge.train.setup import build_engine
 
     overrides = [f"train.precision={precision}", f"train.batch_size={batch}"]
