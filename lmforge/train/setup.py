@@ -66,11 +66,10 @@ from lmforge.data.loader import check_windows
 from lmforge.data.prepare import data_dir_of, prepare_data
 from lmforge.common.errors import LmforgeError
 from lmforge.kernels import flash_triton
-from lmforge.model.meta import meta_model
 from lmforge.modes.attention import FLASH_BACKENDS
 from lmforge.interop.peft import load_peft_weights
 from lmforge.model.lora import apply_lora
-from lmforge.model.transformer import Transformer
+from lmforge.model.transformer import Transformer, meta_model
 from lmforge.optim.build import make_optimizer, param_groups
 from lmforge.modes.precision import Policy, get_policy
 from lmforge.parallel.comm import Collectives
@@ -101,7 +100,7 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     `tp_comm`: the Collectives of this rank's tensor-parallel group (step 1b); `cp_group`: its
     context-parallel group (step 1c)."""
     if torch.device(device).type == "meta":
-        model = meta_model(cfg.model)  # model/meta.py: shapes only, no initialisation to skip
+        model = meta_model(cfg.model)  # model/transformer.py: shapes only, no initialisation to skip
     else:
         model = Transformer(cfg.model)
         if base_state is not None:
