@@ -39,7 +39,7 @@ def runs_dir(tmp_path_factory, corpus_dir, data_dir):
 def test_runs_lists_settings_progress_loss_and_status(runs_dir):
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import time
-from lmforge.common.folder_lock import FolderLock
+from lmforge.common.folders import FolderLock
 lock = FolderLock({str(runs_dir / 'busy')!r}, "training")
 print("locked", flush=True)
 time.sleep(600)

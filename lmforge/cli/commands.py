@@ -146,7 +146,7 @@ def _json_answer(args):
     return schema, json_grammar(schema)
 def cmd_runs(args) -> int:
     from lmforge.runs.listing import find_runs, plot_runs, print_runs
-    from lmforge.runs.staging import write_file_staged
+    from lmforge.common.folders import write_file_staged
 
     if args.plot is None:
         print_runs(find_runs(args.dir), args.dir)
@@ -183,7 +183,7 @@ def cmd_import_hf(args) -> int:
 def cmd_tasks(args) -> int:
     import json
 
-    from lmforge.runs.staging import write_file_staged
+    from lmforge.common.folders import write_file_staged
     from lmforge.structured.tasks import TRAINING_MIX, training_documents
 
     out = Path(args.out)
@@ -213,7 +213,7 @@ def cmd_eval_format(args) -> int:
         raise LmforgeError(f"{args.run} is a Hugging Face folder: give --out for the results (lmforge writes "
                            f"nothing into a model's folder)")
     out = Path(args.out) if args.out else Path(args.run) / "eval-format"
-    # the results replace `out` whole (runs/staging.py): a folder holding anything else is not ours to replace
+    # the results replace `out` whole (common/folders.py): a folder holding anything else is not ours to replace
     others = sorted(p.name for p in out.iterdir() if p.name not in RESULT_FILES) if out.is_dir() else []
     if others or out.exists() and not out.is_dir():
         raise LmforgeError(f"--out {out} holds {', '.join(others) or 'a file'}, not only eval-format's results: "

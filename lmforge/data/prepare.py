@@ -27,7 +27,7 @@ from lmforge.data.loader import check_windows
 from lmforge.data.tokenizer import encode_documents, load_tokenizer, tokenizer_hash, train_tokenizer
 from lmforge.data.tokens import META_FORMAT, open_tokens, read_meta, token_dtype, unigram_entropy, write_tokens
 from lmforge.common.errors import LmforgeError, as_os_error
-from lmforge.common.folder_lock import FolderLock
+from lmforge.common.folders import FolderLock
 
 
 @dataclass
