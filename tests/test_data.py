@@ -12,7 +12,7 @@ from lmforge.data.corpus import Document, file_documents, load_documents, split_
 from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.data.prepare import open_prepared, prepare_data
 from lmforge.data.tokenizer import END_OF_TEXT, encode_documents, load_tokenizer, train_tokenizer
-from lmforge.data.tokens import open_tokens, token_dtype, unigram_entropy, write_tokens
+from lmforge.data.prepare import open_tokens, token_dtype, unigram_entropy, write_tokens
 from lmforge.common.errors import LmforgeError
 from tests.conftest import tiny_overrides
 

@@ -44,7 +44,7 @@ from lmforge.data.special_tokens import SpecialTokens
 from lmforge.data.sft import encode_record, example_batch, is_example_source, load_examples, read_records
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.data.tokenizer import encode_documents, tokenizer_hash
-from lmforge.data.tokens import unigram_entropy
+from lmforge.data.prepare import unigram_entropy
 from lmforge.common.errors import LmforgeError, warn
 from lmforge.modes.parallel import get_strategy
 from lmforge.parallel.launch import resolve_device
