@@ -32,8 +32,7 @@ from lmforge.parallel.pipeline.report import pipeline_report
 from lmforge.parallel.pipeline.timeline import Timeline
 from lmforge.parallel.faults import is_collective_failure
 from lmforge.parallel.world import World, init_world
-from lmforge.precision.policy import LossScaler
-from lmforge.precision.policy import device_notes
+from lmforge.precision.policy import LossScaler, device_notes
 from lmforge.runs.state import RunFolder, RunState
 from lmforge.train.checkpoints import Checkpoints
 from lmforge.train.evaluate import evaluate
