@@ -8,6 +8,7 @@ that the corpus, and everything derived from it, is the same on every run.
 
 import hashlib
 import json
+import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -25,10 +26,15 @@ class Document:
 
 
 def _stdlib_files() -> list[tuple[Path, str]]:
+    """The standard library's .py files, in sorted order; its site-packages, dist-packages and
+    __pycache__ folders are not entered (site-packages alone holds most files under the root)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    named = ((path, path.relative_to(root)) for path in sorted(root.rglob("*.py")))
-    return [(path, rel.as_posix()) for path, rel in named
-            if not {"site-packages", "dist-packages", "__pycache__"} & set(rel.parts)]
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in ("site-packages", "dist-packages", "__pycache__")]
+        relative = Path(folder).relative_to(root)
+        found.extend(relative / name for name in files if name.endswith(".py"))
+    return [(root / rel, rel.as_posix()) for rel in sorted(found, key=lambda rel: rel.parts)]
 
 
 def stdlib_documents() -> list[Document]:
