@@ -258,7 +258,8 @@ def test_fp32_attention_runs_the_attention_core_in_fp32_under_bf16(monkeypatch):
 
     seen = []
     real = attention_module.attention
-    monkeypatch.setattr(attention_module, "attention", lambda q, k, v, **kw: seen.append(q.dtype) or real(q, k, v, **kw))
+    monkeypatch.setattr(attention_module, "attention",
+                        lambda q, k, v, **kw: seen.append(q.dtype) or real(q, k, v, **kw))
     for fp32_attention, expected in ((False, torch.bfloat16), (True, torch.float32)):
         seen.clear()
         model = prepare_model(tiny_model(), get_policy("bf16-mixed"), fp32_attention=fp32_attention)

@@ -73,7 +73,8 @@ def test_runs_plot_draws_named_runs_and_rejects_unknown_ones(runs_dir, tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = lmforge("runs", str(runs_dir), "--plot", "done", "nope", "--out", str(tmp_path / "x.png"))
     assert result.returncode == 2
-    assert result.stderr.strip() == f"lmforge: error: nope is not a run: give run folders, or names of runs in {runs_dir}"
+    expected = f"lmforge: error: nope is not a run: give run folders, or names of runs in {runs_dir}"
+    assert result.stderr.strip() == expected
     assert not (tmp_path / "x.png").exists()
 
 
