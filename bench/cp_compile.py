@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lmforge.config import make_config
 from lmforge.modes.precision import get_policy
-from lmforge.precision.loss_scaler import LossScaler
+from lmforge.precision.policy import LossScaler
 from lmforge.train.loop import train_step
 from lmforge.train.setup import build_engine
 

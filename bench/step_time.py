@@ -49,7 +49,7 @@ def build_parts(model: str, precision: str, batch: int, seq_len: int | None, ext
     bench/step_time_dist.py)."""
     from lmforge.config import make_config
     from lmforge.modes.precision import get_policy
-    from lmforge.precision.loss_scaler import LossScaler
+    from lmforge.precision.policy import LossScaler
     from lmforge.train.setup import build_engine
 
     overrides = [f"train.precision={precision}", f"train.batch_size={batch}"]
@@ -139,7 +139,7 @@ def main() -> None:
     from lmforge.accounting.plan.make import Setup
     from lmforge.accounting.roofline.ops import predict_step
     from lmforge.accounting.roofline.shapes import this_step_roof
-    from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.cli.launch import retain_freed_memory
     from lmforge.train.roofline import one_process_engine
 
     retain_freed_memory()  # as `lmforge train` (and `lmforge plan`) run

@@ -160,7 +160,7 @@ def main() -> None:
     from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.config import make_config
     from lmforge.modes.parallel import get_strategy
-    from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.cli.launch import retain_freed_memory
     from lmforge.train.roofline import one_process_engine
 
     retain_freed_memory()

@@ -15,8 +15,7 @@ from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_me
 from lmforge.config import make_config
 from lmforge.modes.precision import get_policy
 from lmforge.parallel.cp_model import RingAttentionCore
-from lmforge.precision.loss_scaler import LossScaler
-from lmforge.precision.policy import autocast
+from lmforge.precision.policy import LossScaler, autocast
 from lmforge.train.loop import train_step
 from lmforge.train.setup import build_engine
 

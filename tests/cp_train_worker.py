@@ -21,7 +21,7 @@ from parallel_worker import ROWS, global_batches  # noqa: E402
 from lmforge.config import make_config  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
 from lmforge.parallel.cp_model import RingAttentionCore  # noqa: E402
-from lmforge.precision.loss_scaler import LossScaler  # noqa: E402
+from lmforge.precision.policy import LossScaler  # noqa: E402
 from lmforge.train.loop import train_step  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
@@ -76,7 +76,8 @@ def run_case(overrides: list[str]) -> dict:
     traffic = next(m.traffic for m in engine.model.modules() if isinstance(m, RingAttentionCore))
     return dict(losses=losses, norms=norms, model=floats(state), reloaded=floats(fresh.model_state_dict()),
                 ref=dict(losses=ref_losses, norms=ref_norms, model=floats(one.model_state_dict())),
-                initial=initial, graph_breaks=breaks, held=held, precision=cfg.train.precision, steps=STEPS * ACCUM, seq=seq,
+                initial=initial, graph_breaks=breaks, held=held, precision=cfg.train.precision,
+                steps=STEPS * ACCUM, seq=seq,
                 traffic={**traffic.bytes, **{f"sends_{k}": n for k, n in traffic.sends.items()}},
                 replica=engine.replica, replicas=engine.replicas, cp_rank=engine.model.loss.collectives.rank)
 

@@ -19,7 +19,7 @@ from lmforge.config import make_config
 from lmforge.model.transformer import IGNORE_INDEX, Transformer
 from lmforge.parallel.engine import Engine
 from lmforge.parallel.parallelize import parallelize
-from lmforge.precision.loss_scaler import LossScaler
+from lmforge.precision.policy import LossScaler
 from lmforge.modes.precision import get_policy
 from lmforge.train.loop import train_step
 from lmforge.optim.build import weight_decay_groups

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from parallel_worker import SEQ, global_batches
 
 from lmforge.config import make_config
-from lmforge.precision.loss_scaler import LossScaler
+from lmforge.precision.policy import LossScaler
 from lmforge.modes.precision import get_policy
 from lmforge.train.loop import train_step
 from lmforge.train.setup import build_engine

@@ -12,7 +12,7 @@ from lmforge.data.corpus import Document, file_documents, load_documents, split_
 from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.data.prepare import open_prepared, prepare_data
 from lmforge.data.tokenizer import END_OF_TEXT, encode_documents, load_tokenizer, train_tokenizer
-from lmforge.data.tokens import open_tokens, token_dtype, unigram_entropy, write_tokens
+from lmforge.data.prepare import open_tokens, token_dtype, unigram_entropy, write_tokens
 from lmforge.common.errors import LmforgeError
 from tests.conftest import tiny_overrides
 
@@ -263,3 +263,27 @@ def test_the_split_does_not_depend_on_where_the_corpus_lies(tmp_path):
         splits.append(sorted(d.name for d in val))
     assert splits[0] and splits[0] == splits[1]
     assert all(name.startswith(("doc", "sub/doc")) for name in splits[0])  # named inside the folder
+
+
+def test_prepared_folder_is_reused_by_stamp_and_checked_by_hash(tmp_path, monkeypatch):
+    """Unchanged source files are not read again; a touched file is read and its hash compared; an
+    edited one is refused."""
+    import os
+
+    import lmforge.data.prepare as prepare_module
+
+    (tmp_path / "src").mkdir()
+    for i in range(8):
+        (tmp_path / "src" / f"{i}.txt").write_text(f"document {i}\n" + "some words here and there\n" * 300)
+    cfg = make_config("tiny", overrides=[f"data.source={tmp_path / 'src'}", f"data.dir={tmp_path / 'prep'}"])
+    prepare_data(cfg, log=lambda _: None)
+    reads = []
+    monkeypatch.setattr(prepare_module, "load_documents", lambda source: reads.append(source) or load_documents(source))
+    prepare_data(cfg, log=lambda _: None)
+    assert reads == []  # the stamp matched: the corpus was not read
+    os.utime(tmp_path / "src" / "0.txt", ns=(1, 1))
+    prepare_data(cfg, log=lambda _: None)  # touched, same text: read, hashed, reused
+    assert len(reads) == 1
+    (tmp_path / "src" / "0.txt").write_text("edited\n")
+    with pytest.raises(LmforgeError, match="prepared with a different source_sha256"):
+        prepare_data(cfg, log=lambda _: None)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.common.folder_lock import is_locked
+from lmforge.common.folders import is_locked
 from lmforge.runs.checkpoint.find import list_checkpoints
 from test_distributed_train import env, kill_rank_after_first_checkpoint, rank_pid, settings, torchrun  # noqa: F401
 

@@ -8,8 +8,7 @@ from lmforge.config import make_config
 from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.precision.loss_scaler import LossScaler
-from lmforge.precision.policy import device_notes, prepare_model
+from lmforge.precision.policy import LossScaler, device_notes, prepare_model
 from lmforge.modes.precision import get_policy
 from lmforge.precision.fp8 import (E4M3, E5M2, AmaxHistory, Fp8Linear, dequantize, fp8_matmul, fp8_max,
                                    quantize, scale_for)
@@ -259,7 +258,8 @@ def test_fp32_attention_runs_the_attention_core_in_fp32_under_bf16(monkeypatch):
 
     seen = []
     real = attention_module.attention
-    monkeypatch.setattr(attention_module, "attention", lambda q, k, v, **kw: seen.append(q.dtype) or real(q, k, v, **kw))
+    monkeypatch.setattr(attention_module, "attention",
+                        lambda q, k, v, **kw: seen.append(q.dtype) or real(q, k, v, **kw))
     for fp32_attention, expected in ((False, torch.bfloat16), (True, torch.float32)):
         seen.clear()
         model = prepare_model(tiny_model(), get_policy("bf16-mixed"), fp32_attention=fp32_attention)

@@ -22,7 +22,7 @@ from lmforge.cli import main
 from lmforge.data.prepare import open_prepared, prepare_data
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
-from lmforge.common.folder_lock import FolderLock, lock_path
+from lmforge.common.folders import FolderLock, lock_path
 from lmforge.runs.checkpoint.find import find_checkpoint, list_checkpoints, verify_checkpoint
 from lmforge.train.signals import StopRequests, Stopped
 from tests.conftest import tiny_overrides

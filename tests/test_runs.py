@@ -39,7 +39,7 @@ def runs_dir(tmp_path_factory, corpus_dir, data_dir):
 def test_runs_lists_settings_progress_loss_and_status(runs_dir):
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import time
-from lmforge.common.folder_lock import FolderLock
+from lmforge.common.folders import FolderLock
 lock = FolderLock({str(runs_dir / 'busy')!r}, "training")
 print("locked", flush=True)
 time.sleep(600)
@@ -73,7 +73,8 @@ def test_runs_plot_draws_named_runs_and_rejects_unknown_ones(runs_dir, tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = lmforge("runs", str(runs_dir), "--plot", "done", "nope", "--out", str(tmp_path / "x.png"))
     assert result.returncode == 2
-    assert result.stderr.strip() == f"lmforge: error: nope is not a run: give run folders, or names of runs in {runs_dir}"
+    expected = f"lmforge: error: nope is not a run: give run folders, or names of runs in {runs_dir}"
+    assert result.stderr.strip() == expected
     assert not (tmp_path / "x.png").exists()
 
 

@@ -24,7 +24,7 @@ from lmforge.config import make_config
 from lmforge.data.sft import ExampleSet, example_batch, pad_examples
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.modes.precision import get_policy
-from lmforge.precision.loss_scaler import LossScaler
+from lmforge.precision.policy import LossScaler
 from lmforge.train.setup import build_engine
 
 SEQ, ROWS, ACCUM = 24, 3, 2  # positions per row; rows per rank per micro-batch; micro-batches per step

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lmforge.train.tracking import Trackers
+from lmforge.train.report import Trackers
 
 
 def read_scalars(run_dir) -> dict[str, dict[int, float]]:
@@ -59,7 +59,7 @@ def test_wandb_asked_for_but_not_installed_is_one_line_and_writes_nothing(tmp_pa
     code = f"""
 import sys
 sys.modules["wandb"] = None  # as if not installed
-from lmforge.train.tracking import Trackers
+from lmforge.train.report import Trackers
 Trackers({str(tmp_path / 'run')!r}, wandb=True)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -24,7 +24,7 @@ from pipeline_compose_worker import train_and_measure  # noqa: E402
 
 from lmforge.config import make_config  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
-from lmforge.precision.loss_scaler import LossScaler  # noqa: E402
+from lmforge.precision.policy import LossScaler  # noqa: E402
 from lmforge.train.loop import train_step  # noqa: E402
 
 STEPS, ACCUM = 3, 2

@@ -26,8 +26,7 @@ from tp_worker import STEPS, tp_config  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
 from lmforge.parallel.fsdp import local  # noqa: E402
 from lmforge.parallel.tp import sharded_dim  # noqa: E402
-from lmforge.precision.loss_scaler import LossScaler  # noqa: E402
-from lmforge.precision.policy import fp8_scale_state  # noqa: E402
+from lmforge.precision.policy import LossScaler, fp8_scale_state  # noqa: E402
 from lmforge.train.loop import train_step  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 

@@ -67,7 +67,7 @@ def lora_parameters(cfg: ModelConfig, rank: int, targets: str, tp: int = 1) -> i
     (parallel/tp_lora.py): a column-parallel layer's B is split by its output rows and its A whole,
     a row-parallel layer's A is split by its input columns and its B whole."""
     from lmforge.accounting.shapes import tensor_parallel_dim, tensor_parallel_slices
-    from lmforge.model.meta import meta_model
+    from lmforge.model.transformer import meta_model
     from lmforge.model.lora import apply_lora
 
     held = 0
@@ -81,8 +81,8 @@ def lora_parameters(cfg: ModelConfig, rank: int, targets: str, tp: int = 1) -> i
     return held
 
 
-def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optimizer: str = "adamw", zero_stage: int = 0,
-                      dp: int = 1, tp: int = 1, lora_trainable: int | None = None,
+def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optimizer: str = "adamw",
+                      zero_stage: int = 0, dp: int = 1, tp: int = 1, lora_trainable: int | None = None,
                       parameter_shapes: tuple | None = None, fully_shard: bool = False,
                       hidden_matrices: int | None = None) -> dict[str, float]:
     """Bytes per device of parameters, gradients, master weights and optimizer states, as the
@@ -95,7 +95,8 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
     themselves: a tensor rank holds the shapes parallel/tp.py gives it (shapes.py's
     tensor_rank_shapes: the split matrices divided by tp (k and v by their KV heads where tp
     is a multiple of them: replicated KV heads), norm gains and row-parallel biases
-    whole), so do its gradients and optimizer states. `lora_trainable`: the adapter parameters one device holds (lora_parameters with tp). ZeRO's and FSDP's padding to a multiple of dp is not counted
+    whole), so do its gradients and optimizer states. `lora_trainable`: the adapter parameters one
+    device holds (lora_parameters with tp). ZeRO's and FSDP's padding to a multiple of dp is not counted
     (none where each unit or dimension divides evenly). `hidden_matrices`: a stage's Muon elements.
 
     `fully_shard` (train.parallel=fsdp, zero_stage 3): FSDP2 shards the parameters as the policy

@@ -158,7 +158,7 @@ def tensor_rank_model(cfg: ModelConfig, tp: int) -> ModelConfig:
 def _shapes(values: str) -> Shapes:
     import torch.nn as nn
 
-    from lmforge.model.meta import meta_model
+    from lmforge.model.transformer import meta_model
 
     model = meta_model(ModelConfig(**json.loads(values)))
     linear_weights: dict[str, int] = {}

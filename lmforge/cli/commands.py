@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from lmforge.cli.launch import launch_train, quiet_rank, resume_command
+from lmforge.cli.launch import launch_train, quiet_rank, resume_command, retain_freed_memory
 from lmforge.cli.parser import build_parser, parse_args
 from lmforge.cli.eval_command import cmd_eval
 from lmforge.cli.plan_command import cmd_plan
@@ -52,12 +52,11 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     from lmforge.accounting.hardware import this_device
     from lmforge.parallel.launch import resolve_device
     from lmforge.runs.checkpoint.find import list_checkpoints
-    from lmforge.train.host_memory import retain_freed_memory
     from lmforge.train.loop import Trainer
     from lmforge.train.signals import Stopped
 
     if resolve_device(cfg.train.device).type == "cpu":
-        retain_freed_memory()  # process-wide malloc tuning, chosen here (train/host_memory.py says why)
+        retain_freed_memory()  # process-wide malloc tuning, chosen here (cli/launch.py says why)
     # the measured matmul peak behind MFU, cached per machine (lmforge plan --hardware this --remeasure)
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device)
     resume = resume_command(command, run_dir)  # as this run was launched (one process, --nproc, torchrun)
@@ -148,7 +147,7 @@ def _json_answer(args):
     return schema, json_grammar(schema)
 def cmd_runs(args) -> int:
     from lmforge.runs.listing import find_runs, plot_runs, print_runs
-    from lmforge.runs.staging import write_file_staged
+    from lmforge.common.folders import write_file_staged
 
     if args.plot is None:
         print_runs(find_runs(args.dir), args.dir)
@@ -183,7 +182,7 @@ def cmd_import_hf(args) -> int:
 def cmd_tasks(args) -> int:
     import json
 
-    from lmforge.runs.staging import write_file_staged
+    from lmforge.common.folders import write_file_staged
     from lmforge.structured.tasks import TRAINING_MIX, training_documents
 
     out = Path(args.out)
@@ -213,7 +212,7 @@ def cmd_eval_format(args) -> int:
         raise LmforgeError(f"{args.run} is a Hugging Face folder: give --out for the results (lmforge writes "
                            f"nothing into a model's folder)")
     out = Path(args.out) if args.out else Path(args.run) / "eval-format"
-    # the results replace `out` whole (runs/staging.py): a folder holding anything else is not ours to replace
+    # the results replace `out` whole (common/folders.py): a folder holding anything else is not ours to replace
     others = sorted(p.name for p in out.iterdir() if p.name not in RESULT_FILES) if out.is_dir() else []
     if others or out.exists() and not out.is_dir():
         raise LmforgeError(f"--out {out} holds {', '.join(others) or 'a file'}, not only eval-format's results: "

@@ -13,7 +13,7 @@ def cmd_plan(args) -> int:
 
     from lmforge.accounting.plan.show import print_dtypes
     from lmforge.accounting.plan.setups import plan_overrides
-    from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.cli.launch import retain_freed_memory
 
     console = Console()
     if args.dtypes:
@@ -90,7 +90,7 @@ def _show_comparison(console, plans: list[dict], varying, name: str, args) -> No
 
     from lmforge.accounting.plan.chart import plot_comparison
     from lmforge.accounting.plan.compare import print_comparison_table
-    from lmforge.runs.staging import write_file_staged
+    from lmforge.common.folders import write_file_staged
 
     if args.plot:
         write_file_staged(Path(args.plot), lambda path: plot_comparison(plans, varying, path, name=name))
@@ -108,7 +108,7 @@ def _show_plan(console, plan: dict, name: str, note: str | None, args) -> None:
 
     from lmforge.accounting.plan.chart import plot_memory
     from lmforge.accounting.plan.show import print_plan
-    from lmforge.runs.staging import write_file_staged
+    from lmforge.common.folders import write_file_staged
 
     if args.plot:
         write_file_staged(Path(args.plot), lambda path: plot_memory(plan, path, name=name))

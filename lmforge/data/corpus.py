@@ -8,6 +8,7 @@ that the corpus, and everything derived from it, is the same on every run.
 
 import hashlib
 import json
+import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -24,19 +25,27 @@ class Document:
     text: str
 
 
-def stdlib_documents() -> list[Document]:
+def _stdlib_files() -> list[tuple[Path, str]]:
+    """The standard library's .py files, in sorted order; its site-packages, dist-packages and
+    __pycache__ folders are not entered (site-packages alone holds most files under the root)."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in ("site-packages", "dist-packages", "__pycache__")]
+        relative = Path(folder).relative_to(root)
+        found.extend(relative / name for name in files if name.endswith(".py"))
+    return [(root / rel, rel.as_posix()) for rel in sorted(found, key=lambda rel: rel.parts)]
+
+
+def stdlib_documents() -> list[Document]:
     docs = []
-    for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root)
-        if {"site-packages", "dist-packages", "__pycache__"} & set(relative.parts):
-            continue
+    for path, name in _stdlib_files():
         try:
             text = path.read_bytes().decode("utf-8")
         except (UnicodeDecodeError, OSError):
             continue
         if text.strip():
-            docs.append(Document(relative.as_posix(), text))
+            docs.append(Document(name, text))
     return docs
 
 
@@ -44,12 +53,10 @@ def stdlib_name() -> str:
     return f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def file_documents(paths: list[str]) -> list[Document]:
-    """Documents from .txt/.jsonl files and folders: a text file is one document, a .jsonl file
-    holds one document per line as {"text": ...}. A document is named by its path from the folder
-    given (`a/b.txt` in `notes/`), or by its file name: the split, a hash of names, then does not depend
-    on where the corpus lies on disk."""
-    docs = []
+def _named_files(paths: list[str]) -> list[tuple[Path, str]]:
+    """The files behind .txt/.jsonl files and folders, each with its document name: its path from the
+    folder given (`a/b.txt` in `notes/`), or its file name."""
+    named = []
     for raw in paths:
         path = Path(raw).expanduser()
         if not path.exists():
@@ -58,12 +65,22 @@ def file_documents(paths: list[str]) -> list[Document]:
             files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + (".jsonl",))
             if not files:
                 raise LmforgeError(f"data folder {raw} holds no {', '.join(TEXT_SUFFIXES)} or .jsonl files")
-            named = [(file, file.relative_to(path).as_posix()) for file in files]
+            named.extend((file, file.relative_to(path).as_posix()) for file in files)
         else:
-            named = [(path, path.name)]
-        for file, name in named:
-            docs.extend(_read_file(file, name))
-    return docs
+            named.append((path, path.name))
+    return named
+
+
+def _source_paths(source: str) -> list[str]:
+    return [p.strip() for p in source.split(",") if p.strip()]
+
+
+def file_documents(paths: list[str]) -> list[Document]:
+    """Documents from .txt/.jsonl files and folders: a text file is one document, a .jsonl file
+    holds one document per line as {"text": ...}. A document is named by its path from the folder
+    given, or by its file name: the split, a hash of names, then does not depend on where the corpus
+    lies on disk."""
+    return [doc for file, name in _named_files(paths) for doc in _read_file(file, name)]
 
 
 def _read_file(path: Path, name: str) -> list[Document]:
@@ -89,8 +106,7 @@ def _read_file(path: Path, name: str) -> list[Document]:
 
 
 def load_documents(source: str) -> list[Document]:
-    docs = stdlib_documents() if source == "stdlib" else file_documents(
-        [p.strip() for p in source.split(",") if p.strip()])
+    docs = stdlib_documents() if source == "stdlib" else file_documents(_source_paths(source))
     if not docs:
         raise LmforgeError(f"data source {source!r} holds no text")
     return docs
@@ -128,4 +144,18 @@ def fingerprint(docs: list[Document]) -> str:
         digest.update(b"\0")
         digest.update(doc.text.encode())
         digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def source_stamp(source: str) -> str:
+    """sha256 over the name, size and modification time of every file the source reads, no file
+    read: a prepared folder that records it is known to still match its source without hashing the
+    corpus again (a file rewritten to the same size within the same nanosecond is missed, as by make)."""
+    digest = hashlib.sha256()
+    for path, name in _stdlib_files() if source == "stdlib" else _named_files(_source_paths(source)):
+        try:
+            stat = path.stat()
+            digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        except OSError:  # a broken link the standard library holds: read as missing
+            digest.update(f"{name}\0missing\0".encode())
     return digest.hexdigest()

@@ -20,7 +20,7 @@ import torch
 
 from lmforge.common.errors import LmforgeError
 from lmforge.config import ModelConfig
-from lmforge.model.meta import meta_model
+from lmforge.model.transformer import meta_model
 
 
 @dataclass(frozen=True)

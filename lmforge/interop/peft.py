@@ -30,7 +30,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.config import ModelConfig
 from lmforge.interop.hf_names import LAYOUTS, hf_module, lmforge_modules
 from lmforge.model.lora import adapter_state_dict, apply_lora, has_lora, load_adapter_state_dict
-from lmforge.model.meta import meta_model
+from lmforge.model.transformer import meta_model
 from lmforge.parallel.tp_lora import adapter_slices
 
 PREFIX = "base_model.model."

@@ -9,7 +9,7 @@ that parsing a config or `lmforge --help` does not load it.
     policy       parameters  grads  AdamW m, v  forward matmuls        loss scaling
     fp32         fp32        fp32   fp32        fp32                   no
     bf16-mixed   fp32        fp32   fp32        bf16 (autocast)        no
-    fp16-mixed   fp32        fp32   fp32        fp16 (autocast)        dynamic (loss_scaler.py)
+    fp16-mixed   fp32        fp32   fp32        fp16 (autocast)        dynamic (precision/policy.py)
     bf16-pure    bf16        bf16   bf16        bf16                   no
     fp8          fp32        fp32   fp32        fp8 linears, rest bf16 no (per-tensor fp8 scales)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from lmforge.common.errors import LmforgeError
-from lmforge.common.folder_lock import FolderLock
+from lmforge.common.folders import FolderLock
 from lmforge.config import Config, DataConfig, config_to_dict, load_config
 from lmforge.data.tokenizer import load_special_tokens, load_tokenizer
 from lmforge.interop.hf import export_hf, import_hf
@@ -26,7 +26,7 @@ from lmforge.runs.checkpoint.find import (CHECKPOINT_DIR, find_checkpoint, list_
                                           verify_checkpoint)
 from lmforge.runs.checkpoint.write import write_weights_checkpoint
 from lmforge.runs.load import merged_weights, model_folder, model_from_checkpoint, read_checkpoint_weights
-from lmforge.runs.staging import write_staged
+from lmforge.common.folders import write_staged
 
 
 def _check_free(out: Path) -> None:

@@ -2,7 +2,7 @@
 
 A run folder holds config.yaml (its settings), metrics.jsonl (one record per log or evaluation)
 and, once a session ends normally, summary.json. A training process holds an OS lock on the
-run folder while it runs (common/folder_lock.py); the lock dies with the process, so a run whose
+run folder while it runs (common/folders.py); the lock dies with the process, so a run whose
 lock can be taken is not running, however it ended. Imports no torch: listing finished runs answers
 at once; a run without a summary has its parameters counted from its model built on the meta
 device (accounting/shapes.py), which loads torch (about 2 s, once), unless it has a checkpoint,
@@ -22,7 +22,7 @@ from rich.table import Table
 
 from lmforge.accounting.memory import parameter_count
 from lmforge.common.errors import LmforgeError
-from lmforge.common.folder_lock import is_locked
+from lmforge.common.folders import is_locked
 from lmforge.config import SECTIONS, Config, set_value
 from lmforge.runs.checkpoint.find import list_checkpoints, read_state
 from lmforge.runs.metrics import read_metrics

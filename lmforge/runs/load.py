@@ -29,8 +29,7 @@ from lmforge.interop.hf import hf_weights_dtype, import_hf
 from lmforge.interop.hf_config import read_model_config
 from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens, read_hf_tokenizer
 from lmforge.model.lora import apply_lora, has_lora, merge_lora
-from lmforge.model.meta import meta_model
-from lmforge.model.transformer import Transformer
+from lmforge.model.transformer import Transformer, meta_model
 from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, read_manifest, read_state, verify_checkpoint
 from lmforge.runs.checkpoint.read import load_model_weights, read_tensors
 from lmforge.runs.checkpoint.tensors import stored_tensors

@@ -1,6 +1,6 @@
 """A run's folder and the state that makes it resumable.
 
-    runs/<name>/                 one folder per run, one writer at a time (common/folder_lock.py)
+    runs/<name>/                 one folder per run, one writer at a time (common/folders.py)
       config.yaml, tokenizer.json   what the run was started (or last resumed) with
       metrics.jsonl                 one record per log or evaluation (train/report.py)
       checkpoints/step_NNNNNNN/     model, optimizer, RNG and `RunState` (runs/checkpoint/)
@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
-from lmforge.common.folder_lock import FolderLock
+from lmforge.common.folders import FolderLock
 from lmforge.parallel.world import World
 from lmforge.runs.checkpoint.find import check_format, find_checkpoint, read_state
 from lmforge.runs.checkpoint.read import load_engine_weights, load_optimizer_state, load_rng_states
 from lmforge.runs.checkpoint.write import remove_partials, save_checkpoint
-from lmforge.runs.staging import write_file_staged
+from lmforge.common.folders import write_file_staged
 from lmforge.runs.metrics import MetricsLog
 
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
-from lmforge.runs.staging import write_staged
+from lmforge.common.folders import write_staged
 from lmforge.structured.parse import FORMATS, ParseError, parse_answer
 from lmforge.structured.tasks import KINDS, ORDERS, REASONING_KINDS, Task, conversion_prompt, make_tasks, prompt
 

@@ -15,8 +15,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.config import Config, config_to_dict, load_config
 from lmforge.modes.precision import Policy
 from lmforge.optim.schedule import Schedule, resume_note
-from lmforge.precision.loss_scaler import LossScaler
-from lmforge.precision.policy import fp8_scale_state, load_fp8_scale_state
+from lmforge.precision.policy import LossScaler, fp8_scale_state, load_fp8_scale_state
 from lmforge.runs.load import check_same_base
 from lmforge.runs.state import RunFolder, RunState
 from lmforge.train.summary import TARGET_REACHED

@@ -10,7 +10,7 @@ A fine-tuning run (`lmforge finetune`, config section `finetune`) trains on the 
     the sha256 of its weights), so that a LoRA run, whose checkpoints hold only the adapters, is
     never resumed or sampled on another base.
 
-`prepare_run_data` gives the Trainer either: data/prepare.py's prepared data, or this.
+train/setup.py's `prepare_run_data` gives the Trainer either: data/prepare.py's prepared data, or this.
 
 Before any of it, the command settles two things from the data and the device:
   - `train.seq_len`, if not set, fits examples: the longest one rounded up to a multiple of 8
@@ -40,19 +40,16 @@ from lmforge.common.formatting import human_bytes
 from lmforge.config import Config
 from lmforge.data.corpus import load_documents, split_documents
 from lmforge.data.loader import check_windows, window_batch
-from lmforge.data.prepare import PreparedData, data_dir_of, prepare_data
 from lmforge.data.special_tokens import SpecialTokens
 from lmforge.data.sft import encode_record, example_batch, is_example_source, load_examples, read_records
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.data.tokenizer import encode_documents, tokenizer_hash
-from lmforge.data.tokens import unigram_entropy
+from lmforge.data.prepare import unigram_entropy
 from lmforge.common.errors import LmforgeError, warn
 from lmforge.modes.parallel import get_strategy
 from lmforge.parallel.launch import resolve_device
-from lmforge.parallel.world import World
 from lmforge.runs.load import base_identity, load_base, model_special_tokens
 from lmforge.train.measurements import estimate, rank_share
-from lmforge.train.setup import check_data
 
 SEQ_LEN_MULTIPLE = 8  # why 8: the module docstring
 
@@ -91,7 +88,8 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
             f"tokens, loss on {meta['splits']['train']['tokens']:,} response tokens")
     else:
         train_docs, val_docs = split_documents(load_documents(source), cfg.data.val_fraction)
-        train, val = (np.concatenate(list(encode_documents(tokenizer, (d.text for d in docs), end_token=cfg.data.end_token)))
+        end = cfg.data.end_token
+        train, val = (np.concatenate(list(encode_documents(tokenizer, (d.text for d in docs), end_token=end)))
                       for docs in (train_docs, val_docs))
         check_windows(len(train), len(val), seq_len)
         meta = {"source": source, "splits": {
@@ -103,23 +101,6 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
     meta.update(tokenizer_sha256=tokenizer_hash(tokenizer), tokenizer_vocab_size=tokenizer.get_vocab_size())
     data = FinetuneData(Path(source), meta, tokenizer, train, val, batches, prompt, special)
     return data, state, identity
-
-
-def prepare_run_data(cfg: Config, world: World, log, warn, progress: bool
-                     ) -> tuple[PreparedData | FinetuneData, dict[str, torch.Tensor] | None, dict | None]:
-    """The data of any run, made by rank 0 first (once, under the data folder's lock), then opened
-    by the others, who wait for it however long it takes (World.main_first); with the weights and
-    identity of a fine-tuning run's base (None for a run from scratch, whose prepared data is
-    checked against its model here)."""
-    if cfg.finetune.base is None:
-        data = world.main_first(lambda: prepare_data(cfg, log=log, progress=progress),
-                                doing=f"prepare {data_dir_of(cfg)}")
-        check_data(cfg, data, warn=warn)
-        return data, None, None
-    # rank 0 reads the base while the others wait: a local file read on each rank (runs/checkpoint/
-    # read.py), never a collective that would wait for them
-    return world.main_first(lambda: prepare_finetune(cfg, log=log),
-                            doing=f"read the base {cfg.finetune.base} and the data {cfg.data.source}")
 
 
 def fitting_seq_len(cfg: Config, tokenizer: Tokenizer) -> tuple[int, str] | None:

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
-from lmforge.precision.loss_scaler import LossScaler
+from lmforge.precision.policy import LossScaler
 from lmforge.runs.checkpoint.find import kept_checkpoint
 from lmforge.runs.state import RunState
 

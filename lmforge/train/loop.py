@@ -32,17 +32,15 @@ from lmforge.parallel.pipeline.report import pipeline_report
 from lmforge.parallel.pipeline.timeline import Timeline
 from lmforge.parallel.faults import is_collective_failure
 from lmforge.parallel.world import World, init_world
-from lmforge.precision.loss_scaler import LossScaler
-from lmforge.precision.policy import device_notes
+from lmforge.precision.policy import LossScaler, device_notes
 from lmforge.runs.state import RunFolder, RunState
 from lmforge.train.checkpoints import Checkpoints
 from lmforge.train.evaluate import evaluate
-from lmforge.train.finetune import prepare_run_data
 from lmforge.train.guard import check_bad_steps
 from lmforge.train.measurements import (FirstStepMeasurement, WindowClock, estimate, rank_share, run_plan,
                                         start_measurements)
 from lmforge.train.report import SilentLog, StepLog, training_record
-from lmforge.train.setup import build_engine, check_attention, check_memory
+from lmforge.train.setup import build_engine, check_attention, check_memory, prepare_run_data
 from lmforge.train.signals import StopRequests, Stopped
 from lmforge.train.step import train_step
 from lmforge.train.summary import TARGET_REACHED, write_summary
@@ -126,7 +124,7 @@ class Trainer:
         self.timeline = Timeline() if cfg.train.pipeline_stages > 1 else None  # what each pipeline step did, when
         self.engine = build_engine(cfg, self.policy, self.device, self.base_state, timeline=self.timeline)
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
-        self.ring = ring_traffic(self.model)  # the cp ring's sent bytes (None without cp)
+        self.ring = ring_traffic(self.model) if cfg.parallel.cp > 1 else None  # the cp ring's sent bytes
         self.base_state = None  # copied into the model: let it go
         self.scaler = LossScaler(enabled=self.policy.loss_scaling)
         # sequences per optimizer step: every replica's micro-batches

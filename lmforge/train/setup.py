@@ -63,13 +63,13 @@ import torch.nn as nn
 
 from lmforge.config import Config
 from lmforge.data.loader import check_windows
+from lmforge.data.prepare import data_dir_of, prepare_data
 from lmforge.common.errors import LmforgeError
 from lmforge.kernels import flash_triton
-from lmforge.model.meta import meta_model
 from lmforge.modes.attention import FLASH_BACKENDS
 from lmforge.interop.peft import load_peft_weights
 from lmforge.model.lora import apply_lora
-from lmforge.model.transformer import Transformer
+from lmforge.model.transformer import Transformer, meta_model
 from lmforge.optim.build import make_optimizer, param_groups
 from lmforge.modes.precision import Policy, get_policy
 from lmforge.parallel.cp_model import apply_context_parallel
@@ -79,6 +79,7 @@ from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place
 from lmforge.parallel.tp import apply_tensor_parallel
 from lmforge.parallel.tp_fp8 import apply_tensor_parallel_fp8
 from lmforge.parallel.tp_lora import apply_tensor_parallel_lora
+from lmforge.parallel.world import World
 from lmforge.precision.policy import prepare_model
 from lmforge.wrap.chunked_loss import apply_chunked_loss
 from lmforge.wrap.compile import apply_compile
@@ -98,7 +99,7 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     `tp_comm`: the Collectives of this rank's tensor-parallel group (step 1b); `cp_group`: its
     context-parallel group (step 1c)."""
     if torch.device(device).type == "meta":
-        model = meta_model(cfg.model)  # model/meta.py: shapes only, no initialisation to skip
+        model = meta_model(cfg.model)  # model/transformer.py: shapes only, no initialisation to skip
     else:
         model = Transformer(cfg.model)
         if base_state is not None:
@@ -181,6 +182,25 @@ def check_attention(model_cfg, device: torch.device) -> None:
         reason = flash_triton.unavailable_reason(device)
         if reason:
             raise LmforgeError(reason)
+
+
+def prepare_run_data(cfg: Config, world: World, log, warn, progress: bool) -> tuple:
+    """(data, base weights, base identity): the data of any run (data/prepare.py's PreparedData, or
+    train/finetune.py's FinetuneData), made by rank 0 first (once, under the data folder's lock), then opened
+    by the others, who wait for it however long it takes (World.main_first); with the weights and
+    identity of a fine-tuning run's base (None for a run from scratch, whose prepared data is
+    checked against its model here)."""
+    if cfg.finetune.base is None:
+        data = world.main_first(lambda: prepare_data(cfg, log=log, progress=progress),
+                                doing=f"prepare {data_dir_of(cfg)}")
+        check_data(cfg, data, warn=warn)
+        return data, None, None
+    # rank 0 reads the base while the others wait: a local file read on each rank (runs/checkpoint/
+    # read.py), never a collective that would wait for them
+    from lmforge.train.finetune import prepare_finetune  # a fine-tuning run's code, read only by one
+
+    return world.main_first(lambda: prepare_finetune(cfg, log=log),
+                            doing=f"read the base {cfg.finetune.base} and the data {cfg.data.source}")
 
 
 def check_data(cfg: Config, data, warn) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from lmforge.modes.precision import Policy
 from lmforge.parallel.parallelize import Engine
-from lmforge.precision.loss_scaler import LossScaler
+from lmforge.precision.policy import LossScaler
 
 
 def train_step(engine: Engine, next_batch, grad_accum: int, lr: float, grad_clip: float, scaler: LossScaler,

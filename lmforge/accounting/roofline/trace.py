@@ -26,8 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from lmforge.config import Config, ModelConfig
 from lmforge.modes.precision import get_policy
-from lmforge.precision.loss_scaler import LossScaler
-from lmforge.precision.policy import autocast
+from lmforge.precision.policy import LossScaler, autocast
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from lmforge.model.lora import adapter_state_dict, has_lora
 from lmforge.parallel.world import World
 from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, FORMAT, file_sha256, kept_checkpoint, list_checkpoints
 from lmforge.runs.checkpoint.tensors import failure_reason, save_tensors, storage_aliases
-from lmforge.runs.staging import fsync_dir, move_into_place, staging_path
+from lmforge.common.folders import fsync_dir, move_into_place, staging_path
 
 
 def model_tensors(engine) -> dict[str, torch.Tensor]:
