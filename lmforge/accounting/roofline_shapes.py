@@ -81,28 +81,28 @@ def at_writes(rates: dict, after: float) -> dict:
             for dtype, by_key in rates.items()}
 
 
-def this_step_roof(device: torch.device, cfg=None, setup=None, remeasure: bool = False, store: bool = True,
+def this_step_roof(device: torch.device, cfg=None, dp: int = 1, remeasure: bool = False, store: bool = True,
                    collective: dict | None = None) -> Roof:
-    """This machine's roof (roofline_measure.this_roof) and, given a step (`cfg`: ModelConfig;
-    `setup`: plan/make.py's Setup), the rates of its own matmul shapes after its writes, those not
+    """This machine's roof (roofline_measure.this_roof) and, given a step (`cfg`: the run's Config,
+    on one of `dp` data-parallel ranks), the rates of its own matmul shapes after its writes, those not
     cached with the roof timed now (and cached, with `store`)."""
     roof = this_roof(device, remeasure=remeasure, store=store, collective=collective)
-    shapes = step_matmul_shapes(cfg, setup) if cfg is not None else ()
+    shapes = step_matmul_shapes(cfg) if cfg is not None else ()
     if not shapes:  # no step, or one the trace does not cover
         return roof
     known = {} if remeasure and not store else cached_field(_key(device), "matmul_shapes") or {}
-    after = writes_before(step_writes(cfg, setup, roof), roof.cache_bytes)
+    after = writes_before(step_writes(cfg, dp, roof), roof.cache_bytes)
     rates = timed_rates(roof, shapes, after, device, known)
     if store and rates != known:
         store_field(_key(device), "matmul_shapes", rates)
     return dataclasses.replace(roof, matmul_shapes=at_writes(rates, after))
 
 
-def cached_step_roof(device: torch.device, cfg=None, setup=None) -> Roof | None:
+def cached_step_roof(device: torch.device, cfg=None, dp: int = 1) -> Roof | None:
     """This machine's roof and whatever rates of the step's shapes the cache holds with it, or None:
     nothing measured here (roofline_measure.cached_roof: a Trainer built in a test measures nothing)."""
     roof = cached_roof(device)
-    if roof is None or cfg is None or not traced(setup):
+    if roof is None or cfg is None or not traced(cfg):
         return roof
-    after = writes_before(step_writes(cfg, setup, roof), roof.cache_bytes)
+    after = writes_before(step_writes(cfg, dp, roof), roof.cache_bytes)
     return dataclasses.replace(roof, matmul_shapes=at_writes(cached_field(_key(device), "matmul_shapes") or {}, after))

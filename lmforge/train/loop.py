@@ -25,7 +25,8 @@ import torch
 from rich.console import Console
 
 from lmforge.accounting.hardware import this_device
-from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
+from lmforge.accounting.plan.costing import Costing, data_parallel
+from lmforge.accounting.plan.make import make_plan, matmul_dtype
 from lmforge.accounting.plan.show import print_plan
 from lmforge.accounting.scaling import predicted_loss, read_fit
 from lmforge.accounting.shapes import model_shapes
@@ -34,11 +35,9 @@ from lmforge.accounting.roofline_shapes import cached_step_roof
 from lmforge.common.errors import warn
 from lmforge.config import Config, config_warnings
 from lmforge.data.loader import BatchLoader, window_batch
-from lmforge.modes.parallel import get_strategy
 from lmforge.modes.precision import Policy, get_policy
 from lmforge.optim.schedule import Schedule
 from lmforge.parallel.cp_model import ring_traffic
-from lmforge.parallel.mesh import hybrid_replicate
 from lmforge.parallel.parallelize import Engine
 from lmforge.parallel.pipeline.report import pipeline_report
 from lmforge.parallel.pipeline.timeline import Timeline
@@ -89,7 +88,7 @@ class Trainer:
     `machine(matmul_dtype, device)` gives (name, peak FLOP/s, memory bytes) of the device for MFU
     and the plan, once the checks have passed; by default accounting.hardware.this_device, reading
     the measured peak from the cache `lmforge` keeps but never writing to it (the CLI does).
-    `roof(device, model_config, setup)` gives the measured roofline (accounting/roofline_measure.py)
+    `roof(device, config, dp)` gives the measured roofline (accounting/roofline_measure.py)
     with the rates of the step's own matmul shapes (roofline_shapes.py) behind the plan's step
     time, or None; by default read from the cache alone (the CLI measures what is absent).
 
@@ -177,17 +176,14 @@ class Trainer:
             loss_scale=self.scaler.scale_value if self.scaler.enabled else None,
             tokens_per_step=self.global_batch * cfg.seq_len, peak_flops=machine[1])
         # The plan's time estimates at 100% MFU (a bound); the roofline below predicts the step's time.
-        setup = Setup.from_config(cfg, mfu=1.0, dp=engine.replicas,
-                                  zero_stage=get_strategy(cfg.train.parallel).zero_stage,
-                                  tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel,
-                                  dp_replicate=hybrid_replicate(cfg))
+        dp = data_parallel(cfg, self.world.world_size)
         # the roofline's step time; under torchrun with data parallelism, all-reduce measured on every rank
         collective = measure_collective() if self.world.world_size > 1 and cfg.train.pipeline_stages == 1 else None
-        measured_roof = self.world.measured_on_main(lambda: roof(self.device, cfg.model, setup),
+        measured_roof = self.world.measured_on_main(lambda: roof(self.device, cfg, dp),
                                                     "measure this machine's roofline")
         if measured_roof is not None and collective is not None:
             measured_roof = dataclasses.replace(measured_roof, collective=collective)
-        self.plan = make_plan(cfg.model, setup, machine, measured_roof)
+        self.plan = make_plan(cfg, Costing(dp=dp, mfu=1.0), machine, measured_roof)
         if cfg.train.scaling_fit:  # what the fit says this run's tokens buy (a bad file stops here, before any write)
             fit = read_fit(cfg.train.scaling_fit, option="train.scaling_fit")
             self.plan["scaling"] = predicted_loss(fit, model_shapes(cfg.model).matmul_weights,
