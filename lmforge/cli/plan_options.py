@@ -15,6 +15,7 @@ from lmforge.accounting.plan.make import make_plan
 from lmforge.accounting.plan.setups import Machines, device_candidates, largest_batch
 from lmforge.common.errors import LmforgeError
 from lmforge.config import Config, set_value, validate
+from lmforge.modes.precision import ALIASES as PRECISION_ALIASES
 
 # each setup flag and the config key it stands for (the flag's value applied as `key=value`)
 ALIASES = {"batch_size": "train.batch_size", "seq_len": "train.seq_len", "grad_accum": "train.grad_accum",
@@ -82,7 +83,7 @@ def alias_changes(args, chosen: dict) -> dict:
             value = f"zero{value}" if value else "none"
         if key in overridden:
             raise LmforgeError(f"{option(name)} and {key} say the same: give one of them")
-        changes[key] = value
+        changes[key] = PRECISION_ALIASES.get(value, value) if name == "precision" else value
     return changes
 
 
@@ -124,7 +125,10 @@ class Planner:
         try:
             if args.inference:
                 return self._inference(chosen)
-            cfg = configure(self.base, alias_changes(args, chosen))
+            changes = alias_changes(args, chosen)
+            if changes.get("parallel.tp", self.base.parallel.tp) == 1:  # --sequence-parallel: with tp > 1 only
+                changes.pop("parallel.sequence_parallel", None)
+            cfg = configure(self.base, changes)
             costing = Costing(dp=chosen.get("dp"), hardware=chosen.get("hardware", "this"), mfu=args.mfu,
                               tokens=args.tokens, price_per_hour=args.price_per_hour,
                               reserve_bytes=args.reserve * 2**30)
