@@ -137,7 +137,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from lmforge.accounting.hardware import this_device
-    from lmforge.accounting.plan.make import Setup, make_plan
+    from lmforge.accounting.plan.make import Costing, make_plan, matmul_dtype
     from lmforge.accounting.roofline_ops import predict_step
     from lmforge.accounting.roofline_shapes import this_step_roof
     from lmforge.train.host_memory import retain_freed_memory
@@ -149,14 +149,13 @@ def main() -> None:
     for model in args.models.split(","):
         for precision in args.precisions.split(","):
             cfg, step = build(model, precision, args.batch_size, args.seq_len)
-            setup = Setup.from_config(cfg)
-            name, peak, memory = this_device(setup.policy.matmul_dtype, device)
-            shaped = this_step_roof(device, cfg.model, setup)  # the step's own matmul shapes timed
-            plan = make_plan(cfg.model, setup, (name, peak, memory), shaped)
+            name, peak, memory = this_device(matmul_dtype(cfg.train.precision), device)
+            shaped = this_step_roof(device, cfg)  # the step's own matmul shapes timed
+            plan = make_plan(cfg, Costing(), (name, peak, memory), shaped)
             predicted = plan["roofline"]
             measured, timed = measure(step, args.steps, args.warmup)
             ratio = predicted["seconds_per_step"] / measured
-            grid_only = predict_step(cfg.model, setup, dataclasses.replace(shaped, matmul_shapes={}), "none")
+            grid_only = predict_step(cfg, 1, dataclasses.replace(shaped, matmul_shapes={}), "none")
             print(f"\n{model} {precision} batch {args.batch_size} x seq {cfg.seq_len}: predicted "
                   f"{predicted['seconds_per_step'] * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of "
                   f"{timed}), predicted/measured {ratio:.3f} (every matmul read off the grid instead: "

@@ -155,21 +155,17 @@ def main() -> None:
     import torch.distributed as dist
 
     from lmforge.accounting.hardware import this_device
-    from lmforge.accounting.plan.make import Setup, make_plan
+    from lmforge.accounting.plan.make import Costing, make_plan, matmul_dtype
     from lmforge.accounting.roofline_measure import measure_collective
     from lmforge.accounting.roofline_ops import predict_step
     from lmforge.accounting.roofline_shapes import this_step_roof
     from lmforge.config import make_config
-    from lmforge.modes.parallel import get_strategy
     from lmforge.train.host_memory import retain_freed_memory
 
     retain_freed_memory()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
-
-    def setup_of(cfg, strategy: str):
-        return Setup.from_config(cfg, mfu=1.0, dp=world, zero_stage=get_strategy(strategy).zero_stage)
 
     roofs = {}  # rank 0 measures the roof and times each step's own matmul calls while the others wait
     if rank == 0:
@@ -178,7 +174,7 @@ def main() -> None:
             for strategy in args.parallel.split(","):
                 cfg = make_config(model, overrides=[f"train.precision={args.precision}",
                                                     f"train.batch_size={args.batch_size}", f"train.parallel={strategy}"])
-                roofs[model, strategy] = this_step_roof(device, cfg.model, setup_of(cfg, strategy))
+                roofs[model, strategy] = this_step_roof(device, cfg, world)
     dist.barrier()
     collective = measure_collective()
     if rank == 0:
@@ -194,18 +190,17 @@ def main() -> None:
             cfg, measured, held = timed(model, args, strategy)  # every rank builds and steps (collectives)
             if rank:
                 continue
-            setup = setup_of(cfg, strategy)
-            name, peak, memory = this_device(setup.policy.matmul_dtype, device)
+            name, peak, memory = this_device(matmul_dtype(cfg.train.precision), device)
             measured_roof = dataclasses.replace(roofs[model, strategy], collective=collective)
-            predicted = make_plan(cfg.model, setup, (name, peak, memory), measured_roof)["roofline"]
-            grid = predict_step(cfg.model, setup, dataclasses.replace(measured_roof, matmul_shapes={}), strategy)
+            predicted = make_plan(cfg, Costing(dp=world, mfu=1.0), (name, peak, memory), measured_roof)["roofline"]
+            grid = predict_step(cfg, world, dataclasses.replace(measured_roof, matmul_shapes={}), strategy)
             comm = predicted["classes"].get("communication", {}).get("seconds", 0.0)
             exposed = measured - alone
             print(f"{model:<8}{strategy:<9}{predicted['seconds_per_step'] * 1e3:>13.1f}{measured * 1e3:>12.1f}"
                   f"{predicted['seconds_per_step'] / measured:>10.3f}{comm * 1e3:>13.1f}{exposed * 1e3:>11.1f}"
                   f"{(1 - exposed / comm if comm else float('nan')):>8.0%}"
                   f"{grid['seconds_per_step'] / measured:>8.3f}")
-            attribution.append(attribute(cfg, setup, measured_roof, strategy, held, exposed))
+            attribution.append(attribute(cfg, world, measured_roof, strategy, held, exposed))
     if rank == 0:
         print("\nthe exposed time by collective: priced (calls per step) against the time it held rank 0 in a step (median)")
         for line in attribution:
@@ -213,7 +208,7 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def attribute(cfg, setup, roof, strategy: str, held: dict, exposed: float) -> str:
+def attribute(cfg, dp: int, roof, strategy: str, held: dict, exposed: float) -> str:
     """One line: each collective operator's price (roofline_ops.collective_ops at the roof's
     measured figures) beside the time it held the rank in the timed steps (CollectiveClock), and
     what of the exposed time no collective held (the engine's hooks, copies and fills, and compute
@@ -222,7 +217,7 @@ def attribute(cfg, setup, roof, strategy: str, held: dict, exposed: float) -> st
     from lmforge.accounting.roofline_ops import collective_ops
 
     parts = []
-    for op in collective_ops(cfg.model, setup, strategy):
+    for op in collective_ops(cfg, dp, strategy):
         name = "scalar_all_reduce" if "scalar" in op.name else op.op
         parts.append(f"{name} x{op.calls} {op_time(roof, op)['seconds'] * 1e3:.2f}/{held.get(name, 0.0) * 1e3:.2f} ms")
     rest = exposed - sum(held.values())

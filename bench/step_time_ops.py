@@ -22,7 +22,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline import op_time
 from lmforge.accounting.roofline_ops import op_of, step_roof
 from lmforge.accounting.roofline_trace import _BOOKKEEPING, Record, _meta
@@ -72,8 +71,8 @@ def main() -> None:
     retain_freed_memory()
     cfg, step = build(args.model, args.precision, args.batch_size, args.seq_len)
     # the roof and the step's own matmul calls, measured here (not cached), as predict_step prices them
-    roof = this_step_roof(torch.device("cpu"), cfg.model, Setup.from_config(cfg), remeasure=True, store=False)
-    roof = step_roof(cfg.model, Setup.from_config(cfg), roof)
+    roof = this_step_roof(torch.device("cpu"), cfg, remeasure=True, store=False)
+    roof = step_roof(cfg, 1, roof)
     clock = _Clock(roof)
     register_optimizer_step_pre_hook(lambda *_: setattr(clock, "phase", "optimizer"))
     register_optimizer_step_post_hook(lambda *_: setattr(clock, "phase", "step"))

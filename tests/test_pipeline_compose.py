@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.costing import Costing
+from lmforge.accounting.plan.make import make_plan
 from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
@@ -55,10 +56,9 @@ def test_replicas_without_a_strategy_are_refused():
 
 
 def test_the_plan_shards_each_stages_optimizer_states_over_its_replicas_with_zero1():
-    cfg = make_config("small").model
-    common = dict(pp=2, dp=4, micro_batches=4, hardware="h100-sxm", precision="bf16-mixed")
-    ddp = make_plan(cfg, Setup(**common))["pipeline"]["stages_detail"]
-    zero1 = make_plan(cfg, Setup(zero_stage=1, **common))["pipeline"]["stages_detail"]
+    common = ["train.pipeline_stages=2", "train.micro_batches=4", "train.precision=bf16-mixed"]
+    ddp, zero1 = (make_plan(make_config("small", overrides=[*common, f"train.parallel={strategy}"]),
+                            Costing(dp=4, hardware="h100-sxm"))["pipeline"]["stages_detail"] for strategy in ("ddp", "zero1"))
     for d, z in zip(ddp, zero1):
         assert z["breakdown_bytes"]["optimizer_states"] == d["breakdown_bytes"]["optimizer_states"] / 4
         # the paper's layout: fp32 masters sharded with the moments, 16-bit working weights and gradients

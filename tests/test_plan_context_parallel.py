@@ -82,7 +82,7 @@ def test_what_the_trainer_refuses_the_plan_refuses(capsys, extra, message):
 
 
 def test_the_plan_of_a_config_with_parallel_cp_is_the_cp_plan(capsys):
-    """The trainer's plan comes from its config (Setup.from_config): parallel.cp=2 is --cp 2."""
+    """The trainer's plan comes from its config: parallel.cp=2 is --cp 2."""
     assert plan_json(capsys, "parallel.cp=2") == plan_json(capsys, "--cp", "2")
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lmforge.accounting import flops
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.accounting.roofline import Roof, interpolate, op_time, predict
 from lmforge.accounting.roofline_ops import Op, micro_batch_ops, optimizer_ops
 from lmforge.cli import main
@@ -163,8 +163,8 @@ def test_the_plan_prints_the_roofline_rows(capsys, tmp_path):
 
 
 def test_ddp_adds_communication_that_needs_a_measured_network():
-    cfg = make_config("tiny").model
-    plan = make_plan(cfg, Setup(dp=2, parallel="ddp", hardware="h100-sxm"), datasheet_roofline=True)
+    cfg = make_config("tiny", overrides=["train.parallel=ddp"])
+    plan = make_plan(cfg, Costing(dp=2, hardware="h100-sxm"), datasheet_roofline=True)
     assert plan["roofline"]["classes"]["communication"]["bytes"] == plan["communication"]["sent_bytes"]
     assert plan["roofline"]["classes"]["communication"]["seconds"] == 0  # a datasheet has no network figure
 
@@ -182,7 +182,7 @@ def test_the_end_of_run_table_sets_the_roofline_step_beside_the_measured_one():
     from tests.test_pipeline_accounting import fake_measurements
     from lmforge.train.summary import predicted_vs_measured
 
-    plan = make_plan(make_config("tiny").model, Setup(hardware="h100-sxm", mfu=1.0), datasheet_roofline=True)
+    plan = make_plan(make_config("tiny"), Costing(hardware="h100-sxm", mfu=1.0), datasheet_roofline=True)
     run = dataclasses.replace(fake_measurements(plan), tokens_per_step=plan["setup"]["tokens_per_step"])
     rows = predicted_vs_measured(plan, run, tokens_per_s=1000.0)
     assert rows["step_seconds"] == {"predicted": plan["roofline"]["seconds_per_step"],
