@@ -45,7 +45,7 @@ def _plans(args) -> tuple[list[dict], list, str, str]:
     setups = combinations(lists)
     # the config checked with the first setup's settings (the sequence apart: its own line below)
     first = {} if args.inference else alias_changes(args, setups[0])
-    for key in ("train.seq_len", "parallel.sequence_parallel"):
+    for key in ("train.seq_len", "parallel.sequence_parallel", "optim.name"):  # each checked by the planner
         first.pop(key, None)
     cfg, name = _plan_config(args, [*args.overrides, *(f"{key}={value}" for key, value in first.items())])
     check_seq_len(lists, cfg)

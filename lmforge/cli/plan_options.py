@@ -13,8 +13,10 @@ from lmforge.accounting.plan.costing import Costing, degrees, policy, zero_stage
 from lmforge.accounting.plan.inference import InferenceSetup, make_inference_plan
 from lmforge.accounting.plan.make import make_plan
 from lmforge.accounting.plan.setups import Machines, device_candidates, largest_batch
-from lmforge.common.errors import LmforgeError
+from lmforge.accounting.optimizers import OPTIMIZERS
+from lmforge.common.errors import LmforgeError, lookup
 from lmforge.config import Config, set_value, validate
+from lmforge.modes.optimizers import OPTIMIZER_MODES
 from lmforge.modes.precision import ALIASES as PRECISION_ALIASES
 
 # each setup flag and the config key it stands for (the flag's value applied as `key=value`)
@@ -95,10 +97,14 @@ def _with(key: str, value) -> Config:
 
 def configure(base: Config, changes: dict) -> Config:
     """`base` with `changes` ({config key: value}) applied and validated, as `lmforge train` validates."""
-    cfg = copy.deepcopy(base)
+    cfg, optimizer = copy.deepcopy(base), changes.get("optim.name")
+    if optimizer is not None:  # the plan costs optimizers lmforge does not train (modes/optimizers.py)
+        lookup(OPTIMIZERS, optimizer, "optimizer")
     for key, value in changes.items():
-        set_value(cfg, key, value, origin="command line")
+        if key != "optim.name" or OPTIMIZER_MODES[value].trained:
+            set_value(cfg, key, value, origin="command line")
     validate(cfg)
+    cfg.optim.name = optimizer or cfg.optim.name
     return cfg
 
 
