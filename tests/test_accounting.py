@@ -89,7 +89,7 @@ def test_plan_refuses_bad_setups(overrides, changes, message):
 @pytest.mark.parametrize("args, message", [
     (["--zero-stage", "4"], "zero stage must be 0, 1, 2 or 3"),
     (["--precision", "int8"], "train.precision must be one of"),
-    (["--batch-size", "0"], "train.batch_size must be positive, got 0"),
+    (["--batch-size", "0"], "batch_size must be >= 1, got 0"),
 ])
 def test_plan_command_refuses_bad_setups_in_one_line(args, message, capsys):
     assert main(["plan", "--model", "tiny", "--hardware", "a100", *args]) == 2

@@ -234,9 +234,8 @@ def _numel(shape: tuple) -> int:
 
 def traced(run: Config) -> bool:
     """Whether the trace covers `run` (not yet: tensor, context or pipeline parallelism, LoRA, fp8)."""
-    p = run.parallel
-    return not (p.tp > 1 or p.cp > 1 or run.train.pipeline_stages > 1 or run.finetune.lora_rank is not None
-                or get_policy(run.train.precision).fp8)
+    return not (run.parallel.tp * run.parallel.cp * run.train.pipeline_stages > 1 or run.finetune.lora_rank
+                is not None or get_policy(run.train.precision).fp8)
 
 
 def predict_step(run: Config, dp: int, roof, strategy: str) -> dict | None:
@@ -244,8 +243,7 @@ def predict_step(run: Config, dp: int, roof, strategy: str) -> dict | None:
     `roof` (roofline.predict), or None where the trace does not cover the run yet (traced)."""
     if not traced(run):
         return None
-    t = run.train
-    tokens = t.batch_size * run.seq_len * t.grad_accum * t.micro_batches * dp
+    tokens = run.train.batch_size * run.seq_len * run.train.grad_accum * dp  # one stage: no micro-batches
     return predict(step_roof(run, dp, roof), step_ops(run, dp, strategy), tokens)
 
 

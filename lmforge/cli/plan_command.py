@@ -30,7 +30,9 @@ def cmd_plan(args) -> int:
 def _plans(args) -> tuple[list[dict], list, str, str]:
     """The plans of the config and the options (several with --compare), checked; with --scaling, the
     loss each buys. Also the options that vary, the line --solve adds and the config's name."""
-    from lmforge.cli.plan_options import Planner, alias_changes, check_seq_len, combinations, read_lists
+    import itertools
+
+    from lmforge.cli.plan_options import Planner, alias_changes, check_seq_len, read_lists
 
     if args.plot and not Path(args.plot).parent.is_dir():
         raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
@@ -42,7 +44,7 @@ def _plans(args) -> tuple[list[dict], list, str, str]:
     if args.run is not None and args.inference:
         _stored_dtypes(args)
     lists = read_lists(args)
-    setups = combinations(lists)
+    setups = [dict(zip(lists, values)) for values in itertools.product(*lists.values())]
     # the config checked with the first setup's settings (the sequence apart: its own line below)
     first = {} if args.inference else alias_changes(args, setups[0])
     for key in ("train.seq_len", "parallel.sequence_parallel", "optim.name"):  # each checked by the planner
@@ -144,15 +146,14 @@ def _plan_config(args, overrides: list[str]):
         return make_config(name, args.config, overrides), name
     if args.model:
         raise LmforgeError(f"give RUN ({args.run}) or --model ({args.model}), not both")
-    from lmforge.config import apply_dict, parse_override, read_yaml, set_value, validate
+    from lmforge.cli.plan_options import configure
+    from lmforge.config import apply_dict, parse_override, read_yaml
     from lmforge.runs.load import folder_config
 
     cfg = folder_config(args.run)
     if args.config:
         apply_dict(cfg, read_yaml(args.config), origin=args.config)
-    for item in overrides:
-        set_value(cfg, *parse_override(item), origin="command line")
-    validate(cfg)
+    cfg = configure(cfg, dict(map(parse_override, overrides)))
     return cfg, Path(args.run).name
 
 

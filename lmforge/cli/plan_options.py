@@ -7,7 +7,6 @@ LmforgeError line, before anything is written.
 """
 
 import copy
-import itertools
 
 from lmforge.accounting.plan.costing import Costing, degrees, policy, zero_stage
 from lmforge.accounting.plan.inference import InferenceSetup, make_inference_plan
@@ -17,6 +16,7 @@ from lmforge.accounting.optimizers import OPTIMIZERS
 from lmforge.common.errors import LmforgeError, lookup
 from lmforge.config import Config, set_value, validate
 from lmforge.modes.optimizers import OPTIMIZER_MODES
+from lmforge.modes.parallel import PARALLEL_STRATEGIES, get_strategy
 from lmforge.modes.precision import ALIASES as PRECISION_ALIASES
 
 # each setup flag and the config key it stands for (the flag's value applied as `key=value`)
@@ -54,6 +54,8 @@ def read_lists(args) -> dict[str, list]:
                 lists[name] = [kind(item.strip()) for item in str(raw).split(",")]
             except ValueError:
                 raise LmforgeError(f"{option(name)} {raw}: each value must be an integer") from None
+            if kind is int and name != "zero_stage" and min(lists[name]) < 1:
+                raise LmforgeError(f"{name} must be >= 1, got {min(lists[name])}")
     varying = [name for name, values in lists.items() if len(values) > 1]
     if varying and not args.compare:
         raise LmforgeError(f"{option(varying[0])} {getattr(args, varying[0])}: several values need --compare")
@@ -80,19 +82,14 @@ def alias_changes(args, chosen: dict) -> dict:
         if name == "zero_stage":
             if value not in (0, 1, 2, 3):
                 raise LmforgeError(f"zero stage must be 0, 1, 2 or 3, got {value}")
-            if key in overridden and zero_stage(_with(key, overridden[key])) == value:
+            given = overridden.get(key)
+            if given in PARALLEL_STRATEGIES and get_strategy(given).zero_stage == value:
                 continue  # train.parallel=fsdp with --zero-stage 3: the same stage, FSDP's engine
             value = f"zero{value}" if value else "none"
         if key in overridden:
             raise LmforgeError(f"{option(name)} and {key} say the same: give one of them")
         changes[key] = PRECISION_ALIASES.get(value, value) if name == "precision" else value
     return changes
-
-
-def _with(key: str, value) -> Config:
-    cfg = Config()
-    set_value(cfg, key, value, origin="command line")
-    return cfg
 
 
 def configure(base: Config, changes: dict) -> Config:
@@ -106,10 +103,6 @@ def configure(base: Config, changes: dict) -> Config:
     validate(cfg)
     cfg.optim.name = optimizer or cfg.optim.name
     return cfg
-
-
-def combinations(lists: dict) -> list[dict]:
-    return [dict(zip(lists, values)) for values in itertools.product(*lists.values())]
 
 
 def check_seq_len(lists: dict, cfg: Config) -> None:
