@@ -58,7 +58,8 @@ def test_replicas_without_a_strategy_are_refused():
 def test_the_plan_shards_each_stages_optimizer_states_over_its_replicas_with_zero1():
     common = ["train.pipeline_stages=2", "train.micro_batches=4", "train.precision=bf16-mixed"]
     ddp, zero1 = (make_plan(make_config("small", overrides=[*common, f"train.parallel={strategy}"]),
-                            Costing(dp=4, hardware="h100-sxm"))["pipeline"]["stages_detail"] for strategy in ("ddp", "zero1"))
+                            Costing(dp=4, hardware="h100-sxm"))["pipeline"]["stages_detail"]
+                  for strategy in ("ddp", "zero1"))
     for d, z in zip(ddp, zero1):
         assert z["breakdown_bytes"]["optimizer_states"] == d["breakdown_bytes"]["optimizer_states"] / 4
         # the paper's layout: fp32 masters sharded with the moments, 16-bit working weights and gradients

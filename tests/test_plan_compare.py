@@ -22,8 +22,9 @@ def test_compare_plans_every_combination_as_one_table_and_one_png(tmp_path, caps
     plans = json.loads(capsys.readouterr().out)
     assert [(p["setup"]["zero_stage"], p["setup"]["recompute"]) for p in plans] == list(
         itertools.product([0, 1, 2, 3], ["none", "full"]))
-    alone = make_plan(make_config("llama3-8b", overrides=["train.batch_size=1", "train.seq_len=8192", "train.parallel=zero2",
-                                                          "train.precision=bf16-mixed", "train.recompute=full"]),
+    alone = make_plan(make_config("llama3-8b", overrides=["train.batch_size=1", "train.seq_len=8192",
+                                                          "train.parallel=zero2", "train.precision=bf16-mixed",
+                                                          "train.recompute=full"]),
                       Costing(hardware="h100-sxm", dp=8))
     assert plans[5]["memory"] == alone["memory"]  # each row is the plan of that setup alone
     assert main([*LLAMA_8B, "--dp", "8", "--compare", "--zero-stage", "0,1,2,3", "--recompute", "none,full",
@@ -59,8 +60,9 @@ def test_solve_batch_finds_the_largest_micro_batch_that_fits(capsys):
                         "--solve", "batch"], capsys)
     b = plan["setup"]["batch_size"]
     def fits(batch):
-        cfg = make_config("llama3-8b", overrides=[f"train.batch_size={batch}", "train.seq_len=4096", "train.parallel=zero3",
-                                                  "train.precision=bf16-mixed", "train.recompute=full"])
+        cfg = make_config("llama3-8b", overrides=[f"train.batch_size={batch}", "train.seq_len=4096",
+                                                  "train.parallel=zero3", "train.precision=bf16-mixed",
+                                                  "train.recompute=full"])
         return make_plan(cfg, Costing(hardware="h100-sxm", dp=8))["memory"]["fits"]
     assert b > 1 and fits(b) and not fits(b + 1)
     assert f"--solve batch: {b} is the largest batch that fits" in out

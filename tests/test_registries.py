@@ -43,9 +43,10 @@ def test_aliases_resolve_and_unknown_names_are_one_line(capsys):
     with pytest.raises(LmforgeError) as caught:
         get_policy("fp4")
     assert isinstance(caught.value, ValueError)  # also what a library caller expects of a bad argument
+    # --recompute is train.recompute: refused by config validation, in the line `lmforge train` gives
     assert main(["plan", "--model", "tiny", "--recompute", "sometimes", "--hardware", "a100"]) == 2
-    assert capsys.readouterr().err.strip() == ("lmforge: error: unknown recompute mode 'sometimes'; "
-                                               "choose one of none, selective, full")
+    assert capsys.readouterr().err.strip() == ("lmforge: error: train.recompute must be one of none, selective, full, "
+                                               "got 'sometimes'")
 
 
 def test_every_family_is_built_and_accounted():

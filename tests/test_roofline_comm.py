@@ -57,7 +57,8 @@ def test_an_older_roof_prices_every_collective_at_all_reduces_figures():
     old = Roof(roof.name, roof.bandwidth, roof.matmul, roof.sdpa_forward, roof.sdpa_backward, roof.elementwise,
                collective={"latency_s": 1e-4, "bytes_per_second": 1e9})
     run = make_config("tiny", overrides=["train.parallel=zero2"])
-    comm = make_plan(run, Costing(dp=2, mfu=1.0), ("this machine", 1e12, 2**34), old)["roofline"]["classes"]["communication"]
+    plan = make_plan(run, Costing(dp=2, mfu=1.0), ("this machine", 1e12, 2**34), old)
+    comm = plan["roofline"]["classes"]["communication"]
     calls = sum(step_collectives(cfg, "zero2", 2).values())
     assert comm["seconds"] == pytest.approx(calls * 1e-4 + comm["bytes"] / 1e9, rel=1e-12)
 

@@ -23,10 +23,10 @@ def check_plan(cfg: Config, devices: int) -> None:
                          f"micro-batch, so ZeRO-2/3 and FSDP would communicate m times a step "
                          f"(parallel/pipeline/replicas.py); use zero stage 1 or 0"))
     if d.cp > 1:  # parallel/launch.py's CP_REFUSED
-        refusals += [(refused, f"cp {d.cp} does not combine with {what} (docs/context-parallel.md)") for refused, what in (
-            (d.pp > 1, "a pipeline (--pp)"), (t.loss_chunk_tokens > 0, "the chunked loss"),
-            (cfg.seq_len < 2 * d.cp, f"a sequence shorter than 2 x cp = {2 * d.cp} tokens"),
-            (m.sliding_window is not None, "a sliding window"), (m.dropout > 0, "dropout"))]
+        for refused, what in ((d.pp > 1, "a pipeline (--pp)"), (t.loss_chunk_tokens > 0, "the chunked loss"),
+                              (cfg.seq_len < 2 * d.cp, f"a sequence shorter than 2 x cp = {2 * d.cp} tokens"),
+                              (m.sliding_window is not None, "a sliding window"), (m.dropout > 0, "dropout")):
+            refusals.append((refused, f"cp {d.cp} does not combine with {what} (docs/context-parallel.md)"))
     fitting = tensor_parallel_degrees(m)  # tensor parallelism splits attention by whole heads
     refusals.append((d.tp not in fitting, f"tp {d.tp} must divide the {m.n_heads} attention heads and divide the "
                                           f"{m.kv_heads} KV heads or be a multiple of them (each rank holds whole "
