@@ -32,7 +32,7 @@ def _plans(args) -> tuple[list[dict], list, str, str]:
     loss each buys. Also the options that vary, the line --solve adds and the config's name."""
     import itertools
 
-    from lmforge.cli.plan_options import Planner, alias_changes, check_seq_len, read_lists
+    from lmforge.cli.plan_options import Planner, alias_changes, read_lists
 
     if args.plot and not Path(args.plot).parent.is_dir():
         raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
@@ -46,11 +46,13 @@ def _plans(args) -> tuple[list[dict], list, str, str]:
     lists = read_lists(args)
     setups = [dict(zip(lists, values)) for values in itertools.product(*lists.values())]
     # the config checked with the first setup's settings (the sequence apart: its own line below)
-    first = {} if args.inference else alias_changes(args, setups[0])
-    for key in ("train.seq_len", "parallel.sequence_parallel", "optim.name"):  # each checked by the planner
-        first.pop(key, None)
-    cfg, name = _plan_config(args, [*args.overrides, *(f"{key}={value}" for key, value in first.items())])
-    check_seq_len(lists, cfg)
+    first = [f"{key}={value}" for key, value in ({} if args.inference else alias_changes(args, setups[0])).items()
+             if key not in ("train.seq_len", "parallel.sequence_parallel", "optim.name")]  # the planner's to check
+    cfg, name = _plan_config(args, [*args.overrides, *first])
+    for seq_len in lists.get("seq_len", []):
+        if seq_len > cfg.model.max_seq_len:
+            raise LmforgeError(f"--seq-len {seq_len} is beyond the model's {cfg.model.max_seq_len} positions: "
+                               f"lower it, or add model.max_seq_len={seq_len}")
     planner = Planner(cfg, args)
     plans = [planner.plan(chosen) for chosen in setups]  # LmforgeError for bad input, before anything is written
     note = ""

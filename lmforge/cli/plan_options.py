@@ -14,7 +14,7 @@ from lmforge.accounting.plan.make import make_plan
 from lmforge.accounting.plan.setups import Machines, device_candidates, largest_batch
 from lmforge.accounting.optimizers import OPTIMIZERS
 from lmforge.common.errors import LmforgeError, lookup
-from lmforge.config import Config, set_value, validate
+from lmforge.config import Config, parse_override, set_value, validate
 from lmforge.modes.optimizers import OPTIMIZER_MODES
 from lmforge.modes.parallel import PARALLEL_STRATEGIES, get_strategy
 from lmforge.modes.precision import ALIASES as PRECISION_ALIASES
@@ -72,8 +72,7 @@ def read_lists(args) -> dict[str, list]:
 def alias_changes(args, chosen: dict) -> dict:
     """{config key: value} that the setup flags given say, with `chosen` (one value of each LIST
     option) for the LIST ones; LmforgeError where a `key=value` on the command line sets the same key."""
-    overridden = dict(item.split("=", 1) for item in args.overrides if "=" in item)
-    overridden = {key.strip(): value.strip() for key, value in overridden.items()}
+    overridden = dict(map(parse_override, args.overrides))
     changes = {}
     for name, key in ALIASES.items():
         value = chosen.get(name, None if name in LISTS else getattr(args, name))
@@ -103,13 +102,6 @@ def configure(base: Config, changes: dict) -> Config:
     validate(cfg)
     cfg.optim.name = optimizer or cfg.optim.name
     return cfg
-
-
-def check_seq_len(lists: dict, cfg: Config) -> None:
-    for seq_len in lists.get("seq_len", []):
-        if seq_len > cfg.model.max_seq_len:
-            raise LmforgeError(f"--seq-len {seq_len} is beyond the model's {cfg.model.max_seq_len} positions: "
-                               f"lower it, or add model.max_seq_len={seq_len}")
 
 
 class Planner:
@@ -165,10 +157,10 @@ class Planner:
                     f"--solve batch: {largest} is the largest batch that fits (one more does not)")
         sharded = not self.args.inference and zero_stage(configure(self.base, alias_changes(self.args, chosen))) > 0
         candidates = device_candidates(self.base.model, sharded, self.args.inference)
-        for degrees in candidates:
-            plan = self.plan({**chosen, **degrees})
+        for tried in candidates:
+            plan = self.plan({**chosen, **tried})
             if plan["memory"]["fits"]:
-                shown = " x ".join(f"{k} {v}" for k, v in degrees.items())
+                shown = " x ".join(f"{k} {v}" for k, v in tried.items())
                 return plan, f"--solve devices: {plan['setup']['devices']} device(s) ({shown}) is the fewest that fit"
         largest = " x ".join(f"{k} {max(c[k] for c in candidates)}" for k in candidates[0])
         raise LmforgeError(f"--solve devices: no setup up to {largest} fits; lower the batch or sequence, or "

@@ -55,10 +55,8 @@ def _add_plan_setup(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--precision", metavar="LIST", help=f"{', '.join(POLICIES)} (or {aliases})")
     plan.add_argument("--optimizer", metavar="LIST", help=f"{', '.join(OPTIMIZER_MODES)} (default: "
                                                            f"the config's optim.name, adamw)")
-    plan.add_argument("--zero-stage", metavar="LIST", help="ZeRO stage 0-3, train.parallel=zeroN (shards over --dp; "
-                                                         "default: the config's)")
-    plan.add_argument("--dp", metavar="LIST", help="data-parallel degree, the world a config does not hold "
-                                                  "(default 1, or parallel.dp_replicate x parallel.dp_shard)")
+    plan.add_argument("--zero-stage", metavar="LIST", help="ZeRO stage 0-3: train.parallel=zeroN (shards over --dp)")
+    plan.add_argument("--dp", metavar="LIST", help="data-parallel degree (default 1; not a config key)")
     plan.add_argument("--dp-shard", type=COUNT, help="data-parallel ranks that shard the states, parallel.dp_shard "
                                                      "(FSDP unless --zero-stage; with --dp-replicate: hybrid sharding)")
     plan.add_argument("--dp-replicate", type=COUNT, help="data-parallel ranks that replicate, parallel.dp_replicate "
@@ -67,9 +65,8 @@ def _add_plan_setup(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--cp", metavar="LIST", help="context-parallel degree, parallel.cp (default 1): each rank holds "
                                                  "seq/cp tokens, ring attention (docs/context-parallel.md)")
     plan.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
-                      help="with --tp: split norms and the layer input along the sequence too, "
-                           "parallel.sequence_parallel (default: the config's, off; Korthikanti et al. 2022 table 2 "
-                           "has both)")
+                      help="with --tp: parallel.sequence_parallel, norms and layer inputs split along the "
+                           "sequence too (default off; Korthikanti et al. 2022 table 2 has both)")
     plan.add_argument("--pp", metavar="LIST", help="pipeline stages: the same as train.pipeline_stages (default 1); "
                                                  "micro-batches and schedule: train.micro_batches, train.schedule")
     plan.add_argument("--recompute", metavar="LIST", help=f"activation recomputation: {', '.join(RECOMPUTE_MODES)}")

@@ -37,16 +37,12 @@ class Costing:
             raise LmforgeError(f"mfu must be in (0, 1], got {self.mfu}")
 
 
-def world_size(cfg: Config, dp: int | None = None) -> int:
-    """The ranks of `dp` data-parallel replicas of cfg's pp x cp x tp (dp None: the config's own degrees)."""
+def degrees(cfg: Config, dp: int | None = None) -> Degrees:
+    """The mesh's five degrees with `dp` data-parallel replicas of cfg's pp x cp x tp (dp None: the
+    config's own parallel.dp_replicate x parallel.dp_shard), by the launch's own rule."""
     p = cfg.parallel
     dp = dp or max(1, p.dp_replicate) * max(1, p.dp_shard)
-    return dp * cfg.train.pipeline_stages * p.cp * p.tp
-
-
-def degrees(cfg: Config, dp: int | None = None) -> Degrees:
-    """The mesh's five degrees with `dp` data-parallel replicas, by the launch's own rule."""
-    return mesh_degrees(cfg, world_size(cfg, dp))
+    return mesh_degrees(cfg, dp * cfg.train.pipeline_stages * p.cp * p.tp)
 
 
 def data_parallel(cfg: Config, world: int) -> int:
