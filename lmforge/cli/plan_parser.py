@@ -23,7 +23,8 @@ def add_plan(commands) -> None:
                     "values separated by commas with --compare.",
         epilog="examples:\n"
                "  lmforge plan                                   # the default model on this machine\n"
-               "  lmforge plan --model gpt3-175b --batch-size 128 --seq-len 2048 --precision fp16 --recompute none --json\n"
+               "  lmforge plan --model gpt3-175b --batch-size 128 --seq-len 2048 --precision fp16 \\\n"
+               "      --recompute none --json\n"
                "  lmforge plan --model llama3-70b --batch-size 1 --seq-len 8192 --precision bf16-mixed \\\n"
                "      --zero-stage 3 --dp 64 --recompute full --hardware h100-sxm --tokens 15e12 --plot plan.png\n"
                "  lmforge plan --model llama3-8b --seq-len 8192 --precision bf16-mixed --hardware h100-sxm --dp 8 \\\n"
