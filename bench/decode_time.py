@@ -1,8 +1,8 @@
 """Predicted (roofline) against measured decode tokens/s, one process, eager, fp32.
 
-For each model and batch: the roofline's decode step (generate/decode_roofline.py: one step of
+For each model and batch: the roofline's decode step (accounting/roofline/decode.py: one step of
 generate()'s loop traced on fake tensors, priced at this machine's measured roof with its GEMV
-rates and no-grad launch costs: accounting/roofline_decode.py), then the real thing with random
+rates and no-grad launch costs: accounting/roofline/decode_roof.py), then the real thing with random
 weights (decode time does not depend on their values) and a KV cache filled with random keys
 and values up to the context (a prefill changes nothing in a decode step's work):
 
@@ -30,12 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lmforge.generate.decode_roof import decode_roof, this_decode_measurements  # noqa: E402
-from lmforge.accounting.roofline_measure import this_roof  # noqa: E402
+from lmforge.accounting.roofline.decode_roof import decode_roof, this_decode_measurements  # noqa: E402
+from lmforge.accounting.roofline.measure import this_roof  # noqa: E402
 from lmforge.config import make_config  # noqa: E402
-from lmforge.generate.decode_roofline import predict_decode  # noqa: E402
+from lmforge.accounting.roofline.decode import predict_decode  # noqa: E402
 from lmforge.generate.sampling import KVCache, generate, sample_next  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
+from lmforge.train.roofline import decode_step  # noqa: E402
 
 
 def filled_cache(model: Transformer, batch: int, context: int, tokens: int) -> KVCache:
@@ -75,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cpu")
     roof = decode_roof(this_roof(device, remeasure=args.remeasure),
-                       this_decode_measurements(device, remeasure=args.remeasure))
+                       this_decode_measurements(decode_step, device, remeasure=args.remeasure))
     print(f"roof: {roof.name}; {torch.get_num_threads()} threads, torch {torch.__version__}; decode call "
           f"{roof.call_seconds * 1e6:.2f} us per operator")
     print(f"{'model':<8}{'batch':>6}{'context':>9}{'predicted tok/s':>17}{'measured tok/s':>16}"
@@ -90,7 +91,7 @@ def main() -> None:
             runs = [seconds_per_token_step(model, batch, context, args.tokens) for _ in range(args.repeats)]
             wall, cpu = (statistics.median(r[i] for r in runs) for i in (0, 1))
             best = min(r[0] for r in runs)
-            predicted = predict_decode(cfg, batch, context + args.tokens // 2, roof)
+            predicted = predict_decode(decode_step, cfg, batch, context + args.tokens // 2, roof)
             tokens_per_s = predicted["tokens_per_second"]
             classes = ", ".join(f"{cls} {row['seconds'] * 1e3:.3f} ({row['bound']})"
                                 for cls, row in predicted["classes"].items())

@@ -1,5 +1,5 @@
 """A model's matmul shapes timed alone against the roof's matmul grid read at those shapes: where
-the grid (three points a dimension, up to 1024: roofline_measure.MATMUL_DIMS) misses the rate a
+the grid (three points a dimension, up to 1024: measure.MATMUL_DIMS) misses the rate a
 shape runs at. GPT-2 124M's shapes at 4 x 256 tokens by default: the fused QKV, attention output,
 MLP in and out, the head, and the weight gradients' transposed forms.
 
@@ -22,7 +22,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from lmforge.accounting.roofline import interpolate
-    from lmforge.accounting.roofline_measure import DTYPES, this_roof
+    from lmforge.accounting.roofline.measure import DTYPES, this_roof
 
     roof = this_roof(torch.device("cpu"))
     print(f"roof: {roof.name}; the best of {args.repeats} calls per shape")

@@ -17,9 +17,10 @@ def main() -> None:
     parser.add_argument("--roofs", type=int, default=4)
     args = parser.parse_args()
 
-    from lmforge.accounting.roofline_measure import _roof, measure_roof
-    from lmforge.accounting.roofline_ops import predict_step
+    from lmforge.accounting.roofline.measure import _roof, measure_roof
+    from lmforge.accounting.roofline.ops import predict_step
     from lmforge.config import make_config
+    from lmforge.train.roofline import one_process_engine
 
     device = torch.device("cpu")
     cases = []
@@ -32,10 +33,11 @@ def main() -> None:
         took = time.perf_counter() - started
         rows = []
         for name, cfg in cases:
-            p = predict_step(cfg, 1, roof, "none")
+            p = predict_step(one_process_engine, cfg, 1, roof, "none")
             classes = p["classes"]
             rows.append(f"{name} {p['seconds_per_step'] * 1e3:.2f} ms (norms/elementwise "
-                        f"{classes['norms/elementwise']['seconds'] * 1e3:.2f}, matmuls {classes['matmuls']['seconds'] * 1e3:.2f})")
+                        f"{classes['norms/elementwise']['seconds'] * 1e3:.2f}, "
+                        f"matmuls {classes['matmuls']['seconds'] * 1e3:.2f})")
         print(f"roof {i} ({took:.0f} s): " + " | ".join(rows), flush=True)
 
 

@@ -1,9 +1,9 @@
 """Predicted (roofline) against measured training-step time, one process, eager, with a
 torch.profiler pass that attributes the measured time to the roofline's operation classes.
 
-For each model shape and precision: the plan's roofline prediction (accounting/roofline.py, the
+For each model shape and precision: the plan's roofline prediction (accounting/roofline/__init__.py, the
 roof measured on this machine and cached: `lmforge plan --hardware this --remeasure`, with the
-step's own matmul shapes timed alone: roofline_shapes.py; beside it, every matmul read off the
+step's own matmul shapes timed alone: roofline/shapes.py; beside it, every matmul read off the
 grid), then a few
 real optimizer steps of lmforge's own engine (train/setup.py's build_engine and train/loop.py's
 train_step, random tokens) timed after warm-up steps, then one profiled step whose operators are
@@ -136,11 +136,10 @@ def main() -> None:
     parser.add_argument("--remeasure", action="store_true", help="measure the roof again first")
     args = parser.parse_args()
 
-    from lmforge.accounting.hardware import this_device
-    from lmforge.accounting.plan.make import Costing, make_plan, matmul_dtype
-    from lmforge.accounting.roofline_ops import predict_step
-    from lmforge.accounting.roofline_shapes import this_step_roof
+    from lmforge.accounting.roofline.ops import predict_step
+    from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.train.roofline import one_process_engine
 
     retain_freed_memory()  # as `lmforge train` (and `lmforge plan`) run
     device = torch.device("cpu")
@@ -149,13 +148,12 @@ def main() -> None:
     for model in args.models.split(","):
         for precision in args.precisions.split(","):
             cfg, step = build(model, precision, args.batch_size, args.seq_len)
-            name, peak, memory = this_device(matmul_dtype(cfg.train.precision), device)
-            shaped = this_step_roof(device, cfg)  # the step's own matmul shapes timed
-            plan = make_plan(cfg, Costing(), (name, peak, memory), shaped)
-            predicted = plan["roofline"]
+            shaped = this_step_roof(device, one_process_engine, cfg)  # the step's own matmul shapes timed
+            predicted = predict_step(one_process_engine, cfg, 1, shaped, "none")
             measured, timed = measure(step, args.steps, args.warmup)
             ratio = predicted["seconds_per_step"] / measured
-            grid_only = predict_step(cfg, 1, dataclasses.replace(shaped, matmul_shapes={}), "none")
+            grid = dataclasses.replace(shaped, matmul_shapes={})
+            grid_only = predict_step(one_process_engine, cfg, 1, grid, "none")
             print(f"\n{model} {precision} batch {args.batch_size} x seq {cfg.seq_len}: predicted "
                   f"{predicted['seconds_per_step'] * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of "
                   f"{timed}), predicted/measured {ratio:.3f} (every matmul read off the grid instead: "

@@ -6,11 +6,11 @@ tokens, as bench/step_time.py), timed after warm-up steps (median); then the sam
 the same ranks at the same time with no communication (train.parallel=none: each rank steps alone,
 as busy as in the real run), so that the measured difference is the communication the step did not
 hide. The prediction is the trainer's: the plan's roofline on this machine's roof with all-reduce
-measured on the launched group (roofline_measure.measure_collective), its communication added in
+measured on the launched group (measure.measure_collective), its communication added in
 full (no overlap assumed). Printed by rank 0: predicted and measured step, their ratio, and the
 communication predicted beside the measured exposed part (1 - exposed / predicted: the share of the
 collectives' time that overlapped compute), and the ratio with every matmul read off the roof's grid
-instead of the step's own calls timed (roofline_shapes.py). Then, by strategy, each
+instead of the step's own calls timed (roofline/shapes.py). Then, by strategy, each
 collective operator's price beside the time it held rank 0 in a timed step (the median over the
 steps: CollectiveClock), and the exposed time no collective held.
 
@@ -154,13 +154,12 @@ def main() -> None:
     args = parse()
     import torch.distributed as dist
 
-    from lmforge.accounting.hardware import this_device
-    from lmforge.accounting.plan.make import Costing, make_plan, matmul_dtype
-    from lmforge.accounting.roofline_measure import measure_collective
-    from lmforge.accounting.roofline_ops import predict_step
-    from lmforge.accounting.roofline_shapes import this_step_roof
+    from lmforge.accounting.roofline.measure import measure_collective
+    from lmforge.accounting.roofline.ops import predict_step
+    from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.config import make_config
     from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.train.roofline import one_process_engine
 
     retain_freed_memory()
     dist.init_process_group("gloo")
@@ -174,7 +173,7 @@ def main() -> None:
             for strategy in args.parallel.split(","):
                 cfg = make_config(model, overrides=[f"train.precision={args.precision}",
                                                     f"train.batch_size={args.batch_size}", f"train.parallel={strategy}"])
-                roofs[model, strategy] = this_step_roof(device, cfg, world)
+                roofs[model, strategy] = this_step_roof(device, one_process_engine, cfg, world)
     dist.barrier()
     collective = measure_collective()
     if rank == 0:
@@ -190,10 +189,10 @@ def main() -> None:
             cfg, measured, held = timed(model, args, strategy)  # every rank builds and steps (collectives)
             if rank:
                 continue
-            name, peak, memory = this_device(matmul_dtype(cfg.train.precision), device)
             measured_roof = dataclasses.replace(roofs[model, strategy], collective=collective)
-            predicted = make_plan(cfg, Costing(dp=world, mfu=1.0), (name, peak, memory), measured_roof)["roofline"]
-            grid = predict_step(cfg, world, dataclasses.replace(measured_roof, matmul_shapes={}), strategy)
+            predicted = predict_step(one_process_engine, cfg, world, measured_roof, strategy)
+            grid_roof = dataclasses.replace(measured_roof, matmul_shapes={})
+            grid = predict_step(one_process_engine, cfg, world, grid_roof, strategy)
             comm = predicted["classes"].get("communication", {}).get("seconds", 0.0)
             exposed = measured - alone
             print(f"{model:<8}{strategy:<9}{predicted['seconds_per_step'] * 1e3:>13.1f}{measured * 1e3:>12.1f}"
@@ -202,26 +201,28 @@ def main() -> None:
                   f"{grid['seconds_per_step'] / measured:>8.3f}")
             attribution.append(attribute(cfg, world, measured_roof, strategy, held, exposed))
     if rank == 0:
-        print("\nthe exposed time by collective: priced (calls per step) against the time it held rank 0 in a step (median)")
+        print("\nthe exposed time by collective: priced (calls per step) against the time it held rank 0 in a "
+              "step (median)")
         for line in attribution:
             print(line)
     dist.destroy_process_group()
 
 
 def attribute(cfg, dp: int, roof, strategy: str, held: dict, exposed: float) -> str:
-    """One line: each collective operator's price (roofline_ops.collective_ops at the roof's
+    """One line: each collective operator's price (ops.collective_ops at the roof's
     measured figures) beside the time it held the rank in the timed steps (CollectiveClock), and
     what of the exposed time no collective held (the engine's hooks, copies and fills, and compute
     slowed by the collectives' threads)."""
     from lmforge.accounting.roofline import op_time
-    from lmforge.accounting.roofline_ops import collective_ops
+    from lmforge.accounting.roofline.ops import collective_ops
 
     parts = []
     for op in collective_ops(cfg, dp, strategy):
         name = "scalar_all_reduce" if "scalar" in op.name else op.op
         parts.append(f"{name} x{op.calls} {op_time(roof, op)['seconds'] * 1e3:.2f}/{held.get(name, 0.0) * 1e3:.2f} ms")
     rest = exposed - sum(held.values())
-    return f"  {cfg.model.n_layers}-layer {strategy:<6} " + ", ".join(parts) + f"; held by none of them {rest * 1e3:.2f} ms"
+    return (f"  {cfg.model.n_layers}-layer {strategy:<6} " + ", ".join(parts)
+            + f"; held by none of them {rest * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -5,12 +5,13 @@ bench/step_time.py compares whole steps and profiler classes in wall time: on a 
 time other processes hold the core lands in whatever ran then. Here the roof is measured and the
 steps are timed with time.thread_time (CPU time of this thread only; on CPU with one thread the
 forward, backward and optimizer all run on it), and a TorchDispatchMode times each aten operator
-the step dispatches and prices it as roofline_ops.op_of prices the traced one (the same record:
+the step dispatches and prices it as ops.op_of prices the traced one (the same record:
 name, tensors, phase). The mode's own Python costs each operator a few microseconds, in its
 measured time (views and tiny ops read high); the first line gives the step's CPU time without it.
 Scratch for finding a class's miss; bench/RESULTS.md's figures come from step_time.py idle.
 
-    taskset -c 1 env OMP_NUM_THREADS=1 python bench/step_time_ops.py tiny fp32 [--batch-size 8] [--seq-len N] [--steps 3] [--ops]
+    taskset -c 1 env OMP_NUM_THREADS=1 python bench/step_time_ops.py tiny fp32 [--batch-size 8] [--seq-len N] \
+        [--steps 3] [--ops]
 """
 
 import argparse
@@ -23,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lmforge.accounting.roofline import op_time
-from lmforge.accounting.roofline_ops import op_of, step_roof
-from lmforge.accounting.roofline_trace import _BOOKKEEPING, Record, _meta
+from lmforge.accounting.roofline.ops import op_of, step_roof
+from lmforge.accounting.roofline.trace import _BOOKKEEPING, Record, _meta
 
 
 class _Clock(TorchDispatchMode):
@@ -62,17 +63,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ops", action="store_true", help="a row per operator, not only per class")
     args = parser.parse_args()
-    time.perf_counter = time.thread_time  # the roof's timings (roofline_measure) in CPU time too
+    time.perf_counter = time.thread_time  # the roof's timings (measure) in CPU time too
 
     from step_time import build  # bench/step_time.py, beside this file (on the path: the script's folder)
-    from lmforge.accounting.roofline_shapes import this_step_roof
+    from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.train.host_memory import retain_freed_memory
+    from lmforge.train.roofline import one_process_engine
 
     retain_freed_memory()
     cfg, step = build(args.model, args.precision, args.batch_size, args.seq_len)
     # the roof and the step's own matmul calls, measured here (not cached), as predict_step prices them
-    roof = this_step_roof(torch.device("cpu"), cfg, remeasure=True, store=False)
-    roof = step_roof(cfg, 1, roof)
+    roof = this_step_roof(torch.device("cpu"), one_process_engine, cfg, remeasure=True, store=False)
+    roof = step_roof(one_process_engine, cfg, 1, roof)
     clock = _Clock(roof)
     register_optimizer_step_pre_hook(lambda *_: setattr(clock, "phase", "optimizer"))
     register_optimizer_step_post_hook(lambda *_: setattr(clock, "phase", "step"))

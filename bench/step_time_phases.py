@@ -19,8 +19,8 @@ from collections import defaultdict
 import torch
 
 from lmforge.accounting.roofline import op_time
-from lmforge.accounting.roofline_ops import op_of, optimizer_phase_op, step_ops, step_roof
-from lmforge.accounting.roofline_trace import recorded
+from lmforge.accounting.roofline.ops import op_of, optimizer_phase_op, step_ops, step_roof
+from lmforge.accounting.roofline.trace import recorded
 
 
 def phases(engine, next_batch, cfg, scaler, policy, device):
@@ -57,14 +57,16 @@ def main() -> None:
     args = parser.parse_args()
 
     from step_time import build_parts  # bench/step_time.py, beside this file
-    from lmforge.accounting.roofline_shapes import this_step_roof
+    from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.train.host_memory import retain_freed_memory
-    from lmforge.train.loop import train_step
+    from lmforge.train.roofline import one_process_engine
+    from lmforge.train.step import train_step
 
     retain_freed_memory()
     cfg, engine, next_batch, scaler, policy, device = build_parts(args.model, args.precision, args.batch_size,
                                                                    args.seq_len)
-    roof = step_roof(cfg, 1, this_step_roof(torch.device("cpu"), cfg))  # as predict_step prices it
+    # as predict_step prices it
+    roof = step_roof(one_process_engine, cfg, 1, this_step_roof(torch.device("cpu"), one_process_engine, cfg))
     steps = phases(engine, next_batch, cfg, scaler, policy, device)
     for _ in range(3):
         for _, thunk in steps:
@@ -87,7 +89,7 @@ def main() -> None:
                    device)
         whole.append(time.thread_time() - started)
     median = {name: sorted(s)[len(s) // 2] for name, s in seconds.items()}
-    predicted = sum(op_time(roof, op)["seconds"] for op in step_ops(cfg, 1, "none"))
+    predicted = sum(op_time(roof, op)["seconds"] for op in step_ops(one_process_engine, cfg, 1, "none"))
     print(f"{args.model} {args.precision}: train_step {sorted(whole)[len(whole) // 2] * 1e3:.3f} ms CPU time "
           f"(median of {args.steps}), its phases sum to {sum(median.values()) * 1e3:.3f} ms; the roofline "
           f"predicts {predicted * 1e3:.3f} ms; below, each operator priced with its launch (as without "

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lmforge.parallel.world import ROLL_CALL_SECONDS, World, env_world
+from lmforge.parallel.faults import ROLL_CALL_SECONDS
+from lmforge.parallel.world import World, env_world
 from lmforge.train.signals import STUCK_SECONDS, StopRequests
 
 

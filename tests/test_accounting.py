@@ -182,7 +182,8 @@ def test_shapes_read_on_the_meta_device_are_the_real_models(preset):
 
 
 def test_a_70b_plan_reads_a_model_that_holds_no_memory():
-    from lmforge.accounting.shapes import meta_model, model_shapes
+    from lmforge.accounting.shapes import model_shapes
+    from lmforge.model.meta import meta_model
 
     cfg = make_config("llama3-70b").model
     model = meta_model(cfg)

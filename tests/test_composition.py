@@ -1,21 +1,23 @@
-"""The composition matrix (lmforge/parallel/matrix.py) and its page: docs/composition.md is what
+"""The composition matrix (tests/composition_matrix.py) and its page: docs/composition.md is what
 the checks say now, every test it names exists, and every refused cell is refused by the launch
 checks alone, in one line, before any process group or file exists."""
 
 import re
 from pathlib import Path
 
-import pytest
+import sys
+
 import torch.distributed as dist
 
-from lmforge.parallel.matrix import COVERAGE, EXTRAS, KINDS, LAYOUTS, PRECISIONS, page, verdict
+sys.path.insert(0, str(Path(__file__).parent))
+from composition_matrix import COVERAGE, EXTRAS, KINDS, LAYOUTS, PRECISIONS, page, verdict  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 
 
 def test_the_committed_page_is_what_the_checks_say_now():
     committed = (ROOT / "docs" / "composition.md").read_text()
-    assert committed == page(), "regenerate: python -m lmforge.parallel.matrix > docs/composition.md"
+    assert committed == page(), "regenerate: python tests/composition_matrix.py > docs/composition.md"
 
 
 def test_every_test_the_page_names_exists():

@@ -1,4 +1,4 @@
-"""The composition matrix's cells that no other dist test trains (lmforge/parallel/matrix.py,
+"""The composition matrix's cells that no other dist test trains (tests/composition_matrix.py,
 docs/composition.md): every data-parallel strategy in every precision, every kind of training
 (a full fine-tune from a base, on examples whose prompts have no targets; LoRA) in every precision,
 compiled, recomputed, and each strategy's state loaded back by name. The cells are the matrix's
@@ -41,7 +41,7 @@ from test_parallel_engines import ACCUM, assert_same_training, run_worker, singl
 from lmforge.accounting.memory import lora_parameters, model_state_bytes  # noqa: E402
 from lmforge.modes.parallel import get_strategy  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
-from lmforge.parallel.matrix import COVERAGE, DIST  # noqa: E402
+from composition_matrix import COVERAGE, DIST  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

@@ -4,7 +4,7 @@ torch.compile; each trained 3 steps of 2 accumulated micro-batches by train/setu
 cp=2 (2 ranks; some also on cp=2 x dp=2 and tp=2 x cp=2, 4 ranks) against one process on the same global batch,
 computed on every rank (tests/cp_train_worker.py), with the bytes the ring sent equal to
 accounting/cp.py's and the parameter, gradient and optimizer bytes each rank holds equal to
-accounting/memory.py's `model_state_bytes`. These are the composition matrix's cp cells (lmforge/parallel/matrix.py).
+accounting/memory.py's `model_state_bytes`. These are the composition matrix's cp cells (tests/composition_matrix.py).
 
 Recomputation reruns each attention core's forward (selective) or each block's (full) in
 backward, and with it the ring's sends: every rank reruns the same layers in the same order, so

@@ -10,8 +10,8 @@ step whatever its gradient's size, so most weights agree to 1e-6; an element who
 cancellation near zero can flip sign under the other order and move by ~lr instead (measured: at
 most 0.0055% of 164,160 elements beyond 1e-5, the largest 1.2e-4 at lr 3e-3; checked: 0.05% and
 2 x steps x lr). AdamW is blind to the gradient's scale, so the norms are what catch a wrong
-weighting: broken by hand once at cp=2, counting each replica's targets cp times (no `cp *` in
-cp_engine.py's loss_divisors) halved every loss and norm; cp ranks drawing different rows (each
+weighting: broken by hand once at cp=2, counting each replica's targets cp times (no `self.cp *` in
+parallel/engine.py's loss_divisors) halved every loss and norm; cp ranks drawing different rows (each
 its own replica) gave losses of 13.7 against 6.8; both fail here.
 """
 

@@ -1,5 +1,5 @@
 """Context parallelism with every sharding strategy: parallel.cp=2 with train.parallel=zero1, zero2,
-zero3 and fsdp over the dp x cp ranks (parallel/cp_engine.py), on 2 ranks (cp 2) and 4 ranks
+zero3 and fsdp over the dp x cp ranks (parallel/engine.py), on 2 ranks (cp 2) and 4 ranks
 (dp 2 x cp 2, and tp 2 x cp 2 with dp 1). Real processes under torchrun, gloo, the `tiny` model;
 tests/cp_zero_worker.py trains every run of a world size in one launch, 3 steps of 2 micro-batches
 on parallel_worker's global batches, and one process on the whole global batch beside them.
@@ -18,7 +18,7 @@ Tolerances, fp32, each measured here and asserted with the margin said:
     reduction sum in another order): losses within 7.2e-8 relative (asserted 1e-5, the brief's
     fp32 summation order), norms 4.7e-7 (asserted 2e-6), weights as there.
 A wrong divisor moves every loss and norm by a factor (counting each replica's targets cp times,
-i.e. no `cp *` in ContextParallelMixin.loss_divisors, halves them); a wrong shard moves weights by
+i.e. no `self.cp *` in Engine.loss_divisors, halves them); a wrong shard moves weights by
 ~lr = 3e-3: both far outside these bounds.
 
 Bytes: each rank's parameters, gradients, master weights and optimizer states after the last

@@ -1,4 +1,4 @@
-"""The decode step's roofline (generate/decode_roofline.py, generate/decode_roof.py) without a
+"""The decode step's roofline (accounting/roofline/decode.py, accounting/roofline/decode_roof.py) without a
 clock: the traced operators against a real step's, their bytes against the tensors' sizes (the KV
 cache read per step, every weight read once), the GEMV grid joined to the training grid, and what
 `lmforge plan --inference` prints. Nothing here asserts a time."""
@@ -12,13 +12,14 @@ from lmforge.accounting.roofline import Roof, interpolate, op_time
 from lmforge.accounting.shapes import model_shapes
 from lmforge.cli import main
 from lmforge.config import make_config
-from lmforge.generate.decode_roof import decode_roof
-from lmforge.generate.decode_roofline import decode_ops, plan_decode, predict_decode, record_decode
+from lmforge.accounting.roofline.decode_roof import decode_roof
+from lmforge.accounting.roofline.decode import decode_ops, plan_decode, predict_decode, record_decode
+from lmforge.train.roofline import decode_step
 
 
 def test_the_fake_decode_trace_is_what_a_real_step_dispatches():
     cfg = make_config("tiny").model
-    fake, real = record_decode(cfg, 2, 40), record_decode(cfg, 2, 40, fake=False)
+    fake, real = record_decode(decode_step, cfg, 2, 40), record_decode(decode_step, cfg, 2, 40, fake=False)
     assert [r.op for r in fake] == [r.op for r in real]
     # shapes and dtypes of every tensor alike (a view's strides over size-1 dimensions may differ: no bytes)
     def shapes(records):
@@ -31,8 +32,8 @@ def test_the_fake_decode_trace_is_what_a_real_step_dispatches():
 @pytest.mark.parametrize("batch, context, dtype", [(1, 40, torch.float32), (8, 200, torch.bfloat16)])
 def test_a_decode_step_reads_the_kv_cache_and_every_weight_once(batch, context, dtype):
     cfg = make_config("small").model
-    ops = decode_ops(cfg, batch, context, dtype)
-    records = record_decode(cfg, batch, context, dtype)
+    ops = decode_ops(decode_step, cfg, batch, context, dtype)
+    records = record_decode(decode_step, cfg, batch, context, dtype)
     itemsize = torch.tensor([], dtype=dtype).element_size()
     attention = [r for r in records if r.op.startswith("_scaled_dot_product")]
     assert len(attention) == cfg.n_layers
@@ -74,8 +75,8 @@ def test_a_decode_step_is_the_sum_of_its_ops_and_tokens_are_the_batch():
     cfg = make_config("tiny").model
     gemv = {d: [[m, n, k, 1e9] for m in (1, 8) for n in (64, 256) for k in (64, 256)] for d in ("float32", "bfloat16")}
     roof = decode_roof(_roof(), {"gemv": gemv, "call_seconds": 3e-6})
-    predicted = predict_decode(cfg, 8, 30, roof)
-    ops = decode_ops(cfg, 8, 30)
+    predicted = predict_decode(decode_step, cfg, 8, 30, roof)
+    ops = decode_ops(decode_step, cfg, 8, 30)
     assert predicted["seconds_per_step"] == pytest.approx(sum(op_time(roof, op)["seconds"] for op in ops), rel=1e-12)
     launches = sum(row["launch_s"] for row in predicted["classes"].values())
     assert launches == pytest.approx(3e-6 * sum(op.calls for op in ops), rel=1e-12)  # every call, views too
@@ -89,20 +90,21 @@ def test_a_decode_step_is_priced_at_the_rates_after_its_own_writes():
     import dataclasses
 
     from lmforge.accounting.roofline import rates_after
-    from lmforge.accounting.roofline_ops import records_written
+    from lmforge.accounting.roofline.ops import records_written
 
     cfg = make_config("tiny").model
-    written = records_written(record_decode(cfg, 8, 30))
-    assert written == records_written(record_decode(cfg, 8, 30, fake=False))  # the fake trace's count is a real step's
+    written = records_written(record_decode(decode_step, cfg, 8, 30))
+    # the fake trace's count is a real step's
+    assert written == records_written(record_decode(decode_step, cfg, 8, 30, fake=False))
     assert 2**16 < written < 2**21
     after = {"binary": [[1e3, 2.0**16, 8e9], [1e6, 2.0**16, 4e10], [1e3, 2.0**21, 1e9], [1e6, 2.0**21, 5e9]]}
     roof = dataclasses.replace(_roof(call=0.0), elementwise_ops_after=after, call_seconds=0.0)
-    predicted = predict_decode(cfg, 8, 30, roof)
+    predicted = predict_decode(decode_step, cfg, 8, 30, roof)
     priced = dataclasses.replace(roof, elementwise_ops=rates_after(roof, written))
-    ops = decode_ops(cfg, 8, 30)
+    ops = decode_ops(decode_step, cfg, 8, 30)
     assert predicted["seconds_per_step"] == pytest.approx(sum(op_time(priced, op)["seconds"] for op in ops), rel=1e-12)
-    at_edges = [sum(op_time(dataclasses.replace(roof, elementwise_ops=rates_after(roof, w)), op)["seconds"] for op in ops)
-                for w in (2.0**16, 2.0**21)]
+    at_edges = [sum(op_time(dataclasses.replace(roof, elementwise_ops=rates_after(roof, w)), op)["seconds"]
+                    for op in ops) for w in (2.0**16, 2.0**21)]
     assert at_edges[0] < predicted["seconds_per_step"] < at_edges[1]
 
 
@@ -113,7 +115,7 @@ def test_a_decode_step_is_priced_at_the_rates_after_its_own_writes():
 ])
 def test_what_the_decode_trace_does_not_cover_says_why(setup, why):
     plan = {"setup": {"batch_size": 1, "seq_len": 16, **setup}}
-    assert why in plan_decode(make_config("tiny").model, plan, _roof())["none"]
+    assert why in plan_decode(decode_step, make_config("tiny").model, plan, _roof())["none"]
 
 
 def test_plan_inference_shows_the_roofline_decode_on_this_machine(capsys):

@@ -112,8 +112,9 @@ time.sleep(60)  # killed long before
 """
 RANK = """
 import os, sys, time
-from lmforge.parallel import world as world_module
-from lmforge.parallel.world import World, watch_launcher
+from lmforge.parallel import faults as world_module
+from lmforge.parallel.faults import watch_launcher
+from lmforge.parallel.world import World
 world = World(rank=0, world_size=2, local_rank=0, device=None, launcher_pid=watch_launcher())
 open(sys.argv[1] + ".ready", "w").close()
 deadline = time.monotonic() + 60

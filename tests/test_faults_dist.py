@@ -4,7 +4,7 @@
 - a rank stuck in a collective when SIGTERM comes (torchrun's agent stopping the survivors) still
   says who is missing (train/signals.py's watch);
 - torchrun's agent killed (SIGKILL): its ranks see their parent gone, save and stop, and release
-  the run folder's lock (parallel/world.py, watch_launcher);
+  the run folder's lock (parallel/faults.py, watch_launcher);
 - SIGTERM to torchrun: the line printed says the torchrun command that resumes, and it does;
 - `lmforge train --nproc 2`: exit statuses as one process (143 SIGTERM, 130 Ctrl-C, 2 refused),
   no traceback, and its resume command is `lmforge train --nproc 2 --resume RUN`.

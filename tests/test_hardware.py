@@ -19,23 +19,23 @@ def plan_peak(cache_home, *flags) -> float:
 
 def test_the_cached_peak_says_when_and_under_what_load_and_remeasure_replaces_it(tmp_path):
     path = tmp_path / "lmforge" / "matmul_peak.json"
-    # the session's cache without its fp32 peak: the plan measures the peak, and reads the roof if
-    # the session has measured it (half a minute a roof on the Intel VM; --remeasure below takes it again)
+    # the session's cache without its fp32 peak: the plan measures the peak (the roofline only with
+    # --roofline: a plain plan neither measures nor reads a roof)
     path.parent.mkdir()
     session = hardware.cache_path()
     cache = json.loads(session.read_text()) if session.exists() else {}
     path.write_text(json.dumps({k: e for k, e in cache.items() if "|torch.float32|" not in k}))
     before = datetime.now(timezone.utc).replace(microsecond=0)
     measured = plan_peak(tmp_path)
-    # the matmul peak's entry (the cache also holds the roofline's: accounting/roofline_measure.py)
+    # the matmul peak's entry (the cache also holds the roofline's: accounting/roofline/measure.py)
     (key, entry), = [(k, e) for k, e in json.loads(path.read_text()).items()
                      if k.endswith(f"|torch.float32|torch {hardware.torch.__version__}")]
     assert entry["flops"] == measured > 1e6
     assert datetime.fromisoformat(entry["measured_at"]) >= before
     assert len(entry["load_average_1_5_15_min"]) == 3 and entry["cpus"] == os.cpu_count()
 
-    # a wrong peak measured on an idle machine: kept until remeasured (the roof's entry kept too:
-    # measured again, it would cost the next plan half a minute)
+    # a wrong peak measured on an idle machine: kept until remeasured (any roof's entry kept too:
+    # measured again, it would cost the next `plan --roofline` half a minute)
     entry["flops"], entry["load_average_1_5_15_min"] = 1.0, [0.0, 0.0, 0.0]
     path.write_text(json.dumps({**json.loads(path.read_text()), key: entry}))
     assert plan_peak(tmp_path) == 1.0

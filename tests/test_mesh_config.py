@@ -82,7 +82,7 @@ def test_the_degrees_of_a_launch_inferred_as_today():
     (("parallel.tp=2", "parallel.dp_shard=2"), 5,
      r"^the world of 5 ranks is not a multiple of pp 1 x cp 1 x tp 2 = 2"),
     (("parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.cp=2"), 8,
-     r"^dp_replicate 2 x dp_shard 2 \(hybrid sharding\) does not combine with parallel.cp=2 yet"),
+     r"^parallel.dp_replicate=2 x parallel.dp_shard=2 \(hybrid sharding\) does not combine with parallel.cp=2 yet"),
 ])
 def test_the_launch_check_refuses_degrees_that_do_not_fit_the_world(overrides, world, line):
     with pytest.raises(LmforgeError, match=line):

@@ -1,4 +1,4 @@
-"""The composition matrix's pipeline cells that no other dist test trains (lmforge/parallel/matrix.py,
+"""The composition matrix's pipeline cells that no other dist test trains (tests/composition_matrix.py,
 docs/composition.md): a pipeline of 2 stages, alone (2 ranks) and with 2 replicas under ddp and
 zero1 (4 ranks), in every precision policy, for every kind of training (a full fine-tune from a
 base on examples whose prompts have no targets; LoRA), compiled, recomputed (selective and full),
@@ -50,7 +50,7 @@ from parallel_worker import make_engine  # noqa: E402
 from pipeline_worker import config  # noqa: E402
 
 from lmforge.accounting.plan.make import Costing, make_plan  # noqa: E402
-from lmforge.parallel.matrix import CELLS, COVERAGE, EXTRAS, KINDS, LAYOUTS, cell_overrides  # noqa: E402
+from composition_matrix import CELLS, COVERAGE, EXTRAS, KINDS, LAYOUTS, cell_overrides  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

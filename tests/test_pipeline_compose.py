@@ -12,7 +12,8 @@ from lmforge.accounting.plan.make import make_plan
 from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
-from lmforge.parallel.launch import PIPELINE_REFUSED, check_launch
+from lmforge.config.rules import PIPELINE_REFUSED
+from lmforge.parallel.launch import check_launch
 from lmforge.parallel.parallelize import DATA_PARALLEL_ENGINES, STAGE_REPLICA_ENGINES
 
 

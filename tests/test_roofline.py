@@ -11,13 +11,16 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lmforge.accounting import flops
+from lmforge.accounting.plan.costing import degrees, strategy
 from lmforge.accounting.plan.make import Costing, make_plan
-from lmforge.accounting.roofline import Roof, interpolate, op_time, predict
-from lmforge.accounting.roofline_ops import Op, micro_batch_ops, optimizer_ops
+from lmforge.accounting.hardware import ACCELERATORS
+from lmforge.accounting.roofline import Roof, datasheet_roof, interpolate, op_time, predict
+from lmforge.accounting.roofline.ops import Op, micro_batch_ops, optimizer_ops, predict_step
 from lmforge.cli import main
 from lmforge.config import Config, make_config
 from lmforge.optim.build import param_groups
 from lmforge.model.transformer import Transformer
+from lmforge.train.roofline import one_process_engine
 
 
 def _by_class(ops) -> dict:
@@ -40,8 +43,9 @@ def test_flops_by_class_sum_to_flops_py_and_to_flop_counter(overrides, seq_len):
     backend's attention einsums) = the attention class. Other classes count no FLOPs."""
     cfg = make_config("tiny", overrides=overrides + ["model.attention=naive"]).model
     batch = 2
-    per_class = _by_class(micro_batch_ops(cfg, batch, seq_len, "fp32"))
-    assert per_class["matmuls"] + per_class["attention"] == flops.training_flops_per_token(cfg, seq_len) * batch * seq_len
+    per_class = _by_class(micro_batch_ops(one_process_engine, cfg, batch, seq_len, "fp32"))
+    counted = flops.training_flops_per_token(cfg, seq_len) * batch * seq_len
+    assert per_class["matmuls"] + per_class["attention"] == counted
     assert per_class["norms/elementwise"] == per_class["loss"] == 0
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
     counter = FlopCounterMode(display=False)
@@ -55,7 +59,7 @@ def test_flops_by_class_sum_to_flops_py_and_to_flop_counter(overrides, seq_len):
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_recomputation_adds_its_forward_as_flops_py_counts_it(recompute):
     cfg = make_config("tiny").model
-    ops = micro_batch_ops(cfg, 2, 64, "fp32", recompute)
+    ops = micro_batch_ops(one_process_engine, cfg, 2, 64, "fp32", recompute)
     assert sum(op.flops for op in ops) == flops.hardware_flops_per_token(cfg, 64, recompute) * 2 * 64
 
 
@@ -68,18 +72,18 @@ def test_the_fake_trace_is_what_a_real_step_dispatches_and_what_the_profiler_see
     others, so only these top-level operators are compared by name)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from lmforge.accounting.roofline_trace import record_step
+    from lmforge.accounting.roofline.trace import record_step
 
     cfg = make_config("tiny").model
     for precision in ("fp32", "bf16-mixed"):
-        fake = record_step(cfg, 2, 32, precision)
-        real = record_step(cfg, 2, 32, precision, fake=False)
+        fake = record_step(one_process_engine, cfg, 2, 32, precision)
+        real = record_step(one_process_engine, cfg, 2, 32, precision, fake=False)
         assert [(r.op, r.phase, r.inputs, r.outputs, r.calls) for r in fake] == \
             [(r.op, r.phase, r.inputs, r.outputs, r.calls) for r in real]
-    real = record_step(cfg, 2, 32, "fp32", fake=False)
+    real = record_step(one_process_engine, cfg, 2, 32, "fp32", fake=False)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with record_function("traced"):
-            record_step(cfg, 2, 32, "fp32", fake=False)
+            record_step(one_process_engine, cfg, 2, 32, "fp32", fake=False)
     compared = ("mm", "addmm", "_scaled_dot_product_flash_attention_for_cpu",
                 "_scaled_dot_product_flash_attention_for_cpu_backward", "_log_softmax", "nll_loss_forward",
                 "_foreach_lerp_", "_foreach_addcdiv_", "_foreach_sqrt")
@@ -101,7 +105,7 @@ def test_an_ops_bytes_are_its_tensors_sizes_and_adamw_makes_84_per_element():
     from lmforge.accounting.shapes import model_shapes
 
     cfg = make_config("tiny").model
-    ops = micro_batch_ops(cfg, 2, 32, "fp32")
+    ops = micro_batch_ops(one_process_engine, cfg, 2, 32, "fp32")
     first = next(o for o in ops if o.op == "mm")
     m, k, n = first.shape[0], first.shape[2], first.shape[1]
     assert first.bytes == 4 * (m * k + k * n + m * n) and first.flops == 2 * m * n * k
@@ -111,7 +115,7 @@ def test_an_ops_bytes_are_its_tensors_sizes_and_adamw_makes_84_per_element():
     for shards in (1, 2):
         # the step counters (0-d tensors, 12 bytes a tensor) left out; each op's scalar operand is
         # one 0-d tensor of at most 8 bytes: the only slack allowed
-        update = [o for o in optimizer_ops(cfg, 2, 32, "fp32", shards=shards)
+        update = [o for o in optimizer_ops(one_process_engine, cfg, 2, 32, "fp32", shards=shards)
                   if o.kind == "foreach" and o.bytes / o.calls > 64 / shards]
         total = sum(o.bytes for o in update)
         assert 0 <= total - expected / shards <= 8 * len(update) / shards
@@ -162,9 +166,20 @@ def test_the_plan_prints_the_roofline_rows(capsys, tmp_path):
         assert row in out, row
 
 
+def datasheet_plan(cfg, costing: Costing, roof=None) -> dict:
+    """make_plan's plan with the roofline's step time, on `roof` or the datasheet's (`plan --roofline`)."""
+    plan = make_plan(cfg, costing, None if roof is None else ("this machine", 1e12, 2**34))
+    if roof is None:
+        roof = datasheet_roof(costing.hardware, plan["time"]["peak_flops_per_device"],
+                              ACCELERATORS[costing.hardware].memory_bandwidth)
+    d = degrees(cfg, costing.dp)
+    plan["roofline"] = predict_step(one_process_engine, cfg, d.dp, roof, strategy(cfg, d))
+    return plan
+
+
 def test_ddp_adds_communication_that_needs_a_measured_network():
     cfg = make_config("tiny", overrides=["train.parallel=ddp"])
-    plan = make_plan(cfg, Costing(dp=2, hardware="h100-sxm"), datasheet_roofline=True)
+    plan = datasheet_plan(cfg, Costing(dp=2, hardware="h100-sxm"))
     assert plan["roofline"]["classes"]["communication"]["bytes"] == plan["communication"]["sent_bytes"]
     assert plan["roofline"]["classes"]["communication"]["seconds"] == 0  # a datasheet has no network figure
 
@@ -173,7 +188,8 @@ def test_roofline_png_is_written_and_a_missing_folder_refused(tmp_path, capsys):
     out = tmp_path / "roof.png"
     assert main(["plan", "--model", "tiny", "--hardware", "h100-sxm", "--roofline", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["plan", "--model", "tiny", "--hardware", "h100-sxm", "--roofline", str(tmp_path / "no" / "r.png")]) == 2
+    missing = str(tmp_path / "no" / "r.png")
+    assert main(["plan", "--model", "tiny", "--hardware", "h100-sxm", "--roofline", missing]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lmforge: error: --roofline") and "does not exist" in err and err.count("\n") == 1
 
@@ -182,7 +198,7 @@ def test_the_end_of_run_table_sets_the_roofline_step_beside_the_measured_one():
     from tests.test_pipeline_accounting import fake_measurements
     from lmforge.train.summary import predicted_vs_measured
 
-    plan = make_plan(make_config("tiny"), Costing(hardware="h100-sxm", mfu=1.0), datasheet_roofline=True)
+    plan = datasheet_plan(make_config("tiny"), Costing(hardware="h100-sxm", mfu=1.0))
     run = dataclasses.replace(fake_measurements(plan), tokens_per_step=plan["setup"]["tokens_per_step"])
     rows = predicted_vs_measured(plan, run, tokens_per_s=1000.0)
     assert rows["step_seconds"] == {"predicted": plan["roofline"]["seconds_per_step"],
@@ -192,18 +208,18 @@ def test_the_end_of_run_table_sets_the_roofline_step_beside_the_measured_one():
 
 @pytest.mark.parametrize("precision, optimizer", [("fp32", "adamw"), ("bf16-mixed", "lion")])
 def test_a_deep_models_ops_come_from_two_shallow_traces_exactly(precision, optimizer):
-    """roofline_ops.layer_extrapolated: 2- and 3-layer traces extended to 5 layers give the 5-layer
+    """ops.layer_extrapolated: 2- and 3-layer traces extended to 5 layers give the 5-layer
     trace's totals per class (FLOPs, bytes, kernels), forward, backward and optimizer alike."""
     import dataclasses
 
-    from lmforge.accounting.roofline_ops import layer_extrapolated, op_of
-    from lmforge.accounting.roofline_trace import trace_step
+    from lmforge.accounting.roofline.ops import layer_extrapolated, op_of
+    from lmforge.accounting.roofline.trace import trace_step
     from lmforge.config import make_config
 
     cfg = dataclasses.replace(make_config("tiny").model, n_layers=5)
 
     def ops_of(c):
-        return [op_of(r) for r in trace_step(c, 2, 16, precision, "none", optimizer, 0, True)]
+        return [op_of(r) for r in trace_step(one_process_engine, c, 2, 16, precision, "none", optimizer, 0)]
 
     def totals(ops):
         out = {}
@@ -221,9 +237,10 @@ def test_a_deep_models_ops_come_from_two_shallow_traces_exactly(precision, optim
 
 
 _MODULES_OF_A_TRACE = """
-from lmforge.accounting.roofline_trace import record_step
+from lmforge.accounting.roofline.trace import record_step
 from lmforge.config import make_config
-print(repr([(r.op, r.module) for r in record_step(make_config("tiny").model, 2, 16)]))
+from lmforge.train.roofline import one_process_engine
+print(repr([(r.op, r.module) for r in record_step(one_process_engine, make_config("tiny").model, 2, 16)]))
 """
 
 
@@ -238,9 +255,9 @@ def test_each_op_is_its_innermost_modules_whatever_the_hash_seed():
     import subprocess
     import sys
 
-    from lmforge.accounting.roofline_trace import record_step
+    from lmforge.accounting.roofline.trace import record_step
 
-    records = record_step(make_config("tiny").model, 2, 16)
+    records = record_step(one_process_engine, make_config("tiny").model, 2, 16)
     ops = [r.op for r in records]
     forward = records[:ops.index("nll_loss_forward") + 1]  # the forward ends on the loss
     assert {r.op for r in forward if r.module == "Transformer.norm"} >= {"pow", "mean", "rsqrt", "mul"}

@@ -14,10 +14,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from tests.plan_configs import config_of
 from lmforge.accounting.roofline import Roof, family_of, memory_rate, op_time
-from lmforge.accounting.roofline_elementwise import cache_bytes
-from lmforge.accounting.roofline_ops import Op, op_of, predict_step, written_bytes
-from lmforge.accounting.roofline_trace import trace_step
+from lmforge.accounting.roofline.elementwise import cache_bytes
+from lmforge.accounting.roofline.ops import Op, op_of, predict_step, written_bytes
+from lmforge.accounting.roofline.trace import trace_step
 from lmforge.config import make_config
+from lmforge.train.roofline import one_process_engine
 
 
 def test_nll_moves_the_targets_and_the_values_they_pick_not_the_rows():
@@ -26,7 +27,7 @@ def test_nll_moves_the_targets_and_the_values_they_pick_not_the_rows():
     one value written per target."""
     cfg = make_config("tiny").model
     n, v = 2 * 16, cfg.vocab_size
-    records = {r.op: r for r in trace_step(cfg, 2, 16, "fp32") if r.op.startswith("nll_loss")}
+    records = {r.op: r for r in trace_step(one_process_engine, cfg, 2, 16, "fp32") if r.op.startswith("nll_loss")}
     assert records["nll_loss_forward"].inputs[0][0] == (n, v)  # what the old count charged in full
     assert op_of(records["nll_loss_forward"]).bytes == n * 8 + n * 4 + 2 * 4
     assert op_of(records["nll_loss_backward"]).bytes == n * v * 4 + n * 8 + n * 4
@@ -103,9 +104,9 @@ def test_a_step_that_fits_in_the_cache_is_priced_warm():
     reads the warm rates (100x faster here), 4x over it the cold ones, so norms/elementwise' memory
     time drops 10-100x (binary's cold rate is 10x faster at 1 MB a call)."""
     cfg = make_config("tiny")
-    written = written_bytes(cfg)
-    cold = predict_step(cfg, 1, _roof(1e9, 1e11, cache=written / 4), cfg.train.parallel)
-    warm = predict_step(cfg, 1, _roof(1e9, 1e11, cache=written), cfg.train.parallel)
+    written = written_bytes(one_process_engine, cfg)
+    cold = predict_step(one_process_engine, cfg, 1, _roof(1e9, 1e11, cache=written / 4), cfg.train.parallel)
+    warm = predict_step(one_process_engine, cfg, 1, _roof(1e9, 1e11, cache=written), cfg.train.parallel)
     ratio = cold["classes"]["norms/elementwise"]["memory_s"] / warm["classes"]["norms/elementwise"]["memory_s"]
     # every norms/elementwise op has a family here (flat 1e9 cold) but binary's 1e10 at >= 1 MB a call
     assert 10 <= ratio <= 100
@@ -115,11 +116,12 @@ def test_a_step_that_fits_in_the_cache_is_priced_warm():
 def test_written_bytes_extends_by_layer_exactly():
     """written_bytes of 5 layers from traces of 2 and 3 equals the sum over a direct 5-layer trace
     (the blocks are identical: layer_extrapolated's argument)."""
-    from lmforge.accounting.roofline_ops import _touched
+    from lmforge.accounting.roofline.ops import _touched
 
     cfg = dataclasses.replace(make_config("tiny").model, n_layers=5)
-    direct = sum(_touched(t) for r in trace_step(cfg, 2, 16, "fp32") if not r.is_view for t in r.outputs)
-    assert written_bytes(config_of(cfg, "train.batch_size=2", "train.seq_len=16")) == direct
+    records = trace_step(one_process_engine, cfg, 2, 16, "fp32")
+    direct = sum(_touched(t) for r in records if not r.is_view for t in r.outputs)
+    assert written_bytes(one_process_engine, config_of(cfg, "train.batch_size=2", "train.seq_len=16")) == direct
 
 
 def test_this_cpus_cache_is_read_from_linux():
@@ -157,7 +159,7 @@ def test_the_profiler_gives_a_kernels_inner_operators_its_class():
 
 
 def test_an_sdpa_call_pays_its_measured_fixed_cost_in_place_of_a_launch():
-    """t = c + FLOPs / rate of the work (roofline_measure.measure_sdpa's fit): a call's launch term
+    """t = c + FLOPs / rate of the work (measure.measure_sdpa's fit): a call's launch term
     is SDPA's fixed cost for its kind and dtype; another op keeps the plain launch cost."""
     roof = dataclasses.replace(_roof(1e9, 1e11), call_seconds=3e-6,
                                sdpa_call_seconds={"sdpa_backward": {"bfloat16": 2e-4}})

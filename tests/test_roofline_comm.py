@@ -6,11 +6,12 @@ per call plus bytes over its bandwidth, the step's scalar all-reduces at one lat
 import pytest
 
 from lmforge.accounting.comm import step_collectives, unit_sizes
-from lmforge.accounting.plan.make import Costing, make_plan
+from lmforge.accounting.plan.make import Costing
 from lmforge.accounting.roofline import Roof
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
 from lmforge.modes.precision import get_policy
+from tests.test_roofline import datasheet_plan
 
 # seconds per call and bytes/s of each operator, all different: a term priced at another's shows
 NETWORK = {"all_reduce": (1e-4, 1e9), "reduce_scatter": (3e-4, 5e8), "all_gather": (2e-4, 2e9)}
@@ -31,7 +32,7 @@ def test_the_communication_term_is_each_operators_bytes_over_bandwidth_plus_late
     units = unit_sizes(cfg)
     assert sum(units.values()) == psi
     run = make_config("tiny", overrides=[f"train.parallel={strategy}"])
-    plan = make_plan(run, Costing(dp=ranks, mfu=1.0), ("this machine", 1e12, 2**34), _roof())
+    plan = datasheet_plan(run, Costing(dp=ranks, mfu=1.0), _roof())
     comm = plan["roofline"]["classes"]["communication"]
     # ddp: one all-reduce of every gradient (tiny's fit one 25 MiB bucket); zero2: reduce-scatter
     # then all-gather of each unit's shards, padded to a multiple of the ranks: the same 2 (N-1)/N
@@ -57,8 +58,7 @@ def test_an_older_roof_prices_every_collective_at_all_reduces_figures():
     old = Roof(roof.name, roof.bandwidth, roof.matmul, roof.sdpa_forward, roof.sdpa_backward, roof.elementwise,
                collective={"latency_s": 1e-4, "bytes_per_second": 1e9})
     run = make_config("tiny", overrides=["train.parallel=zero2"])
-    plan = make_plan(run, Costing(dp=2, mfu=1.0), ("this machine", 1e12, 2**34), old)
-    comm = plan["roofline"]["classes"]["communication"]
+    comm = datasheet_plan(run, Costing(dp=2, mfu=1.0), old)["roofline"]["classes"]["communication"]
     calls = sum(step_collectives(cfg, "zero2", 2).values())
     assert comm["seconds"] == pytest.approx(calls * 1e-4 + comm["bytes"] / 1e9, rel=1e-12)
 

@@ -1,4 +1,4 @@
-"""The optimizer phase's fixed cost measured whole (roofline_measure.measure_optimizer_phase,
+"""The optimizer phase's fixed cost measured whole (measure.measure_optimizer_phase,
 roofline.op_time's "phase" op): the fit's arithmetic, how a step charges it in place of its
 operators' launches, and what the measurement runs. No timed assertion."""
 
@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from lmforge.accounting.roofline import Roof, op_time, predict
-from lmforge.accounting.roofline_measure import MINIMAL, _optimizer_phase, line_through
-from lmforge.accounting.roofline_ops import Op, optimizer_phase_op, step_ops
+from lmforge.accounting.roofline.measure import MINIMAL, _optimizer_phase, line_through
+from lmforge.accounting.roofline.ops import Op, optimizer_phase_op, step_ops
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
+from lmforge.train.roofline import one_process_engine
 
 
 def _roof(**fields) -> Roof:
@@ -54,7 +55,7 @@ def test_the_step_charges_it_once_over_the_models_parameter_tensors(optimizer, c
     optimizer it is measured with, whose phase's operators then pay no launch of their own; another
     optimizer's operators keep theirs."""
     cfg = make_config("tiny", overrides=[f"optim.name={optimizer}"])
-    ops = step_ops(cfg, 1, "none")
+    ops = step_ops(one_process_engine, cfg, 1, "none")
     phases = [op for op in ops if op.kind == "phase"]
     tensors = len(list(Transformer(cfg.model).parameters()))
     assert tensors == len(model_shapes(cfg.model).parameter_shapes) == 20

@@ -1,4 +1,4 @@
-"""A step's own matmul calls timed alone (roofline_shapes.py) and read before the grid
+"""A step's own matmul calls timed alone (roofline/shapes.py) and read before the grid
 (roofline.compute_rate): the layouts the trace records, which calls are timed and after how many
 writes, and how the rates are cached with the roof they refine. No timed assertion."""
 
@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-import lmforge.accounting.roofline_measure as measure
-import lmforge.accounting.roofline_shapes as shapes
+import lmforge.accounting.roofline.measure as measure
+import lmforge.accounting.roofline.shapes as shapes
 from lmforge.accounting.roofline import Roof, compute_rate
-from lmforge.accounting.roofline_ops import Op, micro_batch_ops, step_matmul_shapes
+from lmforge.accounting.roofline.ops import Op, micro_batch_ops, step_matmul_shapes
 from lmforge.config import make_config
+from lmforge.train.roofline import one_process_engine
 
 MIB = 2.0**20
 CPU = torch.device("cpu")
@@ -27,7 +28,7 @@ def test_a_linear_layers_three_matmuls_are_traced_with_their_layouts():
     """F.linear's forward is x @ W^T ("nt"), its input gradient dy @ W ("nn"), its weight gradient
     dy^T @ x ("tn"): the three carry equal FLOPs in every layer of a model without biases."""
     cfg = make_config("tiny").model
-    ops = [op for op in micro_batch_ops(cfg, 2, 16) if op.cls == "matmuls"]
+    ops = [op for op in micro_batch_ops(one_process_engine, cfg, 2, 16) if op.cls == "matmuls"]
     by_layout = {}
     for op in ops:
         by_layout[op.layout] = by_layout.get(op.layout, 0.0) + op.flops
@@ -49,13 +50,14 @@ def test_a_timed_call_is_read_before_the_grid_and_only_for_its_own_operator_layo
 
 def test_the_steps_calls_are_its_distinct_matmuls_in_the_dtype_that_prices_them():
     cfg = make_config("tiny", overrides=["train.precision=bf16-mixed"])
-    calls = step_matmul_shapes(cfg)
+    calls = step_matmul_shapes(one_process_engine, cfg)
     traced = {("bfloat16", op.op, *op.shape, op.layout)
-              for op in micro_batch_ops(cfg.model, cfg.train.batch_size, cfg.seq_len, "bf16-mixed") if op.layout}
+              for op in micro_batch_ops(one_process_engine, cfg.model, cfg.train.batch_size, cfg.seq_len, "bf16-mixed")
+              if op.layout}
     assert set(calls) == traced and len(calls) == len(set(calls))
     assert {c[-1] for c in calls} == {"nt", "nn", "tn"}
     tp2 = make_config("tiny", overrides=["train.precision=bf16-mixed", "parallel.tp=2"])
-    assert step_matmul_shapes(tp2) == ()  # not traced: nothing to time
+    assert step_matmul_shapes(one_process_engine, tp2) == ()  # not traced: nothing to time
 
 
 def test_a_step_writing_past_the_cache_is_timed_cold_and_one_within_it_in_cache():
@@ -90,8 +92,8 @@ def test_each_call_is_timed_once_after_the_writes_and_one_the_grid_prices_too_lo
     wide = ("float32", "mm", 64, 2**22, 16, "nn")
     assert shapes.timed_rates(_roof(peak=1e15), (wide,), 2**16, CPU, {}) == {} and len(timed) == 4
     # the roof carries the step's rates by call, those after its own writes
-    assert shapes.at_writes(again, 2**20) == {"float32": {"mm 64x32x16 nt": again["float32"]["mm 64x32x16 nt after 1048576"]},
-                                              "bfloat16": {}}
+    after = again["float32"]["mm 64x32x16 nt after 1048576"]
+    assert shapes.at_writes(again, 2**20) == {"float32": {"mm 64x32x16 nt": after}, "bfloat16": {}}
 
 
 def test_the_rates_are_cached_with_their_roof_and_measured_again_with_it(monkeypatch, tmp_path):
@@ -105,15 +107,15 @@ def test_the_rates_are_cached_with_their_roof_and_measured_again_with_it(monkeyp
     timed = []
     monkeypatch.setattr(shapes, "time_shape", lambda *args: timed.append(args) or 1e11)
     cfg = make_config("tiny")
-    calls = step_matmul_shapes(cfg)
+    calls = step_matmul_shapes(one_process_engine, cfg)
 
-    assert shapes.cached_step_roof(CPU, cfg) is None  # nothing cached: nothing measured
-    first = shapes.this_step_roof(CPU, cfg)
+    assert shapes.cached_step_roof(CPU, one_process_engine, cfg) is None  # nothing cached: nothing measured
+    first = shapes.this_step_roof(CPU, one_process_engine, cfg)
     assert len(roofs) == 1 and len(timed) == len(calls)
     assert sum(len(by_key) for by_key in first.matmul_shapes.values()) == len(calls)
     assert set(first.matmul_shapes["float32"].values()) == {1e11}
-    assert shapes.this_step_roof(CPU, cfg) == first and len(timed) == len(calls)
-    assert shapes.cached_step_roof(CPU, cfg) == first
+    assert shapes.this_step_roof(CPU, one_process_engine, cfg) == first and len(timed) == len(calls)
+    assert shapes.cached_step_roof(CPU, one_process_engine, cfg) == first
     assert shapes.this_step_roof(CPU).matmul_shapes == {}  # no step: the roof alone
-    shapes.this_step_roof(CPU, cfg, remeasure=True)
+    shapes.this_step_roof(CPU, one_process_engine, cfg, remeasure=True)
     assert len(roofs) == 2 and len(timed) == 2 * len(calls)

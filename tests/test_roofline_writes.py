@@ -1,5 +1,5 @@
 """Elementwise rates by the bytes written since an operator's operands were last touched
-(roofline_elementwise.measure_elementwise_after, roofline.rates_after, roofline_ops.step_roof): the
+(elementwise.measure_elementwise_after, roofline.rates_after, ops.step_roof): the
 grid's arithmetic, the step's count of written bytes it is read at, and what the measurement runs.
 No timed assertion."""
 
@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 
-import lmforge.accounting.roofline_elementwise as measure
+import lmforge.accounting.roofline.elementwise as measure
 from tests.plan_configs import config_of
 from lmforge.accounting.roofline import Roof, rates_after
-from lmforge.accounting.roofline_ops import _touched, predict_step, step_roof, written_bytes
-from lmforge.accounting.roofline_trace import record_step
+from lmforge.accounting.roofline.ops import _touched, predict_step, step_roof, written_bytes
+from lmforge.accounting.roofline.trace import record_step
 from lmforge.config import make_config
+from lmforge.train.roofline import one_process_engine
 
 MIB = 2.0**20
 
@@ -33,7 +34,8 @@ COLD = {"binary": [[1e3, 1e9], [1e6, 5e9]]}
 
 
 def test_a_grid_point_reads_its_measured_rates():
-    assert rates_after(_roof(AFTER, COLD), 8 * MIB) == {"binary": [[1e3, pytest.approx(2e9)], [1e6, pytest.approx(1e10)]]}
+    assert rates_after(_roof(AFTER, COLD), 8 * MIB) == {"binary": [[1e3, pytest.approx(2e9)],
+                                                                   [1e6, pytest.approx(1e10)]]}
 
 
 def test_between_two_ws_the_rate_is_interpolated_in_log_w():
@@ -55,32 +57,32 @@ def test_the_step_is_priced_at_the_rates_after_its_own_writes():
     written_bytes; small's (over a GB) at the cold rates, exactly what a roof without the grid gives."""
     for model, written_over in (("tiny", False), ("small", True)):
         cfg = make_config(model, overrides=["train.batch_size=2", "train.seq_len=64"] if model == "small" else [])
-        written = written_bytes(cfg)
+        written = written_bytes(one_process_engine, cfg)
         roof = _roof(AFTER, COLD)
         assert (written > 128 * MIB) == written_over
-        assert step_roof(cfg, 1, roof).elementwise_ops == rates_after(roof, written)
+        assert step_roof(one_process_engine, cfg, 1, roof).elementwise_ops == rates_after(roof, written)
         expected = dataclasses.replace(roof, elementwise_ops=rates_after(roof, written), elementwise_ops_after={})
-        got = predict_step(cfg, 1, roof, "none")
-        assert got["seconds_per_step"] == pytest.approx(predict_step(cfg, 1, expected, "none")["seconds_per_step"],
-                                                        rel=1e-12)
+        got = predict_step(one_process_engine, cfg, 1, roof, "none")
+        want = predict_step(one_process_engine, cfg, 1, expected, "none")["seconds_per_step"]
+        assert got["seconds_per_step"] == pytest.approx(want, rel=1e-12)
         if written_over:  # past the grid: the cold rates, as before the grid existed
             old = dataclasses.replace(roof, elementwise_ops_after={})
-            assert got["seconds_per_step"] == pytest.approx(predict_step(cfg, 1, old, "none")["seconds_per_step"],
-                                                            rel=1e-12)
+            want = predict_step(one_process_engine, cfg, 1, old, "none")["seconds_per_step"]
+            assert got["seconds_per_step"] == pytest.approx(want, rel=1e-12)
 
 
 def test_a_roof_without_the_grid_keeps_its_rates():
     cfg = make_config("tiny")
     roof = _roof({}, COLD)
-    assert step_roof(cfg, 1, roof) is roof
+    assert step_roof(one_process_engine, cfg, 1, roof) is roof
 
 
 def test_written_bytes_are_what_a_real_step_writes():
     """The count the grid is read at: the bytes of every non-view result of the fake trace's
     forward, backward, clip and AdamW step equal those of the same step on real tensors."""
     cfg = dataclasses.replace(make_config("tiny").model, n_layers=2)
-    real = record_step(cfg, 2, 16, "fp32", fake=False)
-    assert written_bytes(config_of(cfg, "train.batch_size=2", "train.seq_len=16")) == sum(
+    real = record_step(one_process_engine, cfg, 2, 16, "fp32", fake=False)
+    assert written_bytes(one_process_engine, config_of(cfg, "train.batch_size=2", "train.seq_len=16")) == sum(
         _touched(t) for r in real if not r.is_view for t in r.outputs)
 
 
@@ -111,9 +113,9 @@ def test_ranks_sharing_the_cache_write_into_it_together():
     """On a CPU's last level (cache_shared) the dp ranks of the machine each write a step's bytes
     into the one cache: the grid is read at dp x written; a GPU's own L2 at one rank's."""
     cfg = make_config("tiny", overrides=["train.parallel=ddp"])
-    written = written_bytes(cfg)
+    written = written_bytes(one_process_engine, cfg)
     shared = _roof(AFTER, COLD, cache=32 * MIB)
     shared = dataclasses.replace(shared, cache_shared=True)
-    assert step_roof(cfg, 2, shared).elementwise_ops == rates_after(shared, 2 * written)
+    assert step_roof(one_process_engine, cfg, 2, shared).elementwise_ops == rates_after(shared, 2 * written)
     own = dataclasses.replace(shared, cache_shared=False)
-    assert step_roof(cfg, 2, own).elementwise_ops == rates_after(own, written)
+    assert step_roof(one_process_engine, cfg, 2, own).elementwise_ops == rates_after(own, written)

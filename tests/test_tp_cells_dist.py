@@ -1,5 +1,5 @@
 """The composition matrix's tensor- and context-parallel cells that no other dist test trains
-(lmforge/parallel/matrix.py, docs/composition.md): tp (2 ranks), tp x ddp, zero1-3 and fsdp, tp x
+(tests/composition_matrix.py, docs/composition.md): tp (2 ranks), tp x ddp, zero1-3 and fsdp, tp x
 cp, pipelines of tp stages and tp=4 over tiny's 2 KV heads (4 ranks) in fp32, bf16-mixed and
 bf16-pure, for every kind of training (a full fine-tune from a base on rows whose prompts have no
 targets; LoRA); cp (2) and cp x ddp (4) in every policy; recomputed (selective and full); and the
@@ -71,7 +71,7 @@ from lmforge.accounting.memory import lora_parameters, model_state_bytes  # noqa
 from lmforge.model.transformer import Transformer  # noqa: E402
 from lmforge.modes.parallel import get_strategy  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
-from lmforge.parallel.matrix import COVERAGE, LAYOUTS, TPCELLS, cell_overrides  # noqa: E402
+from composition_matrix import COVERAGE, LAYOUTS, TPCELLS, cell_overrides  # noqa: E402
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place  # noqa: E402
 
 pytestmark = pytest.mark.dist

@@ -3,7 +3,7 @@ selective and full recomputation, LoRA (split adapters: parallel/tp_lora.py, als
 parallelism), torch.compile, each on tp=2 (2 ranks) and some on tp=2 x ddp=2 (4 ranks), trained
 3 steps against one process on the same global batches. One torchrun launch per world size runs
 every cell (tests/tp_compose_worker.py); these are the composition matrix's tp rows
-(lmforge/parallel/matrix.py, whose COVERAGE names these tests).
+(tests/composition_coverage.py, whose COVERAGE names these tests).
 
 Tolerances. fp32 cells: tests/test_tp_dist.py's (float rounding of the summation order; measured
 losses to 7e-8 relative with recomputation and LoRA as without). Recomputation reruns f and g in

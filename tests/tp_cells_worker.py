@@ -1,5 +1,5 @@
 """Run by tests/test_tp_cells_dist.py under torchrun (not a test module itself): the composition
-matrix's tensor- and context-parallel cells (lmforge/parallel/matrix.py), each given as its
+matrix's tensor- and context-parallel cells (tests/composition_matrix.py), each given as its
 `cell_overrides`, trained STEPS steps of parallel_worker's global batches (each replica on its
 rows; a fine-tune from parallel_worker's base, on rows whose prompts have no targets). Pipelines of
 tp stages are trained as tests/pipeline_compose_worker.py trains them. Rank 0 saves, per cell, the

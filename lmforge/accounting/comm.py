@@ -29,8 +29,9 @@ import math
 
 import torch.nn as nn
 
-from lmforge.accounting.shapes import meta_model, model_shapes, tensor_parallel_dim, tensor_parallel_slices
+from lmforge.accounting.shapes import model_shapes, tensor_parallel_dim, tensor_parallel_slices
 from lmforge.config import ModelConfig
+from lmforge.model.meta import meta_model
 from lmforge.modes.parallel import get_strategy, shard_unit
 from lmforge.modes.precision import POLICIES, Policy
 from lmforge.optim.muon import is_hidden_matrix
@@ -179,30 +180,11 @@ def tensor_parallel_communication(cfg: ModelConfig, b: int, s: int, tp: int, seq
                                     without sequence parallelism (the attention's g); with it
                                     + 3S, both entries' all-gathers and the attention's
                                     reduce-scatter (derived, not measured: pipelines refuse it)
-      LoRA adapters                 (`lora`: rank, targets; parallel/tp_lora.py) each column-parallel
-                                    target's whole A has its fp32 gradient all-reduced, each
-                                    row-parallel one's A x (r per token) leaves through g: 2S'
-                                    each; and the first region of the model takes no input
-                                    gradient (the embedding is frozen): - 2S there; recomputed
-                                    blocks rerun each row-parallel one's g (+ 2S'), and an adapter
-                                    on down_proj the MLP's exit too (+ 2S). Without sequence
+      LoRA adapters                 (`lora`: rank, targets) `_lora_parts`; without sequence
                                     parallelism only (with it: not counted)
       the vocabulary-parallel loss  3 all-reduces of one fp32 number per token (max, sum of
                                     exponentials, target logit: parallel/tp_loss.py)
-      gradient sums                 an all-reduce of each whole parameter a rank uses on its share
-                                    only: QK-norm gains (its heads); with sequence parallelism
-                                    every whole one (norms, row-parallel biases: its tokens)
-      KV copies                     with fewer KV heads than ranks, each k and v projection's
-                                    gradient all-reduced in n_kv_heads slots, zeros but this
-                                    rank's head (parallel/tp.py's _sum_over_copies): the whole
-                                    projection's elements, n_kv_heads x the one head a rank holds
-      optimizer (Muon)              once a step, not per micro-batch: each split block matrix's
-                                    update all-gathered whole for Newton-Schulz (parallel/tp_engine.py's
-                                    TensorParallelMatrices), tp x the slice in the gradient's dtype;
-                                    none with LoRA (the adapters are AdamW's)
-      fp8 amax                      fp8: each split linear of the blocks all-reduces (max) the
-                                    amax of the two operands it holds a slice of, one fp32 number
-                                    each (parallel/tp_fp8.py): 2 x 2 x 4 bytes per linear
+      the parameters' parts         `_parameter_parts`
 
     Ring bytes count S per all-gather or reduce-scatter and 2S per all-reduce (parallel/comm.py);
     a ring of tp ranks sends (tp-1)/tp of them. `stage`: (layers, first, last) of one pipeline
@@ -226,19 +208,7 @@ def tensor_parallel_communication(cfg: ModelConfig, b: int, s: int, tp: int, seq
                                  get_recompute(recompute).blocks))
     parts = {part: n for part, n in parts.items()
              if "layers" in part or part.startswith("lora") or (first if part == "embedding" else last)}
-    summed = sum(param.numel() for name, param in meta_model(cfg).named_parameters()
-                 if tensor_parallel_dim(name) is None and (sequence_parallel or "_norm." in name and ".attn." in name)
-                 and _held_by_stage(name, layers, first, last))
-    parts["gradient_sums"] = 2 * summed * p.gradient
-    if tp > cfg.kv_heads:
-        copied = sum(param.numel() for name, param in meta_model(cfg).named_parameters()
-                     if tensor_parallel_dim(name) is not None and tensor_parallel_slices(name, cfg, tp) < tp
-                     and _held_by_stage(name, layers, first, last))
-        parts["kv_copies"] = 2 * copied * p.gradient
-    if policy.fp8:
-        linears = sum(type(m) is nn.Linear for name, m in meta_model(cfg).named_modules()
-                      if name.startswith("blocks.") and _held_by_stage(name, layers, first, last))
-        parts["fp8_amax"] = linears * 2 * 2 * 4
+    parts.update(_parameter_parts(cfg, tp, sequence_parallel, policy, (layers, first, last)))
     ring = {part: grad_accum * n for part, n in parts.items()}
     if optimizer == "muon" and not lora:
         ring["optimizer"] = sum(param.numel() * tp // tensor_parallel_slices(name, cfg, tp) * p.gradient
@@ -247,9 +217,48 @@ def tensor_parallel_communication(cfg: ModelConfig, b: int, s: int, tp: int, seq
     return {"ring_bytes": ring, "sent_bytes": sum(ring.values()) * (tp - 1) / tp}
 
 
+def _parameter_parts(cfg: ModelConfig, tp: int, sequence_parallel: bool, policy: Policy,
+                     stage: tuple[int, bool, bool]) -> dict:
+    """tensor_parallel_communication's parts that follow the parameters (ring bytes per micro-batch):
+
+      gradient sums     an all-reduce of each whole parameter a rank uses on its share only: QK-norm
+                        gains (its heads); with sequence parallelism every whole one (norms,
+                        row-parallel biases: its tokens)
+      KV copies         with fewer KV heads than ranks, each k and v projection's gradient
+                        all-reduced in n_kv_heads slots, zeros but this rank's head (parallel/tp.py's
+                        _sum_over_copies): the whole projection's elements, n_kv_heads x one head
+      fp8 amax          fp8: each split linear of the blocks all-reduces (max) the amax of the two
+                        operands it holds a slice of, one fp32 number each (parallel/tp_fp8.py):
+                        2 x 2 x 4 bytes per linear
+
+    And once a step, not per micro-batch (the caller's): Muon's optimizer part, each split block
+    matrix's update all-gathered whole for Newton-Schulz (parallel/tp_engine.py's
+    TensorParallelMatrices), tp x the slice in the gradient's dtype; none with LoRA (the adapters
+    are AdamW's)."""
+    gradient, held = policy.bytes.gradient, lambda name: _held_by_stage(name, *stage)
+    params = list(meta_model(cfg).named_parameters())
+    summed = sum(param.numel() for name, param in params
+                 if tensor_parallel_dim(name) is None and (sequence_parallel or "_norm." in name and ".attn." in name)
+                 and held(name))
+    parts = {"gradient_sums": 2 * summed * gradient}
+    if tp > cfg.kv_heads:
+        copied = sum(param.numel() for name, param in params
+                     if tensor_parallel_dim(name) is not None and tensor_parallel_slices(name, cfg, tp) < tp
+                     and held(name))
+        parts["kv_copies"] = 2 * copied * gradient
+    if policy.fp8:
+        linears = sum(type(m) is nn.Linear for name, m in meta_model(cfg).named_modules()
+                      if name.startswith("blocks.") and held(name))
+        parts["fp8_amax"] = linears * 2 * 2 * 4
+    return parts
+
+
 def _lora_parts(cfg: ModelConfig, tokens: int, compute_bytes: int, entry: float, lora: tuple[int, str],
                 stage: tuple, recomputed: bool = False) -> dict:
-    """tensor_parallel_communication's LoRA parts (ring bytes per micro-batch) for a stage. Recomputed
+    """tensor_parallel_communication's LoRA parts (ring bytes per micro-batch) for a stage
+    (parallel/tp_lora.py): each column-parallel target's whole A has its fp32 gradient all-reduced,
+    each row-parallel one's A x (r per token) leaves through g: 2S' each; and the first region of
+    the model takes no input gradient (the embedding is frozen): - 2S there. Recomputed
     blocks rerun each row-parallel adapter's g: B's gradient needs its output, so recomputation runs
     as far as it, and for an adapter on the MLP's exit (down_proj) through that exit's own g too
     (2S more: without the adapter the rerun stops before it)."""

@@ -68,7 +68,7 @@ def lora_training_flops_per_token(cfg: ModelConfig, seq_len: int, rank: int, tar
     (dB, and du = g B to reach A: 2*r*out each; dA: 2*r*in; dx through the adapter: 2*r*in where
     needed). The attention core's backward likewise computes dQ, dK, dP, dV only for what needs
     them. Checked against FlopCounterMode in tests/test_flops.py."""
-    from lmforge.accounting.shapes import meta_model
+    from lmforge.model.meta import meta_model
     from lmforge.model.lora import apply_lora, lora_layers
 
     model = apply_lora(meta_model(cfg), targets, rank)

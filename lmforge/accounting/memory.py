@@ -66,7 +66,8 @@ def lora_parameters(cfg: ModelConfig, rank: int, targets: str, tp: int = 1) -> i
     from the meta-device model with the adapters applied. With tp > 1, those one tensor rank holds
     (parallel/tp_lora.py): a column-parallel layer's B is split by its output rows and its A whole,
     a row-parallel layer's A is split by its input columns and its B whole."""
-    from lmforge.accounting.shapes import meta_model, tensor_parallel_dim, tensor_parallel_slices
+    from lmforge.accounting.shapes import tensor_parallel_dim, tensor_parallel_slices
+    from lmforge.model.meta import meta_model
     from lmforge.model.lora import apply_lora
 
     held = 0

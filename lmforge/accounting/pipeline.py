@@ -34,7 +34,7 @@ first stage also the token (and learned position) embeddings, the last the final
 and loss; with tied embeddings the first and the last stage each hold a full copy of the shared
 matrix. Pipelines replicate whole stages for data parallelism, DDP-style or with ZeRO-1 (each
 stage's optimizer states sharded over its replicas); ZeRO-2, ZeRO-3 and FSDP do not combine
-(parallel/pipeline/replicas.py says why).
+(config/rules.py's PIPELINE_REFUSED says why).
 """
 
 import bisect
@@ -46,8 +46,9 @@ from dataclasses import asdict, dataclass
 
 from lmforge.accounting.comm import communication, element_bytes, with_optimizer_gather
 from lmforge.accounting.flops import forward_flops_breakdown
-from lmforge.accounting.shapes import meta_model, tensor_rank_shape
+from lmforge.accounting.shapes import tensor_rank_shape
 from lmforge.config import ModelConfig
+from lmforge.model.meta import meta_model
 from lmforge.modes.parallel import parse_split
 from lmforge.modes.precision import Policy
 from lmforge.optim.muon import is_hidden_matrix

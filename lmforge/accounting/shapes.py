@@ -154,35 +154,11 @@ def tensor_rank_model(cfg: ModelConfig, tp: int) -> ModelConfig:
     return cfg if tp <= cfg.kv_heads else dataclasses.replace(cfg, n_kv_heads=tp)
 
 
-def meta_model(cfg: ModelConfig, device: str = "meta"):
-    """lmforge's Transformer for `cfg` without initialisation: on the meta device shapes and no
-    storage; on a real device uninitialised storage, for weights to be assigned (runs/load.py)."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    from lmforge.model.transformer import Transformer
-
-    random_fills = {torch.nn.init.normal_, torch.nn.init.uniform_, torch.nn.init.kaiming_uniform_,
-                    torch.Tensor.normal_, torch.Tensor.uniform_}
-
-    class SkipRandomFills(TorchFunctionMode):
-        """Meta tensors (all this builds) hold no values, so random initialisation has nothing to
-        do; and the meta kernel of normal_ is a Python reference that imports torch._dynamo on
-        first use: 2-3 s on a busy 2-core machine, 30x the build itself."""
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func in random_fills:
-                return args[0] if args else kwargs["tensor"]
-            return func(*args, **kwargs)
-
-    with torch.device(device), SkipRandomFills():
-        return Transformer(cfg)
-
-
 @functools.lru_cache(maxsize=64)
 def _shapes(values: str) -> Shapes:
     import torch.nn as nn
+
+    from lmforge.model.meta import meta_model
 
     model = meta_model(ModelConfig(**json.loads(values)))
     linear_weights: dict[str, int] = {}

@@ -23,8 +23,9 @@ def cmd_prepare(args) -> int:
     cfg = make_config(args.model or DEFAULT_PRESET, args.config, args.overrides)
     data = prepare_data(cfg, progress=sys.stderr.isatty())  # no progress bar in a log
     meta = data.meta
+    splits = meta["splits"]
     print(f"{data.dir}: tokenizer.json ({meta['tokenizer_vocab_size']} tokens), "
-          f"train.bin ({meta['splits']['train']['tokens']:,} tokens), val.bin ({meta['splits']['val']['tokens']:,} tokens)")
+          f"train.bin ({splits['train']['tokens']:,} tokens), val.bin ({splits['val']['tokens']:,} tokens)")
     return 0
 
 
@@ -48,7 +49,6 @@ def cmd_finetune(args) -> int:
 
 def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     from lmforge.accounting.hardware import this_device
-    from lmforge.accounting.roofline_shapes import this_step_roof
     from lmforge.parallel.launch import resolve_device
     from lmforge.runs.checkpoint.find import list_checkpoints
     from lmforge.train.host_memory import retain_freed_memory
@@ -58,8 +58,7 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     if resolve_device(cfg.train.device).type == "cpu":
         retain_freed_memory()  # process-wide malloc tuning, chosen here (train/host_memory.py says why)
     # the measured matmul peak behind MFU, cached per machine (lmforge plan --hardware this --remeasure)
-    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device,
-                      roof=this_step_roof)  # the roofline behind the plan's step time, measured once and cached
+    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device)
     resume = resume_command(command, run_dir)  # as this run was launched (one process, --nproc, torchrun)
     try:
         trainer.run()
@@ -166,7 +165,8 @@ def cmd_export(args) -> int:
         print(f"{out}: a PEFT LoRA adapter; load it with peft.PeftModel.from_pretrained(<the base, exported with "
               f"--format hf from the base run>, {str(out)!r})")
     else:
-        print(f"{out}: a Hugging Face folder; load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+        print(f"{out}: a Hugging Face folder; load it with "
+              f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
-from lmforge.config.degrees import mesh_degrees
+from lmforge.config.rules import check_composition
 
 
 def launch_train(args, cfg, run_dir: Path) -> int:
@@ -17,7 +17,7 @@ def launch_train(args, cfg, run_dir: Path) -> int:
         raise LmforgeError(f"--nproc {args.nproc} needs a way to share the work: add train.parallel=ddp "
                            f"(or zero1, zero2, zero3, fsdp), or parallel.tp={args.nproc}")
     if cfg.parallel.dp_replicate or cfg.parallel.dp_shard:
-        mesh_degrees(cfg, args.nproc)  # the degrees' product against --nproc, before any process starts
+        check_composition(cfg, args.nproc)  # the degrees' product against --nproc (config/rules.py), before any start
     if "WORLD_SIZE" in os.environ:
         raise LmforgeError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
     words = _without_nproc(args.argv)
@@ -112,4 +112,6 @@ def _torchrun_options(command: str) -> list[str] | None:
     start = next((j + 1 for j, word in enumerate(words[:entry])
                   if word in ("torch.distributed.run", "torch.distributed.launch") or Path(word).name == "torchrun"),
                  None)
-    return None if start is None else [word for word in words[start:entry] if word not in ("--no-python", "--no_python")]
+    if start is None:
+        return None
+    return [word for word in words[start:entry] if word not in ("--no-python", "--no_python")]

@@ -90,7 +90,8 @@ def add_generate(commands) -> None:
                                           "(--dtype to choose); the KV cache holds the prompt and --max-new-tokens.",
                               epilog="examples:\n"
                                      "  lmforge generate runs/<name> --prompt 'def fib(' --max-new-tokens 100\n"
-                                     "  lmforge generate ~/models/Llama-3.2-1B --prompt 'The capital of France' --stats\n"
+                                     "  lmforge generate ~/models/Llama-3.2-1B --stats "
+                                     "--prompt 'The capital of France'\n"
                                      "  lmforge generate runs/<name> --prompt 'Q: 2+3? A: ' --format json",
                               formatter_class=RAW)
     add_run(gen, "run folder (e.g. runs/small-20261130-120000), checkpoint folder or Hugging Face folder")
@@ -103,17 +104,22 @@ def add_generate(commands) -> None:
     gen.add_argument("--num-samples", type=COUNT, default=1)
     gen.add_argument("--seed", type=SEED, default=0)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")
-    gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     gen.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                      help="the parameters' and KV cache's dtype (default auto: as the weights are stored)")
     gen.add_argument("--stats", action="store_true", help="print the bytes of the weights and the KV cache held "
                                                          "(to stderr), as lmforge plan --inference counts them")
-    gen.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the base weights "
-                                                          "first (the same outputs, one matmul per layer)")
-    gen.add_argument("--format", metavar="FMT", help="constrain the answer to FMT while decoding: json "
-                                                    "(prints only the answer; exit 2 if it is cut by --max-new-tokens)")
-    gen.add_argument("--schema", metavar="FILE", help="JSON Schema the --format json answer must match")
-    gen.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder to put on the model")
+    add_model_options(gen, "constrain the answer to FMT while decoding: json (prints only the answer; exit 2 if "
+                           "it is cut by --max-new-tokens)")
+
+
+def add_model_options(parser, format_help: str) -> None:
+    """The options generate and chat share: where the model runs, its adapters, the answer's format."""
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the base weights "
+                                                             "first (the same outputs, one matmul per layer)")
+    parser.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder to put on the model")
+    parser.add_argument("--format", metavar="FMT", help=format_help)
+    parser.add_argument("--schema", metavar="FILE", help="JSON Schema every --format json answer must match")
 
 
 def add_chat(commands) -> None:
@@ -135,13 +141,10 @@ def add_chat(commands) -> None:
                       help="0 for greedy (default: the model's generation_config.json, else 0.8)")
     chat.add_argument("--top-k", type=COUNT, default=None, help="sample among the k most likely tokens "
                                                               "(default: the model's)")
-    chat.add_argument("--top-p", type=number(float, above=0, at_most=1), default=None, help="nucleus mass (default: the model's, else 0.95)")
+    chat.add_argument("--top-p", type=number(float, above=0, at_most=1), default=None,
+                      help="nucleus mass (default: the model's, else 0.95)")
     chat.add_argument("--seed", type=SEED, default=0)
-    chat.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    chat.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the base weights")
-    chat.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder to put on the model")
-    chat.add_argument("--format", metavar="FMT", help="answer every turn in FMT by constrained decoding: json")
-    chat.add_argument("--schema", metavar="FILE", help="JSON Schema every --format json answer must match")
+    add_model_options(chat, "answer every turn in FMT by constrained decoding: json")
 
 
 def add_runs(commands) -> None:
@@ -158,7 +161,8 @@ def add_runs(commands) -> None:
     runs.add_argument("dir", nargs="?", default="runs", metavar="DIR", help="folder holding run folders (default runs)")
     runs.add_argument("--plot", nargs="*", metavar="RUN",
                       help="draw the loss curves of these runs (names in DIR or paths; none: all of DIR)")
-    runs.add_argument("--out", metavar="PNG", default="runs.png", help="where --plot saves its figure (default runs.png)")
+    runs.add_argument("--out", metavar="PNG", default="runs.png",
+                      help="where --plot saves its figure (default runs.png)")
 
 
 def add_export(commands) -> None:

@@ -53,7 +53,10 @@ def _plans(args) -> tuple[list[dict], list, str, str]:
         if seq_len > cfg.model.max_seq_len:
             raise LmforgeError(f"--seq-len {seq_len} is beyond the model's {cfg.model.max_seq_len} positions: "
                                f"lower it, or add model.max_seq_len={seq_len}")
-    planner = Planner(cfg, args)
+    trace = None
+    if args.roofline:  # the step traced on the trainer's own engine
+        from lmforge.train.roofline import one_process_engine as trace
+    planner = Planner(cfg, args, trace)
     plans = [planner.plan(chosen) for chosen in setups]  # LmforgeError for bad input, before anything is written
     note = ""
     if args.solve:
@@ -75,8 +78,9 @@ def _plans(args) -> tuple[list[dict], list, str, str]:
 
 def _add_decode_roofline(cfg, plans: list[dict], args) -> None:
     """Each inference plan on this machine gets its decode step by the measured roofline
-    (generate/decode_roofline.py) beside the bandwidth bound (the roof measured only if one is traced)."""
-    from lmforge.generate.decode_roofline import plan_decode, untraced
+    (accounting/roofline/decode.py) beside the bandwidth bound (the roof measured only if one is traced)."""
+    from lmforge.accounting.roofline.decode import plan_decode, untraced
+    from lmforge.train.roofline import decode_step
 
     mine = [plan for plan in plans if plan["setup"]["hardware"] == "this"]
     for plan in mine:
@@ -87,14 +91,14 @@ def _add_decode_roofline(cfg, plans: list[dict], args) -> None:
         return
     import torch
 
-    from lmforge.accounting.roofline_measure import this_roof
-    from lmforge.generate.decode_roof import decode_roof, this_decode_measurements
+    from lmforge.accounting.roofline.measure import this_roof
+    from lmforge.accounting.roofline.decode_roof import decode_roof, this_decode_measurements
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     roof = decode_roof(this_roof(device, remeasure=args.remeasure),
-                       this_decode_measurements(device, remeasure=args.remeasure))
+                       this_decode_measurements(decode_step, device, remeasure=args.remeasure))
     for plan in mine:
-        plan["decode_roofline"] = plan_decode(cfg.model, plan, roof)
+        plan["decode_roofline"] = plan_decode(decode_step, cfg.model, plan, roof)
 
 
 def _show_comparison(console, plans: list[dict], varying, name: str, args) -> None:
@@ -125,7 +129,7 @@ def _show_plan(console, plan: dict, name: str, note: str | None, args) -> None:
     if args.plot:
         write_file_staged(Path(args.plot), lambda path: plot_memory(plan, path, name=name))
     if args.roofline:
-        from lmforge.accounting.plan.show_roofline import plot_roofline
+        from lmforge.accounting.roofline.show import plot_roofline
 
         write_file_staged(Path(args.roofline), lambda path: plot_roofline(plan, path, name=name))
     if args.json:

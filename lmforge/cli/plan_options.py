@@ -108,8 +108,8 @@ class Planner:
     """The plans of `base` (the config of the preset or folder, --config and the overrides) under the
     options in args: plan(chosen) for one value of each LIST option; this machine measured once."""
 
-    def __init__(self, base: Config, args):
-        self.base, self.args, self.machines = base, args, Machines(args.remeasure)
+    def __init__(self, base: Config, args, trace=None):
+        self.base, self.args, self.machines = base, args, Machines(args.remeasure, trace)
 
     def plan(self, chosen: dict) -> dict:
         args = self.args
@@ -123,12 +123,16 @@ class Planner:
             costing = Costing(dp=chosen.get("dp"), hardware=chosen.get("hardware", "this"), mfu=args.mfu,
                               tokens=args.tokens, price_per_hour=args.price_per_hour,
                               reserve_bytes=args.reserve * 2**30)
-            machine = roof = None
+            machine = None
             if costing.hardware == "this":
                 name, peak, memory = self.machines.training(policy(cfg).matmul_dtype)
-                dp = degrees(cfg, costing.dp).dp
-                machine, roof = (f"this machine: {name}", peak, memory), self.machines.roof(cfg, dp)
-            return make_plan(cfg, costing, machine, roof, datasheet_roofline=bool(args.roofline))
+                machine = (f"this machine: {name}", peak, memory)
+            plan = make_plan(cfg, costing, machine)
+            # with `trace` (--roofline: the trainer's one-process engine) the step time by the roofline too
+            predicted = self.machines.roofline(cfg, costing, plan) if self.machines.trace is not None else None
+            if predicted is not None:
+                plan["roofline"] = predicted
+            return plan
         except ValueError as err:
             raise LmforgeError(str(err)) from None
 

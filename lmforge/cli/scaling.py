@@ -42,7 +42,8 @@ def add_scaling(commands) -> None:
     fit.add_argument("--plot", metavar="PNG", help="draw the IsoFLOP curves and the fit")
     fit.add_argument("--grid", choices=("coarse", "paper"), default="coarse",
                      help="L-BFGS starts: coarse (108) or the paper's 4,500 (default coarse)")
-    fit.add_argument("--bootstrap", type=number(int, at_least=0), default=100, help="refits on resampled runs (default 100)")
+    fit.add_argument("--bootstrap", type=number(int, at_least=0), default=100,
+                     help="refits on resampled runs (default 100)")
     fit.add_argument("--check", action="append", default=[], metavar="RUN",
                      help="a finished run outside the fit: its loss beside the prediction")
     fit.add_argument("--max-passes", type=number(float, at_least=0), default=1.0, metavar="P",
@@ -147,13 +148,15 @@ def fit(args) -> int:
               "max_passes": args.max_passes, "left_out_repeated": repeated}
     if len(minima) >= 2:
         report["isoflop_exponent"], _ = scaling.power_law([m.flops for m in minima], [m.n_opt for m in minima])
-    console.print(f"L(N, D) = {result.E:.4f} + {result.A:.4g} / N^{result.alpha:.4f} + {result.B:.4g} / D^{result.beta:.4f}"
-                  f"  ({len(points)} runs, Huber objective {result.objective:.3g})")
+    console.print(f"L(N, D) = {result.E:.4f} + {result.A:.4g} / N^{result.alpha:.4f} "
+                  f"+ {result.B:.4g} / D^{result.beta:.4f}  ({len(points)} runs, Huber objective {result.objective:.3g})")
     for key, (lo, hi) in intervals.items():
-        console.print(f"  {key}: {getattr(result, key):.4g}  (5-95%: {lo:.4g} .. {hi:.4g}, {args.bootstrap} bootstraps)")
+        console.print(f"  {key}: {getattr(result, key):.4g}  "
+                      f"(5-95%: {lo:.4g} .. {hi:.4g}, {args.bootstrap} bootstraps)")
     a = result.beta / (result.alpha + result.beta)
-    console.print(f"compute-optimal N ~ C^{a:.3f} (parametric)" + (
-        f", C^{report['isoflop_exponent']:.3f} (IsoFLOP minima of {len(minima)} budgets)" if "isoflop_exponent" in report else ""))
+    isoflop = (f", C^{report['isoflop_exponent']:.3f} (IsoFLOP minima of {len(minima)} budgets)"
+               if "isoflop_exponent" in report else "")
+    console.print(f"compute-optimal N ~ C^{a:.3f} (parametric)" + isoflop)
     for m in minima:
         console.print(f"  C = {m.flops:.1e}: best N {m.n_opt:,.0f} (IsoFLOP parabola), "
                       f"{result.compute_optimal(m.flops)[0]:,.0f} (fit)")

@@ -9,6 +9,7 @@ and then validated, so every bad value stops with one line that names it and wha
     load.py      the layers above, and a run's config.yaml written and read back
     validate.py  validate (the first setting that cannot work) and config_warnings (the likely mistakes)
     degrees.py   the parallel section's degrees (pp x dp_replicate x dp_shard x cp x tp), resolved by validate
+    rules.py     what combines with what: each refusal's one line (validate, the launch and the plan ask it)
 
 This file presents the package's names; config/ imports only lmforge.modes and lmforge.common, and no
 torch (the CLI parses its arguments before torch is loaded).

@@ -20,7 +20,8 @@ MUON_ADJUST_LR = ("original", "match_rms_adamw")
 
 @dataclass
 class ModelConfig:
-    family: str = "llama"  # llama: RMSNorm, RoPE, SwiGLU, GQA, no biases | gpt: LayerNorm, learned positions, GELU, biases
+    # llama: RMSNorm, RoPE, SwiGLU, GQA, no biases | gpt: LayerNorm, learned positions, GELU, biases
+    family: str = "llama"
     vocab_size: int = 4096
     d_model: int = 256
     n_layers: int = 6
@@ -31,7 +32,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # None, or Llama 3.1's long-context rescaling of the rotary frequencies: {rope_type: llama3, factor,
     # low_freq_factor, high_freq_factor, original_max_position_embeddings} (ROPE_SCALING_KEYS;
-    # model/transformer.py, rope_frequencies)
+    # model/rope.py, rope_frequencies)
     rope_scaling: dict | None = None
     norm_eps: float = 1e-5
     dropout: float = 0.0
@@ -158,6 +159,9 @@ class TrainConfig:
     # a fit written by `lmforge scaling fit --out`: the plan and the summary set the final validation
     # loss beside the loss it predicts for this model and max_steps' tokens (accounting/scaling.py)
     scaling_fit: str | None = None
+    # the summary's step time predicted by the roofline beside the measured, after the run, on the roof
+    # `lmforge plan --roofline X.png` cached (never measured inside training: accounting/roofline/)
+    roofline: bool = False
     tensorboard: bool = True  # TensorBoard event files in the run folder (tensorboard --logdir runs)
     wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)
     # data parallelism under torchrun (batch_size is per rank): none | ddp | zero1 | zero2 | zero3 | fsdp
@@ -168,7 +172,8 @@ class TrainConfig:
     # stages, one per rank; with more ranks than stages, the pipelines are replicated (data parallel)
     pipeline_stages: int = 1
     micro_batches: int = 1  # pipeline micro-batches per optimizer step, each of train.batch_size sequences
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b: the order in which each stage runs its forwards and backwards
+    # gpipe | 1f1b | interleaved-1f1b: the order in which each stage runs its forwards and backwards
+    schedule: str = "1f1b"
     pipeline_virtual_stages: int = 1  # interleaved-1f1b: model chunks per rank (v; the layers cut into p x v)
     pipeline_split: str = ""  # layers per stage, e.g. "4,4,4,4"; "": balanced by each layer's FLOPs
     pipeline_engine: str = "lmforge"  # lmforge: our schedules | torch: torch.distributed.pipelining's

@@ -1,8 +1,9 @@
 """Checking a config: `validate` stops at the first setting that cannot work, with one line that names
 it and what is allowed; `config_warnings` lists the ones that can but are probably not meant.
 
-Only the config is read here. Whether the launch fits it (processes, devices, the product of the
-parallel degrees) is checked when the run starts (parallel/launch.py's check_launch).
+Only the config is read here. What combines with what is config/rules.py's one table: validate asks
+it for the refusals that hold whatever the launch; the rest (processes, devices, the product of the
+parallel degrees) are checked when the run starts (parallel/launch.py's check_launch).
 """
 
 import dataclasses
@@ -12,12 +13,13 @@ import os
 
 from lmforge.common.errors import LmforgeError, warn
 from lmforge.config.degrees import resolve_degrees
+from lmforge.config.rules import check_config
 from lmforge.config.schema import (FAMILIES, INIT_SCHEMES, LR_SCHEDULES, MLPS, MUON_ADJUST_LR, ROPE_SCALING_KEYS,
                                    SECTIONS, Config, DataConfig, FinetuneConfig, ModelConfig, OptimConfig, TrainConfig)
 # The names a setting can take, each from its one registry (light modules: no torch)
 from lmforge.modes.attention import BACKENDS
 from lmforge.modes.optimizers import OPTIMIZER_MODES
-from lmforge.modes.parallel import PARALLEL_STRATEGIES, PIPELINE_ENGINES, PIPELINE_SCHEDULES, parse_split
+from lmforge.modes.parallel import PARALLEL_STRATEGIES, PIPELINE_ENGINES, PIPELINE_SCHEDULES
 from lmforge.modes.precision import FP8_SCALINGS, POLICIES
 from lmforge.modes.recompute import RECOMPUTE_MODES
 
@@ -53,11 +55,11 @@ def validate(cfg: Config) -> None:
     _check_data(cfg.data)
     _check_optim(cfg.optim)
     _check_train(cfg)
-    _check_combinations(cfg.train, cfg.model)
     _check_finetune(cfg.finetune)
     _positive("parallel.tp", cfg.parallel.tp)
     _positive("parallel.cp", cfg.parallel.cp)
     _check_device(cfg.train)
+    check_config(cfg)  # settings fine one by one that do not combine, whatever the launch (config/rules.py)
 
 
 def _did_you_mean(word: str, choices) -> str:
@@ -107,8 +109,10 @@ def _check_model(m: ModelConfig) -> None:
         value = getattr(m, key)
         _require(value is None or value <= limit, f"model.{key}={value} is beyond lmforge's limit of {limit:,} "
                                                   f"(docs/bad-input.md says why)")
-    _require(m.d_head is not None or m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
-    _require(m.n_heads % m.kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
+    _require(m.d_head is not None or m.d_model % m.n_heads == 0,
+             f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    _require(m.n_heads % m.kv_heads == 0,
+             f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.kv_heads})")
     _require(m.family != "llama" or m.head_dim % 2 == 0, f"rotary embeddings need an even head dimension, "
                                                          f"got a head dimension of {m.head_dim}")
     _require(m.family != "gpt" or m.kv_heads == m.n_heads, "model.n_kv_heads applies to the llama family only")
@@ -133,7 +137,8 @@ def _check_architecture_choices(m: ModelConfig) -> None:
 def _check_recipe(m: ModelConfig, o: OptimConfig) -> None:
     """The recipe switches (docs/recipe.md): initialisation, MLP, logit cap, schedule shape."""
     _choose("model.init", m.init, INIT_SCHEMES)
-    _require(isinstance(m.zero_init_proj, bool), f"model.zero_init_proj must be true or false, got {m.zero_init_proj!r}")
+    _require(isinstance(m.zero_init_proj, bool),
+             f"model.zero_init_proj must be true or false, got {m.zero_init_proj!r}")
     if m.mlp is not None:
         _choose("model.mlp", m.mlp, MLPS)
     _positive("model.logit_softcap", m.logit_softcap)
@@ -219,40 +224,6 @@ def _check_train(cfg: Config) -> None:
     _choose("train.parallel", t.parallel, PARALLEL_STRATEGIES)
     _choose("train.schedule", t.schedule, PIPELINE_SCHEDULES)
     _choose("train.pipeline_engine", t.pipeline_engine, PIPELINE_ENGINES)
-
-
-def _check_interleaved(t: TrainConfig, m: ModelConfig) -> None:
-    """train.schedule=interleaved-1f1b: p x v equal chunks, rounds of p micro-batches (Megatron-LM's rules)."""
-    p, v = t.pipeline_stages, t.pipeline_virtual_stages
-    if t.schedule != "interleaved-1f1b":
-        _require(v == 1, f"train.pipeline_virtual_stages={v} applies to train.schedule=interleaved-1f1b, "
-                         f"not {t.schedule}")
-        return
-    _require(m.n_layers % (p * v) == 0, f"train.schedule=interleaved-1f1b cuts the model.n_layers={m.n_layers} "
-                                        f"layers into {p} stages x {v} virtual stages = {p * v} equal chunks: "
-                                        f"use a number of layers divisible by {p * v}, or other stages")
-    _require(t.micro_batches % p == 0, f"train.schedule=interleaved-1f1b runs micro-batches in rounds of "
-                                       f"train.pipeline_stages={p}: train.micro_batches={t.micro_batches} "
-                                       f"must be a multiple of {p}")
-    _require(not t.pipeline_split.strip(), f"train.pipeline_split={t.pipeline_split} with "
-                                           f"train.schedule=interleaved-1f1b: its chunks are equal; leave it unset")
-
-
-def _check_combinations(t: TrainConfig, m: ModelConfig) -> None:
-    """Settings fine one by one that do not work together."""
-    if t.pipeline_stages > 1 or t.pipeline_split:
-        parse_split(t.pipeline_split, m.n_layers, t.pipeline_stages)  # raises on a split that does not fit
-    _check_interleaved(t, m)
-    _require(t.pipeline_stages > 1 or t.micro_batches == 1,
-             f"train.micro_batches={t.micro_batches} applies to pipelines (train.pipeline_stages > 1); "
-             f"to accumulate gradients over micro-batches in one process use train.grad_accum")
-    _require(t.pipeline_stages == 1 or t.grad_accum == 1,
-             f"train.grad_accum={t.grad_accum} with train.pipeline_stages={t.pipeline_stages}: a pipeline "
-             f"accumulates over its micro-batches; set train.micro_batches instead")
-    # the Triton kernels under torch.compile have never run (no GPU here): not offered untried
-    _require(not (t.compile and m.attention == "flash_triton"),
-             "train.compile=true with model.attention=flash_triton is untested (its Triton kernels have never "
-             "been traced by torch.compile): use model.attention=sdpa or train.compile=false")
 
 
 def _check_finetune(f: FinetuneConfig) -> None:

@@ -77,7 +77,8 @@ def example_parts(record, where: str) -> list[tuple[str, bool]]:
     if "messages" in record:
         parts = []
         for message in check_messages(record, where):
-            parts += [(chat_header(message["role"]), False), (message["content"] + "\n", message["role"] == "assistant")]
+            parts += [(chat_header(message["role"]), False),
+                      (message["content"] + "\n", message["role"] == "assistant")]
         return parts
     if not isinstance(record.get("prompt"), str) or not isinstance(record.get("response"), str):
         raise LmforgeError(f'{where} must have "prompt" and "response" strings, or "messages"')

@@ -41,7 +41,8 @@ def load_tokenizer(path: str | Path, end_token: str = END_OF_TEXT) -> Tokenizer:
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
-        raise LmforgeError(f"tokenizer {path} is unreadable ({str(err).splitlines()[0]}): prepare the data again") from None
+        first_line = str(err).splitlines()[0]
+        raise LmforgeError(f"tokenizer {path} is unreadable ({first_line}): prepare the data again") from None
     if tokenizer.token_to_id(end_token) is None:
         raise LmforgeError(f"tokenizer {path} has no {end_token} token: it was not made by lmforge "
                            f"(or data.end_token names the wrong token)")

@@ -108,6 +108,18 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def choose_next(logits: torch.Tensor, constraint, temperature: float, top_k: int | None, top_p: float | None,
+                generator: torch.Generator) -> int:
+    """The next token: sampled among those `constraint` (if any) allows, which is told the choice."""
+    if constraint is not None:
+        allowed = constraint.allowed(logits.shape[-1]).to(logits.device)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    token = int(sample_next(logits, temperature, top_k, top_p, generator))
+    if constraint is not None:
+        constraint.consume(token)
+    return token
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, stop_token: int | Collection[int] | None = None,
@@ -158,12 +170,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
             logits = model(torch.tensor([tokens[start:]], device=device))[:, -1]
         if on_logits is not None:
             on_logits(logits)
-        if constraint is not None:
-            allowed = constraint.allowed(logits.shape[-1]).to(logits.device)
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        token = int(sample_next(logits, temperature, top_k, top_p, generator))
-        if constraint is not None:
-            constraint.consume(token)
+        token = choose_next(logits, constraint, temperature, top_k, top_p, generator)
         if token in stops:
             break
         tokens.append(token)

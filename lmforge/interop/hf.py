@@ -31,7 +31,8 @@ def weight_files(folder: Path) -> list[Path]:
     names = sorted(set(read_json(index)["weight_map"].values())) if index.is_file() else ["model.safetensors"]
     for name in names:
         if not (folder / name).is_file():
-            other = " (lmforge reads safetensors, not pytorch_model.bin)" if (folder / "pytorch_model.bin").is_file() else ""
+            bin_only = (folder / "pytorch_model.bin").is_file()
+            other = " (lmforge reads safetensors, not pytorch_model.bin)" if bin_only else ""
             raise LmforgeError(f"{folder} has no {name}{other}")
     return [folder / name for name in names]
 
@@ -70,7 +71,8 @@ def hf_weights_dtype(folder: str | Path) -> torch.dtype:
 
 
 def import_hf(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """An HF Llama, Mistral, Qwen2, Qwen3 or GPT-2 folder as lmforge's config, state dict (lmforge's names, the file's dtype)
+    """An HF Llama, Mistral, Qwen2, Qwen3 or GPT-2 folder as lmforge's config, state dict (lmforge's names,
+    the file's dtype)
     and tokenizer. The end-of-text token is `read_end_token(folder, tokenizer)` (hf_tokenizer.py)."""
     folder = Path(folder)
     cfg = read_model_config(folder)

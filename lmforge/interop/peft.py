@@ -26,11 +26,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lmforge.accounting.shapes import meta_model
 from lmforge.common.errors import LmforgeError
 from lmforge.config import ModelConfig
 from lmforge.interop.hf_names import LAYOUTS, hf_module, lmforge_modules
 from lmforge.model.lora import adapter_state_dict, apply_lora, has_lora, load_adapter_state_dict
+from lmforge.model.meta import meta_model
 from lmforge.parallel.tp_lora import adapter_slices
 
 PREFIX = "base_model.model."
@@ -130,7 +130,8 @@ def write_peft_adapter(adapter_state: dict[str, torch.Tensor], model_cfg: ModelC
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
-def read_peft_adapter(folder: str | Path, model_cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], int, float, list[str]]:
+def read_peft_adapter(folder: str | Path,
+                      model_cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], int, float, list[str]]:
     """A PEFT LoRA adapter folder as (adapter state by lmforge name, rank, alpha, targets), checked
     against lmforge's model for `model_cfg`; one line for anything lmforge's LoRA cannot hold."""
     folder = Path(folder)

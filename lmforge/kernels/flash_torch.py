@@ -134,7 +134,8 @@ def flash_forward(q, k, v, *, causal, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_B
             key_end = min(key_start + block_k, kv_len)
             k_tile, v_tile = k5[..., key_start:key_end, :], v5[..., key_start:key_end, :]  # line 7
             scores = (q_tile @ k_tile.transpose(-1, -2)) * scale  # line 8: S_i^(j) = Q_i K_j^T
-            mask = tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, q.device, window) if causal else None
+            mask = (tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, q.device, window)
+                    if causal else None)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
             # Line 9: new running max; exp(S - m_new) is at most 1, so it cannot overflow. A row
@@ -188,7 +189,8 @@ def flash_backward(q, k, v, out, lse, grad_out, *, causal, block_q=DEFAULT_BLOCK
             q_tile, do_tile = q5[:, :, :, rows], do5[:, :, :, rows]  # line 9
             # Lines 10-11: recompute the probabilities from L, already normalised.
             scores = (q_tile @ k_tile.transpose(-1, -2)) * scale
-            mask = tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, q.device, window) if causal else None
+            mask = (tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, q.device, window)
+                    if causal else None)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
             probs = torch.exp(scores - lse5[:, :, :, rows, None])

@@ -9,8 +9,9 @@ TRITON_INTERPRET=1 was set before triton was first imported (slow: for tests, no
 Saved for backward, as in flash_torch: q, k, v, out (input dtype) and the fp32 log-sum-exp
 (batch, heads, q_len). The kernels index q, k, v as dense arrays, so non-contiguous inputs (the
 model's q and k are (batch, seq, heads, d) memory seen as (batch, heads, seq, d)) are copied
-first, and the copies are what is saved: the same bytes, plus a transient copy in forward. The rowsum D = rowsum(dO * O) of Algorithm 2, line 4, is one elementwise
-PyTorch op here rather than a separate kernel.
+first, and the copies are what is saved: the same bytes, plus a transient copy in forward. The
+rowsum D = rowsum(dO * O) of Algorithm 2, line 4, is one elementwise PyTorch op here rather than a
+separate kernel.
 """
 
 import importlib.util

@@ -201,7 +201,8 @@ def load_adapter_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor], 
         only_model = sorted(set(expected) - set(tensors))
         detail = (f"{only_file[0]} is not a LoRA layer of this model" if only_file
                   else f"it lacks {only_model[0]}")
-        raise LmforgeError(f"{origin} does not fit this model ({detail}): it was made for other LoRA targets or another base")
+        raise LmforgeError(f"{origin} does not fit this model ({detail}): it was made for other LoRA targets "
+                           f"or another base")
     for name, value in tensors.items():
         if tuple(value.shape) != tuple(expected[name].shape):
             raise LmforgeError(f"{origin} does not fit this model: {name} is {tuple(value.shape)} there, "

@@ -28,6 +28,22 @@ PARALLEL_STRATEGIES: dict[str, ParallelStrategy] = {s.name: s for s in (
 )}
 
 
+# The named sets the rest of lmforge uses, derived here (tests/test_registries.py checks that every list
+# of strategies outside modes/ is one of these objects)
+SHARDING = tuple(name for name, s in PARALLEL_STRATEGIES.items() if s.zero_stage > 0)  # zero1-3, fsdp
+REPLICATING = tuple(name for name, s in PARALLEL_STRATEGIES.items() if s.zero_stage == 0)  # none, ddp: whole states
+DATA_PARALLEL = tuple(name for name in PARALLEL_STRATEGIES if name != "none")  # share the work of N ranks
+# what a pipeline stage's replicas can use: a pipeline step runs one backward per micro-batch, and
+# only a strategy that shards no more than the optimizer states communicates once a step
+STAGE_REPLICAS = tuple(name for name, s in PARALLEL_STRATEGIES.items() if s.zero_stage <= 1)  # none, ddp, zero1
+
+
+def names(choices) -> str:
+    """'a, b or c': the names of a set, for a message."""
+    choices = list(choices)
+    return ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else "".join(choices)
+
+
 def get_strategy(name: str) -> ParallelStrategy:
     return lookup(PARALLEL_STRATEGIES, name, "parallel strategy")
 

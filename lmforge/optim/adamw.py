@@ -37,6 +37,8 @@ from collections import defaultdict
 
 import torch
 
+from lmforge.optim.per_parameter import evaluate_closure
+
 
 def _exact(factor: float) -> torch.Tensor:
     """`factor` for torch._foreach_mul_, as a 0-dim float64 CPU tensor rather than a Python float:
@@ -68,16 +70,17 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         counts = [0, 0]  # lost, updated: tensors once counting has begun, read once at the end
         for group in self.param_groups:
-            self._step_group(group, counts)
+            self._group_step(group, counts)
         if self.count_lost_updates:
             self.lost_updates, self.updated_elements = int(counts[0]), int(counts[1])
         return loss
+
+    def _group_step(self, group: dict, counts: list) -> None:
+        """One param group's step: AdamW's here; Muon (optim/muon.py) routes its matrices elsewhere."""
+        self._step_group(group, counts)
 
     def _step_group(self, group: dict, counts: list) -> None:
         """One param group's AdamW step, by the loop or the foreach path (optim/muon.py reuses it

@@ -157,24 +157,14 @@ class Muon(AdamW):
         # slices of them (parallel/tp_engine.py) sets its own.
         self.whole_matrices = None
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        counts = [0, 0]
-        for group in self.param_groups:
-            if group["use_muon"] and self.whole_matrices is None and any(p.ndim != 2 for p in group["params"]):
-                raise ValueError("Muon updates 2-D matrices only: put other parameters in a group "
-                                 "without use_muon (AdamW)")
-            if group["use_muon"]:
-                self._muon_group(group, counts)
-            else:
-                self._step_group(group, counts)  # AdamW's
-        if self.count_lost_updates:
-            self.lost_updates, self.updated_elements = int(counts[0]), int(counts[1])
-        return loss
+    def _group_step(self, group: dict, counts: list) -> None:
+        """AdamW.step's loop calls this per group: Newton-Schulz for the matrices, AdamW for the rest."""
+        if not group["use_muon"]:
+            return self._step_group(group, counts)  # AdamW's
+        if self.whole_matrices is None and any(p.ndim != 2 for p in group["params"]):
+            raise ValueError("Muon updates 2-D matrices only: put other parameters in a group "
+                             "without use_muon (AdamW)")
+        self._muon_group(group, counts)
 
     def _muon_group(self, group: dict, counts: list) -> None:
         lr = group["lr"] * group["lr_multiplier"]

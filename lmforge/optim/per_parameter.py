@@ -7,13 +7,18 @@ AdamW (and Adam, Muon on top of it) has its own step: its foreach path works on 
 import torch
 
 
+def evaluate_closure(closure):
+    """torch.optim's contract: `step(closure)` re-evaluates the loss (with gradients) and returns it."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class PerParameter(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None:

@@ -83,7 +83,8 @@ def resume_note(step: int, before: Schedule, after: Schedule, max_steps: int) ->
     if not math.isclose(nxt, before(step), rel_tol=1e-12):
         changed = ", ".join(f"{key} {_shown(getattr(before, field))} -> {_shown(getattr(after, field))}"
                             for field, key in SETTINGS.items() if getattr(before, field) != getattr(after, field))
-        return f"the learning rate jumps from {last:.3g} to {nxt:.3g} ({changed}), then {_remaining(step, after, max_steps)}"
+        then = _remaining(step, after, max_steps)
+        return f"the learning rate jumps from {last:.3g} to {nxt:.3g} ({changed}), then {then}"
     if step >= after.decay_steps and after.decay_steps > after.peak_step + 1:
         return (f"the schedule ended at step {after.decay_steps}: the learning rate stays at its floor "
                 f"{after.floor:.3g} to step {max_steps} (set optim.decay_steps to stretch it)")

@@ -14,12 +14,17 @@ batch. Inside `no_sync()` (accumulation micro-steps) the hooks do nothing: gradi
 locally and only the last micro-batch's backward communicates.
 
 Per step each rank sends 2 (N-1)/N Psi gradient elements (ring all-reduce; parallel/comm.py).
+
+A pipeline stage's replicas (parallel/pipeline/engine.py) take this engine without buckets
+(`bucket_mb` None): a pipeline step runs a backward per micro-batch, so the hooks would fire m
+times; instead each gradient is all-reduced once after the schedule and divided by N (strategy
+none on a pipeline: one replica, nothing to reduce). Frozen parameters (a LoRA base) take no part.
 """
 
 
 import torch
 
-from lmforge.parallel.engine import DistributedEngine
+from lmforge.parallel.engine import Engine
 
 
 class Bucket:
@@ -37,16 +42,16 @@ class Bucket:
         return self.flat[self.offsets[index]:self.offsets[index + 1]].view_as(p)
 
 
-class DDPEngine(DistributedEngine):
-    grads_sharded = False
+class DDPEngine(Engine):
+    data_parallel = True
 
-    def __init__(self, model, optimizer, comm, bucket_mb: float):
-        super().__init__(model, optimizer, comm)
+    def __init__(self, model, optimizer, groups, bucket_mb: float | None):
+        super().__init__(model, optimizer, groups)
         self.broadcast_from_rank0()
-        params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         self.buckets: list[Bucket] = []
         current, size = [], 0
-        for p in reversed(params):
+        for p in reversed(self.params if bucket_mb is not None else []):
             if current and (size + p.nbytes > bucket_mb * 2**20 or p.dtype != current[0].dtype):
                 self.buckets.append(Bucket(current))
                 current, size = [], 0
@@ -55,7 +60,7 @@ class DDPEngine(DistributedEngine):
         if current:
             self.buckets.append(Bucket(current))
         self.place = {p: (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self.place]
 
     def _gradient_ready(self, param: torch.nn.Parameter) -> None:
         if not self.syncing:
@@ -70,6 +75,10 @@ class DDPEngine(DistributedEngine):
             bucket.work = self.comm.all_reduce(bucket.flat, async_op=True)
 
     def finish_gradients(self) -> None:
+        if not self.buckets and self.world_size > 1:  # a pipeline stage's: the mean over its replicas
+            for grad, _ in self.local_pieces():
+                self.comm.all_reduce(grad)
+                grad.div_(self.world_size)
         for bucket in self.buckets:
             if bucket.work is None:
                 missing = [p.shape for p in bucket.params if p.grad is None]
@@ -78,6 +87,3 @@ class DDPEngine(DistributedEngine):
             bucket.work.wait()
             bucket.flat.div_(self.world_size)
             bucket.ready, bucket.work = 0, None
-
-    def local_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.place if p.grad is not None]

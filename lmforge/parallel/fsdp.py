@@ -12,6 +12,12 @@ gradients are 16-bit, the sharded parameters (the master weights) and AdamW's m 
 lmforge's AdamW steps the sharded parameters directly (its foreach operations run on DTensors),
 as any torch optimizer does. Frozen parameters (a LoRA base) are sharded and gathered like the
 others; only the trainable ones get gradients and optimizer states.
+
+A tensor-parallel model (parallel/tp_engine.py): `fully_shard` replaces every parameter, so the
+engine puts `tp_dim` and `tp_copies` back on the new ones by name, and sums over tp, after
+backward, the gradients that tp.py's hooks (lost with the old parameters) would have summed: the
+whole parameters' (norms) over every tp rank, a replicated KV head's over its copies (tp.py's
+sum_over_copies, on each rank's dp shard).
 """
 
 import contextlib
@@ -25,8 +31,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmforge.model.lora import LoRALinear
 from lmforge.parallel.comm import Collectives
-from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
+from lmforge.parallel.engine import Engine, optimizer_state_bytes, unique_storages_bytes
 from lmforge.parallel.shards import parameter_units, unit_modules
+from lmforge.parallel.tp import shard_copies, sharded_dim, sum_over_copies
 
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -47,14 +54,19 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-class FSDPEngine(DistributedEngine):
-    def __init__(self, model, make_optimizer, weight_decay_groups_of, comm, working_dtype: torch.dtype, mesh=None):
-        """`mesh`: the 1-D device mesh of `comm`'s ranks (a tensor-parallel model's dp dimension,
-        parallel/tp_engine.py), or the 2-D (dp_replicate, dp_shard) one of hybrid sharding (HSDP:
-        fully_shard shards over dp_shard and all-reduces the gradients over dp_replicate; the
-        norm's squares are then summed over a shard group only); None: every rank (fully_shard's default)."""
-        super().__init__(model, None, comm)
+class FSDPEngine(Engine):
+    data_parallel = grads_sharded = True
+
+    def __init__(self, model, make_optimizer, weight_decay_groups_of, groups, working_dtype: torch.dtype):
+        """Sharded over `groups.fsdp_mesh`: the 1-D mesh of the engine's `comm` (the dp or dp x cp
+        ranks), or the 2-D (dp_replicate, dp_shard) one of hybrid sharding (HSDP: fully_shard
+        shards over dp_shard and all-reduces the gradients over dp_replicate; the norm's squares
+        are then summed over a shard group only)."""
+        super().__init__(model, None, groups)
         self.broadcast_from_rank0()
+        mesh = groups.fsdp_mesh
+        marks = {name: (sharded_dim(p), getattr(p, "tp_summed", False), shard_copies(p))
+                 for name, p in model.named_parameters()}
         param_dtype = None if working_dtype == next(model.parameters()).dtype else working_dtype
         # cast_forward_inputs=False: the blocks' fp32 inputs that are not activations (the rotary
         # cos/sin tables) stay fp32, as under ZeRO; autocast casts what the matmuls read
@@ -65,8 +77,18 @@ class FSDPEngine(DistributedEngine):
                 fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         self.optimizer = make_optimizer(weight_decay_groups_of(model))  # over the sharded parameters
-        if mesh is not None and mesh.ndim == 2:  # hybrid sharding: each shard held by every replicate group
+        if mesh.ndim == 2:  # hybrid sharding: each shard held by every replicate group
             self.norm_comm = Collectives(mesh["dp_shard"].get_group())
+        self.summed, self.copied = [], []  # tensor parallelism's, to sum over tp after backward
+        for name, p in model.named_parameters():  # fully_shard's new parameters, under the same names
+            dim, summed, copies = marks[name]
+            if dim is not None:
+                p.tp_dim = dim
+            if summed:
+                self.summed.append(p)
+            if copies > 1:
+                p.tp_copies = copies
+                self.copied.append(p)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -76,10 +98,19 @@ class FSDPEngine(DistributedEngine):
         finally:
             self.model.set_requires_gradient_sync(True)
 
-    def local_grads(self) -> list[torch.Tensor]:
-        return [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+    def finish_gradients(self) -> None:
+        for p in self.summed:  # each tp rank's dp shard of its partial gradient: the sum is over tp
+            if p.grad is not None:
+                self.tp_comm.all_reduce(local(p.grad), kind="tp")
+        for p in self.copied:  # a replicated KV head's: over its copies (tp.py's hook, lost)
+            if p.grad is not None:
+                shard = local(p.grad)
+                shard.copy_(sum_over_copies(shard, self.tp_comm, p.tp_copies))
 
-    def model_state_dict(self):
+    def local_pieces(self, leave_out=None) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
+        return [(local(p.grad), p) for p in self.model.parameters() if p.grad is not None and p is not leave_out]
+
+    def _local_model_state(self):
         if not compiled(self.model):
             return get_model_state_dict(self.model, options=FULL)
         # compile's wrappers give canonical names in the model's own state_dict, which
@@ -87,10 +118,10 @@ class FSDPEngine(DistributedEngine):
         return {name: t.full_tensor() if isinstance(t, DTensor) else t.detach()
                 for name, t in self.model.state_dict().items()}
 
-    def optimizer_state_dict(self):
+    def _local_optimizer_state(self):
         return get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
 
-    def load_model_state_dict(self, state):
+    def _load_local_model_state(self, state):
         if not renamed(self.model):
             return set_model_state_dict(self.model, state, options=FULL)
         # as model_state_dict: each rank keeps its own slice of the full tensors (no communication)
@@ -99,7 +130,7 @@ class FSDPEngine(DistributedEngine):
                                                             src_data_rank=None) if isinstance(t, DTensor)
                                     else state[name] for name, t in own.items()})
 
-    def load_optimizer_state_dict(self, state):
+    def _load_local_optimizer_state(self, state):
         set_optimizer_state_dict(self.model, self.optimizer, state, options=FULL)
 
     def state_bytes(self) -> dict[str, int]:

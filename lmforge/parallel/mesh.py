@@ -12,14 +12,15 @@ neighbours, and the pipeline's point-to-point sends, the least traffic, cross th
     4 ranks, tp = 2:   tp groups {0, 1}, {2, 3}          4 ranks, cp = 2:   cp groups {0, 1}, {2, 3}
                        dp groups {0, 2}, {1, 3}                             dp groups {0, 2}, {1, 3}
 
-`torch.distributed.device_mesh.init_device_mesh` builds the grid and one process group per line
+`torch.distributed.device_mesh.init_device_mesh` builds the grid (the dimensions of degree > 1,
+and dp always: torchtitan too leaves out a dimension of degree 1) and one process group per line
 of each dimension; `ParallelGroups` hands the tp group to parallel/tp.py, the cp group to
 parallel/cp_model.py's ring, and the dp group (or, with cp > 1, the dp x cp group: torchtitan's
 "dp_cp", over which the gradients are averaged, each cp rank a replica of its shard) to the
-data-parallel engine; a pipeline (pp > 1) takes the pp group as its pipeline and the dp group as
-each stage's replicas (parallel/pipeline/engine.py). The pp dimension is in the mesh only with pp > 1
-(torchtitan too leaves out a dimension of degree 1). parallel/launch.py's `check_launch` has already
-refused a world size that is not pp x dp x cp x tp.
+data-parallel engine (as `comm`, with `tp_comm`, `cp` and the loader's `replicas` / `replica`:
+every engine reads these, parallel/engine.py); a pipeline (pp > 1) takes the pp group as its
+pipeline and the dp group as each stage's replicas (parallel/pipeline/engine.py).
+parallel/launch.py's `check_launch` has already refused a world size that is not pp x dp x cp x tp.
 
 Hybrid sharding (parallel.dp_replicate and parallel.dp_shard both > 1: config/degrees.py) splits
 the dp dimension in two, as torchtitan names them: (pp, dp_replicate, dp_shard, cp, tp), the
@@ -31,36 +32,73 @@ sub-mesh (`fsdp_mesh`).
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lmforge.common.errors import LmforgeError
 from lmforge.config.degrees import mesh_degrees
+from lmforge.parallel.comm import Collectives
+
+# The mesh's dimensions, outermost first (rank = the row-major index over them), written once.
+# Expert parallelism (mixture-of-experts: each rank holds some of the experts, tokens sent to them
+# all-to-all) comes in here, as one more dimension, not a new kind of engine. As in torchtitan it
+# would borrow its ranks from dp_shard x cp (the ranks that shard the dense weights hold different
+# experts instead): an `ep` degree dividing dp_shard * cp, its sub-mesh flattened from those
+# dimensions in `build_groups` (as "dp" is from dp_replicate x dp_shard), and an `ep_comm` beside
+# `tp_comm` in ParallelGroups, which the MoE layer and the engines read.
+DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    mesh: DeviceMesh
-    tp: int  # ranks in each tensor-parallel group
-    dp: int  # ranks in each data-parallel group (replicas of the model)
+    """The mesh of a run and what every engine reads of it (`comm`, `tp_comm`, `cp`, `replicas`,
+    `replica`); `mesh` None: one process, nothing to communicate (`ONE_PROCESS`)."""
+
+    mesh: DeviceMesh | None
+    tp: int = 1  # ranks in each tensor-parallel group
+    dp: int = 1  # ranks in each data-parallel group (replicas of the model)
     cp: int = 1  # ranks in each context-parallel group (shards of each sequence)
     dp_cp_group: dist.ProcessGroup | None = None  # this rank's dp x cp ranks (same tp index); with cp > 1
     pp: int = 1  # pipeline stages
     dp_replicate: int = 1  # > 1: hybrid sharding, the dp ranks split into dp_replicate x dp_shard
 
+    @cached_property
+    def comm(self) -> Collectives | None:
+        """The data-parallel engines' ranks, over which gradients are reduced (or states sharded):
+        the dp group, or with cp > 1 the dp x cp group (each cp rank one more replica of its shard)."""
+        if self.mesh is None:
+            return None
+        return Collectives(self.dp_cp_group if self.cp > 1 else self.dp_group)
+
+    @cached_property
+    def tp_comm(self) -> Collectives | None:
+        """The tensor-parallel group's collectives (the model's split layers and the engine share it)."""
+        return Collectives(self.tp_group) if self.tp > 1 else None
+
     @property
+    def replicas(self) -> int:
+        """Copies of the model fed different rows (the loader shards by them): the cp and tp ranks
+        of a replica draw the same ones."""
+        return self.dp
+
+    @property
+    def replica(self) -> int:
+        return self.dp_rank
+
+    @cached_property
     def fsdp_mesh(self) -> DeviceMesh:
-        """FSDP2's mesh: the dp dimension, or (dp_replicate, dp_shard) for hybrid sharding."""
+        """FSDP2's mesh: the dp dimension, (dp_replicate, dp_shard) for hybrid sharding, or with
+        cp > 1 a 1-D mesh of the dp x cp ranks (torchtitan's "dp_shard_cp")."""
+        if self.cp > 1:
+            return DeviceMesh.from_group(self.dp_cp_group, self.mesh.device_type)
         return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp"]
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh["pp"].get_group()
-
-    @property
-    def pp_rank(self) -> int:
-        return self.mesh.get_local_rank("pp") if self.pp > 1 else 0
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -71,20 +109,19 @@ class ParallelGroups:
         return self.mesh["dp"].get_group()
 
     @property
-    def cp_group(self) -> dist.ProcessGroup:
-        return self.mesh["cp"].get_group()
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["cp"].get_group() if self.cp > 1 else None
 
     @property
-    def tp_rank(self) -> int:
-        return self.mesh.get_local_rank("tp")
+    def pp_rank(self) -> int:
+        return self.mesh.get_local_rank("pp") if self.pp > 1 else 0
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
 
-    @property
-    def cp_rank(self) -> int:
-        return self.mesh.get_local_rank("cp")
+
+ONE_PROCESS = ParallelGroups(mesh=None)
 
 
 def dp_cp_ranks(dp: int, cp: int, tp: int) -> list[list[int]]:
@@ -92,23 +129,37 @@ def dp_cp_ranks(dp: int, cp: int, tp: int) -> list[list[int]]:
     return [[(d * cp + c) * tp + t for d in range(dp) for c in range(cp)] for t in range(tp)]
 
 
-def build_groups(tp: int, device: torch.device | str = "cpu", cp: int = 1, pp: int = 1,
+def build_groups(tp: int = 1, device: torch.device | str = "cpu", cp: int = 1, pp: int = 1,
                  replicate: int = 1) -> ParallelGroups:
-    """The (pp, dp, cp, tp) mesh over every rank of the initialised default group ((dp, cp, tp) with
-    pp = 1); with `replicate` > 1 dp is split into (dp_replicate, dp_shard), flattened back as "dp"."""
-    world = dist.get_world_size()
-    dp = world // (pp * cp * tp)
-    shape, names = ((pp,), ("pp",)) if pp > 1 else ((), ())
-    dp_shape, dp_names = ((dp,), ("dp",)) if replicate == 1 else \
-        ((replicate, dp // replicate), ("dp_replicate", "dp_shard"))
-    mesh = init_device_mesh(torch.device(device).type, (*shape, *dp_shape, cp, tp),
-                            mesh_dim_names=(*names, *dp_names, "cp", "tp"))
+    """The mesh over every rank of the initialised default group, in DIMENSIONS' order, with the
+    dimensions of degree > 1 and dp always; with `replicate` > 1 dp is split into
+    (dp_replicate, dp_shard), flattened back as "dp"; else dp_shard is named "dp"."""
+    dp = dist.get_world_size() // (pp * cp * tp)
+    sizes = dict(zip(DIMENSIONS, (pp, replicate, dp // replicate, cp, tp)))
+    if replicate == 1:
+        sizes = {("dp" if name == "dp_shard" else name): n for name, n in sizes.items() if name != "dp_replicate"}
+    sizes = {name: n for name, n in sizes.items() if n > 1 or name == "dp"}
+    mesh = init_device_mesh(torch.device(device).type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
     if replicate > 1:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torchtitan's way (torch's API has no public one yet)
     dp_cp_group = None
     if cp > 1:  # every rank creates every group, in the same order (torch.distributed's rule)
         dp_cp_group, _ = dist.new_subgroups_by_enumeration(dp_cp_ranks(dp, cp, tp))
     return ParallelGroups(mesh=mesh, tp=tp, dp=dp, cp=cp, dp_cp_group=dp_cp_group, pp=pp, dp_replicate=replicate)
+
+
+def run_groups(cfg, device: torch.device | str = "cpu") -> ParallelGroups:
+    """The mesh of `cfg`'s run (parallel.tp, parallel.cp, the pipeline's stages, hybrid sharding),
+    or ONE_PROCESS where nothing is distributed (strategy none, every degree 1)."""
+    p, pp = cfg.parallel, cfg.train.pipeline_stages
+    if cfg.train.parallel == "none" and p.tp == p.cp == pp == 1:
+        return ONE_PROCESS
+    if not dist.is_initialized():  # library callers that skipped `init_world`
+        setting = (f"train.pipeline_stages={pp}" if pp > 1 else f"parallel.tp={p.tp} parallel.cp={p.cp}"
+                   if p.tp > 1 or p.cp > 1 else f"train.parallel={cfg.train.parallel}")
+        raise LmforgeError(f"{setting} needs torch.distributed: launch with "
+                           f"torchrun --nproc_per_node=N -m lmforge train ...")
+    return build_groups(p.tp, device, p.cp, pp, hybrid_replicate(cfg))
 
 
 def hybrid_replicate(cfg) -> int:

@@ -60,7 +60,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.model.recipe import ReLU2MLP, SoftcapHead
 from lmforge.model.transformer import Attention, GeluMLP, SwiGLU, Transformer
 from lmforge.parallel.comm import Collectives
-from lmforge.parallel.launch import tp_divisibility
+from lmforge.config.rules import tp_divisibility
 from lmforge.parallel.tp_loss import SoftcappedVocabParallelHeadLoss, VocabParallelHeadLoss
 from lmforge.parallel.tp_ops import (TP_KIND, copy_to_region, gather_from_region, gather_sequence, linear_on_gathered,
                                      reduce_from_region, scatter_sequence)

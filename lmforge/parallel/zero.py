@@ -55,15 +55,17 @@ import torch.nn as nn
 
 from lmforge.optim.adamw import counts_lost_updates
 from lmforge.optim.muon import Muon
-from lmforge.parallel.engine import DistributedEngine, optimizer_state_bytes, unique_storages_bytes
+from lmforge.parallel.engine import Engine, optimizer_state_bytes, unique_storages_bytes
 from lmforge.parallel.shards import Unit, model_units, shard_groups, unit_modules
 from lmforge.parallel.whole_matrices import GatheredMatrices
 
 
-class ZeroEngine(DistributedEngine):
-    def __init__(self, model: nn.Module, make_optimizer, weight_decay_groups, comm, stage: int,
+class ZeroEngine(Engine):
+    data_parallel = grads_sharded = True
+
+    def __init__(self, model: nn.Module, make_optimizer, weight_decay_groups, groups, stage: int,
                  working_dtype: torch.dtype):
-        super().__init__(model, None, comm)
+        super().__init__(model, None, groups)
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.stage = stage
@@ -79,7 +81,7 @@ class ZeroEngine(DistributedEngine):
         self.optimizer = make_optimizer(groups)
         if isinstance(self.optimizer, Muon):  # its matrices' updates gathered: parallel/whole_matrices.py
             muon = [p for g in weight_decay_groups if g.get("use_muon") for p in g["params"]]
-            self.optimizer.whole_matrices = GatheredMatrices(self.units, muon, comm)
+            self.optimizer.whole_matrices = GatheredMatrices(self.units, muon, self.comm)
         self.sum_lost_updates = counts_lost_updates(self.optimizer)  # each rank counts its slice
 
         self._hooks = []
@@ -160,8 +162,10 @@ class ZeroEngine(DistributedEngine):
                 grad = unit.grad_shard[start - unit.lo:end - unit.lo]
                 unit.piece_tensors[i].grad = grad.to(unit.master.dtype) if self.separate_master else grad
 
-    def local_grads(self) -> list[torch.Tensor]:
-        return [piece.grad for unit in self.units for piece in unit.piece_tensors.values()]
+    def local_pieces(self, leave_out: nn.Parameter | None = None) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(this rank's slice of a gradient, its parameter) for every piece this rank updates, but `leave_out`'s."""
+        return [(piece.grad, unit.params[i]) for unit in self.units for i, piece in unit.piece_tensors.items()
+                if unit.params[i] is not leave_out]
 
     def step(self) -> None:
         self.optimizer.step()
@@ -193,7 +197,7 @@ class ZeroEngine(DistributedEngine):
         self.comm.all_gather(full, shard.contiguous(), kind="state")
         return [t.clone() for t in unit.split(full)]
 
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
+    def _local_model_state(self) -> dict[str, torch.Tensor]:
         """Full master weights (fp32 under the mixed policies) under every name the model's own
         state_dict has (tied ones under both)."""
         full = {}
@@ -219,7 +223,7 @@ class ZeroEngine(DistributedEngine):
         return [tuple(tuple(sorted(set().union(*(rank[i][kind] for rank in everyone)))) for kind in (0, 1))
                 for i in range(len(local))]
 
-    def optimizer_state_dict(self) -> dict:
+    def _local_optimizer_state(self) -> dict:
         """Full optimizer states by parameter name, each rank's shards gathered."""
         keys_of, scalars_of = {}, {}
         for group, names, (elements, scalars) in zip(self.optimizer.param_groups, self.group_names, self._state_keys()):
@@ -234,7 +238,8 @@ class ZeroEngine(DistributedEngine):
                     if piece_state and key in piece_state:
                         shard[start - unit.lo:end - unit.lo] = piece_state[key]
                         # a count (step) is the same for every parameter stepped together: any piece's
-                        scalar_values.update({k: v for k, v in piece_state.items() if torch.is_tensor(v) and v.ndim == 0})
+                        scalar_values.update({k: v for k, v in piece_state.items()
+                                              if torch.is_tensor(v) and v.ndim == 0})
                 for name, tensor in zip(unit.names, self._gather_full(unit, shard)):
                     if key in keys_of[name]:
                         state.setdefault(name, {})[key] = tensor
@@ -244,7 +249,7 @@ class ZeroEngine(DistributedEngine):
                   for g, names in zip(self.optimizer.param_groups, self.group_names)]
         return {"state": state, "param_groups": groups}
 
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def _load_local_model_state(self, state: dict[str, torch.Tensor]) -> None:
         for unit in self.units:
             full = unit.flatten([state[name] for name in unit.names], unit.master.dtype)
             unit.master.copy_(full[unit.lo:unit.hi])
@@ -256,7 +261,7 @@ class ZeroEngine(DistributedEngine):
             for p, name in self.frozen.items():
                 p.copy_(state[name])
 
-    def load_optimizer_state_dict(self, state: dict) -> None:
+    def _load_local_optimizer_state(self, state: dict) -> None:
         for unit in self.units:
             for i, start, end in unit.piece_list:
                 saved = state["state"].get(unit.names[i])
@@ -266,7 +271,8 @@ class ZeroEngine(DistributedEngine):
                 piece = unit.piece_tensors[i]
                 # a count (0-dim, on the CPU as the optimizers keep it) whole; the rest sliced to the piece
                 self.optimizer.state[piece] = {
-                    k: v.detach().clone().cpu() if v.ndim == 0 else v.reshape(-1)[begin:begin + piece.numel()].to(piece).clone()
+                    k: v.detach().clone().cpu() if v.ndim == 0
+                    else v.reshape(-1)[begin:begin + piece.numel()].to(piece).clone()
                     for k, v in saved.items()}
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})

@@ -23,7 +23,8 @@ from lmforge.interop.hf import export_hf, import_hf
 from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens, read_hf_tokenizer_files
 from lmforge.interop.peft import lora_target, write_peft_adapter
 from lmforge.model.lora import adapter_state_dict, lora_layers
-from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, find_checkpoint, list_checkpoints, read_state, verify_checkpoint
+from lmforge.runs.checkpoint.find import (CHECKPOINT_DIR, find_checkpoint, list_checkpoints, read_state,
+                                          verify_checkpoint)
 from lmforge.runs.checkpoint.write import write_weights_checkpoint
 from lmforge.runs.load import merged_weights, model_folder, model_from_checkpoint, read_checkpoint_weights
 from lmforge.runs.staging import write_staged
@@ -83,7 +84,8 @@ def _export_hf_folder(folder: Path, out: str | Path | None, fmt: str) -> Path:
         raise LmforgeError(f"{folder} is a Hugging Face folder, not a LoRA run: --format peft writes a LoRA run's "
                            f"adapters; use --format hf")
     if out is None:
-        raise LmforgeError(f"{folder} is a Hugging Face folder: give --out (lmforge writes nothing into a model's folder)")
+        raise LmforgeError(f"{folder} is a Hugging Face folder: give --out "
+                           f"(lmforge writes nothing into a model's folder)")
     out = Path(out)
     _check_free(out)
     model_cfg, state, tokenizer = import_hf(folder)

@@ -120,8 +120,8 @@ def print_runs(runs: list[Run], folder: str | Path, console: Console | None = No
                          no_wrap=True)
     colors = {"running": "yellow", "finished": "green", "stopped": "red"}
     for run in runs:
-        table.add_row(run.path.name, model_label(run.cfg.model), f"{run.parameters / 1e6:.2f}M", run.cfg.train.precision,
-                      batch_label(run.cfg), f"{run.step:,} / {run.cfg.train.max_steps:,}",
+        table.add_row(run.path.name, model_label(run.cfg.model), f"{run.parameters / 1e6:.2f}M",
+                      run.cfg.train.precision, batch_label(run.cfg), f"{run.step:,} / {run.cfg.train.max_steps:,}",
                       f"{run.val_loss:.4f}" if run.val_loss is not None else "-",
                       f"{run.tokens_per_s:,.0f}" if run.tokens_per_s is not None else "-",
                       f"{run.mfu:.1%}" if run.mfu is not None else "-",

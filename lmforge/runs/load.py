@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from lmforge.accounting.shapes import meta_model
 from lmforge.common.errors import LmforgeError, lookup
 from lmforge.config import Config, DataConfig, ModelConfig, load_config
 from lmforge.data.special_tokens import SpecialTokens
@@ -30,13 +29,15 @@ from lmforge.interop.hf import hf_weights_dtype, import_hf
 from lmforge.interop.hf_config import read_model_config
 from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens, read_hf_tokenizer
 from lmforge.model.lora import apply_lora, has_lora, merge_lora
+from lmforge.model.meta import meta_model
 from lmforge.model.transformer import Transformer
 from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, read_manifest, read_state, verify_checkpoint
 from lmforge.runs.checkpoint.read import load_model_weights, read_tensors
 from lmforge.runs.checkpoint.tensors import stored_tensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype's choices, and auto
-KINDS = "an lmforge run folder (config.yaml, checkpoints/) or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"
+KINDS = ("an lmforge run folder (config.yaml, checkpoints/) or a Hugging Face model folder (config.json, "
+         "*.safetensors, tokenizer.json)")
 
 
 def model_folder(path: str | Path) -> tuple[str, Path]:

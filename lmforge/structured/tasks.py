@@ -41,7 +41,8 @@ CATEGORIES = {
 }
 _ARTICLE = {"fruit": "a fruit", "animal": "an animal", "color": "a color", "tool": "a tool"}
 _PLURAL = {"fruit": "fruits", "animal": "animals", "color": "colors", "tool": "tools"}
-_SUBJECTS = "the soup|the hotel|the film|the service|the trip|the concert|the book|the room|the staff|the bread".split("|")
+_SUBJECTS = ("the soup|the hotel|the film|the service|the trip|the concert|the book|the room|the staff|"
+             "the bread").split("|")
 _POSITIVE = "great lovely superb wonderful excellent pleasant delightful charming tasty friendly".split()
 _NEGATIVE = "awful terrible dull rude bland boring dreadful noisy dirty stale".split()
 _NAMES = "Alice Bruno Carla Deepak Elena Farid Greta Hiro Ines Jonas Keiko Luis Mara Nadia Omar Priya".split()

@@ -89,7 +89,7 @@ class Checkpoints:
                  "global_batch": self.global_batch}
         if self.base_identity is not None:
             extra["base"] = self.base_identity  # a LoRA checkpoint holds only the adapters: which base they fit
-        return self.folder.save(state, self.engine, extra,
-                                {"config.yaml": self.config_yaml.encode(), "tokenizer.json": self.tokenizer_json.encode(),
-                                 **self.token_files},
+        files = {"config.yaml": self.config_yaml.encode(), "tokenizer.json": self.tokenizer_json.encode(),
+                 **self.token_files}
+        return self.folder.save(state, self.engine, extra, files,
                                 keep=self.cfg.train.keep_checkpoints)

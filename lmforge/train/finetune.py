@@ -47,11 +47,11 @@ from lmforge.data.sft import encode_record, example_batch, is_example_source, lo
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.data.tokenizer import encode_documents, tokenizer_hash
 from lmforge.data.tokens import unigram_entropy
-from lmforge.common.errors import LmforgeError
+from lmforge.common.errors import LmforgeError, warn
 from lmforge.parallel.launch import resolve_device
 from lmforge.parallel.world import World
 from lmforge.runs.load import base_identity, load_base, model_special_tokens
-from lmforge.train.measurements import rank_share
+from lmforge.train.measurements import estimate, rank_share
 from lmforge.train.setup import check_data
 
 SEQ_LEN_MULTIPLE = 8  # why 8: the module docstring
@@ -146,20 +146,21 @@ def fitting_seq_len(cfg: Config, tokenizer: Tokenizer) -> tuple[int, str] | None
     return seq_len, f"{why} (the model reads up to {limit:,}; set train.seq_len to choose)"
 
 
-def check_step_fits(cfg: Config, machine) -> dict:
+def check_step_fits(cfg: Config, machine) -> dict | None:
     """The plan of one step of this run on this process's device; stop with one line if it does
     not fit (total + reserve above the device's memory), naming what to lower. `machine(matmul
     dtype, device)` gives (name, peak FLOP/s, memory bytes), as for the Trainer's plan."""
     device = resolve_device(cfg.train.device)
     shared = rank_share(machine(matmul_dtype(cfg.train.precision), device), device)
-    plan = make_plan(cfg, Costing(dp=data_parallel(cfg, int(os.environ.get("WORLD_SIZE", 1))), mfu=1.0), shared)
+    costing = Costing(dp=data_parallel(cfg, int(os.environ.get("WORLD_SIZE", 1))), mfu=1.0)
+    plan = estimate("the plan", lambda: make_plan(cfg, costing, shared), warn)  # its failure: one line
+    if plan is None or plan["memory"]["fits"]:
+        return plan
     mem = plan["memory"]
-    if not mem["fits"]:
-        parts = sorted(mem["breakdown_bytes"].items(), key=lambda item: -item[1])[:2]
-        largest = ", ".join(f"{name.replace('_', ' ')} {human_bytes(value)}" for name, value in parts)
-        raise LmforgeError(
-            f"one step needs {human_bytes(mem['per_device_bytes'] + mem['reserve_bytes'])} per device ({largest}, "
-            f"{human_bytes(mem['reserve_bytes'])} reserve), more than the {human_bytes(mem['device_memory_bytes'])} "
-            f"of {shared[0]}: lower train.batch_size (now {cfg.train.batch_size}) or train.seq_len (now "
-            f"{cfg.seq_len:,}), or add train.recompute=full (lmforge plan shows the breakdown)")
-    return plan
+    parts = sorted(mem["breakdown_bytes"].items(), key=lambda item: -item[1])[:2]
+    largest = ", ".join(f"{name.replace('_', ' ')} {human_bytes(value)}" for name, value in parts)
+    raise LmforgeError(
+        f"one step needs {human_bytes(mem['per_device_bytes'] + mem['reserve_bytes'])} per device ({largest}, "
+        f"{human_bytes(mem['reserve_bytes'])} reserve), more than the {human_bytes(mem['device_memory_bytes'])} "
+        f"of {shared[0]}: lower train.batch_size (now {cfg.train.batch_size}) or train.seq_len (now "
+        f"{cfg.seq_len:,}), or add train.recompute=full (lmforge plan shows the breakdown)")

@@ -1,10 +1,5 @@
-"""The training loop: data -> model -> AdamW, with evaluation, checkpoints and logs.
-
-One optimizer step = `grad_accum` micro-batches of `batch_size` windows of `seq_len` tokens; each
-micro-batch loss is divided by its share of the step's target tokens (over every micro-batch and
-rank: grad_accum for text windows, where every position is a target), so that the summed gradient
-is the gradient of the mean loss over all the step's targets. Then: clip the global gradient norm, set the scheduled learning
-rate, AdamW step. Cost figures (FLOPs per token, peak FLOP/s, MFU) come from `accounting/`.
+"""The training loop: data -> model -> AdamW, with evaluation, checkpoints and logs. Each step is
+train/step.py's; cost figures (FLOPs per token, peak FLOP/s, MFU) come from `accounting/`.
 
 Under torchrun every rank runs this loop in lockstep (forward, backward, evaluation, checkpoints:
 a sharded model needs every rank in every forward); `train.batch_size` is per rank, and rank 0
@@ -16,7 +11,6 @@ runs/state.py keeps the run folder and its checkpoints, train/measurements.py ho
 measures, train/report.py logs each record and train/summary.py writes the end of the run.
 """
 
-import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -25,23 +19,19 @@ import torch
 from rich.console import Console
 
 from lmforge.accounting.hardware import this_device
-from lmforge.accounting.plan.costing import Costing, data_parallel
-from lmforge.accounting.plan.make import make_plan, matmul_dtype
+from lmforge.accounting.plan.make import matmul_dtype
 from lmforge.accounting.plan.show import print_plan
-from lmforge.accounting.scaling import predicted_loss, read_fit
-from lmforge.accounting.shapes import model_shapes
-from lmforge.accounting.roofline_measure import measure_collective
-from lmforge.accounting.roofline_shapes import cached_step_roof
 from lmforge.common.errors import warn
 from lmforge.config import Config, config_warnings
 from lmforge.data.loader import BatchLoader, window_batch
-from lmforge.modes.precision import Policy, get_policy
+from lmforge.modes.precision import get_policy
 from lmforge.optim.schedule import Schedule
 from lmforge.parallel.cp_model import ring_traffic
 from lmforge.parallel.parallelize import Engine
 from lmforge.parallel.pipeline.report import pipeline_report
 from lmforge.parallel.pipeline.timeline import Timeline
-from lmforge.parallel.world import World, init_world, is_collective_failure
+from lmforge.parallel.faults import is_collective_failure
+from lmforge.parallel.world import World, init_world
 from lmforge.precision.loss_scaler import LossScaler
 from lmforge.precision.policy import device_notes
 from lmforge.runs.state import RunFolder, RunState
@@ -49,36 +39,13 @@ from lmforge.train.checkpoints import Checkpoints
 from lmforge.train.evaluate import evaluate
 from lmforge.train.finetune import prepare_run_data
 from lmforge.train.guard import check_bad_steps
-from lmforge.train.measurements import FirstStepMeasurement, WindowClock, rank_share, start_measurements
+from lmforge.train.measurements import (FirstStepMeasurement, WindowClock, estimate, rank_share, run_plan,
+                                        start_measurements)
 from lmforge.train.report import SilentLog, StepLog, training_record
 from lmforge.train.setup import build_engine, check_attention, check_memory
 from lmforge.train.signals import StopRequests, Stopped
+from lmforge.train.step import train_step
 from lmforge.train.summary import TARGET_REACHED, write_summary
-
-
-def train_step(engine: Engine, next_batch, grad_accum: int, lr: float, grad_clip: float, scaler: LossScaler,
-               policy: Policy, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """One optimizer step of any data-parallel engine (lmforge/parallel/): `grad_accum` micro-batches
-    from `next_batch()`, communicating only in the last one's backward; then unscale (fp16) and clip
-    the global gradient norm, and the AdamW step at `lr` unless the loss or the gradients are not
-    finite. Returns (loss of the step averaged over ranks, gradient norm before clipping, skipped).
-
-    The step's loss is the mean over all its target tokens (every micro-batch, every rank): the
-    engine divides each micro-batch loss by its share of them (parallel/engine.py, loss_divisors;
-    grad_accum where the micro-batches hold as many) and averages the gradients over the ranks."""
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
-    loss_sum = engine.forward_backward(next_batch, grad_accum, scaler, policy, device)
-    engine.finish_gradients()
-    # unscale before clipping, so that the clip threshold applies to the true gradient norm
-    found_inf, grad_norm = engine.unscale_and_clip(scaler, grad_clip)
-    loss_sum = engine.mean_across_ranks(loss_sum)
-    skipped = found_inf or not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
-    if not skipped:
-        engine.step()
-    scaler.update(skipped)
-    engine.zero_grad()
-    return loss_sum, grad_norm, skipped
 
 
 class Trainer:
@@ -87,17 +54,14 @@ class Trainer:
 
     `machine(matmul_dtype, device)` gives (name, peak FLOP/s, memory bytes) of the device for MFU
     and the plan, once the checks have passed; by default accounting.hardware.this_device, reading
-    the measured peak from the cache `lmforge` keeps but never writing to it (the CLI does).
-    `roof(device, config, dp)` gives the measured roofline (accounting/roofline_measure.py)
-    with the rates of the step's own matmul shapes (roofline_shapes.py) behind the plan's step
-    time, or None; by default read from the cache alone (the CLI measures what is absent).
-
+    the measured peak from the cache `lmforge` keeps but never writing to it (the CLI does). The
+    plan is closed-form accounting; no estimator or report can stop the run (measurements.estimate).
     `world`: this process's place under torchrun; by default read from the environment (and the
     process group joined), a single process outside torchrun."""
 
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
                  progress: bool = True, machine=functools.partial(this_device, store=False),
-                 world: World | None = None, roof=cached_step_roof):
+                 world: World | None = None):
         self.world = world if world is not None else init_world(cfg)  # a launch that cannot work stops here
         main = self.world.is_main
         # rank 0's folder for all (a default name holds the time, which the ranks may read a second apart)
@@ -117,13 +81,17 @@ class Trainer:
         self.folder = self.world.main_first(
             lambda: RunFolder(self.run_dir, warn=lambda msg: self.console.print(f"warning: {msg}"), world=self.world))
         try:
-            self._setup(resume, machine, roof)
+            self._setup(resume, machine)
         except BaseException:
             self.close()
             raise
-        print_plan(self.console, self.plan, title="lmforge train: plan")
+        if self.plan is not None:  # the plan's failure was its one warning line
+            self._estimate("printing the plan", lambda: print_plan(self.console, self.plan, "lmforge train: plan"))
 
-    def _setup(self, resume: bool, machine, roof) -> None:
+    def _estimate(self, what: str, fn):  # an estimator's or report's failure: one line (rank 0's), and None
+        return estimate(what, fn, warn if self.world.is_main else lambda message: None)
+
+    def _setup(self, resume: bool, machine) -> None:
         """Build, restore and measure, checking as it goes; then the run folder's first files."""
         cfg = self.cfg
         checkpoint = self.world.from_main(self.folder.latest_checkpoint if resume else self.folder.check_new)
@@ -132,8 +100,9 @@ class Trainer:
                                        self.base_identity, self.global_batch)
         self.state, metrics_kept = (self.checkpoints.restore(*checkpoint, self.console) if resume
                                     else (RunState(), None))
-        self._measure(machine, roof)
-        check_memory(self.plan, cfg)  # before the loader draws a batch that cannot fit
+        self._measure(machine)
+        if self.plan is not None:
+            check_memory(self.plan, cfg)  # before the loader draws a batch that cannot fit
         # fine-tuning examples draw their own batches (train/finetune.py); text, windows of its tokens
         self.make_batch = getattr(self.data, "batches", window_batch)
         # each replica of the model draws its rows of the global batch (every stage of a pipeline the same)
@@ -165,29 +134,18 @@ class Trainer:
                              * cfg.train.micro_batches)
         return self.engine
 
-    def _measure(self, machine, roof) -> None:
+    def _measure(self, machine) -> None:
         """The run's measurements record (train/measurements.py) and the plan to set them beside."""
         cfg, engine = self.cfg, self.engine
         # measured by rank 0; each rank has its share
-        machine = rank_share(self.world.measured_on_main(lambda: machine(matmul_dtype(cfg.train.precision), self.device),
-                                                         "measure this machine's matmul peak"), self.device)
+        peak = self.world.measured_on_main(lambda: machine(matmul_dtype(cfg.train.precision), self.device),
+                                           "measure this machine's matmul peak")
+        machine = rank_share(peak, self.device)
         self.measurements = start_measurements(
             cfg, engine, self.world, self.state, self.policy.name,
             loss_scale=self.scaler.scale_value if self.scaler.enabled else None,
             tokens_per_step=self.global_batch * cfg.seq_len, peak_flops=machine[1])
-        # The plan's time estimates at 100% MFU (a bound); the roofline below predicts the step's time.
-        dp = data_parallel(cfg, self.world.world_size)
-        # the roofline's step time; under torchrun with data parallelism, all-reduce measured on every rank
-        collective = measure_collective() if self.world.world_size > 1 and cfg.train.pipeline_stages == 1 else None
-        measured_roof = self.world.measured_on_main(lambda: roof(self.device, cfg, dp),
-                                                    "measure this machine's roofline")
-        if measured_roof is not None and collective is not None:
-            measured_roof = dataclasses.replace(measured_roof, collective=collective)
-        self.plan = make_plan(cfg, Costing(dp=dp, mfu=1.0), machine, measured_roof)
-        if cfg.train.scaling_fit:  # what the fit says this run's tokens buy (a bad file stops here, before any write)
-            fit = read_fit(cfg.train.scaling_fit, option="train.scaling_fit")
-            self.plan["scaling"] = predicted_loss(fit, model_shapes(cfg.model).matmul_weights,
-                                                  cfg.train.max_steps * self.global_batch * cfg.seq_len)
+        self.plan = run_plan(cfg, engine.replicas, machine, self.global_batch, self._estimate)
 
     def save(self) -> Path:
         self.state.loader_position = self.loader.position
@@ -196,8 +154,6 @@ class Trainer:
     # the loop's counters live in the run state (they are checkpointed); read them by these names
     step = property(lambda self: self.state.step)
     skipped_steps = property(lambda self: self.state.skipped_steps)
-
-    # -- the loop ---------------------------------------------------------------------------------
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (mean loss over the batch, gradient norm before clipping).
@@ -244,8 +200,12 @@ class Trainer:
                 if self.timeline is not None:
                     run.pipeline = pipeline_report(self.engine, self.timeline.events, self.cfg, run.first_step,
                                                    self.step, self.run_dir, self.world.is_main)
+                if self.cfg.train.roofline and self.plan is not None and self.world.is_main:
+                    from lmforge.train.roofline import add_roofline  # after the last checkpoint is written
+
+                    add_roofline(self.plan, self.cfg, self.engine.replicas, self.device, self._estimate)
                 return write_summary(run, self.cfg, self.plan, self.data, self.model, self.run_dir, self.console,
-                                     self.world.is_main)
+                                     self.world.is_main, self._estimate)
             except Exception as err:
                 if self.world.world_size > 1 and is_collective_failure(err):  # a rank died or hangs
                     raise self.world.failure(err) from None

@@ -19,7 +19,11 @@ import torch
 
 from lmforge.accounting.flops import hardware_flops_per_token, training_flops_per_token
 from lmforge.accounting.measure import measure_saved_bytes
-from lmforge.accounting.plan.make import matmul_dtype
+from lmforge.accounting.plan.costing import Costing
+from lmforge.accounting.plan.make import make_plan, matmul_dtype
+from lmforge.accounting.scaling import predicted_loss, read_fit
+from lmforge.accounting.shapes import model_shapes
+from lmforge.common.errors import LmforgeError
 from lmforge.config import Config
 from lmforge.optim.adamw import counts_lost_updates
 from lmforge.parallel.world import World
@@ -69,6 +73,36 @@ class RunMeasurements:
 
     def hfu(self, tokens_per_s: float) -> float:
         return tokens_per_s * self.hardware_flops_per_token / self.world_peak_flops
+
+
+def estimate(what: str, fn, warn):
+    """`fn()` of an estimator or a report (the plan, the summary's comparison with it, the scaling
+    fit's loss, the roofline): an accounting bug must never stop training, so any exception it
+    raises is one `warn` line, naming it, and None. Bad input (LmforgeError) still stops with its line."""
+    try:
+        return fn()
+    except LmforgeError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever it is, the run goes on without that figure
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        warn(f"{what} failed ({type(err).__name__}{': ' + first if first else ''}); the run goes on without it")
+        return None
+
+
+def run_plan(cfg: Config, replicas: int, machine: tuple, global_batch: int, estimate) -> dict | None:
+    """The plan printed before the first step and set beside the measurements at the end: closed-form
+    accounting on `machine` (name, peak FLOP/s, memory bytes), with train.scaling_fit the loss the fit
+    predicts for the run's tokens (a bad file stops here, before any write). `estimate(what, fn)`
+    runs each estimator (its failure one warning line and None)."""
+    plan = estimate("the plan", lambda: make_plan(cfg, Costing(dp=replicas, mfu=1.0), machine))  # at 100% MFU
+    if cfg.train.scaling_fit:
+        fit = read_fit(cfg.train.scaling_fit, option="train.scaling_fit")
+        tokens = cfg.train.max_steps * global_batch * cfg.seq_len
+        scaling = estimate("the scaling fit's predicted loss",
+                           lambda: predicted_loss(fit, model_shapes(cfg.model).matmul_weights, tokens))
+        if plan is not None and scaling is not None:
+            plan["scaling"] = scaling
+    return plan
 
 
 def rank_share(machine: tuple[str, float, int], device: torch.device) -> tuple[str, float, int]:

@@ -12,7 +12,7 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
                   group, positions for the shard's, the loss for the group's, and a forward
                   pre-hook that cuts each whole batch to this rank's zig-zag shard
                   (parallel/cp_model.py); the engine (ddp, zero1-3, fsdp) runs over the dp x cp
-                  ranks (cp_engine.py).
+                  ranks (parallel/engine.py).
                   After 1b on a tensor-parallel model: the ring runs on each tp rank's heads and
                   the group's loss sums the vocabulary-parallel cross-entropy (tp x cp)
     2. precision  parameter dtype, fp8 linears (module swap), fp32 attention core (wrapper module)
@@ -54,28 +54,27 @@ LoRA comes after precision and recomputation, not before:
   - recomputation wraps whole blocks or attention cores, which contain the linears: an adapter
     placed inside a recomputed block afterwards is recomputed with it, so nothing is lost by
     wrapping later, and names stay canonical either way (both wrappers drop their segment);
-  - before compile (which traces the adapters with the block) and data parallelism, which must see the final set of trainable parameters (it reduces
-    the gradients of those alone).
+  - before compile (which traces the adapters with the block) and data parallelism, which must see
+    the final set of trainable parameters (it reduces the gradients of those alone).
 """
 
 import torch
 import torch.nn as nn
 
-from lmforge.accounting.shapes import meta_model
 from lmforge.config import Config
 from lmforge.data.loader import check_windows
 from lmforge.common.errors import LmforgeError
 from lmforge.kernels import flash_triton
+from lmforge.model.meta import meta_model
 from lmforge.modes.attention import FLASH_BACKENDS
 from lmforge.interop.peft import load_peft_weights
 from lmforge.model.lora import apply_lora
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import make_optimizer, param_groups
 from lmforge.modes.precision import Policy, get_policy
-from lmforge.parallel.comm import Collectives
 from lmforge.parallel.cp_model import apply_context_parallel
-from lmforge.parallel.mesh import build_groups, hybrid_replicate
-from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine, require_process_group
+from lmforge.parallel.mesh import run_groups
+from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place
 from lmforge.parallel.tp import apply_tensor_parallel
 from lmforge.parallel.tp_fp8 import apply_tensor_parallel_fp8
@@ -99,7 +98,7 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
     `tp_comm`: the Collectives of this rank's tensor-parallel group (step 1b); `cp_group`: its
     context-parallel group (step 1c)."""
     if torch.device(device).type == "meta":
-        model = meta_model(cfg.model)  # the accounting's own meta build: no initialisation to skip
+        model = meta_model(cfg.model)  # model/meta.py: shapes only, no initialisation to skip
     else:
         model = Transformer(cfg.model)
         if base_state is not None:
@@ -109,7 +108,9 @@ def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
         apply_tensor_parallel(model, tp_comm, cfg.parallel.sequence_parallel)
     if cp_group is not None:
         apply_context_parallel(model, cp_group).shard_every_forward(model)
-    if on_device and stage is None:
+    # made where it trains already (the CPU), it is not moved: the roofline's trace builds it on fake
+    # tensors (accounting/roofline/trace.py), which torch cannot move
+    if on_device and stage is None and torch.device(device) != next(model.parameters()).device:
         model.to(device)
     prepare_model(model, policy, fp32_attention=cfg.train.fp32_attention,
                   fp8_scaling=cfg.train.fp8_scaling)
@@ -141,32 +142,24 @@ def build_optimizer(cfg: Config, policy: Policy, model: nn.Module) -> torch.opti
 
 def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu",
                  base_state: dict[str, torch.Tensor] | None = None, timeline=None) -> Engine:
-    """Steps 1-8: the model wrapped in the engine of train.parallel, with its optimizer. Under a
-    strategy other than none, torch.distributed must already be initialised (torchrun). With
+    """Steps 1-8: the model wrapped in the engine of train.parallel, with its optimizer, over the
+    run's mesh (parallel/mesh.py: tp, cp, pipeline stages, data parallelism). Under a strategy
+    other than none, torch.distributed must already be initialised (torchrun). With
     train.pipeline_stages > 1 each rank builds its stage (the model cut after step 5) and the
     pipeline engine (`timeline` records its step: parallel/pipeline/timeline.py). `policy` is
     cfg.train.precision's; the launch was checked by parallel/launch.py's `check_launch`."""
+    groups = run_groups(cfg, device)
+    optimizer = dict(make_optimizer=lambda groups: make_optimizer(cfg, policy, groups),
+                     weight_decay_groups=lambda model: param_groups(cfg, model))
     if cfg.train.pipeline_stages > 1:
-        require_process_group(f"train.pipeline_stages={cfg.train.pipeline_stages}")
         layout, layers = pipeline_place(cfg, torch.distributed.get_rank(), torch.distributed.get_world_size())
-        groups = build_groups(cfg.parallel.tp, device, pp=cfg.train.pipeline_stages)  # the (pp, dp, tp) mesh
-        tp_comm = Collectives(groups.tp_group) if cfg.parallel.tp > 1 else None  # tensor-parallel stages
-        model = build_model(cfg, policy, device, base_state, stage=(layers, layout.first, layout.last), tp_comm=tp_comm)
-        return pipeline_engine(model, cfg, policy, layout, lambda groups: make_optimizer(cfg, policy, groups),
-                               lambda model: param_groups(cfg, model), torch.device(device), groups, timeline,
-                               tp_comm)
-    groups = tp_comm = None
-    replicate = hybrid_replicate(cfg)  # > 1: hybrid sharding, dp split into (dp_replicate, dp_shard)
-    if cfg.parallel.tp > 1 or cfg.parallel.cp > 1 or replicate > 1:  # the (dp, cp, tp) mesh: parallel/mesh.py
-        require_process_group(f"parallel.tp={cfg.parallel.tp} parallel.cp={cfg.parallel.cp}")
-        groups = build_groups(cfg.parallel.tp, device, cfg.parallel.cp, replicate=replicate)
-        tp_comm = Collectives(groups.tp_group) if cfg.parallel.tp > 1 else None
-    # with cp > 1 the ring over the cp group, and train.parallel over the dp x cp ranks (parallel/cp_engine.py)
-    cp_group = groups.cp_group if cfg.parallel.cp > 1 else None
-    return parallelize(build_model(cfg, policy, device, base_state, tp_comm=tp_comm, cp_group=cp_group), cfg, policy,
-                       make_optimizer=lambda groups: make_optimizer(cfg, policy, groups),
-                       weight_decay_groups=lambda model: param_groups(cfg, model),
-                       groups=groups, tp_comm=tp_comm)
+        model = build_model(cfg, policy, device, base_state, stage=(layers, layout.first, layout.last),
+                            tp_comm=groups.tp_comm)
+        return pipeline_engine(model, cfg, policy, layout, device=torch.device(device), groups=groups,
+                               timeline=timeline, **optimizer)
+    # with cp > 1 the ring over the cp group, and train.parallel over the dp x cp ranks (parallel/engine.py)
+    model = build_model(cfg, policy, device, base_state, tp_comm=groups.tp_comm, cp_group=groups.cp_group)
+    return parallelize(model, cfg, policy, groups=groups, **optimizer)
 
 
 def build(cfg: Config, device: torch.device | str = "cpu",

@@ -22,13 +22,17 @@ SAMPLE_PROMPT_TOKENS = 8
 TARGET_REACHED = "target_reached"
 
 
-def write_summary(run: RunMeasurements, cfg: Config, plan: dict, data, model, run_dir: Path, console: Console,
-                  is_main: bool) -> dict:
+def write_summary(run: RunMeasurements, cfg: Config, plan: dict | None, data, model, run_dir: Path, console: Console,
+                  is_main: bool, estimate) -> dict:
     """The end of a session: summary.json, loss.png, sample.txt, the summary table and the `plan`
     set beside what was measured (written by rank 0, `is_main`; every rank calls it). `data` (its
-    tokenizer and validation split) and `model` give the sample."""
+    tokenizer and validation split) and `model` give the sample. `estimate(what, fn)` runs the
+    comparison with the plan (None: the plan failed), whose failure is one warning line
+    (measurements.estimate)."""
     summary = summary_of(run, data.meta, run_dir)
-    summary["predicted_vs_measured"] = predicted_vs_measured(plan, run, summary["tokens_per_s"])
+    plan = plan or {}
+    summary["predicted_vs_measured"] = estimate("the predicted-vs-measured comparison", lambda: predicted_vs_measured(
+        plan, run, summary["tokens_per_s"])) if plan else None
     if cfg.train.target_loss is not None:  # the step whose evaluation reached it, or None
         reached = run.state.history.get(TARGET_REACHED)
         summary["target_loss"], summary["target_reached_step"] = cfg.train.target_loss, reached and reached["step"]
@@ -48,6 +52,11 @@ def write_summary(run: RunMeasurements, cfg: Config, plan: dict, data, model, ru
         (run_dir / "sample.txt").write_text(summary["sample"])
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(console, summary, run, cfg.train.fp32_attention)
+    if summary["predicted_vs_measured"]:
+        estimate("printing the comparison", lambda: print_comparison(console, summary["predicted_vs_measured"]))
+    if "sample" in summary:
+        console.rule("sample")
+        console.print(summary["sample"], markup=False, highlight=False)
     return summary
 
 
@@ -84,7 +93,7 @@ def summary_of(run: RunMeasurements, meta: dict, run_dir: Path) -> dict:
 
 
 def print_summary(console: Console, summary: dict, run: RunMeasurements, fp32_attention: bool) -> None:
-    """The summary table, the plan beside what was measured, a pipeline's bubble and the sample."""
+    """The summary table and a pipeline's bubble."""
     compiled = run.compile_seconds is not None
     print_table(console, [
         ("parameters", f"{summary['parameters'] / 1e6:.2f} M"),
@@ -109,7 +118,6 @@ def print_summary(console: Console, summary: dict, run: RunMeasurements, fp32_at
         ("unigram entropy of the corpus", f"{summary['unigram_entropy_nats']:.4f} nats/token"),
         ("run folder", summary["run_dir"]),
     ], title="lmforge train: summary")
-    print_comparison(console, summary["predicted_vs_measured"])
     pipeline = run.pipeline
     if pipeline is not None and pipeline["bubble_measured"] is not None:
         v = pipeline.get("virtual_stages", 1)
@@ -118,9 +126,6 @@ def print_summary(console: Console, summary: dict, run: RunMeasurements, fp32_at
                       f"{'(p-1)/(vm+p-1)' if v > 1 else '(p-1)/(m+p-1)'} = "
                       f"{pipeline['bubble_formula']:.1%}; timeline of step {pipeline['timeline_step']} in "
                       f"{Path(summary['run_dir']) / 'pipeline.png'} and pipeline_trace.json", soft_wrap=True)
-    if "sample" in summary:
-        console.rule("sample")
-        console.print(summary["sample"], markup=False, highlight=False)
 
 
 def scaling_row(summary: dict) -> tuple[str, str]:
@@ -164,7 +169,7 @@ def predicted_vs_measured(plan: dict, run: RunMeasurements, tokens_per_s: float)
     activations = plan["memory"]["activation_breakdown_bytes"]
     stages = plan["pipeline"]["stages_detail"] if "pipeline" in plan else None
     rows = {}
-    # the utilisations at the step time the roofline predicted (accounting/roofline.py); without it,
+    # the utilisations at the step time the roofline predicted (accounting/roofline/__init__.py); without it,
     # the bound: 100%, or less for a pipeline (its bubble and unequal stages)
     predicted_tokens_per_s = None
     if "roofline" in plan and tokens_per_s:

@@ -110,7 +110,8 @@ class ChunkedHeadLoss(nn.Module):
 
 def _check_head(lm_head: nn.Module) -> None:
     if type(lm_head) not in (nn.Linear, SoftcapHead) or lm_head.bias is not None:
-        raise LmforgeError(f"train.loss_chunk_tokens needs the LM head to be a plain (or soft-capped) bias-free linear layer, "
+        raise LmforgeError(f"train.loss_chunk_tokens needs the LM head to be a plain (or soft-capped) bias-free "
+                           f"linear layer, "
                            f"not {type(lm_head).__name__}: set train.loss_chunk_tokens=0")
 
 

@@ -19,8 +19,6 @@ from lmforge.accounting.plan.context_parallel import (context_parallel_section, 
 from lmforge.accounting.plan.costing import (Costing, degrees, devices, lora, policy, setup_section,
                                              shard_ranks, strategy, tokens_per_step, zero_stage)
 from lmforge.accounting.plan.pipeline import pipeline_plan, rank_parameters, stage_tensor_parallel
-from lmforge.accounting.roofline import datasheet_roof
-from lmforge.accounting.roofline_ops import predict_step
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import Config
 from lmforge.config.degrees import Degrees
@@ -47,14 +45,12 @@ class Cost:
     largest_shapes: tuple | None = None  # the parameters of the largest stage (None: the whole model)
 
 
-def make_plan(cfg: Config, costing: Costing | None = None, this_machine: tuple[str, float, float] | None = None,
-              roof=None, datasheet_roofline: bool = False) -> dict:
+def make_plan(cfg: Config, costing: Costing | None = None,
+              this_machine: tuple[str, float, float] | None = None) -> dict:
     """The plan of `cfg` on `costing`'s world as a JSON-ready dict. `this_machine` = (name, peak FLOP/s,
     memory bytes) is needed when costing.hardware is "this" (the caller measures it; accounting stays
-    pure), and `roof` (roofline.Roof, measured) for its step time from the roofline. A named
-    accelerator's roofline is its datasheet's, with `datasheet_roofline` only (`plan --roofline`): the
-    step's trace (roofline_trace.py) takes seconds, where a plan of a named accelerator otherwise
-    answers in a fraction of one. LmforgeError for a setting the trainer would refuse."""
+    pure). The step time from the roofline is opt-in, added by its callers (accounting/roofline/ops.py's
+    predict_step). LmforgeError for a setting the trainer would refuse."""
     costing = costing or Costing()
     costing.check()
     d = degrees(cfg, costing.dp)
@@ -84,11 +80,6 @@ def make_plan(cfg: Config, costing: Costing | None = None, this_machine: tuple[s
         plan["pipeline"] = cost.pipeline
     if d.cp > 1:
         plan["context_parallel"] = context_parallel_section(cfg, d, step_flops)
-    if costing.hardware != "this" and datasheet_roofline:
-        roof = datasheet_roof(costing.hardware, peak, ACCELERATORS[costing.hardware].memory_bandwidth)
-    predicted = predict_step(cfg, d.dp, roof, strategy(cfg, d)) if roof is not None else None
-    if predicted is not None:
-        plan["roofline"] = predicted
     return plan
 
 

@@ -16,8 +16,8 @@ MAX_DP = 4096
 class Machines:
     """This machine's measured peak (per matmul dtype) and memory bandwidth, measured once each."""
 
-    def __init__(self, remeasure: bool):
-        self.remeasure, self.seen = remeasure, {}
+    def __init__(self, remeasure: bool, trace=None):
+        self.remeasure, self.seen, self.trace = remeasure, {}, trace
 
     def training(self, dtype: str) -> tuple[str, float, int]:
         from lmforge.accounting.hardware import this_device
@@ -35,14 +35,25 @@ class Machines:
             self.seen["inference", weights] = (f"this machine: {name}", peak, memory, bandwidth)
         return self.seen["inference", weights]
 
-    def roof(self, cfg: Config, dp: int):
-        """This machine's measured roofline (roofline_measure.py) with the rates of the step's own
-        matmul shapes (roofline_shapes.py), for the plan's step time; --remeasure: the roof measured
-        again once a plan, its step's shapes timed again with it."""
-        from lmforge.accounting.roofline_shapes import this_step_roof
+    def roofline(self, cfg: Config, costing, plan: dict) -> dict | None:
+        """The plan's step time by the roofline (`costing`: plan/costing.py's): on this machine's measured
+        roof (roofline/measure.py) with the rates of the step's own matmul shapes (roofline/shapes.py),
+        or a named accelerator's datasheet roof; --remeasure: the roof measured again once a plan, its
+        step's shapes with it."""
+        from lmforge.accounting.hardware import ACCELERATORS
+        from lmforge.accounting.plan.costing import degrees, strategy
+        from lmforge.accounting.roofline import datasheet_roof
+        from lmforge.accounting.roofline.ops import predict_step
+        from lmforge.accounting.roofline.shapes import this_step_roof
 
-        remeasure, self.seen["roof"] = self.remeasure and "roof" not in self.seen, True
-        return this_step_roof(self.device(), cfg, dp, remeasure=remeasure)
+        d = degrees(cfg, costing.dp)
+        if costing.hardware == "this":
+            remeasure, self.seen["roof"] = self.remeasure and "roof" not in self.seen, True
+            roof = this_step_roof(self.device(), self.trace, cfg, d.dp, remeasure=remeasure)
+        else:
+            roof = datasheet_roof(costing.hardware, plan["time"]["peak_flops_per_device"],
+                                  ACCELERATORS[costing.hardware].memory_bandwidth)
+        return predict_step(self.trace, cfg, d.dp, roof, strategy(cfg, d))
 
     @staticmethod
     def device():

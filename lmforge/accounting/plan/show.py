@@ -9,7 +9,7 @@ from rich.table import Table
 
 from lmforge.accounting.dtypes import dtype_table
 from lmforge.accounting.plan.show_inference import print_inference_plan
-from lmforge.accounting.plan.show_roofline import roofline_table
+from lmforge.accounting.roofline.show import roofline_table
 from lmforge.accounting.plan.tables import facts_table, labelled_parts, memory_table
 from lmforge.common.formatting import human_bytes, human_count, human_seconds
 

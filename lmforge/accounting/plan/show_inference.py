@@ -43,7 +43,7 @@ def inference_memory_table(plan: dict) -> Table:
 
 def time_table(plan: dict) -> Table:
     """Prefill (compute-bound) and a decode step (memory-bound, as a rule) on the plan's hardware;
-    on this machine also the decode step by the measured roofline (generate/decode_roofline.py)."""
+    on this machine also the decode step by the measured roofline (accounting/roofline/decode.py)."""
     st, pre, dec, hw = plan["setup"], plan["prefill"], plan["decode"], plan["hardware"]
     return facts_table(f"time on {hw['name']}", [
         ("prefill", f"{human_count(pre['flops'])}FLOP, {human_seconds(pre['seconds'])} at "

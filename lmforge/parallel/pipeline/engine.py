@@ -1,31 +1,27 @@
-"""Pipeline parallelism: the model cut into p stages, one per rank, and micro-batches flowing
-through (which rank holds which stage: pipeline/layout.py).
+"""Pipeline parallelism: the model cut into p stages, one per rank (pipeline/layout.py), and
+micro-batches flowing through.
 
-One optimizer step on every rank (`PipelineEngine.forward_backward`): the m micro-batches of the
-step go through the stage's schedule (pipeline/schedules.py: GPipe, 1F1B or interleaved 1F1B, whose
-actions name one of the rank's model chunks, pipeline/layout.py's `chunk_views`), each forward
-receiving its input from the stage before and sending its output to the stage after
-(`torch.distributed` point-to-point send/recv), each backward receiving the gradient of its output
-and sending the gradient of its input. Then `finish_gradients`:
+One optimizer step (`PipelineEngine.forward_backward`): the step's m micro-batches go through the
+stage's schedule (pipeline/schedules.py: GPipe, 1F1B or interleaved 1F1B, whose actions name one of
+the rank's model chunks, layout.py's `chunk_views`), each forward receiving its input from the
+stage before and sending its output to the stage after (point-to-point send/recv), each backward
+receiving the gradient of its output and sending that of its input. Then `finish_gradients`:
   - tied embeddings (Press & Wolf 2017): the first stage embeds with the matrix, the last scores
-    with it, each holding a copy; their gradients are summed between the two ranks, so both copies
-    take the same step and stay equal, as the one shared matrix would (a frozen matrix, under
-    LoRA, takes no step: nothing to sum);
-  - across replicas, the stage's replicas engine (pipeline/replicas.py) reduces the gradients over
-    the ranks holding that stage: all-reduced (ddp) or reduce-scattered into ZeRO-1 shards (zero1).
-The gradient norm for clipping is summed over the stages, and with ZeRO-1 over each stage's
-shards (the tied matrix counted once), the fp16 found-inf over all ranks, and the loss (known on
-the last stage) averaged over the replicas. The optimizer step, the state by name and the bytes
-held are the replicas engine's, renamed and gathered over the stages here.
+    with it, each its own copy; their gradients are summed between the two ranks, so both copies
+    take the same step, as the one shared matrix would (a frozen one, under LoRA, takes none);
+  - across replicas, the stage's engine (parallelize.py's STAGE_REPLICA_ENGINES) reduces the
+    gradients over the ranks holding that stage (the mesh's dp group).
+The norm for clipping is summed over the stages (ZeRO-1: and each stage's shards; the tied matrix
+once), the fp16 found-inf over all ranks, the loss (known on the last stage) averaged over the
+replicas. The step, the state by name and the bytes held are the stage engine's, renamed and
+gathered over the stages here.
 
 Pipelines of tensor-parallel stages (parallel.tp > 1; Narayanan et al. 2021, section 3): each
 stage's piece is split over its tp ranks (parallel/tp.py, before the cut), and tensor rank t of
-stage s sends to and receives from tensor rank t of stages s +- 1 (layout.py): the activations
-between the regions are whole on every tensor rank, so each pair exchanges the same tensor. The
-last stage's loss is the vocabulary-parallel one (tp_loss.py), known on each of its tensor ranks.
-The norm sums a split matrix's squares over the tp group and counts a whole parameter once
-(tp_engine.py's `tp_square_sum`), then over the stages; checkpoints hold whole tensors by name,
-gathered over the tp group by the stage's replicas engine (TensorParallelMixin: pipeline/replicas.py).
+stage s exchanges with tensor rank t of stages s +- 1 (layout.py) the activations, whole on every
+tensor rank. The last stage's loss is the vocabulary-parallel one (tp_loss.py); the norm sums a
+split matrix's squares over the tp group, a whole one's once (tp_engine.py), then over the stages;
+the stage engine gathers whole tensors by name over the tp group (parallel/engine.py).
 
 What it costs: every stage idles while the pipeline fills and drains, (p - 1) / (m + p - 1) of the
 step (accounting/pipeline.py); the timeline (pipeline/timeline.py) measures it.
@@ -50,33 +46,21 @@ from lmforge.precision.policy import autocast
 TIED_NAME, HEAD_NAME = "tok_embeddings.weight", "lm_head.weight"
 
 
-class NoTimeline:
-    """What the engine records into when no timeline is kept (pipeline/timeline.py's interface)."""
-
-    def begin_step(self) -> None:
-        pass
-
-    def span(self, kind: str, micro: int, chunk: int = 0):
-        return contextlib.nullcontext()
-
-
 class PipelineEngine(Engine):
     """The engine of a pipeline stage (parallel/engine.py's interface)."""
 
     measures_activations = True  # the first step's saved bytes, per micro-batch and alive at once
 
-    def __init__(self, model: nn.Module, replicas_engine, layout: PipelineLayout, schedule: str, micro_batches: int,
-                 hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype, device: torch.device, tied: bool,
-                 groups, timeline=None, tp_comm: Collectives | None = None):
-        """`replicas_engine(comm)`: the engine of this stage's replicas over `comm`, the counting
-        collectives of the data group (pipeline/replicas.py; parallelize.py builds it). `groups`:
-        the (pp, dp, tp) mesh's (parallel/mesh.py); `tp_comm`: the tp group's, with parallel.tp > 1."""
+    def __init__(self, model: nn.Module, stage_engine: Engine, layout: PipelineLayout, schedule: str,
+                 micro_batches: int, hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype, device: torch.device,
+                 tied: bool, groups, timeline=None):
+        """`stage_engine`: the data-parallel engine of this stage over its replicas (the mesh's dp
+        group; parallelize.py builds it); `groups`: the (pp, dp, tp) mesh's (parallel/mesh.py)."""
         assert groups.pp_rank == layout.stage, "the layout and the mesh order the ranks alike"
         self.pipeline_group, self.data_group, self.tied_group = new_groups(layout, groups)
-        self.tp_comm = tp_comm
-        self.stage_engine = replicas_engine(Collectives(self.data_group))
-        super().__init__(model, self.stage_engine.optimizer)
-        self.comm = self.stage_engine.comm  # the gradient reduction across replicas
+        super().__init__(model, None, groups)
+        self.stage_engine, self.optimizer = stage_engine, stage_engine.optimizer
+        self.comm = stage_engine.comm  # the gradient reduction across replicas
         self.layout, self.schedule, self.micro_batches = layout, schedule, micro_batches
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.replica, self.replicas = layout.replica, layout.replicas
@@ -94,10 +78,9 @@ class PipelineEngine(Engine):
         self.tied_comm = Collectives(self.tied_group) if self.tied_param is not None else None
         # bytes this rank sent point to point in training steps, by what (the plan's sent_bytes_per_step keys)
         self.p2p_sent = {"activations": 0, "activation_gradients": 0}
-        # -- the schedule's chunks (interleaved 1F1B: several per rank; else [model]) --
-        self.chunks = chunk_views(model, layout)
+        self.chunks = chunk_views(model, layout)  # the schedule's (interleaved 1F1B: several per rank)
         self.actions = schedule_actions(schedule, layout.stages, micro_batches, layout.stage, layout.chunks)
-        self.timeline = timeline or NoTimeline()
+        self.timeline = timeline  # None: nothing recorded
         self.measure_in_flight = True  # the first step measures the activations alive at once
         held = peak_in_flight(self.actions)  # (micro-batch, chunk) pairs; micro-batches' worth below
         self.in_flight: dict = {"micro_batches": held if layout.chunks == 1 else held / layout.chunks,
@@ -132,7 +115,8 @@ class PipelineEngine(Engine):
 
     def _span(self, kind: str, micro: int, chunk: int = 0):
         """A timeline record of a training step's event (evaluation, micro -1, is not recorded)."""
-        return self.timeline.span(kind, micro, chunk) if micro >= 0 else contextlib.nullcontext()
+        recorded = micro >= 0 and self.timeline is not None
+        return self.timeline.span(kind, micro, chunk) if recorded else contextlib.nullcontext()
 
     def _wait_sends(self) -> None:
         for work, _ in self._sends:
@@ -152,7 +136,8 @@ class PipelineEngine(Engine):
         alive, peak, first_micro, in_flight_bytes = {}, 0, {}, self.measure_in_flight
         loss_sum = torch.zeros((), device=device)
         dist.barrier(group=self.pipeline_group)
-        self.timeline.begin_step()
+        if self.timeline is not None:
+            self.timeline.begin_step()
         for action in self.actions:
             i, c = action.micro, action.chunk
             here = layout.virtual_stage(c)  # with one chunk per rank: the stage
@@ -212,7 +197,7 @@ class PipelineEngine(Engine):
         dist.broadcast(loss, src=layout.rank_of(layout.stages - 1), group=self.pipeline_group)
         return loss
 
-    # -- gradients, step and state: the stage's replicas engine (pipeline/replicas.py) -------------
+    # -- gradients, step and state: the stage engine's ----------------------------------------------
 
     def finish_gradients(self) -> None:
         # the tied sum first, on the full gradients: ZeRO-1's reduce-scatter leaves only slices
@@ -310,7 +295,4 @@ class PipelineEngine(Engine):
 
     def merged_over_stages(self, per_stage: dict) -> dict:
         """Dicts keyed by module name (fp8 scale histories), merged from the stages."""
-        merged = {}
-        for part in self._gather(per_stage):
-            merged.update(part)
-        return merged
+        return {key: value for part in self._gather(per_stage) for key, value in part.items()}

@@ -3,15 +3,15 @@
 The reference our schedules (pipeline/engine.py) are tested against, and an option for users: the same
 stage (the cut model), the same micro-batches, PyTorch's `PipelineStage` and its `ScheduleGPipe`
 or `Schedule1F1B` instead of our action lists; interleaved, one `PipelineStage` per chunk (our
-`chunk_views`, stage index the virtual stage) under `ScheduleInterleaved1F1B`. Everything around the step (replicas, tied
-embeddings, clipping, checkpoints) is PipelineEngine's.
+`chunk_views`, stage index the virtual stage) under `ScheduleInterleaved1F1B`. Everything around
+the step (replicas, tied embeddings, clipping, checkpoints) is PipelineEngine's.
 
 Two differences from ours, both for the reference's sake: the last stage returns logits and the
 loss is computed by the schedule's `loss_fn` (the plain cross-entropy: train.loss_chunk_tokens does
 not apply), divided by ours' `loss_divisors` (m where every micro-batch holds as many targets; a
 fine-tune's by its target counts) rather than through `scale_grads` (which would divide the
-gradients by m after the sum, rounding differently and weighing a fine-tune's short responses more). No timeline is recorded: the schedule's inside is
-PyTorch's.
+gradients by m after the sum, rounding differently and weighing a fine-tune's short responses
+more). No timeline is recorded: the schedule's inside is PyTorch's.
 """
 
 import torch
@@ -25,8 +25,8 @@ TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f
 
 
 class TorchPipelineEngine(PipelineEngine):
-    def __init__(self, model, optimizer, layout, schedule: str, micro_batches: int, *args, **kwargs):
-        super().__init__(model, optimizer, layout, schedule, micro_batches, *args, **kwargs)
+    def __init__(self, model, stage_engine, layout, schedule: str, micro_batches: int, *args, **kwargs):
+        super().__init__(model, stage_engine, layout, schedule, micro_batches, *args, **kwargs)
         stages = [PipelineStage(chunk, layout.virtual_stage(c), layout.stages * layout.chunks, self.device,
                                 group=self.pipeline_group) for c, chunk in enumerate(self.chunks)]
         # the single-stage schedules take the stage, the multi-stage ones the list

@@ -108,7 +108,8 @@ def _load(path: Path, folder: str, specs: dict[str, tuple[tuple[int, ...], torch
     try:
         load_tensors(tensors, path / folder, local)
     except CheckpointException as err:
-        raise LmforgeError(f"checkpoint {path} is corrupt: {folder} could not be read ({failure_reason(err)})") from None
+        raise LmforgeError(f"checkpoint {path} is corrupt: {folder} could not be read "
+                           f"({failure_reason(err)})") from None
     return tensors
 
 

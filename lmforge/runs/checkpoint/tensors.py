@@ -35,7 +35,8 @@ def stored_tensors(path: Path, folder: str) -> dict[str, tuple[tuple[int, ...], 
     try:
         metadata = dcp.FileSystemReader(str(path / folder)).read_metadata()
     except Exception as err:  # noqa: BLE001 - a missing, cut or garbled .metadata (a pickle)
-        raise LmforgeError(f"checkpoint {path} is corrupt: {folder}/.metadata unreadable ({type(err).__name__})") from None
+        raise LmforgeError(f"checkpoint {path} is corrupt: {folder}/.metadata unreadable "
+                           f"({type(err).__name__})") from None
     return {name: (tuple(entry.size), entry.properties.dtype) for name, entry in metadata.state_dict_metadata.items()
             if hasattr(entry, "size")}
 

@@ -2,9 +2,9 @@
 bytes / memory bandwidth), plus the fixed cost of the kernels it launches (Williams, Waterman &
 Patterson 2009, "Roofline"; the launch term is what an eager framework adds on top of it).
 
-Pure arithmetic on a `Roof`: the machine as measured by roofline_measure.py (this machine) or as
+Pure arithmetic on a `Roof`: the machine as measured by roofline/measure.py (this machine) or as
 a datasheet gives it (a named accelerator: one flat peak, no shape dependence, no launch cost).
-The operations come from roofline_ops.py. How an achieved rate is read off the measured grid:
+The operations come from roofline/ops.py. How an achieved rate is read off the measured grid:
 multilinear interpolation of log(rate) in log2 of each dimension, clamped at the grid's edges
 (a shape larger than the grid in some dimension runs at the rate of the grid's largest there:
 a matmul's rate saturates once every dimension is large).
@@ -14,8 +14,9 @@ import math
 from dataclasses import dataclass, field
 
 CLASSES = ("matmuls", "attention", "norms/elementwise", "loss", "optimizer", "communication")
+# bytes per element, by the trace's dtype names
 ITEMSIZE = {"float64": 8, "float32": 4, "int64": 8, "int32": 4, "bfloat16": 2, "float16": 2, "bool": 1,
-            "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}  # bytes per element, by the trace's dtype names
+            "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,10 @@ class Roof:
     # {"latency_s", "bytes_per_second"} of all-reduce, and "operators": {operator: the same} of
     # all_reduce, reduce_scatter and all_gather, if measured (under torchrun: measure_collective)
     collective: dict = field(default_factory=dict)
-    cache_bytes: float = 0.0  # the cache operands stay in between operators (a CPU's last level, a GPU's L2; 0: unknown)
-    cache_shared: bool = False  # True: every rank on the machine writes into it (a CPU's last level; a GPU's L2 is its own)
+    # the cache operands stay in between operators (a CPU's last level, a GPU's L2; 0: unknown), and whether
+    # every rank on the machine writes into it (a CPU's last level; a GPU's L2 is its own)
+    cache_bytes: float = 0.0
+    cache_shared: bool = False
     # {"sdpa_forward" | "sdpa_backward": {dtype: seconds}}: one SDPA call's fixed cost, its
     # launch included, whatever its batch x heads (the sdpa grids then hold the work's rate)
     sdpa_call_seconds: dict = field(default_factory=dict)
@@ -49,7 +52,7 @@ class Roof:
     # families timed after W bytes of other writes, W from a sixteenth of the cache to past it
     # (the top row: elementwise_ops). A step is priced at its own writes (rates_after)
     elementwise_ops_after: dict = field(default_factory=dict)
-    # {dtype: {shape_key: FLOP/s}}: a model's own matmul shapes timed alone (roofline_shapes.py),
+    # {dtype: {shape_key: FLOP/s}}: a model's own matmul shapes timed alone (roofline/shapes.py),
     # read before the grid: a CPU's kernel library picks its kernel by shape, so the rate is not
     # smooth between grid points (bf16 at (1024, 768, 768) 1.6 TFLOP/s, at (1024, 2304, 768) 3.3)
     matmul_shapes: dict = field(default_factory=dict)
@@ -95,7 +98,7 @@ def shape_key(operator: str, m: int, n: int, k: int, layout: str) -> str:
 
 
 def compute_rate(roof: Roof, op) -> float:
-    """Achieved FLOP/s of `op` (roofline_ops.Op) at its shape, or 0 for an op with no FLOPs: a
+    """Achieved FLOP/s of `op` (ops.Op) at its shape, or 0 for an op with no FLOPs: a
     matmul's own shape and layout if timed (Roof.matmul_shapes), else read off the grid."""
     if not op.flops:
         return 0.0
@@ -107,12 +110,12 @@ def compute_rate(roof: Roof, op) -> float:
     return interpolate(grid[rate_dtype(op.dtype)], op.shape)
 
 
-# The measured families of elementwise operators (roofline_elementwise.measure_elementwise_ops), by
+# The measured families of elementwise operators (elementwise.measure_elementwise_ops), by
 # the aten name's stem: each family's rate at a call's size stands for its members'.
 FAMILIES = {
     "binary": ("add", "sub", "mul", "div", "where", "lerp", "addcmul", "addcdiv", "maximum", "clamp",
                "threshold_backward", "silu_backward", "embedding_dense_backward"),
-    # NLL's backward is a zero-fill of its gradient (its bytes), its forward a gather (roofline_ops)
+    # NLL's backward is a zero-fill of its gradient (its bytes), its forward a gather (ops)
     "unary": ("neg", "rsqrt", "sqrt", "pow", "exp", "reciprocal", "silu", "tanh", "sigmoid", "fill",
               "zero", "ones_like", "zeros_like", "nll_loss_backward"),
     "copy": ("_to_copy", "copy", "clone", "cat", "stack", "embedding", "index_select", "_unsafe_view",

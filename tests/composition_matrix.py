@@ -4,24 +4,115 @@ cell either "works" or the one line that refuses it before launch.
 
 Nothing is decided here. A cell's verdict is the real checks' (DESIGN.md, "Everything allowed
 composes"): its config is made and validated as `lmforge train` makes it (config/load.py's
-`make_config`, which runs config/validate.py), then parallel/launch.py's `check_launch` is given
-the environment torchrun would give rank 0 of the layout's ranks, with no process group and no
-file (check_launch runs before either exists). A check that changes changes the table.
+`make_config`, which runs config/validate.py), then lmforge/config/rules.py's `check_composition`
+is asked with the layout's world (what parallel/launch.py's `check_launch` asks before any process
+group or file exists). A rule that changes changes the table.
 
-The cells are parallel/matrix_cells.py's; which test trains each working cell is
-parallel/matrix_coverage.py's `COVERAGE`; the table marks the rest "works,
-untested" (the data-parallel dist tests cover the product pairwise: see docs/composition.md;
-every pipeline cell is trained).
+Which test trains each working cell is tests/composition_coverage.py's `COVERAGE`; the table marks
+the rest "works, untested" (the data-parallel dist tests cover the product pairwise: see
+docs/composition.md; every pipeline cell is trained).
 
-    python -m lmforge.parallel.matrix > docs/composition.md    regenerate the page
+    python tests/composition_matrix.py > docs/composition.md    regenerate the page
 """
 
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
-# the dist tests read the cells and their coverage through this module too
-from lmforge.parallel.matrix_cells import (EXTRAS, KINDS, LAYOUTS, PRECISIONS, Layout, cell_overrides,  # noqa: F401
-                                           layouts, verdict)
-from lmforge.parallel.matrix_coverage import CELLS, COVERAGE, DIST, TPCELLS, Covered, tests_of  # noqa: F401
+sys.path.insert(0, str(Path(__file__).parent))
+# the dist tests read the cells and their coverage through this module
+from composition_coverage import CELLS, COVERAGE, DIST, TPCELLS, tests_of  # noqa: E402, F401
+
+from lmforge.common.errors import LmforgeError  # noqa: E402
+from lmforge.config import make_config  # noqa: E402
+from lmforge.config.rules import check_composition  # noqa: E402
+from lmforge.modes.parallel import DATA_PARALLEL, SHARDING  # noqa: E402
+from lmforge.modes.precision import POLICIES  # noqa: E402
+from lmforge.modes.recompute import RECOMPUTE_MODES  # noqa: E402
+
+PRESET = "tiny"  # the model every cell is checked (and tested) on: 2 layers, so at most 2 stages
+STAGES = 2
+BASE = "runs/base"  # a fine-tuning base: its path is read when the run prepares, after these checks
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A row: train.parallel on `ranks` processes, cut into `stages` pipeline stages."""
+    name: str
+    parallel: str
+    stages: int = 1
+    ranks: int = 1
+    tp: int = 1  # parallel.tp: ranks per tensor-parallel group
+    cp: int = 1  # parallel.cp: ranks per context-parallel group (no end-of-run sample: config/rules.py's CP_REFUSED)
+    settings: tuple[str, ...] = ()  # more overrides that make the layout (sequence parallelism, one KV head)
+
+    @property
+    def overrides(self) -> list[str]:
+        piped = [f"train.pipeline_stages={self.stages}", f"train.micro_batches={self.stages}"] * (self.stages > 1)
+        tensor = [f"parallel.tp={self.tp}"] if self.tp > 1 else []
+        context = [f"parallel.cp={self.cp}", "train.sample_tokens=0"] if self.cp > 1 else []
+        return [f"train.parallel={self.parallel}", *piped, *tensor, *context, *self.settings]
+
+    @property
+    def world(self) -> int | None:
+        """The processes torchrun starts; None: one process, no torchrun."""
+        return None if self.ranks == 1 else self.ranks
+
+
+SP, ONE_KV_HEAD = "parallel.sequence_parallel=true", "model.n_kv_heads=1"
+HSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=2")  # hybrid sharding: FSDP2's 2-D mesh (parallel/mesh.py)
+
+
+def layouts() -> list[Layout]:
+    """One process, each strategy on 2 ranks, a 2-stage pipeline, and the pipeline with 2 replicas
+    under each strategy (4 ranks): every strategy modes/parallel.py names, with and without stages;
+    tensor parallelism on 2 ranks, and 2 of them as replicas under each strategy (4 ranks); context
+    parallelism on 2 ranks, 2 of them as ddp replicas, and tp=2 x cp=2 (4 ranks each), and the
+    sharding strategies over dp=2 x cp=2 and over tp=2 x cp=2's cp ranks (4 ranks each); tp=4 over
+    the model's 2 KV heads (parallel/tp.py replicates each on 2 ranks), and tp=2 over one KV head
+    under cp and under fsdp, and tp=2 x cp=2 with sequence parallelism (4 ranks each); pipelines of
+    tp=2 stages (4 ranks), their stages replicated under ddp or zero1 (8 ranks: pp x dp x tp)."""
+    return ([Layout("one process", "none")] + [Layout(s, s, 1, 2) for s in DATA_PARALLEL]
+            + [Layout("pipeline", "none", STAGES, STAGES)]
+            + [Layout(f"pipeline x {s}", s, STAGES, 2 * STAGES) for s in DATA_PARALLEL]
+            + [Layout("tp", "none", 1, 2, tp=2)] + [Layout(f"tp x {s}", s, 1, 4, tp=2) for s in DATA_PARALLEL]
+            + [Layout("pipeline x tp", "none", STAGES, 2 * STAGES, tp=2)]
+            + [Layout(f"pipeline x tp x {s}", s, STAGES, 4 * STAGES, tp=2) for s in ("ddp", "zero1")]
+            + [Layout("cp", "ddp", 1, 2, cp=2), Layout("cp x ddp", "ddp", 1, 4, cp=2),
+               Layout("tp x cp", "ddp", 1, 4, tp=2, cp=2)]
+            + [Layout(f"cp x {s}", s, 1, 4, cp=2) for s in SHARDING]
+            + [Layout(f"tp x cp x {s}", s, 1, 4, tp=2, cp=2) for s in SHARDING]
+            + [Layout("tp=4, KV heads replicated", "none", 1, 4, tp=4),  # tiny's 2 KV heads, each on 2 ranks
+               Layout("tp x cp, sequence parallel", "ddp", 1, 4, tp=2, cp=2, settings=(SP,)),
+               Layout("tp x cp, 1 KV head", "ddp", 1, 4, tp=2, cp=2, settings=(ONE_KV_HEAD,)),
+               Layout("tp x fsdp, 1 KV head", "fsdp", 1, 4, tp=2, settings=(ONE_KV_HEAD,)),
+               Layout("hsdp: dp_replicate 2 x dp_shard 2", "fsdp", 1, 4, settings=HSDP)])
+
+
+LAYOUTS = {layout.name: layout for layout in layouts()}
+PRECISIONS = tuple(POLICIES)
+# what each kind of training sets (a full fine-tune trains every weight of a base, LoRA adapters on it)
+KINDS = {"pretraining": [], "full fine-tuning": [f"finetune.base={BASE}"],
+         "LoRA": [f"finetune.base={BASE}", "finetune.lora_rank=4"]}
+# the second table's columns: fp32 pretraining with one more setting (resume: no setting refuses it)
+EXTRAS = {"compiled": ["train.compile=true"],
+          **{f"recompute={mode}": [f"train.recompute={mode}"] for mode in RECOMPUTE_MODES if mode != "none"},
+          "checkpoint + resume": []}
+
+
+def cell_overrides(layout: Layout, precision: str, kind: str, extra: str | None = None) -> list[str]:
+    return ["train.device=cpu", *layout.overrides, f"train.precision={precision}", *KINDS[kind],
+            *(EXTRAS[extra] if extra else [])]
+
+
+def verdict(layout: Layout, precision: str, kind: str = "pretraining", extra: str | None = None) -> str | None:
+    """None if the cell passes every check a launch meets before it starts; else the refusal's line."""
+    try:
+        cfg = make_config(PRESET, overrides=cell_overrides(layout, precision, kind, extra))
+        check_composition(cfg, layout.world)
+    except LmforgeError as err:
+        return str(err)
+    return None
 
 
 # -- the page -------------------------------------------------------------------------------------
@@ -73,15 +164,16 @@ def page() -> str:
 
 HEAD = ["# What composes with what",
         "",
-        "<!-- generated by `python -m lmforge.parallel.matrix > docs/composition.md`; tests/test_composition.py",
+        "<!-- generated by `python tests/composition_matrix.py > docs/composition.md`; tests/test_composition.py",
         "     fails when this file differs from what the checks say now -->",
         "",
         "Every way of laying out the ranks, in every precision policy, for every kind of training: each cell",
         "either trains (a dist test trains it a few steps to one process's numbers on the same global batch,",
         "with the bytes each rank holds equal to the plan's) or is refused before any process group or file",
-        "exists, with the one line below. The verdicts are the real checks' (`lmforge/parallel/matrix_cells.py`",
-        "makes each cell's config with `make_config`, which validates it, and runs `check_launch` with the",
-        "environment torchrun would give rank 0), on the `tiny` model, so the table changes when they do.",
+        "exists, with the one line below. The verdicts are the real checks' (`tests/composition_matrix.py`",
+        "makes each cell's config with `make_config`, which validates it, and asks `lmforge/config/rules.py`,",
+        "the one table of what combines, with the layout's world), on the `tiny` model, so the table changes",
+        "when they do.",
         "",
         "`✓ tN`: works, trained by test tN; `✓ -`: passes the checks, trained by no test (the tests cover",
         "the product pairwise: each strategy with each precision, each kind with each precision and each",
@@ -89,10 +181,10 @@ HEAD = ["# What composes with what",
         "`✗ rN`: refused with line rN. pre: pretraining; full FT: every weight of a base trains, on",
         "examples whose prompts have no targets; LoRA: rank-4 adapters on a frozen base.",
         "",
-        "Regenerate: `python -m lmforge.parallel.matrix > docs/composition.md`. Run the dist tests:",
+        "Regenerate: `python tests/composition_matrix.py > docs/composition.md`. Run the dist tests:",
         "`python -m pytest -m dist tests/test_composition_dist.py` (one torchrun launch of 2 ranks, 53 cells:",
-        "4m08s on the 2 CPU cores shared with other work). Where this ran: the 2-core CPU VM, gloo; no GPU (fp8 simulated:",
-        "precision/fp8.py)."]
+        "4m08s on the 2 CPU cores shared with other work). Where this ran: the 2-core CPU VM, gloo; no GPU",
+        "(fp8 simulated: precision/fp8.py)."]
 MIDDLE = ["With torch.compile, recomputation and checkpoints, each in fp32 pretraining. The state",
           "round trip (test_every_strategys_state_loads_back_by_name) loads each strategy's model and",
           "optimizer state by name into a fresh engine; the resume tests of test_distributed_train.py",

@@ -6,7 +6,7 @@ model size, in a second or so.
 
 Each record: the operator's name, the phase it ran in (step: forward and backward; optimizer:
 clipping and the update), its tensor inputs and outputs as (shape, stride, dtype), and the
-innermost module that ran it (_Modules below, forward and backward). roofline_ops.py
+innermost module that ran it (_Modules below, forward and backward). roofline/ops.py
 turns the records into the roofline's operations. This is the model's own code, pieces below
 accounting only (model, precision, wrap, optim): the same pieces train/setup.py's build_model and
 parallel/engine.py's step put together for one process.
@@ -25,13 +25,9 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._pytree import tree_flatten
 
 from lmforge.config import Config, ModelConfig
-from lmforge.model.transformer import Transformer
 from lmforge.modes.precision import get_policy
-from lmforge.optim.build import make_optimizer, param_groups
-from lmforge.optim.clip import clip_grad_norm
-from lmforge.precision.policy import autocast, prepare_model
-from lmforge.wrap.chunked_loss import apply_chunked_loss
-from lmforge.wrap.recompute import apply_recompute
+from lmforge.precision.loss_scaler import LossScaler
+from lmforge.precision.policy import autocast
 
 
 @dataclass(frozen=True)
@@ -140,45 +136,42 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def trace_step(cfg: ModelConfig, batch: int, seq_len: int, precision: str = "fp32", recompute: str = "none",
-               optimizer: str = "adamw", loss_chunk_tokens: int = 0, clip: bool = True, fp32_attention: bool = False) -> tuple[Record, ...]:
+def trace_step(build, cfg: ModelConfig, batch: int, seq_len: int, precision: str = "fp32", recompute: str = "none",
+               optimizer: str = "adamw", loss_chunk_tokens: int = 0,
+               fp32_attention: bool = False) -> tuple[Record, ...]:
     """The aten operators of one micro-batch's forward + backward and one clip + optimizer step
     (the second step's: AdamW's moments exist by then, as in every step of a run but the first),
-    cached by its arguments (a ModelConfig is not hashable: by its repr)."""
-    key = (repr(cfg), batch, seq_len, precision, recompute, optimizer, loss_chunk_tokens, clip, fp32_attention)
+    cached by its arguments (a ModelConfig is not hashable: by its repr). `build(cfg: Config)` is
+    the trainer's own one-process engine (model and optimizer as train/setup.py builds and wraps
+    them), handed down by the caller: accounting imports no training code."""
+    key = (build, repr(cfg), batch, seq_len, precision, recompute, optimizer, loss_chunk_tokens, fp32_attention)
     if key not in _TRACES:
-        _TRACES[key] = record_step(cfg, *key[1:])
+        _TRACES[key] = record_step(build, cfg, *key[2:])
     return _TRACES[key]
 
 
 _TRACES: dict = {}
 
 
-def record_step(cfg: ModelConfig, batch: int, seq_len: int, precision: str = "fp32", recompute: str = "none",
-                optimizer: str = "adamw", loss_chunk_tokens: int = 0, clip: bool = True,
-                fp32_attention: bool = False, fake: bool = True) -> tuple[Record, ...]:
+def record_step(build, cfg: ModelConfig, batch: int, seq_len: int, precision: str = "fp32", recompute: str = "none",
+                optimizer: str = "adamw", loss_chunk_tokens: int = 0, fp32_attention: bool = False,
+                fake: bool = True) -> tuple[Record, ...]:
     """trace_step's records, uncached; `fake=False` runs the step on real tensors (what the
     tests compare the fake run with)."""
     policy = get_policy(precision)
     # a plan may ask for a longer sequence than the config's context (the accounting allows it)
-    cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq_len))
-    full = Config(model=cfg)
-    full.optim.name = optimizer
+    full = Config(model=dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq_len)))
+    full.optim.name, full.train.precision, full.train.recompute = optimizer, precision, recompute
+    full.train.loss_chunk_tokens, full.train.fp32_attention = loss_chunk_tokens, fp32_attention
     fake = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with fake:
-        model = Transformer(cfg)
-        prepare_model(model, policy, fp32_attention=fp32_attention)
-        apply_recompute(model, recompute)
-        apply_chunked_loss(model, loss_chunk_tokens)
+    with fake:  # the optimizer makes its state in its first step, outside: its step counters real tensors
+        engine = build(full)
         tokens = torch.zeros(batch, seq_len + 1, dtype=torch.long)
-    # built outside the fake mode: the optimizer's step counters are real tensors (AdamW reads
-    # them: stack, unique, item), its moments fake ones, made like the parameters they follow
-    opt = make_optimizer(full, policy, param_groups(full, model))
     # bf16-pure's count of updates rounded away reads each step's count back (.item()), which a fake
     # tensor cannot: the trace leaves it out (a copy and a compare per parameter, not predicted)
-    if getattr(opt, "count_lost_updates", False):
-        opt.count_lost_updates = False
-    device = torch.device("cpu")
+    if getattr(engine.optimizer, "count_lost_updates", False):
+        engine.optimizer.count_lost_updates = False
+    no_scaling = LossScaler(enabled=False)
 
     def one_step(recorder=None):
         # the recorder entered after (above) the fake mode: it sees the operators the step calls,
@@ -186,16 +179,15 @@ def record_step(cfg: ModelConfig, batch: int, seq_len: int, precision: str = "fp
         # run on a miss of its cache only, so a trace below it would depend on what ran before)
         recording = recorder if recorder is not None else contextlib.nullcontext()
         with fake, recording:
-            with autocast(policy, device):
-                loss = model(tokens[:, :-1], tokens[:, 1:])
+            with autocast(policy, torch.device("cpu")):
+                loss = engine.model(tokens[:, :-1], tokens[:, 1:])
             loss.backward()
         if recorder:
             recorder.phase = "optimizer"
-        with recording:
-            if clip:
-                clip_grad_norm(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        with recording:  # the engine's own clip and step
+            engine.unscale_and_clip(no_scaling, 1.0)
+            engine.step()
+            engine.zero_grad()
 
     one_step()  # the first step creates the optimizer's state
     modules = _Modules()

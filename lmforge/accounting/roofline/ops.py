@@ -1,5 +1,5 @@
 """The operations of one training step, each with its FLOPs and the bytes it moves, for the
-roofline (roofline.py): the aten operators the step really dispatches (roofline_trace.py: the
+roofline (roofline.py): the aten operators the step really dispatches (roofline/trace.py: the
 model run on fake tensors of the real shapes), one Op per operator call.
 
 - class: mm/addmm are the matmuls; the fused attention kernels (and the naive backend's bmm) the
@@ -15,11 +15,12 @@ model run on fake tensors of the real shapes), one Op per operator call.
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from lmforge.accounting import comm
 from lmforge.accounting.roofline import ITEMSIZE, predict, rate_dtype, rates_after
-from lmforge.accounting.roofline_trace import Record, trace_step
+from lmforge.accounting.roofline.trace import Record, trace_step
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import Config, ModelConfig
 from lmforge.modes.parallel import get_strategy
@@ -152,43 +153,44 @@ def layer_extrapolated(cfg: ModelConfig, ops_of) -> list[Op]:
     return ops
 
 
-def micro_batch_ops(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", recompute: str = "none",
+def micro_batch_ops(build, cfg: ModelConfig, b: int, s: int, precision: str = "fp32", recompute: str = "none",
                     loss_chunk_tokens: int = 0, fp32_attention: bool = False) -> list[Op]:
-    """Forward and backward of one micro-batch, recomputation's extra forward included."""
+    """Forward and backward of one micro-batch, recomputation's extra forward included (`build`:
+    the trainer's one-process engine, as trace.trace_step takes it)."""
     def ops_of(c: ModelConfig) -> list[Op]:
-        records = trace_step(c, b, s, precision, recompute, "adamw", loss_chunk_tokens, True, fp32_attention)
+        records = trace_step(build, c, b, s, precision, recompute, "adamw", loss_chunk_tokens, fp32_attention)
         return [op_of(r) for r in records if r.phase == "step"]
 
     return layer_extrapolated(cfg, ops_of)
 
 
-def optimizer_ops(cfg: ModelConfig, b: int, s: int, precision: str = "fp32", optimizer: str = "adamw",
-                  shards: int = 1, clip: bool = True) -> list[Op]:
+def optimizer_ops(build, cfg: ModelConfig, b: int, s: int, precision: str = "fp32", optimizer: str = "adamw",
+                  shards: int = 1) -> list[Op]:
     """Gradient clipping and the optimizer's step over this rank's share of the parameters (ZeRO:
     1/shards of each tensor's bytes; the kernels are as many)."""
     def ops_of(c: ModelConfig) -> list[Op]:
-        return [op_of(r) for r in trace_step(c, b, s, precision, "none", optimizer, 0, clip) if r.phase == "optimizer"]
+        return [op_of(r) for r in trace_step(build, c, b, s, precision, "none", optimizer) if r.phase == "optimizer"]
 
     ops = layer_extrapolated(cfg, ops_of)
     return [dataclasses.replace(o, bytes=o.bytes / shards) for o in ops]
 
 
-def step_ops(run: Config, dp: int, strategy: str) -> list[Op]:
-    """Every op of one optimizer step on one of `dp` data-parallel ranks of `run`: grad_accum
-    micro-batches (those after the first add into the kept gradients: the trace's backward
-    accumulates into none), the optimizer on this rank's shard, the collectives of `strategy`
-    (comm.py's bytes)."""
+def step_ops(build, run: Config, dp: int, strategy: str) -> list[Op]:
+    """Every op of one optimizer step on one of `dp` data-parallel ranks of `run` (`build`: the
+    trainer's one-process engine, as trace.trace_step takes it): grad_accum micro-batches (those after
+    the first add into the kept gradients: the trace's backward accumulates into none), the optimizer
+    on this rank's shard, the collectives of `strategy` (comm.py's bytes)."""
     cfg, t, p = run.model, run.train, get_policy(run.train.precision)
-    ops = micro_batch_ops(cfg, t.batch_size, run.seq_len, p.name, t.recompute, t.loss_chunk_tokens,
+    ops = micro_batch_ops(build, cfg, t.batch_size, run.seq_len, p.name, t.recompute, t.loss_chunk_tokens,
                           t.fp32_attention) * t.grad_accum
     if t.grad_accum > 1:
         shapes = model_shapes(cfg).parameter_shapes
-        elements = sum(_numel(shape) for shape in shapes)
+        elements = sum(math.prod(shape) for shape in shapes)
         ops.append(Op("gradient accumulation", "norms/elementwise", "elementwise", 0.0,
                       3.0 * p.bytes.gradient * elements * (t.grad_accum - 1), (),
                       len(shapes) * (t.grad_accum - 1), p.param_dtype, "add_"))
     shards = dp if get_strategy(strategy).zero_stage >= 1 else 1
-    ops += optimizer_ops(cfg, t.batch_size, run.seq_len, p.name, run.optim.name, shards)
+    ops += optimizer_ops(build, cfg, t.batch_size, run.seq_len, p.name, run.optim.name, shards)
     if run.optim.name == "adamw":  # the optimizer its fixed cost is measured with (optimizer_phase_op)
         ops = [dataclasses.replace(op, launched=False) if op.cls == "optimizer" else op for op in ops]
         ops.append(optimizer_phase_op(cfg))
@@ -215,7 +217,7 @@ def collective_ops(run: Config, dp: int, strategy: str) -> list[Op]:
 
 def optimizer_phase_op(cfg: ModelConfig) -> Op:
     """The fixed cost of AdamW's optimizer phase (clipping, the step, zero_grad) over the model's
-    parameter tensors (a tied one once), as roofline_measure.measure_optimizer_phase measures it on
+    parameter tensors (a tied one once), as measure.measure_optimizer_phase measures it on
     a model that does no work: its operators' launches and the Python between them (torch.optim's
     wrapper, the per-parameter state lookups, zero_grad's loop). The phase's operators then pay
     their bytes only (launched=False): measured one by one, their launches were priced at the
@@ -225,41 +227,34 @@ def optimizer_phase_op(cfg: ModelConfig) -> Op:
               0.0, 0.0, (), tensors)
 
 
-def _numel(shape: tuple) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
-
-
 def traced(run: Config) -> bool:
     """Whether the trace covers `run` (not yet: tensor, context or pipeline parallelism, LoRA, fp8)."""
     return not (run.parallel.tp * run.parallel.cp * run.train.pipeline_stages > 1 or run.finetune.lora_rank
                 is not None or get_policy(run.train.precision).fp8)
 
 
-def predict_step(run: Config, dp: int, roof, strategy: str) -> dict | None:
+def predict_step(build, run: Config, dp: int, roof, strategy: str) -> dict | None:
     """The roofline's prediction of one optimizer step of `run` on one of `dp` data-parallel ranks on
     `roof` (roofline.predict), or None where the trace does not cover the run yet (traced)."""
     if not traced(run):
         return None
     tokens = run.train.batch_size * run.seq_len * run.train.grad_accum * dp  # one stage: no micro-batches
-    return predict(step_roof(run, dp, roof), step_ops(run, dp, strategy), tokens)
+    return predict(step_roof(build, run, dp, roof), step_ops(build, run, dp, strategy), tokens)
 
 
-def step_matmul_shapes(run: Config) -> tuple:
+def step_matmul_shapes(build, run: Config) -> tuple:
     """((dtype, operator, M, N, K, layout), ...): the distinct mm/addmm calls of one micro-batch's forward
     and backward, in the dtype whose rates price them (roofline.rate_dtype), for
-    roofline_shapes.py to time alone; () where the trace does not cover the setup."""
+    roofline/shapes.py to time alone; () where the trace does not cover the setup."""
     if not traced(run):
         return ()
     cfg, t, p = run.model, run.train, get_policy(run.train.precision)
-    ops = micro_batch_ops(cfg, t.batch_size, run.seq_len, p.name, t.recompute, t.loss_chunk_tokens,
+    ops = micro_batch_ops(build, cfg, t.batch_size, run.seq_len, p.name, t.recompute, t.loss_chunk_tokens,
                           t.fp32_attention)
     return tuple(dict.fromkeys((rate_dtype(op.dtype), op.op, *op.shape, op.layout) for op in ops if op.layout))
 
 
-def step_roof(run: Config, dp: int, roof):
+def step_roof(build, run: Config, dp: int, roof):
     """`roof` with its elementwise rates those measured after as many bytes of other writes as the
     step writes (roofline.rates_after): an operand of a step was last touched up to a step's writes
     before (the optimizer's states, the weights and their gradients a whole step; what the forward
@@ -267,13 +262,13 @@ def step_roof(run: Config, dp: int, roof):
     cache (small: 1.2 GB) reads the cold rates, one writing little nearly the warm ones. Where the
     cache is shared (a CPU's last level), the data-parallel ranks on the machine write into it at
     once: a step's writes are theirs all. A roof without that grid (a datasheet's) keeps its rates."""
-    return roof_after_writes(roof, step_writes(run, dp, roof))
+    return roof_after_writes(roof, step_writes(build, run, dp, roof))
 
 
-def step_writes(run: Config, dp: int, roof) -> float:
+def step_writes(build, run: Config, dp: int, roof) -> float:
     """Bytes written into the cache an operand of a step waits in between its uses: the step's
     (written_bytes), times the data-parallel ranks where the cache is shared (a CPU's last level)."""
-    return written_bytes(run) * (dp if roof.cache_shared else 1)
+    return written_bytes(build, run) * (dp if roof.cache_shared else 1)
 
 
 def roof_after_writes(roof, written: float):
@@ -289,7 +284,7 @@ def records_written(records) -> float:
     return float(sum(_touched(t) for r in records if not r.is_view for t in r.outputs))
 
 
-def written_bytes(run: Config) -> float:
+def written_bytes(build, run: Config) -> float:
     """Bytes of the tensors one micro-batch's forward + backward and the optimizer step write
     (every traced non-view result; linear in the layers past the second, as layer_extrapolated's
     totals are)."""
@@ -298,8 +293,8 @@ def written_bytes(run: Config) -> float:
     def of(layers: int) -> float:
         c = dataclasses.replace(cfg, n_layers=layers)
         # micro_batch_ops's trace (cached), its AdamW step standing in for the optimizer's writes
-        records = trace_step(c, t.batch_size, run.seq_len, get_policy(t.precision).name, t.recompute, "adamw",
-                             t.loss_chunk_tokens, True, t.fp32_attention)
+        records = trace_step(build, c, t.batch_size, run.seq_len, get_policy(t.precision).name, t.recompute,
+                             "adamw", t.loss_chunk_tokens, t.fp32_attention)
         return records_written(records)
 
     if cfg.n_layers <= 3:

@@ -1,9 +1,16 @@
-"""Which dist test trains which cells of the composition matrix (parallel/matrix_cells.py): a
-cell no entry names is "works, untested" on docs/composition.md."""
+"""Which dist test trains which cells of the composition matrix (tests/composition_matrix.py): a
+cell no entry names is "works, untested" on docs/composition.md. tests/test_composition.py checks
+that every test named here exists and that every cell it covers passes the checks."""
 
 from dataclasses import dataclass
 
-from lmforge.parallel.matrix_cells import EXTRAS, KINDS, PRECISIONS, SHARDED
+from lmforge.modes.parallel import DATA_PARALLEL, SHARDING
+from lmforge.modes.precision import POLICIES
+from lmforge.modes.recompute import RECOMPUTE_MODES
+
+PRECISIONS = tuple(POLICIES)
+ALL_KINDS = ("pretraining", "full fine-tuning", "LoRA")  # the matrix's KINDS
+RECOMPUTED = tuple(f"recompute={mode}" for mode in RECOMPUTE_MODES if mode != "none")  # columns of the second table
 
 
 @dataclass(frozen=True)
@@ -16,24 +23,23 @@ class Covered:
     extra: str | None = None  # a column of the second table
 
 
-DP = ("ddp", "zero1", "zero2", "zero3", "fsdp")
-MIXED = ("bf16-mixed", "fp16-mixed", "bf16-pure", "fp8")
+DP = DATA_PARALLEL
+MIXED = tuple(p for p in PRECISIONS if p != "fp32")
 DIST = "tests/test_composition_dist.py::"
 PIPE = "tests/test_pipeline_compose_dist.py::"
 CELLS = "tests/test_pipeline_cells_dist.py::"
 TPC = "tests/test_tp_compose_dist.py::"
 TPZ = "tests/test_tp_zero_dist.py::"
-TP_SHARDED = ("tp x zero1", "tp x zero2", "tp x zero3", "tp x fsdp")
+TP_SHARDED = tuple(f"tp x {s}" for s in SHARDING)
 TPR = "tests/test_tp_resume_dist.py::"
 CPC = "tests/test_cp_compose_dist.py::"
 TPP = "tests/test_tp_pipeline_dist.py::"
 SPC = "tests/test_sp_cp_dist.py::"
 CPZ = "tests/test_cp_zero_dist.py::"
-CP_SHARDED = tuple(f"cp x {s}" for s in SHARDED)
-TP_CP_SHARDED = tuple(f"tp x cp x {s}" for s in SHARDED)
+CP_SHARDED = tuple(f"cp x {s}" for s in SHARDING)
+TP_CP_SHARDED = tuple(f"tp x cp x {s}" for s in SHARDING)
 TPF = "tests/test_tp_precision_dist.py::"
 PIPELINES = ("pipeline", "pipeline x ddp", "pipeline x zero1")
-ALL_KINDS = tuple(KINDS)
 TPCELLS = "tests/test_tp_cells_dist.py::"
 TP_ROWS = ("tp", "tp x ddp", *TP_SHARDED, "tp x cp", "pipeline x tp", "tp=4, KV heads replicated")
 FINETUNES = ("full fine-tuning", "LoRA")
@@ -62,7 +68,7 @@ COVERAGE = (
     Covered("tests/test_compile.py::test_compiled_blocks_and_loss_match_eager_under_canonical_names",
             ("one process",), ("fp32",), extra="compiled"),
     *(Covered("tests/test_memory.py::test_recomputation_saves_what_the_formula_says_and_the_same_gradients",
-              ("one process",), ("fp32",), extra=extra) for extra in EXTRAS if extra.startswith("recompute=")),
+              ("one process",), ("fp32",), extra=extra) for extra in RECOMPUTED),
     # this matrix's own (tests/test_composition_dist.py runs exactly these cells, in one launch)
     Covered(DIST + "test_every_strategy_trains_in_every_precision_as_one_process", DP, MIXED),
     Covered(DIST + "test_every_kind_trains_as_one_process", DP, ("fp32",), ("full fine-tuning",)),
@@ -71,7 +77,7 @@ COVERAGE = (
       for i, precision in enumerate(MIXED) for shift, kind in ((0, "full fine-tuning"), (2, "LoRA"))),
     Covered(DIST + "test_compiled_and_recomputed_engines_train_as_one_process", DP, ("fp32",), extra="compiled"),
     *(Covered(DIST + "test_compiled_and_recomputed_engines_train_as_one_process", DP, ("fp32",), extra=extra)
-      for extra in EXTRAS if extra.startswith("recompute=")),
+      for extra in RECOMPUTED),
     Covered(DIST + "test_every_strategys_state_loads_back_by_name", DP, ("fp32",), extra="checkpoint + resume"),
     # pipelines with LoRA and with ZeRO-1 over each stage's replicas
     Covered(PIPE + "test_lora_on_a_pipeline_trains_as_one_process_with_lora", ("pipeline",), ("fp32",), ("LoRA",)),
@@ -86,7 +92,7 @@ COVERAGE = (
     Covered(CELLS + "test_every_pipeline_trains_in_every_precision_and_kind_as_one_process", PIPELINES, ("fp32",),
             ("full fine-tuning",)),
     *(Covered(CELLS + "test_compiled_and_recomputed_pipelines_train_as_one_process", PIPELINES, ("fp32",),
-              extra=extra) for extra in EXTRAS if extra != "checkpoint + resume"),
+              extra=extra) for extra in ("compiled", *RECOMPUTED)),
     Covered(CELLS + "test_every_pipelines_state_loads_back_by_name_and_steps_on_exactly", PIPELINES, ("fp32",),
             extra="checkpoint + resume"),
     Covered(CELLS + "test_a_pipeline_run_stopped_by_sigterm_resumes_bit_for_bit", ("pipeline x zero1",), ("fp32",),
@@ -105,7 +111,7 @@ COVERAGE = (
     Covered(TPC + "test_tp2_composes_and_trains_as_one_process", ("tp",), ("bf16-mixed", "bf16-pure")),
     Covered(TPC + "test_tp2_composes_and_trains_as_one_process", ("tp",), ("fp32", "bf16-mixed"), ("LoRA",)),
     *(Covered(TPC + "test_tp2_composes_and_trains_as_one_process", ("tp",), ("fp32",), extra=extra)
-      for extra in EXTRAS if extra.startswith("recompute=")),
+      for extra in RECOMPUTED),
     Covered(TPC + "test_tp2_compiled_trains_as_one_process_compiled", ("tp",), ("fp32",), extra="compiled"),
     Covered(TPC + "test_tp2_times_ddp2_composes_and_trains_as_one_process", ("tp x ddp",), ("bf16-mixed",)),
     Covered(TPC + "test_tp2_times_ddp2_composes_and_trains_as_one_process", ("tp x ddp",), ("fp32",), ("LoRA",)),
@@ -134,7 +140,7 @@ COVERAGE = (
     Covered(CPC + "test_cp2_composes_and_trains_as_one_process", ("cp x ddp",), ("fp16-mixed",)),
     Covered(CPC + "test_cp2_composes_and_trains_as_one_process", ("cp", "cp x ddp"), ("fp32",), ("LoRA",)),
     *(Covered(CPC + "test_cp2_composes_and_trains_as_one_process", ("cp",), ("fp32",), extra=extra)
-      for extra in EXTRAS if extra.startswith("recompute=")),
+      for extra in RECOMPUTED),
     Covered(CPC + "test_cp2_compiled_trains_as_one_process_compiled", ("cp",), ("fp32",), extra="compiled"),
     Covered(CPC + "test_tp2_times_cp2_trains_as_one_process", ("tp x cp",), ("fp32", "bf16-mixed")),
     Covered(CPC + "test_tp2_times_cp2_trains_as_one_process", ("tp x cp",), ("fp32",), ("LoRA",)),
@@ -183,7 +189,7 @@ COVERAGE = (
             ("bf16-mixed", "bf16-pure", "fp8")),
     *(Covered(TPCELLS + "test_recomputed_tp_and_cp_cells_train_as_one_process",
               ("tp x ddp", *TP_SHARDED, "tp x cp", "cp x ddp", "tp=4, KV heads replicated"), ("fp32",), extra=extra)
-      for extra in EXTRAS if extra.startswith("recompute=")),
+      for extra in RECOMPUTED),
     Covered(TPCELLS + "test_recomputed_tp_and_cp_cells_train_as_one_process", ("pipeline x tp",),
             ("fp32",), extra="recompute=selective"),
     Covered(TPCELLS + "test_compiled_tp_cells_train_as_one_process_compiled", ("tp x zero3",), ("fp32",),

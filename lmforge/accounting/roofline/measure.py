@@ -8,7 +8,7 @@ Each figure is the best of a few short timings, as hardware.py's peak is (a mome
 work shares the machine lowers some timings, not the best). The whole roof is measured in about
 ten seconds (33 s where each cold timing first writes a 480 MiB last level) and cached with the
 matmul peak (hardware.py's cache: when, under what load), and `lmforge plan --hardware this
---remeasure` replaces it. A step's own matmul calls are timed beside it: roofline_shapes.py.
+--remeasure` replaces it. A step's own matmul calls are timed beside it: roofline/shapes.py.
 """
 
 import dataclasses
@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from lmforge.accounting.hardware import _calls_per_second, _measured, _sync, cached_field, device_name
 from lmforge.accounting.roofline import Roof
-from lmforge.accounting.roofline_elementwise import (cache_bytes, cold_writes, measure_elementwise,
+from lmforge.accounting.roofline.elementwise import (cache_bytes, cold_writes, measure_elementwise,
                                                    measure_elementwise_after, measure_elementwise_ops)
-from lmforge.accounting.roofline_trace import dispatched_calls
+from lmforge.accounting.roofline.trace import dispatched_calls
 from lmforge.config import Config, ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.modes.precision import get_policy
@@ -87,7 +87,7 @@ def measure_sdpa(device: torch.device) -> tuple[dict, dict, dict]:
     forward, backward, fixed = {}, {}, {"sdpa_forward": {}, "sdpa_backward": {}}
     t0, d0 = SDPA_SEQ[0], SDPA_HEAD_DIMS[0]
     for name, dtype in DTYPES.items():
-        few, many = _sdpa_seconds(SDPA_BATCH_HEADS, t0, d0, dtype, device), _sdpa_seconds(4 * SDPA_BATCH_HEADS, t0, d0, dtype, device)
+        few, many = (_sdpa_seconds(heads, t0, d0, dtype, device) for heads in (SDPA_BATCH_HEADS, 4 * SDPA_BATCH_HEADS))
         costs = [max((4 * a - b) / 3, 0.0) for a, b in zip(few, many)]
         fixed["sdpa_forward"][name], fixed["sdpa_backward"][name] = costs
         forward[name], backward[name] = [], []
@@ -95,7 +95,8 @@ def measure_sdpa(device: torch.device) -> tuple[dict, dict, dict]:
             for d in SDPA_HEAD_DIMS:
                 flops = 4 * SDPA_BATCH_HEADS * t * t * d
                 seconds = _sdpa_seconds(SDPA_BATCH_HEADS, t, d, dtype, device)
-                for grid, work, s, c in ((forward, flops, seconds[0], costs[0]), (backward, 2 * flops, seconds[1], costs[1])):
+                for grid, work, s, c in ((forward, flops, seconds[0], costs[0]),
+                                         (backward, 2 * flops, seconds[1], costs[1])):
                     grid[name].append([t, d, work / max(s - c, s / 2)])  # the work at least half of a call
     return forward, backward, fixed
 
@@ -113,7 +114,7 @@ MINIMAL = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_hea
 
 def measure_launch(device: torch.device) -> tuple[float, float]:
     """(seconds per operator of MINIMAL's forward, cross-entropy and backward on 8 tokens, divided
-    by the aten operators it dispatches as roofline_trace.py counts them, views included; seconds
+    by the aten operators it dispatches as roofline/trace.py counts them, views included; seconds
     per tensor of a foreach op over 64 one-element tensors): the fixed cost every call pays before
     it moves a byte. A model's operator pays more than a bare one (a chain of one-element adds:
     2.4 us here against 4.0 us): the module calls, the Python between operators, the composite
@@ -163,7 +164,7 @@ def _optimizer_phase(layers: int, device: torch.device) -> tuple[int, float]:
 def measure_optimizer_phase(device: torch.device) -> dict:
     """{"fixed_s", "per_tensor_s"}: the fixed cost of the optimizer phase (_optimizer_phase), fitted
     t = fixed + tensors x per_tensor through MINIMAL at 1 and 3 layers (11 and 29 parameter
-    tensors). It stands for the launches of the phase's operators too (roofline_ops.step_ops):
+    tensors). It stands for the launches of the phase's operators too (ops.step_ops):
     priced one by one at the model's cost per operator, clipping's bare operators came out above
     what they take, and the Python between them was not counted at all."""
     return line_through(_optimizer_phase(1, device), _optimizer_phase(3, device))
@@ -186,7 +187,8 @@ def measure_roof(device: torch.device) -> dict:
         call, foreach = measure_launch(device)
         cache = cache_bytes(device)
         cold = measure_elementwise_ops(device, cold_writes(cache))
-        return {"optimizer_phase": measure_optimizer_phase(device), "bandwidth": measure_copy_bandwidth(device), "matmul": measure_matmuls(device),
+        return {"optimizer_phase": measure_optimizer_phase(device), "bandwidth": measure_copy_bandwidth(device),
+                "matmul": measure_matmuls(device),
                 "sdpa_forward": forward, "sdpa_backward": backward,
                 "sdpa_call_seconds": sdpa_call, "elementwise": measure_elementwise(device, cold_writes(cache)),
                 "elementwise_ops": cold, "cache_bytes": cache, "cache_shared": device.type == "cpu",
@@ -197,9 +199,11 @@ def measure_roof(device: torch.device) -> dict:
 
 def _key(device: torch.device) -> str:
     # v2: the per-family elementwise rates and the per-dispatched-call launch cost; v3: SDPA's
-    # backward timed alone, elementwise rates on operands out of cache, the vector_norm and binary_inplace families, SDPA's fixed cost (an older cached roof, without them, is measured again rather than read)
+    # backward timed alone, elementwise rates on operands out of cache, the vector_norm and binary_inplace
+    # families, SDPA's fixed cost (an older cached roof, without them, is measured again rather than read)
     # v4: the launch cost per operator of a minimal model's step, views alike (a chain of adds paid less)
-    # v6: the optimizer phase's fixed cost measured whole (optimizer_phase; a v5 roof of this branch held an earlier form of it)
+    # v6: the optimizer phase's fixed cost measured whole (optimizer_phase; a v5 roof of this branch held an
+    # earlier form of it)
     # v7: the families after W bytes of other writes (elementwise_ops_after) in place of the warm rates
     # v8: elementwise_ops_after also after 64 KiB and 2 MiB of writes (a decode step's, in a core's own caches);
     # the gelu and gelu_backward families; v9: the elementwise rates the best of 9 calls, not 3;
@@ -208,22 +212,22 @@ def _key(device: torch.device) -> str:
     return f"roofline v10|{device_name(device)}|torch {torch.__version__}"
 
 
-def this_roof(device: torch.device, remeasure: bool = False, store: bool = True, collective: dict | None = None) -> Roof:
-    """This machine's roof, from the cache unless `remeasure` (hardware.py's cache and its rules);
-    `collective` is measure_collective's result when launched under torchrun."""
-    return _roof(device, _measured(_key(device), "roof", lambda: measure_roof(device), remeasure, store), collective)
+def this_roof(device: torch.device, remeasure: bool = False, store: bool = True) -> Roof:
+    """This machine's roof, from the cache unless `remeasure` (hardware.py's cache and its rules); the
+    collectives are measured on a launched group apart (measure_collective: bench/step_time_dist.py)."""
+    return _roof(device, _measured(_key(device), "roof", lambda: measure_roof(device), remeasure, store))
 
 
 def cached_roof(device: torch.device) -> Roof | None:
-    """This machine's roof if the cache holds one (never measured here: a Trainer built directly,
-    as the tests build it, should not spend half a minute measuring), else None."""
+    """This machine's roof if the cache holds one (never measured here: the end of a training run
+    reads a roof, it never spends half a minute measuring one), else None."""
     fields = cached_field(_key(device), "roof")
     return _roof(device, fields) if isinstance(fields, dict) else None
 
 
-def _roof(device: torch.device, fields: dict, collective: dict | None = None) -> Roof:
+def _roof(device: torch.device, fields: dict) -> Roof:
     fields = {k: v for k, v in fields.items() if k != "measure_seconds"}
-    return Roof(name=f"this machine: {device_name(device)}", collective=collective or {}, **fields)
+    return Roof(name=f"this machine: {device_name(device)}", **fields)
 
 
 def measure_collective(group=None, sizes: tuple[int, ...] = (2**2, 2**19), repeats: int = 21) -> dict:
@@ -238,7 +242,8 @@ def measure_collective(group=None, sizes: tuple[int, ...] = (2**2, 2**19), repea
     import torch.distributed as dist
 
     ranks = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     calls = {
         "all_reduce": (2, lambda full, shard: dist.all_reduce(full, group=group)),
         "reduce_scatter": (1, lambda full, shard: dist.reduce_scatter_single(shard, full, group=group)),
@@ -250,7 +255,8 @@ def measure_collective(group=None, sizes: tuple[int, ...] = (2**2, 2**19), repea
         for n in sizes:
             full = torch.ones(n * ranks, device=device)  # a multiple of the ranks: the shards are whole
             shard = torch.ones(n, device=device)
-            for _ in range(3):  # warm-up: connection set-up (with one, a 16 B all-reduce's median of 9 once read 3.2 ms, 10x its usual)
+            # warm-up: connection set-up (with one, a 16 B all-reduce's median of 9 once read 3.2 ms, 10x its usual)
+            for _ in range(3):
                 call(full, shard)
             times = []
             for _ in range(repeats):

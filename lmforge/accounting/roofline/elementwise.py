@@ -1,4 +1,4 @@
-"""Elementwise rates for the roof (roofline.py's Roof, measured by roofline_measure.measure_roof):
+"""Elementwise rates for the roof (roofline.py's Roof, measured by measure.measure_roof):
 bytes/s of one operator of each family of roofline.FAMILIES by call size, each call timed after
 other writes have pushed its operands out of cache (or, measure_elementwise_after, after W bytes
 of them, W up to the cache's size), and the size of the cache itself."""
@@ -56,7 +56,7 @@ def measure_elementwise(device: torch.device, evict_bytes: float = EVICT_MIB * 2
 
 def _family_calls(n: int, device: torch.device) -> dict:
     """{family: (the call, bytes it moves)} of one representative operator of each family of
-    roofline.FAMILIES on n fp32 elements, bytes counted as roofline_ops counts them."""
+    roofline.FAMILIES on n fp32 elements, bytes counted as ops counts them."""
     x, y = torch.ones(n, device=device), torch.ones(n, device=device)
     rows = x.view(-1, 64)
     gelu_backward = torch.ops.aten.gelu_backward
@@ -109,7 +109,7 @@ def measure_elementwise_after(device: torch.device, cold: dict, cache: float) ->
     it out of a cache that is shared, a victim of L2 and set-associative (on the EPYC, tiny's step
     writes 28 MiB of its 32 MiB L3; one thread, loaded machine: priced at warm rates it came out
     0.6-0.66 of the measured, at cold ones 1.6, after 16-24 MiB of writes 0.91-0.95). The curve
-    between is the machine's, measured here; roofline_ops.step_roof reads it at the step's writes."""
+    between is the machine's, measured here; ops.step_roof reads it at the step's writes."""
     evict = cold_writes(cache)
     if not cache:
         return {}

@@ -1,16 +1,16 @@
-"""The roof a decode step runs on (accounting/roofline.py's Roof, adjusted): a decode step
+"""The roof a decode step runs on (accounting/roofline/__init__.py's Roof, adjusted): a decode step
 multiplies `batch` rows (1 to a few) by each weight matrix, far below the training grid's smallest
 M of 64, and runs under torch.no_grad through the model's modules, one small kernel after another.
 
 Two more things are measured (about two seconds, cached as the roof is: accounting/hardware.py's
 cache, `--remeasure` replaces it):
 - matmul FLOP/s at GEMV-like shapes: M in GEMV_ROWS by every (N, K) of the training grid's
-  (roofline_measure.MATMUL_DIMS), so that with the training grid they form one regular grid in M
+  (measure.MATMUL_DIMS), so that with the training grid they form one regular grid in M
   (interpolated in log2 M as any other dimension: roofline.interpolate), each call reading its
   weights from memory (measure_gemv);
 - the fixed cost of one operator of a decode step: the step of a model so small that none of its
   operators does measurable work (one layer, width 16, vocabulary 32, 16 cached positions), timed
-  and divided by the aten operators it dispatches as roofline_trace.py counts them. This is what a
+  and divided by the aten operators it dispatches as roofline/trace.py counts them. This is what a
   call costs in this code's decode path: the module calls, the Python between operators and the
   composite operators above the recorded ones (F.linear above t, mm, view) are paid per operator,
   which a chain of adds (the training roof's launch cost) does not pay. Views are counted alike.
@@ -25,9 +25,8 @@ import torch
 
 from lmforge.accounting.hardware import _measured, device_name
 from lmforge.accounting.roofline import Roof
-from lmforge.accounting.roofline_measure import DTYPES, MATMUL_DIMS, MINIMAL, _best_rate
-from lmforge.accounting.roofline_trace import dispatched_calls
-from lmforge.generate.sampling import KVCache, sample_next
+from lmforge.accounting.roofline.measure import DTYPES, MATMUL_DIMS, MINIMAL, _best_rate
+from lmforge.accounting.roofline.trace import dispatched_calls
 from lmforge.model.transformer import Transformer
 
 GEMV_ROWS = (1, 8)  # rows of a decode step's matmuls: batch 1 and batch 8
@@ -57,28 +56,23 @@ def measure_gemv(device: torch.device, megabytes: int = 128) -> dict:
 
 
 @torch.no_grad()
-def measure_decode_call(device: torch.device) -> float:
-    """Seconds per dispatched operator of MINIMAL's decode step (model forward and greedy choice)."""
-    model = Transformer(MINIMAL).to(device).eval()
-    cache = KVCache.for_model(model, MINIMAL_CONTEXT + 1)
-    feed = torch.zeros(1, 1, dtype=torch.long, device=device)
-
-    def step():
-        return sample_next(model(feed, kv_cache=cache, start_pos=MINIMAL_CONTEXT)[:, -1], temperature=0.0)
-
+def measure_decode_call(decoder, device: torch.device) -> float:
+    """Seconds per dispatched operator of MINIMAL's decode step (model forward and greedy choice:
+    `decoder`, as decode.record_decode takes it)."""
+    step = decoder(Transformer(MINIMAL).to(device).eval(), 1, MINIMAL_CONTEXT)
     return 1 / _best_rate(step, dispatched_calls(step), device, runs=3, seconds=0.05)
 
 
-def measure_decode(device: torch.device) -> dict:
+def measure_decode(decoder, device: torch.device) -> dict:
     """The decode roof's measurements as a JSON-ready dict, the global RNG left as it was."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return {"gemv": measure_gemv(device), "call_seconds": measure_decode_call(device)}
+        return {"gemv": measure_gemv(device), "call_seconds": measure_decode_call(decoder, device)}
 
 
-def this_decode_measurements(device: torch.device, remeasure: bool = False, store: bool = True) -> dict:
+def this_decode_measurements(decoder, device: torch.device, remeasure: bool = False, store: bool = True) -> dict:
     """measure_decode's result for this machine, from the cache unless `remeasure`."""
     key = f"roofline decode v2|{device_name(device)}|torch {torch.__version__}"
-    return _measured(key, "decode", lambda: measure_decode(device), remeasure, store)
+    return _measured(key, "decode", lambda: measure_decode(decoder, device), remeasure, store)
 
 
 def decode_roof(roof: Roof, measured: dict | None) -> Roof:

@@ -1,4 +1,4 @@
-"""The plan's step time from the roofline (accounting/roofline.py): one row per operation class with
+"""The plan's step time from the roofline (accounting/roofline/__init__.py): one row per operation class with
 its time, share, FLOPs, bytes, arithmetic intensity, achieved FLOP/s and the bound it hits; and
 the picture of the roof with each class as a point (`lmforge plan --roofline out.png`)."""
 
