@@ -280,7 +280,7 @@ def test_pipelines_refuse_what_they_cannot_do():
 
     with pytest.raises(Exception, match="model has 6 layers"):
         plan("train.pipeline_stages=7")
-    with pytest.raises(LmforgeError, match="use zero stage 1 or 0"):
+    with pytest.raises(LmforgeError, match=r"use train.parallel=zero1 \(shards each stage's optimizer states\) or ddp"):
         plan("train.pipeline_stages=2", "train.parallel=zero2", dp=2)
     with pytest.raises(LmforgeError, match="set train.micro_batches instead"):
         plan("train.pipeline_stages=2", "train.grad_accum=2")
@@ -316,7 +316,7 @@ def test_plan_command_prints_each_stage_and_the_bubble(capsys):
 @pytest.mark.parametrize("args, message", [
     (["--pp", "7"], "train.pipeline_stages=7 but the model has 6 layers"),
     (["--pp", "2", "train.pipeline_stages=2"], "--pp and train.pipeline_stages say the same"),
-    (["--pp", "2", "--zero-stage", "2"], "pp 2 with zero2: a pipeline's replicas run one backward per"),
+    (["--pp", "2", "--zero-stage", "2"], "train.parallel=zero2 does not combine with train.pipeline_stages=2: ZeRO-2"),
 ])
 def test_plan_command_refuses_pipelines_in_one_line(args, message, capsys):
     assert main(["plan", "--hardware", "h100-sxm", *args]) == 2

@@ -74,6 +74,6 @@ def test_the_plan_shards_each_stages_optimizer_states_over_its_replicas_with_zer
 def test_the_plan_refuses_zero2_and_zero3_with_a_pipeline_in_one_line(stage, capsys):
     assert main(["plan", "--hardware", "h100-sxm", "--pp", "2", "--zero-stage", str(stage)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"lmforge: error: pp 2 with zero{stage}: a pipeline's replicas run one backward per "
-                          f"micro-batch") and err.count("\n") == 1
-    assert "use zero stage 1 or 0" in err
+    assert err.startswith(f"lmforge: error: train.parallel=zero{stage} does not combine with "
+                          f"train.pipeline_stages=2: ZeRO-{stage} would") and err.count("\n") == 1
+    assert "use train.parallel=zero1 (shards each stage's optimizer states) or ddp" in err

@@ -2,7 +2,7 @@
 n = padded / cp tokens of every row (two zig-zag chunks of padded / 2cp; parallel/cp.py), so what
 it saves for backward is its shard's (accounting/cp.py's ring_activation_breakdown), its logits
 are its tokens', and it sends the ring's K/V and dK/dV (accounting/cp.py's context_parallel_bytes)
-besides the data-parallel engine's gradient traffic over the dp x cp ranks (parallel/cp_engine.py).
+besides the data-parallel engine's gradient traffic over the dp x cp ranks (parallel/engine.py).
 Every cp rank is one more replica to that engine, so the model states are those of the strategy over
 dp x cp ranks (costing.data_ranks): DDP's whole on every rank, ZeRO's and FSDP's sharded 1/(dp cp)
 (split tp ways first under tp x cp).

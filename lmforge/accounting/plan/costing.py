@@ -56,7 +56,7 @@ def devices(d: Degrees) -> int:
 
 def data_ranks(d: Degrees) -> int:
     """The ranks the gradients are reduced over and ZeRO/FSDP shard over: dp x cp (each cp rank
-    one more replica of its shard: parallel/cp_engine.py)."""
+    one more replica of its shard: parallel/engine.py's dp x cp group)."""
     return d.dp * d.cp
 
 

@@ -8,12 +8,12 @@ resolved once (costing.policy) and the Policy handed to the formulas; a pipeline
 counted in pipeline.py.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 from lmforge.accounting import comm, flops, memory
 from lmforge.accounting.hardware import ACCELERATORS, accelerator_peak
 from lmforge.accounting.pipeline import rank_chunks, stage_communication
-from lmforge.accounting.plan.check import check_plan
 from lmforge.accounting.plan.context_parallel import (context_parallel_section, local_tokens, ring_bytes_per_step,
                                                       sequence_shards, shard_activations)
 from lmforge.accounting.plan.costing import (Costing, degrees, devices, lora, policy, setup_section,
@@ -21,6 +21,7 @@ from lmforge.accounting.plan.costing import (Costing, degrees, devices, lora, po
 from lmforge.accounting.plan.pipeline import pipeline_plan, rank_parameters, stage_tensor_parallel
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import Config
+from lmforge.config.rules import check_composition
 from lmforge.config.degrees import Degrees
 from lmforge.modes.parallel import get_strategy
 from lmforge.modes.precision import Policy, get_policy
@@ -54,7 +55,7 @@ def make_plan(cfg: Config, costing: Costing | None = None,
     costing = costing or Costing()
     costing.check()
     d = degrees(cfg, costing.dp)
-    check_plan(cfg, devices(d))
+    _check_composition(cfg, d)
     pol, m = policy(cfg), cfg.model
     hardware_name, peak, device_memory = _hardware(costing, pol, this_machine)
     n_params = memory.parameter_count(m)
@@ -81,6 +82,14 @@ def make_plan(cfg: Config, costing: Costing | None = None,
     if d.cp > 1:
         plan["context_parallel"] = context_parallel_section(cfg, d, step_flops)
     return plan
+
+
+def _check_composition(cfg: Config, d: Degrees) -> None:
+    """config/rules.py's line for what a launch of the plan's devices would refuse (the launch check's
+    and the composition page's), on the step the plan costs: train.parallel as the plan reads it
+    (costing.strategy: none over several data ranks is DDP's all-reduce) and no end-of-run sample."""
+    train = dataclasses.replace(cfg.train, parallel=strategy(cfg, d), sample_tokens=0)
+    check_composition(dataclasses.replace(cfg, train=train), world=devices(d))
 
 
 def _hardware(costing: Costing, pol: Policy, this_machine: tuple | None) -> tuple[str, float, float]:
@@ -127,7 +136,7 @@ def _single_stage_cost(cfg: Config, d: Degrees, pol: Policy, adapters: int | Non
                  "weight_copies": activations.pop("weight_copies"),
                  "activations": sum(activations.values()),
                  "logits": logits}
-    # with cp, each cp rank is one more replica to the gradient all-reduce (parallel/cp_engine.py)
+    # with cp, each cp rank is one more replica to the gradient all-reduce (parallel/engine.py's dp x cp group)
     communication = comm.step_communication(m, how, shard_ranks(d), pol, t.grad_accum, lora=lora(cfg), tp=d.tp,
                                             optimizer=cfg.optim.name, replicate=d.dp_replicate if d.hybrid else 1)
     if d.tp > 1:  # the tensor ranks' activations (of this rank's tokens), besides the replicas' gradients
