@@ -69,8 +69,7 @@ NAME_SETS = {  # the names of each concept, and the objects modes/ defines for i
 }
 # files whose name lists other helpers of issue 42 rewrite (the plan's Setup, the engines): their
 # literals go with that work; delete each entry as it lands
-PENDING = {"lmforge/accounting/plan/make.py", "lmforge/accounting/plan/setups.py", "lmforge/accounting/plan/show.py",
-           "lmforge/parallel/parallelize.py"}
+PENDING = {"lmforge/parallel/parallelize.py"}
 
 
 def family_of(names) -> str | None:
