@@ -100,9 +100,9 @@ def head_table(plan: dict, title: str) -> Table:
         saved = lora["saved_bytes"]
         head.add_row("LoRA", f"rank {lora['rank']} on {lora['targets']}: {human_count(lora['trainable_parameters'])} "
                              f"trainable ({lora['trainable_fraction']:.2%} of the parameters)")
+        states = human_bytes(saved["optimizer_states"] + saved["master_weights"])
         head.add_row("saved vs full fine-tuning", f"gradients {human_bytes(saved['gradients'])}, optimizer states "
-                                                   f"{human_bytes(saved['optimizer_states'] + saved['master_weights'])} "
-                                                   f"(activations: the same)")
+                                                   f"{states} (activations: the same)")
     return head
 
 
