@@ -8,6 +8,7 @@ from typing import Callable
 from lmforge.accounting.inference import PREFILL_DTYPE
 from lmforge.accounting.shapes import tensor_parallel_degrees
 from lmforge.config import Config, ModelConfig
+from lmforge.config.rules import tp_divisibility
 
 MAX_TP = 8  # tensor parallelism stays inside one node's NVLink domain (Narayanan et al. 2021, section 3.3)
 MAX_DP = 4096
@@ -76,11 +77,12 @@ def largest_batch(fits: Callable[[int], bool]) -> int:
 
 def device_candidates(model: ModelConfig, sharded: bool, inference: bool) -> list[dict]:
     """The degrees --solve devices tries, fewest devices first, then the least tp and pp: tp (whole
-    heads, at most one node) for serving; dp x tp x pp for training (dp shrinks memory only under
-    ZeRO, and a pipeline's replicas take no ZeRO sharding)."""
+    heads, at most one node) for serving; dp x tp x pp for training (tp one that config/rules.py lets
+    split the model; dp shrinks memory only under ZeRO, and a pipeline's replicas take no ZeRO sharding)."""
     tps = [t for t in tensor_parallel_degrees(model) if t <= MAX_TP]
     if inference:
         return [{"tp": t} for t in tps]
+    tps = [t for t in tps if tp_divisibility(model, t) is None]
     pps = [p for p in range(1, model.n_layers + 1) if model.n_layers % p == 0 and not (sharded and p > 1)]
     dps = [2**i for i in range(MAX_DP.bit_length())]
     return sorted(({"dp": d, "tp": t, "pp": p} for d in dps for t in tps for p in pps),
