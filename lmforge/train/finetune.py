@@ -91,7 +91,8 @@ def prepare_finetune(cfg: Config, log=print) -> tuple[FinetuneData, dict[str, to
             f"tokens, loss on {meta['splits']['train']['tokens']:,} response tokens")
     else:
         train_docs, val_docs = split_documents(load_documents(source), cfg.data.val_fraction)
-        train, val = (np.concatenate(list(encode_documents(tokenizer, (d.text for d in docs), end_token=cfg.data.end_token)))
+        train, val = (np.concatenate(list(encode_documents(tokenizer, (d.text for d in docs),
+                                                           end_token=cfg.data.end_token)))
                       for docs in (train_docs, val_docs))
         check_windows(len(train), len(val), seq_len)
         meta = {"source": source, "splits": {

@@ -176,10 +176,9 @@ def optimizer_ops(build, cfg: ModelConfig, b: int, s: int, precision: str = "fp3
 
 
 def step_ops(build, run: Config, dp: int, strategy: str) -> list[Op]:
-    """Every op of one optimizer step on one of `dp` data-parallel ranks of `run` (`build`: the
-    trainer's one-process engine, as trace.trace_step takes it): grad_accum micro-batches (those after
-    the first add into the kept gradients: the trace's backward accumulates into none), the optimizer
-    on this rank's shard, the collectives of `strategy` (comm.py's bytes)."""
+    """Every op of one optimizer step on one of `dp` data-parallel ranks of `run`: grad_accum micro-batches
+    (those after the first add into the kept gradients: the trace's backward accumulates into none), the
+    optimizer on this rank's shard, the collectives of `strategy` (comm.py's bytes). `build`: trace_step's."""
     cfg, t, p = run.model, run.train, get_policy(run.train.precision)
     ops = micro_batch_ops(build, cfg, t.batch_size, run.seq_len, p.name, t.recompute, t.loss_chunk_tokens,
                           t.fp32_attention) * t.grad_accum
@@ -243,14 +242,11 @@ def predict_step(build, run: Config, dp: int, roof, strategy: str) -> dict | Non
 
 
 def step_matmul_shapes(build, run: Config) -> tuple:
-    """((dtype, operator, M, N, K, layout), ...): the distinct mm/addmm calls of one micro-batch's forward
-    and backward, in the dtype whose rates price them (roofline.rate_dtype), for
-    roofline/shapes.py to time alone; () where the trace does not cover the setup."""
-    if not traced(run):
-        return ()
-    cfg, t, p = run.model, run.train, get_policy(run.train.precision)
-    ops = micro_batch_ops(build, cfg, t.batch_size, run.seq_len, p.name, t.recompute, t.loss_chunk_tokens,
-                          t.fp32_attention)
+    """((dtype, operator, M, N, K, layout), ...): the distinct mm/addmm calls of one micro-batch's forward and
+    backward, in the dtype whose rates price them (roofline.rate_dtype), for shapes.py to time alone (or ())."""
+    t = run.train
+    ops = micro_batch_ops(build, run.model, t.batch_size, run.seq_len, get_policy(t.precision).name, t.recompute,
+                          t.loss_chunk_tokens, t.fp32_attention) if traced(run) else []
     return tuple(dict.fromkeys((rate_dtype(op.dtype), op.op, *op.shape, op.layout) for op in ops if op.layout))
 
 
