@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # reference_llama, bes
 
 from lmforge.accounting.flops import training_flops_per_token
 from lmforge.accounting.hardware import ACCELERATORS, mfu
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.config import make_config
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.precision.policy import autocast
@@ -371,7 +371,7 @@ def train(ctx, results: dict, checks: list) -> None:
     machine = (accelerator or str(device), peak or 1.0, memory or 0)
 
     def plan_bytes(cfg):
-        return make_plan(cfg.model, Setup.from_config(cfg, mfu=1.0), machine)["memory"]["per_device_bytes"]
+        return make_plan(cfg, Costing(mfu=1.0), machine)["memory"]["per_device_bytes"]
 
     batches = [b for b in s.train_batches
                if memory is None or plan_bytes(training_config(s.train_preset, s.train_seq, b, device))
@@ -395,7 +395,7 @@ def run_training(ctx, batch: int, results: dict, checks: list) -> None:
     device, s = ctx.device, ctx.shapes
     checks.clear()  # a retry at a smaller batch replaces what a larger one had recorded
     cfg = training_config(s.train_preset, s.train_seq, batch, device)
-    planned = make_plan(cfg.model, Setup.from_config(cfg, mfu=1.0),
+    planned = make_plan(cfg, Costing(mfu=1.0),
                         (results["datasheet"] or str(device), results["peak_flops"] or 1.0, 0))
     flops_per_token = training_flops_per_token(cfg.model, cfg.seq_len)
     results.update(batch=batch, seq_len=cfg.seq_len, preset=s.train_preset, flops_per_token=flops_per_token,

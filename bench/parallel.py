@@ -87,11 +87,11 @@ def rank_main(args) -> None:
 
 
 def plan_of(model: str, strategy: str, precision: str) -> dict:
-    from lmforge.accounting.plan.make import Setup, make_plan
+    from lmforge.accounting.plan.make import Costing, make_plan
     from lmforge.config import make_config
     cfg = make_config(model, overrides=[f"train.parallel={strategy}", f"train.precision={precision}",
                                         f"train.batch_size={ROWS}", f"train.seq_len={SEQ}"])
-    return make_plan(cfg.model, Setup.from_config(cfg, dp=2), ("this", 1e12, 1e12))
+    return make_plan(cfg, Costing(dp=2), ("this", 1e12, 1e12))
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ def main() -> None:
     parser.add_argument("--roofs", type=int, default=4)
     args = parser.parse_args()
 
-    from lmforge.accounting.plan.make import Setup
     from lmforge.accounting.roofline.measure import _roof, measure_roof
     from lmforge.accounting.roofline.ops import predict_step
     from lmforge.config import make_config
@@ -27,14 +26,14 @@ def main() -> None:
     cases = []
     for model, precision in (("tiny", "fp32"), ("tiny", "bf16-mixed"), ("small", "fp32")):
         cfg = make_config(model, overrides=[f"train.precision={precision}", "train.batch_size=8"])
-        cases.append((f"{model} {precision}", cfg, Setup.from_config(cfg, mfu=1.0)))
+        cases.append((f"{model} {precision}", cfg))
     for i in range(args.roofs):
         started = time.perf_counter()
         roof = _roof(device, measure_roof(device))
         took = time.perf_counter() - started
         rows = []
-        for name, cfg, setup in cases:
-            p = predict_step(one_process_engine, cfg.model, setup, roof, "none")
+        for name, cfg in cases:
+            p = predict_step(one_process_engine, cfg, 1, roof, "none")
             classes = p["classes"]
             rows.append(f"{name} {p['seconds_per_step'] * 1e3:.2f} ms (norms/elementwise "
                         f"{classes['norms/elementwise']['seconds'] * 1e3:.2f}, "

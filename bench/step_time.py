@@ -136,7 +136,6 @@ def main() -> None:
     parser.add_argument("--remeasure", action="store_true", help="measure the roof again first")
     args = parser.parse_args()
 
-    from lmforge.accounting.plan.make import Setup
     from lmforge.accounting.roofline.ops import predict_step
     from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.cli.launch import retain_freed_memory
@@ -149,13 +148,12 @@ def main() -> None:
     for model in args.models.split(","):
         for precision in args.precisions.split(","):
             cfg, step = build(model, precision, args.batch_size, args.seq_len)
-            setup = Setup.from_config(cfg)
-            shaped = this_step_roof(device, one_process_engine, cfg.model, setup)  # the step's own matmul shapes timed
-            predicted = predict_step(one_process_engine, cfg.model, setup, shaped, "none")
+            shaped = this_step_roof(device, one_process_engine, cfg)  # the step's own matmul shapes timed
+            predicted = predict_step(one_process_engine, cfg, 1, shaped, "none")
             measured, timed = measure(step, args.steps, args.warmup)
             ratio = predicted["seconds_per_step"] / measured
             grid = dataclasses.replace(shaped, matmul_shapes={})
-            grid_only = predict_step(one_process_engine, cfg.model, setup, grid, "none")
+            grid_only = predict_step(one_process_engine, cfg, 1, grid, "none")
             print(f"\n{model} {precision} batch {args.batch_size} x seq {cfg.seq_len}: predicted "
                   f"{predicted['seconds_per_step'] * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of "
                   f"{timed}), predicted/measured {ratio:.3f} (every matmul read off the grid instead: "

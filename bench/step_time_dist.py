@@ -154,12 +154,10 @@ def main() -> None:
     args = parse()
     import torch.distributed as dist
 
-    from lmforge.accounting.plan.make import Setup
     from lmforge.accounting.roofline.measure import measure_collective
     from lmforge.accounting.roofline.ops import predict_step
     from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.config import make_config
-    from lmforge.modes.parallel import get_strategy
     from lmforge.cli.launch import retain_freed_memory
     from lmforge.train.roofline import one_process_engine
 
@@ -168,18 +166,14 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
 
-    def setup_of(cfg, strategy: str):
-        return Setup.from_config(cfg, mfu=1.0, dp=world, zero_stage=get_strategy(strategy).zero_stage)
-
     roofs = {}  # rank 0 measures the roof and times each step's own matmul calls while the others wait
     if rank == 0:
         roof = this_step_roof(device, remeasure=args.remeasure)
         for model in args.models.split(","):
             for strategy in args.parallel.split(","):
-                cfg = make_config(model, overrides=[f"train.precision={args.precision}", f"train.parallel={strategy}",
-                                                    f"train.batch_size={args.batch_size}"])
-                roofs[model, strategy] = this_step_roof(device, one_process_engine, cfg.model,
-                                                        setup_of(cfg, strategy))
+                cfg = make_config(model, overrides=[f"train.precision={args.precision}",
+                                                    f"train.batch_size={args.batch_size}", f"train.parallel={strategy}"])
+                roofs[model, strategy] = this_step_roof(device, one_process_engine, cfg, world)
     dist.barrier()
     collective = measure_collective()
     if rank == 0:
@@ -195,18 +189,17 @@ def main() -> None:
             cfg, measured, held = timed(model, args, strategy)  # every rank builds and steps (collectives)
             if rank:
                 continue
-            setup = setup_of(cfg, strategy)
             measured_roof = dataclasses.replace(roofs[model, strategy], collective=collective)
-            predicted = predict_step(one_process_engine, cfg.model, setup, measured_roof, strategy)
+            predicted = predict_step(one_process_engine, cfg, world, measured_roof, strategy)
             grid_roof = dataclasses.replace(measured_roof, matmul_shapes={})
-            grid = predict_step(one_process_engine, cfg.model, setup, grid_roof, strategy)
+            grid = predict_step(one_process_engine, cfg, world, grid_roof, strategy)
             comm = predicted["classes"].get("communication", {}).get("seconds", 0.0)
             exposed = measured - alone
             print(f"{model:<8}{strategy:<9}{predicted['seconds_per_step'] * 1e3:>13.1f}{measured * 1e3:>12.1f}"
                   f"{predicted['seconds_per_step'] / measured:>10.3f}{comm * 1e3:>13.1f}{exposed * 1e3:>11.1f}"
                   f"{(1 - exposed / comm if comm else float('nan')):>8.0%}"
                   f"{grid['seconds_per_step'] / measured:>8.3f}")
-            attribution.append(attribute(cfg, setup, measured_roof, strategy, held, exposed))
+            attribution.append(attribute(cfg, world, measured_roof, strategy, held, exposed))
     if rank == 0:
         print("\nthe exposed time by collective: priced (calls per step) against the time it held rank 0 in a "
               "step (median)")
@@ -215,7 +208,7 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def attribute(cfg, setup, roof, strategy: str, held: dict, exposed: float) -> str:
+def attribute(cfg, dp: int, roof, strategy: str, held: dict, exposed: float) -> str:
     """One line: each collective operator's price (ops.collective_ops at the roof's
     measured figures) beside the time it held the rank in the timed steps (CollectiveClock), and
     what of the exposed time no collective held (the engine's hooks, copies and fills, and compute
@@ -224,7 +217,7 @@ def attribute(cfg, setup, roof, strategy: str, held: dict, exposed: float) -> st
     from lmforge.accounting.roofline.ops import collective_ops
 
     parts = []
-    for op in collective_ops(cfg.model, setup, strategy):
+    for op in collective_ops(cfg, dp, strategy):
         name = "scalar_all_reduce" if "scalar" in op.name else op.op
         parts.append(f"{name} x{op.calls} {op_time(roof, op)['seconds'] * 1e3:.2f}/{held.get(name, 0.0) * 1e3:.2f} ms")
     rest = exposed - sum(held.values())

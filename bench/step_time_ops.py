@@ -23,7 +23,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline import op_time
 from lmforge.accounting.roofline.ops import op_of, step_roof
 from lmforge.accounting.roofline.trace import _BOOKKEEPING, Record, _meta
@@ -74,9 +73,8 @@ def main() -> None:
     retain_freed_memory()
     cfg, step = build(args.model, args.precision, args.batch_size, args.seq_len)
     # the roof and the step's own matmul calls, measured here (not cached), as predict_step prices them
-    setup = Setup.from_config(cfg)
-    roof = this_step_roof(torch.device("cpu"), one_process_engine, cfg.model, setup, remeasure=True, store=False)
-    roof = step_roof(one_process_engine, cfg.model, setup, roof)
+    roof = this_step_roof(torch.device("cpu"), one_process_engine, cfg, remeasure=True, store=False)
+    roof = step_roof(one_process_engine, cfg, 1, roof)
     clock = _Clock(roof)
     register_optimizer_step_pre_hook(lambda *_: setattr(clock, "phase", "optimizer"))
     register_optimizer_step_post_hook(lambda *_: setattr(clock, "phase", "step"))

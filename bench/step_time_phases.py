@@ -18,7 +18,6 @@ from collections import defaultdict
 
 import torch
 
-from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline import op_time
 from lmforge.accounting.roofline.ops import op_of, optimizer_phase_op, step_ops, step_roof
 from lmforge.accounting.roofline.trace import recorded
@@ -66,10 +65,8 @@ def main() -> None:
     retain_freed_memory()
     cfg, engine, next_batch, scaler, policy, device = build_parts(args.model, args.precision, args.batch_size,
                                                                    args.seq_len)
-    setup = Setup.from_config(cfg)
     # as predict_step prices it
-    roof = step_roof(one_process_engine, cfg.model, setup,
-                     this_step_roof(torch.device("cpu"), one_process_engine, cfg.model, setup))
+    roof = step_roof(one_process_engine, cfg, 1, this_step_roof(torch.device("cpu"), one_process_engine, cfg))
     steps = phases(engine, next_batch, cfg, scaler, policy, device)
     for _ in range(3):
         for _, thunk in steps:
@@ -92,7 +89,7 @@ def main() -> None:
                    device)
         whole.append(time.thread_time() - started)
     median = {name: sorted(s)[len(s) // 2] for name, s in seconds.items()}
-    predicted = sum(op_time(roof, op)["seconds"] for op in step_ops(one_process_engine, cfg.model, setup, "none"))
+    predicted = sum(op_time(roof, op)["seconds"] for op in step_ops(one_process_engine, cfg, 1, "none"))
     print(f"{args.model} {args.precision}: train_step {sorted(whole)[len(whole) // 2] * 1e3:.3f} ms CPU time "
           f"(median of {args.steps}), its phases sum to {sum(median.values()) * 1e3:.3f} ms; the roofline "
           f"predicts {predicted * 1e3:.3f} ms; below, each operator priced with its launch (as without "

@@ -9,7 +9,6 @@ import sys
 
 import torch.distributed as dist
 
-from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline.measure import measure_collective
 from lmforge.accounting.roofline.ops import predict_step
 from lmforge.config import make_config
@@ -22,9 +21,9 @@ dist.init_process_group("gloo")
 collective = measure_collective()
 if dist.get_rank() == 0:
     strategy = sys.argv[1]
-    setup = Setup(dp=2, parallel=strategy, zero_stage=2 if strategy == "zero2" else 0, mfu=1.0)
+    run = make_config("tiny", overrides=[f"train.parallel={strategy}"])
     roof = dataclasses.replace(_roof(), collective=collective)
-    predicted = predict_step(one_process_engine, make_config("tiny").model, setup, roof, strategy)
+    predicted = predict_step(one_process_engine, run, 2, roof, strategy)
     print(json.dumps({"step": predicted["seconds_per_step"],
                       "communication": predicted["classes"]["communication"]["seconds"]}))
 dist.destroy_process_group()

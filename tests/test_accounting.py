@@ -9,7 +9,9 @@ import torch
 
 from lmforge.accounting.dtypes import DTYPES, dtype_info
 from lmforge.accounting.hardware import ACCELERATORS, accelerator_peak, mfu
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.costing import Costing
+from lmforge.accounting.plan.make import make_plan
+from lmforge.common.errors import LmforgeError
 from lmforge.cli import main
 from lmforge.config import make_config
 
@@ -55,8 +57,8 @@ def test_datasheet_peaks_and_mfu():
 
 
 def test_plan_for_the_default_model_adds_up():
-    cfg = make_config().model
-    plan = make_plan(cfg, Setup(batch_size=8, seq_len=256, hardware="h100-sxm", mfu=0.5, tokens=1e9))
+    cfg = make_config(overrides=["train.batch_size=8", "train.seq_len=256"])
+    plan = make_plan(cfg, Costing(hardware="h100-sxm", mfu=0.5, tokens=1e9))
     mem = plan["memory"]
     assert mem["per_device_bytes"] == sum(mem["breakdown_bytes"].values())
     assert mem["fits"]
@@ -66,25 +68,35 @@ def test_plan_for_the_default_model_adds_up():
 
 
 def test_plan_sharding_and_recompute_shrink_memory():
-    cfg = make_config("llama3-70b").model
-    base = make_plan(cfg, Setup(batch_size=1, seq_len=8192, precision="bf16-mixed", hardware="h100-sxm"))
-    sharded = make_plan(cfg, Setup(batch_size=1, seq_len=8192, precision="bf16-mixed", hardware="h100-sxm",
-                                   zero_stage=3, dp=64, recompute="full"))
+    setup = ["train.batch_size=1", "train.seq_len=8192", "train.precision=bf16-mixed"]
+    base = make_plan(make_config("llama3-70b", overrides=setup), Costing(hardware="h100-sxm"))
+    sharded = make_plan(make_config("llama3-70b", overrides=[*setup, "train.parallel=zero3", "train.recompute=full"]),
+                        Costing(hardware="h100-sxm", dp=64))
     assert not base["memory"]["fits"] and sharded["memory"]["fits"]
     states = [plan["memory"]["breakdown_bytes"]["optimizer_states"] for plan in (sharded, base)]
     assert states[0] * 64 == states[1]
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(zero_stage=4), "zero stage must be 0, 1, 2 or 3"),
-    (dict(precision="int8"), "unknown precision 'int8'"),
-    (dict(hardware="tpu-v9"), "unknown hardware 'tpu-v9'"),
-    (dict(mfu=1.5), "mfu must be in (0, 1]"),
-    (dict(batch_size=0), "batch_size must be >= 1"),
+@pytest.mark.parametrize("overrides, changes, message", [
+    (["train.precision=int8"], {}, "train.precision must be one of"),  # config validation, as `lmforge train`'s
+    ([], dict(hardware="tpu-v9"), "unknown hardware 'tpu-v9'"),
+    ([], dict(mfu=1.5), "mfu must be in (0, 1]"),
+    (["train.batch_size=0"], {}, "train.batch_size must be positive, got 0"),
 ])
-def test_plan_refuses_bad_setups(changes, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        make_plan(make_config("tiny").model, Setup(**{"hardware": "a100", **changes}))
+def test_plan_refuses_bad_setups(overrides, changes, message):
+    with pytest.raises(LmforgeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make_plan(make_config("tiny", overrides=overrides), Costing(**{"hardware": "a100", **changes}))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--zero-stage", "4"], "zero stage must be 0, 1, 2 or 3"),
+    (["--precision", "int8"], "train.precision must be one of"),
+    (["--batch-size", "0"], "batch_size must be >= 1, got 0"),
+])
+def test_plan_command_refuses_bad_setups_in_one_line(args, message, capsys):
+    assert main(["plan", "--model", "tiny", "--hardware", "a100", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
 
 
 def test_gpt3_175b_example_from_the_command_line(capsys):
@@ -178,13 +190,14 @@ def test_a_70b_plan_reads_a_model_that_holds_no_memory():
     model = meta_model(cfg)
     assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])  # shapes only: nothing allocated
     assert model_shapes(cfg).parameters == 70_553_706_496
-    plan = make_plan(cfg, Setup(batch_size=1, seq_len=8192, hardware="h100-sxm"))
+    plan = make_plan(make_config("llama3-70b", overrides=["train.batch_size=1", "train.seq_len=8192"]),
+                     Costing(hardware="h100-sxm"))
     assert plan["model"]["parameters"] == 70_553_706_496
     # nor does it initialise anything: the meta kernels of random fills would load torch._dynamo
     # (seconds, against ~0.1 s for the whole plan), so a fresh process plans without it
-    code = ("import sys; from lmforge.accounting.plan.make import Setup, make_plan; "
+    code = ("import sys; from lmforge.accounting.plan.make import Costing, make_plan; "
             "from lmforge.config import make_config; "
-            "make_plan(make_config('llama3-70b').model, Setup(hardware='h100-sxm')); "
+            "make_plan(make_config('llama3-70b', overrides=['train.seq_len=256']), Costing(hardware='h100-sxm')); "
             "print('dynamo loaded:', 'torch._dynamo' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -71,9 +71,9 @@ print("torch loaded:", "torch" in sys.modules)
 def test_plan_tp_must_divide_the_heads(tmp_path):
     result = lmforge("plan", "--model", "llama3-8b", "--tp", "12", "--hardware", "h100-sxm", cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.strip() == ("lmforge: error: tp 12 must divide the 32 attention heads and divide the 8 KV "
-                                     "heads or be a multiple of them (each rank holds whole heads): use one of "
-                                     "1, 2, 4, 8, 16, 32")
+    # config/rules.py's tp_divisibility: the launch's and the composition page's line
+    assert result.stderr.strip() == ("lmforge: error: parallel.tp=12 must divide the KV heads (model.n_kv_heads) = 8 "
+                                     "or be a multiple of them (each KV head then on tp / n_kv_heads ranks)")
     assert lmforge("plan", "--model", "llama3-8b", "--tp", "8", "--hardware", "h100-sxm").returncode == 0
 
 

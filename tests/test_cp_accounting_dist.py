@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cp_accounting_worker import cp_config  # noqa: E402
 from test_pipeline import run_worker  # noqa: E402
 
-from lmforge.accounting.plan.make import Setup, make_plan  # noqa: E402
+from lmforge.accounting.plan.costing import data_parallel  # noqa: E402
+from lmforge.accounting.plan.make import Costing, make_plan  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -35,9 +36,7 @@ MACHINE = ("test", 1e12, 2**40)  # a made-up device: the memory and bytes do not
 def planned(overrides: list[str], world: int) -> dict:
     """What `lmforge plan` says one rank saves, holds and sends, for the worker's config."""
     cfg = cp_config(overrides)
-    setup = Setup.from_config(cfg, dp=world // (cfg.parallel.cp * cfg.parallel.tp), tp=cfg.parallel.tp,
-                              sequence_parallel=False)
-    plan = make_plan(cfg.model, setup, MACHINE)
+    plan = make_plan(cfg, Costing(dp=data_parallel(cfg, world)), MACHINE)
     memory, sent = plan["memory"], plan["communication"]
     parts = memory["activation_breakdown_bytes"]
     # what autograd keeps is every non-parameter tensor: autocast's weight casts too; the trainer's
@@ -76,7 +75,7 @@ def test_a_rank_saves_about_half_of_one_process(two_ranks):
     Exactly half (1,749,504 bytes) but for the ring's output copies (+64 KiB) and the group loss's
     8 bytes, which the plan counts exactly above: measured 1,815,048, 0.519 of one process's."""
     cfg = cp_config([])
-    whole = make_plan(cfg.model, Setup.from_config(cfg, sequence_parallel=False), MACHINE)["memory"]
+    whole = make_plan(cfg, Costing(), MACHINE)["memory"]
     saved = two_ranks["cp2"][0]["saved"]
     assert 0.5 < saved / sum(whole["activation_breakdown_bytes"].values()) < 0.55
 

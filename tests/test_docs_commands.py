@@ -117,7 +117,7 @@ def check_finetune(args) -> None:
 
 def check_plan(args) -> None:
     overrides = list(args.overrides)
-    if args.pp is not None:  # accounting/plan/setups.py: plan_overrides, --pp is train.pipeline_stages
+    if args.pp is not None:  # lmforge/cli/plan_options.py: --pp is an alias of train.pipeline_stages
         overrides.append(f"train.pipeline_stages={max(int(value) for value in args.pp.split(','))}")
     make_config(args.model or DEFAULT_PRESET, config_file(args), overrides)
     for option, names in (("precision", [*POLICIES, *ALIASES]), ("recompute", RECOMPUTE_MODES),

@@ -149,12 +149,16 @@ def test_lora_training_flops_match_flop_counter(overrides, targets):
 
 
 def test_the_plan_prints_lora_flops_and_times_with_them():
-    from lmforge.accounting.plan.make import Setup, make_plan
+    from lmforge.accounting.plan.make import Costing, make_plan
+    from lmforge.config import FinetuneConfig
+
+    TARGETS = FinetuneConfig().lora_targets
 
     cfg = make_config("small").model
-    full, lora = (make_plan(cfg, Setup(hardware="h100-sxm", lora_rank=rank)) for rank in (None, 16))
+    full, lora = (make_plan(make_config("small", overrides=[f"finetune.lora_rank={rank}"]),
+                            Costing(hardware="h100-sxm")) for rank in ("null", 16))
     assert full["flops"]["training_per_token"] == pytest.approx(37.55e6, rel=1e-3)
-    assert lora["flops"]["training_per_token"] == training_flops_per_token(cfg, 256, lora=(16, Setup().lora_targets))
+    assert lora["flops"]["training_per_token"] == training_flops_per_token(cfg, 256, lora=(16, TARGETS))
     ratio = lora["flops"]["training_per_token"] / full["flops"]["training_per_token"]
     assert lora["time"]["seconds_per_step"] == pytest.approx(full["time"]["seconds_per_step"] * ratio)
     assert lora["budget"]["training_flops"] == pytest.approx(full["budget"]["training_flops"] * ratio)

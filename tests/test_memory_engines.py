@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 
 from lmforge.accounting.measure import measure_saved_bytes
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.costing import Costing
+from lmforge.accounting.plan.make import make_plan
+from tests.plan_configs import config_of
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
 from lmforge.modes.precision import get_policy
@@ -53,7 +55,9 @@ def measured_and_planned(strategy: str, precision: str, family: str) -> tuple[in
         with measure_saved_bytes(model.parameters) as saved:  # ZeRO-3 and FSDP swap gathered weights in
             loss = model(inputs, targets)
     loss.backward()
-    memory = make_plan(cfg.model, Setup.from_config(cfg, batch_size=BATCH, seq_len=SEQ, hardware="h100-sxm"))["memory"]
+    run = config_of(cfg.model, f"train.parallel={strategy}", f"train.precision={precision}",
+                    f"train.batch_size={BATCH}", f"train.seq_len={SEQ}")
+    memory = make_plan(run, Costing(hardware="h100-sxm"))["memory"]
     # the trainer's row (train/summary.py): the activations and the weight casts
     planned = sum(memory["activation_breakdown_bytes"].values()) + memory["breakdown_bytes"]["weight_copies"]
     return saved.activations, planned, memory

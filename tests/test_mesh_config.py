@@ -7,7 +7,8 @@ process group: check_launch takes the (rank, world, local rank) a launcher would
 import pytest
 
 from lmforge.accounting.comm import step_communication, unit_sizes
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.costing import Costing
+from lmforge.accounting.plan.make import make_plan
 from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
@@ -107,9 +108,9 @@ def test_the_plan_of_hybrid_sharding_holds_one_shard_group_share():
     """HSDP over dp_replicate 2 x dp_shard 2 holds what FSDP over 2 ranks holds (1/dp_shard), and
     sends FSDP-over-2's traffic plus the all-reduce, over 2 replicas, of its gradient shard."""
     model = config().model
-    hsdp = make_plan(model, Setup(parallel="fsdp", zero_stage=3, dp=4, dp_replicate=2, hardware="h100-sxm"))
-    fsdp2 = make_plan(model, Setup(parallel="fsdp", zero_stage=3, dp=2, hardware="h100-sxm"))
-    one = make_plan(model, Setup(hardware="h100-sxm"))
+    hsdp = make_plan(config("train.parallel=fsdp", "parallel.dp_replicate=2"), Costing(dp=4, hardware="h100-sxm"))
+    fsdp2 = make_plan(config("train.parallel=fsdp"), Costing(dp=2, hardware="h100-sxm"))
+    one = make_plan(config(), Costing(hardware="h100-sxm"))
     for key in ("parameters", "gradients", "optimizer_states"):
         assert hsdp["memory"]["breakdown_bytes"][key] == fsdp2["memory"]["breakdown_bytes"][key]
         assert fsdp2["memory"]["breakdown_bytes"][key] * 2 >= one["memory"]["breakdown_bytes"][key]

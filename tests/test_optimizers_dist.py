@@ -47,7 +47,7 @@ from test_pipeline_cells_dist import assert_bytes_equal_the_plan  # noqa: E402
 from pipeline_worker import config as pipeline_config  # noqa: E402
 
 from lmforge.accounting.comm import step_communication  # noqa: E402
-from lmforge.accounting.plan.make import Setup, make_plan  # noqa: E402
+from lmforge.accounting.plan.make import Costing, make_plan  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
@@ -183,7 +183,7 @@ def assert_muon_bytes_equal_the_plan_over_replicas(result: dict, overrides: list
     and where the shard boundary falls decides each rank's mix (measured: +-256 bytes, the 64
     elements of a norm gain, on the tiny model), while the plan gives the mean."""
     cfg = pipeline_config(overrides)
-    stages = make_plan(cfg.model, Setup.from_config(cfg, dp=replicas, hardware="h100-sxm"))["pipeline"]["stages_detail"]
+    stages = make_plan(cfg, Costing(dp=replicas, hardware="h100-sxm"))["pipeline"]["stages_detail"]
     total = {}
     for (replica, stage), held in result["bytes"].items():
         planned = stages[stage]["breakdown_bytes"]

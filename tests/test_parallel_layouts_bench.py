@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.costing import data_parallel
+from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.config import make_config
 from lmforge.parallel.launch import check_launch
 
@@ -32,9 +33,7 @@ def test_every_layout_launches_on_its_ranks_and_has_a_plan(bench):
         assert check_launch(cfg, (0, ranks, 0), cuda_devices=0) == torch.device("cpu"), name
         c, p = cfg.parallel, cfg.train
         assert c.tp * c.cp * p.pipeline_stages <= ranks, name  # the rest are data-parallel replicas
-        setup = Setup.from_config(cfg, dp=ranks // (c.tp * c.cp * p.pipeline_stages), tp=c.tp,
-                                  sequence_parallel=c.sequence_parallel)  # as the trainer makes its plan
-        plan = make_plan(cfg.model, setup, ("this", 1e12, 1e12))
+        plan = make_plan(cfg, Costing(dp=data_parallel(cfg, ranks)), ("this", 1e12, 1e12))  # as the trainer plans
         # a pipeline's plan counts its stages' memory and dp traffic, not yet their tp traffic (bench/RESULTS.md)
         assert ("tensor_parallel" in plan["communication"]) == (c.tp > 1), name  # pipelines of tp stages too
         assert ("context_parallel" in plan["communication"]) == (c.cp > 1), name

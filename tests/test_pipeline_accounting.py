@@ -16,7 +16,10 @@ from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_me
 from lmforge.accounting.memory import activation_breakdown
 from lmforge.accounting.pipeline import (balanced_split, bubble_fraction, micro_batches_in_flight, stage_costs,
                                          stage_layers)
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.costing import Costing
+from lmforge.accounting.plan.make import make_plan
+from lmforge.common.errors import LmforgeError
+from tests.plan_configs import config_of
 from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
@@ -163,10 +166,10 @@ CONFIGS = {
 
 
 def planned_stages(cfg, split, precision, recompute="none", b=3, s=48, m=4, schedule="1f1b"):
-    setup = Setup(batch_size=b, seq_len=s, precision=precision, recompute=recompute, attention=cfg.attention,
-                  pp=len(split), micro_batches=m, schedule=schedule, pipeline_split=",".join(map(str, split)),
-                  hardware="h100-sxm")
-    return make_plan(cfg, setup)["pipeline"]["stages_detail"]
+    run = config_of(cfg, f"train.batch_size={b}", f"train.seq_len={s}", f"train.precision={precision}",
+                    f"train.recompute={recompute}", f"train.pipeline_stages={len(split)}", f"train.micro_batches={m}",
+                    f"train.schedule={schedule}", f"train.pipeline_split={','.join(map(str, split))}")
+    return make_plan(run, Costing(hardware="h100-sxm"))["pipeline"]["stages_detail"]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -219,7 +222,8 @@ def test_each_stage_saves_the_activations_planned(family, precision, recompute):
 def test_plan_takes_the_largest_stage_and_the_slowest_stages_pace():
     cfg = make_config("small").model
     b, s = 8, 256
-    plan = make_plan(cfg, Setup(batch_size=b, seq_len=s, pp=4, micro_batches=8, hardware="h100-sxm", mfu=0.5))
+    setup = (f"train.batch_size={b}", f"train.seq_len={s}", "train.micro_batches=8")
+    plan = make_plan(config_of(cfg, *setup, "train.pipeline_stages=4"), Costing(hardware="h100-sxm", mfu=0.5))
     piped, stages = plan["pipeline"], plan["pipeline"]["stages_detail"]
     assert plan["setup"]["tokens_per_step"] == b * s * 8
     assert piped["split"] == [2, 2, 1, 1] and piped["bubble_fraction"] == 3 / 11
@@ -236,26 +240,28 @@ def test_plan_takes_the_largest_stage_and_the_slowest_stages_pace():
     slowest = max(d["seconds_per_micro_batch"] for d in stages)
     assert plan["time"]["seconds_per_step"] == piped["seconds_per_step"] == 11 * slowest
     # without the bubble: the same FLOPs spread over the 4 devices, as a plan without a pipeline
-    flat = make_plan(cfg, Setup(batch_size=b * 2, seq_len=s, dp=4, hardware="h100-sxm", mfu=0.5))
+    flat = make_plan(config_of(cfg, f"train.batch_size={b * 2}", f"train.seq_len={s}"),
+                     Costing(hardware="h100-sxm", mfu=0.5, dp=4))
     assert flat["setup"]["tokens_per_step"] == plan["setup"]["tokens_per_step"]
     assert piped["ideal_seconds_per_step"] == pytest.approx(flat["time"]["seconds_per_step"], rel=1e-12)
     assert piped["best_mfu"] == pytest.approx(0.5 * piped["ideal_seconds_per_step"] / piped["seconds_per_step"])
     # an unbalanced split is slower, and its slow stage is the one named
-    lopsided = make_plan(cfg, Setup(batch_size=b, seq_len=s, pp=2, micro_batches=8, pipeline_split="5,1",
-                                    hardware="h100-sxm"))["pipeline"]
-    balanced = make_plan(cfg, Setup(batch_size=b, seq_len=s, pp=2, micro_batches=8, hardware="h100-sxm"))["pipeline"]
+    lopsided = make_plan(config_of(cfg, *setup, "train.pipeline_stages=2", "train.pipeline_split=5,1"),
+                         Costing(hardware="h100-sxm"))["pipeline"]
+    balanced = make_plan(config_of(cfg, *setup, "train.pipeline_stages=2"), Costing(hardware="h100-sxm"))["pipeline"]
     assert lopsided["slowest_stage"] == 0 and lopsided["seconds_per_step"] > balanced["seconds_per_step"]
     assert balanced["split_source"] == "balanced" and lopsided["split_source"] == "given"
     # GPipe keeps every micro-batch on every stage
-    gpipe = make_plan(cfg, Setup(batch_size=b, seq_len=s, pp=4, micro_batches=8, schedule="gpipe",
-                                 hardware="h100-sxm"))["pipeline"]["stages_detail"]
+    gpipe = make_plan(config_of(cfg, *setup, "train.pipeline_stages=4", "train.schedule=gpipe"),
+                      Costing(hardware="h100-sxm"))["pipeline"]["stages_detail"]
     assert [d["micro_batches_in_flight"] for d in gpipe] == [8] * 4
 
 
 def test_what_each_stage_sends():
     cfg = make_config("small").model
     b, s, m, dp = 4, 128, 6, 2
-    plan = make_plan(cfg, Setup(batch_size=b, seq_len=s, pp=3, micro_batches=m, dp=dp, hardware="h100-sxm"))
+    plan = make_plan(config_of(cfg, f"train.batch_size={b}", f"train.seq_len={s}", "train.pipeline_stages=3",
+                               f"train.micro_batches={m}", "train.parallel=ddp"), Costing(hardware="h100-sxm", dp=dp))
     stages = plan["pipeline"]["stages_detail"]
     hidden = m * b * s * cfg.d_model * 4  # fp32 hidden states, every micro-batch
     assert [d["sent_bytes_per_step"]["activations"] for d in stages] == [hidden, hidden, 0]
@@ -269,22 +275,24 @@ def test_what_each_stage_sends():
 
 
 def test_pipelines_refuse_what_they_cannot_do():
-    cfg = make_config("small").model
+    def plan(*overrides, dp=1):
+        return make_plan(make_config("small", overrides=list(overrides)), Costing(hardware="h100-sxm", dp=dp))
+
     with pytest.raises(Exception, match="model has 6 layers"):
-        make_plan(cfg, Setup(pp=7, hardware="h100-sxm"))
-    with pytest.raises(ValueError, match="use zero stage 1 or 0"):
-        make_plan(cfg, Setup(pp=2, dp=2, zero_stage=2, hardware="h100-sxm"))
-    with pytest.raises(ValueError, match="set train.micro_batches instead"):
-        make_plan(cfg, Setup(pp=2, grad_accum=2, hardware="h100-sxm"))
-    with pytest.raises(ValueError, match="unknown pipeline schedule"):
-        make_plan(cfg, Setup(pp=2, schedule="zigzag", hardware="h100-sxm"))
+        plan("train.pipeline_stages=7")
+    with pytest.raises(LmforgeError, match=r"use train.parallel=zero1 \(shards each stage's optimizer states\) or ddp"):
+        plan("train.pipeline_stages=2", "train.parallel=zero2", dp=2)
+    with pytest.raises(LmforgeError, match="set train.micro_batches instead"):
+        plan("train.pipeline_stages=2", "train.grad_accum=2")
+    with pytest.raises(LmforgeError, match="train.schedule must be one of"):
+        plan("train.pipeline_stages=2", "train.schedule=zigzag")
 
 
-def test_setup_from_config_reads_the_pipeline():
+def test_the_plan_reads_the_pipeline_from_the_config():
     cfg = make_config("small", overrides=["train.pipeline_stages=3", "train.micro_batches=5", "train.schedule=gpipe",
                                           "train.pipeline_split=1,2,3"])
-    setup = Setup.from_config(cfg)
-    assert (setup.pp, setup.micro_batches, setup.schedule, setup.pipeline_split) == (3, 5, "gpipe", "1,2,3")
+    piped = make_plan(cfg, Costing(hardware="h100-sxm"))["pipeline"]
+    assert (piped["stages"], piped["micro_batches"], piped["schedule"], piped["split"]) == (3, 5, "gpipe", [1, 2, 3])
 
 
 # -- lmforge plan ----------------------------------------------------------------------------------
@@ -308,7 +316,7 @@ def test_plan_command_prints_each_stage_and_the_bubble(capsys):
 @pytest.mark.parametrize("args, message", [
     (["--pp", "7"], "train.pipeline_stages=7 but the model has 6 layers"),
     (["--pp", "2", "train.pipeline_stages=2"], "--pp and train.pipeline_stages say the same"),
-    (["--pp", "2", "--zero-stage", "2"], "pp 2 with zero2: a pipeline's replicas run one backward per"),
+    (["--pp", "2", "--zero-stage", "2"], "train.parallel=zero2 does not combine with train.pipeline_stages=2: ZeRO-2"),
 ])
 def test_plan_command_refuses_pipelines_in_one_line(args, message, capsys):
     assert main(["plan", "--hardware", "h100-sxm", *args]) == 2
@@ -331,7 +339,7 @@ def fake_measurements(plan: dict, measured_by_stage=None) -> RunMeasurements:
 def test_the_mfu_row_predicts_the_utilisation_at_the_rooflines_step_time():
     """With a roofline the MFU row's prediction is the MFU at the predicted step time (not the 100%
     bound), so its measured / predicted is the predicted / measured step time."""
-    plan = make_plan(make_config("tiny").model, Setup(hardware="h100-sxm", mfu=1.0))
+    plan = make_plan(make_config("tiny"), Costing(hardware="h100-sxm", mfu=1.0))
     plan["roofline"] = {"seconds_per_step": 0.02}
     run = fake_measurements(plan)
     run.tokens_per_step = 1000
@@ -344,7 +352,8 @@ def test_the_mfu_row_predicts_the_utilisation_at_the_rooflines_step_time():
 
 
 def test_predicted_vs_measured_has_a_row_per_stage():
-    plan = make_plan(make_config("small").model, Setup(pp=2, micro_batches=4, hardware="h100-sxm", mfu=1.0))
+    plan = make_plan(make_config("small", overrides=["train.pipeline_stages=2", "train.micro_batches=4"]),
+                     Costing(hardware="h100-sxm", mfu=1.0))
     stages = plan["pipeline"]["stages_detail"]
     measured = [{"parameters": 11, "gradients": 12, "optimizer_states": 13, "activations": 14,
                  "activations_in_flight": 15 + stage} for stage in range(2)]
@@ -366,6 +375,6 @@ def test_predicted_vs_measured_has_a_row_per_stage():
     rows = predicted_vs_measured(plan, fake_measurements(plan), tokens_per_s=1000.0)
     assert rows["stage 1 gradients_bytes"]["measured"] is None
     # a run without a pipeline keeps its one-device rows
-    flat = make_plan(make_config("small").model, Setup(hardware="h100-sxm"))
+    flat = make_plan(make_config("small"), Costing(hardware="h100-sxm"))
     rows = predicted_vs_measured(flat, fake_measurements(flat), tokens_per_s=1000.0)
     assert "parameters_bytes" in rows and not any(key.startswith("stage ") for key in rows)

@@ -49,7 +49,7 @@ from test_pipeline import assert_same_training, pipeline, run_worker, single_pro
 from parallel_worker import make_engine  # noqa: E402
 from pipeline_worker import config  # noqa: E402
 
-from lmforge.accounting.plan.make import Setup, make_plan  # noqa: E402
+from lmforge.accounting.plan.make import Costing, make_plan  # noqa: E402
 from composition_matrix import CELLS, COVERAGE, EXTRAS, KINDS, LAYOUTS, cell_overrides  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -141,7 +141,7 @@ def assert_bytes_equal_the_plan(name: str, result: dict, overrides: list[str], r
     """Each rank's parameters, gradients, master weights and optimizer states after the first step
     are its stage's in the plan (accounting/plan), byte for byte."""
     cfg = config(overrides)
-    stages = make_plan(cfg.model, Setup.from_config(cfg, dp=replicas, hardware="h100-sxm"))["pipeline"]["stages_detail"]
+    stages = make_plan(cfg, Costing(dp=replicas, hardware="h100-sxm"))["pipeline"]["stages_detail"]
     for (replica, stage), held in result["bytes"].items():
         planned = stages[stage]["breakdown_bytes"]
         for part in ("parameters", "gradients", "master_weights", "optimizer_states"):

@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.costing import Costing
+from lmforge.accounting.plan.make import make_plan
 from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
@@ -56,10 +57,10 @@ def test_replicas_without_a_strategy_are_refused():
 
 
 def test_the_plan_shards_each_stages_optimizer_states_over_its_replicas_with_zero1():
-    cfg = make_config("small").model
-    common = dict(pp=2, dp=4, micro_batches=4, hardware="h100-sxm", precision="bf16-mixed")
-    ddp = make_plan(cfg, Setup(**common))["pipeline"]["stages_detail"]
-    zero1 = make_plan(cfg, Setup(zero_stage=1, **common))["pipeline"]["stages_detail"]
+    common = ["train.pipeline_stages=2", "train.micro_batches=4", "train.precision=bf16-mixed"]
+    ddp, zero1 = (make_plan(make_config("small", overrides=[*common, f"train.parallel={strategy}"]),
+                            Costing(dp=4, hardware="h100-sxm"))["pipeline"]["stages_detail"]
+                  for strategy in ("ddp", "zero1"))
     for d, z in zip(ddp, zero1):
         assert z["breakdown_bytes"]["optimizer_states"] == d["breakdown_bytes"]["optimizer_states"] / 4
         # the paper's layout: fp32 masters sharded with the moments, 16-bit working weights and gradients
@@ -73,6 +74,6 @@ def test_the_plan_shards_each_stages_optimizer_states_over_its_replicas_with_zer
 def test_the_plan_refuses_zero2_and_zero3_with_a_pipeline_in_one_line(stage, capsys):
     assert main(["plan", "--hardware", "h100-sxm", "--pp", "2", "--zero-stage", str(stage)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"lmforge: error: pp 2 with zero{stage}: a pipeline's replicas run one backward per "
-                          f"micro-batch") and err.count("\n") == 1
-    assert "use zero stage 1 or 0" in err
+    assert err.startswith(f"lmforge: error: train.parallel=zero{stage} does not combine with "
+                          f"train.pipeline_stages=2: ZeRO-{stage} would") and err.count("\n") == 1
+    assert "use train.parallel=zero1 (shards each stage's optimizer states) or ddp" in err

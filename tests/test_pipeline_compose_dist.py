@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_pipeline import FOUR_LAYERS, assert_same_training, pipeline, run_worker, single_process  # noqa: E402
 from pipeline_worker import STEPS, config  # noqa: E402
 
-from lmforge.accounting.plan.make import Setup, make_plan  # noqa: E402
+from lmforge.accounting.plan.make import Costing, make_plan  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -102,7 +102,7 @@ def test_each_ranks_bytes_and_replica_traffic_equal_the_plans_stage(four_ranks, 
     overrides = pipeline(2, "1f1b", M, *FOUR_LAYERS, f"train.parallel={key.split('_')[0]}",
                          *(LORA if "lora" in key else []))
     cfg = config(overrides)
-    stages = make_plan(cfg.model, Setup.from_config(cfg, dp=2, hardware="h100-sxm"))["pipeline"]["stages_detail"]
+    stages = make_plan(cfg, Costing(dp=2, hardware="h100-sxm"))["pipeline"]["stages_detail"]
     for (replica, stage), held in four_ranks[key]["bytes"].items():
         planned = stages[stage]["breakdown_bytes"]
         for part in ("parameters", "gradients", "master_weights", "optimizer_states"):

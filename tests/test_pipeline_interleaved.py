@@ -12,7 +12,9 @@ import torch
 from lmforge.accounting.pipeline import (bubble_fraction, chunks_in_flight, micro_batches_in_flight, rank_chunks,
                                          virtual_split)
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.costing import Costing
+from lmforge.accounting.plan.make import make_plan
+from tests.plan_configs import config_of
 from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
@@ -192,8 +194,9 @@ def test_one_f_one_b_is_unchanged_by_the_chunk_field():
 # -- the plan ----------------------------------------------------------------------------------------
 
 def interleaved_plan(cfg, v: int, m: int = 8, b: int = 3, s: int = 48, p: int = 2, schedule="interleaved-1f1b"):
-    return make_plan(cfg, Setup(batch_size=b, seq_len=s, pp=p, micro_batches=m, schedule=schedule,
-                                virtual_stages=v, hardware="h100-sxm"))["pipeline"]
+    run = config_of(cfg, f"train.batch_size={b}", f"train.seq_len={s}", f"train.pipeline_stages={p}",
+                    f"train.micro_batches={m}", f"train.schedule={schedule}", f"train.pipeline_virtual_stages={v}")
+    return make_plan(run, Costing(hardware="h100-sxm"))["pipeline"]
 
 
 def test_the_plans_stages_hold_and_save_what_their_chunks_do():

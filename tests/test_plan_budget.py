@@ -6,7 +6,8 @@ import pytest
 
 from lmforge.accounting.hardware import ACCELERATORS
 from lmforge.accounting.memory import parameter_count
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.costing import Costing
+from lmforge.accounting.plan.make import make_plan
 from lmforge.cli import main
 from lmforge.config import make_config
 
@@ -34,10 +35,10 @@ def test_the_reserve_is_its_own_line_and_decides_what_fits(capsys):
 
 
 def test_the_budget_defaults_to_chinchilla_and_costs_flops_over_throughput(capsys):
-    cfg = make_config("llama3-8b").model
-    setup = Setup(batch_size=1, seq_len=8192, precision="bf16-mixed", zero_stage=3, dp=8, recompute="full",
-                  hardware="h100-sxm", mfu=0.4, price_per_hour=2.5)
-    plan = make_plan(cfg, setup)
+    run = make_config("llama3-8b", overrides=["train.batch_size=1", "train.seq_len=8192", "train.precision=bf16-mixed",
+                                              "train.parallel=zero3", "train.recompute=full"])
+    plan = make_plan(run, Costing(dp=8, hardware="h100-sxm", mfu=0.4, price_per_hour=2.5))
+    cfg = run.model
     n = parameter_count(cfg)
     assert plan["time"]["tokens"] == 20 * n and "Chinchilla" in plan["time"]["tokens_source"]
     flops = 20 * n * plan["flops"]["training_per_token"]

@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.costing import Costing
+from lmforge.accounting.plan.make import make_plan
+from lmforge.common.errors import LmforgeError
 from lmforge.cli import main
 from lmforge.config import make_config
 
@@ -20,8 +22,10 @@ def test_compare_plans_every_combination_as_one_table_and_one_png(tmp_path, caps
     plans = json.loads(capsys.readouterr().out)
     assert [(p["setup"]["zero_stage"], p["setup"]["recompute"]) for p in plans] == list(
         itertools.product([0, 1, 2, 3], ["none", "full"]))
-    alone = make_plan(make_config("llama3-8b").model, Setup(batch_size=1, seq_len=8192, precision="bf16-mixed",
-                                                           hardware="h100-sxm", dp=8, zero_stage=2, recompute="full"))
+    alone = make_plan(make_config("llama3-8b", overrides=["train.batch_size=1", "train.seq_len=8192",
+                                                          "train.parallel=zero2", "train.precision=bf16-mixed",
+                                                          "train.recompute=full"]),
+                      Costing(hardware="h100-sxm", dp=8))
     assert plans[5]["memory"] == alone["memory"]  # each row is the plan of that setup alone
     assert main([*LLAMA_8B, "--dp", "8", "--compare", "--zero-stage", "0,1,2,3", "--recompute", "none,full",
                  "--plot", str(png)]) == 0
@@ -55,11 +59,11 @@ def test_solve_batch_finds_the_largest_micro_batch_that_fits(capsys):
                         "--hardware", "h100-sxm", "--zero-stage", "3", "--dp", "8", "--recompute", "full",
                         "--solve", "batch"], capsys)
     b = plan["setup"]["batch_size"]
-    cfg = make_config("llama3-8b").model
-
     def fits(batch):
-        return make_plan(cfg, Setup(batch_size=batch, seq_len=4096, precision="bf16-mixed", hardware="h100-sxm",
-                                    zero_stage=3, dp=8, recompute="full"))["memory"]["fits"]
+        cfg = make_config("llama3-8b", overrides=[f"train.batch_size={batch}", "train.seq_len=4096",
+                                                  "train.parallel=zero3", "train.precision=bf16-mixed",
+                                                  "train.recompute=full"])
+        return make_plan(cfg, Costing(hardware="h100-sxm", dp=8))["memory"]["fits"]
     assert b > 1 and fits(b) and not fits(b + 1)
     assert f"--solve batch: {b} is the largest batch that fits" in out
 
@@ -70,22 +74,24 @@ def test_solve_devices_finds_the_fewest_that_fit(capsys):
     plan, out = solved(args, capsys)
     st = plan["setup"]
     assert plan["memory"]["fits"] and f"--solve devices: {st['devices']} device(s)" in out
-    cfg = make_config("llama3-70b").model
+    setup = ["train.batch_size=1", "train.seq_len=4096", "train.precision=bf16-mixed", "train.recompute=full"]
+
+    def fits(*overrides, dp=1):
+        return make_plan(make_config("llama3-70b", overrides=[*setup, *overrides]),
+                         Costing(hardware="h100-sxm", dp=dp))["memory"]["fits"]
     # a pipeline's replicas take ZeRO-1 at most (one backward per micro-batch): under ZeRO-3 the search has pp 1 only
-    with pytest.raises(ValueError, match="use zero stage 1 or 0"):
-        make_plan(cfg, Setup(seq_len=4096, hardware="h100-sxm", zero_stage=3, dp=8, pp=2))
+    with pytest.raises(LmforgeError, match=r"use train.parallel=zero1 \(shards each stage's optimizer states\) or ddp"):
+        fits("train.parallel=zero3", "train.pipeline_stages=2", dp=8)
     for dp, tp in itertools.product([1, 2, 4, 8, 16], [1, 2, 4, 8]):
         if dp * tp < st["devices"]:
-            assert not make_plan(cfg, Setup(batch_size=1, seq_len=4096, precision="bf16-mixed", hardware="h100-sxm",
-                                            zero_stage=3, recompute="full", dp=dp, tp=tp))["memory"]["fits"]
+            assert not fits("train.parallel=zero3", f"parallel.tp={tp}", dp=dp)
     # without ZeRO, pipeline stages are how the fewest devices hold it
     plan, out = solved([item for item in args if item not in ("--zero-stage", "3")], capsys)
     st = plan["setup"]
     assert plan["memory"]["fits"] and st["pp"] > 1 and st["zero_stage"] == 0
     for tp, pp in itertools.product([1, 2, 4, 8], [1, 2, 4, 5, 8, 10, 16, 20, 40, 80]):  # without ZeRO dp saves nothing
         if tp * pp < st["devices"]:
-            assert not make_plan(cfg, Setup(batch_size=1, seq_len=4096, precision="bf16-mixed", hardware="h100-sxm",
-                                            recompute="full", tp=tp, pp=pp))["memory"]["fits"]
+            assert not fits(f"parallel.tp={tp}", f"train.pipeline_stages={pp}")
     # serving: the fewest tensor-parallel devices that hold bf16 Llama-3-70B's weights and one 4k context
     plan, out = solved(["plan", "--inference", "--model", "llama3-70b", "--seq-len", "4096", "--hardware", "h100-sxm",
                         "--solve", "devices"], capsys)

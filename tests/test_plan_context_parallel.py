@@ -60,20 +60,21 @@ def test_tp_times_cp_turns_sequence_parallelism_off(capsys):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_shards_the_model_states_over_dp_times_cp(capsys, stage):
-    """Each cp rank is one more replica to ZeRO (parallel/cp_engine.py): on dp 2 x cp 2 its states
+    """Each cp rank is one more replica to ZeRO (parallel/engine.py): on dp 2 x cp 2 its states
     are those of ZeRO over 4 replicas without cp (measured == in tests/test_cp_zero_dist.py)."""
     keys = ("parameters", "gradients", "master_weights", "optimizer_states")
     cp = plan_json(capsys, "--cp", "2", "--dp", "2", "--zero-stage", str(stage))
     dp4 = plan_json(capsys, "--dp", "4", "--zero-stage", str(stage))
-    assert {k: cp["memory"]["breakdown_bytes"][k] for k in keys} == {k: dp4["memory"]["breakdown_bytes"][k] for k in keys}
+    states = [{k: plan["memory"]["breakdown_bytes"][k] for k in keys} for plan in (cp, dp4)]
+    assert states[0] == states[1]
     assert cp["communication"]["strategy"] == f"zero{stage}" and cp["communication"]["ranks"] == 4
     assert cp["communication"]["sent_bytes"] == dp4["communication"]["sent_bytes"]
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--pp", "2"], "cp 2 does not combine with a pipeline"),
-    (["--seq-len", "3"], "cp 2 does not combine with a sequence shorter than 2 x cp = 4 tokens"),
-    (["model.dropout=0.1"], "cp 2 does not combine with dropout"),
+    (["--pp", "2"], "parallel.cp=2 does not combine with train.pipeline_stages: pipelines of context-parallel"),
+    (["--seq-len", "3"], "parallel.cp=2 cuts train.seq_len=3 into 2 x cp = 4 chunks"),
+    (["model.dropout=0.1"], "parallel.cp=2 does not combine with model.dropout"),
 ])
 def test_what_the_trainer_refuses_the_plan_refuses(capsys, extra, message):
     assert main([*TINY, "--cp", "2", *extra]) == 2
@@ -82,7 +83,7 @@ def test_what_the_trainer_refuses_the_plan_refuses(capsys, extra, message):
 
 
 def test_the_plan_of_a_config_with_parallel_cp_is_the_cp_plan(capsys):
-    """The trainer's plan comes from its config (Setup.from_config): parallel.cp=2 is --cp 2."""
+    """The trainer's plan comes from its config: parallel.cp=2 is --cp 2."""
     assert plan_json(capsys, "parallel.cp=2") == plan_json(capsys, "--cp", "2")
 
 

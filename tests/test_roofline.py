@@ -11,7 +11,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lmforge.accounting import flops
-from lmforge.accounting.plan.make import Setup, make_plan, strategy_of
+from lmforge.accounting.plan.costing import degrees, strategy
+from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.accounting.hardware import ACCELERATORS
 from lmforge.accounting.roofline import Roof, datasheet_roof, interpolate, op_time, predict
 from lmforge.accounting.roofline.ops import Op, micro_batch_ops, optimizer_ops, predict_step
@@ -165,19 +166,20 @@ def test_the_plan_prints_the_roofline_rows(capsys, tmp_path):
         assert row in out, row
 
 
-def datasheet_plan(cfg, setup: Setup, roof=None) -> dict:
+def datasheet_plan(cfg, costing: Costing, roof=None) -> dict:
     """make_plan's plan with the roofline's step time, on `roof` or the datasheet's (`plan --roofline`)."""
-    plan = make_plan(cfg, setup, None if roof is None else ("this machine", 1e12, 2**34))
+    plan = make_plan(cfg, costing, None if roof is None else ("this machine", 1e12, 2**34))
     if roof is None:
-        roof = datasheet_roof(setup.hardware, plan["time"]["peak_flops_per_device"],
-                              ACCELERATORS[setup.hardware].memory_bandwidth)
-    plan["roofline"] = predict_step(one_process_engine, cfg, setup, roof, strategy_of(setup))
+        roof = datasheet_roof(costing.hardware, plan["time"]["peak_flops_per_device"],
+                              ACCELERATORS[costing.hardware].memory_bandwidth)
+    d = degrees(cfg, costing.dp)
+    plan["roofline"] = predict_step(one_process_engine, cfg, d.dp, roof, strategy(cfg, d))
     return plan
 
 
 def test_ddp_adds_communication_that_needs_a_measured_network():
-    cfg = make_config("tiny").model
-    plan = datasheet_plan(cfg, Setup(dp=2, parallel="ddp", hardware="h100-sxm"))
+    cfg = make_config("tiny", overrides=["train.parallel=ddp"])
+    plan = datasheet_plan(cfg, Costing(dp=2, hardware="h100-sxm"))
     assert plan["roofline"]["classes"]["communication"]["bytes"] == plan["communication"]["sent_bytes"]
     assert plan["roofline"]["classes"]["communication"]["seconds"] == 0  # a datasheet has no network figure
 
@@ -196,7 +198,7 @@ def test_the_end_of_run_table_sets_the_roofline_step_beside_the_measured_one():
     from tests.test_pipeline_accounting import fake_measurements
     from lmforge.train.summary import predicted_vs_measured
 
-    plan = datasheet_plan(make_config("tiny").model, Setup(hardware="h100-sxm", mfu=1.0))
+    plan = datasheet_plan(make_config("tiny"), Costing(hardware="h100-sxm", mfu=1.0))
     run = dataclasses.replace(fake_measurements(plan), tokens_per_step=plan["setup"]["tokens_per_step"])
     rows = predicted_vs_measured(plan, run, tokens_per_s=1000.0)
     assert rows["step_seconds"] == {"predicted": plan["roofline"]["seconds_per_step"],

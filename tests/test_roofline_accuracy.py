@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from lmforge.accounting.plan.make import Setup
+from tests.plan_configs import config_of
 from lmforge.accounting.roofline import Roof, family_of, memory_rate, op_time
 from lmforge.accounting.roofline.elementwise import cache_bytes
 from lmforge.accounting.roofline.ops import Op, op_of, predict_step, written_bytes
@@ -104,10 +104,9 @@ def test_a_step_that_fits_in_the_cache_is_priced_warm():
     reads the warm rates (100x faster here), 4x over it the cold ones, so norms/elementwise' memory
     time drops 10-100x (binary's cold rate is 10x faster at 1 MB a call)."""
     cfg = make_config("tiny")
-    setup = Setup.from_config(cfg)
-    written = written_bytes(one_process_engine, cfg.model, setup)
-    cold = predict_step(one_process_engine, cfg.model, setup, _roof(1e9, 1e11, cache=written / 4), cfg.train.parallel)
-    warm = predict_step(one_process_engine, cfg.model, setup, _roof(1e9, 1e11, cache=written), cfg.train.parallel)
+    written = written_bytes(one_process_engine, cfg)
+    cold = predict_step(one_process_engine, cfg, 1, _roof(1e9, 1e11, cache=written / 4), cfg.train.parallel)
+    warm = predict_step(one_process_engine, cfg, 1, _roof(1e9, 1e11, cache=written), cfg.train.parallel)
     ratio = cold["classes"]["norms/elementwise"]["memory_s"] / warm["classes"]["norms/elementwise"]["memory_s"]
     # every norms/elementwise op has a family here (flat 1e9 cold) but binary's 1e10 at >= 1 MB a call
     assert 10 <= ratio <= 100
@@ -120,10 +119,9 @@ def test_written_bytes_extends_by_layer_exactly():
     from lmforge.accounting.roofline.ops import _touched
 
     cfg = dataclasses.replace(make_config("tiny").model, n_layers=5)
-    setup = Setup(batch_size=2, seq_len=16)
     records = trace_step(one_process_engine, cfg, 2, 16, "fp32")
     direct = sum(_touched(t) for r in records if not r.is_view for t in r.outputs)
-    assert written_bytes(one_process_engine, cfg, setup) == direct
+    assert written_bytes(one_process_engine, config_of(cfg, "train.batch_size=2", "train.seq_len=16")) == direct
 
 
 def test_this_cpus_cache_is_read_from_linux():

@@ -6,7 +6,7 @@ per call plus bytes over its bandwidth, the step's scalar all-reduces at one lat
 import pytest
 
 from lmforge.accounting.comm import step_collectives, unit_sizes
-from lmforge.accounting.plan.make import Setup
+from lmforge.accounting.plan.make import Costing
 from lmforge.accounting.roofline import Roof
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
@@ -31,8 +31,8 @@ def test_the_communication_term_is_each_operators_bytes_over_bandwidth_plus_late
     psi = sum(p.numel() for p in Transformer(cfg).parameters())  # tied embedding counted once
     units = unit_sizes(cfg)
     assert sum(units.values()) == psi
-    setup = Setup(dp=ranks, parallel=strategy, zero_stage=2 if strategy == "zero2" else 0, mfu=1.0)
-    plan = datasheet_plan(cfg, setup, _roof())
+    run = make_config("tiny", overrides=[f"train.parallel={strategy}"])
+    plan = datasheet_plan(run, Costing(dp=ranks, mfu=1.0), _roof())
     comm = plan["roofline"]["classes"]["communication"]
     # ddp: one all-reduce of every gradient (tiny's fit one 25 MiB bucket); zero2: reduce-scatter
     # then all-gather of each unit's shards, padded to a multiple of the ranks: the same 2 (N-1)/N
@@ -57,8 +57,8 @@ def test_an_older_roof_prices_every_collective_at_all_reduces_figures():
     roof = _roof()
     old = Roof(roof.name, roof.bandwidth, roof.matmul, roof.sdpa_forward, roof.sdpa_backward, roof.elementwise,
                collective={"latency_s": 1e-4, "bytes_per_second": 1e9})
-    setup = Setup(dp=2, parallel="zero2", zero_stage=2, mfu=1.0)
-    comm = datasheet_plan(cfg, setup, old)["roofline"]["classes"]["communication"]
+    run = make_config("tiny", overrides=["train.parallel=zero2"])
+    comm = datasheet_plan(run, Costing(dp=2, mfu=1.0), old)["roofline"]["classes"]["communication"]
     calls = sum(step_collectives(cfg, "zero2", 2).values())
     assert comm["seconds"] == pytest.approx(calls * 1e-4 + comm["bytes"] / 1e9, rel=1e-12)
 

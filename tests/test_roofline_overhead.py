@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 import torch
 
-from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline import Roof, op_time, predict
 from lmforge.accounting.roofline.measure import MINIMAL, _optimizer_phase, line_through
 from lmforge.accounting.roofline.ops import Op, optimizer_phase_op, step_ops
@@ -56,7 +55,7 @@ def test_the_step_charges_it_once_over_the_models_parameter_tensors(optimizer, c
     optimizer it is measured with, whose phase's operators then pay no launch of their own; another
     optimizer's operators keep theirs."""
     cfg = make_config("tiny", overrides=[f"optim.name={optimizer}"])
-    ops = step_ops(one_process_engine, cfg.model, Setup.from_config(cfg), "none")
+    ops = step_ops(one_process_engine, cfg, 1, "none")
     phases = [op for op in ops if op.kind == "phase"]
     tensors = len(list(Transformer(cfg.model).parameters()))
     assert tensors == len(model_shapes(cfg.model).parameter_shapes) == 20

@@ -9,7 +9,6 @@ import torch
 
 import lmforge.accounting.roofline.measure as measure
 import lmforge.accounting.roofline.shapes as shapes
-from lmforge.accounting.plan.make import Setup
 from lmforge.accounting.roofline import Roof, compute_rate
 from lmforge.accounting.roofline.ops import Op, micro_batch_ops, step_matmul_shapes
 from lmforge.config import make_config
@@ -51,15 +50,14 @@ def test_a_timed_call_is_read_before_the_grid_and_only_for_its_own_operator_layo
 
 def test_the_steps_calls_are_its_distinct_matmuls_in_the_dtype_that_prices_them():
     cfg = make_config("tiny", overrides=["train.precision=bf16-mixed"])
-    setup = Setup.from_config(cfg)
-    calls = step_matmul_shapes(one_process_engine, cfg.model, setup)
+    calls = step_matmul_shapes(one_process_engine, cfg)
     traced = {("bfloat16", op.op, *op.shape, op.layout)
-              for op in micro_batch_ops(one_process_engine, cfg.model, setup.batch_size, setup.seq_len, "bf16-mixed")
+              for op in micro_batch_ops(one_process_engine, cfg.model, cfg.train.batch_size, cfg.seq_len, "bf16-mixed")
               if op.layout}
     assert set(calls) == traced and len(calls) == len(set(calls))
     assert {c[-1] for c in calls} == {"nt", "nn", "tn"}
-    # not traced: nothing to time
-    assert step_matmul_shapes(one_process_engine, cfg.model, dataclasses.replace(setup, tp=2)) == ()
+    tp2 = make_config("tiny", overrides=["train.precision=bf16-mixed", "parallel.tp=2"])
+    assert step_matmul_shapes(one_process_engine, tp2) == ()  # not traced: nothing to time
 
 
 def test_a_step_writing_past_the_cache_is_timed_cold_and_one_within_it_in_cache():
@@ -109,16 +107,15 @@ def test_the_rates_are_cached_with_their_roof_and_measured_again_with_it(monkeyp
     timed = []
     monkeypatch.setattr(shapes, "time_shape", lambda *args: timed.append(args) or 1e11)
     cfg = make_config("tiny")
-    setup = Setup.from_config(cfg)
-    calls = step_matmul_shapes(one_process_engine, cfg.model, setup)
+    calls = step_matmul_shapes(one_process_engine, cfg)
 
-    assert shapes.cached_step_roof(CPU, one_process_engine, cfg.model, setup) is None  # nothing cached or measured
-    first = shapes.this_step_roof(CPU, one_process_engine, cfg.model, setup)
+    assert shapes.cached_step_roof(CPU, one_process_engine, cfg) is None  # nothing cached: nothing measured
+    first = shapes.this_step_roof(CPU, one_process_engine, cfg)
     assert len(roofs) == 1 and len(timed) == len(calls)
     assert sum(len(by_key) for by_key in first.matmul_shapes.values()) == len(calls)
     assert set(first.matmul_shapes["float32"].values()) == {1e11}
-    assert shapes.this_step_roof(CPU, one_process_engine, cfg.model, setup) == first and len(timed) == len(calls)
-    assert shapes.cached_step_roof(CPU, one_process_engine, cfg.model, setup) == first
+    assert shapes.this_step_roof(CPU, one_process_engine, cfg) == first and len(timed) == len(calls)
+    assert shapes.cached_step_roof(CPU, one_process_engine, cfg) == first
     assert shapes.this_step_roof(CPU).matmul_shapes == {}  # no step: the roof alone
-    shapes.this_step_roof(CPU, one_process_engine, cfg.model, setup, remeasure=True)
+    shapes.this_step_roof(CPU, one_process_engine, cfg, remeasure=True)
     assert len(roofs) == 2 and len(timed) == 2 * len(calls)

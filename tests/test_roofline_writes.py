@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lmforge.accounting.roofline.elementwise as measure
-from lmforge.accounting.plan.make import Setup
+from tests.plan_configs import config_of
 from lmforge.accounting.roofline import Roof, rates_after
 from lmforge.accounting.roofline.ops import _touched, predict_step, step_roof, written_bytes
 from lmforge.accounting.roofline.trace import record_step
@@ -57,25 +57,24 @@ def test_the_step_is_priced_at_the_rates_after_its_own_writes():
     written_bytes; small's (over a GB) at the cold rates, exactly what a roof without the grid gives."""
     for model, written_over in (("tiny", False), ("small", True)):
         cfg = make_config(model, overrides=["train.batch_size=2", "train.seq_len=64"] if model == "small" else [])
-        setup = Setup.from_config(cfg)
-        written = written_bytes(one_process_engine, cfg.model, setup)
+        written = written_bytes(one_process_engine, cfg)
         roof = _roof(AFTER, COLD)
         assert (written > 128 * MIB) == written_over
-        assert step_roof(one_process_engine, cfg.model, setup, roof).elementwise_ops == rates_after(roof, written)
+        assert step_roof(one_process_engine, cfg, 1, roof).elementwise_ops == rates_after(roof, written)
         expected = dataclasses.replace(roof, elementwise_ops=rates_after(roof, written), elementwise_ops_after={})
-        got = predict_step(one_process_engine, cfg.model, setup, roof, "none")
-        want = predict_step(one_process_engine, cfg.model, setup, expected, "none")["seconds_per_step"]
+        got = predict_step(one_process_engine, cfg, 1, roof, "none")
+        want = predict_step(one_process_engine, cfg, 1, expected, "none")["seconds_per_step"]
         assert got["seconds_per_step"] == pytest.approx(want, rel=1e-12)
         if written_over:  # past the grid: the cold rates, as before the grid existed
             old = dataclasses.replace(roof, elementwise_ops_after={})
-            want = predict_step(one_process_engine, cfg.model, setup, old, "none")["seconds_per_step"]
+            want = predict_step(one_process_engine, cfg, 1, old, "none")["seconds_per_step"]
             assert got["seconds_per_step"] == pytest.approx(want, rel=1e-12)
 
 
 def test_a_roof_without_the_grid_keeps_its_rates():
     cfg = make_config("tiny")
     roof = _roof({}, COLD)
-    assert step_roof(one_process_engine, cfg.model, Setup.from_config(cfg), roof) is roof
+    assert step_roof(one_process_engine, cfg, 1, roof) is roof
 
 
 def test_written_bytes_are_what_a_real_step_writes():
@@ -83,7 +82,7 @@ def test_written_bytes_are_what_a_real_step_writes():
     forward, backward, clip and AdamW step equal those of the same step on real tensors."""
     cfg = dataclasses.replace(make_config("tiny").model, n_layers=2)
     real = record_step(one_process_engine, cfg, 2, 16, "fp32", fake=False)
-    assert written_bytes(one_process_engine, cfg, Setup(batch_size=2, seq_len=16)) == sum(
+    assert written_bytes(one_process_engine, config_of(cfg, "train.batch_size=2", "train.seq_len=16")) == sum(
         _touched(t) for r in real if not r.is_view for t in r.outputs)
 
 
@@ -114,10 +113,9 @@ def test_ranks_sharing_the_cache_write_into_it_together():
     """On a CPU's last level (cache_shared) the dp ranks of the machine each write a step's bytes
     into the one cache: the grid is read at dp x written; a GPU's own L2 at one rank's."""
     cfg = make_config("tiny", overrides=["train.parallel=ddp"])
-    setup = dataclasses.replace(Setup.from_config(cfg), dp=2)
-    written = written_bytes(one_process_engine, cfg.model, setup)
+    written = written_bytes(one_process_engine, cfg)
     shared = _roof(AFTER, COLD, cache=32 * MIB)
     shared = dataclasses.replace(shared, cache_shared=True)
-    assert step_roof(one_process_engine, cfg.model, setup, shared).elementwise_ops == rates_after(shared, 2 * written)
+    assert step_roof(one_process_engine, cfg, 2, shared).elementwise_ops == rates_after(shared, 2 * written)
     own = dataclasses.replace(shared, cache_shared=False)
-    assert step_roof(one_process_engine, cfg.model, setup, own).elementwise_ops == rates_after(own, written)
+    assert step_roof(one_process_engine, cfg, 2, own).elementwise_ops == rates_after(own, written)

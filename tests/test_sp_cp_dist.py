@@ -44,7 +44,7 @@ from test_tp_dist import one_process  # noqa: E402
 from tp_worker import tp_config  # noqa: E402
 
 from lmforge.accounting.memory import model_state_bytes  # noqa: E402
-from lmforge.accounting.plan.make import Setup, make_plan  # noqa: E402
+from lmforge.accounting.plan.make import Costing, make_plan  # noqa: E402
 from lmforge.modes.parallel import get_strategy  # noqa: E402
 from lmforge.modes.precision import get_policy  # noqa: E402
 
@@ -87,8 +87,7 @@ def test_first_gradients_are_one_process_gradients(four_ranks, name):
 def planned(overrides: list[str]) -> dict:
     """What make_plan says one of the 4 ranks saves, holds and sends (tests/test_cp_accounting_dist.py's terms)."""
     cfg = cp_config(overrides)
-    setup = Setup.from_config(cfg, dp=1, tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
-    plan = make_plan(cfg.model, setup, MACHINE)
+    plan = make_plan(cfg, Costing(dp=1), MACHINE)
     memory, sent = plan["memory"], plan["communication"]
     saved = sum(memory["activation_breakdown_bytes"].values()) + memory["breakdown_bytes"]["weight_copies"]
     states = ("parameters", "gradients", "optimizer_states")

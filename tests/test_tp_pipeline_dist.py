@@ -33,7 +33,7 @@ from pipeline_worker import STEPS, config  # noqa: E402
 from test_composition_dist import SIXTEEN_BIT, update_error  # noqa: E402
 from test_pipeline import FOUR_LAYERS, pipeline, run_worker, single_process  # noqa: E402
 
-from lmforge.accounting.plan.make import Setup, make_plan  # noqa: E402
+from lmforge.accounting.plan.make import Costing, make_plan  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place  # noqa: E402
 
@@ -146,8 +146,7 @@ def test_each_rank_holds_a_tp_slice_of_its_stages_matrices_and_its_whole_gains(f
 def planned_stages(overrides: list[str]) -> list[dict]:
     """lmforge plan's stages_detail for the run the worker trains (one tensor rank's figures)."""
     cfg = config(overrides)
-    return make_plan(cfg.model, Setup.from_config(cfg, tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel,
-                                                  hardware="h100-sxm"))["pipeline"]["stages_detail"]
+    return make_plan(cfg, Costing(hardware="h100-sxm"))["pipeline"]["stages_detail"]
 
 
 @pytest.mark.parametrize("key", list(RUNS))

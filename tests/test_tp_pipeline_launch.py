@@ -5,7 +5,7 @@ no process group is needed to check), and the plan's per-stage figures those run
 import pytest
 import torch
 
-from lmforge.accounting.plan.make import Setup, make_plan
+from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.parallel.launch import check_launch
@@ -30,8 +30,7 @@ def test_the_torch_engine_with_sequence_parallel_tp_stages_is_refused_in_one_lin
 
 def stages(*extra: str) -> list[dict]:
     cfg = make_config("tiny", overrides=[*PP_TP, "train.batch_size=4", "train.seq_len=64", *extra])
-    setup = Setup.from_config(cfg, tp=2, sequence_parallel=cfg.parallel.sequence_parallel, hardware="h100-sxm")
-    return make_plan(cfg.model, setup)["pipeline"]["stages_detail"]
+    return make_plan(cfg, Costing(hardware="h100-sxm"))["pipeline"]["stages_detail"]
 
 
 def test_a_tp_stage_holds_its_matrices_slices_and_its_norm_gains_whole():

@@ -12,7 +12,6 @@ def cmd_plan(args) -> int:
     from rich.console import Console
 
     from lmforge.accounting.plan.show import print_dtypes
-    from lmforge.accounting.plan.setups import plan_overrides
     from lmforge.cli.launch import retain_freed_memory
 
     console = Console()
@@ -20,8 +19,7 @@ def cmd_plan(args) -> int:
         print_dtypes(console)
         return 0
     retain_freed_memory()  # the roofline is measured under the malloc settings lmforge train runs with
-    cfg, name = _plan_config(args, plan_overrides(args))
-    plans, varying, note = _plans(cfg, args)
+    plans, varying, note, name = _plans(args)
     if args.compare:
         _show_comparison(console, plans, varying, name, args)
     else:
@@ -29,10 +27,12 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _plans(cfg, args) -> tuple[list[dict], list, str | None]:
-    """The plans of `cfg` and the options (several with --compare), checked; with --scaling, the loss
-    each buys."""
-    from lmforge.accounting.plan.setups import plan_setups
+def _plans(args) -> tuple[list[dict], list, str, str]:
+    """The plans of the config and the options (several with --compare), checked; with --scaling, the
+    loss each buys. Also the options that vary, the line --solve adds and the config's name."""
+    import itertools
+
+    from lmforge.cli.plan_options import Planner, alias_changes, read_lists
 
     if args.plot and not Path(args.plot).parent.is_dir():
         raise LmforgeError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist; create it "
@@ -41,10 +41,26 @@ def _plans(cfg, args) -> tuple[list[dict], list, str | None]:
         raise LmforgeError(f"--roofline {args.roofline}: " + ("one training plan at a time (not with --compare or "
                            "--inference)" if args.compare or args.inference else
                            f"folder {Path(args.roofline).parent} does not exist"))
+    if args.run is not None and args.inference:
+        _stored_dtypes(args)
+    lists = read_lists(args)
+    setups = [dict(zip(lists, values)) for values in itertools.product(*lists.values())]
+    # the config checked with the first setup's settings (the sequence apart: its own line below)
+    first = [f"{key}={value}" for key, value in ({} if args.inference else alias_changes(args, setups[0])).items()
+             if key not in ("train.seq_len", "parallel.sequence_parallel", "optim.name")]  # the planner's to check
+    cfg, name = _plan_config(args, [*args.overrides, *first])
+    for seq_len in lists.get("seq_len", []):
+        if seq_len > cfg.model.max_seq_len:
+            raise LmforgeError(f"--seq-len {seq_len} is beyond the model's {cfg.model.max_seq_len} positions: "
+                               f"lower it, or add model.max_seq_len={seq_len}")
     trace = None
     if args.roofline:  # the step traced on the trainer's own engine
         from lmforge.train.roofline import one_process_engine as trace
-    plans, varying, note = plan_setups(cfg, args, trace)  # LmforgeError for bad input, before anything is written
+    planner = Planner(cfg, args, trace)
+    plans = [planner.plan(chosen) for chosen in setups]  # LmforgeError for bad input, before anything is written
+    note = ""
+    if args.solve:
+        plans[0], note = planner.solve(setups[0])
     if args.roofline and "roofline" not in plans[0]:
         raise LmforgeError(f"--roofline {args.roofline}: no roofline for this setup (tensor or pipeline "
                            f"parallelism, LoRA: not predicted yet)")
@@ -57,7 +73,7 @@ def _plans(cfg, args) -> tuple[list[dict], list, str | None]:
         fit = read_fit(args.scaling)
         for plan in plans:
             plan["scaling"] = predicted_loss(fit, model_shapes(cfg.model).matmul_weights, plan["time"]["tokens"])
-    return plans, varying, note
+    return plans, [name for name, values in lists.items() if len(values) > 1], note, name
 
 
 def _add_decode_roofline(cfg, plans: list[dict], args) -> None:
@@ -130,27 +146,29 @@ def _show_plan(console, plan: dict, name: str, note: str | None, args) -> None:
 
 def _plan_config(args, overrides: list[str]):
     """The config `lmforge plan` plans and its name: a preset's, or a folder's (a run's config.yaml, a
-    Hugging Face folder's model), then --config and the overrides. With --inference a folder's
-    stored dtype is the default --weights and --kv-dtype: what `lmforge generate` holds."""
+    Hugging Face folder's model), then --config and the overrides."""
     if args.run is None:
         name = args.model or DEFAULT_PRESET
         return make_config(name, args.config, overrides), name
     if args.model:
         raise LmforgeError(f"give RUN ({args.run}) or --model ({args.model}), not both")
-    from lmforge.accounting.inference import KV_FORMATS
-    from lmforge.config import apply_dict, parse_override, read_yaml, set_value, validate
-    from lmforge.runs.load import DTYPES, folder_config, folder_dtype
+    from lmforge.cli.plan_options import configure
+    from lmforge.config import apply_dict, parse_override, read_yaml
+    from lmforge.runs.load import folder_config
 
     cfg = folder_config(args.run)
     if args.config:
         apply_dict(cfg, read_yaml(args.config), origin=args.config)
-    for item in overrides:
-        set_value(cfg, *parse_override(item), origin="command line")
-    validate(cfg)
-    if cfg.optim.decay_steps is None:  # as make_config fixes a new config's schedule
-        cfg.optim.decay_steps = cfg.train.max_steps
-    if args.inference:
-        stored = {dtype: name for name, dtype in DTYPES.items()}.get(folder_dtype(args.run), "fp32")
-        args.weights = args.weights or stored
-        args.kv_dtype = args.kv_dtype or (stored if stored in KV_FORMATS else "bf16")
+    cfg = configure(cfg, dict(map(parse_override, overrides)))
     return cfg, Path(args.run).name
+
+
+def _stored_dtypes(args) -> None:
+    """With --inference a folder's stored dtype is the default --weights and --kv-dtype: what
+    `lmforge generate` holds."""
+    from lmforge.accounting.inference import KV_FORMATS
+    from lmforge.runs.load import DTYPES, folder_dtype
+
+    stored = {dtype: name for name, dtype in DTYPES.items()}.get(folder_dtype(args.run), "fp32")
+    args.weights = args.weights or stored
+    args.kv_dtype = args.kv_dtype or (stored if stored in KV_FORMATS else "bf16")

@@ -1,4 +1,5 @@
-"""The parser of `lmforge plan`: its many options, in two groups (lmforge/accounting/plan/ reads them)."""
+"""The parser of `lmforge plan`: its many options, in two groups (lmforge/cli/plan_options.py reads them:
+the setup flags are aliases of config keys, the others the world and the machine)."""
 
 import argparse
 
@@ -15,18 +16,22 @@ def add_plan(commands) -> None:
         description="Print what a training setup costs: parameters, FLOPs per token and per step, memory per "
                     "device with its breakdown (and whether it fits), time per step at an assumed MFU, and the "
                     "time, FLOPs and device-hours of a token budget. With --inference, what serving costs: "
-                    "weights, KV cache, prefill and decode time, the largest batch that fits. Batch, sequence, "
-                    "precision, recompute and attention default to the config's values. Options marked LIST "
-                    "take several values separated by commas with --compare.",
+                    "weights, KV cache, prefill and decode time, the largest batch that fits. The config is built "
+                    "and validated as `lmforge train` builds it (--model, --config, section.key=value); the setup "
+                    "flags are aliases of its keys (--batch-size: train.batch_size, --pp: train.pipeline_stages, "
+                    "--zero-stage N: train.parallel=zeroN, ...: docs/planning.md). Options marked LIST take several "
+                    "values separated by commas with --compare.",
         epilog="examples:\n"
                "  lmforge plan                                   # the default model on this machine\n"
-               "  lmforge plan --model gpt3-175b --batch-size 128 --seq-len 2048 --precision fp16 --recompute none --json\n"
+               "  lmforge plan --model gpt3-175b --batch-size 128 --seq-len 2048 --precision fp16 \\\n"
+               "      --recompute none --json\n"
                "  lmforge plan --model llama3-70b --batch-size 1 --seq-len 8192 --precision bf16-mixed \\\n"
                "      --zero-stage 3 --dp 64 --recompute full --hardware h100-sxm --tokens 15e12 --plot plan.png\n"
                "  lmforge plan --model llama3-8b --seq-len 8192 --precision bf16-mixed --hardware h100-sxm --dp 8 \\\n"
                "      --compare --zero-stage 0,1,2,3 --recompute none,full --plot compare.png\n"
                "  lmforge plan --model llama3-70b --seq-len 8192 --precision bf16-mixed --hardware h100-sxm \\\n"
-               "      --zero-stage 3 --recompute full --solve devices\n"
+               "      --zero-stage 3 --recompute full --sequence-parallel --solve devices\n"
+               "  lmforge plan --model llama3-8b train.precision=bf16-mixed parallel.tp=8 --dp 4 --hardware h100-sxm\n"
                "  lmforge plan --pp 4 train.micro_batches=8 train.schedule=1f1b   # per-stage memory, the bubble\n"
                "  lmforge plan --inference --model llama3-8b --batch-size 8 --seq-len 8192 --weights int4 \\\n"
                "      --hardware h100-sxm\n"
@@ -51,8 +56,8 @@ def _add_plan_setup(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--precision", metavar="LIST", help=f"{', '.join(POLICIES)} (or {aliases})")
     plan.add_argument("--optimizer", metavar="LIST", help=f"{', '.join(OPTIMIZER_MODES)} (default: "
                                                            f"the config's optim.name, adamw)")
-    plan.add_argument("--zero-stage", metavar="LIST", help="ZeRO stage 0-3 (shards over --dp; default 0)")
-    plan.add_argument("--dp", metavar="LIST", help="data-parallel degree (default 1)")
+    plan.add_argument("--zero-stage", metavar="LIST", help="ZeRO stage 0-3: train.parallel=zeroN (shards over --dp)")
+    plan.add_argument("--dp", metavar="LIST", help="data-parallel degree (default 1; not a config key)")
     plan.add_argument("--dp-shard", type=COUNT, help="data-parallel ranks that shard the states, parallel.dp_shard "
                                                      "(FSDP unless --zero-stage; with --dp-replicate: hybrid sharding)")
     plan.add_argument("--dp-replicate", type=COUNT, help="data-parallel ranks that replicate, parallel.dp_replicate "
@@ -61,8 +66,8 @@ def _add_plan_setup(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--cp", metavar="LIST", help="context-parallel degree, parallel.cp (default 1): each rank holds "
                                                  "seq/cp tokens, ring attention (docs/context-parallel.md)")
     plan.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
-                      help="with --tp: split norms and the layer input along the sequence too (default on; "
-                           "Korthikanti et al. 2022 table 2 has both)")
+                      help="with --tp: parallel.sequence_parallel, norms and layer inputs split along the "
+                           "sequence too (default off; Korthikanti et al. 2022 table 2 has both)")
     plan.add_argument("--pp", metavar="LIST", help="pipeline stages: the same as train.pipeline_stages (default 1); "
                                                  "micro-batches and schedule: train.micro_batches, train.schedule")
     plan.add_argument("--recompute", metavar="LIST", help=f"activation recomputation: {', '.join(RECOMPUTE_MODES)}")

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
+from lmforge.accounting.plan.costing import Costing, data_parallel
+from lmforge.accounting.plan.make import make_plan, matmul_dtype
 from lmforge.common.formatting import human_bytes
 from lmforge.config import Config
 from lmforge.data.corpus import load_documents, split_documents
@@ -46,7 +47,6 @@ from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.data.tokenizer import encode_documents, tokenizer_hash
 from lmforge.data.prepare import unigram_entropy
 from lmforge.common.errors import LmforgeError, warn
-from lmforge.modes.parallel import get_strategy
 from lmforge.parallel.launch import resolve_device
 from lmforge.runs.load import base_identity, load_base, model_special_tokens
 from lmforge.train.measurements import estimate, rank_share
@@ -133,9 +133,8 @@ def check_step_fits(cfg: Config, machine) -> dict | None:
     dtype, device)` gives (name, peak FLOP/s, memory bytes), as for the Trainer's plan."""
     device = resolve_device(cfg.train.device)
     shared = rank_share(machine(matmul_dtype(cfg.train.precision), device), device)
-    replicas = int(os.environ.get("WORLD_SIZE", 1)) // cfg.train.pipeline_stages
-    setup = Setup.from_config(cfg, mfu=1.0, dp=max(1, replicas), zero_stage=get_strategy(cfg.train.parallel).zero_stage)
-    plan = estimate("the plan", lambda: make_plan(cfg.model, setup, shared), warn)  # its failure: one line
+    costing = Costing(dp=data_parallel(cfg, int(os.environ.get("WORLD_SIZE", 1))), mfu=1.0)
+    plan = estimate("the plan", lambda: make_plan(cfg, costing, shared), warn)  # its failure: one line
     if plan is None or plan["memory"]["fits"]:
         return plan
     mem = plan["memory"]

@@ -19,13 +19,12 @@ import torch
 
 from lmforge.accounting.flops import hardware_flops_per_token, training_flops_per_token
 from lmforge.accounting.measure import measure_saved_bytes
-from lmforge.accounting.plan.make import Setup, make_plan, matmul_dtype
+from lmforge.accounting.plan.costing import Costing
+from lmforge.accounting.plan.make import make_plan, matmul_dtype
 from lmforge.accounting.scaling import predicted_loss, read_fit
 from lmforge.accounting.shapes import model_shapes
 from lmforge.common.errors import LmforgeError
 from lmforge.config import Config
-from lmforge.modes.parallel import get_strategy
-from lmforge.parallel.mesh import hybrid_replicate
 from lmforge.optim.adamw import counts_lost_updates
 from lmforge.parallel.world import World
 from lmforge.runs.state import RunState
@@ -90,19 +89,12 @@ def estimate(what: str, fn, warn):
         return None
 
 
-def plan_setup(cfg: Config, replicas: int) -> Setup:
-    """The plan's setup of a run of `cfg` over `replicas` data-parallel replicas, its time at 100% MFU (a bound)."""
-    return Setup.from_config(cfg, mfu=1.0, dp=replicas, zero_stage=get_strategy(cfg.train.parallel).zero_stage,
-                             tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel,
-                             dp_replicate=hybrid_replicate(cfg))
-
-
 def run_plan(cfg: Config, replicas: int, machine: tuple, global_batch: int, estimate) -> dict | None:
     """The plan printed before the first step and set beside the measurements at the end: closed-form
     accounting on `machine` (name, peak FLOP/s, memory bytes), with train.scaling_fit the loss the fit
     predicts for the run's tokens (a bad file stops here, before any write). `estimate(what, fn)`
     runs each estimator (its failure one warning line and None)."""
-    plan = estimate("the plan", lambda: make_plan(cfg.model, plan_setup(cfg, replicas), machine))
+    plan = estimate("the plan", lambda: make_plan(cfg, Costing(dp=replicas, mfu=1.0), machine))  # at 100% MFU
     if cfg.train.scaling_fit:
         fit = read_fit(cfg.train.scaling_fit, option="train.scaling_fit")
         tokens = cfg.train.max_steps * global_batch * cfg.seq_len

@@ -11,12 +11,11 @@ roof already cached by `lmforge plan --roofline X.png` (nothing is measured insi
 
 import torch
 
-from lmforge.accounting.plan.make import strategy_of
+from lmforge.accounting.plan.costing import degrees, strategy
 from lmforge.accounting.roofline.ops import predict_step
 from lmforge.accounting.roofline.shapes import cached_step_roof
 from lmforge.common.errors import warn
 from lmforge.parallel.engine import Engine
-from lmforge.train.measurements import plan_setup
 from lmforge.train.setup import build
 
 
@@ -40,13 +39,12 @@ def add_roofline(plan: dict, cfg, replicas: int, device: torch.device, estimate)
     """train.roofline: plan["roofline"] of the run on the roof cached for `device`, after training;
     no roof cached is one warning line saying how to cache one, a failure one line of `estimate`'s."""
     def predicted():
-        setup = plan_setup(cfg, replicas)
-        roof = cached_step_roof(device, one_process_engine, cfg.model, setup)
+        roof = cached_step_roof(device, one_process_engine, cfg, replicas)
         if roof is None:
             warn("train.roofline: no roofline is cached for this machine; run `lmforge plan --roofline X.png` "
                  "first (it measures and caches one)")
             return None
-        return predict_step(one_process_engine, cfg.model, setup, roof, strategy_of(setup))
+        return predict_step(one_process_engine, cfg, replicas, roof, strategy(cfg, degrees(cfg, replicas)))
 
     result = estimate("the roofline's step time", predicted)
     if result is not None:

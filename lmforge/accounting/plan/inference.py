@@ -24,15 +24,9 @@ class InferenceSetup:
     reserve_bytes: float = DEFAULT_RESERVE_BYTES
 
     def validate(self, model: ModelConfig) -> None:
-        for key in ("batch_size", "seq_len", "group_size", "tp"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        """ValueError for a name or tp this plan cannot cost (`lmforge plan` checks the numbers as it reads them)."""
         lookup(WEIGHT_FORMATS, self.weights, "weight format")
         lookup(KV_FORMATS, self.kv_dtype, "KV cache format")
-        if not 0 < self.mfu <= 1:
-            raise ValueError(f"mfu must be in (0, 1], got {self.mfu}")
-        if self.reserve_bytes < 0:
-            raise ValueError(f"reserve must be >= 0, got {self.reserve_bytes}")
         check_hardware(self.hardware)
         if self.tp not in tensor_parallel_degrees(model, replicate_kv_heads=False):  # its KV cache split tp ways
             raise ValueError(f"tp {self.tp} must divide the {model.n_heads} attention heads and {model.kv_heads} "

@@ -12,6 +12,7 @@ from lmforge.accounting.plan.show_inference import print_inference_plan
 from lmforge.accounting.roofline.show import roofline_table
 from lmforge.accounting.plan.tables import facts_table, labelled_parts, memory_table
 from lmforge.common.formatting import human_bytes, human_count, human_seconds
+from lmforge.modes.parallel import get_strategy
 
 
 def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> None:
@@ -99,9 +100,9 @@ def head_table(plan: dict, title: str) -> Table:
         saved = lora["saved_bytes"]
         head.add_row("LoRA", f"rank {lora['rank']} on {lora['targets']}: {human_count(lora['trainable_parameters'])} "
                              f"trainable ({lora['trainable_fraction']:.2%} of the parameters)")
+        states = human_bytes(saved["optimizer_states"] + saved["master_weights"])
         head.add_row("saved vs full fine-tuning", f"gradients {human_bytes(saved['gradients'])}, optimizer states "
-                                                   f"{human_bytes(saved['optimizer_states'] + saved['master_weights'])} "
-                                                   f"(activations: the same)")
+                                                   f"{states} (activations: the same)")
     return head
 
 
@@ -171,7 +172,7 @@ def communication_line(c: dict) -> str:
     """accounting/comm.py's count in one line."""
     if not c["sent_bytes"]:
         return "nothing (one data-parallel rank)"
-    paper = "3" if c["strategy"] in ("zero3", "fsdp") else "2"
+    paper = "3" if get_strategy(c["strategy"]).zero_stage == 3 else "2"  # ZeRO-3 and FSDP gather the weights too
     return (f"{human_bytes(c['sent_bytes'])} ({c['strategy']}: (N-1)/N x {c['ring_elements']:,} elements of "
             f"{c['element_bytes']} bytes, ring; paper {paper}Psi = {human_bytes(c['paper_bytes'])})")
 

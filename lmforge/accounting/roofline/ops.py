@@ -22,8 +22,9 @@ from lmforge.accounting import comm
 from lmforge.accounting.roofline import ITEMSIZE, predict, rate_dtype, rates_after
 from lmforge.accounting.roofline.trace import Record, trace_step
 from lmforge.accounting.shapes import model_shapes
-from lmforge.config import ModelConfig
+from lmforge.config import Config, ModelConfig
 from lmforge.modes.parallel import get_strategy
+from lmforge.modes.precision import get_policy
 
 MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 ATTENTION_FORWARD = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
@@ -174,37 +175,36 @@ def optimizer_ops(build, cfg: ModelConfig, b: int, s: int, precision: str = "fp3
     return [dataclasses.replace(o, bytes=o.bytes / shards) for o in ops]
 
 
-def step_ops(build, cfg: ModelConfig, setup, strategy: str) -> list[Op]:
-    """Every op of one optimizer step on one rank of `setup` (plan/make.py's Setup): grad_accum
-    micro-batches (those after the first add into the kept gradients: the trace's backward
-    accumulates into none), the optimizer on this rank's shard, the collectives of `strategy`
-    (comm.py's bytes)."""
-    p = setup.policy
-    ops = micro_batch_ops(build, cfg, setup.batch_size, setup.seq_len, p.name, setup.recompute,
-                          setup.loss_chunk_tokens, setup.fp32_attention) * setup.grad_accum
-    if setup.grad_accum > 1:
+def step_ops(build, run: Config, dp: int, strategy: str) -> list[Op]:
+    """Every op of one optimizer step on one of `dp` data-parallel ranks of `run`: grad_accum micro-batches
+    (those after the first add into the kept gradients: the trace's backward accumulates into none), the
+    optimizer on this rank's shard, the collectives of `strategy` (comm.py's bytes). `build`: trace_step's."""
+    cfg, t, p = run.model, run.train, get_policy(run.train.precision)
+    ops = micro_batch_ops(build, cfg, t.batch_size, run.seq_len, p.name, t.recompute, t.loss_chunk_tokens,
+                          t.fp32_attention) * t.grad_accum
+    if t.grad_accum > 1:
         shapes = model_shapes(cfg).parameter_shapes
         elements = sum(math.prod(shape) for shape in shapes)
         ops.append(Op("gradient accumulation", "norms/elementwise", "elementwise", 0.0,
-                      3.0 * p.bytes.gradient * elements * (setup.grad_accum - 1), (),
-                      len(shapes) * (setup.grad_accum - 1), p.param_dtype, "add_"))
-    shards = setup.dp if get_strategy(strategy).zero_stage >= 1 else 1
-    ops += optimizer_ops(build, cfg, setup.batch_size, setup.seq_len, p.name, setup.optimizer, shards)
-    if setup.optimizer == "adamw":  # the optimizer its fixed cost is measured with (optimizer_phase_op)
+                      3.0 * p.bytes.gradient * elements * (t.grad_accum - 1), (),
+                      len(shapes) * (t.grad_accum - 1), p.param_dtype, "add_"))
+    shards = dp if get_strategy(strategy).zero_stage >= 1 else 1
+    ops += optimizer_ops(build, cfg, t.batch_size, run.seq_len, p.name, run.optim.name, shards)
+    if run.optim.name == "adamw":  # the optimizer its fixed cost is measured with (optimizer_phase_op)
         ops = [dataclasses.replace(op, launched=False) if op.cls == "optimizer" else op for op in ops]
         ops.append(optimizer_phase_op(cfg))
-    return ops + collective_ops(cfg, setup, strategy)
+    return ops + collective_ops(run, dp, strategy)
 
 
-def collective_ops(cfg: ModelConfig, setup, strategy: str) -> list[Op]:
+def collective_ops(run: Config, dp: int, strategy: str) -> list[Op]:
     """One Op per collective operator a rank calls in a step of `strategy` (comm.step_collectives),
     its calls and the bytes it sends (comm.step_communication's, by operator; a scalar's none, a
     Muon gather's with the all-gathers), priced at that operator's measured latency and bandwidth."""
-    p = setup.policy
-    sent = comm.step_communication(cfg, strategy, setup.dp, p, setup.grad_accum, optimizer=setup.optimizer)
-    per_element = sent["element_bytes"] * (setup.dp - 1) / setup.dp
+    cfg, t, p = run.model, run.train, get_policy(run.train.precision)
+    sent = comm.step_communication(cfg, strategy, dp, p, t.grad_accum, optimizer=run.optim.name)
+    per_element = sent["element_bytes"] * (dp - 1) / dp
     ops = []
-    for name, calls in comm.step_collectives(cfg, strategy, setup.dp, p, setup.grad_accum, setup.bucket_mb).items():
+    for name, calls in comm.step_collectives(cfg, strategy, dp, p, t.grad_accum, t.bucket_mb).items():
         operator = "all_reduce" if name == "scalar_all_reduce" else name
         nbytes = sent["ring_elements_by_op"].get(name, 0) * per_element
         if name == "all_gather":
@@ -226,32 +226,31 @@ def optimizer_phase_op(cfg: ModelConfig) -> Op:
               0.0, 0.0, (), tensors)
 
 
-def traced(setup) -> bool:
-    """Whether the trace covers `setup` (not yet: tensor, context or pipeline parallelism, LoRA, fp8)."""
-    return not (setup.tp > 1 or setup.cp > 1 or setup.pp > 1 or setup.lora_rank is not None or setup.policy.fp8)
+def traced(run: Config) -> bool:
+    """Whether the trace covers `run` (not yet: tensor, context or pipeline parallelism, LoRA, fp8)."""
+    return not (run.parallel.tp * run.parallel.cp * run.train.pipeline_stages > 1 or run.finetune.lora_rank
+                is not None or get_policy(run.train.precision).fp8)
 
 
-def predict_step(build, cfg: ModelConfig, setup, roof, strategy: str) -> dict | None:
-    """The roofline's prediction of one optimizer step of `setup` on `roof` (roofline.predict), or
-    None where the trace does not cover the setup yet (traced)."""
-    if not traced(setup):
+def predict_step(build, run: Config, dp: int, roof, strategy: str) -> dict | None:
+    """The roofline's prediction of one optimizer step of `run` on one of `dp` data-parallel ranks on
+    `roof` (roofline.predict), or None where the trace does not cover the run yet (traced)."""
+    if not traced(run):
         return None
-    return predict(step_roof(build, cfg, setup, roof), step_ops(build, cfg, setup, strategy), setup.tokens_per_step)
+    tokens = run.train.batch_size * run.seq_len * run.train.grad_accum * dp  # one stage: no micro-batches
+    return predict(step_roof(build, run, dp, roof), step_ops(build, run, dp, strategy), tokens)
 
 
-def step_matmul_shapes(build, cfg: ModelConfig, setup) -> tuple:
-    """((dtype, operator, M, N, K, layout), ...): the distinct mm/addmm calls of one micro-batch's forward
-    and backward, in the dtype whose rates price them (roofline.rate_dtype), for
-    roofline/shapes.py to time alone; () where the trace does not cover the setup."""
-    if not traced(setup):
-        return ()
-    p = setup.policy
-    ops = micro_batch_ops(build, cfg, setup.batch_size, setup.seq_len, p.name, setup.recompute,
-                          setup.loss_chunk_tokens, setup.fp32_attention)
+def step_matmul_shapes(build, run: Config) -> tuple:
+    """((dtype, operator, M, N, K, layout), ...): the distinct mm/addmm calls of one micro-batch's forward and
+    backward, in the dtype whose rates price them (roofline.rate_dtype), for shapes.py to time alone (or ())."""
+    t = run.train
+    ops = micro_batch_ops(build, run.model, t.batch_size, run.seq_len, get_policy(t.precision).name, t.recompute,
+                          t.loss_chunk_tokens, t.fp32_attention) if traced(run) else []
     return tuple(dict.fromkeys((rate_dtype(op.dtype), op.op, *op.shape, op.layout) for op in ops if op.layout))
 
 
-def step_roof(build, cfg: ModelConfig, setup, roof):
+def step_roof(build, run: Config, dp: int, roof):
     """`roof` with its elementwise rates those measured after as many bytes of other writes as the
     step writes (roofline.rates_after): an operand of a step was last touched up to a step's writes
     before (the optimizer's states, the weights and their gradients a whole step; what the forward
@@ -259,13 +258,13 @@ def step_roof(build, cfg: ModelConfig, setup, roof):
     cache (small: 1.2 GB) reads the cold rates, one writing little nearly the warm ones. Where the
     cache is shared (a CPU's last level), the data-parallel ranks on the machine write into it at
     once: a step's writes are theirs all. A roof without that grid (a datasheet's) keeps its rates."""
-    return roof_after_writes(roof, step_writes(build, cfg, setup, roof))
+    return roof_after_writes(roof, step_writes(build, run, dp, roof))
 
 
-def step_writes(build, cfg: ModelConfig, setup, roof) -> float:
+def step_writes(build, run: Config, dp: int, roof) -> float:
     """Bytes written into the cache an operand of a step waits in between its uses: the step's
     (written_bytes), times the data-parallel ranks where the cache is shared (a CPU's last level)."""
-    return written_bytes(build, cfg, setup) * (setup.dp if roof.cache_shared else 1)
+    return written_bytes(build, run) * (dp if roof.cache_shared else 1)
 
 
 def roof_after_writes(roof, written: float):
@@ -281,15 +280,17 @@ def records_written(records) -> float:
     return float(sum(_touched(t) for r in records if not r.is_view for t in r.outputs))
 
 
-def written_bytes(build, cfg: ModelConfig, setup) -> float:
+def written_bytes(build, run: Config) -> float:
     """Bytes of the tensors one micro-batch's forward + backward and the optimizer step write
     (every traced non-view result; linear in the layers past the second, as layer_extrapolated's
     totals are)."""
+    cfg, t = run.model, run.train
+
     def of(layers: int) -> float:
         c = dataclasses.replace(cfg, n_layers=layers)
         # micro_batch_ops's trace (cached), its AdamW step standing in for the optimizer's writes
-        records = trace_step(build, c, setup.batch_size, setup.seq_len, setup.policy.name, setup.recompute, "adamw",
-                             setup.loss_chunk_tokens, setup.fp32_attention)
+        records = trace_step(build, c, t.batch_size, run.seq_len, get_policy(t.precision).name, t.recompute,
+                             "adamw", t.loss_chunk_tokens, t.fp32_attention)
         return records_written(records)
 
     if cfg.n_layers <= 3:

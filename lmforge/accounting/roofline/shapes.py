@@ -81,28 +81,28 @@ def at_writes(rates: dict, after: float) -> dict:
             for dtype, by_key in rates.items()}
 
 
-def this_step_roof(device: torch.device, build=None, cfg=None, setup=None, remeasure: bool = False,
+def this_step_roof(device: torch.device, build=None, cfg=None, dp: int = 1, remeasure: bool = False,
                    store: bool = True) -> Roof:
     """This machine's roof (measure.this_roof) and, given a step (`build`: the trainer's engine, as
-    trace.trace_step takes it; `cfg`: ModelConfig; `setup`: plan/make.py's Setup), the rates of its
-    own matmul shapes after its writes, those not cached with the roof timed now (and cached, with `store`)."""
+    trace.trace_step takes it; `cfg`: the run's Config, on one of `dp` data-parallel ranks), the rates of
+    its own matmul shapes after its writes, those not cached with the roof timed now (and cached, with `store`)."""
     roof = this_roof(device, remeasure=remeasure, store=store)
-    shapes = step_matmul_shapes(build, cfg, setup) if cfg is not None else ()
+    shapes = step_matmul_shapes(build, cfg) if cfg is not None else ()
     if not shapes:  # no step, or one the trace does not cover
         return roof
     known = {} if remeasure and not store else cached_field(_key(device), "matmul_shapes") or {}
-    after = writes_before(step_writes(build, cfg, setup, roof), roof.cache_bytes)
+    after = writes_before(step_writes(build, cfg, dp, roof), roof.cache_bytes)
     rates = timed_rates(roof, shapes, after, device, known)
     if store and rates != known:
         store_field(_key(device), "matmul_shapes", rates)
     return dataclasses.replace(roof, matmul_shapes=at_writes(rates, after))
 
 
-def cached_step_roof(device: torch.device, build, cfg, setup) -> Roof | None:
+def cached_step_roof(device: torch.device, build, cfg, dp: int = 1) -> Roof | None:
     """This machine's roof and whatever rates of the step's shapes the cache holds with it, or None:
     nothing measured here (measure.cached_roof: the end of a training run measures nothing)."""
     roof = cached_roof(device)
-    if roof is None or not traced(setup):
+    if roof is None or not traced(cfg):
         return roof
-    after = writes_before(step_writes(build, cfg, setup, roof), roof.cache_bytes)
+    after = writes_before(step_writes(build, cfg, dp, roof), roof.cache_bytes)
     return dataclasses.replace(roof, matmul_shapes=at_writes(cached_field(_key(device), "matmul_shapes") or {}, after))
