@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmforge.accounting.memory import activation_breakdown, logits_bytes
+from lmforge.accounting.memory import logits_bytes
+from lmforge.accounting.activations import activation_breakdown
 from lmforge.config import make_config
 from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import IGNORE_INDEX, Transformer, cross_entropy_loss

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
-from lmforge.accounting.memory import (activation_breakdown, korthikanti_activation_bytes, kv_cache_bytes,
-                                       model_state_bytes, parameter_count, zero_paper_model_state_bytes)
+from lmforge.accounting.activations import activation_breakdown, korthikanti_activation_bytes
+from lmforge.accounting.memory import (kv_cache_bytes, model_state_bytes, parameter_count,
+                                       zero_paper_model_state_bytes)
 from lmforge.config import make_config
 from lmforge.generate.sampling import KVCache
 from lmforge.model.transformer import Transformer

@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
-from lmforge.accounting.memory import activation_breakdown
+from lmforge.accounting.activations import activation_breakdown
 from lmforge.accounting.pipeline import (balanced_split, bubble_fraction, micro_batches_in_flight, stage_costs,
                                          stage_layers)
 from lmforge.accounting.plan.costing import Costing

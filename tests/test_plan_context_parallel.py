@@ -8,7 +8,7 @@ import json
 import pytest
 
 from lmforge.accounting.cp import context_parallel_bytes, ring_activation_breakdown
-from lmforge.accounting.memory import activation_breakdown
+from lmforge.accounting.activations import activation_breakdown
 from lmforge.cli import main
 from lmforge.config import make_config
 

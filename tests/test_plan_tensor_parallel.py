@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from lmforge.accounting.memory import activation_breakdown, korthikanti_activation_bytes
+from lmforge.accounting.activations import activation_breakdown, korthikanti_activation_bytes
 from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.modes.precision import get_policy

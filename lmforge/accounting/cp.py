@@ -22,7 +22,7 @@ differently from a fused kernel; tests/test_cp_accounting_dist.py measures it to
 
 import math
 
-from lmforge.accounting.memory import activation_breakdown
+from lmforge.accounting.activations import activation_breakdown
 from lmforge.config import ModelConfig
 from lmforge.modes.precision import POLICIES, Policy
 from lmforge.modes.recompute import get_recompute

@@ -150,7 +150,7 @@ def tensor_parallel_degrees(cfg: ModelConfig, replicate_kv_heads: bool = True) -
 def tensor_rank_model(cfg: ModelConfig, tp: int) -> ModelConfig:
     """The model whose even split over tp ranks gives each rank the heads parallel/tp.py gives it:
     `cfg`, or with fewer KV heads than ranks `cfg` with tp KV heads (each rank's copy of its KV
-    head counted as its own). Attention's saved activations are counted on it (memory.py)."""
+    head counted as its own). Attention's saved activations are counted on it (activations.py)."""
     return cfg if tp <= cfg.kv_heads else dataclasses.replace(cfg, n_kv_heads=tp)
 
 

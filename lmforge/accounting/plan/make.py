@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from lmforge.accounting import comm, flops, memory
+from lmforge.accounting.activations import activation_breakdown, korthikanti_activation_bytes
 from lmforge.accounting.hardware import ACCELERATORS, accelerator_peak
 from lmforge.accounting.pipeline import rank_chunks, stage_communication
 from lmforge.accounting.plan.context_parallel import (context_parallel_section, local_tokens, ring_bytes_per_step,
@@ -129,7 +130,7 @@ def _single_stage_cost(cfg: Config, d: Degrees, pol: Policy, adapters: int | Non
     if d.cp > 1:  # this rank's zig-zag shard of every row (plan/context_parallel.py)
         activations, logits = shard_activations(cfg, d, layout)
     else:
-        activations = memory.activation_breakdown(m, b, s, layout, m.attention, t.recompute, d.tp, t.fp32_attention,
+        activations = activation_breakdown(m, b, s, layout, m.attention, t.recompute, d.tp, t.fp32_attention,
                                                   t.loss_chunk_tokens, sp)
         logits = memory.logits_bytes(m, b, s, pol, t.loss_chunk_tokens) / d.tp
     breakdown = {**states,
@@ -168,7 +169,7 @@ def _memory(cfg: Config, d: Degrees, pol: Policy, cost: Cost, device_memory: flo
     total = sum(cost.breakdown.values())
     # The paper's reference figure (standard attention, 16-bit), and its FlashAttention variant.
     korthikanti, korthikanti_flash = (
-        memory.korthikanti_activation_bytes(s, b, m.d_model, m.n_heads, m.n_layers, recompute, d.tp,
+        korthikanti_activation_bytes(s, b, m.d_model, m.n_heads, m.n_layers, recompute, d.tp,
                                             cfg.parallel.sequence_parallel, flash=flash) for flash in (False, True))
     return {
         "per_device_bytes": total,

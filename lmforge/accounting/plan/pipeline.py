@@ -27,6 +27,7 @@ memory), and stages_detail, one dict per stage:
 """
 
 from lmforge.accounting import comm, memory
+from lmforge.accounting.activations import activation_breakdown
 from lmforge.accounting.pipeline import (StageParameters, bubble_fraction, chunks_in_flight, micro_batches_in_flight,
                                          rank_chunks, stage_communication, stage_costs, stage_parameters,
                                          virtual_split)
@@ -72,7 +73,7 @@ def stage_details(cfg: Config, d: Degrees, policy: Policy, split: list[int], flo
         for vs, layers in zip(virtual, chunks):
             shape = len(layers), vs == 0, vs == len(split) - 1
             if shape not in saved:
-                saved[shape] = memory.activation_breakdown(
+                saved[shape] = activation_breakdown(
                     cfg.model, b, s, layout, cfg.model.attention, t.recompute, d.tp, t.fp32_attention,
                     t.loss_chunk_tokens, cfg.parallel.sequence_parallel, layers=shape[0], first=shape[1],
                     last=shape[2])
