@@ -95,7 +95,8 @@ def count_flops(fn) -> int:
     return counter.get_total_flops()
 
 
-def model_state_bytes_measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+def model_state_bytes_measured(model: torch.nn.Module,
+                               optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes of the parameters, their gradients (those that exist) and the optimizer's
     per-parameter state tensors, read off the live tensors (shared parameters once; scalar step
     counters left out: a few bytes per tensor, not per parameter)."""

@@ -83,9 +83,9 @@ def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optim
     as given, divided no further). Tensor parallelism (tp) splits the weights themselves: a tensor
     rank holds the shapes parallel/tp.py gives it (shapes.py's tensor_rank_shapes: the split
     matrices divided by tp (k and v by their KV heads where tp is a multiple of them), norm gains
-    and row-parallel biases whole), so do its gradients and optimizer states. `lora_trainable`: the adapter parameters one
-    device holds (lora_parameters with tp). ZeRO's and FSDP's padding to a multiple of dp is not
-    counted. `hidden_matrices`: a stage's Muon elements.
+    and row-parallel biases whole), so do its gradients and optimizer states. `lora_trainable`: the
+    adapter parameters one device holds (lora_parameters with tp). ZeRO's and FSDP's padding to a
+    multiple of dp is not counted. `hidden_matrices`: a stage's Muon elements.
 
     `fully_shard` (train.parallel=fsdp, zero_stage 3): FSDP2 shards the parameters as the policy
     stores them (fp32 under the mixed policies: they are the master weights) and keeps sharded

@@ -152,7 +152,8 @@ def fit(args) -> int:
     if len(minima) >= 2:
         report["isoflop_exponent"], _ = scaling.power_law([m.flops for m in minima], [m.n_opt for m in minima])
     console.print(f"L(N, D) = {result.E:.4f} + {result.A:.4g} / N^{result.alpha:.4f} "
-                  f"+ {result.B:.4g} / D^{result.beta:.4f}  ({len(points)} runs, Huber objective {result.objective:.3g})")
+                  f"+ {result.B:.4g} / D^{result.beta:.4f}  ({len(points)} runs, "
+                  f"Huber objective {result.objective:.3g})")
     for key, (lo, hi) in intervals.items():
         console.print(f"  {key}: {getattr(result, key):.4g}  "
                       f"(5-95%: {lo:.4g} .. {hi:.4g}, {args.bootstrap} bootstraps)")

@@ -111,7 +111,8 @@ def write_chrome_trace(events_by_stage: list[list[dict]], path, meta: dict) -> N
         for e in events:
             trace.append({"name": event_label(e), "cat": e["kind"], "ph": "X", "pid": 0, "tid": stage,
                           "ts": e["start"] * 1e6, "dur": (e["end"] - e["start"]) * 1e6,
-                          "args": {"micro": e["micro"], "kind": e["kind"], **({"chunk": e["chunk"]} if "chunk" in e else {})}})
+                          "args": {"micro": e["micro"], "kind": e["kind"],
+                                   **({"chunk": e["chunk"]} if "chunk" in e else {})}})
     Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms", "otherData": meta}))
 
 
