@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lmforge.accounting.memory import attention_saved_bytes  # noqa: E402
+from lmforge.accounting.activations import attention_saved_bytes  # noqa: E402
 from lmforge.accounting.measure import measure_saved_bytes  # noqa: E402
 from lmforge.common.errors import LmforgeError  # noqa: E402
 from lmforge.kernels import flash_triton  # noqa: E402
