@@ -14,7 +14,7 @@ from lmforge.accounting.plan.make import make_plan
 from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
-from lmforge.config.load import load_config
+from lmforge.config.load import config_from_dict, load_config
 from lmforge.config.schema import config_to_dict
 from lmforge.config.degrees import Degrees, mesh_degrees
 from lmforge.parallel.launch import check_launch
@@ -37,6 +37,8 @@ def test_pp_is_the_pipeline_stages_and_its_older_name_an_alias_that_may_not_disa
         config("parallel.pp=2", "train.pipeline_stages=3")
     with pytest.raises(LmforgeError, match=r"^parallel.pp=3 and train.pipeline_stages=2 disagree"):
         config("train.pipeline_stages=2", "parallel.pp=3")
+    with pytest.raises(LmforgeError, match=r"^a file: parallel.pp=2 and train.pipeline_stages=3 disagree"):
+        config_from_dict({"train": {"pipeline_stages": 3}, "parallel": {"pp": 2}}, origin="a file")
     assert "pipeline_stages" not in config_to_dict(config("parallel.pp=2"))["train"]  # saved under one name
 
 
@@ -47,6 +49,8 @@ def test_an_older_runs_config_yaml_with_train_pipeline_stages_still_loads(tmp_pa
                "parallel": {**saved["parallel"], "pp": pp}}
         (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
         assert load_config(tmp_path / "config.yaml").parallel.pp == stages
+    # a later layer overrides an earlier one's, whichever the spelling (resuming with new degrees)
+    assert make_config("tiny", tmp_path / "config.yaml", ["parallel.pp=1"]).parallel.pp == 1
 
 
 def test_dp_shard_makes_the_data_ranks_shard_and_says_so(capsys):
