@@ -37,8 +37,8 @@ LAYOUTS = {
     "tp2xzero3": (4, ["parallel.tp=2", "train.parallel=zero3"]),
     "cp2": (2, ["parallel.cp=2", "train.parallel=ddp"]),
     "tp2xcp2": (4, ["parallel.tp=2", "parallel.cp=2", "train.parallel=ddp"]),
-    "pp2xtp2": (4, ["train.pipeline_stages=2", "train.micro_batches=2", "parallel.tp=2"]),
-    "pp2": (2, ["train.pipeline_stages=2", "train.micro_batches=2"]),
+    "pp2xtp2": (4, ["parallel.pp=2", "train.micro_batches=2", "parallel.tp=2"]),
+    "pp2": (2, ["parallel.pp=2", "train.micro_batches=2"]),
 }
 # the rows of the trainer's table this bench shows (a pipeline's are per stage: "stage S <key>")
 MEMORY = ("parameters_bytes", "gradients_bytes", "optimizer_states_bytes", "activations_bytes")

@@ -2,7 +2,7 @@
 (issue 12's and issue 26's evidence).
 
 For each number of stages p and micro-batches m (and each schedule), trains a small model a few
-steps with the real command, `python -m lmforge train --nproc p train.pipeline_stages=p
+steps with the real command, `python -m lmforge train --nproc p parallel.pp=p
 train.micro_batches=m train.schedule=S ...`, in a temporary run folder, and reads the measured
 bubble the trainer writes into the run's summary.json under "pipeline" (from the timeline of its
 ranks: lmforge/parallel/timeline.py). Prints a table (p, m, formula, measured, ratio), writes
@@ -71,7 +71,7 @@ def train_command(stages: int, micro_batches: int, schedule: str, run_dir: Path,
                   virtual_stages: int = 1) -> list[str]:
     chunks = [f"train.pipeline_virtual_stages={virtual_stages}"] if schedule == "interleaved-1f1b" else []
     return [sys.executable, "-m", "lmforge", "train", "--nproc", str(stages), "--out", str(run_dir), "--no-progress",
-            *common, f"train.pipeline_stages={stages}", f"train.micro_batches={micro_batches}",
+            *common, f"parallel.pp={stages}", f"train.micro_batches={micro_batches}",
             f"train.schedule={schedule}", *chunks]
 
 
@@ -82,7 +82,7 @@ def read_result(run_dir: Path) -> dict:
         raise SystemExit(f"{path} is missing: the run did not finish")
     summary = json.loads(path.read_text())
     if "pipeline" not in summary:
-        raise SystemExit(f"{path} has no \"pipeline\" record: was the run a pipeline (train.pipeline_stages > 1)?")
+        raise SystemExit(f"{path} has no \"pipeline\" record: was the run a pipeline (parallel.pp > 1)?")
     return summary["pipeline"]
 
 

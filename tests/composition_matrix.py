@@ -48,7 +48,7 @@ class Layout:
 
     @property
     def overrides(self) -> list[str]:
-        piped = [f"train.pipeline_stages={self.stages}", f"train.micro_batches={self.stages}"] * (self.stages > 1)
+        piped = [f"parallel.pp={self.stages}", f"train.micro_batches={self.stages}"] * (self.stages > 1)
         tensor = [f"parallel.tp={self.tp}"] if self.tp > 1 else []
         context = [f"parallel.cp={self.cp}", "train.sample_tokens=0"] if self.cp > 1 else []
         return [f"train.parallel={self.parallel}", *piped, *tensor, *context, *self.settings]

@@ -58,7 +58,7 @@ CASES = [
     Case("plan", "--batch-size nan", "--batch-size nan: each value must be an integer"),
     Case("plan", "--seq-len 0", "seq_len must be >= 1, got 0"),
     Case("plan", "--dp 0", "dp must be >= 1, got 0"),
-    Case("plan", "--model tiny --pp 3", "train.pipeline_stages=3 but the model has 2 layers"),
+    Case("plan", "--model tiny --pp 3", "parallel.pp=3 but the model has 2 layers"),
     Case("generate", "RUN --temperature nan", "argument --temperature: must be a finite number, got nan"),
     Case("generate", "RUN --temperature -1", "argument --temperature: must be >= 0"),
     Case("generate", "RUN --top-p nan", "argument --top-p: must be a finite number"),

@@ -69,5 +69,5 @@ def test_a_pipeline_takes_ddp_or_zero1_replicas_and_refuses_the_sharded_rest():
         assert verdict(LAYOUTS[f"pipeline x {strategy}"], "fp32") is None, strategy
     for strategy in ("zero2", "zero3", "fsdp"):
         line = verdict(LAYOUTS[f"pipeline x {strategy}"], "fp32")
-        assert line.startswith(f"train.parallel={strategy} does not combine with train.pipeline_stages=2")
+        assert line.startswith(f"train.parallel={strategy} does not combine with parallel.pp=2")
         assert line.endswith("use train.parallel=zero1 (shards each stage's optimizer states) or ddp")

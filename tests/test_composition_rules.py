@@ -55,7 +55,7 @@ def test_the_launch_check_the_rules_and_the_page_give_one_line_per_cell(layout, 
 
 
 @pytest.mark.parametrize("overrides, change", [
-    (["train.pipeline_stages=2", "train.micro_batches=2"], ("train", "grad_accum", 2)),
+    (["parallel.pp=2", "train.micro_batches=2"], ("train", "grad_accum", 2)),
     (["model.attention=flash_triton"], ("train", "compile", True)),
     (["train.parallel=zero2", "parallel.dp_replicate=2"], ("parallel", "dp_shard", 2)),
 ])

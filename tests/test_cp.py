@@ -176,7 +176,7 @@ CP = ["parallel.cp=2", "train.parallel=ddp", "train.sample_tokens=0"]
     ([*CP, "train.parallel=none"], (0, 2, 0), "set train.parallel=ddp, zero1, zero2, zero3 or fsdp"),
     ([*CP, "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=fp8"], (0, 4, 0),
      "parallel.tp=2 does not combine with train.precision"),
-    ([*CP, "train.pipeline_stages=2"], (0, 4, 0), "does not combine with train.pipeline_stages"),
+    ([*CP, "parallel.pp=2"], (0, 4, 0), "does not combine with parallel.pp"),
     ([*CP, "model.dropout=0.1"], (0, 2, 0), "does not combine with model.dropout"),
     ([*CP, "model.sliding_window=8"], (0, 2, 0), "does not combine with model.sliding_window"),
     ([*CP, "train.loss_chunk_tokens=64"], (0, 2, 0), "does not combine with train.loss_chunk_tokens"),

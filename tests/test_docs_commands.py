@@ -97,8 +97,8 @@ def check_train(args) -> None:
     cfg = make_config(args.model or DEFAULT_PRESET, config_file(args), args.overrides)
     assert not config_warnings(cfg), config_warnings(cfg)[0]  # e.g. a run all warmup, whose schedule never shows
     if getattr(args, "nproc", None) is not None:
-        assert cfg.train.parallel != "none" or cfg.train.pipeline_stages > 1 or cfg.parallel.tp > 1, \
-            "--nproc needs train.parallel (or train.pipeline_stages, parallel.tp) to share the work"
+        assert cfg.train.parallel != "none" or cfg.parallel.pp > 1 or cfg.parallel.tp > 1, \
+            "--nproc needs train.parallel (or parallel.pp, parallel.tp) to share the work"
 
 
 def check_finetune(args) -> None:
@@ -117,8 +117,8 @@ def check_finetune(args) -> None:
 
 def check_plan(args) -> None:
     overrides = list(args.overrides)
-    if args.pp is not None:  # lmforge/cli/plan_options.py: --pp is an alias of train.pipeline_stages
-        overrides.append(f"train.pipeline_stages={max(int(value) for value in args.pp.split(','))}")
+    if args.pp is not None:  # lmforge/cli/plan_options.py: --pp is an alias of parallel.pp
+        overrides.append(f"parallel.pp={max(int(value) for value in args.pp.split(','))}")
     make_config(args.model or DEFAULT_PRESET, config_file(args), overrides)
     for option, names in (("precision", [*POLICIES, *ALIASES]), ("recompute", RECOMPUTE_MODES),
                           ("attention", BACKENDS)):

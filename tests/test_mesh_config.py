@@ -1,10 +1,12 @@
 """The `parallel` section's degrees (config/degrees.py): pp x dp_replicate x dp_shard x cp x tp,
-resolved into train.pipeline_stages and train.parallel, the product checked against the world by
+parallel.pp the pipeline's stages (train.pipeline_stages its older name), dp_* resolved into
+train.parallel, the product checked against the world by
 the one launch check, each refusal one line before anything is written; and `lmforge plan
 --dp-shard N --dp-replicate M`'s states (1/dp_shard of them) and traffic. One process, no
 process group: check_launch takes the (rank, world, local rank) a launcher would give."""
 
 import pytest
+import yaml
 
 from lmforge.accounting.comm import step_communication, unit_sizes
 from lmforge.accounting.plan.costing import Costing
@@ -12,6 +14,8 @@ from lmforge.accounting.plan.make import make_plan
 from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
+from lmforge.config.load import config_from_dict, load_config
+from lmforge.config.schema import config_to_dict
 from lmforge.config.degrees import Degrees, mesh_degrees
 from lmforge.parallel.launch import check_launch
 
@@ -24,11 +28,29 @@ def launched(cfg, world: int):
     return check_launch(cfg, (0, world, 0), cuda_devices=0)
 
 
-def test_pp_sets_the_pipeline_stages_and_refuses_a_different_count():
-    assert config("parallel.pp=2").train.pipeline_stages == 2
-    assert config("parallel.pp=2", "train.pipeline_stages=2").train.pipeline_stages == 2
+def test_pp_is_the_pipeline_stages_and_its_older_name_an_alias_that_may_not_disagree():
+    assert config("parallel.pp=2").parallel.pp == 2
+    assert config("train.pipeline_stages=2").parallel.pp == 2
+    assert config("parallel.pp=0").parallel.pp == 1  # 0: not set, as older configs wrote it
+    assert config("parallel.pp=2", "train.pipeline_stages=2").parallel.pp == 2
     with pytest.raises(LmforgeError, match=r"^parallel.pp=2 and train.pipeline_stages=3 disagree"):
         config("parallel.pp=2", "train.pipeline_stages=3")
+    with pytest.raises(LmforgeError, match=r"^parallel.pp=3 and train.pipeline_stages=2 disagree"):
+        config("train.pipeline_stages=2", "parallel.pp=3")
+    with pytest.raises(LmforgeError, match=r"^a file: parallel.pp=2 and train.pipeline_stages=3 disagree"):
+        config_from_dict({"train": {"pipeline_stages": 3}, "parallel": {"pp": 2}}, origin="a file")
+    assert "pipeline_stages" not in config_to_dict(config("parallel.pp=2"))["train"]  # saved under one name
+
+
+def test_an_older_runs_config_yaml_with_train_pipeline_stages_still_loads(tmp_path):
+    saved = config_to_dict(config())
+    for stages, pp in ((1, 0), (2, 0), (2, 2)):  # as older runs saved it: pp 0 (not set) or the same count
+        old = {**saved, "train": {**saved["train"], "pipeline_stages": stages},
+               "parallel": {**saved["parallel"], "pp": pp}}
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+        assert load_config(tmp_path / "config.yaml").parallel.pp == stages
+    # a later layer overrides an earlier one's, whichever the spelling (resuming with new degrees)
+    assert make_config("tiny", tmp_path / "config.yaml", ["parallel.pp=1"]).parallel.pp == 1
 
 
 def test_dp_shard_makes_the_data_ranks_shard_and_says_so(capsys):

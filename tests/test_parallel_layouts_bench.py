@@ -31,8 +31,8 @@ def test_every_layout_launches_on_its_ranks_and_has_a_plan(bench):
     for name, (ranks, overrides) in bench.LAYOUTS.items():
         cfg = make_config("tiny", overrides=[*overrides, "train.sample_tokens=0", "train.device=cpu"])
         assert check_launch(cfg, (0, ranks, 0), cuda_devices=0) == torch.device("cpu"), name
-        c, p = cfg.parallel, cfg.train
-        assert c.tp * c.cp * p.pipeline_stages <= ranks, name  # the rest are data-parallel replicas
+        c = cfg.parallel
+        assert c.tp * c.cp * c.pp <= ranks, name  # the rest are data-parallel replicas
         plan = make_plan(cfg, Costing(dp=data_parallel(cfg, ranks)), ("this", 1e12, 1e12))  # as the trainer plans
         # a pipeline's plan counts its stages' memory and dp traffic, not yet their tp traffic (bench/RESULTS.md)
         assert ("tensor_parallel" in plan["communication"]) == (c.tp > 1), name  # pipelines of tp stages too

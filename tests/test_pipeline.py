@@ -46,7 +46,7 @@ def run_worker(tmp_path, ranks: int, runs: dict, worker: Path = WORKER, timeout:
 
 
 def pipeline(stages: int, schedule: str, m: int = M, *extra: str) -> list[str]:
-    return [f"train.pipeline_stages={stages}", f"train.micro_batches={m}", f"train.schedule={schedule}", *extra]
+    return [f"parallel.pp={stages}", f"train.micro_batches={m}", f"train.schedule={schedule}", *extra]
 
 
 def single_process(m: int, replicas: int = 1, *extra: str) -> dict:

@@ -167,7 +167,7 @@ CONFIGS = {
 
 def planned_stages(cfg, split, precision, recompute="none", b=3, s=48, m=4, schedule="1f1b"):
     run = config_of(cfg, f"train.batch_size={b}", f"train.seq_len={s}", f"train.precision={precision}",
-                    f"train.recompute={recompute}", f"train.pipeline_stages={len(split)}", f"train.micro_batches={m}",
+                    f"train.recompute={recompute}", f"parallel.pp={len(split)}", f"train.micro_batches={m}",
                     f"train.schedule={schedule}", f"train.pipeline_split={','.join(map(str, split))}")
     return make_plan(run, Costing(hardware="h100-sxm"))["pipeline"]["stages_detail"]
 
@@ -223,7 +223,7 @@ def test_plan_takes_the_largest_stage_and_the_slowest_stages_pace():
     cfg = make_config("small").model
     b, s = 8, 256
     setup = (f"train.batch_size={b}", f"train.seq_len={s}", "train.micro_batches=8")
-    plan = make_plan(config_of(cfg, *setup, "train.pipeline_stages=4"), Costing(hardware="h100-sxm", mfu=0.5))
+    plan = make_plan(config_of(cfg, *setup, "parallel.pp=4"), Costing(hardware="h100-sxm", mfu=0.5))
     piped, stages = plan["pipeline"], plan["pipeline"]["stages_detail"]
     assert plan["setup"]["tokens_per_step"] == b * s * 8
     assert piped["split"] == [2, 2, 1, 1] and piped["bubble_fraction"] == 3 / 11
@@ -246,13 +246,13 @@ def test_plan_takes_the_largest_stage_and_the_slowest_stages_pace():
     assert piped["ideal_seconds_per_step"] == pytest.approx(flat["time"]["seconds_per_step"], rel=1e-12)
     assert piped["best_mfu"] == pytest.approx(0.5 * piped["ideal_seconds_per_step"] / piped["seconds_per_step"])
     # an unbalanced split is slower, and its slow stage is the one named
-    lopsided = make_plan(config_of(cfg, *setup, "train.pipeline_stages=2", "train.pipeline_split=5,1"),
+    lopsided = make_plan(config_of(cfg, *setup, "parallel.pp=2", "train.pipeline_split=5,1"),
                          Costing(hardware="h100-sxm"))["pipeline"]
-    balanced = make_plan(config_of(cfg, *setup, "train.pipeline_stages=2"), Costing(hardware="h100-sxm"))["pipeline"]
+    balanced = make_plan(config_of(cfg, *setup, "parallel.pp=2"), Costing(hardware="h100-sxm"))["pipeline"]
     assert lopsided["slowest_stage"] == 0 and lopsided["seconds_per_step"] > balanced["seconds_per_step"]
     assert balanced["split_source"] == "balanced" and lopsided["split_source"] == "given"
     # GPipe keeps every micro-batch on every stage
-    gpipe = make_plan(config_of(cfg, *setup, "train.pipeline_stages=4", "train.schedule=gpipe"),
+    gpipe = make_plan(config_of(cfg, *setup, "parallel.pp=4", "train.schedule=gpipe"),
                       Costing(hardware="h100-sxm"))["pipeline"]["stages_detail"]
     assert [d["micro_batches_in_flight"] for d in gpipe] == [8] * 4
 
@@ -260,7 +260,7 @@ def test_plan_takes_the_largest_stage_and_the_slowest_stages_pace():
 def test_what_each_stage_sends():
     cfg = make_config("small").model
     b, s, m, dp = 4, 128, 6, 2
-    plan = make_plan(config_of(cfg, f"train.batch_size={b}", f"train.seq_len={s}", "train.pipeline_stages=3",
+    plan = make_plan(config_of(cfg, f"train.batch_size={b}", f"train.seq_len={s}", "parallel.pp=3",
                                f"train.micro_batches={m}", "train.parallel=ddp"), Costing(hardware="h100-sxm", dp=dp))
     stages = plan["pipeline"]["stages_detail"]
     hidden = m * b * s * cfg.d_model * 4  # fp32 hidden states, every micro-batch
@@ -279,17 +279,17 @@ def test_pipelines_refuse_what_they_cannot_do():
         return make_plan(make_config("small", overrides=list(overrides)), Costing(hardware="h100-sxm", dp=dp))
 
     with pytest.raises(Exception, match="model has 6 layers"):
-        plan("train.pipeline_stages=7")
+        plan("parallel.pp=7")
     with pytest.raises(LmforgeError, match=r"use train.parallel=zero1 \(shards each stage's optimizer states\) or ddp"):
-        plan("train.pipeline_stages=2", "train.parallel=zero2", dp=2)
+        plan("parallel.pp=2", "train.parallel=zero2", dp=2)
     with pytest.raises(LmforgeError, match="set train.micro_batches instead"):
-        plan("train.pipeline_stages=2", "train.grad_accum=2")
+        plan("parallel.pp=2", "train.grad_accum=2")
     with pytest.raises(LmforgeError, match="train.schedule must be one of"):
-        plan("train.pipeline_stages=2", "train.schedule=zigzag")
+        plan("parallel.pp=2", "train.schedule=zigzag")
 
 
 def test_the_plan_reads_the_pipeline_from_the_config():
-    cfg = make_config("small", overrides=["train.pipeline_stages=3", "train.micro_batches=5", "train.schedule=gpipe",
+    cfg = make_config("small", overrides=["parallel.pp=3", "train.micro_batches=5", "train.schedule=gpipe",
                                           "train.pipeline_split=1,2,3"])
     piped = make_plan(cfg, Costing(hardware="h100-sxm"))["pipeline"]
     assert (piped["stages"], piped["micro_batches"], piped["schedule"], piped["split"]) == (3, 5, "gpipe", [1, 2, 3])
@@ -301,8 +301,8 @@ def test_plan_command_prints_each_stage_and_the_bubble(capsys):
     args = ["plan", "--hardware", "h100-sxm", "train.micro_batches=8", "train.schedule=1f1b"]
     assert main([*args, "--pp", "4", "--json"]) == 0
     by_flag = json.loads(capsys.readouterr().out)
-    assert main([*args, "train.pipeline_stages=4", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == by_flag  # --pp is train.pipeline_stages
+    assert main([*args, "parallel.pp=4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == by_flag  # --pp is parallel.pp
     assert by_flag["pipeline"]["stages"] == 4 and by_flag["setup"]["devices"] == 4
     assert main([*args, "--pp", "4"]) == 0
     out = capsys.readouterr().out
@@ -314,9 +314,10 @@ def test_plan_command_prints_each_stage_and_the_bubble(capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--pp", "7"], "train.pipeline_stages=7 but the model has 6 layers"),
-    (["--pp", "2", "train.pipeline_stages=2"], "--pp and train.pipeline_stages say the same"),
-    (["--pp", "2", "--zero-stage", "2"], "train.parallel=zero2 does not combine with train.pipeline_stages=2: ZeRO-2"),
+    (["--pp", "7"], "parallel.pp=7 but the model has 6 layers"),
+    (["--pp", "2", "parallel.pp=2"], "--pp and parallel.pp say the same"),
+    (["--pp", "2", "train.pipeline_stages=2"], "--pp and parallel.pp say the same"),  # its older name too
+    (["--pp", "2", "--zero-stage", "2"], "train.parallel=zero2 does not combine with parallel.pp=2: ZeRO-2"),
 ])
 def test_plan_command_refuses_pipelines_in_one_line(args, message, capsys):
     assert main(["plan", "--hardware", "h100-sxm", *args]) == 2
@@ -352,7 +353,7 @@ def test_the_mfu_row_predicts_the_utilisation_at_the_rooflines_step_time():
 
 
 def test_predicted_vs_measured_has_a_row_per_stage():
-    plan = make_plan(make_config("small", overrides=["train.pipeline_stages=2", "train.micro_batches=4"]),
+    plan = make_plan(make_config("small", overrides=["parallel.pp=2", "train.micro_batches=4"]),
                      Costing(hardware="h100-sxm", mfu=1.0))
     stages = plan["pipeline"]["stages_detail"]
     measured = [{"parameters": 11, "gradients": 12, "optimizer_states": 13, "activations": 14,

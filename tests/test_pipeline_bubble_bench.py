@@ -45,7 +45,7 @@ def test_train_command_is_a_valid_pipeline_run(bench, tmp_path, stages, micro_ba
     args = build_parser().parse_args(command[3:])
     assert args.nproc == stages and args.out == str(tmp_path / "run") and args.no_progress
     cfg = make_config(args.model, args.config, args.overrides)  # validates: the split fits, m applies
-    assert (cfg.train.pipeline_stages, cfg.train.micro_batches, cfg.train.schedule) == (stages, micro_batches, schedule)
+    assert (cfg.parallel.pp, cfg.train.micro_batches, cfg.train.schedule) == (stages, micro_batches, schedule)
     assert cfg.train.pipeline_virtual_stages == (2 if schedule == "interleaved-1f1b" else 1)
     assert cfg.train.max_steps == 3 and cfg.train.sample_tokens == 0 and cfg.train.eval_batches == 1
     assert cfg.model.n_layers == 8 and not cfg.model.tie_embeddings

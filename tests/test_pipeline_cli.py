@@ -17,7 +17,7 @@ from tests.test_distributed_train import (STEPS, assert_close_runs, kill_rank_af
 
 pytestmark = pytest.mark.dist
 
-PIPELINE = ["train.pipeline_stages=2", "train.micro_batches=3"]
+PIPELINE = ["parallel.pp=2", "train.micro_batches=3"]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_and_back(tmp_path, setting
     one = tmp_path / "one"
     shutil.copytree(saved, one)
     run([sys.executable, "-m", "lmforge", "train", "--no-progress", "--resume", str(one), f"train.max_steps={STEPS}",
-         "train.pipeline_stages=1", "train.micro_batches=1", "train.grad_accum=3"], tmp_path)
+         "parallel.pp=1", "train.micro_batches=1", "train.grad_accum=3"], tmp_path)
     assert_close_runs(one, accumulating, atol=1e-5)
     # and a one-process checkpoint continues on a pipeline
     back = tmp_path / "back"

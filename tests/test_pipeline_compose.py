@@ -18,7 +18,7 @@ from lmforge.parallel.parallelize import DATA_PARALLEL_ENGINES, STAGE_REPLICA_EN
 
 
 def launch(world_size: int, *overrides: str) -> torch.device:
-    return check_launch(make_config("tiny", overrides=["train.pipeline_stages=2", *overrides]),
+    return check_launch(make_config("tiny", overrides=["parallel.pp=2", *overrides]),
                         (0, world_size, 0), cuda_devices=0)
 
 
@@ -40,7 +40,7 @@ def test_zero2_zero3_and_fsdp_with_a_pipeline_are_refused_with_why_and_what_inst
         launch(world_size, f"train.parallel={strategy}")
     message = str(raised.value)
     assert "\n" not in message
-    assert message.startswith(f"train.parallel={strategy} does not combine with train.pipeline_stages=2: ")
+    assert message.startswith(f"train.parallel={strategy} does not combine with parallel.pp=2: ")
     assert "m times a step" in message  # why: one backward per micro-batch
     assert message.endswith("use train.parallel=zero1 (shards each stage's optimizer states) or ddp")
 
@@ -57,7 +57,7 @@ def test_replicas_without_a_strategy_are_refused():
 
 
 def test_the_plan_shards_each_stages_optimizer_states_over_its_replicas_with_zero1():
-    common = ["train.pipeline_stages=2", "train.micro_batches=4", "train.precision=bf16-mixed"]
+    common = ["parallel.pp=2", "train.micro_batches=4", "train.precision=bf16-mixed"]
     ddp, zero1 = (make_plan(make_config("small", overrides=[*common, f"train.parallel={strategy}"]),
                             Costing(dp=4, hardware="h100-sxm"))["pipeline"]["stages_detail"]
                   for strategy in ("ddp", "zero1"))
@@ -75,5 +75,5 @@ def test_the_plan_refuses_zero2_and_zero3_with_a_pipeline_in_one_line(stage, cap
     assert main(["plan", "--hardware", "h100-sxm", "--pp", "2", "--zero-stage", str(stage)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"lmforge: error: train.parallel=zero{stage} does not combine with "
-                          f"train.pipeline_stages=2: ZeRO-{stage} would") and err.count("\n") == 1
+                          f"parallel.pp=2: ZeRO-{stage} would") and err.count("\n") == 1
     assert "use train.parallel=zero1 (shards each stage's optimizer states) or ddp" in err

@@ -135,7 +135,7 @@ def test_a_lora_pipeline_run_checkpoints_the_names_of_one_process_and_resumes_to
     one, saved = tmp_path / "one", tmp_path / "saved"
     run([sys.executable, "-m", "lmforge", "train", "--no-progress", *settings(6, "train.grad_accum=2"),
          "--out", str(one)], tmp_path)
-    piped = ["train.pipeline_stages=2", "train.micro_batches=2"]
+    piped = ["parallel.pp=2", "train.micro_batches=2"]
     run(torchrun(2, *settings(3, *piped), "--out", str(saved)), tmp_path)
     (checkpoint,) = list_checkpoints(saved)
     one_step3 = next(p for p in list_checkpoints(one) if p.name == checkpoint.name)

@@ -125,7 +125,7 @@ def test_activations_in_flight_on_the_first_rank_are_p_plus_p_minus_1_over_v_mic
 
 
 def test_rank_s_holds_chunks_s_s_plus_p_round_robin():
-    cfg = make_config("tiny", overrides=["model.n_layers=8", "train.pipeline_stages=2", "train.micro_batches=2",
+    cfg = make_config("tiny", overrides=["model.n_layers=8", "parallel.pp=2", "train.micro_batches=2",
                                          "train.schedule=interleaved-1f1b", "train.pipeline_virtual_stages=2"])
     split = virtual_split(cfg.model, 2, 2, "", cfg.seq_len)
     assert split == [2, 2, 2, 2]
@@ -171,16 +171,16 @@ def test_chunk_views_run_the_whole_model_in_virtual_stage_order():
      "its chunks are equal; leave it unset"),
 ])
 def test_interleaved_settings_that_do_not_fit_are_refused_in_one_line(overrides, message):
-    base = ["train.pipeline_stages=2", "train.micro_batches=2", "train.schedule=interleaved-1f1b"]
+    base = ["parallel.pp=2", "train.micro_batches=2", "train.schedule=interleaved-1f1b"]
     with pytest.raises(LmforgeError, match=re.escape(message)):
         make_config("tiny", overrides=base + overrides)
 
 
 def test_virtual_stages_without_the_interleaved_schedule_are_refused():
     with pytest.raises(LmforgeError, match="train.pipeline_virtual_stages=2 applies to train.schedule=interleaved-1f1b"):
-        make_config("tiny", overrides=["train.pipeline_stages=2", "train.pipeline_virtual_stages=2"])
+        make_config("tiny", overrides=["parallel.pp=2", "train.pipeline_virtual_stages=2"])
     with pytest.raises(LmforgeError, match="train.pipeline_virtual_stages must be"):
-        make_config("tiny", overrides=["train.pipeline_stages=2", "train.schedule=interleaved-1f1b",
+        make_config("tiny", overrides=["parallel.pp=2", "train.schedule=interleaved-1f1b",
                                        "train.pipeline_virtual_stages=0"])
 
 
@@ -194,7 +194,7 @@ def test_one_f_one_b_is_unchanged_by_the_chunk_field():
 # -- the plan ----------------------------------------------------------------------------------------
 
 def interleaved_plan(cfg, v: int, m: int = 8, b: int = 3, s: int = 48, p: int = 2, schedule="interleaved-1f1b"):
-    run = config_of(cfg, f"train.batch_size={b}", f"train.seq_len={s}", f"train.pipeline_stages={p}",
+    run = config_of(cfg, f"train.batch_size={b}", f"train.seq_len={s}", f"parallel.pp={p}",
                     f"train.micro_batches={m}", f"train.schedule={schedule}", f"train.pipeline_virtual_stages={v}")
     return make_plan(run, Costing(hardware="h100-sxm"))["pipeline"]
 

@@ -80,8 +80,8 @@ def test_a_stage_keeps_its_layers_under_the_whole_models_names():
 
 
 @pytest.mark.parametrize("overrides,world_size,message", [
-    (["train.pipeline_stages=2"], 3, "needs one process per stage (or a multiple of 2"),
-    (["train.pipeline_stages=2"], 4, "2 stages x 2 replicas: choose how each stage's replicas share"),
+    (["parallel.pp=2"], 3, "needs one process per stage (or a multiple of 2"),
+    (["parallel.pp=2"], 4, "2 stages x 2 replicas: choose how each stage's replicas share"),
 ])
 def test_a_pipeline_that_cannot_run_is_refused_with_one_line(overrides, world_size, message):
     with pytest.raises(LmforgeError, match=re.escape(message)):
@@ -90,15 +90,15 @@ def test_a_pipeline_that_cannot_run_is_refused_with_one_line(overrides, world_si
 
 def test_a_pipeline_without_torchrun_is_refused():
     with pytest.raises(LmforgeError, match="needs one process per stage: launch with torchrun --nproc_per_node=2"):
-        check_launch(make_config("tiny", overrides=["train.pipeline_stages=2"]), None, 0)
+        check_launch(make_config("tiny", overrides=["parallel.pp=2"]), None, 0)
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["train.pipeline_stages=3"], "train.pipeline_stages=3 but the model has 2 layers"),
-    (["train.pipeline_stages=2", "train.pipeline_split=2,1"], "must give each of the 2 stages at least one layer"),
-    (["train.pipeline_stages=2", "train.pipeline_split=a,b"], "is not a list of layer counts"),
+    (["parallel.pp=3"], "parallel.pp=3 but the model has 2 layers"),
+    (["parallel.pp=2", "train.pipeline_split=2,1"], "must give each of the 2 stages at least one layer"),
+    (["parallel.pp=2", "train.pipeline_split=a,b"], "is not a list of layer counts"),
     (["train.micro_batches=4"], "applies to pipelines"),
-    (["train.pipeline_stages=2", "train.grad_accum=2"], "set train.micro_batches instead"),
+    (["parallel.pp=2", "train.grad_accum=2"], "set train.micro_batches instead"),
     (["train.schedule=zb"], "train.schedule must be one of gpipe, 1f1b"),
 ])
 def test_pipeline_settings_that_do_not_fit_the_model_are_refused_by_the_config(overrides, message):

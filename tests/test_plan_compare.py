@@ -81,7 +81,7 @@ def test_solve_devices_finds_the_fewest_that_fit(capsys):
                          Costing(hardware="h100-sxm", dp=dp))["memory"]["fits"]
     # a pipeline's replicas take ZeRO-1 at most (one backward per micro-batch): under ZeRO-3 the search has pp 1 only
     with pytest.raises(LmforgeError, match=r"use train.parallel=zero1 \(shards each stage's optimizer states\) or ddp"):
-        fits("train.parallel=zero3", "train.pipeline_stages=2", dp=8)
+        fits("train.parallel=zero3", "parallel.pp=2", dp=8)
     for dp, tp in itertools.product([1, 2, 4, 8, 16], [1, 2, 4, 8]):
         if dp * tp < st["devices"]:
             assert not fits("train.parallel=zero3", f"parallel.tp={tp}", dp=dp)
@@ -91,7 +91,7 @@ def test_solve_devices_finds_the_fewest_that_fit(capsys):
     assert plan["memory"]["fits"] and st["pp"] > 1 and st["zero_stage"] == 0
     for tp, pp in itertools.product([1, 2, 4, 8], [1, 2, 4, 5, 8, 10, 16, 20, 40, 80]):  # without ZeRO dp saves nothing
         if tp * pp < st["devices"]:
-            assert not fits(f"parallel.tp={tp}", f"train.pipeline_stages={pp}")
+            assert not fits(f"parallel.tp={tp}", f"parallel.pp={pp}")
     # serving: the fewest tensor-parallel devices that hold bf16 Llama-3-70B's weights and one 4k context
     plan, out = solved(["plan", "--inference", "--model", "llama3-70b", "--seq-len", "4096", "--hardware", "h100-sxm",
                         "--solve", "devices"], capsys)

@@ -72,7 +72,7 @@ def test_zero_shards_the_model_states_over_dp_times_cp(capsys, stage):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--pp", "2"], "parallel.cp=2 does not combine with train.pipeline_stages: pipelines of context-parallel"),
+    (["--pp", "2"], "parallel.cp=2 does not combine with parallel.pp: pipelines of context-parallel"),
     (["--seq-len", "3"], "parallel.cp=2 cuts train.seq_len=3 into 2 x cp = 4 chunks"),
     (["model.dropout=0.1"], "parallel.cp=2 does not combine with model.dropout"),
 ])

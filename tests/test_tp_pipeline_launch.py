@@ -10,7 +10,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.parallel.launch import check_launch
 
-PP_TP = ["train.pipeline_stages=2", "train.micro_batches=2", "parallel.tp=2"]
+PP_TP = ["parallel.pp=2", "train.micro_batches=2", "parallel.tp=2"]
 SP = ["parallel.sequence_parallel=true", "train.sample_tokens=0"]  # no end-of-run sample under sequence parallelism
 LAYERS4 = ["model.n_layers=4", "train.pipeline_virtual_stages=2", "train.schedule=interleaved-1f1b"]
 

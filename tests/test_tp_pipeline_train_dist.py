@@ -1,4 +1,4 @@
-"""`lmforge train` on a pipeline of tensor-parallel stages (train.pipeline_stages=2 x parallel.tp=2,
+"""`lmforge train` on a pipeline of tensor-parallel stages (parallel.pp=2 x parallel.tp=2,
 4 ranks under torchrun, gloo, real prepared data) trains as one process accumulating the same 2
 micro-batches, and its checkpoint (whole tensors by name) resumes in one process.
 
@@ -17,7 +17,7 @@ from tests.test_tp_train_dist import assert_close_runs, losses, run, settings, t
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-PP_TP = ["train.pipeline_stages=2", "train.micro_batches=2", "parallel.tp=2"]
+PP_TP = ["parallel.pp=2", "train.micro_batches=2", "parallel.tp=2"]
 
 
 def test_lmforge_train_pp2_x_tp2_trains_as_one_process_and_resumes_in_one_process(tmp_path, settings):
@@ -42,6 +42,6 @@ def test_lmforge_train_pp2_x_tp2_trains_as_one_process_and_resumes_in_one_proces
     # both resumed to step 6 in one process: the checkpoint holds the whole model by name
     for folder in (run_dir, reference):
         run([sys.executable, "-m", "lmforge", "train", "--no-progress", "--resume", str(folder), "train.max_steps=6",
-             "parallel.tp=1", "train.pipeline_stages=1", "train.micro_batches=1", "train.grad_accum=2"], tmp_path)
+             "parallel.tp=1", "parallel.pp=1", "train.micro_batches=1", "train.grad_accum=2"], tmp_path)
     assert [s for s, _ in losses(run_dir)][-3:] == [5, 6, 6]
     assert_close_runs(run_dir, reference, steps=6)

@@ -81,7 +81,7 @@ def main(out: str, runs: dict[str, list[str]]):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     results = {}
     for name, overrides in runs.items():
-        piped = any(o.startswith("train.pipeline_stages=") for o in overrides)
+        piped = any(o.startswith("parallel.pp=") for o in overrides)
         results[name] = (train_and_measure(overrides) if piped
                          else run_cell(overrides, resume=name.endswith("checkpoint + resume")))
         dist.barrier()

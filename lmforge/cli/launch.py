@@ -17,7 +17,7 @@ from lmforge.config.rules import check_composition
 def launch_train(args, cfg, run_dir: Path) -> int:
     """Check that `cfg` can share its work over --nproc processes, then start them, each running
     the command line typed less --nproc (and, for a new run, with the run folder named here)."""
-    if cfg.train.parallel == "none" and cfg.train.pipeline_stages == 1 and cfg.parallel.tp == 1:
+    if cfg.train.parallel == "none" and cfg.parallel.pp == 1 and cfg.parallel.tp == 1:
         raise LmforgeError(f"--nproc {args.nproc} needs a way to share the work: add train.parallel=ddp "
                            f"(or zero1, zero2, zero3, fsdp), or parallel.tp={args.nproc}")
     if cfg.parallel.dp_replicate or cfg.parallel.dp_shard:

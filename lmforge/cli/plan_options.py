@@ -15,6 +15,7 @@ from lmforge.accounting.plan.setups import Machines, device_candidates, largest_
 from lmforge.accounting.optimizers import OPTIMIZERS
 from lmforge.common.errors import LmforgeError, lookup
 from lmforge.config import Config, parse_override, set_value, validate
+from lmforge.config.load import ALIASES as OLDER_NAMES
 from lmforge.modes.optimizers import OPTIMIZER_MODES
 from lmforge.modes.parallel import PARALLEL_STRATEGIES, get_strategy
 from lmforge.modes.precision import ALIASES as PRECISION_ALIASES
@@ -22,7 +23,7 @@ from lmforge.modes.precision import ALIASES as PRECISION_ALIASES
 # each setup flag and the config key it stands for (the flag's value applied as `key=value`)
 ALIASES = {"batch_size": "train.batch_size", "seq_len": "train.seq_len", "grad_accum": "train.grad_accum",
            "precision": "train.precision", "optimizer": "optim.name", "zero_stage": "train.parallel",
-           "tp": "parallel.tp", "cp": "parallel.cp", "pp": "train.pipeline_stages", "dp_shard": "parallel.dp_shard",
+           "tp": "parallel.tp", "cp": "parallel.cp", "pp": "parallel.pp", "dp_shard": "parallel.dp_shard",
            "dp_replicate": "parallel.dp_replicate", "sequence_parallel": "parallel.sequence_parallel",
            "recompute": "train.recompute", "attention": "model.attention", "fp32_attention": "train.fp32_attention",
            "lora_rank": "finetune.lora_rank", "lora_targets": "finetune.lora_targets"}
@@ -72,7 +73,7 @@ def read_lists(args) -> dict[str, list]:
 def alias_changes(args, chosen: dict) -> dict:
     """{config key: value} that the setup flags given say, with `chosen` (one value of each LIST
     option) for the LIST ones; LmforgeError where a `key=value` on the command line sets the same key."""
-    overridden = dict(map(parse_override, args.overrides))
+    overridden = {OLDER_NAMES.get(key, key): value for key, value in map(parse_override, args.overrides)}
     changes = {}
     for name, key in ALIASES.items():
         value = chosen.get(name, None if name in LISTS else getattr(args, name))

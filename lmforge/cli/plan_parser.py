@@ -18,7 +18,7 @@ def add_plan(commands) -> None:
                     "time, FLOPs and device-hours of a token budget. With --inference, what serving costs: "
                     "weights, KV cache, prefill and decode time, the largest batch that fits. The config is built "
                     "and validated as `lmforge train` builds it (--model, --config, section.key=value); the setup "
-                    "flags are aliases of its keys (--batch-size: train.batch_size, --pp: train.pipeline_stages, "
+                    "flags are aliases of its keys (--batch-size: train.batch_size, --pp: parallel.pp, "
                     "--zero-stage N: train.parallel=zeroN, ...: docs/planning.md). Options marked LIST take several "
                     "values separated by commas with --compare.",
         epilog="examples:\n"
@@ -68,7 +68,7 @@ def _add_plan_setup(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                       help="with --tp: parallel.sequence_parallel, norms and layer inputs split along the "
                            "sequence too (default off; Korthikanti et al. 2022 table 2 has both)")
-    plan.add_argument("--pp", metavar="LIST", help="pipeline stages: the same as train.pipeline_stages (default 1); "
+    plan.add_argument("--pp", metavar="LIST", help="pipeline stages: the same as parallel.pp (default 1); "
                                                  "micro-batches and schedule: train.micro_batches, train.schedule")
     plan.add_argument("--recompute", metavar="LIST", help=f"activation recomputation: {', '.join(RECOMPUTE_MODES)}")
     plan.add_argument("--attention", metavar="LIST",

@@ -2,10 +2,9 @@
 (torchtitan's ParallelDims, torchtitan/distributed/parallel_dims.py, is the model: the same names
 and order, and a degree left unset inferred from the world size).
 
-Two steps. `resolve_degrees` (run first by config/validate.py's validate) turns the degrees into the
-settings the engines read, and says what it changed:
+Two steps. `resolve_degrees` (run first by config/validate.py's validate) turns the data-parallel
+degrees into the strategy the engines read, and says what it changed:
 
-    parallel.pp=P             sets train.pipeline_stages=P (both set and different: refused)
     parallel.dp_shard=N > 1   the data-parallel ranks shard the model states: train.parallel none
                               or ddp becomes fsdp; zero1-3 and fsdp stay
     parallel.dp_replicate=N   alone (> 1): the data-parallel ranks replicate: none becomes ddp
@@ -14,8 +13,9 @@ settings the engines read, and says what it changed:
                               shard group, gradients all-reduced across the replicate groups
 
 `mesh_degrees` gives the five degrees of a launch on a world of ranks (parallel/mesh.py builds the
-mesh from them). 0 means "not set": the data-parallel degree is then inferred as today, world /
-(pp x cp x tp). What the degrees do not combine with (the product against the world, hybrid
+mesh from them). parallel.pp is the pipeline's stages (train.pipeline_stages, its older name, is
+read as an alias by config/load.py). 0 means "not set": the data-parallel degree is then inferred as
+today, world / (pp x cp x tp). What the degrees do not combine with (the product against the world, hybrid
 sharding's strategy) is config/rules.py's.
 """
 
@@ -44,19 +44,14 @@ class Degrees:
 
 
 def resolve_degrees(cfg) -> list[str]:
-    """Set train.pipeline_stages and train.parallel from parallel.pp, dp_replicate and dp_shard;
-    the changes made, one line each (for a warning); LmforgeError for degrees that contradict them."""
+    """Set train.parallel from parallel.dp_replicate and dp_shard; the changes made, one line each (for
+    a warning); LmforgeError for a degree that is no whole number."""
     p, t = cfg.parallel, cfg.train
-    for key in ("pp", "dp_replicate", "dp_shard"):
+    for key in ("dp_replicate", "dp_shard"):
         value = getattr(p, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise LmforgeError(f"parallel.{key} must be a whole number >= 1 (0: inferred), got {value!r}")
     notes = []
-    if p.pp:
-        if t.pipeline_stages not in (1, p.pp):
-            raise LmforgeError(f"parallel.pp={p.pp} and train.pipeline_stages={t.pipeline_stages} disagree: "
-                               f"set one of them (parallel.pp is the pipeline's stages)")
-        t.pipeline_stages = p.pp
     if p.dp_shard > 1 and t.parallel in REPLICATING:
         notes.append(f"parallel.dp_shard={p.dp_shard} shards the model states over the data-parallel ranks: "
                      f"train.parallel={t.parallel} becomes fsdp")
@@ -72,7 +67,7 @@ def mesh_degrees(cfg, world: int) -> Degrees:
     """The launch's five degrees on `world` ranks, those not given inferred (config/rules.py has
     already refused degrees that do not multiply to the world)."""
     p = cfg.parallel
-    pp, cp, tp = cfg.train.pipeline_stages, p.cp, p.tp
+    pp, cp, tp = p.pp, p.cp, p.tp
     if p.dp_replicate and p.dp_shard:
         return Degrees(pp, p.dp_replicate, p.dp_shard, cp, tp)
     dp = world // (pp * cp * tp)

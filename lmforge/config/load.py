@@ -71,8 +71,15 @@ def parse_override(item: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
+# older names of a setting, read as its name today (in files, on the command line and in older runs' config.yaml)
+ALIASES = {"train.pipeline_stages": "parallel.pp"}
+
+
 def set_value(cfg: Config, key: str, value, origin: str) -> None:
-    """Set `section.key` on cfg, converting `value` to the field's type."""
+    """Set `section.key` on cfg, converting `value` to the field's type; an older name (ALIASES) sets
+    the new one, and the two given different values by one origin (a file, the command line) are
+    refused (a later origin overrides an earlier one's, whichever the spelling)."""
+    spelled, key = key, ALIASES.get(key, key)
     all_keys = [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(getattr(cfg, s))]
     if key not in all_keys:
         raise LmforgeError(f"{origin}: unknown config key {key!r}{_did_you_mean(key, all_keys)}")
@@ -80,9 +87,20 @@ def set_value(cfg: Config, key: str, value, origin: str) -> None:
     target = getattr(cfg, section)
     hint = typing.get_type_hints(type(target))[name]
     try:
-        setattr(target, name, _coerce(value, hint, key))
+        value = _coerce(value, hint, spelled)
     except LmforgeError as err:  # a file's wrong-typed value: name the file
         raise LmforgeError(str(err) if origin == "command line" else f"{origin}: {err}") from None
+    if key == "parallel.pp" and value == 0:
+        return  # parallel.pp's "not set" before it became the pipeline's one name (older runs' config.yaml)
+    if key in ALIASES.values():
+        given = cfg.__dict__.setdefault("_spellings", {}).setdefault(origin, {})  # each spelling's value, by origin
+        given[spelled] = value
+        if len(set(given.values())) > 1:  # the name and its older one (one alias each), different values
+            old = next(k for k in given if k != key)
+            where = "" if origin == "command line" else f"{origin}: "
+            raise LmforgeError(f"{where}{key}={given[key]} and {old}={given[old]} disagree: set one of them "
+                               f"({old} is {key}'s older name)")
+    setattr(target, name, value)
 
 
 def _coerce(value, hint, key: str):

@@ -24,7 +24,8 @@ def check_composition(cfg, world: int | None) -> None:
     launch of `world` processes (None: one process, no torchrun)."""
     check_config(cfg)
     _check_optimizer(cfg)
-    p, stages, parallel = cfg.parallel, cfg.train.pipeline_stages, cfg.train.parallel
+    p, parallel = cfg.parallel, cfg.train.parallel
+    stages = p.pp
     if world is not None and (p.dp_replicate or p.dp_shard):
         _check_world_degrees(cfg, world)
     if p.sequence_parallel and p.tp == 1:
@@ -36,7 +37,7 @@ def check_composition(cfg, world: int | None) -> None:
         return _check_pipeline(cfg, world) if stages > 1 else None  # pipelines of tensor-parallel stages
     if world is None:
         if stages > 1:
-            _refuse(f"train.pipeline_stages={stages} needs one process per stage: launch with torchrun "
+            _refuse(f"parallel.pp={stages} needs one process per stage: launch with torchrun "
                     f"--nproc_per_node={stages} -m lmforge train ... or lmforge train --nproc {stages} ...")
         if parallel != "none":
             _refuse(f"train.parallel={parallel} needs one process per device: launch with torchrun "
@@ -71,15 +72,15 @@ def check_config(cfg) -> None:
     shape and accumulation, compile with the attention kernels."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
     if p.dp_replicate and p.dp_shard:
-        _check_degrees(cfg, Degrees(t.pipeline_stages, p.dp_replicate, p.dp_shard, p.cp, p.tp))
-    if t.pipeline_stages > 1 or t.pipeline_split:
-        parse_split(t.pipeline_split, m.n_layers, t.pipeline_stages)  # raises on a split that does not fit
-    _check_interleaved(t, m)
-    if t.pipeline_stages == 1 and t.micro_batches != 1:
-        _refuse(f"train.micro_batches={t.micro_batches} applies to pipelines (train.pipeline_stages > 1); "
+        _check_degrees(cfg, Degrees(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp))
+    if p.pp > 1 or t.pipeline_split:
+        parse_split(t.pipeline_split, m.n_layers, p.pp)  # raises on a split that does not fit
+    _check_interleaved(p.pp, t, m)
+    if p.pp == 1 and t.micro_batches != 1:
+        _refuse(f"train.micro_batches={t.micro_batches} applies to pipelines (parallel.pp > 1); "
                 f"to accumulate gradients over micro-batches in one process use train.grad_accum")
-    if t.pipeline_stages > 1 and t.grad_accum != 1:
-        _refuse(f"train.grad_accum={t.grad_accum} with train.pipeline_stages={t.pipeline_stages}: a pipeline "
+    if p.pp > 1 and t.grad_accum != 1:
+        _refuse(f"train.grad_accum={t.grad_accum} with parallel.pp={p.pp}: a pipeline "
                 f"accumulates over its micro-batches; set train.micro_batches instead")
     # the Triton kernels under torch.compile have never run (no GPU here): not offered untried
     if t.compile and m.attention == "flash_triton":
@@ -87,9 +88,9 @@ def check_config(cfg) -> None:
                 "been traced by torch.compile): use model.attention=sdpa or train.compile=false")
 
 
-def _check_interleaved(t, m) -> None:
+def _check_interleaved(p: int, t, m) -> None:
     """train.schedule=interleaved-1f1b: p x v equal chunks, rounds of p micro-batches (Megatron-LM's rules)."""
-    p, v = t.pipeline_stages, t.pipeline_virtual_stages
+    v = t.pipeline_virtual_stages
     if t.schedule != "interleaved-1f1b":
         return None if v == 1 else _refuse(f"train.pipeline_virtual_stages={v} applies to "
                                            f"train.schedule=interleaved-1f1b, not {t.schedule}")
@@ -98,7 +99,7 @@ def _check_interleaved(t, m) -> None:
                 f"{v} virtual stages = {p * v} equal chunks: use a number of layers divisible by {p * v}, or "
                 f"other stages")
     if t.micro_batches % p:
-        _refuse(f"train.schedule=interleaved-1f1b runs micro-batches in rounds of train.pipeline_stages={p}: "
+        _refuse(f"train.schedule=interleaved-1f1b runs micro-batches in rounds of parallel.pp={p}: "
                 f"train.micro_batches={t.micro_batches} must be a multiple of {p}")
     if t.pipeline_split.strip():
         _refuse(f"train.pipeline_split={t.pipeline_split} with train.schedule=interleaved-1f1b: its chunks are "
@@ -128,10 +129,10 @@ def _check_optimizer(cfg) -> None:
     # Muon gathers each split matrix over the tp group (parallel/tp_engine.py's TensorParallelMatrices)
     # where the optimizer holds whole tp slices: a replicating strategy, one stage, no cp
     if name == "muon" and tp > 1 and (parallel not in REPLICATING or cfg.parallel.cp > 1
-                                      or cfg.train.pipeline_stages > 1):
+                                      or cfg.parallel.pp > 1):
         where = (f"train.parallel={parallel}" if parallel not in REPLICATING else
                  f"parallel.cp={cfg.parallel.cp}" if cfg.parallel.cp > 1 else
-                 f"train.pipeline_stages={cfg.train.pipeline_stages}")
+                 f"parallel.pp={cfg.parallel.pp}")
         _refuse(f"optim.name=muon does not combine with parallel.tp={tp} and {where}: Newton-Schulz gathers each "
                 f"matrix over the tensor ranks only under train.parallel={names(REPLICATING)}, without cp or "
                 f"pipeline stages; use one of those or parallel.tp=1")
@@ -148,7 +149,7 @@ def _check_optimizer(cfg) -> None:
 
 def _check_world_degrees(cfg, world: int) -> None:
     """parallel.dp_replicate / dp_shard against the world: pp x dp_replicate x dp_shard x cp x tp ranks."""
-    p, pp = cfg.parallel, cfg.train.pipeline_stages
+    p, pp = cfg.parallel, cfg.parallel.pp
     cp, tp = p.cp, p.tp
     if p.dp_replicate and p.dp_shard:
         product = pp * p.dp_replicate * p.dp_shard * cp * tp
@@ -178,18 +179,18 @@ PIPELINE_REFUSED = {
 
 
 def _check_pipeline(cfg, world: int) -> None:
-    """What a pipeline of train.pipeline_stages stages on `world` ranks cannot do."""
+    """What a pipeline of parallel.pp stages on `world` ranks cannot do."""
     t, tp = cfg.train, cfg.parallel.tp
-    p, parallel = t.pipeline_stages, t.parallel
+    p, parallel = cfg.parallel.pp, t.parallel
     launch = (f"launch with torchrun --nproc_per_node={p * tp} -m lmforge train ... (or lmforge train --nproc "
               f"{p * tp} ...)")
     if world < p * tp or world % (p * tp):
         per_stage = "one process per stage" if tp == 1 else f"parallel.tp={tp} processes per stage"
-        _refuse(f"train.pipeline_stages={p} needs {per_stage} (or a multiple of {p * tp}: replicas), not {world}: "
+        _refuse(f"parallel.pp={p} needs {per_stage} (or a multiple of {p * tp}: replicas), not {world}: "
                 f"{launch}")
     replicas = world // (p * tp)
     if parallel not in STAGE_REPLICAS:
-        _refuse(f"train.parallel={parallel} does not combine with train.pipeline_stages={p}: "
+        _refuse(f"train.parallel={parallel} does not combine with parallel.pp={p}: "
                 f"{PIPELINE_REFUSED[parallel]}; use train.parallel=zero1 (shards each stage's optimizer states) or ddp")
     if replicas > 1 and parallel == "none":
         _refuse(f"{world} ranks = {p} stages x {replicas} replicas: choose how each stage's replicas share its "
@@ -198,7 +199,7 @@ def _check_pipeline(cfg, world: int) -> None:
         _refuse("train.pipeline_engine=torch does not scale the loss (fp16-mixed): use train.pipeline_engine=lmforge "
                 "or bf16-mixed")
     if tp > 1 and cfg.parallel.sequence_parallel and t.pipeline_engine == "torch":
-        _refuse(f"train.pipeline_stages={p} with parallel.tp={tp} does not combine with parallel.sequence_parallel: "
+        _refuse(f"parallel.pp={p} with parallel.tp={tp} does not combine with parallel.sequence_parallel: "
                 f"train.pipeline_engine=torch's stages with sequence shards are untested: use "
                 f"train.pipeline_engine=lmforge or parallel.sequence_parallel=false")
 
@@ -234,13 +235,13 @@ def _check_tensor_parallel(cfg, world: int | None) -> None:
     """parallel.tp > 1: world = (world / tp) replicas x tp ranks (parallel/mesh.py; with pipeline stages,
     stages x replicas x tp), the replicas under a data-parallel strategy (or none with one replica),
     and a model the ranks can split."""
-    tp, parallel, stages = cfg.parallel.tp, cfg.train.parallel, cfg.train.pipeline_stages
+    tp, parallel, stages = cfg.parallel.tp, cfg.train.parallel, cfg.parallel.pp
     if world is None:
         _refuse(f"parallel.tp={tp} needs {tp} processes per model replica: launch with torchrun "
                 f"--nproc_per_node={tp} -m lmforge train ... or lmforge train --nproc {tp} ...")
     if world % (tp * stages):
         _refuse(f"parallel.tp={tp} on {world} processes: the world must be (replicas x tp), a multiple of {tp}"
-                if stages == 1 else f"train.pipeline_stages={stages} x parallel.tp={tp} on {world} processes: "
+                if stages == 1 else f"parallel.pp={stages} x parallel.tp={tp} on {world} processes: "
                 f"the world must be (stages x replicas x tp), a multiple of {stages * tp}")
     dp = world // (tp * stages)
     if dp > 1 and parallel == "none":
@@ -263,8 +264,7 @@ def _check_tensor_parallel(cfg, world: int | None) -> None:
 
 # what context parallelism (parallel/cp_model.py) is not combined with yet, and why: setting -> (refused when, why)
 CP_REFUSED = {
-    "train.pipeline_stages": (lambda c: c.train.pipeline_stages > 1,
-                              "pipelines of context-parallel stages are not wired"),
+    "parallel.pp": (lambda c: c.parallel.pp > 1, "pipelines of context-parallel stages are not wired"),
     "model.dropout": (lambda c: c.model.dropout > 0, "ring attention has no dropout, and per-rank masks would not "
                                                      "match one process's: set model.dropout=0"),
     "model.sliding_window": (lambda c: c.model.sliding_window is not None, "the ring's masks are the causal ones"),

@@ -168,9 +168,6 @@ class TrainConfig:
     parallel: str = "none"
     bucket_mb: float = 25.0  # DDP/ZeRO: gradients are reduced in buckets of about this many MiB
     dist_timeout: int = 60  # seconds a collective may wait before the run stops (a dead rank)
-    # pipeline parallelism under torchrun (lmforge/parallel/pipeline/engine.py): the model cut into this many
-    # stages, one per rank; with more ranks than stages, the pipelines are replicated (data parallel)
-    pipeline_stages: int = 1
     micro_batches: int = 1  # pipeline micro-batches per optimizer step, each of train.batch_size sequences
     # gpipe | 1f1b | interleaved-1f1b: the order in which each stage runs its forwards and backwards
     schedule: str = "1f1b"
@@ -204,11 +201,13 @@ class ParallelConfig:
     # (zig-zag); the world is then dp x cp x tp (parallel/mesh.py), gradients averaged by
     # train.parallel=ddp over the dp x cp ranks (docs/context-parallel.md)
     cp: int = 1
-    # the mesh's other degrees, torchtitan's names (config/degrees.py; 0: not set, inferred): pipeline
-    # stages (sets train.pipeline_stages), data-parallel ranks that replicate the model and ranks that
-    # shard its states (> 1: train.parallel fsdp; both > 1: hybrid sharding, HSDP); the world is then
-    # pp x dp_replicate x dp_shard x cp x tp (parallel/mesh.py)
-    pp: int = 0
+    # pipeline parallelism under torchrun (lmforge/parallel/pipeline/engine.py): the model cut into this many
+    # stages, one per rank; with more ranks than stages, the pipelines are replicated (data parallel).
+    # train.pipeline_stages, its older name, is read as an alias (config/load.py); 0 (older configs): 1
+    pp: int = 1
+    # the mesh's data-parallel degrees, torchtitan's names (config/degrees.py; 0: not set, inferred):
+    # ranks that replicate the model and ranks that shard its states (> 1: train.parallel fsdp; both > 1:
+    # hybrid sharding, HSDP); the world is then pp x dp_replicate x dp_shard x cp x tp (parallel/mesh.py)
     dp_replicate: int = 0
     dp_shard: int = 0
 

@@ -43,7 +43,7 @@ MODEL_SIZE_LIMITS = {"n_layers": 256, "d_model": 2**17, "d_ff": 2**19, "max_seq_
 def validate(cfg: Config) -> None:
     """Raise LmforgeError for the first setting that cannot work (see config_warnings for the
     ones that can but are probably not meant). First the parallel section's degrees are resolved
-    (config/degrees.py: they may set train.pipeline_stages and train.parallel, said in a warning by
+    (config/degrees.py: they may set train.parallel, said in a warning by
     one process of a launch)."""
     for note in resolve_degrees(cfg):
         if os.environ.get("RANK", "0") == "0":
@@ -56,6 +56,7 @@ def validate(cfg: Config) -> None:
     _check_optim(cfg.optim)
     _check_train(cfg)
     _check_finetune(cfg.finetune)
+    _positive("parallel.pp", cfg.parallel.pp)
     _positive("parallel.tp", cfg.parallel.tp)
     _positive("parallel.cp", cfg.parallel.cp)
     _check_device(cfg.train)
@@ -205,7 +206,7 @@ def _check_optim(o: OptimConfig) -> None:
 def _check_train(cfg: Config) -> None:
     t = cfg.train
     for key in ("batch_size", "grad_accum", "seq_len", "max_steps", "eval_batches", "keep_checkpoints",
-                "log_interval", "max_bad_steps", "bucket_mb", "dist_timeout", "pipeline_stages", "micro_batches",
+                "log_interval", "max_bad_steps", "bucket_mb", "dist_timeout", "micro_batches",
                 "pipeline_virtual_stages"):
         _positive(f"train.{key}", getattr(t, key))
     # numpy's generators take no negative seed (data/loader.py seeds one with it); a timeout is a timedelta

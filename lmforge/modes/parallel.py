@@ -84,7 +84,7 @@ def parse_split(text: str, n_layers: int, stages: int) -> list[int] | None:
     """`train.pipeline_split` as layers per stage ("4,4,4,4" -> [4, 4, 4, 4]), checked against the
     model; None for "" (the split is then balanced by cost: accounting/pipeline.py)."""
     if stages > n_layers:
-        raise LmforgeError(f"train.pipeline_stages={stages} but the model has {n_layers} layers: each stage needs "
+        raise LmforgeError(f"parallel.pp={stages} but the model has {n_layers} layers: each stage needs "
                            f"at least one; use at most {n_layers} stages")
     if not text.strip():
         return None

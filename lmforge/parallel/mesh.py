@@ -151,11 +151,11 @@ def build_groups(tp: int = 1, device: torch.device | str = "cpu", cp: int = 1, p
 def run_groups(cfg, device: torch.device | str = "cpu") -> ParallelGroups:
     """The mesh of `cfg`'s run (parallel.tp, parallel.cp, the pipeline's stages, hybrid sharding),
     or ONE_PROCESS where nothing is distributed (strategy none, every degree 1)."""
-    p, pp = cfg.parallel, cfg.train.pipeline_stages
+    p, pp = cfg.parallel, cfg.parallel.pp
     if cfg.train.parallel == "none" and p.tp == p.cp == pp == 1:
         return ONE_PROCESS
     if not dist.is_initialized():  # library callers that skipped `init_world`
-        setting = (f"train.pipeline_stages={pp}" if pp > 1 else f"parallel.tp={p.tp} parallel.cp={p.cp}"
+        setting = (f"parallel.pp={pp}" if pp > 1 else f"parallel.tp={p.tp} parallel.cp={p.cp}"
                    if p.tp > 1 or p.cp > 1 else f"train.parallel={cfg.train.parallel}")
         raise LmforgeError(f"{setting} needs torch.distributed: launch with "
                            f"torchrun --nproc_per_node=N -m lmforge train ...")

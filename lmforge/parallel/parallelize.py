@@ -14,7 +14,7 @@ model (each cp rank one more replica of its shard; torchtitan's "dp_cp"), with a
 model's tp group for the norm and the whole tensors by name (tp_engine.py). No class per
 combination: one path, `parallelize`.
 
-Pipeline parallelism (train.pipeline_stages > 1): PipelineEngine (pipeline/engine.py), each rank
+Pipeline parallelism (parallel.pp > 1): PipelineEngine (pipeline/engine.py), each rank
 one stage, around the engine of the stage's replicas (the mesh's dp group), from
 STAGE_REPLICA_ENGINES: ddp (or none: one replica) DDPEngine without buckets, each gradient
 all-reduced once after the schedule; zero1 ZeroEngine(stage=1), the stage's optimizer states

@@ -121,7 +121,7 @@ class Trainer:
         self.policy = get_policy(cfg.train.precision)
         for note in device_notes(self.policy, self.device):
             self.console.print(f"note: {note}")
-        self.timeline = Timeline() if cfg.train.pipeline_stages > 1 else None  # what each pipeline step did, when
+        self.timeline = Timeline() if cfg.parallel.pp > 1 else None  # what each pipeline step did, when
         self.engine = build_engine(cfg, self.policy, self.device, self.base_state, timeline=self.timeline)
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
         self.ring = ring_traffic(self.model) if cfg.parallel.cp > 1 else None  # the cp ring's sent bytes

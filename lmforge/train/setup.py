@@ -146,13 +146,13 @@ def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu"
     """Steps 1-8: the model wrapped in the engine of train.parallel, with its optimizer, over the
     run's mesh (parallel/mesh.py: tp, cp, pipeline stages, data parallelism). Under a strategy
     other than none, torch.distributed must already be initialised (torchrun). With
-    train.pipeline_stages > 1 each rank builds its stage (the model cut after step 5) and the
+    parallel.pp > 1 each rank builds its stage (the model cut after step 5) and the
     pipeline engine (`timeline` records its step: parallel/pipeline/timeline.py). `policy` is
     cfg.train.precision's; the launch was checked by parallel/launch.py's `check_launch`."""
     groups = run_groups(cfg, device)
     optimizer = dict(make_optimizer=lambda groups: make_optimizer(cfg, policy, groups),
                      weight_decay_groups=lambda model: param_groups(cfg, model))
-    if cfg.train.pipeline_stages > 1:
+    if cfg.parallel.pp > 1:
         layout, layers = pipeline_place(cfg, torch.distributed.get_rank(), torch.distributed.get_world_size())
         model = build_model(cfg, policy, device, base_state, stage=(layers, layout.first, layout.last),
                             tp_comm=groups.tp_comm)

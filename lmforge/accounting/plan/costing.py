@@ -42,7 +42,7 @@ def degrees(cfg: Config, dp: int | None = None) -> Degrees:
     config's own parallel.dp_replicate x parallel.dp_shard), by the launch's own rule."""
     p = cfg.parallel
     dp = dp or max(1, p.dp_replicate) * max(1, p.dp_shard)
-    return mesh_degrees(cfg, dp * cfg.train.pipeline_stages * p.cp * p.tp)
+    return mesh_degrees(cfg, dp * cfg.parallel.pp * p.cp * p.tp)
 
 
 def data_parallel(cfg: Config, world: int) -> int:

@@ -228,7 +228,7 @@ def optimizer_phase_op(cfg: ModelConfig) -> Op:
 
 def traced(run: Config) -> bool:
     """Whether the trace covers `run` (not yet: tensor, context or pipeline parallelism, LoRA, fp8)."""
-    return not (run.parallel.tp * run.parallel.cp * run.train.pipeline_stages > 1 or run.finetune.lora_rank
+    return not (run.parallel.tp * run.parallel.cp * run.parallel.pp > 1 or run.finetune.lora_rank
                 is not None or get_policy(run.train.precision).fp8)
 
 

@@ -1,7 +1,7 @@
 """Where each rank of a pipeline run sits, and what its stage holds.
 
     rank = (stage * replicas + replica) * tp + tp_rank
-                                        p = train.pipeline_stages; with more ranks than p x tp, the
+                                        p = parallel.pp; with more ranks than p x tp, the
                                         pipelines are replicated (data parallel across replicas);
                                         with parallel.tp > 1 each stage is tensor-parallel over tp
                                         neighbouring ranks, and a stage's tensor rank t exchanges
@@ -79,7 +79,7 @@ class PipelineLayout:
 def pipeline_place(cfg, rank: int, world_size: int) -> tuple[PipelineLayout, list[int]]:
     """(this rank's PipelineLayout, the layers its stage holds: those of all its chunks)."""
     t = cfg.train
-    layout = PipelineLayout.of(rank, world_size, t.pipeline_stages, t.pipeline_virtual_stages, cfg.parallel.tp)
+    layout = PipelineLayout.of(rank, world_size, cfg.parallel.pp, t.pipeline_virtual_stages, cfg.parallel.tp)
     split = virtual_split(cfg.model, layout.stages, layout.chunks, t.pipeline_split, cfg.seq_len)
     return layout, [layer for chunk in rank_chunks(split, layout.stages, layout.stage) for layer in chunk]
 
