@@ -11,7 +11,7 @@ from lmforge.accounting.roofline import Roof
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
 from lmforge.modes.precision import get_policy
-from tests.test_roofline import datasheet_plan
+from test_roofline import datasheet_plan  # bare: roofline_dist_worker.py imports this module from tests/
 
 # seconds per call and bytes/s of each operator, all different: a term priced at another's shows
 NETWORK = {"all_reduce": (1e-4, 1e9), "reduce_scatter": (3e-4, 5e8), "all_gather": (2e-4, 2e9)}
