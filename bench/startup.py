@@ -12,6 +12,7 @@ CPU time (user + system). The run folders it leaves are deleted.
 
 import argparse
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -42,7 +43,7 @@ def one_run(folder: Path, overrides: list[str]) -> tuple[float, float]:
                                 cwd=folder, env={**os.environ, "XDG_CACHE_HOME": cache}, capture_output=True, text=True)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
     shutil.rmtree(folder / "runs" / "startup", ignore_errors=True)
-    stamps = [line.split()[1] for line in result.stderr.splitlines() if line.startswith("FIRST_STEP")]
+    stamps = re.findall(r"FIRST_STEP ([0-9.]+)", result.stderr)  # the progress bar may share its line
     if not stamps:
         raise SystemExit(f"no first step (exit {result.returncode}):\n{result.stderr[-2000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
