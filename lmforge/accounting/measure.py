@@ -95,19 +95,35 @@ def count_flops(fn) -> int:
     return counter.get_total_flops()
 
 
+def unique_storages_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer counted once; None skipped)."""
+    seen = {}
+    for t in tensors:
+        if t is not None and hasattr(t, "to_local"):  # a DTensor: this rank's part
+            t = t.to_local()
+        if t is not None and t.numel() > 0:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_bytes_measured(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the optimizer's per-parameter state tensors (scalar step counters left out: a few
+    bytes per tensor, not per parameter)."""
+    if optimizer is None:
+        return 0
+    return unique_storages_bytes(t for state in optimizer.state.values() for t in state.values()
+                                 if isinstance(t, torch.Tensor) and t.ndim > 0)
+
+
 def model_state_bytes_measured(model: torch.nn.Module,
                                optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes of the parameters, their gradients (those that exist) and the optimizer's
-    per-parameter state tensors, read off the live tensors (shared parameters once; scalar step
-    counters left out: a few bytes per tensor, not per parameter)."""
+    per-parameter state tensors, read off the live tensors (shared parameters once)."""
     params = list(dict.fromkeys(model.parameters()))
-    states = 0
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            states += sum(t.nbytes for t in state.values() if isinstance(t, torch.Tensor) and t.ndim > 0)
-    return {"parameters": sum(p.nbytes for p in params),
-            "gradients": sum(p.grad.nbytes for p in params if p.grad is not None),
-            "optimizer_states": states}
+    return {"parameters": unique_storages_bytes(params),
+            "gradients": unique_storages_bytes(p.grad for p in params),
+            "optimizer_states": optimizer_state_bytes_measured(optimizer)}
 
 
 def peak_memory_bytes(device: torch.device) -> int:

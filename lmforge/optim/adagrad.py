@@ -14,7 +14,7 @@ frequent ones. State: `sum` per parameter. A loop over parameters (see sgd.py fo
 
 import torch
 
-from lmforge.optim.per_parameter import PerParameter
+from lmforge.optim.per_parameter import PerParameter, l2_decayed
 
 
 class Adagrad(PerParameter):
@@ -25,12 +25,7 @@ class Adagrad(PerParameter):
 
     def update(self, param: torch.Tensor, group: dict) -> None:
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
-        g = param.grad
-        if decay != 0:
-            g = g.add(param, alpha=decay)
-        state = self.state[param]
-        if not state:
-            state["sum"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        s = state["sum"]
+        g = l2_decayed(param, decay)
+        (s,) = self.zero_states(param, "sum")
         s.addcmul_(g, g, value=1.0)
         param.addcdiv_(g, s.sqrt().add_(eps), value=-lr)

@@ -28,10 +28,7 @@ class Lion(PerParameter):
     def update(self, param: torch.Tensor, group: dict) -> None:
         lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
         g = param.grad
-        state = self.state[param]
-        if not state:
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        m = state["exp_avg"]
+        (m,) = self.zero_states(param, "exp_avg")
         c = m.mul(beta1).add_(g, alpha=1.0 - beta1)
         param.mul_(1.0 - lr * decay)
         param.add_(c.sign_(), alpha=-lr)

@@ -27,3 +27,16 @@ class PerParameter(torch.optim.Optimizer):
 
     def update(self, param: torch.Tensor, group: dict) -> None:
         raise NotImplementedError
+
+    def zero_states(self, param: torch.Tensor, *names: str) -> list[torch.Tensor]:
+        """`param`'s state tensors `names`, each created as zeros of its shape when first asked for."""
+        state = self.state[param]
+        for name in names:
+            if name not in state:
+                state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return [state[name] for name in names]
+
+
+def l2_decayed(param: torch.Tensor, decay: float) -> torch.Tensor:
+    """The gradient with L2 weight decay added, g + lambda theta (a new tensor: .grad stays as backward wrote it)."""
+    return param.grad.add(param, alpha=decay) if decay != 0 else param.grad

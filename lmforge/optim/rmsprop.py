@@ -18,7 +18,7 @@ costs it. A loop over parameters (see sgd.py for why).
 
 import torch
 
-from lmforge.optim.per_parameter import PerParameter
+from lmforge.optim.per_parameter import PerParameter, l2_decayed
 
 
 class RMSprop(PerParameter):
@@ -32,26 +32,17 @@ class RMSprop(PerParameter):
 
     def update(self, param: torch.Tensor, group: dict) -> None:
         lr, alpha, eps, decay, mu = group["lr"], group["alpha"], group["eps"], group["weight_decay"], group["momentum"]
-        g = param.grad
-        if decay != 0:
-            g = g.add(param, alpha=decay)
-        state = self.state[param]
-        if not state:
-            state["square_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            if group["centered"]:
-                state["grad_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            if mu > 0:
-                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        v = state["square_avg"]
+        g = l2_decayed(param, decay)
+        (v,) = self.zero_states(param, "square_avg")
         v.mul_(alpha).addcmul_(g, g, value=1.0 - alpha)
         if group["centered"]:
-            a = state["grad_avg"]
+            (a,) = self.zero_states(param, "grad_avg")
             a.lerp_(g, 1.0 - alpha)  # alpha a + (1 - alpha) g
             r = v.addcmul(a, a, value=-1.0).sqrt_().add_(eps)
         else:
             r = v.sqrt().add_(eps)
         if mu > 0:
-            b = state["momentum_buffer"]
+            (b,) = self.zero_states(param, "momentum_buffer")
             b.mul_(mu).addcdiv_(g, r)
             param.add_(b, alpha=-lr)
         else:

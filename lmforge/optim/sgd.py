@@ -21,7 +21,7 @@ have tens of tensors; adamw.py has the foreach path for the default optimizer.
 
 import torch
 
-from lmforge.optim.per_parameter import PerParameter
+from lmforge.optim.per_parameter import PerParameter, l2_decayed
 
 
 class SGD(PerParameter):
@@ -34,9 +34,7 @@ class SGD(PerParameter):
 
     def update(self, param: torch.Tensor, group: dict) -> None:
         lr, mu, decay = group["lr"], group["momentum"], group["weight_decay"]
-        d = param.grad
-        if decay != 0:
-            d = d.add(param, alpha=decay)
+        d = l2_decayed(param, decay)
         if mu != 0:
             state = self.state[param]
             if "momentum_buffer" not in state:

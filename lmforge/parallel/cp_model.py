@@ -39,6 +39,7 @@ Training only: whole sequences from position 0, no KV cache; no dropout (the rin
 per-rank dropout masks would not match one process's) and no sliding window.
 """
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +52,7 @@ from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.cp import RingTraffic, ring_attention, shard_batch, zigzag_positions
 from lmforge.parallel.tp import SequenceShardRope
-from lmforge.parallel.tp_loss import SoftcappedVocabParallelHeadLoss, VocabParallelHeadLoss
+from lmforge.parallel.tp_loss import VocabParallelHeadLoss
 
 
 class RingAttentionCore(nn.Module):
@@ -207,10 +208,10 @@ def apply_context_parallel(model: nn.Module, group) -> ContextParallel:
 
 
 def _summed_loss(loss: nn.Module) -> nn.Module:
-    """The summed form of the model's head loss: vocabulary-parallel (tp x cp) or plain."""
+    """The summed form of the model's head loss: vocabulary-parallel (tp x cp; a soft-capped one's
+    cap kept) or plain."""
     if isinstance(loss, VocabParallelHeadLoss):
-        if isinstance(loss, SoftcappedVocabParallelHeadLoss):  # model.logit_softcap: the same cap
-            return SoftcappedVocabParallelHeadLoss(loss.comm, loss.vocab_start, loss.cap, loss.sequence_parallel,
-                                                   reduction="sum")
-        return VocabParallelHeadLoss(loss.comm, loss.vocab_start, loss.sequence_parallel, reduction="sum")
+        summed = copy.copy(loss)
+        summed.reduction = "sum"
+        return summed
     return SummedHeadLoss()

@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from lmforge.accounting.measure import model_state_bytes_measured
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.optim.clip import clip_grad_norm, scale_to_norm
 from lmforge.parallel.mesh import ONE_PROCESS, ParallelGroups
@@ -49,18 +50,6 @@ from lmforge.parallel.tp import shard_copies, sharded_dim
 from lmforge.parallel.tp_engine import (found_inf_anywhere, tp_square_sum, whole_matrices_over_tp,
                                         whole_optimizer_state, whole_state)
 from lmforge.precision.policy import autocast
-
-
-def unique_storages_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer counted once)."""
-    seen = {}
-    for t in tensors:
-        if t is not None and hasattr(t, "to_local"):  # a DTensor: this rank's part
-            t = t.to_local()
-        if t is not None and t.numel() > 0:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 class Engine:
@@ -77,8 +66,9 @@ class Engine:
         self.comm = groups.comm if self.data_parallel else None  # the counting collectives (parallel/comm.py)
         self.norm_comm = self.comm  # the ranks whose gradient pieces are disjoint (hybrid sharding: a shard group)
         self.world_size, self.rank = (self.comm.world, self.comm.rank) if self.comm is not None else (1, 0)
-        # which copy of the model this rank trains, of how many (the data-parallel ranks)
-        self.replicas, self.replica = groups.replicas, groups.replica
+        # which copy of the model this rank trains, of how many (the data-parallel ranks: the loader
+        # shards its rows by them, and the cp and tp ranks of a replica draw the same ones)
+        self.replicas, self.replica = groups.dp, groups.dp_rank
         self.tp_comm, self.cp = groups.tp_comm, groups.cp
         self.syncing = True  # False inside no_sync(): the gradient hooks then only accumulate
         if optimizer is not None and self.tp_comm is not None:  # whole tp slices: Muon gathers its matrices
@@ -242,13 +232,4 @@ class Engine:
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds of parameters, gradients, separate master weights and optimizer
         states, read off the live tensors (views of one buffer once; step counters left out)."""
-        params = list(dict.fromkeys(self.model.parameters()))
-        return {"parameters": unique_storages_bytes(params),
-                "gradients": unique_storages_bytes(p.grad for p in params),
-                "master_weights": 0,
-                "optimizer_states": optimizer_state_bytes(self.optimizer)}
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return unique_storages_bytes(t for state in optimizer.state.values() for t in state.values()
-                                 if isinstance(t, torch.Tensor) and t.ndim > 0)
+        return {**model_state_bytes_measured(self.model, self.optimizer), "master_weights": 0}

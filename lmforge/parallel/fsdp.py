@@ -31,7 +31,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmforge.model.lora import LoRALinear
 from lmforge.parallel.comm import Collectives
-from lmforge.parallel.engine import Engine, optimizer_state_bytes, unique_storages_bytes
+from lmforge.accounting.measure import optimizer_state_bytes_measured, unique_storages_bytes
+from lmforge.parallel.engine import Engine
 from lmforge.parallel.shards import parameter_units, unit_modules
 from lmforge.parallel.tp import shard_copies, sharded_dim, sum_over_copies
 
@@ -138,4 +139,4 @@ class FSDPEngine(Engine):
         return {"parameters": unique_storages_bytes(local(p) for p in params),
                 "gradients": unique_storages_bytes(local(p.grad) for p in params if p.grad is not None),
                 "master_weights": 0,
-                "optimizer_states": optimizer_state_bytes(self.optimizer)}
+                "optimizer_states": optimizer_state_bytes_measured(self.optimizer)}

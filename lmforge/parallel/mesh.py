@@ -17,7 +17,7 @@ and dp always: torchtitan too leaves out a dimension of degree 1) and one proces
 of each dimension; `ParallelGroups` hands the tp group to parallel/tp.py, the cp group to
 parallel/cp_model.py's ring, and the dp group (or, with cp > 1, the dp x cp group: torchtitan's
 "dp_cp", over which the gradients are averaged, each cp rank a replica of its shard) to the
-data-parallel engine (as `comm`, with `tp_comm`, `cp` and the loader's `replicas` / `replica`:
+data-parallel engine (as `comm`, with `tp_comm`, `cp` and the loader's replicas `dp` and `dp_rank`:
 every engine reads these, parallel/engine.py); a pipeline (pp > 1) takes the pp group as its
 pipeline and the dp group as each stage's replicas (parallel/pipeline/engine.py).
 parallel/launch.py's `check_launch` has already refused a world size that is not pp x dp x cp x tp.
@@ -77,16 +77,6 @@ class ParallelGroups:
     def tp_comm(self) -> Collectives | None:
         """The tensor-parallel group's collectives (the model's split layers and the engine share it)."""
         return Collectives(self.tp_group) if self.tp > 1 else None
-
-    @property
-    def replicas(self) -> int:
-        """Copies of the model fed different rows (the loader shards by them): the cp and tp ranks
-        of a replica draw the same ones."""
-        return self.dp
-
-    @property
-    def replica(self) -> int:
-        return self.dp_rank
 
     @cached_property
     def fsdp_mesh(self) -> DeviceMesh:

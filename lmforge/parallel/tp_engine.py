@@ -32,18 +32,17 @@ import torch.distributed as dist
 from lmforge.optim.muon import Muon, orthogonalize
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.tp import shard_copies, sharded_dim
+from lmforge.parallel.tp_ops import all_gather_along
 
 
 def gather_full(shard: torch.Tensor, dim: int, comm: Collectives, copies: int = 1,
                 kind: str = "state") -> torch.Tensor:
     """The whole tensor whose rank-r slice along `dim` is rank r's `shard` (with `copies` > 1, ranks
     r .. r + copies - 1 hold the same slice: a replicated KV head, kept once); counted under `kind`."""
-    parts = shard.detach().movedim(dim, 0).contiguous()
-    full = parts.new_empty((comm.world * parts.shape[0], *parts.shape[1:]))
-    comm.all_gather(full, parts, kind=kind)
+    full = all_gather_along(shard.detach(), dim, comm, kind)
     if copies > 1:  # rank order: each slice `copies` times in a row
-        full = full.unflatten(0, (comm.world, parts.shape[0]))[::copies].flatten(0, 1)
-    return full.movedim(0, dim).contiguous()
+        full = torch.cat(full.chunk(comm.world, dim)[::copies], dim)
+    return full.contiguous()
 
 
 def slice_full(full: torch.Tensor, dim: int, comm: Collectives, copies: int = 1) -> torch.Tensor:

@@ -57,42 +57,39 @@ def _max_over(comm: Collectives):
     return reduce
 
 
-class Fp8ColumnParallelLinear(Fp8Scales, ColumnParallelLinear):
-    """A column-parallel linear (its parameters, moved over) multiplying in fp8: the weight's and
-    the output gradient's amax over the tp group, the input's (whole) its own."""
+class _SplitFp8(Fp8Scales):
+    sliced: tuple[str, ...]  # the operands a rank holds a slice of: their amax is the max over the tp group
 
     @classmethod
-    def from_split(cls, layer: ColumnParallelLinear, scaling: str) -> "Fp8ColumnParallelLinear":
+    def from_split(cls, layer: nn.Module, scaling: str) -> "_SplitFp8":
+        """`layer` in its fp8 form: its parameters (the same objects), group and settings moved over."""
         fp8 = cls.__new__(cls)
-        nn.Module.__init__(fp8)
-        fp8.comm, fp8.gather_output, fp8.copies = layer.comm, layer.gather_output, layer.copies
-        fp8.weight, fp8.bias = layer.weight, layer.bias  # the same Parameter objects
-        fp8.init_scales(scaling, HISTORY, {"w": _max_over(layer.comm), "grad": _max_over(layer.comm)})
-        fp8.train(layer.training)
+        fp8.__dict__.update(layer.__dict__)
+        fp8.init_scales(scaling, HISTORY, {operand: _max_over(layer.comm) for operand in cls.sliced})
         return fp8
+
+
+class Fp8ColumnParallelLinear(_SplitFp8, ColumnParallelLinear):
+    """A column-parallel linear multiplying in fp8: the weight's and the output gradient's amax
+    over the tp group, the input's (whole) its own."""
+    sliced = ("w", "grad")
 
     def forward(self, x):
         y = fp8_linear(x, self.weight, self.bias, self)
         return gather_from_region(y, self.comm) if self.gather_output else y
 
 
-class Fp8RowParallelLinear(Fp8Scales, RowParallelLinear):
+class Fp8RowParallelLinear(_SplitFp8, RowParallelLinear):
     """A row-parallel linear multiplying in fp8: the input's and the weight's amax over the tp
     group (both are column slices), the output gradient's (whole) its own."""
-
-    @classmethod
-    def from_split(cls, layer: RowParallelLinear, scaling: str) -> "Fp8RowParallelLinear":
-        fp8 = cls.__new__(cls)
-        nn.Module.__init__(fp8)
-        fp8.comm, fp8.sequence_parallel = layer.comm, layer.sequence_parallel
-        fp8.weight, fp8.bias = layer.weight, layer.bias
-        fp8.init_scales(scaling, HISTORY, {"x": _max_over(layer.comm), "w": _max_over(layer.comm)})
-        fp8.train(layer.training)
-        return fp8
+    sliced = ("x", "w")
 
     def forward(self, x):
         y = leave_region(fp8_linear(x, self.weight, None, self), self.comm, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
+
+
+FP8_FORMS = {ColumnParallelLinear: Fp8ColumnParallelLinear, RowParallelLinear: Fp8RowParallelLinear}
 
 
 def apply_tensor_parallel_fp8(model: nn.Module, scaling: str) -> nn.Module:
@@ -103,8 +100,6 @@ def apply_tensor_parallel_fp8(model: nn.Module, scaling: str) -> nn.Module:
         for name, child in list(parent.named_children()):
             if child is head or isinstance(child, Fp8Scales):
                 continue
-            if type(child) is ColumnParallelLinear:
-                setattr(parent, name, Fp8ColumnParallelLinear.from_split(child, scaling))
-            elif type(child) is RowParallelLinear:
-                setattr(parent, name, Fp8RowParallelLinear.from_split(child, scaling))
+            if type(child) in FP8_FORMS:
+                setattr(parent, name, FP8_FORMS[type(child)].from_split(child, scaling))
     return model

@@ -66,10 +66,7 @@ class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
-        parts = x.movedim(-1, 0).contiguous()
-        full = parts.new_empty((comm.world * parts.shape[0], *parts.shape[1:]))
-        comm.all_gather(full, parts, kind=TP_KIND)
-        return full.movedim(0, -1)
+        return all_gather_along(x, -1, comm)
 
     @staticmethod
     def backward(ctx, grad):
@@ -88,11 +85,12 @@ def gather_from_region(x: torch.Tensor, comm: Collectives) -> torch.Tensor:
     return _GatherFromRegion.apply(x, comm)
 
 
-def _all_gather_dim1(x: torch.Tensor, comm: Collectives) -> torch.Tensor:
-    parts = x.movedim(1, 0).contiguous()
+def all_gather_along(x: torch.Tensor, dim: int, comm: Collectives, kind: str = TP_KIND) -> torch.Tensor:
+    """The ranks' `x` concatenated along `dim`, in rank order (one all-gather counted under `kind`)."""
+    parts = x.movedim(dim, 0).contiguous()
     full = parts.new_empty((comm.world * parts.shape[0], *parts.shape[1:]))
-    comm.all_gather(full, parts, kind=TP_KIND)
-    return full.movedim(0, 1)
+    comm.all_gather(full, parts, kind=kind)
+    return full.movedim(0, dim)
 
 
 def _reduce_scatter_dim1(x: torch.Tensor, comm: Collectives) -> torch.Tensor:
@@ -112,7 +110,7 @@ class _Regather:
 
     def get(self, shard: torch.Tensor) -> torch.Tensor:
         if self.full is None:
-            self.full = _all_gather_dim1(shard, self.comm)
+            self.full = all_gather_along(shard, 1, self.comm)
         return self.full
 
 
@@ -120,7 +118,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, regather):
         ctx.comm, ctx.regather = comm, regather
-        return _all_gather_dim1(x, comm)
+        return all_gather_along(x, 1, comm)
 
     @staticmethod
     def backward(ctx, grad):
@@ -155,7 +153,7 @@ class _ScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim1(grad, ctx.comm), None
+        return all_gather_along(grad, 1, ctx.comm), None
 
 
 def gather_sequence(x: torch.Tensor, comm: Collectives) -> torch.Tensor:

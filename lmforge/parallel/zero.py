@@ -55,7 +55,8 @@ import torch.nn as nn
 
 from lmforge.optim.adamw import counts_lost_updates
 from lmforge.optim.muon import Muon
-from lmforge.parallel.engine import Engine, optimizer_state_bytes, unique_storages_bytes
+from lmforge.accounting.measure import optimizer_state_bytes_measured, unique_storages_bytes
+from lmforge.parallel.engine import Engine
 from lmforge.parallel.shards import Unit, model_units, shard_groups, unit_modules
 from lmforge.parallel.whole_matrices import GatheredMatrices
 
@@ -284,4 +285,4 @@ class ZeroEngine(Engine):
         grads = unique_storages_bytes(u.grad_flat if self.stage == 1 else u.grad_shard for u in self.units)
         return {"parameters": params, "gradients": grads,
                 "master_weights": unique_storages_bytes(u.master for u in self.units) if self.separate_master else 0,
-                "optimizer_states": optimizer_state_bytes(self.optimizer)}
+                "optimizer_states": optimizer_state_bytes_measured(self.optimizer)}

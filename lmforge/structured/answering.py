@@ -1,36 +1,24 @@
 """Getting replies for eval-format: load a model once (one function), decode greedily, with or
 without a grammar."""
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import llguidance
-from tokenizers import Tokenizer
 
 from lmforge.common.errors import LmforgeError
 from lmforge.generate.sampling import generate
-from lmforge.model.transformer import Transformer
+from lmforge.runs.load import LoadedModel
+from lmforge.runs.load import load_model as load_folder
 from lmforge.structured.constrain import GrammarConstraint, json_grammar
-
-
-@dataclass
-class LoadedModel:
-    model: Transformer
-    tokenizer: Tokenizer
-    stop_token: int  # ends a reply: lmforge's end-of-text, or an imported model's end-of-sequence
-    name: str
 
 
 def load_model(path: str, device: str = "auto") -> LoadedModel:
     """The model in `path`, evaluation-ready, in fp32: an lmforge run folder (its latest good
     checkpoint; a LoRA run as its base plus adapters) or a local Hugging Face Llama / GPT-2 folder,
-    read by the one loader, lmforge/runs/load.py."""
+    read by the one loader, lmforge/runs/load.py. Its `end_id` ends a reply: lmforge's end-of-text,
+    or an imported model's end-of-sequence."""
     from lmforge.parallel.launch import resolve_device
-    from lmforge.runs.load import load_model as load_folder
 
     target = resolve_device(device, setting="--device")
-    loaded = load_folder(path, "fp32", target, warn=lambda message: print(f"warning: {message}"))
-    return LoadedModel(loaded.model, loaded.tokenizer, loaded.end_id, Path(path).name)
+    return load_folder(path, "fp32", target, warn=lambda message: print(f"warning: {message}"))
 
 
 # Fixed-key YAML and XML as Lark grammars (llguidance has no general YAML or XML grammar). A YAML
@@ -67,7 +55,7 @@ class Answerer:
     def __init__(self, loaded: LoadedModel, max_new_tokens: int):
         self.loaded, self.max_new_tokens = loaded, max_new_tokens
         # The vocabulary is read once (~20 ms at 4096 tokens), the grammars compiled once each.
-        self.ll_tokenizer = llguidance.LLTokenizer(loaded.tokenizer.to_str(), eos_token=loaded.stop_token)
+        self.ll_tokenizer = llguidance.LLTokenizer(loaded.tokenizer.to_str(), eos_token=loaded.end_id)
         self.grammars: dict[tuple, str] = {}
 
     def answer(self, prompt: str, grammar: tuple[str, str, str] | None = None) -> tuple[str, bool]:
@@ -80,7 +68,7 @@ class Answerer:
                 self.grammars[grammar] = format_grammar(*grammar)
             constraint = GrammarConstraint(llguidance.LLMatcher(self.ll_tokenizer, self.grammars[grammar]))
         tokens = generate(loaded.model, loaded.tokenizer.encode(prompt).ids, self.max_new_tokens, temperature=0,
-                          stop_token=loaded.stop_token, constraint=constraint)
+                          stop_token=loaded.end_id, constraint=constraint)
         text = loaded.tokenizer.decode(tokens)
         complete = constraint.complete() if constraint is not None else len(tokens) < self.max_new_tokens
         return text, complete

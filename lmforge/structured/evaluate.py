@@ -271,7 +271,7 @@ def run_study(model_path: str, tasks: list[Task], conds: list[Condition], out: P
                                 "reply": text, "complete": complete, **asdict(outcome)})
                 bar.update()
     rows = summarize(records)
-    title = f"lmforge eval-format {loaded.name}: {len(tasks)} tasks, greedy, max {max_new_tokens} new tokens"
+    title = f"lmforge eval-format {Path(model_path).name}: {len(tasks)} tasks, greedy, max {max_new_tokens} new tokens"
     write_staged(out, lambda folder: _write_results(folder, records, rows, title))  # all four files or none
     print_table(rows, title)
     return rows

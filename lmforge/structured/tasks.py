@@ -29,7 +29,6 @@ from lmforge.common.errors import LmforgeError
 
 REASONING_KINDS = ("last_letters", "addition", "counting")
 KINDS = (*REASONING_KINDS, "sentiment", "extraction")
-TEMPLATES = ("text", "json", "yaml", "xml")  # "text": free text
 ORDERS = ("reasoning-first", "answer-first")
 SPLITS = ("train", "test")
 
