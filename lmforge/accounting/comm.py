@@ -226,7 +226,7 @@ def _parameter_parts(cfg: ModelConfig, tp: int, sequence_parallel: bool, policy:
                         row-parallel biases: its tokens)
       KV copies         with fewer KV heads than ranks, each k and v projection's gradient
                         all-reduced in n_kv_heads slots, zeros but this rank's head (parallel/tp.py's
-                        _sum_over_copies): the whole projection's elements, n_kv_heads x one head
+                        sum_over_copies): the whole projection's elements, n_kv_heads x one head
       fp8 amax          fp8: each split linear of the blocks all-reduces (max) the amax of the two
                         operands it holds a slice of, one fp32 number each (parallel/tp_fp8.py):
                         2 x 2 x 4 bytes per linear

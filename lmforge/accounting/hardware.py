@@ -95,8 +95,7 @@ DEFAULT_RESERVE_BYTES = 2 * GIB
 
 def accelerator_peak(name: str, dtype: str) -> float:
     """Datasheet peak FLOP/s of `name` for matmuls in `dtype`."""
-    if name not in ACCELERATORS:
-        raise ValueError(f"unknown hardware {name!r}; known: {', '.join(ACCELERATORS)} or 'this'")
+    check_hardware(name)
     peaks = ACCELERATORS[name].peak_flops
     if dtype not in peaks:
         raise ValueError(f"{name} has no {dtype} matmul peak on its datasheet (it has: {', '.join(peaks)})")
@@ -203,14 +202,6 @@ def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device =
     return _measured(key, "flops", lambda: measure_matmul_peak(dtype, device), remeasure, store)
 
 
-def memory_bandwidth(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                     remeasure: bool = False, store: bool = True) -> float:
-    """Measured memory bandwidth (bytes/s) of this machine, cached as the matmul peak is."""
-    device = torch.device(device)
-    key = f"memory bandwidth|{device_name(device)}|{dtype}|torch {torch.__version__}"
-    return _measured(key, "bytes_per_second", lambda: measure_memory_bandwidth(dtype, device), remeasure, store)
-
-
 def _read_cache() -> dict:
     try:
         cache = json.loads(cache_path().read_text())
@@ -289,9 +280,11 @@ def this_device(matmul_dtype: str, device: torch.device, remeasure: bool = False
 
 def this_bandwidth(dtype: str, device: torch.device, remeasure: bool = False, store: bool = True) -> float:
     """Measured memory bandwidth of `device` (bytes/s) reading `dtype` weights ("float32", "bfloat16",
-    "float16"; a quantised format's bytes are read at the bandwidth of bfloat16's)."""
+    "float16"; a quantised format's bytes are read at the bandwidth of bfloat16's), cached as the
+    matmul peak is."""
     timed = {"float32": torch.float32, "float16": torch.float16}.get(dtype, torch.bfloat16)
-    return memory_bandwidth(timed, device, remeasure, store)
+    key = f"memory bandwidth|{device_name(device)}|{timed}|torch {torch.__version__}"
+    return _measured(key, "bytes_per_second", lambda: measure_memory_bandwidth(timed, device), remeasure, store)
 
 
 def _sync(device: torch.device) -> None:

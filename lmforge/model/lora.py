@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from lmforge.common.errors import LmforgeError
+from lmforge.model.names import keep_canonical_names
 
 # The attention projections: the paper's choice (section 7.1: W_q and W_v already do well; all four
 # do better at the same parameter budget in its table 5).
@@ -55,8 +56,7 @@ class LoRALinear(nn.Module):
             nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self._merged: torch.Tensor | None = None  # the base weight before merge(), restored by unmerge()
-        self._register_state_dict_hook(_drop_base_prefix)
-        self._register_load_state_dict_pre_hook(_add_base_prefix)
+        keep_canonical_names(self, BASE, own=("lora_A", "lora_B"))
 
     @property
     def merged(self) -> bool:
@@ -98,19 +98,6 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha:g}"
-
-
-def _drop_base_prefix(module, state_dict, prefix, local_metadata):
-    for key in [k for k in state_dict if k.startswith(f"{prefix}{BASE}.")]:
-        state_dict[prefix + key[len(f"{prefix}{BASE}."):]] = state_dict.pop(key)
-    return state_dict
-
-
-def _add_base_prefix(state_dict, prefix, *args):
-    adapters = (f"{prefix}lora_A", f"{prefix}lora_B")
-    for key in [k for k in state_dict if k.startswith(prefix) and k not in adapters
-                and not k.startswith(f"{prefix}{BASE}.")]:
-        state_dict[f"{prefix}{BASE}.{key[len(prefix):]}"] = state_dict.pop(key)
 
 
 # wrap/recompute.py's wrapper segment (torch's checkpoint wrapper's name), spelt out here so that
@@ -223,6 +210,3 @@ def unmerge_lora(model: nn.Module) -> None:
     for layer in lora_layers(model).values():
         layer.unmerge()
 
-
-def trainable_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.requires_grad)

@@ -14,11 +14,12 @@ import torch.nn as nn
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
-def keep_canonical_names(wrapper: nn.Module, segment: str) -> None:
+def keep_canonical_names(wrapper: nn.Module, segment: str, own: tuple[str, ...] = ()) -> None:
     """Make `wrapper`'s state dict leave out (and its loading put back) the `segment` under which
-    it holds the wrapped module, so that names are those of the unwrapped model."""
+    it holds the wrapped module, so that names are those of the unwrapped model; `own`: the
+    wrapper's own entries (a LoRA layer's adapters: model/lora.py), left as they are."""
     wrapper._register_state_dict_hook(functools.partial(_drop_wrapper_prefix, segment))
-    wrapper._register_load_state_dict_pre_hook(functools.partial(_add_wrapper_prefix, segment))
+    wrapper._register_load_state_dict_pre_hook(functools.partial(_add_wrapper_prefix, segment, own))
 
 
 def _drop_wrapper_prefix(segment, module, state_dict, prefix, local_metadata):
@@ -27,8 +28,9 @@ def _drop_wrapper_prefix(segment, module, state_dict, prefix, local_metadata):
     return state_dict
 
 
-def _add_wrapper_prefix(segment, state_dict, prefix, *args):
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(f"{prefix}{segment}.")]:
+def _add_wrapper_prefix(segment, own, state_dict, prefix, *args):
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(f"{prefix}{segment}.")
+                and k[len(prefix):] not in own]:
         state_dict[f"{prefix}{segment}.{key[len(prefix):]}"] = state_dict.pop(key)
 
 

@@ -33,7 +33,12 @@ class SoftcapHead(nn.Linear):
         self.cap = cap
 
     def forward(self, x):
-        return self.cap * torch.tanh(super().forward(x) / self.cap)
+        return softcap(super().forward(x), self.cap)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, cap={self.cap:g}"
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """c tanh(z / c), each logit alone (`cap` None: the logits as they are)."""
+    return logits if cap is None else cap * torch.tanh(logits / cap)

@@ -57,11 +57,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lmforge.common.errors import LmforgeError
-from lmforge.model.recipe import ReLU2MLP, SoftcapHead
+from lmforge.model.recipe import ReLU2MLP, SoftcapHead, softcap
 from lmforge.model.transformer import Attention, GeluMLP, SwiGLU, Transformer
 from lmforge.parallel.comm import Collectives
 from lmforge.config.rules import tp_divisibility
-from lmforge.parallel.tp_loss import SoftcappedVocabParallelHeadLoss, VocabParallelHeadLoss
+from lmforge.parallel.tp_loss import VocabParallelHeadLoss
 from lmforge.parallel.tp_ops import (TP_KIND, copy_to_region, gather_from_region, gather_sequence, linear_on_gathered,
                                      reduce_from_region, scatter_sequence)
 from lmforge.parallel.tp_rng import apply_tensor_rank_rng
@@ -81,8 +81,8 @@ def _sharded_parameter(full: torch.Tensor, dim: int, comm: Collectives, copies: 
     param.tp_dim = dim
     if copies > 1:
         param.tp_copies = copies
-        if param.requires_grad:
-            _sum_over_copies(param, comm, copies)
+        if param.requires_grad:  # FSDP2 replaces the parameter, and the hook with it: tp_engine.py sums it then
+            param.register_hook(lambda grad: sum_over_copies(grad, comm, copies))
     return param
 
 
@@ -100,20 +100,22 @@ def enter_region(x: torch.Tensor, comm: Collectives, sequence_parallel: bool) ->
 class ColumnParallelLinear(nn.Module):
     """Y_r = X A_r (+ b_r): this rank's output features (rows of nn.Linear's weight, which is A^T).
     Its input is already the whole X behind f (the region's pre-hook); `gather_output` all-gathers
-    Y (the LM head's logits for generation). With `sequence_parallel` X is gathered from the
-    ranks' sequence shards, and only this rank's shard is kept for backward (tp_ops.py). With
-    `copies` > 1 the output is cut into world / copies slices, each held by `copies` ranks."""
+    Y (the LM head's logits for generation; a soft-capped head, model/recipe.py's SoftcapHead, caps
+    each rank's own logits with `cap` first: c tanh(z / c) acts on each logit alone). With
+    `sequence_parallel` X is gathered from the ranks' sequence shards, and only this rank's shard
+    is kept for backward (tp_ops.py). With `copies` > 1 the output is cut into world / copies
+    slices, each held by `copies` ranks."""
 
     def __init__(self, linear: nn.Linear, comm: Collectives, gather_output: bool = False,
-                 sequence_parallel: bool = False, copies: int = 1):
+                 sequence_parallel: bool = False, copies: int = 1, cap: float | None = None):
         super().__init__()
-        self.comm, self.gather_output, self.copies = comm, gather_output, copies
+        self.comm, self.gather_output, self.copies, self.cap = comm, gather_output, copies, cap
         self.matmul = linear_on_gathered if sequence_parallel else F.linear
         self.weight = _sharded_parameter(linear.weight, 0, comm, copies)
         self.bias = _sharded_parameter(linear.bias, 0, comm, copies) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.weight, self.bias)
+        y = softcap(self.matmul(x, self.weight, self.bias), self.cap)
         return gather_from_region(y, self.comm) if self.gather_output else y
 
     # the whole layer's sizes (model/lora.py's LoRALinear draws its adapters at them: parallel/tp_lora.py)
@@ -122,19 +124,8 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         copies = f", copies={self.copies}" if self.copies > 1 else ""
-        return f"out_features={self.weight.shape[0]} of {self.out_features}, tp={self.comm.world}{copies}"
-
-
-class SoftcapColumnParallelHead(ColumnParallelLinear):
-    """A soft-capped LM head (model/recipe.py's SoftcapHead) split by vocabulary: each rank caps its
-    own logits, c tanh(z / c) acting on each logit alone, then they are gathered."""
-
-    def __init__(self, head: nn.Linear, comm: Collectives, cap: float):
-        super().__init__(head, comm, gather_output=True)
-        self.cap = cap
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_from_region(self.cap * torch.tanh(self.matmul(x, self.weight, self.bias) / self.cap), self.comm)
+        cap = f", cap={self.cap:g}" if self.cap is not None else ""
+        return f"out_features={self.weight.shape[0]} of {self.out_features}, tp={self.comm.world}{copies}{cap}"
 
 
 class RowParallelLinear(nn.Module):
@@ -206,12 +197,6 @@ def sum_over_copies(grad: torch.Tensor, comm: Collectives, copies: int) -> torch
     return slots[comm.rank // copies].clone()  # a view would keep every slot alive as the gradient's storage
 
 
-def _sum_over_copies(param: nn.Parameter, comm: Collectives, copies: int) -> None:
-    """sum_over_copies on `param`'s gradient, by a hook (FSDP2 replaces the parameter, and the hook
-    with it: tp_engine.py sums its gradient then)."""
-    param.register_hook(lambda grad: sum_over_copies(grad, comm, copies))
-
-
 class SequenceShardRope(nn.Module):
     """The rotary tables for the whole sequence when the residual stream holds 1/tp of it
     (`Transformer.run_blocks` asks for x.shape[1] positions); attention reads them after the
@@ -278,14 +263,12 @@ def apply_tensor_parallel(model: Transformer, comm: Collectives, sequence_parall
     tied = model.cfg.tie_embeddings
     model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, comm, sp)
     cap = model.lm_head.cap if isinstance(model.lm_head, SoftcapHead) else None  # model.logit_softcap
-    model.lm_head = (SoftcapColumnParallelHead(model.lm_head, comm, cap) if cap is not None
-                     else ColumnParallelLinear(model.lm_head, comm, gather_output=True))
+    model.lm_head = ColumnParallelLinear(model.lm_head, comm, gather_output=True, cap=cap)
     if tied:
         model.lm_head.weight = model.tok_embeddings.weight  # the same rows of the same matrix
     model.lm_head.register_forward_pre_hook(_entering(comm, sp))
     vocab_start = model.lm_head.weight.shape[0] * comm.rank
-    model.loss = (SoftcappedVocabParallelHeadLoss(comm, vocab_start, cap, sp) if cap is not None
-                  else VocabParallelHeadLoss(comm, vocab_start, sequence_parallel=sp))
+    model.loss = VocabParallelHeadLoss(comm, vocab_start, sequence_parallel=sp, cap=cap)
     return model
 
 

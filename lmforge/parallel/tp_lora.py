@@ -77,37 +77,26 @@ class RowParallelLoRA(LoRALinear):
         return y + ((ax @ self.lora_B.t()) * self.scaling).to(y.dtype)
 
 
-def _wrap(layer, rank: int, alpha: float, dropout: float) -> LoRALinear:
-    kind = ColumnParallelLoRA if isinstance(layer, ColumnParallelLinear) else RowParallelLoRA
-    return kind(layer, rank, alpha, dropout)
-
-
 def apply_tensor_parallel_lora(model, targets, rank: int, alpha: float | None, dropout: float = 0.0):
     """model/lora.py's apply_lora on a tensor-parallel model: the targeted column- and row-parallel
     linears wrapped in their split adapters (see the module docstring), in one process's order;
     each layer carries its tensor-parallel group."""
-    return apply_lora(model, targets, rank, alpha, dropout, kinds=(ColumnParallelLinear, RowParallelLinear),
-                      wrap=_wrap)
-
-
-def _split_adapters(model, names) -> dict[str, tuple]:
-    """name -> (split dimension, tp group, copies) of the split adapters among `names`
-    (adapter_state_dict's): only split layers' adapters carry tp_dim, and their base its group."""
-    layers, out = lora_layers(model), {}
-    for name in names:
-        layer, which = name.rsplit(".", 1)
-        param = getattr(layers[layer], which)
-        if sharded_dim(param) is not None:
-            out[name] = (sharded_dim(param), layers[layer].base.comm, shard_copies(param))
-    return out
+    def wrap(layer, *args) -> LoRALinear:
+        return (ColumnParallelLoRA if isinstance(layer, ColumnParallelLinear) else RowParallelLoRA)(layer, *args)
+    return apply_lora(model, targets, rank, alpha, dropout, kinds=(ColumnParallelLinear, RowParallelLinear), wrap=wrap)
 
 
 def adapter_slices(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Whole adapters by adapter_state_dict's names (a checkpoint's, a PEFT adapter's:
     interop/peft.py) cut to the slices this rank's split layers hold: B_r of a column-parallel
     layer (a replicated KV head's: its head's rows), A_r of a row-parallel one, the rest (and a
-    model without tensor parallelism) whole."""
-    out = dict(state)
-    for name, (dim, comm, copies) in _split_adapters(model, state).items():
-        out[name] = shard(state[name], dim, comm.rank // copies, comm.world // copies)
+    model without tensor parallelism) whole. Only split layers' adapters carry tp_dim, and their
+    base its group."""
+    layers, out = lora_layers(model), dict(state)
+    for name in state:
+        layer, which = name.rsplit(".", 1)
+        param = getattr(layers[layer], which)
+        if sharded_dim(param) is not None:
+            comm, copies = layers[layer].base.comm, shard_copies(param)
+            out[name] = shard(state[name], sharded_dim(param), comm.rank // copies, comm.world // copies)
     return out

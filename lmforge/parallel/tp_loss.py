@@ -15,7 +15,7 @@ same loss, and its gradient reaches each rank's logits as softmax_v - [v = t] fo
 
 A soft-capped head (model.logit_softcap, model/recipe.py) scores c tanh(z_v / c) instead of z_v:
 the cap acts on each logit alone, so each rank caps its own slice before its maximum and sum of
-exponentials (`SoftcappedVocabParallelHeadLoss`), and autograd multiplies the gradient by
+exponentials (`VocabParallelHeadLoss`'s `cap`), and autograd multiplies the gradient by
 1 - tanh^2 (z_v / c) logit by logit, as in one process.
 """
 
@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lmforge.model.recipe import softcap
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.tp_ops import TP_KIND, copy_to_region, gather_sequence, linear_on_gathered, reduce_from_region
@@ -53,40 +54,27 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
 
 class VocabParallelHeadLoss(nn.Module):
     """HeadLoss (model/transformer.py) for a vocabulary-parallel LM head: the final norm, this
-    rank's logits (f on the way in: the head is a column-parallel region of its own), the loss
-    above. Parameter-free, as HeadLoss, so swapping it renames nothing. With sequence
-    parallelism x holds this rank's tokens: the normalised ones are gathered on the way in."""
+    rank's logits (f on the way in: the head is a column-parallel region of its own; a soft-capped
+    head's capped with `cap`, in the compute dtype as SoftcapHead caps them), the loss above.
+    Parameter-free, as HeadLoss, so swapping it renames nothing. With sequence parallelism x holds
+    this rank's tokens: the normalised ones are gathered on the way in."""
 
-    def __init__(self, comm: Collectives, vocab_start: int, sequence_parallel: bool = False, reduction: str = "mean"):
+    def __init__(self, comm: Collectives, vocab_start: int, sequence_parallel: bool = False, reduction: str = "mean",
+                 cap: float | None = None):
         super().__init__()
-        self.comm, self.vocab_start, self.reduction = comm, vocab_start, reduction
+        self.comm, self.vocab_start, self.reduction, self.cap = comm, vocab_start, reduction, cap
         self.sequence_parallel = sequence_parallel
         self.enter = gather_sequence if sequence_parallel else copy_to_region
         self.matmul = linear_on_gathered if sequence_parallel else F.linear  # keeps the shard (tp_ops.py)
 
     def logits(self, x: torch.Tensor, norm: nn.Module, lm_head: nn.Module) -> torch.Tensor:
         """This rank's (..., V/tp) logits."""
-        return self.matmul(self.enter(norm(x), self.comm), lm_head.weight, lm_head.bias)
+        return softcap(self.matmul(self.enter(norm(x), self.comm), lm_head.weight, lm_head.bias), self.cap)
 
     def forward(self, x: torch.Tensor, norm: nn.Module, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(self.logits(x, norm, lm_head), targets, self.comm, self.vocab_start,
                                             self.reduction)
 
     def extra_repr(self) -> str:
-        return f"vocab_start={self.vocab_start}, tp={self.comm.world}, reduction={self.reduction}"
-
-
-class SoftcappedVocabParallelHeadLoss(VocabParallelHeadLoss):
-    """The loss above for a soft-capped head: each rank's logits capped, c tanh(z / c), in the
-    compute dtype as SoftcapHead caps them (model/recipe.py), before the vocabulary-wide sums."""
-
-    def __init__(self, comm: Collectives, vocab_start: int, cap: float, sequence_parallel: bool = False,
-                 reduction: str = "mean"):
-        super().__init__(comm, vocab_start, sequence_parallel, reduction)
-        self.cap = cap
-
-    def logits(self, x: torch.Tensor, norm: nn.Module, lm_head: nn.Module) -> torch.Tensor:
-        return self.cap * torch.tanh(super().logits(x, norm, lm_head) / self.cap)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, cap={self.cap:g}"
+        cap = f", cap={self.cap:g}" if self.cap is not None else ""
+        return f"vocab_start={self.vocab_start}, tp={self.comm.world}, reduction={self.reduction}{cap}"
