@@ -34,7 +34,6 @@ from lmforge.model.transformer import meta_model
 from lmforge.parallel.tp_lora import adapter_slices
 
 PREFIX = "base_model.model."
-FUSED_LINEARS = ("attn.q_proj", "attn.k_proj", "attn.v_proj")  # GPT-2's c_attn, in its order
 
 
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

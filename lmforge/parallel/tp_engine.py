@@ -116,36 +116,33 @@ def whole_matrices_over_tp(optimizer, tp_comm: Collectives) -> None:
         optimizer.whole_matrices = TensorParallelMatrices(tp_comm)
 
 
-def _tp_layout(model) -> dict[str, tuple[int | None, int]]:
-    """Every state name (tied ones both) -> (the dimension its tensor is split along, or None; how
-    many tensor ranks hold its slice: shard_copies)."""
-    return {name: (sharded_dim(t), shard_copies(t)) for name, t in model.state_dict(keep_vars=True).items()}
-
-
-def whole_state(model, state: dict[str, torch.Tensor], tp_comm: Collectives | None, gather: bool) -> dict:
-    """A model state by name: gather=True, this tp rank's slices made whole (to save); False, whole
-    tensors cut to this rank's slices (to load). As it is without tensor parallelism."""
-    if tp_comm is None:
-        return state
-    layout = _tp_layout(model)
-
-    def change(t, name):
-        dim, copies = layout.get(name, (None, 1))
-        return t if dim is None else (gather_full if gather else slice_full)(t, dim, tp_comm, copies)
-    return {name: change(t, name) for name, t in state.items()}
-
-
-def whole_optimizer_state(model, state: dict, tp_comm: Collectives | None, gather: bool) -> dict:
-    """whole_state for an optimizer state by name ({"state": {name: {key: tensor}}, "param_groups"}):
-    each per-element tensor of a split parameter (a count, 0-dim, is the same on every tp rank)."""
-    if tp_comm is None:
-        return state
-    layout = _tp_layout(model)
+def _made_whole(model, tp_comm: Collectives, gather: bool):
+    """(tensor, state name) -> gather=True, this tp rank's slice made whole along the dimension its
+    tensor is split along (to save); False, a whole tensor cut to this rank's slice (to load).
+    Unsplit tensors, counts (0-dim: the same on every tp rank) and other values as they are."""
+    layout = {name: (sharded_dim(t), shard_copies(t)) for name, t in model.state_dict(keep_vars=True).items()}
 
     def change(t, name):
         dim, copies = layout.get(name, (None, 1))
         if not isinstance(t, torch.Tensor) or t.ndim == 0 or dim is None:
             return t
         return gather_full(t, dim, tp_comm, copies) if gather else slice_full(t, dim, tp_comm, copies).clone()
+    return change
+
+
+def whole_state(model, state: dict[str, torch.Tensor], tp_comm: Collectives | None, gather: bool) -> dict:
+    """A model state by name, made whole (gather) or cut to this rank's slices (_made_whole). As it
+    is without tensor parallelism."""
+    if tp_comm is None:
+        return state
+    change = _made_whole(model, tp_comm, gather)
+    return {name: change(t, name) for name, t in state.items()}
+
+
+def whole_optimizer_state(model, state: dict, tp_comm: Collectives | None, gather: bool) -> dict:
+    """whole_state for an optimizer state by name ({"state": {name: {key: tensor}}, "param_groups"})."""
+    if tp_comm is None:
+        return state
+    change = _made_whole(model, tp_comm, gather)
     per_param = {name: {key: change(v, name) for key, v in entry.items()} for name, entry in state["state"].items()}
     return {**state, "state": per_param}
