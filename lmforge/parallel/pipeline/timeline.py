@@ -7,7 +7,6 @@ the step; ranks on one machine read the same clock, so the rows line up. On many
 barrier's skew (microseconds on one host, more across hosts) shifts a row as a whole.
 """
 
-import contextlib
 import json
 import time
 from pathlib import Path
@@ -15,6 +14,25 @@ from pathlib import Path
 COMPUTE = ("forward", "backward")
 COMMUNICATION = ("send_forward", "recv_forward", "send_backward", "recv_backward")
 KINDS = COMPUTE + COMMUNICATION
+
+
+class _Span:
+    """One event being timed: `with timeline.span("forward", 3): ...`."""
+
+    __slots__ = ("events", "t0", "kind", "micro", "chunk", "start")
+
+    def __init__(self, events: list, t0: float, kind: str, micro: int, chunk: int = 0):
+        self.events, self.t0, self.kind, self.micro, self.chunk = events, t0, kind, micro, chunk
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        end = time.perf_counter()
+        event = {"kind": self.kind, "micro": self.micro, "start": self.start - self.t0, "end": end - self.t0}
+        if self.chunk:  # interleaved schedules: which of the rank's model chunks
+            event["chunk"] = self.chunk
+        self.events.append(event)
 
 
 class Timeline:
@@ -32,20 +50,12 @@ class Timeline:
         self._events = []
         self._t0 = time.perf_counter()
 
-    @contextlib.contextmanager
-    def span(self, kind: str, micro: int = -1, chunk: int = 0):
+    def span(self, kind: str, micro: int = -1, chunk: int = 0) -> _Span:
         """A context manager recording one event: `kind` one of KINDS, `micro` the micro-batch (-1:
-        none), `chunk` the rank's model chunk (interleaved schedules): `with timeline.span("forward", 3): ...`."""
+        none), `chunk` the rank's model chunk (interleaved schedules)."""
         if kind not in KINDS:
             raise ValueError(f"unknown timeline event kind {kind!r}; one of {', '.join(KINDS)}")
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            event = {"kind": kind, "micro": micro, "start": start - self._t0, "end": time.perf_counter() - self._t0}
-            if chunk:  # interleaved schedules: which of the rank's model chunks
-                event["chunk"] = chunk
-            self._events.append(event)
+        return _Span(self._events, self._t0, kind, micro, chunk)
 
     @property
     def events(self) -> list[dict]:
