@@ -47,7 +47,7 @@ import torch.nn as nn
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.tp import ColumnParallelLinear, RowParallelLinear, leave_region
 from lmforge.parallel.tp_ops import TP_KIND, gather_from_region
-from lmforge.precision.fp8 import HISTORY, Fp8Scales, fp8_linear
+from lmforge.precision.fp8 import HISTORY, Fp8Scales, fp8_linear, swap_linears
 
 
 def _max_over(comm: Collectives):
@@ -61,7 +61,7 @@ class _SplitFp8(Fp8Scales):
     sliced: tuple[str, ...]  # the operands a rank holds a slice of: their amax is the max over the tp group
 
     @classmethod
-    def from_split(cls, layer: nn.Module, scaling: str) -> "_SplitFp8":
+    def from_linear(cls, layer: nn.Module, scaling: str) -> "_SplitFp8":
         """`layer` in its fp8 form: its parameters (the same objects), group and settings moved over."""
         fp8 = cls.__new__(cls)
         fp8.__dict__.update(layer.__dict__)
@@ -95,11 +95,4 @@ FP8_FORMS = {ColumnParallelLinear: Fp8ColumnParallelLinear, RowParallelLinear: F
 def apply_tensor_parallel_fp8(model: nn.Module, scaling: str) -> nn.Module:
     """Swap every split linear of the blocks for its fp8 form, in place (the LM head stays);
     precision/policy.py's prepare_model does the same to whole nn.Linear layers."""
-    head = getattr(model, "lm_head", None)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if child is head or isinstance(child, Fp8Scales):
-                continue
-            if type(child) in FP8_FORMS:
-                setattr(parent, name, FP8_FORMS[type(child)].from_split(child, scaling))
-    return model
+    return swap_linears(model, FP8_FORMS, scaling)

@@ -205,3 +205,16 @@ class Fp8Linear(Fp8Scales, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.bias, self)
+
+
+def swap_linears(model: nn.Module, forms: dict, scaling: str) -> nn.Module:
+    """Every linear of exactly a type in `forms` (its type -> its fp8 class, whose `from_linear`
+    moves its parameters over) swapped for its fp8 form, in place, but the LM head (it stays in the
+    autocast dtype: precision/policy.py says why). Exactly those types: a wrapper of a linear (an
+    adapter) is looked into, not replaced."""
+    head = getattr(model, "lm_head", None)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) in forms and child is not head:
+                setattr(parent, name, forms[type(child)].from_linear(child, scaling))
+    return model

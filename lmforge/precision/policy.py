@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from lmforge.common.errors import LmforgeError, lookup
 from lmforge.model.transformer import Attention
-from lmforge.precision.fp8 import Fp8Linear, Fp8Scales, hardware_fp8
+from lmforge.precision.fp8 import Fp8Linear, Fp8Scales, hardware_fp8, swap_linears
 from lmforge.modes.precision import FP8_SCALINGS, Policy
 
 
@@ -70,12 +70,7 @@ def prepare_model(model: nn.Module, policy: Policy, fp32_attention: bool = False
         for param in dict.fromkeys(model.parameters()):  # tied parameters once
             param.data = param.data.to(torch_dtype(policy.param_dtype))
     if policy.fp8:
-        head = getattr(model, "lm_head", None)
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                # exactly nn.Linear: a wrapper of a linear (an adapter) is looked into, not replaced
-                if type(child) is nn.Linear and child is not head:
-                    setattr(parent, name, Fp8Linear.from_linear(child, scaling=fp8_scaling))
+        swap_linears(model, {nn.Linear: Fp8Linear}, fp8_scaling)
     if fp32_attention:
         for attention in [m for m in model.modules() if isinstance(m, Attention)]:
             attention.core = Fp32Attention(attention.core)

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from lmforge.common.errors import LmforgeError
-from lmforge.model.recipe import SoftcapHead
+from lmforge.model.recipe import SoftcapHead, softcap
 from lmforge.model.transformer import IGNORE_INDEX
 
 
@@ -56,10 +56,8 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
         for start in range(0, h.shape[0], chunk):
             h_c, kept_c = h[start:start + chunk].to(dtype), kept[start:start + chunk]
             y_c = targets[start:start + chunk].where(kept_c, 0)  # a left-out target reads row 0, then is masked
-            logits = h_c @ w.t()  # rounded to the compute dtype by the matmul, as plain
-            if cap is not None:  # as SoftcapHead computes it, in the compute dtype
-                logits = cap * torch.tanh(logits / cap)
-            logits = logits.float()
+            # rounded to the compute dtype by the matmul, as plain; capped as SoftcapHead caps, in that dtype
+            logits = softcap(h_c @ w.t(), cap).float()
             lse = torch.logsumexp(logits, dim=-1)
             loss += ((lse - logits.gather(1, y_c[:, None]).squeeze(1)) * kept_c).sum()
             if with_grads:  # in place: one chunk of fp32 logits (and its cast) at a time, no more
