@@ -180,4 +180,4 @@ def test_stages_cut_from_the_pieces_give_the_whole_models_logits_and_gradients(f
     staged["tok_embeddings.weight"] = staged["tok_embeddings.weight"] + staged.pop("lm_head.weight")
     for name, param in model.named_parameters():
         torch.testing.assert_close(staged[name], param.grad, rtol=1e-12, atol=1e-12, msg=name)
-    assert stages[0].tied_embeddings and stages[-1].tied_embeddings
+    assert stages[0].cfg.tie_embeddings and stages[-1].cfg.tie_embeddings

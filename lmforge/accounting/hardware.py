@@ -116,13 +116,16 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> 
 
 def host_memory_bytes() -> int:
     """Total RAM of this machine (the 'memory' of a CPU device)."""
+    line = _proc_line("/proc/meminfo", "MemTotal:")
+    return int(line.split()[1]) * 1024 if line else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _proc_line(path: str, prefix: str) -> str | None:
+    """The first line of a /proc file that starts with `prefix` (None: no such line, or no such file)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
+        return next((line for line in Path(path).read_text().splitlines() if line.startswith(prefix)), None)
     except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return None
 
 
 def cache_path() -> Path:
@@ -133,14 +136,8 @@ def cache_path() -> Path:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    line = _proc_line("/proc/cpuinfo", "model name")
+    cpu = line.split(":", 1)[1].strip() if line else platform.processor() or platform.machine()
     return f"{cpu}, {torch.get_num_threads()} threads"
 
 

@@ -76,8 +76,12 @@ class LoRALinear(nn.Module):
         if self.merged:
             return y
         # under autocast these matmuls run in its dtype; without it (fp32, bf16-pure) in the adapters' fp32
-        update = (self.dropout(x).to(self.lora_A.dtype) @ self.lora_A.t()) @ self.lora_B.t()
+        update = self.reduce_ax(self.dropout(x).to(self.lora_A.dtype) @ self.lora_A.t()) @ self.lora_B.t()
         return y + (update * self.scaling).to(y.dtype)
+
+    def reduce_ax(self, ax: torch.Tensor) -> torch.Tensor:
+        """A x as B reads it (a row-parallel layer's partial sums add up first: parallel/tp_lora.py)."""
+        return ax
 
     @torch.no_grad()
     def merge(self) -> None:

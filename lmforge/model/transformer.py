@@ -234,12 +234,6 @@ class Transformer(nn.Module):
             return x
         return self.head(x) if targets is None else self.loss(x, self.norm, self.lm_head, targets)
 
-    @property
-    def tied_embeddings(self) -> bool:
-        """Whether the LM head is the token-embedding matrix (a stage holding only one of the two
-        still knows, from the config, that their gradients must be summed)."""
-        return self.cfg.tie_embeddings
-
     def num_params(self, embeddings: bool = True) -> int:
         """Parameter count (shared tensors once); embeddings=False leaves out the token and
         position tables, as the 'non-embedding' N of Kaplan et al. 2020 does."""

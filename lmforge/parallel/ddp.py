@@ -22,6 +22,8 @@ none on a pipeline: one replica, nothing to reduce). Frozen parameters (a LoRA b
 """
 
 
+import itertools
+
 import torch
 
 from lmforge.parallel.engine import Engine
@@ -30,9 +32,7 @@ from lmforge.parallel.engine import Engine
 class Bucket:
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
+        self.offsets = [0, *itertools.accumulate(p.numel() for p in params)]  # where each parameter starts
         self.flat = torch.zeros(self.offsets[-1], dtype=params[0].dtype, device=params[0].device)
         self.ready = 0  # gradients copied in during this backward
         self.work = None  # the all-reduce in flight

@@ -21,6 +21,8 @@ Per unit, after `Unit.shard`:
                     `master`: what the optimizer updates
 """
 
+import itertools
+
 import torch
 import torch.nn as nn
 
@@ -31,9 +33,7 @@ class Unit:
 
     def __init__(self, name: str, params: list[nn.Parameter], names: list[str], world: int, rank: int):
         self.name, self.params, self.names = name, params, names
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
+        self.offsets = [0, *itertools.accumulate(p.numel() for p in params)]  # where each parameter starts
         self.shard_numel = -(-self.offsets[-1] // world)  # S = ceil(numel / N)
         self.padded = self.shard_numel * world
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel

@@ -69,12 +69,8 @@ class RowParallelLoRA(LoRALinear):
         if dropout > 0:  # one process's mask over the whole input, this rank's columns of it
             self.dropout = SlicedDropout(dropout, base.comm.rank, base.comm.world)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        if self.merged:
-            return y
-        ax = leave_region(self.dropout(x).to(self.lora_A.dtype) @ self.lora_A.t(), self.comm, self.sequence_parallel)
-        return y + ((ax @ self.lora_B.t()) * self.scaling).to(y.dtype)
+    def reduce_ax(self, ax: torch.Tensor) -> torch.Tensor:
+        return leave_region(ax, self.comm, self.sequence_parallel)  # sum_r A_r x_r, through g
 
 
 def apply_tensor_parallel_lora(model, targets, rank: int, alpha: float | None, dropout: float = 0.0):
