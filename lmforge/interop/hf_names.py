@@ -100,15 +100,10 @@ def is_conv1d_weight(family: str, module: str, kind: str) -> bool:
     return LAYOUTS[family].conv1d and kind == "weight" and module.startswith("blocks.") and module.endswith("_proj")
 
 
-def expected_state(cfg: ModelConfig) -> dict[str, torch.Size]:
-    """lmforge's tensor names and shapes for `cfg` (the model built on the meta device)."""
-    return {name: t.shape for name, t in meta_model(cfg).state_dict().items()}
-
-
 def check_state(cfg: ModelConfig, state: dict[str, torch.Tensor], where: str) -> None:
     """Stop with one line if `state` does not hold exactly the tensors of lmforge's model for `cfg`
     (the tied LM head may be left out)."""
-    expected = expected_state(cfg)
+    expected = {name: t.shape for name, t in meta_model(cfg).state_dict().items()}  # built on the meta device
     if cfg.tie_embeddings:
         expected.pop("lm_head.weight")
     missing = [name for name in expected if name not in state]

@@ -51,14 +51,9 @@ def expected_std(name: str, shape: tuple[int, ...], n_layers: int) -> float:
     return std
 
 
-def _is_zeroed(module_name: str, cfg) -> bool:
-    """Whether model.zero_init_proj starts this linear layer at zero (see the module docstring)."""
-    leaf = module_name.rsplit(".", 1)[-1]
-    return cfg.zero_init_proj and (leaf in RESIDUAL_PROJECTIONS or module_name == "lm_head")
-
-
 def _init_linear(module_name: str, weight, cfg, activated: set[str]) -> None:
-    if _is_zeroed(module_name, cfg):
+    # model.zero_init_proj starts the residual projections and the LM head at zero (the module docstring)
+    if cfg.zero_init_proj and (module_name.rsplit(".", 1)[-1] in RESIDUAL_PROJECTIONS or module_name == "lm_head"):
         nn.init.zeros_(weight)
     elif cfg.init == "xavier":
         nn.init.xavier_normal_(weight)

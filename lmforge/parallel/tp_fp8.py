@@ -44,17 +44,9 @@ with fp8 by parallel/launch.py: the fp8 function would keep the gathered input, 
 import torch.distributed as dist
 import torch.nn as nn
 
-from lmforge.parallel.comm import Collectives
 from lmforge.parallel.tp import ColumnParallelLinear, RowParallelLinear, leave_region
 from lmforge.parallel.tp_ops import TP_KIND, gather_from_region
 from lmforge.precision.fp8 import HISTORY, Fp8Scales, fp8_linear, swap_linears
-
-
-def _max_over(comm: Collectives):
-    """The amax reduction of a sliced operand: the max over the tp group, in place."""
-    def reduce(amax):
-        comm.all_reduce(amax, op=dist.ReduceOp.MAX, kind=TP_KIND)
-    return reduce
 
 
 class _SplitFp8(Fp8Scales):
@@ -65,7 +57,10 @@ class _SplitFp8(Fp8Scales):
         """`layer` in its fp8 form: its parameters (the same objects), group and settings moved over."""
         fp8 = cls.__new__(cls)
         fp8.__dict__.update(layer.__dict__)
-        fp8.init_scales(scaling, HISTORY, {operand: _max_over(layer.comm) for operand in cls.sliced})
+
+        def max_over_tp(amax):  # a sliced operand's amax: the max over the tp group, in place
+            layer.comm.all_reduce(amax, op=dist.ReduceOp.MAX, kind=TP_KIND)
+        fp8.init_scales(scaling, HISTORY, dict.fromkeys(cls.sliced, max_over_tp))
         return fp8
 
 

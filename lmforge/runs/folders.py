@@ -22,25 +22,16 @@ from lmforge.interop.hf import export_hf, import_hf
 from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens
 from lmforge.interop.peft import lora_target, write_peft_adapter
 from lmforge.model.lora import adapter_state_dict, lora_layers
-from lmforge.runs.checkpoint.find import (CHECKPOINT_DIR, find_checkpoint, list_checkpoints, read_state,
-                                          verify_checkpoint)
+from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, list_checkpoints, read_state
 from lmforge.runs.checkpoint.write import write_weights_checkpoint
-from lmforge.runs.load import merged_weights, model_folder, model_from_checkpoint, read_checkpoint_weights
+from lmforge.runs.load import (checkpoint_of, merged_weights, model_folder, model_from_checkpoint,
+                               read_checkpoint_weights)
 from lmforge.common.folders import write_staged
 
 
 def _check_free(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise LmforgeError(f"{out} already exists: pick another --out, or remove it first")
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder as given, or the newest intact checkpoint of a run folder."""
-    path = Path(path)
-    if (path / "manifest.json").is_file():
-        verify_checkpoint(path)
-        return path
-    return find_checkpoint(path)
 
 
 def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") -> Path:
@@ -51,7 +42,7 @@ def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") 
     kind, folder = model_folder(run)
     if kind == "hf":
         return _export_hf_folder(folder, out, fmt)
-    path = resolve_checkpoint(run)
+    path = checkpoint_of(kind, folder)
     cfg = load_config(path / "config.yaml")
     lora = cfg.finetune.lora_rank is not None
     if fmt == "peft" and not lora:

@@ -184,9 +184,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
         target = chosen or state["tok_embeddings.weight"].dtype
         cfg = Config(model=model_cfg, data=DataConfig(end_token=read_end_token(folder, tokenizer)))
         return LoadedModel(cfg, model_with_weights(model_cfg, state, target, device), tokenizer, folder)
-    checkpoint = folder if kind == "checkpoint" else find_checkpoint(folder, warn=warn)
-    if kind == "checkpoint":
-        verify_checkpoint(checkpoint)
+    checkpoint = checkpoint_of(kind, folder, warn)
     target = chosen or stored_dtype(checkpoint)
     cfg = load_config(checkpoint / "config.yaml")
     if cfg.finetune.lora_rank is None:  # the weights as stored, assigned: no fp32 model first
@@ -198,6 +196,15 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
     for param in dict.fromkeys(model.parameters()):  # tied parameters once; buffers stay fp32
         param.data = param.data.to(target)
     return LoadedModel(cfg, model.to(device).eval(), tokenizer, checkpoint)
+
+
+def checkpoint_of(kind: str, folder: Path, warn=None) -> Path:
+    """The checkpoint a model_folder of kind "checkpoint" (verified) or "run" (its newest good one,
+    newer damaged ones reported through `warn`) names."""
+    if kind == "checkpoint":
+        verify_checkpoint(folder)
+        return folder
+    return find_checkpoint(folder, warn=warn)
 
 
 def read_checkpoint_weights(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
