@@ -229,9 +229,10 @@ COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "finetune": cmd_finetune
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parse_args(parser, argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # what `train --nproc` hands to torchrun
+    args.argv = argv  # what `train --nproc` hands to torchrun
     if args.command is None:
         parser.print_help()
         return 0
