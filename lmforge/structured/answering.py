@@ -25,7 +25,7 @@ def load_model(path: str, device: str = "auto") -> LoadedModel:
     """The model in `path`, evaluation-ready, in fp32: an lmforge run folder (its latest good
     checkpoint; a LoRA run as its base plus adapters) or a local Hugging Face Llama / GPT-2 folder,
     read by the one loader, lmforge/runs/load.py."""
-    from lmforge.parallel.launch import resolve_device
+    from lmforge.parallel.world import resolve_device
     from lmforge.runs.load import load_model as load_folder
 
     target = resolve_device(device, setting="--device")
