@@ -177,7 +177,7 @@ def optimizer_step_seconds(args) -> tuple[dict[str, float], list]:
     from lmforge.model.transformer import Transformer
     from lmforge.optim.adamw import AdamW
     from lmforge.cli.launch import retain_freed_memory
-    from lmforge.parallel.launch import resolve_device
+    from lmforge.parallel.world import resolve_device
     from lmforge.optim.build import weight_decay_groups
 
     cfg = make_config(args.model, overrides=args.overrides)

@@ -5,7 +5,7 @@ cell either "works" or the one line that refuses it before launch.
 Nothing is decided here. A cell's verdict is the real checks' (DESIGN.md, "Everything allowed
 composes"): its config is made and validated as `lmforge train` makes it (config/load.py's
 `make_config`, which runs config/validate.py), then lmforge/config/rules.py's `check_composition`
-is asked with the layout's world (what parallel/launch.py's `check_launch` asks before any process
+is asked with the layout's world (what parallel/world.py's `check_launch` asks before any process
 group or file exists). A rule that changes changes the table.
 
 Which test trains each working cell is tests/composition_coverage.py's `COVERAGE`; the table marks

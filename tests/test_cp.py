@@ -164,7 +164,7 @@ def test_shard_refuses_a_sequence_longer_than_the_model():
         cp.shard(torch.zeros(1, 9, dtype=torch.long))
 
 
-# -- the trainer's launch check and mesh (parallel/launch.py, parallel/mesh.py) --------------------
+# -- the trainer's launch check and mesh (parallel/world.py, parallel/mesh.py) --------------------
 
 CP = ["parallel.cp=2", "train.parallel=ddp", "train.sample_tokens=0"]
 
@@ -184,14 +184,14 @@ CP = ["parallel.cp=2", "train.parallel=ddp", "train.sample_tokens=0"]
     ([*CP, "train.seq_len=3"], (0, 2, 0), "(lengths that are not a multiple are padded): use train.seq_len >= 4"),
 ])
 def test_launch_refuses_what_context_parallelism_cannot_run(overrides, env, message):
-    from lmforge.parallel.launch import check_launch
+    from lmforge.parallel.world import check_launch
     with pytest.raises(LmforgeError) as err:
         check_launch(make_config("tiny", overrides=overrides), env, cuda_devices=0)
     assert message in str(err.value)
 
 
 def test_launch_accepts_cp_times_dp_at_a_length_that_is_padded():
-    from lmforge.parallel.launch import check_launch
+    from lmforge.parallel.world import check_launch
     cfg = make_config("tiny", overrides=[*CP, "train.seq_len=29"])
     assert check_launch(cfg, (3, 4, 3), cuda_devices=0) == torch.device("cpu")
 
@@ -200,7 +200,7 @@ def test_launch_accepts_cp_times_dp_at_a_length_that_is_padded():
                                    ["train.precision=fp16-mixed"], ["train.precision=bf16-pure"],
                                    ["train.precision=fp8"], ["finetune.lora_rank=4"], ["parallel.tp=2"]])
 def test_launch_accepts_what_the_cp_compose_dist_tests_train(extra):
-    from lmforge.parallel.launch import check_launch  # tests/test_cp_compose_dist.py trains each of these
+    from lmforge.parallel.world import check_launch  # tests/test_cp_compose_dist.py trains each of these
     world = 4 if "parallel.tp=2" in extra else 2
     assert check_launch(make_config("tiny", overrides=[*CP, *extra]), (0, world, 0), cuda_devices=0) == torch.device("cpu")
 

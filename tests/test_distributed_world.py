@@ -17,7 +17,7 @@ from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.common.errors import LmforgeError
 from lmforge.modes.parallel import PARALLEL_STRATEGIES, PIPELINE_ENGINES
 from lmforge.parallel.parallelize import DATA_PARALLEL_ENGINES, PIPELINE_STAGE_ENGINES
-from lmforge.parallel.launch import check_launch
+from lmforge.parallel.world import check_launch
 from lmforge.parallel.world import env_world
 
 TOKENS = np.arange(10_000, dtype=np.uint16) % 4093

@@ -17,7 +17,7 @@ from lmforge.config import make_config
 from lmforge.config.load import config_from_dict, load_config
 from lmforge.config.schema import config_to_dict
 from lmforge.config.degrees import Degrees, mesh_degrees
-from lmforge.parallel.launch import check_launch
+from lmforge.parallel.world import check_launch
 
 
 def config(*overrides: str):

@@ -150,9 +150,9 @@ def test_resume_by_name_is_bit_identical(tiny_config, tmp_path, monkeypatch):
     ("muon", "fsdp", "Newton-Schulz needs whole matrices"),
 ])
 def test_shape_needing_optimizers_are_refused_where_the_shards_lose_the_shapes(name, strategy, why):
-    """parallel/launch.py's one launch check, before any process group exists; ZeRO takes Muon."""
+    """parallel/world.py's one launch check, before any process group exists; ZeRO takes Muon."""
     from lmforge.common.errors import LmforgeError
-    from lmforge.parallel.launch import check_launch
+    from lmforge.parallel.world import check_launch
 
     cfg = make_config("tiny", overrides=[f"optim.name={name}", f"train.parallel={strategy}", "train.device=cpu"])
     with pytest.raises(LmforgeError, match=why):
@@ -165,7 +165,7 @@ def test_tensor_parallelism_takes_muon_under_none_and_ddp_and_refuses_adafactor(
     """Muon gathers each split matrix over tp (parallel/tp_engine.py), where the optimizer holds
     whole tp slices; Adafactor's factored moment is refused (tests/test_tp.py has the rest)."""
     from lmforge.common.errors import LmforgeError
-    from lmforge.parallel.launch import check_launch
+    from lmforge.parallel.world import check_launch
 
     def cfg(name, strategy):
         return make_config("tiny", overrides=[f"optim.name={name}", "parallel.tp=2", f"train.parallel={strategy}",

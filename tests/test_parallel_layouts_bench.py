@@ -12,7 +12,7 @@ import torch
 from lmforge.accounting.plan.costing import data_parallel
 from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.config import make_config
-from lmforge.parallel.launch import check_launch
+from lmforge.parallel.world import check_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.config.rules import PIPELINE_REFUSED
-from lmforge.parallel.launch import check_launch
+from lmforge.parallel.world import check_launch
 from lmforge.parallel.parallelize import DATA_PARALLEL_ENGINES, STAGE_REPLICA_ENGINES
 
 

@@ -12,7 +12,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.pipeline.layout import PipelineLayout, cut_stage
 from lmforge.parallel.pipeline.schedules import Action, gpipe, one_f_one_b, peak_in_flight
-from lmforge.parallel.launch import check_launch
+from lmforge.parallel.world import check_launch
 
 
 def test_1f1b_is_warm_up_then_one_forward_one_backward_then_cool_down():

@@ -12,7 +12,7 @@ from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.parallel.cp import shard_batch, zigzag_positions
 from lmforge.parallel.cp_model import ContextParallel
-from lmforge.parallel.launch import check_launch
+from lmforge.parallel.world import check_launch
 
 CP = ["parallel.cp=2", "train.parallel=ddp", "train.sample_tokens=0"]
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
-from lmforge.parallel.launch import check_launch
+from lmforge.parallel.world import check_launch
 from lmforge.parallel.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                  apply_tensor_parallel, shard, sharded_dim)
 

@@ -1,4 +1,4 @@
-"""What lmforge train lets a pipeline of tensor-parallel stages run (parallel/launch.py, one process:
+"""What lmforge train lets a pipeline of tensor-parallel stages run (parallel/world.py, one process:
 no process group is needed to check), and the plan's per-stage figures those runs measure
 (tests/test_tp_pipeline_dist.py compares them with each rank; these are its numbers, by hand)."""
 
@@ -8,7 +8,7 @@ import torch
 from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
-from lmforge.parallel.launch import check_launch
+from lmforge.parallel.world import check_launch
 
 PP_TP = ["parallel.pp=2", "train.micro_batches=2", "parallel.tp=2"]
 SP = ["parallel.sequence_parallel=true", "train.sample_tokens=0"]  # no end-of-run sample under sequence parallelism

@@ -71,7 +71,7 @@ def step_communication(cfg: ModelConfig, strategy: str, dp: int, policy: Policy 
     (accumulation micro-steps do not communicate); ZeRO-3 gathers parameters in every micro-step.
     With `lora` = (rank, targets) Psi is the adapters' count: only their gradients cross, and our
     ZeRO keeps frozen weights whole; FSDP2 shards (so gathers) the frozen base too. With `tp`, Psi
-    is one tensor rank's share (LoRA's adapters: not split yet, parallel/launch.py refuses them).
+    is one tensor rank's share (LoRA's adapters: not split yet, parallel/world.py refuses them).
     With `replicate` > 1 (hybrid sharding, FSDP2 over a (replicate, dp) mesh) `dp` is the shard
     group's size, and each reduce-scattered gradient shard is then all-reduced over the replicate
     group (Zhao et al. 2023, section 3.2.2): part "replicate", included in `sent_bytes`."""

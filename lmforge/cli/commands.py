@@ -50,7 +50,7 @@ def cmd_finetune(args) -> int:
 
 def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
     from lmforge.accounting.hardware import this_device
-    from lmforge.parallel.launch import resolve_device
+    from lmforge.parallel.world import resolve_device
     from lmforge.runs.checkpoint.find import list_checkpoints
     from lmforge.train.loop import Trainer
     from lmforge.train.signals import Stopped
@@ -82,7 +82,7 @@ def cmd_generate(args) -> int:
     from lmforge.generate.load import load_for_sampling
     from lmforge.generate.sampling import KVCache
     from lmforge.generate.texts import print_samples, print_stats, prompt_ids, samples
-    from lmforge.parallel.launch import resolve_device
+    from lmforge.parallel.world import resolve_device
 
     json_answer = _json_answer(args)  # before loading the model: a bad --schema stops at once
     device = resolve_device(args.device, setting="--device")
@@ -114,7 +114,7 @@ def _warn(message: str) -> None:
 def cmd_chat(args) -> int:
     from lmforge.generate.chat import ChatSession, run_chat, sampling_options
     from lmforge.generate.load import load_for_sampling
-    from lmforge.parallel.launch import resolve_device
+    from lmforge.parallel.world import resolve_device
 
     json_answer = _json_answer(args)
     device = resolve_device(args.device, setting="--device")
@@ -229,9 +229,10 @@ COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "finetune": cmd_finetune
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parse_args(parser, argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # what `train --nproc` hands to torchrun
+    args.argv = argv  # what `train --nproc` hands to torchrun
     if args.command is None:
         parser.print_help()
         return 0

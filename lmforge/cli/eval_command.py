@@ -11,7 +11,7 @@ def cmd_eval(args) -> int:
     from lmforge.eval.sandbox import network_isolation
     from lmforge.eval.tasks import GENERATION, TITLES, data_root, expand_tasks, load_prompts, load_questions
     from lmforge.generate.load import load_for_sampling
-    from lmforge.parallel.launch import resolve_device
+    from lmforge.parallel.world import resolve_device
     from lmforge.runs.load import model_folder
 
     tasks = expand_tasks(args.tasks.split(","))

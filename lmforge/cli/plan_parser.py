@@ -10,34 +10,34 @@ from lmforge.modes.precision import ALIASES, POLICIES
 from lmforge.modes.recompute import RECOMPUTE_MODES
 
 
-def add_plan(commands) -> None:
-    plan = commands.add_parser(
-        "plan", help="predict FLOPs, memory per device and time for a setup, before running it",
-        description="Print what a training setup costs: parameters, FLOPs per token and per step, memory per "
-                    "device with its breakdown (and whether it fits), time per step at an assumed MFU, and the "
-                    "time, FLOPs and device-hours of a token budget. With --inference, what serving costs: "
-                    "weights, KV cache, prefill and decode time, the largest batch that fits. The config is built "
-                    "and validated as `lmforge train` builds it (--model, --config, section.key=value); the setup "
-                    "flags are aliases of its keys (--batch-size: train.batch_size, --pp: parallel.pp, "
-                    "--zero-stage N: train.parallel=zeroN, ...: docs/planning.md). Options marked LIST take several "
-                    "values separated by commas with --compare.",
-        epilog="examples:\n"
-               "  lmforge plan                                   # the default model on this machine\n"
-               "  lmforge plan --model gpt3-175b --batch-size 128 --seq-len 2048 --precision fp16 \\\n"
-               "      --recompute none --json\n"
-               "  lmforge plan --model llama3-70b --batch-size 1 --seq-len 8192 --precision bf16-mixed \\\n"
-               "      --zero-stage 3 --dp 64 --recompute full --hardware h100-sxm --tokens 15e12 --plot plan.png\n"
-               "  lmforge plan --model llama3-8b --seq-len 8192 --precision bf16-mixed --hardware h100-sxm --dp 8 \\\n"
-               "      --compare --zero-stage 0,1,2,3 --recompute none,full --plot compare.png\n"
-               "  lmforge plan --model llama3-70b --seq-len 8192 --precision bf16-mixed --hardware h100-sxm \\\n"
-               "      --zero-stage 3 --recompute full --sequence-parallel --solve devices\n"
-               "  lmforge plan --model llama3-8b train.precision=bf16-mixed parallel.tp=8 --dp 4 --hardware h100-sxm\n"
-               "  lmforge plan --pp 4 train.micro_batches=8 train.schedule=1f1b   # per-stage memory, the bubble\n"
-               "  lmforge plan --inference --model llama3-8b --batch-size 8 --seq-len 8192 --weights int4 \\\n"
-               "      --hardware h100-sxm\n"
-               "  lmforge plan --inference ~/models/Llama-3.2-1B --seq-len 4096   # a Hugging Face folder\n"
-               "  lmforge plan --dtypes",
-        formatter_class=RAW)
+def add_plan(plan) -> None:
+    plan.description = (
+        "Print what a training setup costs: parameters, FLOPs per token and per step, memory per "
+        "device with its breakdown (and whether it fits), time per step at an assumed MFU, and the "
+        "time, FLOPs and device-hours of a token budget. With --inference, what serving costs: "
+        "weights, KV cache, prefill and decode time, the largest batch that fits. The config is built "
+        "and validated as `lmforge train` builds it (--model, --config, section.key=value); the setup "
+        "flags are aliases of its keys (--batch-size: train.batch_size, --pp: parallel.pp, "
+        "--zero-stage N: train.parallel=zeroN, ...: docs/planning.md). Options marked LIST take several "
+        "values separated by commas with --compare.")
+    plan.epilog = (
+        "examples:\n"
+        "  lmforge plan                                   # the default model on this machine\n"
+        "  lmforge plan --model gpt3-175b --batch-size 128 --seq-len 2048 --precision fp16 \\\n"
+        "      --recompute none --json\n"
+        "  lmforge plan --model llama3-70b --batch-size 1 --seq-len 8192 --precision bf16-mixed \\\n"
+        "      --zero-stage 3 --dp 64 --recompute full --hardware h100-sxm --tokens 15e12 --plot plan.png\n"
+        "  lmforge plan --model llama3-8b --seq-len 8192 --precision bf16-mixed --hardware h100-sxm --dp 8 \\\n"
+        "      --compare --zero-stage 0,1,2,3 --recompute none,full --plot compare.png\n"
+        "  lmforge plan --model llama3-70b --seq-len 8192 --precision bf16-mixed --hardware h100-sxm \\\n"
+        "      --zero-stage 3 --recompute full --sequence-parallel --solve devices\n"
+        "  lmforge plan --model llama3-8b train.precision=bf16-mixed parallel.tp=8 --dp 4 --hardware h100-sxm\n"
+        "  lmforge plan --pp 4 train.micro_batches=8 train.schedule=1f1b   # per-stage memory, the bubble\n"
+        "  lmforge plan --inference --model llama3-8b --batch-size 8 --seq-len 8192 --weights int4 \\\n"
+        "      --hardware h100-sxm\n"
+        "  lmforge plan --inference ~/models/Llama-3.2-1B --seq-len 4096   # a Hugging Face folder\n"
+        "  lmforge plan --dtypes")
+    plan.formatter_class = RAW
     add_run(plan, "plan the model of this run folder or Hugging Face folder (instead of --model); its stored "
                   "dtype is --inference's default --weights and --kv-dtype", required=False)
     add_config_args(plan)

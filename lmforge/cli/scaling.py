@@ -19,9 +19,8 @@ examples:
 EVAL_BATCHES = 50  # the final validation loss over 50 batches (8 x 50 x 128 tokens by default)
 
 
-def add_scaling(commands) -> None:
-    scaling = commands.add_parser("scaling", help="train an IsoFLOP sweep and fit a scaling law to it",
-                                  description=__doc__, epilog=EXAMPLES, formatter_class=RAW)
+def add_scaling(scaling) -> None:
+    scaling.description, scaling.epilog, scaling.formatter_class = __doc__, EXAMPLES, RAW
     actions = scaling.add_subparsers(dest="scaling_command", metavar="ACTION", required=True)
     sweep = actions.add_parser("sweep", help="train every depth at every compute budget (resumable)",
                                epilog=EXAMPLES, formatter_class=RAW)

@@ -3,7 +3,7 @@ mesh's degrees x precision x training kind x pipeline x optimizer x compile x se
 ...), each refusal written once, in the one line the user reads.
 
 Everyone asks here: config validation (config/validate.py runs `check_config`, the rules that hold
-whatever the launch), the launch (parallel/launch.py's `check_launch` runs `check_composition`
+whatever the launch), the launch (parallel/world.py's `check_launch` runs `check_composition`
 with the world torchrun started, before any process group or file exists), `lmforge plan`, and the
 composition page (tests/composition_matrix.py writes docs/composition.md from these verdicts).
 What is refused is what the engines cannot build or have never been shown to train; each entry
@@ -145,7 +145,7 @@ def _check_optimizer(cfg) -> None:
                 "gathered from ZeRO's flat shards but not from FSDP's; use train.parallel=zero1, zero2, zero3 or ddp")
 
 
-# -- against the world (parallel/launch.py's check_launch) -----------------------------------------
+# -- against the world (parallel/world.py's check_launch) -----------------------------------------
 
 def _check_world_degrees(cfg, world: int) -> None:
     """parallel.dp_replicate / dp_shard against the world: pp x dp_replicate x dp_shard x cp x tp ranks."""

@@ -3,7 +3,7 @@ it and what is allowed; `config_warnings` lists the ones that can but are probab
 
 Only the config is read here. What combines with what is config/rules.py's one table: validate asks
 it for the refusals that hold whatever the launch; the rest (processes, devices, the product of the
-parallel degrees) are checked when the run starts (parallel/launch.py's check_launch).
+parallel degrees) are checked when the run starts (parallel/world.py's check_launch).
 """
 
 import dataclasses
@@ -238,7 +238,7 @@ def _check_finetune(f: FinetuneConfig) -> None:
 
 
 def _check_device(t: TrainConfig) -> None:
-    """The spelling only: whether this machine has that device is resolve_device's (parallel/launch.py)."""
+    """The spelling only: whether this machine has that device is resolve_device's (parallel/world.py)."""
     _require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
              f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
 

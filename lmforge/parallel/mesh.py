@@ -20,7 +20,7 @@ parallel/cp_model.py's ring, and the dp group (or, with cp > 1, the dp x cp grou
 data-parallel engine (as `comm`, with `tp_comm`, `cp` and the loader's replicas `dp` and `dp_rank`:
 every engine reads these, parallel/engine.py); a pipeline (pp > 1) takes the pp group as its
 pipeline and the dp group as each stage's replicas (parallel/pipeline/engine.py).
-parallel/launch.py's `check_launch` has already refused a world size that is not pp x dp x cp x tp.
+parallel/world.py's `check_launch` has already refused a world size that is not pp x dp x cp x tp.
 
 Hybrid sharding (parallel.dp_replicate and parallel.dp_shard both > 1: config/degrees.py) splits
 the dp dimension in two, as torchtitan names them: (pp, dp_replicate, dp_shard, cp, tp), the

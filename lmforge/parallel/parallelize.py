@@ -20,7 +20,7 @@ STAGE_REPLICA_ENGINES: ddp (or none: one replica) DDPEngine without buckets, eac
 all-reduced once after the schedule; zero1 ZeroEngine(stage=1), the stage's optimizer states
 sharded over its replicas.
 
-Why not ZeRO-2, ZeRO-3 or FSDP on a stage's replicas (parallel/launch.py refuses them before
+Why not ZeRO-2, ZeRO-3 or FSDP on a stage's replicas (parallel/world.py refuses them before
 launch): a pipeline step runs a backward per micro-batch, so each parameter's gradient is
 produced m times. ZeRO-2 saves its memory by reduce-scattering a gradient as soon as backward
 produces it and dropping it; here it would either reduce-scatter m times per step (m x ZeRO-1's
@@ -31,7 +31,7 @@ DeepSpeed refuses ZeRO-2/3 with its pipeline engine for the same reason.
 
 `parallelize` is step 7 of train/setup.py: it takes the model as the steps before left it
 (precision, recomputation, ...) and the mesh that setup built over the process group the launcher
-set up (torchrun; parallel/world.py's `init_world`, whose `check_launch` (parallel/launch.py) has
+set up (torchrun; parallel/world.py's `init_world`, whose `check_launch` has
 already refused what cannot run: the engines do not check the launch again).
 """
 
@@ -109,7 +109,7 @@ def _stage_replicas(model, cfg, policy, make_optimizer, weight_decay_groups, gro
     return DDPEngine(model, make_optimizer(weight_decay_groups(model)), groups, bucket_mb=None)
 
 
-# how a stage's replicas share its work, by strategy (the others: parallel/launch.py's PIPELINE_REFUSED)
+# how a stage's replicas share its work, by strategy (the others: config/rules.py's PIPELINE_REFUSED)
 STAGE_REPLICA_ENGINES = {"none": _stage_replicas, "ddp": _stage_replicas, "zero1": _zero}
 
 

@@ -15,7 +15,7 @@ def load_model(path: str, device: str = "auto") -> LoadedModel:
     checkpoint; a LoRA run as its base plus adapters) or a local Hugging Face Llama / GPT-2 folder,
     read by the one loader, lmforge/runs/load.py. Its `end_id` ends a reply: lmforge's end-of-text,
     or an imported model's end-of-sequence."""
-    from lmforge.parallel.launch import resolve_device
+    from lmforge.parallel.world import resolve_device
 
     target = resolve_device(device, setting="--device")
     return load_folder(path, "fp32", target, warn=lambda message: print(f"warning: {message}"))

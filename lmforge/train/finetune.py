@@ -47,7 +47,7 @@ from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.data.tokenizer import encode_documents, tokenizer_hash
 from lmforge.data.prepare import unigram_entropy
 from lmforge.common.errors import LmforgeError, warn
-from lmforge.parallel.launch import resolve_device
+from lmforge.parallel.world import resolve_device
 from lmforge.runs.load import base_identity, load_base, model_special_tokens
 from lmforge.train.measurements import estimate, rank_share
 

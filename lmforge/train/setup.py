@@ -148,7 +148,7 @@ def build_engine(cfg: Config, policy: Policy, device: torch.device | str = "cpu"
     other than none, torch.distributed must already be initialised (torchrun). With
     parallel.pp > 1 each rank builds its stage (the model cut after step 5) and the
     pipeline engine (`timeline` records its step: parallel/pipeline/timeline.py). `policy` is
-    cfg.train.precision's; the launch was checked by parallel/launch.py's `check_launch`."""
+    cfg.train.precision's; the launch was checked by parallel/world.py's `check_launch`."""
     groups = run_groups(cfg, device)
     optimizer = dict(make_optimizer=lambda groups: make_optimizer(cfg, policy, groups),
                      weight_decay_groups=lambda model: param_groups(cfg, model))

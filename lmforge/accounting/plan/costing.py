@@ -1,18 +1,28 @@
-"""What a plan needs besides its Config, and the numbers derived from the two, in one place.
+"""What a training step costs per device: the core of a plan, and what the trainer prints before its
+first step (`step_plan`: FLOPs, bytes per device, the peak behind MFU; plan/make.py's make_plan adds
+what `lmforge plan` shows besides: the papers' figures, the token budget, LoRA's savings).
 
 A Config says what each replica trains and how it is split (tensor, context and pipeline degrees,
 the data-parallel strategy); it does not hold the world it runs on: how many data-parallel
 replicas, on what hardware, at what assumed MFU, for how many tokens at what price. `Costing`
 holds those. The mesh's degrees come from config/degrees.py's mesh_degrees, the rule a launch
 checks itself with, so the plan, the trainer and fine-tuning count the data-parallel degree one way.
+Everything here is arithmetic on the two (the model's shapes read from it built on the meta device:
+accounting/shapes.py); it imports no training code. The precision name is resolved once (`policy`)
+and the Policy handed to the formulas; a pipeline's stages are counted in plan/pipeline.py.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
-from lmforge.accounting.hardware import DEFAULT_RESERVE_BYTES, check_hardware
+from lmforge.accounting import comm, flops, memory
+from lmforge.accounting.activations import activation_breakdown
+from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak, check_hardware
+from lmforge.accounting.shapes import model_shapes
 from lmforge.common.errors import LmforgeError
 from lmforge.config import Config
 from lmforge.config.degrees import Degrees, mesh_degrees
+from lmforge.config.rules import check_composition
 from lmforge.modes.parallel import get_strategy
 from lmforge.modes.precision import Policy, get_policy
 
@@ -76,6 +86,11 @@ def policy(cfg: Config) -> Policy:
     return get_policy(cfg.train.precision)
 
 
+def matmul_dtype(precision: str) -> str:
+    """The dtype whose peak FLOP/s a precision's matmuls are measured against (aliases allowed)."""
+    return get_policy(precision).matmul_dtype
+
+
 def zero_stage(cfg: Config) -> int:
     return get_strategy(cfg.train.parallel).zero_stage
 
@@ -105,3 +120,134 @@ def setup_section(cfg: Config, costing: Costing, d: Degrees) -> dict:
                                                 "pipeline_split", "recompute", "fp32_attention", "loss_chunk_tokens",
                                                 "bucket_mb")},
             "devices": devices(d), "tokens_per_step": tokens_per_step(cfg, d)}
+
+
+@dataclass
+class Cost:
+    """What a setup's step costs per device, before the plan lays it out."""
+    breakdown: dict  # the plan's memory parts (memory.breakdown_bytes)
+    activations: dict  # saved for backward, by part (memory.activation_breakdown_bytes)
+    communication: dict  # sent per step per rank (comm.py's terms)
+    step_seconds: float
+    pipeline: dict | None = None  # plan["pipeline"] when pp > 1
+    largest_shapes: tuple | None = None  # the parameters of the largest stage (None: the whole model)
+
+
+def step_plan(cfg: Config, costing: Costing, this_machine: tuple[str, float, float] | None = None,
+              alone_too: bool = True) -> tuple[dict, Cost]:
+    """What a step of `cfg` costs per device on `costing`'s world, as a JSON-ready dict (what the trainer
+    prints and sets its measurements beside), and its Cost. `this_machine` = (name, peak FLOP/s,
+    memory bytes) is needed when costing.hardware is "this" (the caller measures it; accounting stays
+    pure). Without `alone_too`, a rank with no data-parallel peer counts no traffic (it sends nothing).
+    LmforgeError for a setting the trainer would refuse."""
+    costing.check()
+    d = degrees(cfg, costing.dp)
+    _check_composition(cfg, d)
+    pol, m = policy(cfg), cfg.model
+    hardware_name, peak, device_memory = _hardware(costing, pol, this_machine)
+    adapters = None if cfg.finetune.lora_rank is None else memory.lora_parameters(m, *lora(cfg))
+    step_flops = tokens_per_step(cfg, d) * flops.training_flops_per_token(m, cfg.seq_len, lora=lora(cfg))
+    step_seconds = step_flops / (peak * costing.mfu * devices(d))
+    if d.pp > 1:
+        cost = _pipelined_cost(cfg, d, pol, peak, costing.mfu)
+    else:
+        cost = _single_stage_cost(cfg, d, pol, adapters, step_seconds, alone_too)
+    total = sum(cost.breakdown.values())
+    plan = {
+        "model": {"family": m.family, "parameters": memory.parameter_count(m), "layers": m.n_layers,
+                  "d_model": m.d_model, "heads": m.n_heads, "kv_heads": m.kv_heads, "ffn_dim": m.ffn_dim,
+                  "vocab_size": m.vocab_size},
+        "setup": setup_section(cfg, costing, d),
+        "flops": {"training_per_token": flops.training_flops_per_token(m, cfg.seq_len, lora=lora(cfg)),
+                  "hardware_per_token": flops.hardware_flops_per_token(m, cfg.seq_len, cfg.train.recompute,
+                                                                       lora=lora(cfg)),
+                  "training_per_step": step_flops},
+        "memory": {"per_device_bytes": total, "breakdown_bytes": cost.breakdown,
+                   "activation_breakdown_bytes": cost.activations, "device_memory_bytes": device_memory,
+                   "reserve_bytes": costing.reserve_bytes, "fits": total + costing.reserve_bytes <= device_memory},
+        "communication": cost.communication,
+        "time": {"hardware": hardware_name, "peak_flops_per_device": peak, "matmul_dtype": pol.matmul_dtype,
+                 "assumed_mfu": costing.mfu, "seconds_per_step": cost.step_seconds,
+                 "tokens_per_second": tokens_per_step(cfg, d) / cost.step_seconds},
+    }
+    if cost.pipeline is not None:
+        plan["pipeline"] = cost.pipeline
+    if d.cp > 1:
+        from lmforge.accounting.plan.context_parallel import context_parallel_section
+
+        plan["context_parallel"] = context_parallel_section(cfg, d, step_flops)
+    return plan, cost
+
+
+def _check_composition(cfg: Config, d: Degrees) -> None:
+    """config/rules.py's line for what a launch of the plan's devices would refuse (the launch check's
+    and the composition page's), on the step the plan costs: train.parallel as the plan reads it
+    (costing.strategy: none over several data ranks is DDP's all-reduce) and no end-of-run sample."""
+    train = dataclasses.replace(cfg.train, parallel=strategy(cfg, d), sample_tokens=0)
+    check_composition(dataclasses.replace(cfg, train=train), world=devices(d))
+
+
+def _hardware(costing: Costing, pol: Policy, this_machine: tuple | None) -> tuple[str, float, float]:
+    """(name, peak FLOP/s at the policy's matmul dtype, memory bytes) of costing.hardware."""
+    if costing.hardware == "this":
+        if this_machine is None:
+            raise ValueError("hardware 'this' needs the measured (name, peak FLOP/s, memory bytes)")
+        return this_machine
+    return (costing.hardware, accelerator_peak(costing.hardware, pol.matmul_dtype),
+            ACCELERATORS[costing.hardware].memory_bytes)
+
+
+def _pipelined_cost(cfg: Config, d: Degrees, pol: Policy, peak: float, mfu: float) -> Cost:
+    """Every stage counted on its own (plan/pipeline.py); a device holds the largest."""
+    from lmforge.accounting.pipeline import rank_chunks, stage_communication
+    from lmforge.accounting.plan.pipeline import pipeline_plan, rank_parameters, stage_tensor_parallel
+
+    piped = pipeline_plan(cfg, d, pol, peak * mfu, mfu)
+    largest = piped["stages_detail"][piped["largest_stage"]]
+    first, held = (rank_parameters(cfg, d, piped["split"], s) for s in (0, piped["largest_stage"]))
+    layout = memory.sharded_layout(pol, zero_stage(cfg))
+    # rank 0's, as the trainer counts
+    communication = stage_communication(first, d.dp, layout, zero_stage(cfg), cfg.optim.name)
+    if d.tp > 1:
+        layers = sum(map(len, rank_chunks(piped["split"], d.pp, 0)))
+        communication["tensor_parallel"] = stage_tensor_parallel(cfg, d, layout, 0, layers)
+    return Cost(largest["breakdown_bytes"], largest["activation_breakdown_bytes"], communication,
+                piped["seconds_per_step"], piped, held.shapes)
+
+
+def _single_stage_cost(cfg: Config, d: Degrees, pol: Policy, adapters: int | None, step_seconds: float,
+                       alone_too: bool) -> Cost:
+    """The whole model on each device (split tp ways, sharded by ZeRO over dp); `alone_too`: step_plan's."""
+    from lmforge.accounting.plan.context_parallel import (local_tokens, ring_bytes_per_step, sequence_shards,
+                                                          shard_activations)
+
+    m, t, sp = cfg.model, cfg.train, cfg.parallel.sequence_parallel
+    b, s, how = t.batch_size, cfg.seq_len, strategy(cfg, d)
+    held_lora = None if adapters is None else memory.lora_parameters(m, *lora(cfg), d.tp)
+    states = memory.model_state_bytes(m, pol, cfg.optim.name, zero_stage(cfg), shard_ranks(d), d.tp,
+                                      lora_trainable=held_lora, fully_shard=how == "fsdp")
+    # the sharding engines compute on 16-bit working weights under a mixed policy: no weight casts
+    layout = memory.sharded_layout(pol, get_strategy(how).zero_stage)
+    if d.cp > 1:  # this rank's zig-zag shard of every row (plan/context_parallel.py)
+        activations, logits = shard_activations(cfg, d, layout)
+    else:
+        activations = activation_breakdown(m, b, s, layout, m.attention, t.recompute, d.tp, t.fp32_attention,
+                                                  t.loss_chunk_tokens, sp)
+        logits = memory.logits_bytes(m, b, s, pol, t.loss_chunk_tokens) / d.tp
+    breakdown = {**states,
+                 "weight_copies": activations.pop("weight_copies"),
+                 "activations": sum(activations.values()),
+                 "logits": logits}
+    # with cp, each cp rank is one more replica to the gradient all-reduce (parallel/engine.py's dp x cp group)
+    if alone_too or data_ranks(d) > 1:
+        communication = comm.step_communication(m, how, shard_ranks(d), pol, t.grad_accum, lora=lora(cfg), tp=d.tp,
+                                                optimizer=cfg.optim.name, replicate=d.dp_replicate if d.hybrid else 1)
+    else:
+        communication = {"strategy": how, "sent_bytes": 0}
+    if d.tp > 1:  # the tensor ranks' activations (of this rank's tokens), besides the replicas' gradients
+        tokens = local_tokens(s, d.cp, sequence_shards(cfg)) if d.cp > 1 else s
+        communication["tensor_parallel"] = comm.tensor_parallel_communication(
+            m, b, tokens, d.tp, sp, layout, t.grad_accum, cfg.optim.name, recompute=t.recompute, lora=lora(cfg))
+    if d.cp > 1:  # the ring's K/V and dK/dV (accounting/cp.py)
+        communication["context_parallel"] = ring_bytes_per_step(cfg, d, layout)
+    return Cost(breakdown, activations, communication, step_seconds)
