@@ -60,6 +60,8 @@ class Engine:
     # True where each rank holds a disjoint part of the gradients (ZeRO, FSDP): the norm is then
     # a sum over ranks; False where every rank holds them all (DDP)
     grads_sharded = False
+    # False where the step's model collectives bypass `comm`, which cannot count them (FSDP2's own)
+    counts_model_traffic = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, groups: ParallelGroups = ONE_PROCESS):
         self.model, self.optimizer = model, optimizer

@@ -57,6 +57,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 class FSDPEngine(Engine):
     data_parallel = grads_sharded = True
+    counts_model_traffic = False  # fully_shard's all-gathers and reduce-scatters are its own
 
     def __init__(self, model, make_optimizer, weight_decay_groups_of, groups, working_dtype: torch.dtype):
         """Sharded over `groups.fsdp_mesh`: the 1-D mesh of the engine's `comm` (the dp or dp x cp

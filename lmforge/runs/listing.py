@@ -3,7 +3,10 @@
 A run folder holds config.yaml (its settings), metrics.jsonl (one record per log or evaluation)
 and, once a session ends normally, summary.json. A training process holds an OS lock on the
 run folder while it runs (common/folders.py); the lock dies with the process, so a run whose
-lock can be taken is not running, however it ended. Imports no torch: listing finished runs answers
+lock can be taken is not running, however it ended: it *stopped* when its newest checkpoint holds
+every step it logged (a SIGTERM or Ctrl-C saves before it stops), else it *crashed* (a kill -9, a lost
+node): what it logged after that checkpoint is lost, and a resume starts from the checkpoint's step,
+which is the step shown. Imports no torch: listing finished runs answers
 at once; a run without a summary has its parameters counted from its model built on the meta
 device (accounting/shapes.py), which loads torch (about 2 s, once), unless it has a checkpoint,
 whose state.json holds the count.
@@ -35,15 +38,22 @@ class Run:
     cfg: Config
     parameters: int
     step: int  # the last step logged
+    saved: int  # the newest checkpoint's step (0: none), where a resume starts
     val_loss: float | None  # the last evaluation's
     tokens_per_s: float | None
     mfu: float | None
-    status: str  # running | finished | stopped
+    status: str  # running | finished | stopped | crashed
     curves: list[dict]  # the records of metrics.jsonl
 
 
 def is_run(path: Path) -> bool:
     return (path / "config.yaml").is_file()
+
+
+def saved_step(path: Path) -> int:
+    """The step of the run's newest complete checkpoint, from its folder's name; 0 without one."""
+    found = list_checkpoints(path)
+    return int(found[-1].name.removeprefix("step_")) if found else 0
 
 
 def checkpoint_parameters(path: Path) -> int | None:
@@ -121,10 +131,11 @@ def read_run(path: Path) -> Run:
         speed = [r for r in records if r.get("tokens_per_s") is not None]
         tokens_per_s, mfu = (speed[-1]["tokens_per_s"], speed[-1].get("mfu")) if speed else (None, None)
     val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
-    status = "running" if is_locked(path) else "finished" if finished else "stopped"
+    saved = summary["steps"] if finished else saved_step(path)
+    status = "running" if is_locked(path) else "finished" if finished else "stopped" if step <= saved else "crashed"
     # the count the run's summary or newest checkpoint holds spares building the model (and torch)
     parameters = (summary or {}).get("parameters") or checkpoint_parameters(path) or parameter_count(cfg.model)
-    return Run(path=path, cfg=cfg, parameters=parameters, step=step,
+    return Run(path=path, cfg=cfg, parameters=parameters, step=step, saved=saved,
                val_loss=val[-1] if val else None, tokens_per_s=tokens_per_s, mfu=mfu, status=status, curves=records)
 
 
@@ -148,15 +159,23 @@ def print_runs(runs: list[Run], folder: str | Path, console: Console | None = No
     for column in ("run", "model", "params", "precision", "batch", "steps", "val loss", "tokens/s", "MFU", "status"):
         table.add_column(column, justify="left" if column in ("run", "model", "precision", "status") else "right",
                          no_wrap=True)
-    colors = {"running": "yellow", "finished": "green", "stopped": "red"}
+    colors = {"running": "yellow", "finished": "green", "stopped": "red", "crashed": "bold red"}
     for run in runs:
         table.add_row(run.path.name, model_label(run.cfg.model), f"{run.parameters / 1e6:.2f}M",
-                      run.cfg.train.precision, batch_label(run.cfg), f"{run.step:,} / {run.cfg.train.max_steps:,}",
+                      run.cfg.train.precision, batch_label(run.cfg), steps_label(run),
                       f"{run.val_loss:.4f}" if run.val_loss is not None else "-",
                       f"{run.tokens_per_s:,.0f}" if run.tokens_per_s is not None else "-",
                       f"{run.mfu:.1%}" if run.mfu is not None else "-",
                       f"[{colors[run.status]}]{run.status}[/]")
     console.print(table)
+
+
+def steps_label(run: Run) -> str:
+    """Steps done of train.max_steps: a running run's logged progress; otherwise what is on disk
+    (a crashed run's lost steps named beside it)."""
+    done = run.step if run.status == "running" else run.saved
+    lost = f" (logged {run.step:,}, lost)" if run.status == "crashed" else ""
+    return f"{done:,} / {run.cfg.train.max_steps:,}{lost}"
 
 
 def resolve_runs(folder: str | Path, names: list[str]) -> list[Run]:

@@ -6,7 +6,7 @@
       checkpoints/step_NNNNNNN/     model, optimizer, RNG and `RunState` (runs/checkpoint/)
 
 `RunState` is everything besides tensors that the loop needs to continue exactly: the step, the
-logging window (so that a record logged after a resume averages what it would have averaged),
+tokens trained so far, the logging window (so that a record logged after a resume averages what it would have averaged),
 the counts of skipped and bad steps, and the history of losses. `RunFolder` opens a new folder or
 restores the newest good checkpoint of an old one; it reads only, until every check has passed.
 Under torchrun every rank has a `RunFolder`, but rank 0 alone holds the lock and writes (the
@@ -29,6 +29,8 @@ from lmforge.runs.metrics import MetricsLog
 @dataclass
 class RunState:
     step: int = 0  # optimizer steps taken
+    # tokens those steps trained on: a resume may change the global batch, so it is added, not step x batch
+    tokens_trained: int = 0
     loader_position: int = 0  # batches handed out by the data loader
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     bad_in_a_row: int = 0  # bad steps since the last good one (the guard stops the run on too many)

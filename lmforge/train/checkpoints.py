@@ -48,6 +48,8 @@ class Checkpoints:
         saved_config = load_config(path / "config.yaml")
         saved = saved_config.train
         saved_batch = state.get("global_batch", state.get("world_size", 1) * saved.batch_size * saved.grad_accum)
+        if "tokens_trained" not in state["run"]:  # a checkpoint from before the count: its steps at its batch
+            run.tokens_trained = run.step * saved_batch * saved_config.seq_len
         if saved_batch != self.global_batch:
             console.print(f"note: the global batch changes from {saved_batch} to {self.global_batch} sequences per "
                           f"step; to continue the same training keep train.batch_size x grad_accum x "

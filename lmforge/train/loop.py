@@ -179,6 +179,7 @@ class Trainer:
         if self.scaler.enabled:
             run.loss_scale = self.scaler.scale_value
         state.step += 1
+        state.tokens_trained += run.tokens_per_step  # this session's global batch (a resume may change it)
         return loss_sum, grad_norm
 
     def run(self) -> dict:
@@ -194,7 +195,8 @@ class Trainer:
             try:
                 self._loop(stop)
                 run.data_wait_seconds = self.loader.wait_seconds
-                run.sent_bytes = self.engine.comm.sent_bytes() if self.engine.comm is not None else None
+                counted = self.engine.comm is not None and self.engine.counts_model_traffic
+                run.sent_bytes = self.engine.comm.sent_bytes() if counted else None
                 if self.timeline is not None:
                     run.pipeline = pipeline_report(self.engine, self.timeline.events, self.cfg, run.first_step,
                                                    self.step, self.run_dir, self.world.is_main)
@@ -253,7 +255,7 @@ class Trainer:
                 window["good_steps"] += 1
             last = state.step == t.max_steps
             logging, saving = self._due(t.log_interval) or last, self._due(t.checkpoint_interval) or last
-            if logging or saving or stop.received is not None:
+            if logging or saving or stop_signal is not None:  # any rank's request: all save this step
                 window["loss_sum"] = window_loss.item()  # the sync: the window's steps are done
             if logging:
                 self._log_window(clock, grad_norm)

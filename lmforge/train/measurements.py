@@ -52,7 +52,7 @@ class RunMeasurements:
     compile_seconds: float | None = None  # train.compile: the session's first step, timed apart
     train_seconds: float = 0.0  # the steps, without evaluation, checkpoints and the compile
     data_wait_seconds: float = 0.0  # of those, waiting for the data loader
-    sent_bytes: float | None = None  # by the engine's collectives (None: it counts none, as fsdp's own)
+    sent_bytes: float | None = None  # by the engine's collectives (None: not counted, as FSDP2's own)
     tp_sent_bytes: float | None = None  # by the tensor-parallel group's, in training steps (None: no tp)
     cp_sent_bytes: float | None = None  # by the context-parallel ring, in training steps (None: no cp)
     first_step: dict = field(default_factory=dict)  # FirstStepMeasurement's bytes

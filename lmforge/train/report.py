@@ -111,7 +111,7 @@ def training_record(run: RunMeasurements, grad_norm: float, lr: float, steps_per
     tokens_per_s = steps_per_second * run.tokens_per_step
     record = {"step": state.step, "train_loss": window["last_loss"], "grad_norm": grad_norm, "lr": lr,
               "tokens_per_s": tokens_per_s, "mfu": run.mfu(tokens_per_s),
-              "tokens_seen": state.step * run.tokens_per_step, "skipped_steps": state.skipped_steps,
+              "tokens_seen": state.tokens_trained, "skipped_steps": state.skipped_steps,
               "time": time.time(), "elapsed_s": time.time() - run.started,
               "peak_memory_bytes": peak_memory_bytes(run.device)}
     if run.hardware_flops_per_token is not None:  # hardware FLOPs include the recomputed forward

@@ -70,7 +70,7 @@ def summary_of(run: RunMeasurements, meta: dict, run_dir: Path) -> dict:
         "device": device_name(run.device),
         "parameters": run.parameters,
         "steps": state.step,
-        "tokens_trained": state.step * run.tokens_per_step,
+        "tokens_trained": state.tokens_trained,
         "train_seconds_this_session": run.train_seconds,
         "compile_seconds": run.compile_seconds,
         "tokens_per_s": tokens_per_s,
@@ -195,9 +195,11 @@ def predicted_vs_measured(plan: dict, run: RunMeasurements, tokens_per_s: float)
         # what one micro-batch saves for backward: the layers, embedding, head and the weight casts
         rows["activations_bytes"] = (sum(activations.values()) - activations.get("recomputed_layer", 0)
                                      + breakdown["weight_copies"], measured.get("activations"))
-    if run.sent_bytes is not None:  # counted by the engine's collectives (fsdp's own are not seen)
+    # counted by the engine's collectives; None where they are not its own (FSDP2's): "not measured"
+    if run.sent_bytes is not None or plan["communication"]["sent_bytes"]:
         steps = max(run.state.step - run.start_step, 1)
-        rows["sent_bytes_per_step"] = (plan["communication"]["sent_bytes"], run.sent_bytes / steps)
+        rows["sent_bytes_per_step"] = (plan["communication"]["sent_bytes"],
+                                       run.sent_bytes / steps if run.sent_bytes is not None else None)
     if run.tp_sent_bytes is not None and "tensor_parallel" in plan["communication"]:
         rows["tp_sent_bytes_per_step"] = (plan["communication"]["tensor_parallel"]["sent_bytes"],
                                           run.tp_sent_bytes / max(run.state.step - run.start_step, 1))

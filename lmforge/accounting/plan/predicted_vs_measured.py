@@ -27,7 +27,7 @@ def print_comparison(console: Console, comparison: dict) -> None:
         else:
             label = labels[key]
         if "_bytes" in key:
-            shown = (human_bytes(predicted), human_bytes(measured) if measured is not None else "-")
+            shown = (human_bytes(predicted), human_bytes(measured) if measured is not None else "not measured")
         elif key == "step_seconds":
             shown = (human_seconds(predicted), human_seconds(measured))
         else:

@@ -9,8 +9,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lmforge.common.errors import LmforgeError
 from lmforge.model.lora import adapter_state_dict, has_lora
-from lmforge.model.names import canonical_name
-from lmforge.runs.checkpoint.tensors import failure_reason, load_tensors, storage_aliases, stored_tensors
+from lmforge.runs.checkpoint.tensors import (failure_reason, load_tensors, storage_aliases, stored_tensors,
+                                             tied_names)
 
 
 def _listed(names: list[str], limit: int = 5) -> str:
@@ -45,21 +45,10 @@ def load_engine_weights(engine, path: Path) -> None:
         return
     # a tied weight's second name: the same tensor in the state dict, or (FSDP2's full state dict
     # copies each name) the same parameter in the model
-    aliases = {**storage_aliases(expected), **_tied_names(engine.model)}
+    aliases = {**storage_aliases(expected), **tied_names(engine.model)}
     tensors, _, _ = _read_by_name(path, expected, strict=True, aliases=aliases, known=engine.model_names())
     engine.load_model_state_dict({name: tensors[name] if name in tensors else tensors[aliases[name]]
                                   for name in expected})
-
-
-def _tied_names(model: torch.nn.Module) -> dict[str, str]:
-    """name -> the first name of the same parameter (a tied weight), in checkpoint names."""
-    first, aliases = {}, {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[canonical_name(name)] = first[id(p)]
-        else:
-            first[id(p)] = canonical_name(name)
-    return aliases
 
 
 def _read_by_name(path: Path, expected: dict[str, torch.Tensor], strict: bool, aliases: dict[str, str] | None = None,

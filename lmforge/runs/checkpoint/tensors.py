@@ -10,6 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lmforge.common.errors import LmforgeError, os_error_message
+from lmforge.model.names import canonical_name
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> None:
@@ -50,6 +51,18 @@ def storage_aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
             aliases[name] = first[key]
         else:
             first[key] = name
+    return aliases
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """name -> the first name of the same parameter (a tied weight), in checkpoint names: where the
+    engine gathers each name into its own tensor (tensor parallelism, FSDP2), storage_aliases misses it."""
+    first, aliases = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[canonical_name(name)] = first[id(p)]
+        else:
+            first[id(p)] = canonical_name(name)
     return aliases
 
 

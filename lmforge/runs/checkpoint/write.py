@@ -14,7 +14,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.model.lora import adapter_state_dict, has_lora
 from lmforge.parallel.world import World
 from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, FORMAT, file_sha256, kept_checkpoint, list_checkpoints
-from lmforge.runs.checkpoint.tensors import failure_reason, save_tensors, storage_aliases
+from lmforge.runs.checkpoint.tensors import failure_reason, save_tensors, storage_aliases, tied_names
 from lmforge.common.folders import fsync_dir, move_into_place, staging_path
 
 
@@ -27,7 +27,7 @@ def model_tensors(engine) -> dict[str, torch.Tensor]:
         # through the engine, like every other state: ZeRO-3 frees the adapters' storage between
         # steps, FSDP2 holds DTensor shards, tensor parallelism slices; the engine gathers them whole
         return {name: state[name].contiguous() for name in adapter_state_dict(engine.model)}
-    aliases = storage_aliases(state)
+    aliases = {**storage_aliases(state), **tied_names(engine.model)}  # gathered, a tied matrix is two tensors
     return {name: tensor for name, tensor in state.items() if name not in aliases}
 
 
