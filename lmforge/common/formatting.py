@@ -1,4 +1,6 @@
-"""Numbers as people read them (no torch: `lmforge runs` and the CLI use these too)."""
+"""Numbers and text as people read them (no torch: `lmforge runs` and the CLI use these too)."""
+
+import unicodedata
 
 
 def human_bytes(n: float) -> str:
@@ -32,3 +34,11 @@ def format_duration(seconds: float) -> str:
     minutes, seconds = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def for_terminal(text: str) -> str:
+    """`text` with its control characters but newline and tab escaped (NUL as \\x00, ESC as \\x1b):
+    a model's output printed raw could clear the screen, move the cursor or ring the bell. For
+    the terminal only; a file keeps the text as it is."""
+    return "".join(char if char in "\n\t" or unicodedata.category(char) != "Cc" else repr(char)[1:-1]
+                   for char in text)

@@ -98,6 +98,7 @@ class Trainer:
                                        self.base_identity, self.global_batch)
         self.state, metrics_kept = (self.checkpoints.restore(*checkpoint, self.console) if resume
                                     else (RunState(), None))
+        self.saved = checkpoint[0] if resume else None  # the newest checkpoint (save() keeps it)
         self._measure(machine)
         if self.plan is not None:
             check_memory(self.plan, cfg)  # before the loader draws a batch that cannot fit
@@ -147,7 +148,13 @@ class Trainer:
 
     def save(self) -> Path:
         self.state.loader_position = self.loader.position
-        return self.checkpoints.save(self.state)
+        self.saved = self.checkpoints.save(self.state)
+        return self.saved
+
+    def _check_stop(self, stop: StopRequests) -> None:
+        """After the last save (the sample): a stop request any rank received ends the run here."""
+        if stop.agreed_by(self.world) is not None:
+            raise Stopped(stop.agreed, self.step, self.saved)
 
     # the loop's counters live in the run state (they are checkpointed); read them by these names
     step = property(lambda self: self.state.step)
@@ -205,7 +212,7 @@ class Trainer:
 
                     add_roofline(self.plan, self.cfg, self.engine.replicas, self.device, self._estimate)
                 return write_summary(run, self.cfg, self.plan, self.data, self.model, self.run_dir, self.console,
-                                     self.world.is_main, self._estimate)
+                                     self.world.is_main, self._estimate, check_stop=lambda: self._check_stop(stop))
             except Exception as err:
                 if self.world.world_size > 1 and is_collective_failure(err):  # a rank died or hangs
                     raise self.world.failure(err) from None
@@ -244,7 +251,7 @@ class Trainer:
                 self.log.note(f"step {state.step}: compiled in {compiled:.1f} s (this first step included); "
                               f"tokens/s count the steps after it")
             # a signal any rank received: all stop after the same step (the loss is already averaged)
-            stop_signal = self.world.stop_requested(stop.received)
+            stop.agreed_by(self.world)
             self.log.advance()
             if self.step_skipped:
                 check_bad_steps(state, self.scaler, self.cfg.train.max_bad_steps, self.run_dir,
@@ -260,14 +267,18 @@ class Trainer:
             if logging:
                 self._log_window(clock, grad_norm)
                 window_loss.zero_()
-            if (self._due(t.eval_interval) or last) and clock.paused(self._evaluate):
+            if (self._due(t.eval_interval) or last) and clock.paused(lambda: self._evaluate(stop)):
                 if not logging:  # the target ends the run here: its window logged and saved as the last step's
                     window["loss_sum"] = window_loss.item()
                     self._log_window(clock, grad_norm)
                 saving = True
             saved = clock.paused(self.save) if saving else None
-            if stop_signal is not None:
-                raise Stopped(stop_signal, state.step, saved or self.save())
+            if stop.agreed is not None:  # at the step's end, or during its evaluation
+                window["loss_sum"] = window_loss.item()
+                raise Stopped(stop.agreed, state.step, saved or self.save())
+        if "val_loss" not in state.history:  # the final evaluation was stopped: done on resuming
+            self._evaluate(stop)
+            self._check_stop(stop)
         state.history["train_loss"] = window["last_loss"]
 
     def _due(self, interval: int) -> bool:
@@ -282,13 +293,18 @@ class Trainer:
         self.state.window.update(loss_sum=0.0, good_steps=0, lost_updates=[0, 0])
         clock.restart()
 
-    def _evaluate(self) -> bool:
+    def _evaluate(self, stop: StopRequests) -> bool:
         """The validation loss (train/evaluate.py), logged and kept in the history. Returns whether
-        it reached train.target_loss (then kept in the history as TARGET_REACHED: the run ends)."""
+        it reached train.target_loss (then kept in the history as TARGET_REACHED: the run ends).
+        A stop request ends it between two batches, with no validation loss in the history."""
         t = self.cfg.train
         seed = t.seed + 1 if t.eval_seed is None else t.eval_seed
         val_loss = evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, seed, t.eval_batches,
-                            self.device, self.policy, self.world, self.make_batch, engine=self.engine)
+                            self.device, self.policy, self.world, self.make_batch, engine=self.engine,
+                            stopping=lambda: stop.agreed_by(self.world))
+        if val_loss is None:
+            self.state.history.pop("val_loss", None)
+            return False
         self.state.history["val_loss"] = val_loss
         self.log.record({"step": self.step, "val_loss": val_loss, "time": time.time()})
         self.log.note(f"step {self.step}: val loss {val_loss:.4f}")

@@ -2,8 +2,11 @@
 
 Batch schedulers (Slurm, Kubernetes) send SIGTERM some seconds before SIGKILL, and Ctrl-C sends
 SIGINT. Inside `StopRequests`, either one is only recorded: the training loop finishes the step
-it is in, writes a checkpoint and stops (exit status 128 + the signal's number: 143, 130). A
-second SIGINT means "now": it raises KeyboardInterrupt at once, as Python does by default.
+it is in, writes a checkpoint and stops (exit status 128 + the signal's number: 143, 130). An
+evaluation stops between two batches (the step is saved without it), and the end-of-run sample
+between two tokens (the last step is saved already): a request is never left waiting for minutes
+of either; the resumed run evaluates and writes its summary. A second SIGINT means "now": it
+raises KeyboardInterrupt at once, as Python does by default.
 
 Under torchrun one Ctrl-C reaches each rank twice, from the terminal (the whole foreground process
 group) and forwarded by torchrun's agent a moment later: there, a SIGINT within SAME_REQUEST_SECONDS
@@ -55,6 +58,7 @@ class StopRequests:
 
     def __init__(self, stuck=None, alive=None):
         self.received: int | None = None
+        self.agreed: int | None = None  # the request every rank acts on (agreed_by)
         self._stuck, self._alive, self._wakeup = stuck, alive, None  # see the module's docstring
         self._sigterms = 0  # SIGTERMs the main thread recorded (the watch counts those that came)
         self._first_at = 0.0  # when the first request came (time.monotonic)
@@ -71,6 +75,14 @@ class StopRequests:
             self._first_at = time.monotonic()
         self.received = signum
         self._sigterms += signum == signal.SIGTERM
+
+    def agreed_by(self, world) -> int | None:
+        """The request any rank received (World.stop_requested: a collective that every rank calls at
+        the same point, the end of a step or of a batch of the final evaluation, a token of the
+        sample); once one is agreed it stays, so every rank stops calling the collective together."""
+        if self.agreed is None:
+            self.agreed = world.stop_requested(self.received)
+        return self.agreed
 
     def __enter__(self):
         for signum in self.SIGNALS:

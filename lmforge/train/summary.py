@@ -11,6 +11,7 @@ from rich.table import Table
 
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name
 from lmforge.accounting.plan.predicted_vs_measured import print_comparison
+from lmforge.common.formatting import for_terminal
 from lmforge.config import Config
 from lmforge.generate.sampling import generate
 from lmforge.runs.plots import plot_losses, run_title
@@ -23,12 +24,13 @@ TARGET_REACHED = "target_reached"
 
 
 def write_summary(run: RunMeasurements, cfg: Config, plan: dict | None, data, model, run_dir: Path, console: Console,
-                  is_main: bool, estimate) -> dict:
+                  is_main: bool, estimate, check_stop=lambda: None) -> dict:
     """The end of a session: summary.json, loss.png, sample.txt, the summary table and the `plan`
     set beside what was measured (written by rank 0, `is_main`; every rank calls it). `data` (its
     tokenizer and validation split) and `model` give the sample. `estimate(what, fn)` runs the
     comparison with the plan (None: the plan failed), whose failure is one warning line
-    (measurements.estimate)."""
+    (measurements.estimate). `check_stop()`, called after each token of the sample (on every rank),
+    raises to end the session on a stop request before anything is written."""
     summary = summary_of(run, data.meta, run_dir)
     plan = plan or {}
     summary["predicted_vs_measured"] = estimate("the predicted-vs-measured comparison", lambda: predicted_vs_measured(
@@ -43,7 +45,8 @@ def write_summary(run: RunMeasurements, cfg: Config, plan: dict | None, data, mo
     if cfg.train.sample_tokens and run.pipeline is None:
         end = data.tokenizer.token_to_id(cfg.data.end_token)
         summary["sample_prompt"] = cfg.train.sample_prompt or default_prompt(data, end)
-        summary["sample"] = sample(model, data.tokenizer, summary["sample_prompt"], cfg.train.sample_tokens, end)
+        summary["sample"] = sample(model, data.tokenizer, summary["sample_prompt"], cfg.train.sample_tokens, end,
+                                   on_token=lambda token: check_stop())
     if not is_main:  # rank 0 alone writes and prints
         return summary
     plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png", title=run_title(run_dir.name, cfg, run.parameters),
@@ -56,7 +59,7 @@ def write_summary(run: RunMeasurements, cfg: Config, plan: dict | None, data, mo
         estimate("printing the comparison", lambda: print_comparison(console, summary["predicted_vs_measured"]))
     if "sample" in summary:
         console.rule("sample")
-        console.print(summary["sample"], markup=False, highlight=False)
+        console.print(for_terminal(summary["sample"]), markup=False, highlight=False)  # sample.txt keeps it raw
     return summary
 
 
@@ -221,8 +224,8 @@ def default_prompt(data, end: int) -> str:
     return data.tokenizer.decode(start[:start.index(end)] if end in start else start)
 
 
-def sample(model, tokenizer, prompt: str, max_new_tokens: int, end: int, seed: int = 0) -> str:
-    """`prompt` and its continuation, until the `end` token."""
+def sample(model, tokenizer, prompt: str, max_new_tokens: int, end: int, seed: int = 0, on_token=None) -> str:
+    """`prompt` and its continuation, until the `end` token (`on_token`: generate's)."""
     ids = generate(model, tokenizer.encode(prompt).ids or [end], max_new_tokens, temperature=0.8,
-                   top_p=0.95, stop_token=end, seed=seed)
+                   top_p=0.95, stop_token=end, seed=seed, on_token=on_token)
     return prompt + tokenizer.decode(ids)
