@@ -238,3 +238,43 @@ def test_a_slow_step_when_every_rank_gets_sigterm_is_a_plain_stop(tmp_path):
     recorded = [(tmp_path / f"stopped{rank}").read_text() for rank in (0, 1)]
     assert recorded == [str(int(signal.SIGTERM))] * 2, recorded
 
+
+
+@pytest.fixture(scope="module")
+def big_corpus(tmp_path_factory) -> Path:
+    """About 20 MB of Python: rank 0 prepares it for seconds, while rank 1 waits (and says so)."""
+    from tests.conftest import stdlib_corpus
+
+    return stdlib_corpus(tmp_path_factory.mktemp("big_corpus"), 20_000_000, recursive=True)
+
+
+def test_rank_0_killed_during_setup_is_reported_by_the_rank_that_survives(tmp_path, big_corpus):
+    """Rank 0 dies while it prepares the data (rank 1 waits for it through the store, outside any
+    collective): torchrun's agent SIGTERMs rank 1, which takes the roll call and says who is gone.
+    Before the fix rank 1 died on that SIGTERM without a word."""
+    from tests.conftest import tiny_overrides
+
+    overrides = tiny_overrides(big_corpus, tmp_path / "data", max_steps=2, batch_size=2)
+    stderr_file = tmp_path / "stderr"
+    with open(stderr_file, "w") as stderr:
+        proc = subprocess.Popen(torchrun(2, "--model", "tiny", *overrides, "train.parallel=ddp", "--out", "run"),
+                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr, env=env(),
+                                start_new_session=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "rank 1: waiting for rank 0 to prepare" not in stderr_file.read_text():
+            assert proc.poll() is None, stderr_file.read_text()[-3000:]
+            assert time.monotonic() < deadline, "rank 1 never waited for rank 0"
+            time.sleep(0.1)
+        pids = [rank_pid(proc.pid, rank) for rank in (0, 1)]
+        os.kill(pids[0], signal.SIGKILL)
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = errors(stderr_file.read_text())
+    assert lines == ["lmforge: error: rank 0 stopped answering (died or hangs); rank 1 stops too (stopped by "
+                     "torchrun's agent during setup, before the first step); continue from the last checkpoint "
+                     "with the same launch command and --resume"], stderr_file.read_text()[-3000:]

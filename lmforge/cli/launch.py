@@ -20,8 +20,8 @@ def launch_train(args, cfg, run_dir: Path) -> int:
     if cfg.train.parallel == "none" and cfg.parallel.pp == 1 and cfg.parallel.tp == 1:
         raise LmforgeError(f"--nproc {args.nproc} needs a way to share the work: add train.parallel=ddp "
                            f"(or zero1, zero2, zero3, fsdp), or parallel.tp={args.nproc}")
-    if cfg.parallel.dp_replicate or cfg.parallel.dp_shard:
-        check_composition(cfg, args.nproc)  # the degrees' product against --nproc (config/rules.py), before any start
+    # every refusal the command line and config alone decide (config/rules.py), before any rank starts
+    check_composition(cfg, args.nproc)
     if "WORLD_SIZE" in os.environ:
         raise LmforgeError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
     words = _without_nproc(args.argv)

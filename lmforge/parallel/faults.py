@@ -7,11 +7,14 @@ rendezvous store (which torchrun's agent holds, so it outlives any rank), printe
 rank 0 is gone, by the lowest rank left. A rank stops with its launcher (`watch_launcher`).
 """
 
+import contextlib
 import ctypes
 import datetime
 import os
 import signal
+import socket
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,9 @@ PR_SET_PDEATHSIG = 1
 LAUNCHER_DEATH_SIGNAL = signal.SIGUSR2
 _LAUNCHER_GONE_SAID: list[bool] = []  # whether this process said that its launcher died
 _LAUNCHER_DEATH_RECEIVED: list[bool] = []  # whether the kernel sent LAUNCHER_DEATH_SIGNAL
+# Held by the one thread that reports a failure: during setup the main thread (a collective that
+# failed) and the setup watch (torchrun's SIGTERM) can both find the same lost rank.
+_REPORTING = threading.Lock()
 
 
 class ReportedOnRank0(LmforgeError):
@@ -93,17 +99,61 @@ class Faults:
         reporter = self.local_rank == 0 if store_lost else self.rank == min(set(range(self.world_size)) - set(missing))
         return ReportedHere(message) if 0 in missing and reporter else ReportedOnRank0(message)
 
-    def report_stuck(self) -> None:
+    def report_stuck(self, doing: str = "while waiting in a collective") -> None:
         """Called by the trainer's StopRequests watch (train/signals.py) when torchrun's agent sent
         SIGTERM and the main thread, waiting in a collective, did not take it: if the roll call finds
         a rank missing, print the failure's line as the CLI would and exit (status 2, the CLI's)."""
         roll_call = self._roll_call()
         if not roll_call[0]:
             return  # every rank answers: a stop request on a slow step, which the step's end takes
-        error = self.failure(RuntimeError("stopped by torchrun's agent while waiting in a collective"), roll_call)
+        error = self.failure(RuntimeError(f"stopped by torchrun's agent {doing}"), roll_call)
         if not isinstance(error, ReportedOnRank0):
             print(f"lmforge: error: {error}", file=sys.stderr, flush=True)
         os._exit(2)  # the main thread is stuck in C++; the kernel drops the run folder's lock
+
+    @contextlib.contextmanager
+    def setup_faults(self):
+        """Around a run's setup (data, folder, model, plan: before the first step, where the
+        trainer's StopRequests is not yet in place), a rank lost is said in the same one line as
+        during training. Two ways to find out: a collective that fails (the main thread: the line
+        is `failure`'s, raised), or torchrun's agent, which SIGTERMs the survivors the moment a rank
+        dies, while this one may be waiting for rank 0 through the store (`main_first`) or working
+        inside a long call: a watch thread reading Python's signal wakeup fd takes that SIGTERM,
+        answers the roll call and takes it. A rank missing: the line, exit 2 (`report_stuck`);
+        none: a plain stop (a scheduler's SIGTERM to every rank), exit 143 as before, said once."""
+        if self.world_size == 1:
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the watch decides
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._watch_setup, args=(reader,), name="lmforge-setup-watch", daemon=True).start()
+        try:
+            yield
+        except Exception as err:
+            if not is_collective_failure(err):
+                raise
+            previous = signal.SIG_IGN  # torchrun's SIGTERM must not cut the line (train/signals.py)
+            _REPORTING.acquire()  # the watch may be saying it already: then it exits the process first
+            raise self.failure(err) from None
+        finally:
+            signal.set_wakeup_fd(previous_fd)
+            writer.close()
+            reader.shutdown(socket.SHUT_RDWR)  # the watch's recv returns
+            reader.close()
+            signal.signal(signal.SIGTERM, previous)
+
+    def _watch_setup(self, reader: socket.socket) -> None:
+        with contextlib.suppress(OSError):  # closed when the setup is over
+            while data := reader.recv(64):
+                if data.count(signal.SIGTERM) and _REPORTING.acquire(blocking=False):
+                    self.answer_roll_call()  # a rank stopped as this one is must not read as missing
+                    self.report_stuck("during setup, before the first step")  # exits if a rank is missing
+                    if self.is_main:
+                        print("lmforge: stopped by SIGTERM during setup, before the first step: nothing to save",
+                              file=sys.stderr, flush=True)
+                    os._exit(128 + signal.SIGTERM)  # as the default action did: the kernel drops the lock
 
     def answer_roll_call(self) -> None:
         """Say this rank is alive, for a roll call now or later (the StopRequests watch calls it on

@@ -61,6 +61,12 @@ class Trainer:
                  progress: bool = True, machine=functools.partial(this_device, store=False),
                  world: World | None = None):
         self.world = world if world is not None else init_world(cfg)  # a launch that cannot work stops here
+        with self.world.setup_faults():  # a rank lost before the first step: one line, as in run()
+            self._start(cfg, run_dir, resume, console, progress, machine)
+
+    def _start(self, cfg: Config, run_dir: Path, resume: bool, console: Console | None, progress: bool,
+               machine) -> None:
+        """Prepare the data, lock the folder, build, restore and measure (see the class docstring)."""
         main = self.world.is_main
         # rank 0's folder for all (a default name holds the time, which the ranks may read a second apart)
         self.cfg, self.run_dir = cfg, Path(self.world.from_main(lambda: str(run_dir)))

@@ -5,6 +5,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from lmforge.accounting.plan.show import wide
 from lmforge.common.formatting import human_bytes, human_seconds
 
 # The columns of `--compare`: (label, how to show it) for each kind of plan
@@ -48,4 +49,4 @@ def print_comparison_table(console: Console, plans: list[dict], varying: list[st
         table.add_row(*(str(plan["setup"][name]) for name in varying), *(show(plan) for _, show in columns),
                       style=None if fits else "red")
     # one line per setup, even where the output is a narrow pipe
-    Console(file=console.file, width=max(console.width, 150)).print(table)
+    wide(console, 150).print(table)

@@ -37,7 +37,13 @@ def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> Non
     if "scaling" in plan:  # `--scaling FIT.json` or train.scaling_fit (accounting/scaling.py)
         console.print(scaling_line(plan["scaling"]))
     if "roofline" in plan:
-        Console(file=console.file, width=max(console.width, 130)).print(roofline_table(plan))
+        wide(console, 130).print(roofline_table(plan))
+
+
+def wide(console: Console, width: int) -> Console:
+    """`console` at least `width` columns wide (a table too wide to wrap), as quiet as it is: under
+    torchrun the other ranks' consoles print nothing (train/loop.py)."""
+    return Console(file=console.file, width=max(console.width, width), quiet=console.quiet)
 
 
 def scaling_line(s: dict) -> str:
@@ -143,7 +149,7 @@ def print_stages(console: Console, piped: dict) -> None:
                       f"{human_bytes(d['activations_per_micro_batch_bytes'])} x {_count(d['micro_batches_in_flight'])}",
                       human_bytes(d["total_bytes"]), human_bytes(sum(d["sent_bytes_per_step"].values())),
                       style="bold" if d["stage"] == piped["largest_stage"] else None)
-    Console(file=console.file, width=max(console.width, 120)).print(table)
+    wide(console, 120).print(table)
 
 
 def _count(n: float) -> str:
