@@ -140,6 +140,10 @@ class TrainConfig:
     eval_seed: int | None = None
     # stop once an evaluation's val loss is <= this (bench/speedrun.py: time to a target); None: run to max_steps
     target_loss: float | None = None
+    # multiple-choice tasks scored at each evaluation (lmforge eval's names or suites, e.g. "arc_easy,hellaswag";
+    # "": none), on the first eval_items questions of each (train/evaluate.py; the data: make setup-eval)
+    eval_tasks: str = ""
+    eval_items: int = 50
     checkpoint_interval: int = 300  # 0: checkpoint only at the end
     keep_checkpoints: int = 2
     log_interval: int = 10

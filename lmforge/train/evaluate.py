@@ -1,8 +1,15 @@
-"""The validation loss of a run: the mean loss over a fixed set of validation batches."""
+"""What each evaluation of a run measures: the validation loss, the mean loss over a fixed set of
+validation batches; and, with train.eval_tasks, benchmark scores on a fixed set of questions."""
 
 import torch
+import torch.distributed as dist
 
+from lmforge.common.errors import LmforgeError
+from lmforge.config import Config
 from lmforge.data.loader import window_batch
+from lmforge.eval.metrics import aggregate, question_row, summarise
+from lmforge.eval.score import score_question
+from lmforge.eval.tasks import GENERATION, TITLES, expand_tasks, load_questions
 from lmforge.model.transformer import Transformer
 from lmforge.modes.precision import Policy
 from lmforge.parallel.parallelize import Engine
@@ -37,3 +44,101 @@ def evaluate(model: Transformer, tokens, batch_size: int, seq_len: int, seed: in
     if len(losses) < batches:  # stopped: every rank at the same batch
         return None
     return world.mean(sum(losses) / len(losses))
+
+
+class EvalTasks:
+    """train.eval_tasks: the first train.eval_items questions of each multiple-choice task, read once
+    before training starts (a bad name, or the task data missing, stops the run there in one line),
+    then scored at each evaluation as `lmforge eval` scores them (eval/score.py, eval/metrics.py).
+
+    Under torchrun the questions are dealt out over the data-parallel replicas (question i to
+    replica i mod N), each scoring on its own whole model (config/validate.py refuses a strategy
+    that splits it), and the per-question rows are gathered and summarised in question order: the
+    numbers one process gives on the same weights, bit for bit. A failure while scoring (on any
+    rank) is one warning line and no scores for that evaluation; training goes on."""
+
+    def __init__(self, cfg: Config):
+        names = [name for name in cfg.train.eval_tasks.split(",") if name.strip()]
+        try:
+            tasks = expand_tasks(names)
+            generation = [task for task in tasks if task in GENERATION]
+            if generation:
+                raise LmforgeError(f"{', '.join(generation)} generate answers, too slow to score at each "
+                                   f"evaluation: give multiple-choice tasks (the core suite), and score "
+                                   f"generation with lmforge eval on a checkpoint")
+            # without the task data installed, load_questions says what to install (eval/tasks.py's data_root)
+            self.questions = {task: load_questions(task, "rc", None, cfg.train.eval_items) for task in tasks}
+        except LmforgeError as err:
+            raise LmforgeError(f"train.eval_tasks={cfg.train.eval_tasks}: {err}") from None
+        self.end_token = cfg.data.end_token
+
+    @classmethod
+    def of(cls, cfg: Config) -> "EvalTasks | None":
+        return cls(cfg) if cfg.train.eval_tasks.strip(" ,") else None
+
+    def score(self, model, tokenizer, device: torch.device, policy: Policy, world: World, replica: int = 0,
+              replicas: int = 1, warn=print) -> dict | None:
+        """{task: metrics.summarise's means, "aggregate": {"centered": the CORE-style mean}}, the same
+        on every rank; None (and one `warn` line) if scoring failed on any rank."""
+        end_id = tokenizer.token_to_id(self.end_token)
+        rows, error = {}, None
+        was_training = model.training
+        model.eval()
+        try:
+            with autocast(policy, device):
+                for task, questions in self.questions.items():
+                    for index in range(replica, len(questions), replicas):
+                        q = questions[index]
+                        scored, cut = score_question(model, tokenizer, q.contexts, q.continuations, end_id)
+                        rows[task, index] = {**question_row(scored, q.continuations, q.gold), "truncated": cut}
+        except Exception as err:  # the run goes on: this evaluation has no task scores
+            error = f"{type(err).__name__}: {err}"
+        finally:
+            model.train(was_training)
+        shares = [(rows, error)]
+        if world.distributed:  # every rank's rows (and errors) to every rank
+            shares = [None] * world.world_size
+            dist.all_gather_object(shares, (rows, error))
+        errors = [f"rank {rank}: {e}" if len(shares) > 1 else e for rank, (_, e) in enumerate(shares) if e]
+        if errors:
+            warn(f"warning: train.eval_tasks not scored at this evaluation ({errors[0]})")
+            return None
+        every = {key: row for share, _ in shares for key, row in share.items()}
+        scores = {}
+        for task, questions in self.questions.items():
+            ordered = [every[task, index] for index in range(len(questions))]
+            scores[task] = summarise(ordered, sum(row["truncated"] for row in ordered))
+        return {**scores, "aggregate": {"centered": aggregate(scores)}}
+
+
+def score_tasks(trainer) -> tuple[dict, str]:
+    """A Trainer's evaluation of train.eval_tasks (train/loop.py), kept in its run state's history
+    (the end-of-run summary shows the last): (the metrics record's fields, the text added to the
+    printed line); nothing if the run has none or scoring failed (a warning line)."""
+    tasks = trainer.eval_tasks
+    scores = tasks and tasks.score(trainer.model, trainer.data.tokenizer, trainer.device, trainer.policy,
+                                   trainer.world, trainer.engine.replica, trainer.engine.replicas, trainer.log.note)
+    if not scores:
+        return {}, ""
+    trainer.state.history["eval_tasks"] = scores
+    return task_fields(scores), f" | {task_line(scores)}"
+
+
+def task_fields(scores: dict) -> dict:
+    """The metrics record's fields of EvalTasks.score's scores: eval/TASK/acc, ..., eval/aggregate/centered."""
+    return {f"eval/{task}/{key}": value for task, means in scores.items() for key, value in means.items()
+            if key in ("acc", "acc_norm", "bpb", "centered")}
+
+
+def task_line(scores: dict) -> str:
+    """The scores as the line printed after an evaluation's validation loss."""
+    parts = [f"{TITLES[task]} acc_norm {means['acc_norm']:.3f}" for task, means in scores.items() if task in TITLES]
+    return " | ".join([*parts, f"centered {scores['aggregate']['centered']:+.3f}"])
+
+
+def task_rows(scores: dict) -> list[tuple[str, str]]:
+    """The end-of-run summary's rows of the last evaluation's scores."""
+    rows = [(f"{TITLES[task]} ({means['items']} questions)", f"acc {means['acc']:.3f}, acc_norm "
+             f"{means['acc_norm']:.3f}, {means['bpb']:.3f} bits/byte") for task, means in scores.items()
+            if task in TITLES]
+    return [*rows, ("eval tasks, centered aggregate", f"{scores['aggregate']['centered']:+.4f}")]

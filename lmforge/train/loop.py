@@ -35,7 +35,7 @@ from lmforge.parallel.world import World, init_world
 from lmforge.precision.policy import LossScaler, device_notes
 from lmforge.runs.state import RunFolder, RunState
 from lmforge.train.checkpoints import Checkpoints
-from lmforge.train.evaluate import evaluate
+from lmforge.train.evaluate import EvalTasks, evaluate, score_tasks
 from lmforge.train.guard import check_bad_steps
 from lmforge.train.measurements import (FirstStepMeasurement, WindowClock, estimate, rank_share, run_plan,
                                         start_measurements)
@@ -77,6 +77,7 @@ class Trainer:
                 warn(message)
         self.device = self.world.device
         check_attention(cfg.model, self.device)
+        self.eval_tasks = EvalTasks.of(cfg)  # train.eval_tasks' questions (None: none); a bad name stops here
         torch.manual_seed(cfg.train.seed)  # the same on every rank: the same initial model
         self.data, self.base_state, self.base_identity = prepare_run_data(
             cfg, self.world, log=self.console.print, warn=lambda msg: self.console.print(f"warning: {msg}"),
@@ -300,9 +301,9 @@ class Trainer:
         clock.restart()
 
     def _evaluate(self, stop: StopRequests) -> bool:
-        """The validation loss (train/evaluate.py), logged and kept in the history. Returns whether
-        it reached train.target_loss (then kept in the history as TARGET_REACHED: the run ends).
-        A stop request ends it between two batches, with no validation loss in the history."""
+        """The validation loss and task scores (train/evaluate.py), logged and kept in the history.
+        Returns whether it reached train.target_loss (then kept in the history as TARGET_REACHED:
+        the run ends). A stop request ends it between two batches, with no validation loss."""
         t = self.cfg.train
         seed = t.seed + 1 if t.eval_seed is None else t.eval_seed
         val_loss = evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, seed, t.eval_batches,
@@ -312,8 +313,9 @@ class Trainer:
             self.state.history.pop("val_loss", None)
             return False
         self.state.history["val_loss"] = val_loss
-        self.log.record({"step": self.step, "val_loss": val_loss, "time": time.time()})
-        self.log.note(f"step {self.step}: val loss {val_loss:.4f}")
+        fields, line = score_tasks(self)  # train.eval_tasks' scores (train/evaluate.py), or none
+        self.log.record({"step": self.step, "val_loss": val_loss, **fields, "time": time.time()})
+        self.log.note(f"step {self.step}: val loss {val_loss:.4f}{line}")
         target = t.target_loss
         if target is None or val_loss > target:
             return False

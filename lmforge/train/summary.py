@@ -15,6 +15,7 @@ from lmforge.common.formatting import for_terminal
 from lmforge.config import Config
 from lmforge.generate.sampling import generate
 from lmforge.runs.plots import plot_losses, run_title
+from lmforge.train.evaluate import task_rows
 from lmforge.train.measurements import RunMeasurements
 
 # train.sample_prompt="" starts the end-of-run sample with this many tokens of a validation document.
@@ -38,6 +39,8 @@ def write_summary(run: RunMeasurements, cfg: Config, plan: dict | None, data, mo
     if cfg.train.target_loss is not None:  # the step whose evaluation reached it, or None
         reached = run.state.history.get(TARGET_REACHED)
         summary["target_loss"], summary["target_reached_step"] = cfg.train.target_loss, reached and reached["step"]
+    if "eval_tasks" in run.state.history:  # train.eval_tasks' scores at the last evaluation
+        summary["eval_tasks"] = run.state.history["eval_tasks"]
     if "scaling" in plan:  # train.scaling_fit: the loss the fit predicted at the start
         summary["val_loss_predicted_by_fit"] = {k: plan["scaling"][k] for k in ("loss", "parameters", "tokens")}
     # the sample: on every rank (a sharded model needs all of them in each forward); a pipeline's
@@ -119,6 +122,7 @@ def print_summary(console: Console, summary: dict, run: RunMeasurements, fp32_at
         *([scaling_row(summary)] if "val_loss_predicted_by_fit" in summary else []),
         ("validation perplexity", f"{summary['val_perplexity']:.1f} ({summary['val_bits_per_byte']:.3f} bits/byte)"),
         ("unigram entropy of the corpus", f"{summary['unigram_entropy_nats']:.4f} nats/token"),
+        *(task_rows(summary["eval_tasks"]) if "eval_tasks" in summary else []),
         ("run folder", summary["run_dir"]),
     ], title="lmforge train: summary")
     pipeline = run.pipeline
