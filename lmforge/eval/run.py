@@ -9,18 +9,23 @@ from pathlib import Path
 
 from lmforge.eval.generation import complete, judge
 from lmforge.eval.metrics import aggregate, question_row, summarise
-from lmforge.eval.score import score_question
+from lmforge.eval.score import score_question, score_questions
 from lmforge.eval.tasks import GENERATION, TITLES, load_prompts, load_questions
 from lmforge.eval.sandbox import pass_at_k
 
 
+CHUNK = 64  # questions scored in one call (batched inside it); a Ctrl-C keeps the chunks finished
+
+
 def multiple_choice(model, tokenizer, end_id: int, questions, rows: list[dict]) -> int:
-    """Each question's row appended to `rows` (kept on a Ctrl-C); the number truncated."""
+    """Each question's row appended to `rows` (kept on a Ctrl-C), CHUNK questions at a time; the number truncated."""
     truncated = 0
-    for q in questions:
-        scored, cut = score_question(model, tokenizer, q.contexts, q.continuations, end_id)
-        rows.append(question_row(scored, q.continuations, q.gold))
-        truncated += cut
+    for at in range(0, len(questions), CHUNK):
+        chunk = questions[at:at + CHUNK]
+        for q, (scored, cut) in zip(chunk, score_questions(model, tokenizer, [(q.contexts, q.continuations)
+                                                                              for q in chunk], end_id)):
+            rows.append(question_row(scored, q.continuations, q.gold))
+            truncated += cut
     return truncated
 
 

@@ -8,13 +8,17 @@ spaces of the context move to the continuation, the pair is encoded whole, and t
 what follows the context's own encoding (so a token spanning the boundary belongs to the
 continuation). An empty context is the end-of-text token.
 
-Speed: the choices of a question share their context. It is run through the model once, into a
-KV cache (generate/sampling.py's KVCache), which is then copied to one row per choice; all the
-choices' tokens then run in one batch from position len(context). Each row is right-padded, which
-cannot change the positions before the padding in a causal model. Where context and the longest
-choice exceed the model's positions, each choice is instead scored alone on the window lm-eval
-uses, (context + continuation)[-(max_seq_len + 1):][:-1] (the context truncated from the left),
-and the question is counted as truncated.
+Speed: the choices of a question share their context, and questions are scored many at a time.
+A batch's contexts run through the model once, together, right-padded (a causal model's positions
+before the padding cannot see it), into one KV cache (generate/sampling.py's KVCache); each
+context's row is copied to one row per choice, and all the choices' tokens run in one batch from
+position P, the longest context's length. A row whose context is shorter holds padding between
+its context and P: the model is told which positions hold tokens (Transformer.forward's `valid`),
+so that padding is never attended to and the choice's tokens keep their true positions. Questions
+are sorted by context length and batched up to TOKENS padded positions. Where context and the
+longest choice exceed the model's positions, each choice is instead scored alone on the window
+lm-eval uses, (context + continuation)[-(max_seq_len + 1):][:-1] (the context truncated from the
+left), and the question is counted as truncated.
 """
 
 from dataclasses import dataclass
@@ -68,47 +72,92 @@ def score_alone(model, context: list[int], continuation: list[int]) -> float:
     return float(token_logprobs(logits, torch.tensor(scored, device=device)).sum())
 
 
+TOKENS = 4096  # padded positions (contexts, then choices) per batch: large enough that a forward's fixed cost is shared
+
+
 @torch.no_grad()
-def score_shared(model, context: list[int], continuations: list[list[int]]) -> list[float]:
-    """log p(continuation | context) of each continuation, the context run once (see the module docstring)."""
+def score_shared(model, groups: list[tuple[list[int], list[list[int]]]]) -> list[list[float]]:
+    """log p(continuation | context) of each group's continuations, every context run once, in one batch,
+    and every continuation in a second (see the module docstring)."""
     device = next(model.parameters()).device
-    longest = max(len(c) for c in continuations)
-    one = KVCache.for_model(model, len(context))
-    last = tail_logits(model, torch.tensor([context], device=device), 1, one)[0, -1]  # predicts each first token
-    first = torch.tensor([c[0] for c in continuations], device=device)
-    scores = token_logprobs(last.expand(len(continuations), -1), first)
-    if longest > 1:  # the rest: every choice's tokens but its last, one row each, from position len(context)
-        rows = KVCache.for_model(model, len(context) + longest - 1, batch=len(continuations))
-        rows.keys[:, :, :, :len(context)] = one.keys[:, :, :, :len(context)]
-        rows.values[:, :, :, :len(context)] = one.values[:, :, :, :len(context)]
+    lengths = torch.tensor([len(context) for context, _ in groups], device=device)
+    width, longest = int(lengths.max()), max(len(c) for _, conts in groups for c in conts)
+    contexts = torch.zeros(len(groups), width, dtype=torch.long, device=device)
+    for row, (context, _) in enumerate(groups):
+        contexts[row, :len(context)] = torch.tensor(context)
+    cache = KVCache.for_model(model, width + longest - 1, batch=len(groups))
+    hidden = model.run_blocks(model.embed(contexts), cache)
+    last = model.head(hidden[torch.arange(len(groups)), lengths - 1])  # each context's last token predicts each first
+    owner = torch.tensor([g for g, (_, conts) in enumerate(groups) for _ in conts], device=device)
+    continuations = [c for _, conts in groups for c in conts]
+    scores = token_logprobs(last[owner], torch.tensor([c[0] for c in continuations], device=device))
+    if longest > 1:  # the rest: every choice's tokens but its last, one row each, from position `width`
         feed = torch.zeros(len(continuations), longest - 1, dtype=torch.long, device=device)
         targets = torch.zeros_like(feed)
-        mask = torch.zeros(feed.shape, dtype=torch.bool, device=device)
+        counted = torch.zeros(feed.shape, dtype=torch.bool, device=device)
         for row, tokens in enumerate(continuations):
             feed[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
             targets[row, :len(tokens) - 1] = torch.tensor(tokens[1:])
-            mask[row, :len(tokens) - 1] = True
-        logits = model(feed, kv_cache=rows, start_pos=len(context))
-        scores = scores + (token_logprobs(logits, targets) * mask).sum(dim=1)
-    return scores.tolist()
+            counted[row, :len(tokens) - 1] = True
+        valid = None  # every context as long as the longest: no padding between context and choice
+        if bool((lengths < width).any()):
+            valid = torch.arange(width + longest - 1, device=device)[None, :] < lengths[owner, None]
+            valid[:, width:] = True
+        logits = model(feed, kv_cache=cache.rows(owner), start_pos=width, valid=valid)
+        scores = scores + (token_logprobs(logits, targets) * counted).sum(dim=1)
+    per_group, at = [], 0
+    for _, conts in groups:
+        per_group.append(scores[at:at + len(conts)].tolist())
+        at += len(conts)
+    return per_group
+
+
+def batches(groups: list[tuple[list[int], list[list[int]]]], max_len: int, tokens: int = TOKENS) -> list[list[int]]:
+    """The groups' indices in batches: sorted by context length (less padding), each batch as many as
+    fit in `tokens` padded positions and in the model's max_len positions."""
+    out, width, longest, rows = [], 0, 0, 0
+    for index in sorted(range(len(groups)), key=lambda i: len(groups[i][0])):
+        context, conts = groups[index]
+        if out:  # into the current batch if it still fits there
+            w, n, r = max(width, len(context)), max(longest, max(map(len, conts))), rows + len(conts)
+            if w * (len(out[-1]) + 1) + r * (n - 1) <= tokens and w + n - 1 <= max_len:
+                out[-1].append(index)
+                width, longest, rows = w, n, r
+                continue
+        out.append([index])
+        width, longest, rows = len(context), max(map(len, conts)), len(conts)
+    return out
+
+
+def score_questions(model, tokenizer, questions: list[tuple[list[str], list[str]]], end_id: int) -> list[
+        tuple[list[Scored], bool]]:
+    """Each question's (contexts, continuations) scored: every choice's Scored, and whether a context
+    had to be truncated. Choices sharing a context (all but Winogrande's) are scored together from
+    its cache, and many questions' in one batch."""
+    pairs = [[encode_pair(tokenizer, c, k, end_id) for c, k in zip(*q)] for q in questions]
+    groups, members, logprobs, truncated = [], [], [{} for _ in questions], [False] * len(questions)
+    for q, question in enumerate(pairs):
+        shared: dict[tuple[int, ...], list[int]] = {}
+        for index, (context, _) in enumerate(question):
+            shared.setdefault(tuple(context), []).append(index)
+        for context, indices in shared.items():
+            conts = [question[i][1] for i in indices]
+            if len(context) + max(len(c) for c in conts) - 1 <= model.cfg.max_seq_len:
+                groups.append((list(context), conts))
+                members.append((q, indices))
+                continue
+            truncated[q] = True
+            for i, cont in zip(indices, conts):
+                logprobs[q][i] = score_alone(model, list(context), cont)
+    for batch in batches(groups, model.cfg.max_seq_len):
+        for g, scores in zip(batch, score_shared(model, [groups[g] for g in batch])):
+            q, indices = members[g]
+            logprobs[q].update(zip(indices, scores))
+    return [([Scored(logprobs[q][i], len(cont)) for i, (_, cont) in enumerate(question)], truncated[q])
+            for q, question in enumerate(pairs)]
 
 
 def score_question(model, tokenizer, contexts: list[str], continuations: list[str], end_id: int) -> tuple[
         list[Scored], bool]:
-    """Each choice's Scored, and whether a context had to be truncated. Choices sharing a context
-    (all but Winogrande's) are scored together from its cache."""
-    pairs = [encode_pair(tokenizer, c, k, end_id) for c, k in zip(contexts, continuations)]
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for index, (context, _) in enumerate(pairs):
-        groups.setdefault(tuple(context), []).append(index)
-    logprobs: dict[int, float] = {}
-    truncated = False
-    for context, members in groups.items():
-        conts = [pairs[i][1] for i in members]
-        if len(context) + max(len(c) for c in conts) - 1 <= model.cfg.max_seq_len:
-            logprobs.update(zip(members, score_shared(model, list(context), conts)))
-            continue
-        truncated = True
-        for i, cont in zip(members, conts):
-            logprobs[i] = score_alone(model, list(context), cont)
-    return [Scored(logprobs[i], len(pairs[i][1])) for i in range(len(pairs))], truncated
+    """One question's `score_questions`."""
+    return score_questions(model, tokenizer, [(contexts, continuations)], end_id)[0]

@@ -69,6 +69,14 @@ class KVCache:
             new[:, :, :, :old.shape[3]] = old
             setattr(self, name, new)
 
+    def rows(self, index: torch.Tensor) -> "KVCache":
+        """A cache whose row i is a copy of this one's row index[i] (a context's row copied to
+        each of its continuations; a batch without its finished rows)."""
+        picked = KVCache.__new__(KVCache)
+        picked.keys, picked.values = self.keys.index_select(1, index), self.values.index_select(1, index)
+        picked.limit, picked.start, picked.length = self.limit, self.start, self.length
+        return picked
+
     def layer(self, index: int) -> "LayerCache":
         """The cache of one layer, handed to that layer's attention alone."""
         return LayerCache(self.keys[index], self.values[index])

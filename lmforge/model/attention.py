@@ -48,10 +48,19 @@ def attention(
     window: int | None = None,
     backend: str = "sdpa",
     dropout_p: float = 0.0,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention output of shape (batch, heads, q_len, d_head); see the module docstring."""
+    """Attention output of shape (batch, heads, q_len, d_head); see the module docstring.
+
+    `mask`, if given, is a boolean (batch, 1, q_len, kv_len) of the keys each query may see, in place
+    of `causal` and `window`: a padded batch's (`padded_mask`). The flash kernels take no per-row
+    mask, so a masked call runs on sdpa (on naive where that is the backend); only inference makes one."""
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    if mask is not None:
+        if backend == "naive":
+            return naive_attention(q, k, v, mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     if backend == "auto":
         backend = resolve_backend(q.device, dropout_p=dropout_p)
     if not lookup(BACKENDS, backend, "attention backend").dropout and dropout_p > 0.0:
@@ -79,9 +88,9 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.backend, self.dropout, self.window = backend, dropout, window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         return attention(q, k, v, causal=True, window=self.window, backend=self.backend,
-                         dropout_p=self.dropout if self.training else 0.0)
+                         dropout_p=self.dropout if self.training else 0.0, mask=mask)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, dropout={self.dropout}" + (f", window={self.window}" if self.window else "")
@@ -110,13 +119,29 @@ def causal_mask(q_len: int, kv_len: int, device=None, window: int | None = None)
     return mask if window is None else mask.triu(diagonal=kv_len - q_len - window + 1)
 
 
-def naive_attention(q, k, v, *, causal=True, window=None, dropout_p=0.0):
+def padded_mask(valid: torch.Tensor, q_len: int, window: int | None = None) -> torch.Tensor:
+    """The (batch, 1, q_len, kv_len) mask of a padded batch. `valid` (batch, kv_len): which positions
+    of each row hold a token (False: padding). A query sees the tokens at or before it (end-aligned,
+    as `causal_mask`), padding never, and with a `window` only the tokens whose positions within
+    the row, not counting padding, are less than `window` before its own. Each query also sees
+    itself, so that a padding query's softmax is not empty (its output is never read)."""
+    kv_len = valid.shape[1]
+    positions = valid.long().cumsum(-1)
+    mask = causal_mask(q_len, kv_len, device=valid.device) & valid[:, None, :]
+    if window is not None:
+        mask &= positions[:, None, :] > positions[:, -q_len:, None] - window
+    mask |= causal_mask(q_len, kv_len, device=valid.device).triu(kv_len - q_len)  # the diagonal: itself
+    return mask[:, None]
+
+
+def naive_attention(q, k, v, *, causal=True, window=None, dropout_p=0.0, mask=None):
     group = q.shape[1] // k.shape[1]
     k = repeat(k, "b g t d -> b (g r) t d", r=group)
     v = repeat(v, "b g t d -> b (g r) t d", r=group)
     scores = einsum(q, k, "b h i d, b h j d -> b h i j") / math.sqrt(q.shape[-1])
-    if causal:
+    if causal and mask is None:
         mask = causal_mask(q.shape[2], k.shape[2], device=q.device, window=window)
+    if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     # Softmax in at least fp32 whatever the input dtype: exp() of low-precision scores loses the tail.
     probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)

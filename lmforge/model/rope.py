@@ -71,3 +71,7 @@ class RotaryTables(nn.Module):
     def forward(self, start_pos: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         window = slice(start_pos, start_pos + seq_len)
         return self.cos[window], self.sin[window]
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables at each row's own positions (batch, seq): (batch, 1, seq, head_dim), for a padded batch."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

@@ -35,7 +35,7 @@ from einops import rearrange
 from torch.overrides import TorchFunctionMode
 
 from lmforge.config import ModelConfig
-from lmforge.model.attention import AttentionCore
+from lmforge.model.attention import AttentionCore, padded_mask
 from lmforge.model.init import init_weights
 from lmforge.model.recipe import ReLU2MLP, SoftcapHead
 from lmforge.model.rope import RotaryTables, apply_rope
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         self.core = AttentionCore(cfg.attention, cfg.dropout, cfg.sliding_window)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
 
-    def forward(self, x, rope=None, cache=None, start_pos=0):
+    def forward(self, x, rope=None, cache=None, start_pos=0, mask=None):
         # QK-norm (where built) normalises each head's d_head features before the transpose, so q and k
         # keep the (b, t, h, d) memory that sdpa's kernels read, and its output is laid out alike
         q = self.q_norm(rearrange(self.q_proj(x), "b t (h d) -> b t h d", h=self.n_heads)).transpose(1, 2)
@@ -94,7 +94,9 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # keys and values of earlier positions, plus these
             k, v = cache.update(k, v, start_pos)
-        return self.o_proj(rearrange(self.core(q, k, v), "b h t d -> b t (h d)"))
+        # only a padded batch has a mask; the core's training wrappers (fp32, recompute, ring) never see one
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
+        return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
 
 
 class SwiGLU(nn.Module):
@@ -155,9 +157,14 @@ class Block(nn.Module):
         self.mlp = MLPS[cfg.mlp](cfg) if cfg.mlp else family.mlp(cfg)
         self.residual_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, rope=None, cache=None, start_pos=0):
-        x = x + self.residual_dropout(self.attn(self.attn_norm(x), rope, cache, start_pos))
+    def forward(self, x, rope=None, cache=None, start_pos=0, mask=None):
+        x = x + self.residual_dropout(self.attn(self.attn_norm(x), rope, cache, start_pos, mask))
         return x + self.residual_dropout(self.mlp(self.mlp_norm(x)))
+
+
+def padded_positions(valid: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The positions (batch, seq_len) of the last seq_len of `valid`'s: tokens before each in its row."""
+    return (valid.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
 
 
 IGNORE_INDEX = -100  # a target the loss leaves out (a prompt token, padding: data/sft.py)
@@ -198,19 +205,27 @@ class Transformer(nn.Module):
 
     # -- the pieces, in the order a token goes through them ------------------------------------------
 
-    def embed(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, start_pos: int = 0, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings (plus learned positions where the family has them): (batch, seq, d)."""
         x = self.tok_embeddings(tokens)
         if self.pos_embeddings is not None:
-            x = x + self.pos_embeddings(torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device))
+            x = x + self.pos_embeddings(torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)
+                                        if valid is None else padded_positions(valid, tokens.shape[1]))
         return self.embed_dropout(x)
 
-    def run_blocks(self, x: torch.Tensor, kv_cache=None, start_pos: int = 0) -> torch.Tensor:
-        """Every block this model holds, in layer order; `kv_cache` holds past keys and values."""
-        rope = self.rope(start_pos, x.shape[1]) if self.rope is not None else None
+    def run_blocks(self, x: torch.Tensor, kv_cache=None, start_pos: int = 0,
+                   valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Every block this model holds, in layer order; `kv_cache` holds past keys and values;
+        `valid`, a padded batch's (see `forward`)."""
+        mask = None
+        if valid is None:
+            rope = self.rope(start_pos, x.shape[1]) if self.rope is not None else None
+        else:
+            mask = padded_mask(valid, x.shape[1], self.cfg.sliding_window)
+            rope = self.rope.at(padded_positions(valid, x.shape[1])) if self.rope is not None else None
         for layer, block in self.blocks.items():
             cache = kv_cache.layer(int(layer)) if kv_cache is not None else None
-            x = block(x, rope, cache, start_pos)
+            x = block(x, rope, cache, start_pos, mask)
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -218,18 +233,24 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                kv_cache=None, start_pos: int = 0) -> torch.Tensor:
+                kv_cache=None, start_pos: int = 0, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab) for `tokens`; with `targets`, the mean cross-entropy instead.
 
         With a `kv_cache`, `tokens` continue a sequence whose first `start_pos` positions are cached.
+        `valid`, for a batch of rows padded where they differ in length (batched decoding and
+        scoring): a boolean (batch, start_pos + seq) saying which positions of each row, cached and
+        new, hold tokens (as transformers' attention_mask). Padding is never attended to and not
+        counted: a token's position (rotary angle, learned position) is the number of tokens before
+        it in its row. Without it every position holds a token; right padding needs none (a causal
+        model's earlier positions never see later ones).
         A model cut into a pipeline stage takes hidden states instead of tokens where it has no
         embedding, and returns them where it has no head.
         """
         seq_len = tokens.shape[1]
         if start_pos + seq_len > self.cfg.max_seq_len:
             raise ValueError(f"positions up to {start_pos + seq_len} exceed max_seq_len {self.cfg.max_seq_len}")
-        x = self.embed(tokens, start_pos) if self.tok_embeddings is not None else tokens
-        x = self.run_blocks(x, kv_cache, start_pos)
+        x = self.embed(tokens, start_pos, valid) if self.tok_embeddings is not None else tokens
+        x = self.run_blocks(x, kv_cache, start_pos, valid)
         if self.lm_head is None:
             return x
         return self.head(x) if targets is None else self.loss(x, self.norm, self.lm_head, targets)
