@@ -86,7 +86,8 @@ def test_a_model_folder_without_a_tokenizer_is_one_line(llama_folder, tmp_path, 
 def test_ctrl_c_keeps_the_items_scored_so_far(llama_folder, tmp_path, monkeypatch, capsys):
     from lmforge.eval import run
 
-    real, calls = run.score_question, []
+    real, calls = run.score_questions, []
+    monkeypatch.setattr(run, "CHUNK", 1)  # one question per call: the fourth call is the fourth question
 
     def interrupted_at_the_fourth(*args):
         calls.append(1)
@@ -94,7 +95,7 @@ def test_ctrl_c_keeps_the_items_scored_so_far(llama_folder, tmp_path, monkeypatc
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(run, "score_question", interrupted_at_the_fourth)
+    monkeypatch.setattr(run, "score_questions", interrupted_at_the_fourth)
     line = one_line(capsys, "eval", llama_folder, "--tasks", "piqa,arc_easy", "--limit", 5, "--out", tmp_path)
     assert "interrupted: the 3 items scored so far are in" in line
     report = json.loads((tmp_path / "eval.json").read_text())

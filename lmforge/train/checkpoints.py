@@ -18,7 +18,7 @@ from lmforge.optim.schedule import Schedule, resume_note
 from lmforge.precision.policy import LossScaler, fp8_scale_state, load_fp8_scale_state
 from lmforge.runs.load import check_same_base
 from lmforge.runs.state import RunFolder, RunState
-from lmforge.train.summary import TARGET_REACHED
+from lmforge.train.evaluate import TARGET_REACHED
 
 
 class Checkpoints:

@@ -1,6 +1,8 @@
 """What each evaluation of a run measures: the validation loss, the mean loss over a fixed set of
 validation batches; and, with train.eval_tasks, benchmark scores on a fixed set of questions."""
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -8,13 +10,17 @@ from lmforge.common.errors import LmforgeError
 from lmforge.config import Config
 from lmforge.data.loader import window_batch
 from lmforge.eval.metrics import aggregate, question_row, summarise
-from lmforge.eval.score import score_question
+from lmforge.eval.score import score_questions
 from lmforge.eval.tasks import GENERATION, TITLES, expand_tasks, load_questions
 from lmforge.model.transformer import Transformer
 from lmforge.modes.precision import Policy
 from lmforge.parallel.parallelize import Engine
 from lmforge.parallel.world import World
 from lmforge.precision.policy import autocast
+
+# the history's key of a run that reached train.target_loss: it ends (train/checkpoints.py lets it
+# resume only to write its summary)
+TARGET_REACHED = "target_reached"
 
 
 @torch.no_grad()
@@ -87,9 +93,10 @@ class EvalTasks:
         try:
             with autocast(policy, device):
                 for task, questions in self.questions.items():
-                    for index in range(replica, len(questions), replicas):
+                    mine = range(replica, len(questions), replicas)  # batched as lmforge eval batches them
+                    pairs = [(questions[i].contexts, questions[i].continuations) for i in mine]
+                    for index, (scored, cut) in zip(mine, score_questions(model, tokenizer, pairs, end_id)):
                         q = questions[index]
-                        scored, cut = score_question(model, tokenizer, q.contexts, q.continuations, end_id)
                         rows[task, index] = {**question_row(scored, q.continuations, q.gold), "truncated": cut}
         except Exception as err:  # the run goes on: this evaluation has no task scores
             error = f"{type(err).__name__}: {err}"
@@ -111,17 +118,34 @@ class EvalTasks:
         return {**scores, "aggregate": {"centered": aggregate(scores)}}
 
 
-def score_tasks(trainer) -> tuple[dict, str]:
-    """A Trainer's evaluation of train.eval_tasks (train/loop.py), kept in its run state's history
-    (the end-of-run summary shows the last): (the metrics record's fields, the text added to the
-    printed line); nothing if the run has none or scoring failed (a warning line)."""
-    tasks = trainer.eval_tasks
+def run_evaluation(trainer, stopping) -> bool:
+    """A Trainer's evaluation (train/loop.py): the validation loss and train.eval_tasks' scores,
+    logged and kept in its run state's history (the summary shows the last). Returns whether the
+    loss reached train.target_loss (then TARGET_REACHED is in the history: the run ends). A stop
+    request (`stopping`, see evaluate) ends it between two batches, with no validation loss kept."""
+    t, state, log = trainer.cfg.train, trainer.state, trainer.log
+    seed = t.seed + 1 if t.eval_seed is None else t.eval_seed
+    val_loss = evaluate(trainer.model, trainer.data.val, t.batch_size, trainer.cfg.seq_len, seed, t.eval_batches,
+                        trainer.device, trainer.policy, trainer.world, trainer.make_batch, engine=trainer.engine,
+                        stopping=stopping)
+    if val_loss is None:
+        state.history.pop("val_loss", None)
+        return False
+    state.history["val_loss"] = val_loss
+    tasks, engine = trainer.eval_tasks, trainer.engine
     scores = tasks and tasks.score(trainer.model, trainer.data.tokenizer, trainer.device, trainer.policy,
-                                   trainer.world, trainer.engine.replica, trainer.engine.replicas, trainer.log.note)
-    if not scores:
-        return {}, ""
-    trainer.state.history["eval_tasks"] = scores
-    return task_fields(scores), f" | {task_line(scores)}"
+                                   trainer.world, engine.replica, engine.replicas, log.note)
+    if scores:
+        state.history["eval_tasks"] = scores
+    log.record({"step": state.step, "val_loss": val_loss, **(task_fields(scores) if scores else {}),
+                "time": time.time()})
+    log.note(f"step {state.step}: val loss {val_loss:.4f}" + (f" | {task_line(scores)}" if scores else ""))
+    target = t.target_loss
+    if target is None or val_loss > target:
+        return False
+    state.history[TARGET_REACHED] = {"step": state.step, "target_loss": target}
+    log.note(f"step {state.step}: target reached (val loss {val_loss:.4f} <= train.target_loss={target:g})")
+    return True
 
 
 def task_fields(scores: dict) -> dict:

@@ -35,15 +35,15 @@ from lmforge.parallel.world import World, init_world
 from lmforge.precision.policy import LossScaler, device_notes
 from lmforge.runs.state import RunFolder, RunState
 from lmforge.train.checkpoints import Checkpoints
-from lmforge.train.evaluate import EvalTasks, evaluate, score_tasks
+from lmforge.train.evaluate import TARGET_REACHED, EvalTasks, run_evaluation
 from lmforge.train.guard import check_bad_steps
-from lmforge.train.measurements import (FirstStepMeasurement, WindowClock, estimate, rank_share, run_plan,
-                                        start_measurements)
+from lmforge.train.measurements import (FirstStepMeasurement, TrafficMeter, WindowClock, estimate, rank_share,
+                                        run_plan, start_measurements)
 from lmforge.train.report import SilentLog, StepLog, training_record
 from lmforge.train.setup import build_engine, check_attention, check_memory, prepare_run_data
 from lmforge.train.signals import StopRequests, Stopped
 from lmforge.train.step import train_step
-from lmforge.train.summary import TARGET_REACHED, write_summary
+from lmforge.train.summary import write_summary
 
 
 class Trainer:
@@ -132,7 +132,7 @@ class Trainer:
         self.timeline = Timeline() if cfg.parallel.pp > 1 else None  # what each pipeline step did, when
         self.engine = build_engine(cfg, self.policy, self.device, self.base_state, timeline=self.timeline)
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
-        self.ring = ring_traffic(self.model) if cfg.parallel.cp > 1 else None  # the cp ring's sent bytes
+        self.traffic = TrafficMeter(self.engine, ring_traffic(self.model) if cfg.parallel.cp > 1 else None)
         self.base_state = None  # copied into the model: let it go
         self.scaler = LossScaler(enabled=self.policy.loss_scaling)
         # sequences per optimizer step: every replica's micro-batches
@@ -174,16 +174,11 @@ class Trainer:
         set: under fp16-mixed the loss scaler also lowers the scale; the caller decides when too
         many bad steps stop the run."""
         cfg, state, run = self.cfg, self.state, self.measurements
-        tp_comm = getattr(self.engine, "tp_comm", None)  # its training traffic only: evaluation sends too
-        tp_before = tp_comm.sent_bytes("tp") if tp_comm is not None else 0.0
-        ring_before = sum(self.ring.bytes.values()) if self.ring is not None else 0
+        sent_before = self.traffic.sent()  # training's traffic only: evaluation sends too
         loss_sum, grad_norm, self.step_skipped = train_step(
             self.engine, lambda: next(self.loader), cfg.train.grad_accum, Schedule.of(cfg)(state.step),
             cfg.optim.grad_clip, self.scaler, self.policy, self.device)
-        if tp_comm is not None:
-            run.tp_sent_bytes = (run.tp_sent_bytes or 0.0) + tp_comm.sent_bytes("tp") - tp_before
-        if self.ring is not None:
-            run.cp_sent_bytes = (run.cp_sent_bytes or 0.0) + sum(self.ring.bytes.values()) - ring_before
+        self.traffic.add_step(run, sent_before)
         if self.step_skipped:
             state.skipped_steps += 1
         elif run.lost_updates is not None:
@@ -269,7 +264,7 @@ class Trainer:
                 window["good_steps"] += 1
             last = state.step == t.max_steps
             logging, saving = self._due(t.log_interval) or last, self._due(t.checkpoint_interval) or last
-            if logging or saving or stop_signal is not None:  # any rank's request: all save this step
+            if logging or saving or stop.agreed is not None:  # any rank's request: all save this step
                 window["loss_sum"] = window_loss.item()  # the sync: the window's steps are done
             if logging:
                 self._log_window(clock, grad_norm)
@@ -300,25 +295,5 @@ class Trainer:
         self.state.window.update(loss_sum=0.0, good_steps=0, lost_updates=[0, 0])
         clock.restart()
 
-    def _evaluate(self, stop: StopRequests) -> bool:
-        """The validation loss and task scores (train/evaluate.py), logged and kept in the history.
-        Returns whether it reached train.target_loss (then kept in the history as TARGET_REACHED:
-        the run ends). A stop request ends it between two batches, with no validation loss."""
-        t = self.cfg.train
-        seed = t.seed + 1 if t.eval_seed is None else t.eval_seed
-        val_loss = evaluate(self.model, self.data.val, t.batch_size, self.cfg.seq_len, seed, t.eval_batches,
-                            self.device, self.policy, self.world, self.make_batch, engine=self.engine,
-                            stopping=lambda: stop.agreed_by(self.world))
-        if val_loss is None:
-            self.state.history.pop("val_loss", None)
-            return False
-        self.state.history["val_loss"] = val_loss
-        fields, line = score_tasks(self)  # train.eval_tasks' scores (train/evaluate.py), or none
-        self.log.record({"step": self.step, "val_loss": val_loss, **fields, "time": time.time()})
-        self.log.note(f"step {self.step}: val loss {val_loss:.4f}{line}")
-        target = t.target_loss
-        if target is None or val_loss > target:
-            return False
-        self.state.history[TARGET_REACHED] = {"step": self.step, "target_loss": target}
-        self.log.note(f"step {self.step}: target reached (val loss {val_loss:.4f} <= train.target_loss={target:g})")
-        return True
+    def _evaluate(self, stop: StopRequests) -> bool:  # train/evaluate.py's run_evaluation
+        return run_evaluation(self, stopping=lambda: stop.agreed_by(self.world))

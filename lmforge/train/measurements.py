@@ -132,6 +132,25 @@ def start_measurements(cfg: Config, engine, world: World, state: RunState, preci
         lost_updates=[0, 0] if counts_lost_updates(engine.optimizer) else None)
 
 
+class TrafficMeter:
+    """The bytes tp's collectives and the cp ring send during training steps (evaluation sends
+    too): RunMeasurements' tp_sent_bytes and cp_sent_bytes, None where the run has neither."""
+
+    def __init__(self, engine, ring):
+        self.tp, self.ring = getattr(engine, "tp_comm", None), ring
+
+    def sent(self) -> tuple[float, float]:
+        return (self.tp.sent_bytes("tp") if self.tp is not None else 0.0,
+                sum(self.ring.bytes.values()) if self.ring is not None else 0.0)
+
+    def add_step(self, run: RunMeasurements, before: tuple[float, float]) -> None:
+        tp, ring = self.sent()
+        if self.tp is not None:
+            run.tp_sent_bytes = (run.tp_sent_bytes or 0.0) + tp - before[0]
+        if self.ring is not None:
+            run.cp_sent_bytes = (run.cp_sent_bytes or 0.0) + ring - before[1]
+
+
 class FirstStepMeasurement:
     """Fills `into` with the activations saved for backward by the first micro-batch's forward, this
     rank's parameter, gradient and optimizer-state bytes after the first applied step (as the

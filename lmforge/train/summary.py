@@ -15,13 +15,11 @@ from lmforge.common.formatting import for_terminal
 from lmforge.config import Config
 from lmforge.generate.sampling import generate
 from lmforge.runs.plots import plot_losses, run_title
-from lmforge.train.evaluate import task_rows
+from lmforge.train.evaluate import TARGET_REACHED, task_rows
 from lmforge.train.measurements import RunMeasurements
 
 # train.sample_prompt="" starts the end-of-run sample with this many tokens of a validation document.
 SAMPLE_PROMPT_TOKENS = 8
-# the run state's history key of a run that reached train.target_loss: {"step": N, "target_loss": x}
-TARGET_REACHED = "target_reached"
 
 
 def write_summary(run: RunMeasurements, cfg: Config, plan: dict | None, data, model, run_dir: Path, console: Console,
