@@ -7,10 +7,12 @@ on the same exported Hugging Face folder and the same items.
 The model (default: the default run's shape, the `small` preset, with 1,024 positions so that no
 context is truncated, random weights, and a 4,096-token BPE tokenizer trained here on the tasks'
 text) is exported with lmforge's export_hf; a run folder given with --model is exported the same way.
-lmforge scores each question with score_question (the context once, every choice from its KV
-cache); lm-eval's HFLM scores every (context, continuation) request, batched at each of
+lmforge scores the questions with score_questions (each context once, every choice from its KV
+cache), one question per call and then as `lmforge eval` does, eval/run.py's CHUNK questions per call
+(batched across questions, right-padded); lm-eval's HFLM scores every (context, continuation) request, batched at each of
 --batch-sizes (its default is 1), sorted by length as it sorts them. Both include tokenization.
-Printed per task: questions/s of each, their ratio, and the largest difference of the log-likelihoods.
+Printed per task: questions/s of each, lm-eval's time over lmforge's batched time, and the largest
+difference of the log-likelihoods (batched lmforge against each lm-eval).
 """
 
 import argparse
@@ -26,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lmforge.config import make_config  # noqa: E402
 from lmforge.data.tokenizer import END_OF_TEXT, train_tokenizer  # noqa: E402
-from lmforge.eval.score import score_question  # noqa: E402
+from lmforge.eval.run import CHUNK  # noqa: E402
+from lmforge.eval.score import score_questions  # noqa: E402
 from lmforge.eval.tasks import load_questions  # noqa: E402
 from lmforge.interop.hf import export_hf  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
@@ -43,12 +46,13 @@ def built_model(out: Path, texts: list[str]) -> Path:
     return out
 
 
-def time_lmforge(folder: Path, questions) -> tuple[float, list[float]]:
+def time_lmforge(folder: Path, questions, chunk: int) -> tuple[float, list[float]]:
     loaded = load_model(folder, "fp32")
     start, lls = time.perf_counter(), []
-    for q in questions:
-        scored, _ = score_question(loaded.model, loaded.tokenizer, q.contexts, q.continuations, loaded.end_id)
-        lls += [s.logprob for s in scored]
+    for at in range(0, len(questions), chunk):
+        pairs = [(q.contexts, q.continuations) for q in questions[at:at + chunk]]
+        for scored, _ in score_questions(loaded.model, loaded.tokenizer, pairs, loaded.end_id):
+            lls += [s.logprob for s in scored]
     return time.perf_counter() - start, lls
 
 
@@ -85,12 +89,13 @@ def main() -> None:
             folder = export_run(args.model, Path(tmp) / "hf")
         print(f"model: {args.model or 'small preset, 1024 positions, random weights'}; torch threads "
               f"{torch.get_num_threads()}")
-        print(f"{'task':<12}{'questions':>10}{'lmforge q/s':>13}" +
+        print(f"{'task':<12}{'questions':>10}{'lmforge 1 q/s':>15}{f'lmforge {CHUNK} q/s':>16}" +
               "".join(f"{f'lm-eval b{b} q/s':>17}{'ratio':>8}" for b in args.batch_sizes.split(",")) +
               f"{'max |dll|':>11}")
         for task, questions in tasks.items():
-            ours, lls = time_lmforge(folder, questions)
-            line = f"{task:<12}{len(questions):>10}{len(questions) / ours:>13.2f}"
+            single, _ = time_lmforge(folder, questions, 1)
+            ours, lls = time_lmforge(folder, questions, CHUNK)
+            line = f"{task:<12}{len(questions):>10}{len(questions) / single:>15.2f}{len(questions) / ours:>16.2f}"
             worst = 0.0
             for batch in map(int, args.batch_sizes.split(",")):
                 theirs, reference = time_lm_eval(folder, questions, batch)

@@ -333,7 +333,7 @@ def test_a_run_killed_between_its_last_checkpoint_and_its_summary_can_be_finishe
     cfg = tiny_config(max_steps=4, checkpoint_interval=4)
     trainer = quiet_trainer(cfg, tmp_path / "run")
 
-    def killed(*args):
+    def killed(*args, **kwargs):
         raise Killed
 
     monkeypatch.setattr("lmforge.train.loop.write_summary", killed)

@@ -54,3 +54,11 @@ def test_a_sigterm_during_the_final_evaluation_or_the_sample_stops_saves_and_the
     assert status == 0, err
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["val_loss"] > 0 and "sample" in summary
+
+
+def test_the_sample_on_the_terminal_has_its_control_characters_escaped():
+    from lmforge.common.formatting import for_terminal
+
+    # ESC [2J clears the screen, NUL and BEL are invisible or ring: shown as escapes; newline and tab kept
+    assert for_terminal("a\x1b[2Jb\x00c\x07\nd\te") == "a\\x1b[2Jb\\x00c\\x07\nd\te"
+    assert for_terminal("plain text, é and 中") == "plain text, é and 中"

@@ -17,8 +17,8 @@ from lmforge.cli import main
 from lmforge.config import FAMILIES
 from lmforge.common.errors import LmforgeError
 from lmforge.model import transformer
-from lmforge.modes.parallel import (DATA_PARALLEL, PARALLEL_STRATEGIES, PIPELINE_SCHEDULES, REPLICATING, SHARDING,
-                                    STAGE_REPLICAS)
+from lmforge.modes.parallel import (DATA_PARALLEL, PARALLEL_STRATEGIES, PARAMETER_SHARDING, PIPELINE_SCHEDULES,
+                                    REPLICATING, SHARDING, STAGE_REPLICAS)
 from lmforge.modes.precision import ALIASES, POLICIES, get_policy
 
 
@@ -63,7 +63,7 @@ def test_every_family_is_built_and_accounted():
 # -- every strategy, precision and schedule list is modes/'s own (issue 42, part 6) ---------------
 
 NAME_SETS = {  # the names of each concept, and the objects modes/ defines for it
-    "strategy": (set(PARALLEL_STRATEGIES), (PARALLEL_STRATEGIES, SHARDING, REPLICATING, DATA_PARALLEL, STAGE_REPLICAS)),
+    "strategy": (set(PARALLEL_STRATEGIES), (PARALLEL_STRATEGIES, SHARDING, REPLICATING, DATA_PARALLEL, STAGE_REPLICAS, PARAMETER_SHARDING)),
     "precision": (set(POLICIES), (POLICIES,)),
     "schedule": (set(PIPELINE_SCHEDULES), (PIPELINE_SCHEDULES,)),
 }

@@ -16,7 +16,8 @@ says why. Torch-free, like the rest of config/.
 
 from lmforge.common.errors import LmforgeError
 from lmforge.config.degrees import Degrees, mesh_degrees
-from lmforge.modes.parallel import DATA_PARALLEL, REPLICATING, SHARDING, STAGE_REPLICAS, names, parse_split
+from lmforge.modes.parallel import (DATA_PARALLEL, REPLICATING, SHARDING, STAGE_REPLICAS, PARAMETER_SHARDING, names,
+                                   parse_split)
 
 
 def check_composition(cfg, world: int | None) -> None:
@@ -69,7 +70,7 @@ def _refuse(line: str) -> None:
 
 def check_config(cfg) -> None:
     """The refusals that need no world size: the degrees given against the strategy, a pipeline's
-    shape and accumulation, compile with the attention kernels."""
+    shape and accumulation, in-loop task scores on a split model, compile with the attention kernels."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
     if p.dp_replicate and p.dp_shard:
         _check_degrees(cfg, Degrees(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp))
@@ -82,6 +83,11 @@ def check_config(cfg) -> None:
     if p.pp > 1 and t.grad_accum != 1:
         _refuse(f"train.grad_accum={t.grad_accum} with parallel.pp={p.pp}: a pipeline "
                 f"accumulates over its micro-batches; set train.micro_batches instead")
+    split = [f"train.parallel={t.parallel}"] * (t.parallel in PARAMETER_SHARDING) + [
+        f"parallel.{key}={getattr(p, key)}" for key in ("tp", "cp", "pp") if getattr(p, key) > 1]
+    if t.eval_tasks.strip(" ,") and split:  # scored on every replica's whole model (train/evaluate.py)
+        _refuse(f"train.eval_tasks scores on every replica's whole model, which {' and '.join(split)} splits: "
+                f"use train.parallel=ddp (or zero1, zero2), or lmforge eval on a checkpoint")
     # the Triton kernels under torch.compile have never run (no GPU here): not offered untried
     if t.compile and m.attention == "flash_triton":
         _refuse("train.compile=true with model.attention=flash_triton is untested (its Triton kernels have never "
@@ -149,8 +155,7 @@ def _check_optimizer(cfg) -> None:
 
 def _check_world_degrees(cfg, world: int) -> None:
     """parallel.dp_replicate / dp_shard against the world: pp x dp_replicate x dp_shard x cp x tp ranks."""
-    p, pp = cfg.parallel, cfg.parallel.pp
-    cp, tp = p.cp, p.tp
+    p, pp, cp, tp = cfg.parallel, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.tp
     if p.dp_replicate and p.dp_shard:
         product = pp * p.dp_replicate * p.dp_shard * cp * tp
         if product != world:

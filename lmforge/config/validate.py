@@ -225,21 +225,6 @@ def _check_train(cfg: Config) -> None:
     _choose("train.parallel", t.parallel, PARALLEL_STRATEGIES)
     _choose("train.schedule", t.schedule, PIPELINE_SCHEDULES)
     _choose("train.pipeline_engine", t.pipeline_engine, PIPELINE_ENGINES)
-    _check_eval_tasks(cfg)
-
-
-def _check_eval_tasks(cfg: Config) -> None:
-    """train.eval_tasks shards its questions over the data-parallel replicas, each scoring on its own
-    whole copy of the model: a strategy that splits the parameters (or a layer, a sequence, the
-    layers) cannot run them. The task names are checked against the task data before training
-    starts (train/evaluate.py's load_eval_tasks: the names live with the tasks)."""
-    t, p = cfg.train, cfg.parallel
-    if not t.eval_tasks.strip(" ,"):
-        return
-    split = [f"train.parallel={t.parallel}"] if PARALLEL_STRATEGIES[t.parallel].zero_stage == 3 else []
-    split += [f"parallel.{key}={getattr(p, key)}" for key in ("tp", "cp", "pp") if getattr(p, key) > 1]
-    _require(not split, f"train.eval_tasks scores on every replica's whole model, which {' and '.join(split)} "
-                        f"splits: use train.parallel=ddp (or zero1, zero2), or lmforge eval on a checkpoint")
 
 
 def _check_finetune(f: FinetuneConfig) -> None:

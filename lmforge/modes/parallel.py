@@ -36,6 +36,7 @@ DATA_PARALLEL = tuple(name for name in PARALLEL_STRATEGIES if name != "none")  #
 # what a pipeline stage's replicas can use: a pipeline step runs one backward per micro-batch, and
 # only a strategy that shards no more than the optimizer states communicates once a step
 STAGE_REPLICAS = tuple(name for name, s in PARALLEL_STRATEGIES.items() if s.zero_stage <= 1)  # none, ddp, zero1
+PARAMETER_SHARDING = tuple(name for name, s in PARALLEL_STRATEGIES.items() if s.zero_stage == 3)  # zero3, fsdp
 
 
 def names(choices) -> str:
