@@ -58,7 +58,7 @@ class EvalTasks:
     then scored at each evaluation as `lmforge eval` scores them (eval/score.py, eval/metrics.py).
 
     Under torchrun the questions are dealt out over the data-parallel replicas (question i to
-    replica i mod N), each scoring on its own whole model (config/validate.py refuses a strategy
+    replica i mod N), each scoring on its own whole model (config/rules.py refuses a strategy
     that splits it), and the per-question rows are gathered and summarised in question order: the
     numbers one process gives on the same weights, bit for bit. A failure while scoring (on any
     rank) is one warning line and no scores for that evaluation; training goes on."""
@@ -77,10 +77,6 @@ class EvalTasks:
         except LmforgeError as err:
             raise LmforgeError(f"train.eval_tasks={cfg.train.eval_tasks}: {err}") from None
         self.end_token = cfg.data.end_token
-
-    @classmethod
-    def of(cls, cfg: Config) -> "EvalTasks | None":
-        return cls(cfg) if cfg.train.eval_tasks.strip(" ,") else None
 
     def score(self, model, tokenizer, device: torch.device, policy: Policy, world: World, replica: int = 0,
               replicas: int = 1, warn=print) -> dict | None:

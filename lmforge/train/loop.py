@@ -77,7 +77,7 @@ class Trainer:
                 warn(message)
         self.device = self.world.device
         check_attention(cfg.model, self.device)
-        self.eval_tasks = EvalTasks.of(cfg)  # train.eval_tasks' questions (None: none); a bad name stops here
+        self.eval_tasks = EvalTasks(cfg) if cfg.train.eval_tasks.strip(" ,") else None  # a bad name stops here
         torch.manual_seed(cfg.train.seed)  # the same on every rank: the same initial model
         self.data, self.base_state, self.base_identity = prepare_run_data(
             cfg, self.world, log=self.console.print, warn=lambda msg: self.console.print(f"warning: {msg}"),
