@@ -7,11 +7,8 @@ whatever the launch), the launch (parallel/world.py's `check_launch` runs `check
 with the world torchrun started, before any process group or file exists), `lmforge plan`, and the
 composition page (tests/composition_matrix.py writes docs/composition.md from these verdicts).
 What is refused is what the engines cannot build or have never been shown to train; each entry
-says why. Torch-free, like the rest of config/.
-
-    check_composition(cfg, world)   LmforgeError with the first refusal's line; world None: one
-                                    process without torchrun
-    refusal(cfg, world)             that line, or None
+says why: `check_composition` raises the first refusal's line, `refusal` returns it. Torch-free,
+like the rest of config/.
 """
 
 from lmforge.common.errors import LmforgeError
@@ -25,8 +22,7 @@ def check_composition(cfg, world: int | None) -> None:
     launch of `world` processes (None: one process, no torchrun)."""
     check_config(cfg)
     _check_optimizer(cfg)
-    p, parallel = cfg.parallel, cfg.train.parallel
-    stages = p.pp
+    p, parallel, stages = cfg.parallel, cfg.train.parallel, cfg.parallel.pp
     if world is not None and (p.dp_replicate or p.dp_shard):
         _check_world_degrees(cfg, world)
     if p.sequence_parallel and p.tp == 1:
