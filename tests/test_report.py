@@ -56,7 +56,8 @@ def test_the_report_holds_config_data_cost_curves_scores_and_sample(trained, dat
     assert f"| steps | {summary['steps']:,} ({summary['tokens_trained']:,} tokens) |" in page
     assert f"| throughput | {summary['tokens_per_s']:,.0f} tokens/s |" in page
     flops = summary["flops_per_token"]
-    assert f"| training FLOPs | {human_count(flops * summary['tokens_trained'])} ({human_count(flops)} per token) |" in page
+    assert (f"| training FLOPs | {human_count(flops * summary['tokens_trained'])} ({human_count(flops)} per token) |"
+            in page)
     assert f"| MFU | {summary['mfu']:.1%} |" in page
     assert f"| training time (this session) | {summary['train_seconds_this_session']:.0f} s |" in page
     compared = summary["predicted_vs_measured"]
