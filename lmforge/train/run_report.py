@@ -17,7 +17,8 @@ from lmforge.accounting.plan.costing import matmul_dtype
 from lmforge.accounting.plan.predicted_vs_measured import COLUMNS, comparison_rows
 from lmforge.common.errors import LmforgeError
 from lmforge.common.folders import write_file_staged
-from lmforge.data.prepare import read_meta, tokens_line
+from lmforge.config import Config
+from lmforge.data.prepare import data_dir_of, read_meta, tokens_line
 from lmforge.eval.metrics import table
 from lmforge.eval.tasks import TITLES
 from lmforge.runs.listing import Run, is_run, read_run, read_summary, steps_label
@@ -39,13 +40,12 @@ def write_report(run_dir: str | Path) -> Path:
     summary = read_summary(run_dir, cut_off_ok=False)  # a damaged one: one line
     run = read_run(run_dir)  # config.yaml and metrics.jsonl, checked; the run's status
     evaluated = read_eval(run_dir / "eval.json")
-    try:
-        meta = read_meta(Path(run.cfg.data.dir))
-    except (LmforgeError, OSError) as err:  # the data is another machine's, or gone: the page says so
-        meta = err
+    meta = prepared_meta(run.cfg)
     page = "\n\n".join([*heading(run, summary), *config_section(run_dir), *data_section(run, meta),
-                        *checked(run_dir, summary, lambda: cost_section(run, summary)), *curves_section(run),
-                        *checked(run_dir, summary, lambda: eval_section(run, summary, evaluated)),
+                        *checked(run_dir / ("summary.json" if summary else "metrics.jsonl"),
+                                 lambda: cost_section(run, summary)), *curves_section(run),
+                        *checked(f"{run_dir / 'metrics.jsonl'} or summary.json",
+                                 lambda: eval_section(run, summary, evaluated)),
                         *sample_section(run_dir, summary)]) + "\n"
     metrics, png = run_dir / "metrics.jsonl", run_dir / "loss.png"
     if run.curves and (not png.is_file() or png.stat().st_mtime < metrics.stat().st_mtime):
@@ -55,13 +55,12 @@ def write_report(run_dir: str | Path) -> Path:
     return out
 
 
-def checked(run_dir: Path, summary: dict | None, section) -> list[str]:
-    """`section()`, whose numbers come from summary.json (or, without one, metrics.jsonl): a field
-    missing or of the wrong type there is one line naming the file."""
+def checked(file: str | Path, section) -> list[str]:
+    """`section()`, whose numbers come from `file`: a field missing there, or of the wrong type, is
+    one line naming it (read_summary and read_metrics check only the fields `lmforge runs` reads)."""
     try:
         return section()
     except (KeyError, TypeError, ValueError) as err:
-        file = run_dir / ("summary.json" if summary is not None else "metrics.jsonl")
         raise LmforgeError(f"{file} is damaged ({type(err).__name__}: {err}): not what lmforge train writes; "
                            f"resume the run to write it again") from None
 
@@ -83,11 +82,24 @@ def config_section(run_dir: Path) -> list[str]:
             fenced((run_dir / "config.yaml").read_text(errors="replace"), "yaml"), "</details>"]
 
 
-def data_section(run: Run, meta: dict | Exception) -> list[str]:
-    """The corpus it trained on, as `lmforge prepare` described it (meta.json); `meta` the error
-    that says why the prepared data is not readable here."""
-    d = run.cfg.data
-    lines = [f"- source: `{d.source}`", f"- prepared data: `{d.dir}`"]
+def prepared_meta(cfg: Config) -> dict | Exception | None:
+    """meta.json of the data a run from scratch trained on; the error that says why it cannot be
+    read here (another machine's data, or gone); None for a fine-tuning run (its examples are read
+    from data.source, not prepared)."""
+    if cfg.finetune.base is not None:
+        return None
+    try:
+        return read_meta(data_dir_of(cfg))
+    except (LmforgeError, OSError) as err:
+        return err
+
+
+def data_section(run: Run, meta: dict | Exception | None) -> list[str]:
+    """The corpus it trained on, as `lmforge prepare` described it (meta.json)."""
+    cfg = run.cfg
+    if meta is None:
+        return ["## Data", f"- fine-tuned from `{cfg.finetune.base}` on `{cfg.data.source}`"]
+    lines = [f"- source: `{cfg.data.source}`", f"- prepared data: `{data_dir_of(cfg)}`"]
     if isinstance(meta, Exception):
         lines.append(f"- not readable here ({meta})")
     else:
@@ -143,8 +155,7 @@ def sample_section(run_dir: Path, summary: dict | None) -> list[str]:
         return []
     prompt = (summary or {}).get("sample_prompt")
     said = f"Prompt {json.dumps(prompt)}, and the model's continuation" if prompt else "The end-of-run sample"
-    return ["## Sample", f"{said}:",
-            fenced(path.read_text(encoding="utf-8", errors="replace"))]
+    return ["## Sample", f"{said}:", fenced(path.read_text(encoding="utf-8", errors="replace"))]
 
 
 def read_eval(path: Path) -> dict | None:
@@ -160,11 +171,11 @@ def read_eval(path: Path) -> dict | None:
                            f"or move it away") from None
 
 
-def draw_losses(run: Run, meta: dict | Exception, png: Path) -> None:
+def draw_losses(run: Run, meta: dict | Exception | None, png: Path) -> None:
     """loss.png as training draws it at its end (train/summary.py), from the records on disk."""
     trained = [r for r in run.curves if r.get("tokens_seen") and r.get("step")]
     plot_losses(run.path / "metrics.jsonl", png, title=run_title(run.path.name, run.cfg, run.parameters),
-                unigram_entropy=None if isinstance(meta, Exception) else meta["unigram_entropy_nats"],
+                unigram_entropy=meta["unigram_entropy_nats"] if isinstance(meta, dict) else None,
                 tokens_per_step=trained[-1]["tokens_seen"] // trained[-1]["step"] if trained else None)
 
 
@@ -177,9 +188,9 @@ def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 def fenced(text: str, language: str = "") -> str:
     """`text` in a code block whose fence no run of backticks in it can close."""
-    longest, run = 0, 0
+    longest, streak = 0, 0
     for char in text:
-        run = run + 1 if char == "`" else 0
-        longest = max(longest, run)
+        streak = streak + 1 if char == "`" else 0
+        longest = max(longest, streak)
     fence = "`" * max(3, longest + 1)
     return f"{fence}{language}\n{text.rstrip(chr(10))}\n{fence}"
