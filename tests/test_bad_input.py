@@ -88,6 +88,7 @@ CASES = [
     Case("finetune", "RUN --lora-alpha nan", "argument --lora-alpha: must be a finite number"),
     Case("finetune", "RUN --lora-dropout 2", "finetune.lora_dropout must be in [0, 1)"),
     Case("export", "RUN --format hf --out RUN", "already exists: pick another --out"),
+    Case("report", "DATA", "is not a run folder (a run folder holds config.yaml)"),
 ]
 
 # No file may grow past a limit (RLIMIT_FSIZE, in bytes): each write past it fails with EFBIG, as a

@@ -12,6 +12,7 @@ from lmforge.cli.launch import launch_train, quiet_rank, resume_command, retain_
 from lmforge.cli.parser import build_parser, parse_args
 from lmforge.cli.eval_command import cmd_eval
 from lmforge.cli.plan_command import cmd_plan
+from lmforge.cli.report_command import cmd_report
 from lmforge.cli.run_config import finetune_config, resumed_config, resumed_finetune_config, train_config
 from lmforge.cli.scaling import cmd_scaling
 from lmforge.common.errors import LmforgeError, memory_error_message, os_error_message
@@ -225,7 +226,7 @@ def cmd_eval_format(args) -> int:
 COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "finetune": cmd_finetune, "generate": cmd_generate,
             "chat": cmd_chat,
             "plan": cmd_plan, "runs": cmd_runs, "export": cmd_export, "import-hf": cmd_import_hf, "tasks": cmd_tasks,
-            "eval-format": cmd_eval_format, "scaling": cmd_scaling, "eval": cmd_eval}
+            "eval-format": cmd_eval_format, "scaling": cmd_scaling, "eval": cmd_eval, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

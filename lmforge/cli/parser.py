@@ -11,6 +11,7 @@ import argparse
 from lmforge.cli.arguments import (COUNT, RAW, SEED, Parser, add_config_args, add_overrides, add_run,
                                    add_training_outputs, number, one_folder, one_run)
 from lmforge.cli.plan_parser import add_plan
+from lmforge.cli.report_command import add_report
 from lmforge.cli.scaling import add_scaling
 from lmforge.config import MODEL_PRESETS, _did_you_mean
 
@@ -253,6 +254,7 @@ SUBCOMMANDS = {
                     add_eval_format),
     "scaling": ("train an IsoFLOP sweep and fit a scaling law to it", add_scaling),
     "eval": ("score a model on standard benchmarks (ARC, HellaSwag, GSM8K, HumanEval, ...)", add_eval),
+    "report": ("write report.md about a run: config, data, cost, loss curves, scores, sample", add_report),
 }
 
 

@@ -203,9 +203,15 @@ def _build(data_dir: Path, docs: list, settings: dict, cfg: Config, log: Callabl
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
         raise as_os_error(err, data_dir)  # a full disk: an OSError naming the folder
-    log(f"  tokens: {splits['train']['tokens']:,} train, {splits['val']['tokens']:,} val ({dtype.name}), "
-        f"{splits['train']['bytes'] / splits['train']['tokens']:.2f} bytes/token, "
-        f"unigram entropy {meta['unigram_entropy_nats']:.3f} nats ({time.perf_counter() - started:.1f}s)")
+    log(f"  tokens: {tokens_line(meta)} ({time.perf_counter() - started:.1f}s)")
+
+
+def tokens_line(meta: dict) -> str:
+    """The prepared splits in one line, from meta.json (`lmforge report` shows it too)."""
+    splits = meta["splits"]
+    return (f"{splits['train']['tokens']:,} train, {splits['val']['tokens']:,} val ({meta['dtype']}), "
+            f"{splits['train']['bytes'] / splits['train']['tokens']:.2f} bytes/token, "
+            f"unigram entropy {meta['unigram_entropy_nats']:.3f} nats")
 
 
 def _counted(docs, bar: tqdm):

@@ -135,7 +135,7 @@ def run_evaluation(trainer, stopping) -> bool:
         state.history["eval_tasks"] = scores
     log.record({"step": state.step, "val_loss": val_loss, **(task_fields(scores) if scores else {}),
                 "time": time.time()})
-    log.note(f"step {state.step}: val loss {val_loss:.4f}" + (f" | {task_line(scores)}" if scores else ""))
+    log.note(evaluation_line(state.step, val_loss, scores))
     target = t.target_loss
     if target is None or val_loss > target:
         return False
@@ -148,6 +148,21 @@ def task_fields(scores: dict) -> dict:
     """The metrics record's fields of EvalTasks.score's scores: eval/TASK/acc, ..., eval/aggregate/centered."""
     return {f"eval/{task}/{key}": value for task, means in scores.items() for key, value in means.items()
             if key in ("acc", "acc_norm", "bpb", "centered")}
+
+
+def evaluation_line(step: int, val_loss: float, scores: dict | None) -> str:
+    """The line printed after an evaluation (`lmforge report` lists them from metrics.jsonl)."""
+    return f"step {step}: val loss {val_loss:.4f}" + (f" | {task_line(scores)}" if scores else "")
+
+
+def record_scores(record: dict) -> dict | None:
+    """The scores an evaluation's metrics record holds (task_fields read back); None without any."""
+    scores = {}
+    for key, value in record.items():
+        if key.startswith("eval/"):
+            _, task, name = key.split("/", 2)
+            scores.setdefault(task, {})[name] = value
+    return scores or None
 
 
 def task_line(scores: dict) -> str:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name
 from lmforge.accounting.plan.predicted_vs_measured import print_comparison
-from lmforge.common.formatting import for_terminal
+from lmforge.common.formatting import for_terminal, human_count
 from lmforge.config import Config
 from lmforge.generate.sampling import generate
 from lmforge.runs.plots import plot_losses, run_title
@@ -98,19 +98,37 @@ def summary_of(run: RunMeasurements, meta: dict, run_dir: Path) -> dict:
 
 def print_summary(console: Console, summary: dict, run: RunMeasurements, fp32_attention: bool) -> None:
     """The summary table and a pipeline's bubble."""
-    compiled = run.compile_seconds is not None
-    print_table(console, [
+    print_table(console, summary_rows(summary, run.peak_dtype, fp32_attention, run.loss_scale),
+                title="lmforge train: summary")
+    pipeline = run.pipeline
+    if pipeline is not None and pipeline["bubble_measured"] is not None:
+        v = pipeline.get("virtual_stages", 1)
+        console.print(f"pipeline ({pipeline['schedule']}, p={pipeline['stages']}, m={pipeline['micro_batches']}"
+                      f"{f', v={v}' if v > 1 else ''}): bubble measured {pipeline['bubble_measured']:.1%} of the step, "
+                      f"{'(p-1)/(vm+p-1)' if v > 1 else '(p-1)/(m+p-1)'} = "
+                      f"{pipeline['bubble_formula']:.1%}; timeline of step {pipeline['timeline_step']} in "
+                      f"{Path(summary['run_dir']) / 'pipeline.png'} and pipeline_trace.json", soft_wrap=True)
+
+
+def summary_rows(summary: dict, peak_dtype: str, fp32_attention: bool, loss_scale: float | None = None
+                 ) -> list[tuple[str, str]]:
+    """The summary table's rows, from summary.json's fields (`lmforge report` writes the same rows):
+    `peak_dtype` the matmul dtype whose peak was timed, `loss_scale` fp16-mixed's after the last step."""
+    compiled = summary["compile_seconds"] is not None
+    flops = summary["flops_per_token"]
+    return [
         ("parameters", f"{summary['parameters'] / 1e6:.2f} M"),
         ("steps", f"{summary['steps']:,} ({summary['tokens_trained']:,} tokens)"),
-        ("training time (this session)", f"{run.train_seconds:.0f} s"),
-        *([("compile (first step, included)", f"{run.compile_seconds:.1f} s")] if compiled else []),
+        ("training time (this session)", f"{summary['train_seconds_this_session']:.0f} s"),
+        *([("compile (first step, included)", f"{summary['compile_seconds']:.1f} s")] if compiled else []),
         ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s" + (", after the compile" if compiled else "")),
+        ("training FLOPs", f"{human_count(flops * summary['tokens_trained'])} ({human_count(flops)} per token)"),
         ("MFU", f"{summary['mfu']:.1%}"),
-        ("peak, measured", f"{run.peak_flops / 1e9:,.0f} GFLOP/s ({timed_dtype(run.peak_dtype)} matmul)"),
+        ("peak, measured", f"{summary['peak_flops_measured'] / 1e9:,.0f} GFLOP/s ({timed_dtype(peak_dtype)} matmul)"),
         ("device", summary["device"]),
-        ("precision", run.precision + (", attention in fp32" if fp32_attention else "")),
+        ("precision", summary["precision"] + (", attention in fp32" if fp32_attention else "")),
         ("skipped steps (non-finite)", f"{summary['skipped_steps']:,}" + (
-            f", loss scale now {run.loss_scale:g}" if run.loss_scale is not None else "")),
+            f", loss scale now {loss_scale:g}" if loss_scale is not None else "")),
         *([("updates rounded to zero (bf16 weights)", f"{summary['lost_update_fraction']:.2%}")]
           if summary["lost_update_fraction"] is not None else []),
         ("data loader waiting", f"{summary['data_wait_fraction']:.2%} of step time"),
@@ -122,15 +140,7 @@ def print_summary(console: Console, summary: dict, run: RunMeasurements, fp32_at
         ("unigram entropy of the corpus", f"{summary['unigram_entropy_nats']:.4f} nats/token"),
         *(task_rows(summary["eval_tasks"]) if "eval_tasks" in summary else []),
         ("run folder", summary["run_dir"]),
-    ], title="lmforge train: summary")
-    pipeline = run.pipeline
-    if pipeline is not None and pipeline["bubble_measured"] is not None:
-        v = pipeline.get("virtual_stages", 1)
-        console.print(f"pipeline ({pipeline['schedule']}, p={pipeline['stages']}, m={pipeline['micro_batches']}"
-                      f"{f', v={v}' if v > 1 else ''}): bubble measured {pipeline['bubble_measured']:.1%} of the step, "
-                      f"{'(p-1)/(vm+p-1)' if v > 1 else '(p-1)/(m+p-1)'} = "
-                      f"{pipeline['bubble_formula']:.1%}; timeline of step {pipeline['timeline_step']} in "
-                      f"{Path(summary['run_dir']) / 'pipeline.png'} and pipeline_trace.json", soft_wrap=True)
+    ]
 
 
 def scaling_row(summary: dict) -> tuple[str, str]:

@@ -6,11 +6,22 @@ from rich.table import Table
 
 from lmforge.common.formatting import human_bytes, human_seconds
 
+
 def print_comparison(console: Console, comparison: dict) -> None:
     """The trainer's end-of-run table: each {"predicted", "measured"} pair and their ratio."""
     table = Table(title="predicted (plan) vs measured", title_justify="left")
-    for column in ("", "predicted", "measured", "measured / predicted"):
+    for column in COLUMNS:
         table.add_column(column, justify="right" if column else "left")
+    for row in comparison_rows(comparison):
+        table.add_row(*row)
+    console.print(table)
+
+
+COLUMNS = ("", "predicted", "measured", "measured / predicted")
+
+
+def comparison_rows(comparison: dict) -> list[tuple[str, str, str, str]]:
+    """Each {"predicted", "measured"} pair as the table shows it (`lmforge report` writes the same rows)."""
     labels = {"step_seconds": "step time (roofline)", "mfu": "MFU", "hfu": "HFU (with recomputation)",
               "parameters_bytes": "parameters", "gradients_bytes": "gradients",
               "optimizer_states_bytes": "optimizer states",
@@ -19,6 +30,7 @@ def print_comparison(console: Console, comparison: dict) -> None:
               "tp_sent_bytes_per_step": "sent per step per rank (tensor-parallel activations)",
               "cp_sent_bytes_per_step": "sent per step per rank (context-parallel ring)",
               "activations_in_flight_bytes": "saved for backward, peak alive at once"}
+    rows = []
     for key, row in comparison.items():
         predicted, measured = row["predicted"], row["measured"]
         if key.startswith("stage "):  # a pipeline stage's row: "stage 1 activations_bytes"
@@ -33,5 +45,5 @@ def print_comparison(console: Console, comparison: dict) -> None:
         else:
             shown = (f"{predicted:.0%}", f"{measured:.1%}")
         ratio = f"{measured / predicted:.3f}" if measured is not None and predicted else "-"
-        table.add_row(label, *shown, ratio)
-    console.print(table)
+        rows.append((label, *shown, ratio))
+    return rows
