@@ -102,6 +102,17 @@ def accelerator_peak(name: str, dtype: str) -> float:
     return peaks[dtype]
 
 
+def hardware_figures(name: str, dtype: str, this_machine: tuple | None) -> tuple:
+    """(name, peak FLOP/s of matmuls in `dtype`, memory bytes, memory bandwidth) of a named accelerator,
+    from its datasheet; for "this", `this_machine` as the caller measured it (accounting stays pure:
+    a training plan's holds no bandwidth, an inference plan's does)."""
+    if name == "this":
+        if this_machine is None:
+            raise ValueError("hardware 'this' needs the measured (name, peak FLOP/s, memory bytes[, bandwidth])")
+        return this_machine
+    return name, accelerator_peak(name, dtype), ACCELERATORS[name].memory_bytes, ACCELERATORS[name].memory_bandwidth
+
+
 def check_hardware(name: str) -> None:
     """ValueError unless `name` is "this" (the machine at hand, measured) or a known accelerator."""
     if name != "this" and name not in ACCELERATORS:
