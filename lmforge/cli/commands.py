@@ -14,7 +14,7 @@ from lmforge.cli.eval_command import cmd_eval
 from lmforge.cli.plan_command import cmd_plan
 from lmforge.cli.run_config import finetune_config, resumed_config, resumed_finetune_config, train_config
 from lmforge.cli.scaling import cmd_scaling
-from lmforge.common.errors import LmforgeError, memory_error_message, os_error_message
+from lmforge.common.errors import LmforgeError, memory_error_message, os_error_message, warn
 from lmforge.config import DEFAULT_PRESET, make_config
 
 
@@ -96,10 +96,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
-
-
 def cmd_chat(args) -> int:
     from lmforge.generate.chat import ChatSession, run_chat, sampling_options
 
@@ -119,7 +115,7 @@ def _sampling_model(args, dtype: str = "auto"):
 
     json_answer = _json_answer(args)  # before loading the model: a bad --schema stops at once
     device = resolve_device(args.device, setting="--device")
-    loaded, special = load_for_sampling(args.run, args.adapter, args.merge, dtype, device, warn=_warn)
+    loaded, special = load_for_sampling(args.run, args.adapter, args.merge, dtype, device, warn=warn)
     if json_answer is None:
         return loaded, special, None
     from lmforge.structured.constrain import JsonMode
