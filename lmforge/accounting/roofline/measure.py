@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from lmforge.accounting.hardware import _calls_per_second, _measured, _sync, cached_field, device_name
 from lmforge.accounting.roofline import Roof
-from lmforge.accounting.roofline.elementwise import (cache_bytes, cold_writes, measure_elementwise,
-                                                   measure_elementwise_after, measure_elementwise_ops)
+from lmforge.accounting.roofline.elementwise import (cache_bytes, cold_writes, measure_elementwise_after,
+                                                   measure_elementwise_ops)
 from lmforge.accounting.roofline.trace import dispatched_calls
 from lmforge.config import Config, ModelConfig
 from lmforge.model.transformer import Transformer
@@ -190,7 +190,7 @@ def measure_roof(device: torch.device) -> dict:
         return {"optimizer_phase": measure_optimizer_phase(device), "bandwidth": measure_copy_bandwidth(device),
                 "matmul": measure_matmuls(device),
                 "sdpa_forward": forward, "sdpa_backward": backward,
-                "sdpa_call_seconds": sdpa_call, "elementwise": measure_elementwise(device, cold_writes(cache)),
+                "sdpa_call_seconds": sdpa_call, "elementwise": cold["binary"],
                 "elementwise_ops": cold, "cache_bytes": cache, "cache_shared": device.type == "cpu",
                 "elementwise_ops_after": measure_elementwise_after(device, cold, cache),
                 "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": call,
