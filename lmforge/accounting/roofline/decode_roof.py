@@ -44,7 +44,8 @@ def measure_decode_call(decoder, device: torch.device) -> float:
 def measure_decode(decoder, device: torch.device) -> dict:
     """The decode roof's measurements as a JSON-ready dict, the global RNG left as it was."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return {"gemv": measure_matmuls(device, GEMV_ROWS, cold_megabytes=128), "call_seconds": measure_decode_call(decoder, device)}
+        return {"gemv": measure_matmuls(device, GEMV_ROWS, cold_megabytes=128),
+                "call_seconds": measure_decode_call(decoder, device)}
 
 
 def this_decode_measurements(decoder, device: torch.device, remeasure: bool = False, store: bool = True) -> dict:
