@@ -79,22 +79,16 @@ def _add_decode_roofline(cfg, plans: list[dict], args) -> None:
     from lmforge.accounting.roofline.decode import plan_decode, untraced
     from lmforge.train.roofline import decode_step
 
-    mine = [plan for plan in plans if plan["setup"]["hardware"] == "this"]
-    for plan in mine:
-        if untraced(plan):
-            plan["decode_roofline"] = {"none": untraced(plan)}
-    mine = [plan for plan in mine if "decode_roofline" not in plan]
-    if not mine:
-        return
-    import torch
+    mine, roof = [plan for plan in plans if plan["setup"]["hardware"] == "this"], None
+    if any(untraced(plan) is None for plan in mine):
+        from lmforge.accounting.roofline.decode_roof import decode_roof, this_decode_measurements
+        from lmforge.accounting.roofline.measure import this_roof
+        from lmforge.parallel.world import resolve_device
 
-    from lmforge.accounting.roofline.measure import this_roof
-    from lmforge.accounting.roofline.decode_roof import decode_roof, this_decode_measurements
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    roof = decode_roof(this_roof(device, remeasure=args.remeasure),
-                       this_decode_measurements(decode_step, device, remeasure=args.remeasure))
-    for plan in mine:
+        device = resolve_device("auto")
+        roof = decode_roof(this_roof(device, remeasure=args.remeasure),
+                           this_decode_measurements(decode_step, device, remeasure=args.remeasure))
+    for plan in mine:  # an untraced setup's: {"none": why}
         plan["decode_roofline"] = plan_decode(decode_step, cfg.model, plan, roof)
 
 
