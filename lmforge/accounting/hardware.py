@@ -290,7 +290,7 @@ def this_bandwidth(dtype: str, device: torch.device, remeasure: bool = False, st
     """Measured memory bandwidth of `device` (bytes/s) reading `dtype` weights ("float32", "bfloat16",
     "float16"; a quantised format's bytes are read at the bandwidth of bfloat16's), cached as the
     matmul peak is."""
-    timed = {"float32": torch.float32, "float16": torch.float16}.get(dtype, torch.bfloat16)
+    timed = TIMED_DTYPE.get(dtype, torch.bfloat16)  # a matmul dtype's timed one (fp8: bf16), else bf16
     key = f"memory bandwidth|{device_name(device)}|{timed}|torch {torch.__version__}"
     return _measured(key, "bytes_per_second", lambda: measure_memory_bandwidth(timed, device), remeasure, store)
 
