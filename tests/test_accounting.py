@@ -151,7 +151,7 @@ def test_trainer_reports_predicted_beside_measured(tiny_config, tmp_path):
 def test_flop_counting_leaves_torchs_global_registry_alone():
     from torch.utils import flop_counter
 
-    from lmforge.accounting.measure import count_flops
+    from tests.test_flops import count_flops
     from lmforge.model.transformer import Transformer
 
     fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

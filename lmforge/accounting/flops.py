@@ -68,12 +68,16 @@ def lora_training_flops_per_token(cfg: ModelConfig, seq_len: int, rank: int, tar
     (dB, and du = g B to reach A: 2*r*out each; dA: 2*r*in; dx through the adapter: 2*r*in where
     needed). The attention core's backward likewise computes dQ, dK, dP, dV only for what needs
     them. Checked against FlopCounterMode in tests/test_flops.py."""
+    import torch.nn as nn
+
+    from lmforge.model.lora import BASE, apply_lora, canonical, lora_layers
     from lmforge.model.transformer import meta_model
-    from lmforge.model.lora import apply_lora, lora_layers
 
     model = apply_lora(meta_model(cfg), targets, rank)
     adapted = set(lora_layers(model))
-    linears = {name: module.weight.shape for name, module in _linears(model)}
+    # the linear layers by canonical name (an adapted one under its own name, not its base's)
+    linears = {canonical(name).removesuffix(f".{BASE}"): module.weight.shape for name, module in model.named_modules()
+               if isinstance(module, nn.Linear)}
     attention = 2 * seq_len * cfg.n_heads * cfg.head_dim * (0.5 if causal else 1.0)  # QK^T or AV, per token
     total = 0.0
 
@@ -99,15 +103,6 @@ def lora_training_flops_per_token(cfg: ModelConfig, seq_len: int, rank: int, tar
         residual = linear(f"{prefix}mlp.down_proj", hidden) or residual
     linear("lm_head", residual)
     return total
-
-
-def _linears(model):
-    """The model's linear layers by canonical name (an adapted one under its own name, not its base's)."""
-    import torch.nn as nn
-    from lmforge.model.lora import BASE, canonical
-
-    return [(canonical(name).removesuffix(f".{BASE}"), module) for name, module in model.named_modules()
-            if isinstance(module, nn.Linear)]
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none",

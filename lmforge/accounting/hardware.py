@@ -102,6 +102,17 @@ def accelerator_peak(name: str, dtype: str) -> float:
     return peaks[dtype]
 
 
+def hardware_figures(name: str, dtype: str, this_machine: tuple | None) -> tuple:
+    """(name, peak FLOP/s of matmuls in `dtype`, memory bytes, memory bandwidth) of a named accelerator,
+    from its datasheet; for "this", `this_machine` as the caller measured it (accounting stays pure:
+    a training plan's holds no bandwidth, an inference plan's does)."""
+    if name == "this":
+        if this_machine is None:
+            raise ValueError("hardware 'this' needs the measured (name, peak FLOP/s, memory bytes[, bandwidth])")
+        return this_machine
+    return name, accelerator_peak(name, dtype), ACCELERATORS[name].memory_bytes, ACCELERATORS[name].memory_bandwidth
+
+
 def check_hardware(name: str) -> None:
     """ValueError unless `name` is "this" (the machine at hand, measured) or a known accelerator."""
     if name != "this" and name not in ACCELERATORS:
@@ -279,7 +290,7 @@ def this_bandwidth(dtype: str, device: torch.device, remeasure: bool = False, st
     """Measured memory bandwidth of `device` (bytes/s) reading `dtype` weights ("float32", "bfloat16",
     "float16"; a quantised format's bytes are read at the bandwidth of bfloat16's), cached as the
     matmul peak is."""
-    timed = {"float32": torch.float32, "float16": torch.float16}.get(dtype, torch.bfloat16)
+    timed = TIMED_DTYPE.get(dtype, torch.bfloat16)  # a matmul dtype's timed one (fp8: bf16), else bf16
     key = f"memory bandwidth|{device_name(device)}|{timed}|torch {torch.__version__}"
     return _measured(key, "bytes_per_second", lambda: measure_memory_bandwidth(timed, device), remeasure, store)
 

@@ -68,33 +68,6 @@ def measure_saved_bytes(parameters=()):
         yield result
 
 
-def count_flops(fn) -> int:
-    """Total FLOPs counted by torch.utils.flop_counter.FlopCounterMode while fn() runs.
-
-    On CPU, SDPA runs as the fused op `_scaled_dot_product_flash_attention_for_cpu`, for which
-    PyTorch registers no formula: without one, attention would count zero. This counter is given
-    PyTorch's own SDPA formulas for it (not ours, so the check stays independent), for this
-    measurement only: torch's global FLOP registry is left as it was. Note that the backward
-    formula includes recomputing QK^T, as a fused kernel really does (Dao 2023, algorithm 2):
-    that is hardware FLOPs, one attention-scores matmul more than the model FLOPs of MFU.
-    """
-    from torch.utils import flop_counter
-
-    def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-        return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
-
-    def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-        return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
-
-    aten = torch.ops.aten
-    counter = flop_counter.FlopCounterMode(display=False, custom_mapping={
-        aten._scaled_dot_product_flash_attention_for_cpu: forward,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward})
-    with counter:
-        fn()
-    return counter.get_total_flops()
-
-
 def unique_storages_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one buffer counted once; None skipped)."""
     seen = {}

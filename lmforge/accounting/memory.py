@@ -54,20 +54,13 @@ def lora_parameters(cfg: ModelConfig, rank: int, targets: str, tp: int = 1) -> i
     """Trainable parameters of LoRA (model/lora.py): r * (in + out) per targeted linear layer, read
     from the meta-device model with the adapters applied. With tp > 1, those one tensor rank holds
     (parallel/tp_lora.py): a column-parallel layer's B is split by its output rows and its A whole,
-    a row-parallel layer's A is split by its input columns and its B whole."""
-    from lmforge.accounting.shapes import tensor_parallel_dim, tensor_parallel_slices
+    a row-parallel layer's A is split by its input columns and its B whole (shapes.tensor_rank_shape)."""
+    from lmforge.accounting.shapes import tensor_rank_shape
     from lmforge.model.transformer import meta_model
     from lmforge.model.lora import apply_lora
 
-    held = 0
-    for name, param in apply_lora(meta_model(cfg), targets, rank).named_parameters():
-        if not param.requires_grad:
-            continue
-        layer, adapter = name.rsplit(".", 1)
-        split = {0: "lora_B", 1: "lora_A"}.get(tensor_parallel_dim(f"{layer}.weight"))
-        # a replicated KV head's B is its head's rows (tp_lora.py): n_kv_heads slices, not tp
-        held += param.numel() // (tensor_parallel_slices(f"{layer}.weight", cfg, tp) if adapter == split else 1)
-    return held
+    return sum(math.prod(tensor_rank_shape(name, tuple(param.shape), cfg, tp))
+               for name, param in apply_lora(meta_model(cfg), targets, rank).named_parameters() if param.requires_grad)
 
 
 def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optimizer: str = "adamw",

@@ -135,11 +135,7 @@ def bootstrap(n, d, loss, fit: ScalingFit, samples: int = 200, seed: int = 0) ->
     start = torch.tensor([*logs, fit.alpha, fit.beta], dtype=torch.float64)
     a, b, e, alpha, beta = _descend(start.expand(samples, 5), log_n, log_d, log_l, steps=300, lr=0.005).unbind(-1)
     values = {"E": e.exp(), "A": a.exp(), "B": b.exp(), "alpha": alpha, "beta": beta}
-    return {key: (_percentile(v, 0.05), _percentile(v, 0.95)) for key, v in values.items()}
-
-
-def _percentile(values: torch.Tensor, q: float) -> float:
-    return float(values.quantile(q))
+    return {key: (float(v.quantile(0.05)), float(v.quantile(0.95))) for key, v in values.items()}
 
 
 @dataclass(frozen=True)

@@ -4,17 +4,14 @@ fit's L(N, C / 6N) as lines, each budget's best size marked) and N_opt against C
 import math
 from pathlib import Path
 
+from lmforge.accounting.plan.chart import pyplot, save
 from lmforge.accounting.scaling import IsoFlopMinimum, ScalingFit
 
 
 def plot_scaling(points: list[tuple[float, float, float]], fit: ScalingFit, minima: list[IsoFlopMinimum],
                  png: str | Path) -> None:
     """`points` as (C, N, L) of the runs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (curves, optimal) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
     budgets = sorted({round(c, 6) for c, _, _ in points})
     colors = plt.cm.viridis([i / max(len(budgets) - 1, 1) for i in range(len(budgets))])
@@ -43,6 +40,4 @@ def plot_scaling(points: list[tuple[float, float, float]], fit: ScalingFit, mini
     optimal.set_xlabel("compute C = 6 N D (FLOPs)")
     optimal.set_ylabel("compute-optimal N")
     optimal.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
+    save(plt, fig, png)

@@ -49,6 +49,11 @@ SEED = number(int, at_least=0)
 COUNT = number(int, at_least=1)
 
 
+def describe(parser: argparse.ArgumentParser, description: str, epilog: str | None = None) -> None:
+    """A subcommand's --help text: its description and examples, laid out as written."""
+    parser.description, parser.epilog, parser.formatter_class = description, epilog, RAW
+
+
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML file with model/data/optim/train sections")
     parser.add_argument("--model", metavar="PRESET", default=None,

@@ -15,7 +15,7 @@ from lmforge.cli.plan_command import cmd_plan
 from lmforge.cli.report_command import cmd_report
 from lmforge.cli.run_config import finetune_config, resumed_config, resumed_finetune_config, train_config
 from lmforge.cli.scaling import cmd_scaling
-from lmforge.common.errors import LmforgeError, memory_error_message, os_error_message
+from lmforge.common.errors import LmforgeError, memory_error_message, os_error_message, warn
 from lmforge.config import DEFAULT_PRESET, make_config
 
 
@@ -80,22 +80,11 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
 
 
 def cmd_generate(args) -> int:
-    from lmforge.generate.load import load_for_sampling
     from lmforge.generate.sampling import KVCache
     from lmforge.generate.texts import print_samples, print_stats, prompt_ids, samples
-    from lmforge.parallel.world import resolve_device
 
-    json_answer = _json_answer(args)  # before loading the model: a bad --schema stops at once
-    device = resolve_device(args.device, setting="--device")
-    # a run folder (a LoRA run: its base + adapters) or a Hugging Face folder, in its stored dtype by
-    # default; with --adapter, a PEFT adapter on top
-    loaded, special = load_for_sampling(args.run, args.adapter, args.merge, args.dtype, device, warn=_warn)
+    loaded, special, constrained = _sampling_model(args, args.dtype)
     model, tokenizer, end = loaded.model, loaded.tokenizer, special.end_id
-    constrained = None
-    if json_answer is not None:
-        from lmforge.structured.constrain import JsonMode
-
-        constrained = JsonMode(tokenizer, end, *json_answer)
     # one cache for every sample, for the prompt and the new tokens (never the model's whole context)
     positions = len(prompt_ids(tokenizer, args.prompt, end)) + args.max_new_tokens
     cache = None if args.no_cache else KVCache.for_model(model, positions)
@@ -108,28 +97,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
-
-
 def cmd_chat(args) -> int:
     from lmforge.generate.chat import ChatSession, run_chat, sampling_options
+
+    loaded, special, constrained = _sampling_model(args)
+    sampling = sampling_options(special, args.temperature, args.top_k, args.top_p)
+    session = ChatSession(loaded.model, loaded.tokenizer, special, args.max_new_tokens, system=args.system,
+                          constrained=constrained, seed=args.seed, **sampling)
+    return run_chat(session, Path(args.run).name)
+
+
+def _sampling_model(args, dtype: str = "auto"):
+    """generate's and chat's model on --device: a run folder (a LoRA run: its base + adapters) or a
+    Hugging Face folder, in its stored dtype by default; with --adapter, a PEFT adapter on top. Also
+    its special tokens and the --format json decoder (None without --format)."""
     from lmforge.generate.load import load_for_sampling
     from lmforge.parallel.world import resolve_device
 
-    json_answer = _json_answer(args)
+    json_answer = _json_answer(args)  # before loading the model: a bad --schema stops at once
     device = resolve_device(args.device, setting="--device")
-    loaded, special = load_for_sampling(args.run, args.adapter, args.merge, device=device, warn=_warn)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    sampling = sampling_options(special, args.temperature, args.top_k, args.top_p)
-    constrained = None
-    if json_answer is not None:
-        from lmforge.structured.constrain import JsonMode
+    loaded, special = load_for_sampling(args.run, args.adapter, args.merge, dtype, device, warn=warn)
+    if json_answer is None:
+        return loaded, special, None
+    from lmforge.structured.constrain import JsonMode
 
-        constrained = JsonMode(tokenizer, special.end_id, *json_answer)
-    session = ChatSession(model, tokenizer, special, args.max_new_tokens, system=args.system,
-                          constrained=constrained, seed=args.seed, **sampling)
-    return run_chat(session, Path(args.run).name)
+    return loaded, special, JsonMode(loaded.tokenizer, special.end_id, *json_answer)
 
 
 def _json_answer(args):
@@ -146,6 +138,8 @@ def _json_answer(args):
                            f"{', '.join(CONSTRAINED_FORMATS)} (the grammar engine has no YAML or XML grammar)")
     schema = load_schema(args.schema) if args.schema else None
     return schema, json_grammar(schema)
+
+
 def cmd_runs(args) -> int:
     from lmforge.runs.listing import find_runs, plot_runs, print_runs
     from lmforge.common.folders import write_file_staged

@@ -9,7 +9,7 @@ Building the parser imports no torch, so that `lmforge --help` answers at once.
 import argparse
 
 from lmforge.cli.arguments import (COUNT, RAW, SEED, Parser, add_config_args, add_overrides, add_run,
-                                   add_training_outputs, number, one_folder, one_run)
+                                   add_training_outputs, describe, number, one_folder, one_run)
 from lmforge.cli.plan_parser import add_plan
 from lmforge.cli.report_command import add_report
 from lmforge.cli.scaling import add_scaling
@@ -256,11 +256,6 @@ SUBCOMMANDS = {
     "eval": ("score a model on standard benchmarks (ARC, HellaSwag, GSM8K, HumanEval, ...)", add_eval),
     "report": ("write report.md about a run: config, data, cost, loss curves, scores, sample", add_report),
 }
-
-
-def describe(parser: argparse.ArgumentParser, description: str, epilog: str | None = None) -> None:
-    """A subcommand's --help text: its description and examples, laid out as written."""
-    parser.description, parser.epilog, parser.formatter_class = description, epilog, RAW
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

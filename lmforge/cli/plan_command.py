@@ -20,10 +20,7 @@ def cmd_plan(args) -> int:
         return 0
     retain_freed_memory()  # the roofline is measured under the malloc settings lmforge train runs with
     plans, varying, note, name = _plans(args)
-    if args.compare:
-        _show_comparison(console, plans, varying, name, args)
-    else:
-        _show_plan(console, *plans, name, note, args)
+    _show(console, plans, varying, name, note, args)
     return 0
 
 
@@ -82,66 +79,51 @@ def _add_decode_roofline(cfg, plans: list[dict], args) -> None:
     from lmforge.accounting.roofline.decode import plan_decode, untraced
     from lmforge.train.roofline import decode_step
 
-    mine = [plan for plan in plans if plan["setup"]["hardware"] == "this"]
-    for plan in mine:
-        if untraced(plan):
-            plan["decode_roofline"] = {"none": untraced(plan)}
-    mine = [plan for plan in mine if "decode_roofline" not in plan]
-    if not mine:
-        return
-    import torch
+    mine, roof = [plan for plan in plans if plan["setup"]["hardware"] == "this"], None
+    if any(untraced(plan) is None for plan in mine):
+        from lmforge.accounting.roofline.decode_roof import decode_roof, this_decode_measurements
+        from lmforge.accounting.roofline.measure import this_roof
+        from lmforge.parallel.world import resolve_device
 
-    from lmforge.accounting.roofline.measure import this_roof
-    from lmforge.accounting.roofline.decode_roof import decode_roof, this_decode_measurements
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    roof = decode_roof(this_roof(device, remeasure=args.remeasure),
-                       this_decode_measurements(decode_step, device, remeasure=args.remeasure))
-    for plan in mine:
+        device = resolve_device("auto")
+        roof = decode_roof(this_roof(device, remeasure=args.remeasure),
+                           this_decode_measurements(decode_step, device, remeasure=args.remeasure))
+    for plan in mine:  # an untraced setup's: {"none": why}
         plan["decode_roofline"] = plan_decode(decode_step, cfg.model, plan, roof)
 
 
-def _show_comparison(console, plans: list[dict], varying, name: str, args) -> None:
+def _show(console, plans: list[dict], varying: list, name: str, note: str, args) -> None:
+    """The charts asked for written first (--plot: the memory, or --compare's bars; --roofline), then
+    the plan (--compare: every plan, as one table) as JSON or tables, and where the charts went."""
     import json
 
-    from lmforge.accounting.plan.chart import plot_comparison
+    from lmforge.accounting.plan.chart import plot_comparison, plot_memory
     from lmforge.accounting.plan.compare import print_comparison_table
-    from lmforge.common.folders import write_file_staged
-
-    if args.plot:
-        write_file_staged(Path(args.plot), lambda path: plot_comparison(plans, varying, path, name=name))
-    if args.json:
-        print(json.dumps(plans, indent=2))
-    else:
-        print_comparison_table(console, plans, varying, title=f"lmforge plan --compare: {name}")
-        if args.plot:
-            console.print(f"comparison chart: {args.plot}")
-
-
-
-def _show_plan(console, plan: dict, name: str, note: str | None, args) -> None:
-    import json
-
-    from lmforge.accounting.plan.chart import plot_memory
     from lmforge.accounting.plan.show import print_plan
     from lmforge.common.folders import write_file_staged
 
-    if args.plot:
-        write_file_staged(Path(args.plot), lambda path: plot_memory(plan, path, name=name))
+    charts = {}  # what each chart is: (its path, what draws it)
+    if args.plot and args.compare:
+        charts["comparison chart"] = (args.plot, lambda path: plot_comparison(plans, varying, path, name=name))
+    elif args.plot:
+        charts["memory chart"] = (args.plot, lambda path: plot_memory(plans[0], path, name=name))
     if args.roofline:
         from lmforge.accounting.roofline.show import plot_roofline
 
-        write_file_staged(Path(args.roofline), lambda path: plot_roofline(plan, path, name=name))
+        charts["roofline chart"] = (args.roofline, lambda path: plot_roofline(plans[0], path, name=name))
+    for path, draw in charts.values():
+        write_file_staged(Path(path), draw)
     if args.json:
-        print(json.dumps(plan, indent=2))
+        print(json.dumps(plans if args.compare else plans[0], indent=2))
+        return
+    if args.compare:
+        print_comparison_table(console, plans, varying, title=f"lmforge plan --compare: {name}")
     else:
-        print_plan(console, plan, title=f"lmforge plan{' --inference' if args.inference else ''}: {name}")
-        if note:
-            console.print(note)
-        if args.plot:
-            console.print(f"memory chart: {args.plot}")
-        if args.roofline:
-            console.print(f"roofline chart: {args.roofline}")
+        print_plan(console, plans[0], title=f"lmforge plan{' --inference' if args.inference else ''}: {name}")
+    if note:
+        console.print(note)
+    for what, (path, _) in charts.items():
+        console.print(f"{what}: {path}")
 
 
 def _plan_config(args, overrides: list[str]):

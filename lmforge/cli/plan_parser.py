@@ -3,7 +3,7 @@ the setup flags are aliases of config keys, the others the world and the machine
 
 import argparse
 
-from lmforge.cli.arguments import COUNT, RAW, add_config_args, add_run, number
+from lmforge.cli.arguments import COUNT, add_config_args, add_run, describe, number
 from lmforge.modes.attention import BACKENDS
 from lmforge.modes.optimizers import OPTIMIZER_MODES
 from lmforge.modes.precision import ALIASES, POLICIES
@@ -11,7 +11,7 @@ from lmforge.modes.recompute import RECOMPUTE_MODES
 
 
 def add_plan(plan) -> None:
-    plan.description = (
+    describe(plan, (
         "Print what a training setup costs: parameters, FLOPs per token and per step, memory per "
         "device with its breakdown (and whether it fits), time per step at an assumed MFU, and the "
         "time, FLOPs and device-hours of a token budget. With --inference, what serving costs: "
@@ -19,8 +19,7 @@ def add_plan(plan) -> None:
         "and validated as `lmforge train` builds it (--model, --config, section.key=value); the setup "
         "flags are aliases of its keys (--batch-size: train.batch_size, --pp: parallel.pp, "
         "--zero-stage N: train.parallel=zeroN, ...: docs/planning.md). Options marked LIST take several "
-        "values separated by commas with --compare.")
-    plan.epilog = (
+        "values separated by commas with --compare."), (
         "examples:\n"
         "  lmforge plan                                   # the default model on this machine\n"
         "  lmforge plan --model gpt3-175b --batch-size 128 --seq-len 2048 --precision fp16 \\\n"
@@ -36,8 +35,7 @@ def add_plan(plan) -> None:
         "  lmforge plan --inference --model llama3-8b --batch-size 8 --seq-len 8192 --weights int4 \\\n"
         "      --hardware h100-sxm\n"
         "  lmforge plan --inference ~/models/Llama-3.2-1B --seq-len 4096   # a Hugging Face folder\n"
-        "  lmforge plan --dtypes")
-    plan.formatter_class = RAW
+        "  lmforge plan --dtypes"))
     add_run(plan, "plan the model of this run folder or Hugging Face folder (instead of --model); its stored "
                   "dtype is --inference's default --weights and --kv-dtype", required=False)
     add_config_args(plan)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lmforge.cli.arguments import COUNT, RAW, add_overrides, number
+from lmforge.cli.arguments import COUNT, RAW, add_overrides, describe, number
 from lmforge.common.errors import LmforgeError
 
 EXAMPLES = """\
@@ -20,7 +20,7 @@ EVAL_BATCHES = 50  # the final validation loss over 50 batches (8 x 50 x 128 tok
 
 
 def add_scaling(scaling) -> None:
-    scaling.description, scaling.epilog, scaling.formatter_class = __doc__, EXAMPLES, RAW
+    describe(scaling, __doc__, EXAMPLES)
     actions = scaling.add_subparsers(dest="scaling_command", metavar="ACTION", required=True)
     sweep = actions.add_parser("sweep", help="train every depth at every compute budget (resumable)",
                                epilog=EXAMPLES, formatter_class=RAW)

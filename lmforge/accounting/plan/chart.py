@@ -4,7 +4,7 @@ beside the device's capacity (`lmforge plan --plot`), or one bar per setup of a 
 from pathlib import Path
 
 from lmforge.accounting.plan.compare import compare_label
-from lmforge.accounting.plan.tables import labelled_parts
+from lmforge.accounting.plan.show import labelled_parts
 from lmforge.common.formatting import human_bytes, human_count
 
 
@@ -20,7 +20,7 @@ def memory_parts(plan: dict) -> list[tuple[str, float]]:
 
 def plot_comparison(plans: list[dict], varying: list[str], png_path: str | Path, name: str = "") -> None:
     """One stacked bar of memory per device for each setup, with each device's capacity marked."""
-    plt = _pyplot()
+    plt = pyplot()
     labels = list(dict.fromkeys(label for plan in plans for label, _ in memory_parts(plan)))  # in order, once
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(plans)), dpi=120)
     names = [compare_label(plan, varying) for plan in plans]
@@ -38,7 +38,7 @@ def plot_comparison(plans: list[dict], varying: list[str], png_path: str | Path,
     kind = "inference" if "decode" in plans[0] else "training"
     ax.set_title(f"{name + ': ' if name else ''}{kind} memory per device, by setup", fontsize=9)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(plans) < 6 else -0.12), ncol=3, fontsize=7)
-    _save(plt, fig, png_path)
+    save(plt, fig, png_path)
 
 
 def setup_label(plan: dict) -> str:
@@ -52,7 +52,7 @@ def setup_label(plan: dict) -> str:
 def plot_memory(plan: dict, png_path: str | Path, name: str = "") -> None:
     """A stacked bar of memory per device by part, beside the device's capacity; the title names
     the model (`name`, e.g. its preset) and the setup."""
-    plt = _pyplot()
+    plt = pyplot()
     mem = plan["memory"]
     parts = memory_parts(plan)
     scale, unit = (2**30, "GiB") if mem["per_device_bytes"] >= 2**30 else (2**20, "MiB")
@@ -68,7 +68,7 @@ def plot_memory(plan: dict, png_path: str | Path, name: str = "") -> None:
     ax.set_xlabel(unit)
     ax.set_title(memory_title(plan, name), fontsize=9)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8)
-    _save(plt, fig, png_path)
+    save(plt, fig, png_path)
 
 
 def memory_title(plan: dict, name: str = "") -> str:
@@ -85,8 +85,8 @@ def memory_title(plan: dict, name: str = "") -> str:
     return f"{name + ': ' if name else ''}{where}: {human_bytes(mem['per_device_bytes'])} per device ({verdict})"
 
 
-def _pyplot():
-    """matplotlib's pyplot, drawing to files only (no display needed)."""
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (no display needed): every chart of accounting/."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,7 +95,8 @@ def _pyplot():
     return plt
 
 
-def _save(plt, fig, png_path: str | Path) -> None:
+def save(plt, fig, png_path: str | Path) -> None:
+    """Write `fig` laid out tight, and free it."""
     fig.tight_layout()
     fig.savefig(png_path)
     plt.close(fig)

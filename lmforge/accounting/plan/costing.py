@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from lmforge.accounting import comm, flops, memory
 from lmforge.accounting.activations import activation_breakdown
-from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak, check_hardware
+from lmforge.accounting.hardware import DEFAULT_RESERVE_BYTES, check_hardware, hardware_figures
 from lmforge.accounting.shapes import model_shapes
 from lmforge.common.errors import LmforgeError
 from lmforge.config import Config
@@ -144,7 +144,7 @@ def step_plan(cfg: Config, costing: Costing, this_machine: tuple[str, float, flo
     d = degrees(cfg, costing.dp)
     _check_composition(cfg, d)
     pol, m = policy(cfg), cfg.model
-    hardware_name, peak, device_memory = _hardware(costing, pol, this_machine)
+    hardware_name, peak, device_memory = hardware_figures(costing.hardware, pol.matmul_dtype, this_machine)[:3]
     adapters = None if cfg.finetune.lora_rank is None else memory.lora_parameters(m, *lora(cfg))
     step_flops = tokens_per_step(cfg, d) * flops.training_flops_per_token(m, cfg.seq_len, lora=lora(cfg))
     step_seconds = step_flops / (peak * costing.mfu * devices(d))
@@ -185,16 +185,6 @@ def _check_composition(cfg: Config, d: Degrees) -> None:
     (costing.strategy: none over several data ranks is DDP's all-reduce) and no end-of-run sample."""
     train = dataclasses.replace(cfg.train, parallel=strategy(cfg, d), sample_tokens=0)
     check_composition(dataclasses.replace(cfg, train=train), world=devices(d))
-
-
-def _hardware(costing: Costing, pol: Policy, this_machine: tuple | None) -> tuple[str, float, float]:
-    """(name, peak FLOP/s at the policy's matmul dtype, memory bytes) of costing.hardware."""
-    if costing.hardware == "this":
-        if this_machine is None:
-            raise ValueError("hardware 'this' needs the measured (name, peak FLOP/s, memory bytes)")
-        return this_machine
-    return (costing.hardware, accelerator_peak(costing.hardware, pol.matmul_dtype),
-            ACCELERATORS[costing.hardware].memory_bytes)
 
 
 def _pipelined_cost(cfg: Config, d: Degrees, pol: Policy, peak: float, mfu: float) -> Cost:

@@ -4,7 +4,7 @@ one serving setup. The formulas and the reasoning behind them: accounting/infere
 from dataclasses import asdict, dataclass
 
 from lmforge.accounting import flops, memory
-from lmforge.accounting.hardware import ACCELERATORS, DEFAULT_RESERVE_BYTES, accelerator_peak, check_hardware
+from lmforge.accounting.hardware import DEFAULT_RESERVE_BYTES, check_hardware, hardware_figures
 from lmforge.accounting.inference import KV_FORMATS, PREFILL_DTYPE, WEIGHT_FORMATS, decode_step_bytes, weight_bytes
 from lmforge.accounting.shapes import model_shapes, tensor_parallel_degrees
 from lmforge.common.errors import lookup
@@ -38,7 +38,8 @@ def make_inference_plan(cfg: ModelConfig, setup: InferenceSetup,
     """The inference plan as a JSON-ready dict. `this_machine` = (name, peak FLOP/s, memory bytes,
     memory bandwidth bytes/s), needed when setup.hardware is "this" (the caller measures it)."""
     setup.validate(cfg)
-    hardware, peak, device_memory, bandwidth = _hardware(setup, this_machine)
+    hardware, peak, device_memory, bandwidth = hardware_figures(setup.hardware, PREFILL_DTYPE[setup.weights],
+                                                                this_machine)
     plan_memory = _memory(cfg, setup, device_memory)
     return {
         "model": {"family": cfg.family, "parameters": model_shapes(cfg).parameters, "layers": cfg.n_layers,
@@ -51,17 +52,6 @@ def make_inference_plan(cfg: ModelConfig, setup: InferenceSetup,
         "hardware": {"name": hardware, "peak_flops": peak, "memory_bandwidth": bandwidth,
                      "prefill_dtype": PREFILL_DTYPE[setup.weights]},
     }
-
-
-def _hardware(setup: InferenceSetup, this_machine: tuple | None) -> tuple[str, float, float, float]:
-    """(name, peak FLOP/s at the prefill dtype, memory bytes, memory bandwidth) of setup.hardware."""
-    if setup.hardware == "this":
-        if this_machine is None:
-            raise ValueError("hardware 'this' needs the measured (name, peak FLOP/s, memory, bandwidth)")
-        return this_machine
-    accelerator = ACCELERATORS[setup.hardware]
-    return (setup.hardware, accelerator_peak(setup.hardware, PREFILL_DTYPE[setup.weights]), accelerator.memory_bytes,
-            accelerator.memory_bandwidth)
 
 
 def _memory(cfg: ModelConfig, setup: InferenceSetup, device_memory: float) -> dict:

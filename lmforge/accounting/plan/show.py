@@ -1,16 +1,14 @@
 """Showing a training plan (plan/make.py) in the terminal: what it is, its memory per device (and
-each pipeline stage's), its time; an inference plan is shown by show_inference.py. The --compare
-table: compare.py; the bar charts: chart.py; the trainer's predicted-vs-measured table:
-predicted_vs_measured.py."""
+each pipeline stage's), its time, and the pieces every plan's tables share (facts_table,
+memory_table); an inference plan is shown by show_inference.py. The --compare table: compare.py;
+the bar charts: chart.py; the trainer's predicted-vs-measured table: predicted_vs_measured.py."""
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from lmforge.accounting.dtypes import dtype_table
-from lmforge.accounting.plan.show_inference import print_inference_plan
 from lmforge.accounting.roofline.show import roofline_table
-from lmforge.accounting.plan.tables import facts_table, labelled_parts, memory_table
 from lmforge.common.formatting import human_bytes, human_count, human_seconds
 from lmforge.modes.parallel import get_strategy
 
@@ -18,6 +16,8 @@ from lmforge.modes.parallel import get_strategy
 def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> None:
     """The plan's tables, training or inference (a plan with "decode" is one)."""
     if "decode" in plan:
+        from lmforge.accounting.plan.show_inference import print_inference_plan  # which imports this module
+
         print_inference_plan(console, plan, title)
         return
     piped = plan.get("pipeline")
@@ -198,3 +198,51 @@ def print_dtypes(console: Console) -> None:
         table.add_row(d.name, str(d.bits), str(d.bytes), str(d.exponent_bits), str(d.mantissa_bits),
                       f"{d.max:.4g}".replace("e+", "e"), f"{d.smallest_normal:.3g}", f"{d.eps:.3g}")
     console.print(table)
+
+
+# What the tables and charts call the parts of a training plan's memory (plan["memory"]["breakdown_bytes"])
+MEMORY_LABELS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "master_weights": "fp32 master weights",
+    "optimizer_states": "optimizer states",
+    "weight_copies": "low-precision weight copies",
+    "activations": "activations (saved for backward)",
+    "logits": "logits + fp32 loss copy",
+}
+
+
+def labelled_parts(breakdown: dict) -> list[tuple[str, float]]:
+    """A training plan's non-zero memory parts (plan["memory"]["breakdown_bytes"]), by their labels."""
+    return [(MEMORY_LABELS.get(key, key), value) for key, value in breakdown.items() if value]
+
+
+def facts_table(title: str, rows: list[tuple[str, str]] = ()) -> Table:
+    """A two-column table of (what, value) rows, without a header."""
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def memory_table(title: str, parts: list[tuple[str, float]], mem: dict, hardware: str) -> Table:
+    """Memory per device: each non-zero part with its share of the total, the total, then the
+    reserve and whether total + reserve fits the device."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    total = mem["per_device_bytes"]
+    for label, value in parts:
+        if value:
+            table.add_row(label, human_bytes(value), f"{value / total:.1%}")
+    table.add_row("total", human_bytes(total), "", style="bold")
+    reserve = mem["reserve_bytes"]
+    table.add_row("reserve (--reserve: CUDA context, fragmentation)", human_bytes(reserve), "", style="dim")
+    verdict = "fits" if mem["fits"] else "does NOT fit"
+    table.add_row(f"device memory ({hardware}, as the device reports it)", human_bytes(mem["device_memory_bytes"]),
+                  f"{verdict} ({(total + reserve) / mem['device_memory_bytes']:.0%})",
+                  style="green" if mem["fits"] else "red")
+    return table

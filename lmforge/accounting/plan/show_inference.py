@@ -4,7 +4,7 @@ device and the largest batch that fits, prefill and decode time."""
 from rich.console import Console
 from rich.table import Table
 
-from lmforge.accounting.plan.tables import facts_table, memory_table
+from lmforge.accounting.plan.show import facts_table, memory_table
 from lmforge.common.formatting import human_bytes, human_count, human_seconds
 
 

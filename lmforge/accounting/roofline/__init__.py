@@ -30,7 +30,7 @@ class Roof:
     matmul: dict
     sdpa_forward: dict
     sdpa_backward: dict
-    elementwise: list  # [[bytes per call, bytes/s], ...] of an fp32 add: ops of no measured family
+    elementwise: list  # [[bytes per call, bytes/s], ...] of the binary family (an fp32 multiply): ops of no family
     call_seconds: float = 0.0  # one eager kernel launch from Python (a tiny op's time)
     elementwise_ops: dict = field(default_factory=dict)  # {family: [[bytes per call, bytes/s], ...]}
     view_call_seconds: float | None = None  # one view (no kernel, just dispatch); None: call_seconds

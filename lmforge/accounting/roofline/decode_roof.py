@@ -7,7 +7,7 @@ cache, `--remeasure` replaces it):
 - matmul FLOP/s at GEMV-like shapes: M in GEMV_ROWS by every (N, K) of the training grid's
   (measure.MATMUL_DIMS), so that with the training grid they form one regular grid in M
   (interpolated in log2 M as any other dimension: roofline.interpolate), each call reading its
-  weights from memory (measure_gemv);
+  weights from memory (measure.measure_matmuls with cold_megabytes);
 - the fixed cost of one operator of a decode step: the step of a model so small that none of its
   operators does measurable work (one layer, width 16, vocabulary 32, 16 cached positions), timed
   and divided by the aten operators it dispatches as roofline/trace.py counts them. This is what a
@@ -25,34 +25,12 @@ import torch
 
 from lmforge.accounting.hardware import _measured, device_name
 from lmforge.accounting.roofline import Roof
-from lmforge.accounting.roofline.measure import DTYPES, MATMUL_DIMS, MINIMAL, _best_rate
+from lmforge.accounting.roofline.measure import MINIMAL, _best_rate, measure_matmuls
 from lmforge.accounting.roofline.trace import dispatched_calls
 from lmforge.model.transformer import Transformer
 
 GEMV_ROWS = (1, 8)  # rows of a decode step's matmuls: batch 1 and batch 8
 MINIMAL_CONTEXT = 16
-
-
-def measure_gemv(device: torch.device, megabytes: int = 128) -> dict:
-    """{dtype: [[M, N, K, FLOP/s], ...]} over GEMV_ROWS x MATMUL_DIMS x MATMUL_DIMS, each call's
-    weight matrix the next of the (K, N) matrices laid end to end in `megabytes` MiB (more than a
-    CPU's last-level cache): a decode step reads each weight once per step, after every other
-    layer's, so from memory, not from the cache a timing loop on one matrix would keep it in."""
-    generator = torch.Generator(device).manual_seed(0)
-    grid = {}
-    for name, dtype in DTYPES.items():
-        weights = torch.full((megabytes * 2**20 // dtype.itemsize,), 0.5, device=device, dtype=dtype)
-        rows = []
-        for m in GEMV_ROWS:
-            for n in MATMUL_DIMS:
-                for k in MATMUL_DIMS:
-                    a = torch.randn(m, k, device=device, generator=generator).to(dtype)
-                    matrices = weights[:weights.numel() // (k * n) * (k * n)].view(-1, k, n)
-                    turn = iter(range(10**12))
-                    rows.append([m, n, k, _best_rate(lambda: a @ matrices[next(turn) % len(matrices)],
-                                                     2 * m * n * k, device)])
-        grid[name] = rows
-    return grid
 
 
 @torch.no_grad()
@@ -66,7 +44,8 @@ def measure_decode_call(decoder, device: torch.device) -> float:
 def measure_decode(decoder, device: torch.device) -> dict:
     """The decode roof's measurements as a JSON-ready dict, the global RNG left as it was."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return {"gemv": measure_gemv(device), "call_seconds": measure_decode_call(decoder, device)}
+        return {"gemv": measure_matmuls(device, GEMV_ROWS, cold_megabytes=128),
+                "call_seconds": measure_decode_call(decoder, device)}
 
 
 def this_decode_measurements(decoder, device: torch.device, remeasure: bool = False, store: bool = True) -> dict:

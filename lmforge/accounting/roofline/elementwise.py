@@ -44,16 +44,6 @@ def _cold_rate(op, work: float, device: torch.device, runs: int = 9, evict_bytes
     return work / best
 
 
-def measure_elementwise(device: torch.device, evict_bytes: float = EVICT_MIB * 2**20) -> list:
-    """[[bytes per call, bytes/s]] of an out-of-place fp32 add (reads two operands, writes one),
-    as eager code runs it in a step: its operands out of cache (_cold_rate after `evict_bytes`)."""
-    rows = []
-    for n in ELEMENTWISE_SIZES:
-        x, y = torch.ones(n, device=device), torch.ones(n, device=device)
-        rows.append([3 * 4 * n, _cold_rate(lambda: x + y, 3 * 4 * n, device, evict_bytes=evict_bytes)])
-    return rows
-
-
 def _family_calls(n: int, device: torch.device) -> dict:
     """{family: (the call, bytes it moves)} of one representative operator of each family of
     roofline.FAMILIES on n fp32 elements, bytes counted as ops counts them."""

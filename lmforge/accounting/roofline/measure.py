@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from lmforge.accounting.hardware import _calls_per_second, _measured, _sync, cached_field, device_name
 from lmforge.accounting.roofline import Roof
-from lmforge.accounting.roofline.elementwise import (cache_bytes, cold_writes, measure_elementwise,
-                                                   measure_elementwise_after, measure_elementwise_ops)
+from lmforge.accounting.roofline.elementwise import (cache_bytes, cold_writes, measure_elementwise_after,
+                                                   measure_elementwise_ops)
 from lmforge.accounting.roofline.trace import dispatched_calls
 from lmforge.config import Config, ModelConfig
 from lmforge.model.transformer import Transformer
@@ -44,19 +44,29 @@ def _best_rate(op, work: float, device: torch.device, runs: int = 2, seconds: fl
     return max(work * _calls_per_second(op, device, seconds)[0] for _ in range(runs))
 
 
-def measure_matmuls(device: torch.device) -> dict:
-    """{dtype: [[M, N, K, FLOP/s], ...]} over MATMUL_DIMS^3."""
+def measure_matmuls(device: torch.device, rows: tuple[int, ...] = MATMUL_DIMS, cold_megabytes: int = 0) -> dict:
+    """{dtype: [[M, N, K, FLOP/s], ...]} over M in `rows`, N and K in MATMUL_DIMS. With
+    `cold_megabytes` (decode_roof.py's GEMV rows), each call's weight matrix is the next of the (K, N)
+    matrices laid end to end in that many MiB (more than a CPU's last-level cache): a decode step
+    reads each weight once per step, after every other layer's, so from memory, not from the cache
+    a timing loop on one matrix would keep it in."""
     generator = torch.Generator(device).manual_seed(0)
     grid = {}
     for name, dtype in DTYPES.items():
-        rows = []
-        for m in MATMUL_DIMS:
+        weights = torch.full((cold_megabytes * 2**20 // dtype.itemsize,), 0.5, device=device, dtype=dtype)
+        grid[name] = []
+        for m in rows:
             for n in MATMUL_DIMS:
                 for k in MATMUL_DIMS:
                     a = torch.randn(m, k, device=device, generator=generator).to(dtype)
-                    b = torch.randn(k, n, device=device, generator=generator).to(dtype)
-                    rows.append([m, n, k, _best_rate(lambda: a @ b, 2 * m * n * k, device)])
-        grid[name] = rows
+                    if cold_megabytes:
+                        matrices = weights[:weights.numel() // (k * n) * (k * n)].view(-1, k, n)
+                        turn = iter(range(10**12))
+                        call = lambda: a @ matrices[next(turn) % len(matrices)]
+                    else:
+                        b = torch.randn(k, n, device=device, generator=generator).to(dtype)
+                        call = lambda: a @ b
+                    grid[name].append([m, n, k, _best_rate(call, 2 * m * n * k, device)])
     return grid
 
 
@@ -190,7 +200,7 @@ def measure_roof(device: torch.device) -> dict:
         return {"optimizer_phase": measure_optimizer_phase(device), "bandwidth": measure_copy_bandwidth(device),
                 "matmul": measure_matmuls(device),
                 "sdpa_forward": forward, "sdpa_backward": backward,
-                "sdpa_call_seconds": sdpa_call, "elementwise": measure_elementwise(device, cold_writes(cache)),
+                "sdpa_call_seconds": sdpa_call, "elementwise": cold["binary"],
                 "elementwise_ops": cold, "cache_bytes": cache, "cache_shared": device.type == "cpu",
                 "elementwise_ops_after": measure_elementwise_after(device, cold, cache),
                 "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": call,

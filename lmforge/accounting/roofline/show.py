@@ -32,12 +32,10 @@ def plot_roofline(plan: dict, path, name: str = "", measured: dict | None = None
     """Log-log arithmetic intensity (FLOP/byte) against FLOP/s: the roof min(peak, intensity x
     bandwidth) at the best measured matmul rate, and each predicted class as a point; `measured`
     ({class: seconds}, from bench/step_time.py's profile) adds the measured points beside them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from lmforge.accounting.plan.chart import pyplot, save
     from lmforge.accounting.roofline import rate_dtype
+
+    plt = pyplot()
 
     r = plan["roofline"]
     dtype, bandwidth = rate_dtype(plan["time"]["matmul_dtype"]), r["bandwidth_bytes_per_second"]
@@ -46,7 +44,7 @@ def plot_roofline(plan: dict, path, name: str = "", measured: dict | None = None
     classes = {k: v for k, v in plan["roofline"]["classes"].items() if v["flops"]}
     low = min([knee / 100] + [v["intensity_flops_per_byte"] / 3 for v in classes.values()])
     high = max([knee * 100] + [v["intensity_flops_per_byte"] * 3 for v in classes.values()])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     xs = [low, knee, high]
     ax.plot(xs, [min(peak, x * bandwidth) for x in xs], color="black",
             label=f"roof: {human_count(peak)}FLOP/s ({dtype} matmul), {human_bytes(bandwidth)}/s")
@@ -63,6 +61,4 @@ def plot_roofline(plan: dict, path, name: str = "", measured: dict | None = None
     ax.set_ylabel("FLOP/s")
     ax.set_title(f"roofline: {name}" if name else "roofline")
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(plt, fig, path)
