@@ -15,6 +15,7 @@ from lmforge.cli.plan_command import cmd_plan
 from lmforge.cli.run_config import finetune_config, resumed_config, resumed_finetune_config, train_config
 from lmforge.cli.scaling import cmd_scaling
 from lmforge.common.errors import LmforgeError, memory_error_message, os_error_message
+from lmforge.common.last_word import say_error
 from lmforge.config import DEFAULT_PRESET, make_config
 
 
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except LmforgeError as err:
         if not quiet_rank(err):
-            print(f"lmforge: error: {err}", file=sys.stderr)
+            say_error(str(err))
         return 2
     except BrokenPipeError:
         # Whoever read our output stopped (`lmforge plan --json | head`): stop quietly, as cat does,
@@ -250,13 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except OSError as err:  # a full disk, a read-only folder: the machine's state, not a bug
-        print(f"lmforge: error: {os_error_message(err)}", file=sys.stderr)
+        say_error(os_error_message(err))
         return 2
     except (MemoryError, RuntimeError) as err:  # more memory than there is: one line; any other RuntimeError is a bug
         message = memory_error_message(err)
         if message is None:
             raise
-        print(f"lmforge: error: {message}", file=sys.stderr)
+        say_error(message)
         return 2
     except KeyboardInterrupt:
         print("\nlmforge: interrupted", file=sys.stderr)

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import datetime
 import os
+import re
 import signal
 import socket
 import sys
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.common.errors import LmforgeError
+from lmforge.common.last_word import say_error
 
 # After a collective failed, how long a surviving rank waits for the others to say they are alive
 # (they reach the same failure within a moment: the dead rank's sockets are closed by its kernel).
@@ -88,10 +90,9 @@ class Faults:
         through the rendezvous store (which torchrun's agent holds, so it outlives any rank). Rank 0
         prints it; if rank 0 is among the missing, the lowest rank that answered does."""
         missing, store_lost = roll_call or self._roll_call()
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped answering "
                f"(died or hangs)") if missing else "a collective failed on another rank"
-        message = (f"{who}; rank {self.rank} stops too ({first_line[:200]}); continue from the last checkpoint "
+        message = (f"{who}; rank {self.rank} stops too ({cause(err)}); continue from the last checkpoint "
                    f"with the same launch command and --resume")
         if self.is_main:
             return LmforgeError(message)
@@ -108,7 +109,7 @@ class Faults:
             return  # every rank answers: a stop request on a slow step, which the step's end takes
         error = self.failure(RuntimeError(f"stopped by torchrun's agent {doing}"), roll_call)
         if not isinstance(error, ReportedOnRank0):
-            print(f"lmforge: error: {error}", file=sys.stderr, flush=True)
+            say_error(str(error))
         os._exit(2)  # the main thread is stuck in C++; the kernel drops the run folder's lock
 
     @contextlib.contextmanager
@@ -184,6 +185,22 @@ class Faults:
 def alive_key(rank: int) -> str:
     """The store key by which `rank` answers the roll call."""
     return f"lmforge/alive/{rank}"
+
+
+# gloo's messages start with the C++ source line that raised them: "[/.../pair.cc:537] Read error ..."
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*:\d+\] ")
+CAUSE_CHARACTERS = 160  # a cause longer than this is cut at a word, with "...": the line stays one line
+
+
+def cause(err: BaseException) -> str:
+    """What a collective's (or the store's) error says, short: its first line without gloo's source
+    location, up to its first sentence's end; a cut is made at a word, never inside one."""
+    text = str(err).strip()
+    first = _SOURCE_LOCATION.sub("", text.splitlines()[0]) if text else type(err).__name__
+    first = first.split(". ", 1)[0].rstrip(".")
+    if len(first) <= CAUSE_CHARACTERS:
+        return first
+    return first[:CAUSE_CHARACTERS].rsplit(" ", 1)[0] + "..."
 
 
 def is_collective_failure(err: BaseException) -> bool:
