@@ -7,9 +7,8 @@
   the run folder's lock (parallel/faults.py, watch_launcher);
 - SIGTERM to torchrun: the line printed says the torchrun command that resumes, and it does;
 - `lmforge train --nproc 2`: exit statuses as one process (143 SIGTERM, 130 Ctrl-C, 2 refused),
-  no traceback, and its resume command is `lmforge train --nproc 2 --resume RUN`;
-- two torchrun agents as two nodes (c10d rendezvous), one worker killed: on the surviving node,
-  after torchrun's own traceback, lmforge's whole line comes last (common/last_word.py).
+  no traceback, and its resume command is `lmforge train --nproc 2 --resume RUN`.
+(A worker killed in a two-node launch: tests/test_multinode_dist.py.)
 
 Every launch has a deadline and every started process is killed at the end, whatever happened.
 """
@@ -18,7 +17,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,8 +26,7 @@ import pytest
 
 from lmforge.common.folders import is_locked
 from lmforge.runs.checkpoint.find import list_checkpoints
-from test_distributed_train import (env, free_port, kill_rank_after_first_checkpoint, rank_pid, settings,  # noqa: F401
-                                    torchrun)
+from test_distributed_train import env, kill_rank_after_first_checkpoint, rank_pid, settings, torchrun  # noqa: F401
 
 pytestmark = pytest.mark.dist
 
@@ -292,58 +289,3 @@ def test_rank_0_killed_during_setup_is_reported_by_the_rank_that_survives(tmp_pa
     assert errors(stderr) == ["lmforge: error: rank 0 stopped answering (died or hangs); rank 1 stops too (stopped by "
                               "torchrun's agent during setup, before the first step); continue from the last checkpoint "
                               "with the same launch command and --resume"], stderr[-3000:]
-
-
-DIST_TIMEOUT = 30  # train.dist_timeout of the two-node launch: the survivor's line must end it within this + 10 s
-LAST_LINE = re.compile(r"lmforge: error: rank \d stopped answering \(died or hangs\); rank \d stops too \(.+\); "
-                       r"continue from the last checkpoint with the same launch command and --resume")
-
-
-def two_nodes_agent(port: int, args: list[str]) -> list[str]:
-    """One node's torchrun agent of a two-node c10d launch, both nodes on this machine."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "-m", "lmforge", "train", "--no-progress",
-            *args]
-
-
-def test_a_worker_killed_in_a_two_node_launch_leaves_lmforge_s_line_last_on_the_surviving_node(tmp_path, settings):
-    """Node A's agent starts first, so it holds the rendezvous store; its worker is SIGKILLed. Node
-    A's agent exits (ChildFailedError), taking the store with it: node B's agent loses it and ends
-    in TCPStore warnings and a RendezvousConnectionError traceback, after its worker said who is
-    gone. lmforge's line must still be the last of node B's stderr, whole, once, within the
-    collective timeout plus 10 s of the kill. Before the fix it came before that traceback, its
-    cause cut mid-word at 200 characters."""
-    run_dir, port = tmp_path / "run", free_port()
-    args = endless(settings, run_dir, f"train.dist_timeout={DIST_TIMEOUT}")
-    with open(tmp_path / "node_a.err", "w") as node_a_err:  # a file: nobody need read it while it runs
-        node_a = subprocess.Popen(two_nodes_agent(port, args), cwd=tmp_path, stdout=subprocess.DEVNULL,
-                                  stderr=node_a_err, env=env(), start_new_session=True)
-    node_b, worker, elapsed = None, None, None
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while not listening(port):  # node A holds the store before node B starts
-            assert node_a.poll() is None and time.monotonic() < deadline, (tmp_path / "node_a.err").read_text()
-            time.sleep(0.1)
-        node_b = start(two_nodes_agent(port, args), tmp_path)
-        wait_for_checkpoint(node_b, run_dir)
-        worker = next(pid for rank in (0, 1) if (pid := rank_pid(node_a.pid, rank)) is not None)
-        os.kill(worker, signal.SIGKILL)
-        killed = time.monotonic()
-        stderr = finish(node_b)  # to its end: the agent, its worker and the helper that says the line last
-        elapsed = time.monotonic() - killed
-    finally:
-        if node_a.poll() is None:
-            os.killpg(node_a.pid, signal.SIGKILL)
-            node_a.wait()
-        if node_b is not None and node_b.poll() is None:
-            os.killpg(node_b.pid, signal.SIGKILL)
-            node_b.wait()
-    assert "RendezvousConnectionError" in stderr, stderr[-3000:]  # torch's own traceback, the case at hand
-    last = stderr.rstrip("\n").splitlines()[-1]
-    assert LAST_LINE.fullmatch(last) and errors(stderr) == [last], stderr[-3000:]
-    assert elapsed < DIST_TIMEOUT + 10, elapsed
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
