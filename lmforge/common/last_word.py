@@ -60,7 +60,9 @@ def torchrun_agent() -> int | None:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     try:
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+        restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restarts_left > 0:
             return None  # the agent starts the ranks again: this is not the end of its output
         parent = os.getppid()
         with open(f"/proc/{parent}/cmdline", "rb") as f:
