@@ -156,6 +156,8 @@ def test_sigterm_to_torchrun_prints_the_torchrun_command_that_resumes(tmp_path, 
     finally:
         stderr = finish(proc)
     step, resume = resume_line(stderr)
+    # after torchrun's own SignalException traceback (common/last_word.py)
+    assert "SignalException" in stderr and RESUME.fullmatch(stderr.rstrip("\n").splitlines()[-1]), stderr[-3000:]
     launcher = command[:command.index("-m", 3)][3:]  # torchrun's own options, as typed
     assert resume == ["torchrun", *launcher, "-m", "lmforge", "train", "--resume", str(run_dir)], resume
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *resume[1:], f"train.max_steps={step + 1}"],

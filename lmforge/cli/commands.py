@@ -15,7 +15,7 @@ from lmforge.cli.plan_command import cmd_plan
 from lmforge.cli.run_config import finetune_config, resumed_config, resumed_finetune_config, train_config
 from lmforge.cli.scaling import cmd_scaling
 from lmforge.common.errors import LmforgeError, memory_error_message, os_error_message
-from lmforge.common.last_word import say_error
+from lmforge.common.last_word import say_error, say_last
 from lmforge.config import DEFAULT_PRESET, make_config
 
 
@@ -65,12 +65,13 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
         trainer.run()
     except Stopped as stop:  # SIGTERM or a first Ctrl-C: the step finished and was saved (by all ranks)
         if trainer.world.is_main:
-            print(f"\nlmforge: {stop}; saved {stop.checkpoint}; continue with: {resume}", file=sys.stderr)
+            print(file=sys.stderr)  # the progress bar's line ends; under torchrun the line comes after its traceback
+            say_last(f"lmforge: {stop}; saved {stop.checkpoint}; continue with: {resume}")
         return stop.exit_status
     except KeyboardInterrupt:  # a second Ctrl-C: no save
         if trainer.world.is_main:
-            print(f"\nlmforge: interrupted at step {trainer.step}; continue from the last checkpoint with: "
-                  f"{resume}", file=sys.stderr)
+            print(file=sys.stderr)
+            say_last(f"lmforge: interrupted at step {trainer.step}; continue from the last checkpoint with: {resume}")
         return 130
     except OSError as err:
         if not list_checkpoints(run_dir):

@@ -1,10 +1,12 @@
-"""An error's line said last under torchrun, after the output of torchrun's own agent.
+"""The line a run ends on (an error's, or the command that continues a stopped run), said last
+under torchrun, after the output of torchrun's own agent.
 
 Under torchrun, the rank that says why the run failed exits, and then its agent (the torchrun
 process that started it, on that node) writes its own account of that exit to the same stderr:
-always a ChildFailedError traceback ("lmforge FAILED ... exitcode: 2"), and in a multi-node c10d
-launch whose rendezvous store was held by a node that is gone, TCPStore warnings with C++ stack
-traces and a RendezvousConnectionError traceback. That output comes from the agent after the rank
+a ChildFailedError traceback ("lmforge FAILED ... exitcode: 2"; a SignalException traceback when
+the agent itself was stopped by SIGTERM or Ctrl-C), and in a multi-node c10d launch whose
+rendezvous store was held by a node that is gone, TCPStore warnings with C++ stack traces and a
+RendezvousConnectionError traceback. That output comes from the agent after the rank
 is gone: nothing in the rank can keep it quiet. So the rank hands its line to a small process of
 its own (this module, run with `python -m`), which waits for the agent to exit and then writes the
 line in one write: the last thing on that stderr, whole. A log file or a pipe ends with it; in a
@@ -34,6 +36,7 @@ def say_error(message: str) -> None:
 
 
 def say_last(line: str) -> None:
+    """Print `line` on stderr: at once, or under torchrun's agent after the agent's own output."""
     agent = torchrun_agent()
     if agent is not None:
         try:
