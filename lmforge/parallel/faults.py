@@ -9,13 +9,13 @@ rank 0 is gone, by the lowest rank left. A rank stops with its launcher (`watch_
 
 import contextlib
 import ctypes
-import datetime
 import os
 import re
 import signal
 import socket
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from lmforge.common.last_word import say_error
 # After a collective failed, how long a surviving rank waits for the others to say they are alive
 # (they reach the same failure within a moment: the dead rank's sockets are closed by its kernel).
 ROLL_CALL_SECONDS = 10
+ROLL_CALL_POLL_SECONDS = 0.1
 
 # prctl's option: the signal this process gets when its parent dies (linux/prctl.h)
 PR_SET_PDEATHSIG = 1
@@ -173,10 +174,11 @@ class Faults:
         try:
             store.set(alive_key(self.rank), "1")  # as answer_roll_call, but a lost store is said
             keys = [alive_key(rank) for rank in range(self.world_size)]
-            try:
-                store.wait(keys, datetime.timedelta(seconds=ROLL_CALL_SECONDS))
-            except Exception:  # noqa: BLE001 - a timeout: some rank did not answer
-                pass
+            # polled, not store.wait: a wait that times out (a rank that never answers) has torch log
+            # two warnings of its own on the survivor's stderr
+            deadline = time.monotonic() + ROLL_CALL_SECONDS
+            while not store.check(keys) and time.monotonic() < deadline:
+                time.sleep(ROLL_CALL_POLL_SECONDS)
             return [rank for rank, key in enumerate(keys) if not store.check([key])], False
         except Exception:  # noqa: BLE001 - the store itself is gone (its host died)
             return [rank for rank in range(self.world_size) if rank != self.rank], True
