@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.common.errors import LmforgeError
-from lmforge.common.last_word import say_error
+from lmforge.common.last_word import say_error, say_last
 
 # After a collective failed, how long a surviving rank waits for the others to say they are alive
 # (they reach the same failure within a moment: the dead rank's sockets are closed by its kernel).
@@ -153,8 +153,7 @@ class Faults:
                     self.answer_roll_call()  # a rank stopped as this one is must not read as missing
                     self.report_stuck("during setup, before the first step")  # exits if a rank is missing
                     if self.is_main:
-                        print("lmforge: stopped by SIGTERM during setup, before the first step: nothing to save",
-                              file=sys.stderr, flush=True)
+                        say_last("lmforge: stopped by SIGTERM during setup, before the first step: nothing to save")
                     os._exit(128 + signal.SIGTERM)  # as the default action did: the kernel drops the lock
 
     def answer_roll_call(self) -> None:
