@@ -5,7 +5,8 @@
   says who is missing (train/signals.py's watch);
 - torchrun's agent killed (SIGKILL): its ranks see their parent gone, save and stop, and release
   the run folder's lock (parallel/faults.py, watch_launcher);
-- SIGTERM to torchrun: the line printed says the torchrun command that resumes, and it does;
+- SIGTERM to torchrun: the line printed says the torchrun command that resumes, and it does; it
+  comes after torchrun's own traceback, during setup too (common/last_word.py);
 - `lmforge train --nproc 2`: exit statuses as one process (143 SIGTERM, 130 Ctrl-C, 2 refused),
   no traceback, and its resume command is `lmforge train --nproc 2 --resume RUN`.
 (A worker killed in a two-node launch: tests/test_multinode_dist.py.)
@@ -291,3 +292,35 @@ def test_rank_0_killed_during_setup_is_reported_by_the_rank_that_survives(tmp_pa
     assert errors(stderr) == ["lmforge: error: rank 0 stopped answering (died or hangs); rank 1 stops too (stopped by "
                               "torchrun's agent during setup, before the first step); continue from the last checkpoint "
                               "with the same launch command and --resume"], stderr[-3000:]
+
+
+def test_sigterm_to_torchrun_during_setup_ends_on_lmforge_s_line(tmp_path, big_corpus):
+    """torchrun stopped (SIGTERM) while rank 0 prepares the data: every rank answers the roll call,
+    so it is a plain stop; rank 0's line comes after torchrun's own SignalException traceback."""
+    from tests.conftest import tiny_overrides
+
+    overrides = tiny_overrides(big_corpus, tmp_path / "data", max_steps=2, batch_size=2)
+    stderr_file = tmp_path / "stderr"
+    with open(stderr_file, "w") as stderr:
+        proc = subprocess.Popen(torchrun(2, "--model", "tiny", *overrides, "train.parallel=ddp", "--out", "run"),
+                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr, env=env(),
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "rank 1: waiting for rank 0 to prepare" not in stderr_file.read_text():
+            assert proc.poll() is None, stderr_file.read_text()[-3000:]
+            assert time.monotonic() < deadline, "rank 1 never waited for rank 0"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=TIMEOUT)
+        line = "lmforge: stopped by SIGTERM during setup, before the first step: nothing to save"
+        while line not in stderr_file.read_text():  # a moment after the agent exits (common/last_word.py)
+            assert time.monotonic() < deadline, stderr_file.read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stderr = stderr_file.read_text()
+    assert "SignalException" in stderr and stderr.rstrip("\n").splitlines()[-1] == line, stderr[-3000:]
+    assert stderr.count(line) == 1 and "lmforge: error" not in stderr, stderr[-3000:]
