@@ -5,9 +5,11 @@
   says who is missing (train/signals.py's watch);
 - torchrun's agent killed (SIGKILL): its ranks see their parent gone, save and stop, and release
   the run folder's lock (parallel/faults.py, watch_launcher);
-- SIGTERM to torchrun: the line printed says the torchrun command that resumes, and it does;
+- SIGTERM to torchrun: the line printed says the torchrun command that resumes, and it does; it
+  comes after torchrun's own traceback, during setup too (common/last_word.py);
 - `lmforge train --nproc 2`: exit statuses as one process (143 SIGTERM, 130 Ctrl-C, 2 refused),
   no traceback, and its resume command is `lmforge train --nproc 2 --resume RUN`.
+(A worker killed in a two-node launch: tests/test_multinode_dist.py.)
 
 Every launch has a deadline and every started process is killed at the end, whatever happened.
 """
@@ -78,6 +80,16 @@ def errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("lmforge: error:")]
 
 
+def said(stderr_file: Path) -> str:
+    """The stderr a launch wrote to `stderr_file`, once its lmforge line is there: under torchrun
+    that line comes a moment after the agent exits (common/last_word.py)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not errors(stderr_file.read_text()):
+        assert time.monotonic() < deadline, stderr_file.read_text()[-3000:]
+        time.sleep(0.1)
+    return stderr_file.read_text()
+
+
 def resume_line(stderr: str) -> tuple[int, list[str]]:
     """(the step the run stopped at, the command it says continues it)."""
     match = RESUME.search(stderr)
@@ -145,6 +157,8 @@ def test_sigterm_to_torchrun_prints_the_torchrun_command_that_resumes(tmp_path, 
     finally:
         stderr = finish(proc)
     step, resume = resume_line(stderr)
+    # after torchrun's own SignalException traceback (common/last_word.py)
+    assert "SignalException" in stderr and RESUME.fullmatch(stderr.rstrip("\n").splitlines()[-1]), stderr[-3000:]
     launcher = command[:command.index("-m", 3)][3:]  # torchrun's own options, as typed
     assert resume == ["torchrun", *launcher, "-m", "lmforge", "train", "--resume", str(run_dir)], resume
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *resume[1:], f"train.max_steps={step + 1}"],
@@ -274,7 +288,39 @@ def test_rank_0_killed_during_setup_is_reported_by_the_rank_that_survives(tmp_pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    lines = errors(stderr_file.read_text())
-    assert lines == ["lmforge: error: rank 0 stopped answering (died or hangs); rank 1 stops too (stopped by "
-                     "torchrun's agent during setup, before the first step); continue from the last checkpoint "
-                     "with the same launch command and --resume"], stderr_file.read_text()[-3000:]
+    stderr = said(stderr_file)
+    assert errors(stderr) == ["lmforge: error: rank 0 stopped answering (died or hangs); rank 1 stops too (stopped by "
+                              "torchrun's agent during setup, before the first step); continue from the last checkpoint "
+                              "with the same launch command and --resume"], stderr[-3000:]
+
+
+def test_sigterm_to_torchrun_during_setup_ends_on_lmforge_s_line(tmp_path, big_corpus):
+    """torchrun stopped (SIGTERM) while rank 0 prepares the data: every rank answers the roll call,
+    so it is a plain stop; rank 0's line comes after torchrun's own SignalException traceback."""
+    from tests.conftest import tiny_overrides
+
+    overrides = tiny_overrides(big_corpus, tmp_path / "data", max_steps=2, batch_size=2)
+    stderr_file = tmp_path / "stderr"
+    with open(stderr_file, "w") as stderr:
+        proc = subprocess.Popen(torchrun(2, "--model", "tiny", *overrides, "train.parallel=ddp", "--out", "run"),
+                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr, env=env(),
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "rank 1: waiting for rank 0 to prepare" not in stderr_file.read_text():
+            assert proc.poll() is None, stderr_file.read_text()[-3000:]
+            assert time.monotonic() < deadline, "rank 1 never waited for rank 0"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=TIMEOUT)
+        line = "lmforge: stopped by SIGTERM during setup, before the first step: nothing to save"
+        while line not in stderr_file.read_text():  # a moment after the agent exits (common/last_word.py)
+            assert time.monotonic() < deadline, stderr_file.read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stderr = stderr_file.read_text()
+    assert "SignalException" in stderr and stderr.rstrip("\n").splitlines()[-1] == line, stderr[-3000:]
+    assert stderr.count(line) == 1 and "lmforge: error" not in stderr, stderr[-3000:]

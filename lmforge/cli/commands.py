@@ -16,6 +16,7 @@ from lmforge.cli.report_command import cmd_report
 from lmforge.cli.run_config import finetune_config, resumed_config, resumed_finetune_config, train_config
 from lmforge.cli.scaling import cmd_scaling
 from lmforge.common.errors import LmforgeError, memory_error_message, os_error_message, warn
+from lmforge.common.last_word import say_error, say_last
 from lmforge.config import DEFAULT_PRESET, make_config
 
 
@@ -65,12 +66,13 @@ def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
         trainer.run()
     except Stopped as stop:  # SIGTERM or a first Ctrl-C: the step finished and was saved (by all ranks)
         if trainer.world.is_main:
-            print(f"\nlmforge: {stop}; saved {stop.checkpoint}; continue with: {resume}", file=sys.stderr)
+            print(file=sys.stderr)  # the progress bar's line ends; under torchrun the line comes after its traceback
+            say_last(f"lmforge: {stop}; saved {stop.checkpoint}; continue with: {resume}")
         return stop.exit_status
     except KeyboardInterrupt:  # a second Ctrl-C: no save
         if trainer.world.is_main:
-            print(f"\nlmforge: interrupted at step {trainer.step}; continue from the last checkpoint with: "
-                  f"{resume}", file=sys.stderr)
+            print(file=sys.stderr)
+            say_last(f"lmforge: interrupted at step {trainer.step}; continue from the last checkpoint with: {resume}")
         return 130
     except OSError as err:
         if not list_checkpoints(run_dir):
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except LmforgeError as err:
         if not quiet_rank(err):
-            print(f"lmforge: error: {err}", file=sys.stderr)
+            say_error(str(err))
         return 2
     except BrokenPipeError:
         # Whoever read our output stopped (`lmforge plan --json | head`): stop quietly, as cat does,
@@ -245,13 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except OSError as err:  # a full disk, a read-only folder: the machine's state, not a bug
-        print(f"lmforge: error: {os_error_message(err)}", file=sys.stderr)
+        say_error(os_error_message(err))
         return 2
     except (MemoryError, RuntimeError) as err:  # more memory than there is: one line; any other RuntimeError is a bug
         message = memory_error_message(err)
         if message is None:
             raise
-        print(f"lmforge: error: {message}", file=sys.stderr)
+        say_error(message)
         return 2
     except KeyboardInterrupt:
         print("\nlmforge: interrupted", file=sys.stderr)

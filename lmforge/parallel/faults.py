@@ -9,21 +9,24 @@ rank 0 is gone, by the lowest rank left. A rank stops with its launcher (`watch_
 
 import contextlib
 import ctypes
-import datetime
 import os
+import re
 import signal
 import socket
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 from lmforge.common.errors import LmforgeError
+from lmforge.common.last_word import say_error, say_last
 
 # After a collective failed, how long a surviving rank waits for the others to say they are alive
 # (they reach the same failure within a moment: the dead rank's sockets are closed by its kernel).
 ROLL_CALL_SECONDS = 10
+ROLL_CALL_POLL_SECONDS = 0.1
 
 # prctl's option: the signal this process gets when its parent dies (linux/prctl.h)
 PR_SET_PDEATHSIG = 1
@@ -88,10 +91,9 @@ class Faults:
         through the rendezvous store (which torchrun's agent holds, so it outlives any rank). Rank 0
         prints it; if rank 0 is among the missing, the lowest rank that answered does."""
         missing, store_lost = roll_call or self._roll_call()
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped answering "
                f"(died or hangs)") if missing else "a collective failed on another rank"
-        message = (f"{who}; rank {self.rank} stops too ({first_line[:200]}); continue from the last checkpoint "
+        message = (f"{who}; rank {self.rank} stops too ({cause(err)}); continue from the last checkpoint "
                    f"with the same launch command and --resume")
         if self.is_main:
             return LmforgeError(message)
@@ -108,7 +110,7 @@ class Faults:
             return  # every rank answers: a stop request on a slow step, which the step's end takes
         error = self.failure(RuntimeError(f"stopped by torchrun's agent {doing}"), roll_call)
         if not isinstance(error, ReportedOnRank0):
-            print(f"lmforge: error: {error}", file=sys.stderr, flush=True)
+            say_error(str(error))
         os._exit(2)  # the main thread is stuck in C++; the kernel drops the run folder's lock
 
     @contextlib.contextmanager
@@ -151,8 +153,7 @@ class Faults:
                     self.answer_roll_call()  # a rank stopped as this one is must not read as missing
                     self.report_stuck("during setup, before the first step")  # exits if a rank is missing
                     if self.is_main:
-                        print("lmforge: stopped by SIGTERM during setup, before the first step: nothing to save",
-                              file=sys.stderr, flush=True)
+                        say_last("lmforge: stopped by SIGTERM during setup, before the first step: nothing to save")
                     os._exit(128 + signal.SIGTERM)  # as the default action did: the kernel drops the lock
 
     def answer_roll_call(self) -> None:
@@ -172,10 +173,11 @@ class Faults:
         try:
             store.set(alive_key(self.rank), "1")  # as answer_roll_call, but a lost store is said
             keys = [alive_key(rank) for rank in range(self.world_size)]
-            try:
-                store.wait(keys, datetime.timedelta(seconds=ROLL_CALL_SECONDS))
-            except Exception:  # noqa: BLE001 - a timeout: some rank did not answer
-                pass
+            # polled, not store.wait: a wait that times out (a rank that never answers) has torch log
+            # two warnings of its own on the survivor's stderr
+            deadline = time.monotonic() + ROLL_CALL_SECONDS
+            while not store.check(keys) and time.monotonic() < deadline:
+                time.sleep(ROLL_CALL_POLL_SECONDS)
             return [rank for rank, key in enumerate(keys) if not store.check([key])], False
         except Exception:  # noqa: BLE001 - the store itself is gone (its host died)
             return [rank for rank in range(self.world_size) if rank != self.rank], True
@@ -184,6 +186,22 @@ class Faults:
 def alive_key(rank: int) -> str:
     """The store key by which `rank` answers the roll call."""
     return f"lmforge/alive/{rank}"
+
+
+# gloo's messages start with the C++ source line that raised them: "[/.../pair.cc:537] Read error ..."
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*:\d+\] ")
+CAUSE_CHARACTERS = 160  # a cause longer than this is cut at a word, with "...": the line stays one line
+
+
+def cause(err: BaseException) -> str:
+    """What a collective's (or the store's) error says, short: its first line without gloo's source
+    location, up to its first sentence's end; a cut is made at a word, never inside one."""
+    text = str(err).strip()
+    first = _SOURCE_LOCATION.sub("", text.splitlines()[0]) if text else type(err).__name__
+    first = first.split(". ", 1)[0].rstrip(".")
+    if len(first) <= CAUSE_CHARACTERS:
+        return first
+    return first[:CAUSE_CHARACTERS].rsplit(" ", 1)[0] + "..."
 
 
 def is_collective_failure(err: BaseException) -> bool:

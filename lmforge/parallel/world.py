@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.common.errors import LmforgeError
-from lmforge.parallel.faults import Faults, ReportedOnRank0, watch_launcher
+from lmforge.parallel.faults import Faults, ReportedOnRank0, cause, watch_launcher
 from lmforge.config.rules import check_composition
 
 # A rank waiting for rank 0 in `World.main_first` polls the store this often, says so once rank 0
@@ -130,9 +130,8 @@ class World(Faults):
                 time.sleep(WAIT_POLL_SECONDS)
             kind, message = store.get(key).decode().split("\n", 1)
         except dist.DistError as err:  # the store's host (rank 0's node) is gone
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise LmforgeError(f"rank {self.rank} lost the rendezvous store while waiting for rank 0 "
-                               f"({first_line[:200]}): rank 0 or its node stopped; run the launch again") from None
+                               f"({cause(err)}): rank 0 or its node stopped; run the launch again") from None
         if kind == "error":
             raise ReportedOnRank0(message)
 
