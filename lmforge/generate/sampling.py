@@ -77,6 +77,14 @@ class KVCache:
         picked.limit, picked.start, picked.length = self.limit, self.start, self.length
         return picked
 
+    def row_from(self, row: int, column: int) -> "KVCache":
+        """Row `row` of this cache from `column` on, as a cache of one row starting at 0: a view, so
+        that filling it fills this one (a left-padded row of a batch, run alone: generate_batch)."""
+        view = KVCache.__new__(KVCache)
+        view.keys, view.values = (t[:, row:row + 1, :, column:] for t in (self.keys, self.values))
+        view.limit, view.start, view.length = view.capacity, 0, 0
+        return view
+
     def layer(self, index: int) -> "LayerCache":
         """The cache of one layer, handed to that layer's attention alone."""
         return LayerCache(self.keys[index], self.values[index])
@@ -240,12 +248,19 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
 def decode_step(model: Transformer, feeds: list[list[int]], pads: list[int], width: int, cache: KVCache | None,
                 cached: int, device: torch.device) -> torch.Tensor:
     """Next-token logits (rows, vocab) after each row's `feeds`, the columns [cached, width) of the
-    row left-padded by `pads[i]` columns (the cache holds columns [0, cached))."""
+    row left-padded by `pads[i]` columns (the cache holds columns [0, cached)).
+
+    A prompt (nothing cached) runs one row at a time into its columns of the cache: on a whole prompt
+    the work per token is large enough that a batch gains little, a row alone needs no mask (the
+    fused causal attention) and holds only its own logits, and it computes exactly what it would
+    alone. The steps after it, one token per row, run as one batch."""
+    if cache is not None:
+        cache.reserve(width)
+        if cached == 0:
+            return torch.cat([model(torch.tensor([row], device=device), kv_cache=cache.row_from(i, pad))[:, -1]
+                              for i, (row, pad) in enumerate(zip(feeds, pads))])
     feed = torch.tensor([[0] * (width - cached - len(row)) + row for row in feeds], device=device)
     valid = None  # no padding: every column holds a token
     if any(pads):
         valid = torch.arange(width, device=device)[None, :] >= torch.tensor(pads, device=device)[:, None]
-    if cache is None:
-        return model(feed, valid=valid)[:, -1]
-    cache.reserve(width)
     return model(feed, kv_cache=cache, start_pos=cached, valid=valid)[:, -1]
