@@ -15,12 +15,17 @@ conversation in the same cache) grows it, at least doubling, so that growth copi
 It is kept in the dtype of the model's parameters (bf16 weights, a bf16 cache), with as many KV
 heads as the model's attention layers hold: a tensor-parallel rank (parallel/tp.py) holds 1/tp of
 them, so its cache is split by heads like its k_proj and v_proj, and every rank generates together.
+
+generate_batch decodes many prompts in one batch (an evaluation's generation tasks), each row
+stopping on its own; generate() is its batch of one, so one loop serves `generate`, `chat` and
+`lmforge eval`.
 """
 
 from collections.abc import Collection
 
 import torch
 
+from lmforge.generate.batch import Rows, decode_step
 from lmforge.model.transformer import Attention, Transformer
 
 
@@ -180,13 +185,8 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
     others go on. `on_token(row, token)`; `on_logits` gets the logits of the rows still decoding.
     `cache` and `cached` (a chat's) continue one prompt; a batch gets a cache of its own.
 
-    The rows are left-padded: every row's newest token is in the same column, so each step feeds one
-    column for the whole batch and writes one column of the cache (one start_pos for all rows), as a
-    single prompt does. The model is told which columns hold tokens (`valid`), so padding is never
-    attended to and a token's position is the number of tokens before it in its row: a row decodes
-    as it would alone. (Right padding would put each row's next token in a different column.) When a
-    row's window restarts (see the module docstring) or the columns would outgrow the model's
-    positions, every row's window is run again, its padding squeezed out."""
+    The rows are left-padded in the cache's columns (generate/batch.py says why and how): greedy, a
+    row decodes as it would alone (sampled, the rows draw from one generator, so not the same tokens)."""
     if not prompts or not all(prompts):
         raise ValueError("generation needs a prompt of at least one token")
     if len(prompts) > 1 and (cache is not None or cached):
@@ -199,68 +199,37 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
     max_len = model.cfg.max_seq_len
     stops = {stop_token} if isinstance(stop_token, int) else set(stop_token or ())
     constraints = list(constraints or [None] * len(prompts))
-    tokens = [list(prompt) for prompt in prompts]
-    # first position of each row's context window; the rows still decoding (in the cache's row order)
-    starts = [0 if cached else max(0, len(row) - max_len) for row in tokens]
-    live, done = list(range(len(prompts))), set()
-    pads, width = [0] * len(prompts), len(tokens[0]) - starts[0]  # each row's padding; the columns so far
+    rows, done = Rows(prompts, max_len, cached), set()
     kv = None  # the cache being filled (in a batch, a copy holding the rows still decoding)
     if use_cache:
-        kv = cache if cache is not None else KVCache.for_model(
-            model, max(len(row) - s for row, s in zip(tokens, starts)) + max_new_tokens, batch=len(prompts))
+        kv = cache if cache is not None else KVCache.for_model(model, max(rows.windows()) + max_new_tokens,
+                                                               batch=len(prompts))
     new_tokens: list[list[int]] = [[] for _ in prompts]
     for _ in range(max_new_tokens):
-        done |= {r for r in live if constraints[r] is not None and constraints[r].finished()}
-        kept = [i for i, r in enumerate(live) if r not in done]
+        done |= {r for r in rows.live if constraints[r] is not None and constraints[r].finished()}
+        decoding = len(rows.live)
+        kept = rows.keep(done)
         if not kept:
             break
-        if len(kept) < len(live):
-            live, pads = [live[i] for i in kept], [pads[i] for i in kept]
-            kv = kv.rows(torch.tensor(kept, device=device)) if use_cache else None
-        restarted = False
-        for r in live:
-            if len(tokens[r]) - starts[r] > max_len:
-                starts[r], restarted = len(tokens[r]) - max_len // 2, True
-        windows = [len(tokens[r]) - starts[r] for r in live]
-        width = pads[0] + windows[0]
-        if restarted or width > max_len or not use_cache or not cached and len(live) > 1:
-            width, cached = max(windows), 0
-            pads = [width - window for window in windows]
-        logits = decode_step(model, [tokens[r][starts[r] + max(0, cached - pad):] for r, pad in zip(live, pads)],
-                             pads, width, kv, cached, device)
+        if kv is not None and len(kept) < decoding:
+            kv = kv.rows(torch.tensor(kept, device=device))
+        restarted = rows.restart()
+        width = rows.pads[0] + rows.windows()[0]  # the columns once this step's tokens are in
+        if restarted or width > max_len or not use_cache or not cached and len(kept) > 1:
+            width, cached = rows.place(), 0
+        logits = decode_step(model, rows.feeds(cached), rows.pads, width, kv, cached, device)
         cached = width if use_cache else 0
         if on_logits is not None:
             on_logits(logits)
-        chosen = choose_next(logits, [constraints[r] for r in live], temperature, top_k, top_p, generator)
-        for r, token in zip(live, chosen):
+        chosen = choose_next(logits, [constraints[r] for r in rows.live], temperature, top_k, top_p, generator)
+        for r, token in zip(rows.live, chosen):
             if token in stops:
                 done.add(r)
                 continue
-            tokens[r].append(token)
+            rows.tokens[r].append(token)
             new_tokens[r].append(token)
             if on_token is not None:
                 on_token(r, token)
     if cache is not None and len(prompts) == 1:
-        cache.start, cache.length = starts[0], cached
+        cache.start, cache.length = rows.starts[0], cached
     return new_tokens
-
-
-def decode_step(model: Transformer, feeds: list[list[int]], pads: list[int], width: int, cache: KVCache | None,
-                cached: int, device: torch.device) -> torch.Tensor:
-    """Next-token logits (rows, vocab) after each row's `feeds`, the columns [cached, width) of the
-    row left-padded by `pads[i]` columns (the cache holds columns [0, cached)).
-
-    A prompt (nothing cached) runs one row at a time into its columns of the cache: on a whole prompt
-    the work per token is large enough that a batch gains little, a row alone needs no mask (the
-    fused causal attention) and holds only its own logits, and it computes exactly what it would
-    alone. The steps after it, one token per row, run as one batch."""
-    if cache is not None:
-        cache.reserve(width)
-        if cached == 0:
-            return torch.cat([model(torch.tensor([row], device=device), kv_cache=cache.row_from(i, pad))[:, -1]
-                              for i, (row, pad) in enumerate(zip(feeds, pads))])
-    feed = torch.tensor([[0] * (width - cached - len(row)) + row for row in feeds], device=device)
-    valid = None  # no padding: every column holds a token
-    if any(pads):
-        valid = torch.arange(width, device=device)[None, :] >= torch.tensor(pads, device=device)[:, None]
-    return model(feed, kv_cache=cache, start_pos=cached, valid=valid)[:, -1]
