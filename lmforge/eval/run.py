@@ -15,7 +15,8 @@ from lmforge.eval.sandbox import pass_at_k
 
 
 CHUNK = 64  # questions scored in one call (batched inside it); a Ctrl-C keeps the chunks finished
-# prompts decoded in one batch, likewise; a prompt's logits at every position (the prefill) are held at once
+# prompts decoded in one batch (generate_batch), likewise; its KV cache holds GENERATION_CHUNK rows of
+# the longest prompt plus --max-new-tokens positions
 GENERATION_CHUNK = 16
 
 

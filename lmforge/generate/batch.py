@@ -16,6 +16,7 @@ import torch
 
 from lmforge.model.transformer import Transformer
 
+
 class Rows:
     """The rows of generate_batch as they grow: each row's tokens, the first position of its context
     window (`starts`), its left padding in the cache's columns (`pads`), and the rows still decoding

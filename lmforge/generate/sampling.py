@@ -16,9 +16,9 @@ It is kept in the dtype of the model's parameters (bf16 weights, a bf16 cache), 
 heads as the model's attention layers hold: a tensor-parallel rank (parallel/tp.py) holds 1/tp of
 them, so its cache is split by heads like its k_proj and v_proj, and every rank generates together.
 
-generate_batch decodes many prompts in one batch (an evaluation's generation tasks), each row
-stopping on its own; generate() is its batch of one, so one loop serves `generate`, `chat` and
-`lmforge eval`.
+generate_batch decodes many prompts in one batch (an evaluation's generation tasks; the rows'
+layout is generate/batch.py's), each row stopping on its own; generate() is its batch of one, so
+one loop serves `generate`, `chat` and `lmforge eval`.
 """
 
 from collections.abc import Collection
