@@ -8,8 +8,9 @@ and values up to the context (a prefill changes nothing in a decode step's work)
 
 - batch 1: lmforge's own generate() (greedy), continuing a cache that holds `context` positions
   of the prompt, `--tokens` new tokens, seconds per token;
-- batch b > 1: generate() decodes one sequence at a time, so the loop it runs (the model's cached
-  forward on each sequence's newest token, then the greedy choice), on b sequences at once.
+- batch b > 1: the steps generate_batch() runs once its prompts are in (the model's cached
+  forward on each sequence's newest token, then the greedy choice), on b sequences at once; it
+  fills its own cache from the prompts, so the steps are timed here on the filled one.
 
 Each is timed after a warm-up run, as the median of `--repeats` runs (also shown against the best
 run, the statistic the roof is measured with, and against the process's CPU time: on a machine

@@ -100,3 +100,47 @@ def test_ctrl_c_keeps_the_items_scored_so_far(llama_folder, tmp_path, monkeypatc
     assert "interrupted: the 3 items scored so far are in" in line
     report = json.loads((tmp_path / "eval.json").read_text())
     assert list(report["tasks"]) == ["piqa"] and report["tasks"]["piqa"]["items"] == 3
+
+
+def test_gsm8k_decoded_in_a_batch_equals_one_prompt_at_a_time(llama_folder):
+    # prompts of different lengths (the end of each 8-shot prompt, and one whole: longer than the
+    # model's 256 positions), each row stopping at its own stop sequence: one met early in the text
+    # it makes alone, one late, one never
+    import dataclasses
+
+    from lmforge.eval.generation import complete
+    from lmforge.runs.load import load_model
+
+    loaded = load_model(llama_folder, "fp32")
+    model, tok, stop_ids = loaded.model, loaded.tokenizer, (loaded.end_id,)
+    prompts = [dataclasses.replace(p, context=p.context[-chars:], stops=[])
+               for p, chars in zip(tasks.load_prompts("gsm8k", None, 4), (150, 200, 60, 5000))]
+    free = [text for text, _ in complete(model, tok, prompts, stop_ids, 30)]
+    prompts = [dataclasses.replace(p, stops=stops) for p, stops in
+               zip(prompts, ([free[0][4:7]], [free[1][-3:]], ["\u2603"], [free[3][10:12], "\u2603"]))]
+    batched = complete(model, tok, prompts, stop_ids, 30)
+    alone = [complete(model, tok, [p], stop_ids, 30)[0] for p in prompts]
+    assert batched == alone  # the same completions, so the same exact match
+    assert [cut for _, cut in batched] == [False, False, False, True]
+    assert len(batched[0][0]) < len(free[0]) and batched[2][0] == free[2]
+
+
+def test_ctrl_c_during_generation_keeps_the_chunks_decoded(llama_folder, tmp_path, monkeypatch, capsys):
+    from lmforge.eval import run
+
+    real, calls = run.complete, []
+    monkeypatch.setattr(run, "GENERATION_CHUNK", 2)  # the third call would be items 5 and 6
+
+    def interrupted_at_the_third(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(run, "complete", interrupted_at_the_third)
+    line = one_line(capsys, "eval", llama_folder, "--tasks", "gsm8k,piqa", "--limit", 6, "--max-new-tokens", 4,
+                    "--out", tmp_path)
+    assert "interrupted: the 4 items scored so far are in" in line
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert list(report["tasks"]) == ["gsm8k"] and report["tasks"]["gsm8k"]["items"] == 4
+    assert len(report["items"]["gsm8k"]) == 4

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lmforge.config import make_config
-from lmforge.generate.sampling import generate, sample_next
+from lmforge.generate.sampling import generate, generate_batch, sample_next
 from lmforge.model.transformer import Transformer
 
 
@@ -91,3 +91,51 @@ def test_empty_prompt_is_refused():
     model = Transformer(make_config("tiny").model)
     with pytest.raises(ValueError, match="needs a prompt"):
         generate(model, [], 3)
+
+
+class StopAfter:
+    """A constraint that allows every token and finishes after `n` of them."""
+
+    def __init__(self, n: int):
+        self.n, self.seen = n, 0
+
+    def allowed(self, vocab_size):
+        return None
+
+    def consume(self, token):
+        self.seen += 1
+
+    def finished(self):
+        return self.seen >= self.n
+
+
+@pytest.mark.parametrize("overrides", [["model.family=llama"], ["model.family=gpt", "model.n_kv_heads=null"],
+                                       ["model.family=llama", "model.sliding_window=6"]])
+def test_a_batch_decodes_each_prompt_token_for_token_as_it_would_alone(overrides):
+    # 32 positions: the 45-token prompt is cut to its window, and every row's window restarts on the way
+    cfg = make_config("tiny", overrides=[*overrides, "model.max_seq_len=32"]).model
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (3, 11, 20, 45, 1)]
+    alone = [generate(model, p, 40, temperature=0) for p in prompts]
+    assert generate_batch(model, prompts, 40, temperature=0) == alone
+    assert generate_batch(model, prompts, 40, temperature=0, use_cache=False) == alone
+
+    # each row stops on its own (a stop token where it first comes, a constraint after n tokens);
+    # the others go on, and a finished row no longer changes
+    stop = alone[1][7]
+    stopped = [generate(model, p, 40, temperature=0, stop_token=stop) for p in prompts]
+    assert stopped == [a[:a.index(stop)] if stop in a else a for a in alone]
+    assert generate_batch(model, prompts, 40, temperature=0, stop_token=stop) == stopped
+    counts = [5, 40, 0, 17, 2]
+    assert generate_batch(model, prompts, 40, temperature=0,
+                          constraints=[StopAfter(n) for n in counts]) == [a[:n] for a, n in zip(alone, counts)]
+
+
+def test_a_batch_refuses_a_given_cache_and_empty_prompts():
+    model = Transformer(make_config("tiny").model)
+    with pytest.raises(ValueError, match="needs a prompt"):
+        generate_batch(model, [[1, 2], []], 3)
+    from lmforge.generate.sampling import KVCache
+    with pytest.raises(ValueError, match="continues one prompt"):
+        generate_batch(model, [[1, 2], [3]], 3, cache=KVCache.for_model(model, 8, batch=2))

@@ -1,8 +1,9 @@
 """Generation tasks: greedy decoding until a stop sequence, then the answer checked.
 
-Decoding is generate/sampling.py's `generate` itself (temperature 0: greedy), stopped at the task's
-stop sequences through its `constraint` hook: `StopAt` allows every token and declares generation
-finished once the decoded text holds a stop sequence; the text is then cut before it.
+Decoding is generate/sampling.py's `generate_batch` (the loop `generate` and `chat` run; temperature
+0: greedy), many prompts at once, each row stopped at its task's stop sequences through its own
+`constraint`: `StopAt` allows every token and declares the row finished once its decoded text holds
+a stop sequence (or its token budget is spent); the text is then cut before it.
 
 GSM8K (Cobbe et al. 2021): the number after "the answer is" (the few-shot examples' format), else
 the last number of the text, compared by exact match with the reference after OLMES's normalisation
@@ -16,41 +17,46 @@ import torch
 
 from lmforge.eval.sandbox import run_program
 from lmforge.eval.tasks import Prompt
-from lmforge.generate.sampling import generate
+from lmforge.generate.sampling import generate_batch
 
 NUMBER = r"-?[\d,]*\.?\d+"
 
 
 class StopAt:
-    """A `generate` constraint that restricts nothing and finishes at any of `stops` in the text."""
+    """A `generate` constraint that restricts nothing and finishes at any of `stops` in the text, or
+    after `limit` tokens (a row's own budget in a batch that decodes up to the largest)."""
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops, self.ids = tokenizer, stops, []
-        self.mask = None
+    def __init__(self, tokenizer, stops: list[str], limit: int):
+        self.tokenizer, self.stops, self.limit, self.ids = tokenizer, stops, limit, []
 
-    def allowed(self, vocab_size: int) -> torch.Tensor:
-        if self.mask is None:
-            self.mask = torch.ones(vocab_size, dtype=torch.bool)
-        return self.mask
+    def allowed(self, vocab_size: int) -> None:
+        return None
 
     def consume(self, token: int) -> None:
         self.ids.append(token)
 
     def finished(self) -> bool:
+        if len(self.ids) >= self.limit:
+            return True
         text = self.tokenizer.decode(self.ids)
         return any(stop in text for stop in self.stops)
 
 
-def complete(model, tokenizer, prompt: Prompt, stop_ids, max_new_tokens: int | None = None) -> tuple[str, bool]:
-    """The greedy continuation of the prompt, cut at its first stop sequence (or a stop token of the
-    model's, `stop_ids`), and whether the prompt had to be truncated (it filled the model's positions:
-    generate keeps the latest of them)."""
-    ids = tokenizer.encode(prompt.context).ids
-    new = generate(model, ids, max_new_tokens or prompt.max_new_tokens, temperature=0.0, stop_token=stop_ids,
-                   constraint=StopAt(tokenizer, prompt.stops))
-    text = tokenizer.decode(new)
-    cut = min((text.index(s) for s in prompt.stops if s in text), default=len(text))
-    return text[:cut], len(ids) >= model.cfg.max_seq_len
+def complete(model, tokenizer, prompts: list[Prompt], stop_ids, max_new_tokens: int | None = None) -> list[
+        tuple[str, bool]]:
+    """Each prompt's greedy continuation, decoded in one batch, cut at its first stop sequence (or a
+    stop token of the model's, `stop_ids`), and whether the prompt had to be truncated (it filled the
+    model's positions: generation keeps the latest of them)."""
+    ids = [tokenizer.encode(p.context).ids for p in prompts]
+    limits = [max_new_tokens or p.max_new_tokens for p in prompts]
+    new = generate_batch(model, ids, max(limits), temperature=0.0, stop_token=stop_ids,
+                         constraints=[StopAt(tokenizer, p.stops, n) for p, n in zip(prompts, limits)])
+    out = []
+    for p, prompt_ids, tokens in zip(prompts, ids, new):
+        text = tokenizer.decode(tokens)
+        cut = min((text.index(s) for s in p.stops if s in text), default=len(text))
+        out.append((text[:cut], len(prompt_ids) >= model.cfg.max_seq_len))
+    return out
 
 
 def normalise(answer: str) -> str:

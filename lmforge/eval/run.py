@@ -9,12 +9,15 @@ from pathlib import Path
 
 from lmforge.eval.generation import complete, judge
 from lmforge.eval.metrics import aggregate, question_row, summarise
-from lmforge.eval.score import score_question, score_questions
+from lmforge.eval.score import score_questions
 from lmforge.eval.tasks import GENERATION, TITLES, load_prompts, load_questions
 from lmforge.eval.sandbox import pass_at_k
 
 
 CHUNK = 64  # questions scored in one call (batched inside it); a Ctrl-C keeps the chunks finished
+# prompts decoded in one batch (generate_batch), likewise; its KV cache holds GENERATION_CHUNK rows of
+# the longest prompt plus --max-new-tokens positions
+GENERATION_CHUNK = 16
 
 
 def multiple_choice(model, tokenizer, end_id: int, questions, rows: list[dict]) -> int:
@@ -30,16 +33,19 @@ def multiple_choice(model, tokenizer, end_id: int, questions, rows: list[dict]) 
 
 
 def generation(model, tokenizer, end_id: int, stop_ids, task: str, prompts, max_new_tokens, rows: list[dict]) -> int:
-    """Each prompt's greedy completion judged, and the gold continuation's bits per byte, appended to `rows`."""
+    """Each prompt's greedy completion judged, and the gold continuation's bits per byte, appended to `rows`,
+    GENERATION_CHUNK prompts decoded together at a time; the number truncated."""
     truncated = 0
-    for p in prompts:
-        text, cut = complete(model, tokenizer, p, stop_ids, max_new_tokens)
-        (gold,), _ = score_question(model, tokenizer, [p.context], [p.gold], end_id)
-        correct = judge(task, text, p.doc)
-        rows.append({"acc": correct, "pass@1": pass_at_k(1, int(correct), 1), "chance": 0.0,
-                     "bpb": -gold.logprob / (math.log(2) * max(1, len(p.gold.encode("utf-8")))),
-                     "completion": text})
-        truncated += cut
+    for at in range(0, len(prompts), GENERATION_CHUNK):
+        chunk = prompts[at:at + GENERATION_CHUNK]
+        completions = complete(model, tokenizer, chunk, stop_ids, max_new_tokens)
+        golds = score_questions(model, tokenizer, [([p.context], [p.gold]) for p in chunk], end_id)
+        for p, (text, cut), ([gold], _) in zip(chunk, completions, golds):
+            correct = judge(task, text, p.doc)
+            rows.append({"acc": correct, "pass@1": pass_at_k(1, int(correct), 1), "chance": 0.0,
+                         "bpb": -gold.logprob / (math.log(2) * max(1, len(p.gold.encode("utf-8")))),
+                         "completion": text})
+            truncated += cut
     return truncated
 
 

@@ -15,12 +15,17 @@ conversation in the same cache) grows it, at least doubling, so that growth copi
 It is kept in the dtype of the model's parameters (bf16 weights, a bf16 cache), with as many KV
 heads as the model's attention layers hold: a tensor-parallel rank (parallel/tp.py) holds 1/tp of
 them, so its cache is split by heads like its k_proj and v_proj, and every rank generates together.
+
+generate_batch decodes many prompts in one batch (an evaluation's generation tasks; the rows'
+layout is generate/batch.py's), each row stopping on its own; generate() is its batch of one, so
+one loop serves `generate`, `chat` and `lmforge eval`.
 """
 
 from collections.abc import Collection
 
 import torch
 
+from lmforge.generate.batch import Rows, decode_step
 from lmforge.model.transformer import Attention, Transformer
 
 
@@ -77,6 +82,14 @@ class KVCache:
         picked.limit, picked.start, picked.length = self.limit, self.start, self.length
         return picked
 
+    def row_from(self, row: int, column: int) -> "KVCache":
+        """Row `row` of this cache from `column` on, as a cache of one row starting at 0: a view, so
+        that filling it fills this one (a left-padded row of a batch, run alone: generate_batch)."""
+        view = KVCache.__new__(KVCache)
+        view.keys, view.values = (t[:, row:row + 1, :, column:] for t in (self.keys, self.values))
+        view.limit, view.start, view.length = view.capacity, 0, 0
+        return view
+
     def layer(self, index: int) -> "LayerCache":
         """The cache of one layer, handed to that layer's attention alone."""
         return LayerCache(self.keys[index], self.values[index])
@@ -116,16 +129,20 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def choose_next(logits: torch.Tensor, constraint, temperature: float, top_k: int | None, top_p: float | None,
-                generator: torch.Generator) -> int:
-    """The next token: sampled among those `constraint` (if any) allows, which is told the choice."""
-    if constraint is not None:
-        allowed = constraint.allowed(logits.shape[-1]).to(logits.device)
+def choose_next(logits: torch.Tensor, constraints: list, temperature: float, top_k: int | None,
+                top_p: float | None, generator: torch.Generator) -> list[int]:
+    """The next token of each row of `logits`: sampled among those its constraint (if any) allows,
+    which is told the choice. A constraint's mask of None allows every token."""
+    masks = [c.allowed(logits.shape[-1]) if c is not None else None for c in constraints]
+    if any(mask is not None for mask in masks):
+        every = torch.ones(logits.shape[-1], dtype=torch.bool)
+        allowed = torch.stack([every if mask is None else mask.cpu() for mask in masks]).to(logits.device)
         logits = logits.masked_fill(~allowed, float("-inf"))
-    token = int(sample_next(logits, temperature, top_k, top_p, generator))
-    if constraint is not None:
-        constraint.consume(token)
-    return token
+    chosen = sample_next(logits, temperature, top_k, top_p, generator).tolist()
+    for constraint, token in zip(constraints, chosen):
+        if constraint is not None:
+            constraint.consume(token)
+    return chosen
 
 
 @torch.no_grad()
@@ -139,52 +156,80 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
 
     `constraint`, if given, restricts which tokens may come next (grammar-constrained decoding,
     lmforge/structured/constrain.py): before each step `constraint.finished()` may end generation,
-    `constraint.allowed(vocab_size)` gives a boolean mask over the vocabulary that is applied to the
-    logits before temperature, top-k and top-p, and `constraint.consume(token)` is told each token
-    chosen (the stop token included). The mask concerns only the tokens generated, so it works
-    unchanged with the KV cache and its context restarts.
+    `constraint.allowed(vocab_size)` gives a boolean mask over the vocabulary (None: any token) that
+    is applied to the logits before temperature, top-k and top-p, and `constraint.consume(token)` is
+    told each token chosen (the stop token included). The mask concerns only the tokens generated,
+    so it works unchanged with the KV cache and its context restarts.
 
     `cache`, if given, is the KVCache to fill from position `cached` (grown as needed: several
     samples can share one); by default a new one for len(prompt) + max_new_tokens positions.
     `cached` > 0: the cache already holds prompt[:cached] (a chat's earlier turns), which is not
-    run again; generate() leaves cache.start and cache.length saying what it holds."""
-    if not prompt:
+    run again; generate() leaves cache.start and cache.length saying what it holds.
+
+    This is `generate_batch` on a batch of one: the same loop decodes one prompt and many."""
+    streamed = None if on_token is None else lambda row, token: on_token(token)
+    return generate_batch(model, [prompt], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                          stop_token=stop_token, seed=seed, use_cache=use_cache, on_logits=on_logits,
+                          constraints=[constraint], cache=cache, cached=cached, on_token=streamed)[0]
+
+
+@torch.no_grad()
+def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
+                   top_k: int | None = None, top_p: float | None = None,
+                   stop_token: int | Collection[int] | None = None, seed: int = 0, use_cache: bool = True,
+                   on_logits=None, constraints: list | None = None, cache: KVCache | None = None, cached: int = 0,
+                   on_token=None) -> list[list[int]]:
+    """The new token ids continuing each of `prompts`, decoded together, one row each (see generate()
+    for the options). Each row stops on its own, at a stop token or when its constraint
+    (`constraints[i]`) is finished; a finished row leaves the batch and no longer changes, and the
+    others go on. `on_token(row, token)`; `on_logits` gets the logits of the rows still decoding.
+    `cache` and `cached` (a chat's) continue one prompt; a batch gets a cache of its own.
+
+    The rows are left-padded in the cache's columns (generate/batch.py says why and how): greedy, a
+    row decodes as it would alone (sampled, the rows draw from one generator, so not the same tokens)."""
+    if not prompts or not all(prompts):
         raise ValueError("generation needs a prompt of at least one token")
+    if len(prompts) > 1 and (cache is not None or cached):
+        raise ValueError("a given cache continues one prompt; a batch of prompts makes its own")
+    if cached >= len(prompts[0]) or cached and not use_cache:
+        raise ValueError(f"{cached} positions cached of a prompt of {len(prompts[0])}: at least one must be run")
     model.eval()
-    cfg = model.cfg
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    max_len = cfg.max_seq_len
-    tokens = list(prompt)
+    max_len = model.cfg.max_seq_len
     stops = {stop_token} if isinstance(stop_token, int) else set(stop_token or ())
-    # first position of the current context window, and positions of it already in the cache
-    start = 0 if cached else max(0, len(tokens) - max_len)
-    if cached >= len(tokens) or cached and not use_cache:
-        raise ValueError(f"{cached} positions cached of a prompt of {len(tokens)}: at least one must be run")
-    if use_cache and cache is None:
-        cache = KVCache.for_model(model, len(prompt) + max_new_tokens)
-    new_tokens: list[int] = []
+    constraints = list(constraints or [None] * len(prompts))
+    rows, done = Rows(prompts, max_len, cached), set()
+    kv = None  # the cache being filled (in a batch, a copy holding the rows still decoding)
+    if use_cache:
+        kv = cache if cache is not None else KVCache.for_model(model, max(rows.windows()) + max_new_tokens,
+                                                               batch=len(prompts))
+    new_tokens: list[list[int]] = [[] for _ in prompts]
     for _ in range(max_new_tokens):
-        if constraint is not None and constraint.finished():
+        done |= {r for r in rows.live if constraints[r] is not None and constraints[r].finished()}
+        decoding = len(rows.live)
+        kept = rows.keep(done)
+        if not kept:
             break
-        if len(tokens) - start > max_len:
-            start, cached = len(tokens) - max_len // 2, 0
-        if use_cache:
-            feed = torch.tensor([tokens[start + cached:]], device=device)
-            cache.reserve(len(tokens) - start)
-            logits = model(feed, kv_cache=cache, start_pos=cached)[:, -1]
-            cached = len(tokens) - start
-        else:
-            logits = model(torch.tensor([tokens[start:]], device=device))[:, -1]
+        if kv is not None and len(kept) < decoding:
+            kv = kv.rows(torch.tensor(kept, device=device))
+        restarted = rows.restart()
+        width = rows.pads[0] + rows.windows()[0]  # the columns once this step's tokens are in
+        if restarted or width > max_len or not use_cache or not cached and len(kept) > 1:
+            width, cached = rows.place(), 0
+        logits = decode_step(model, rows.feeds(cached), rows.pads, width, kv, cached, device)
+        cached = width if use_cache else 0
         if on_logits is not None:
             on_logits(logits)
-        token = choose_next(logits, constraint, temperature, top_k, top_p, generator)
-        if token in stops:
-            break
-        tokens.append(token)
-        new_tokens.append(token)
-        if on_token is not None:
-            on_token(token)
-    if cache is not None:
-        cache.start, cache.length = start, cached
+        chosen = choose_next(logits, [constraints[r] for r in rows.live], temperature, top_k, top_p, generator)
+        for r, token in zip(rows.live, chosen):
+            if token in stops:
+                done.add(r)
+                continue
+            rows.tokens[r].append(token)
+            new_tokens[r].append(token)
+            if on_token is not None:
+                on_token(r, token)
+    if cache is not None and len(prompts) == 1:
+        cache.start, cache.length = rows.starts[0], cached
     return new_tokens
