@@ -156,8 +156,3 @@ def score_questions(model, tokenizer, questions: list[tuple[list[str], list[str]
     return [([Scored(logprobs[q][i], len(cont)) for i, (_, cont) in enumerate(question)], truncated[q])
             for q, question in enumerate(pairs)]
 
-
-def score_question(model, tokenizer, contexts: list[str], continuations: list[str], end_id: int) -> tuple[
-        list[Scored], bool]:
-    """One question's `score_questions`."""
-    return score_questions(model, tokenizer, [(contexts, continuations)], end_id)[0]
