@@ -56,6 +56,25 @@ def test_a_sigterm_during_the_final_evaluation_or_the_sample_stops_saves_and_the
     assert summary["steps"] == 4 and summary["val_loss"] > 0 and "sample" in summary
 
 
+def test_an_evaluation_a_sigterm_cut_short_during_training_is_done_on_resuming(tmp_path, corpus_dir, data_dir):
+    """Stopped inside step 2's evaluation (more batches than the test could wait for), the run saves
+    step 2 without its validation loss; the resume evaluates step 2 first, so its records are an
+    uninterrupted run's: step 2's val record before step 3's (before the fix it was never written)."""
+    run = tmp_path / "run"
+    overrides = tiny_overrides(corpus_dir, data_dir, max_steps=4, eval_interval=2, checkpoint_interval=4,
+                               log_interval=1, eval_batches=10**6)
+    step, _ = stop_when(run, ["--model", "tiny", "--out", str(run), *overrides],
+                        lambda: 2 in logged_steps(run), "step 2's record")
+    assert step == 2 and val_steps(run) == []
+
+    proc = start("train", "--resume", str(run), "--no-progress", "train.eval_batches=2")
+    status, _, err = finish(proc)
+    assert status == 0, err
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "val_loss" in r) for r in records if "train_loss" in r or "val_loss" in r] == [
+        (1, False), (2, False), (2, True), (3, False), (4, False), (4, True)]
+
+
 def test_the_sample_on_the_terminal_has_its_control_characters_escaped():
     from lmforge.common.formatting import for_terminal
 

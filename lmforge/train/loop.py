@@ -6,9 +6,9 @@ a sharded model needs every rank in every forward); `train.batch_size` is per ra
 alone prints, logs and writes reports. The loss logged is the mean over the ranks, and tokens/s,
 the global batch and MFU count all of them (lmforge/parallel/world.py).
 
-A run is read in this order: train/setup.py builds the model and optimizer, this file trains,
-runs/state.py keeps the run folder and its checkpoints, train/measurements.py holds what the run
-measures, train/report.py logs each record and train/summary.py writes the end of the run.
+Read in this order: train/setup.py builds the model and optimizer, this file trains, runs/state.py
+keeps the folder and its checkpoints, train/measurements.py measures, train/report.py logs each
+record and train/summary.py writes the end of the run.
 """
 
 import functools
@@ -26,7 +26,6 @@ from lmforge.config import Config, config_warnings
 from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.modes.precision import get_policy
 from lmforge.optim.schedule import Schedule
-from lmforge.parallel.cp_model import ring_traffic
 from lmforge.parallel.parallelize import Engine
 from lmforge.parallel.pipeline.report import pipeline_report
 from lmforge.parallel.pipeline.timeline import Timeline
@@ -132,7 +131,7 @@ class Trainer:
         self.timeline = Timeline() if cfg.parallel.pp > 1 else None  # what each pipeline step did, when
         self.engine = build_engine(cfg, self.policy, self.device, self.base_state, timeline=self.timeline)
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
-        self.traffic = TrafficMeter(self.engine, ring_traffic(self.model) if cfg.parallel.cp > 1 else None)
+        self.traffic = TrafficMeter(self.engine)
         self.base_state = None  # copied into the model: let it go
         self.scaler = LossScaler(enabled=self.policy.loss_scaling)
         # sequences per optimizer step: every replica's micro-batches
@@ -203,9 +202,7 @@ class Trainer:
                           alive=self.world.answer_roll_call if many else None) as stop:
             try:
                 self._loop(stop)
-                run.data_wait_seconds = self.loader.wait_seconds
-                counted = self.engine.comm is not None and self.engine.counts_model_traffic
-                run.sent_bytes = self.engine.comm.sent_bytes() if counted else None
+                run.data_wait_seconds, run.sent_bytes = self.loader.wait_seconds, self.traffic.data_parallel()
                 if self.timeline is not None:
                     run.pipeline = pipeline_report(self.engine, self.timeline.events, self.cfg, run.first_step,
                                                    self.step, self.run_dir, self.world.is_main)
@@ -237,10 +234,10 @@ class Trainer:
         device, in float64 from the window's saved sum, so that its value is bit for bit the one a
         per-step sum on the host gives (exact resume inside a window). The one sync per step left
         is train_step's check that the step is finite before it is applied (a guard must know
-        that in time); the guard that stops a run after bad steps reads the loss only then.
-        Worst case of the deferral: none for correctness (a skipped step is known at once); a
-        run's last log record waits for the device like any other."""
+        that in time); the guard that stops a run after bad steps reads the loss only then."""
         t, state, window = self.cfg.train, self.state, self.state.window
+        if state.step and self._due(t.eval_interval):  # resumed where a stop may have cut an evaluation short
+            self._evaluate_owed(stop)
         self.model.train()
         self.measurements.started = time.time()
         clock = WindowClock(self.measurements, compiling=t.compile)
@@ -278,10 +275,14 @@ class Trainer:
             if stop.agreed is not None:  # at the step's end, or during its evaluation
                 window["loss_sum"] = window_loss.item()
                 raise Stopped(stop.agreed, state.step, saved or self.save())
-        if "val_loss" not in state.history:  # the final evaluation was stopped: done on resuming
+        self._evaluate_owed(stop)  # the final evaluation, if a stop cut it short
+        state.history["train_loss"] = window["last_loss"]
+
+    def _evaluate_owed(self, stop: StopRequests) -> None:
+        """This step's evaluation again if a stop cut it short (it kept no val_loss), as an uninterrupted run's."""
+        if "val_loss" not in self.state.history:
             self._evaluate(stop)
             self._check_stop(stop)
-        state.history["train_loss"] = window["last_loss"]
 
     def _due(self, interval: int) -> bool:
         """Whether a step of `interval` (0: never) ends here."""

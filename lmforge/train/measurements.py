@@ -26,6 +26,7 @@ from lmforge.accounting.shapes import model_shapes
 from lmforge.common.errors import LmforgeError
 from lmforge.config import Config
 from lmforge.optim.adamw import counts_lost_updates
+from lmforge.parallel.cp_model import ring_traffic
 from lmforge.parallel.world import World
 from lmforge.runs.state import RunState
 
@@ -134,10 +135,17 @@ def start_measurements(cfg: Config, engine, world: World, state: RunState, preci
 
 class TrafficMeter:
     """The bytes tp's collectives and the cp ring send during training steps (evaluation sends
-    too): RunMeasurements' tp_sent_bytes and cp_sent_bytes, None where the run has neither."""
+    too): RunMeasurements' tp_sent_bytes and cp_sent_bytes, None where the run has neither; and
+    the data-parallel strategy's, where lmforge counts them."""
 
-    def __init__(self, engine, ring):
-        self.tp, self.ring = getattr(engine, "tp_comm", None), ring
+    def __init__(self, engine):
+        self.engine, self.tp = engine, getattr(engine, "tp_comm", None)
+        self.ring = ring_traffic(engine.model)  # None: no ring (cp 1)
+
+    def data_parallel(self) -> float | None:
+        """The bytes the strategy's own collectives sent (None: not counted, e.g. FSDP2's)."""
+        comm = self.engine.comm
+        return comm.sent_bytes() if comm is not None and self.engine.counts_model_traffic else None
 
     def sent(self) -> tuple[float, float]:
         return (self.tp.sent_bytes("tp") if self.tp is not None else 0.0,
