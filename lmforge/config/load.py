@@ -152,3 +152,23 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 def load_config(path: str | Path) -> Config:
     return config_from_dict(read_yaml(path), origin=str(path))
+
+
+def resume_may_change(key: str) -> bool:
+    """Whether a resume may change setting `key` (a command-line override, or the run's config.yaml
+    against its checkpoint's): how the run trains and splits the work, and where its prepared data
+    lies; never the model or the data, whose weights and tokens the checkpoint was trained with, nor
+    optim.name, whose states it holds (for Muon, its split of the parameters)."""
+    return key == "data.dir" or key.startswith(("train.", "optim.", "parallel.")) and key != "optim.name"
+
+
+def resume_change(saved: Config, cfg: Config) -> tuple[str, object, object] | None:
+    """(key, value in `cfg`, value in `saved`) of the first setting a resume may not change that
+    differs between a checkpoint's config (`saved`) and the one it is resumed with, or None."""
+    ours, theirs = config_to_dict(cfg), config_to_dict(saved)
+    for section, values in ours.items():
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            if not resume_may_change(key) and theirs[section][name] != value:
+                return key, value, theirs[section][name]
+    return None
