@@ -172,3 +172,15 @@ def resume_change(saved: Config, cfg: Config) -> tuple[str, object, object] | No
             if not resume_may_change(key) and theirs[section][name] != value:
                 return key, value, theirs[section][name]
     return None
+
+
+def lacking_key(path: str | Path, reference: str | Path) -> str | None:
+    """The first setting config file `reference` holds that config file `path` lacks (older names
+    read as today's), or None. lmforge writes every setting into a run's config.yaml, so one that
+    lacks a setting its checkpoint's copy holds was cut short or edited: its defaults are not the run's."""
+    def keys(data: dict) -> list[str]:
+        return [ALIASES.get(f"{section}.{key}", f"{section}.{key}") for section, values in data.items()
+                if isinstance(values, dict) for key in values]
+
+    ours = set(keys(read_yaml(path)))
+    return next((key for key in keys(read_yaml(reference)) if key not in ours), None)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
 from lmforge.common.folders import FolderLock
-from lmforge.config import Config, load_config, resume_change
+from lmforge.config import Config, lacking_key, load_config, resume_change
 from lmforge.parallel.world import World
 from lmforge.runs.checkpoint.find import check_format, find_checkpoint, read_state
 from lmforge.runs.checkpoint.read import load_engine_weights, load_optimizer_state, load_rng_states
@@ -66,11 +66,12 @@ class RunFolder:
         path = find_checkpoint(self.path, warn=self.warn)
         state = read_state(path)
         check_format(path, state)
-        change = resume_change(load_config(path / "config.yaml"), cfg)
-        if change is not None:
-            key, ours, theirs = change
-            raise LmforgeError(f"{self.path / 'config.yaml'} does not match checkpoint {path}: {key} is {ours!r} "
-                               f"there, {theirs!r} in the checkpoint; copy {path / 'config.yaml'} over it to resume")
+        ours, theirs = self.path / "config.yaml", path / "config.yaml"
+        lacking, change = lacking_key(ours, theirs), resume_change(load_config(theirs), cfg)
+        if lacking is not None or change is not None:
+            problem = (f"lacks {lacking} (cut short or edited)" if lacking is not None else
+                       f"does not match: {change[0]} is {change[1]!r} there, {change[2]!r} in the checkpoint")
+            raise LmforgeError(f"{ours} {problem}; copy checkpoint {path}'s config.yaml over it to resume")
         if state["precision"]["policy"] != policy:
             raise LmforgeError(f"checkpoint {path} was trained with train.precision={state['precision']['policy']}, "
                                f"not {policy}: resume with the same precision (its optimizer state, loss scale and "

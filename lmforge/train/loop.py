@@ -72,9 +72,6 @@ class Trainer:
         self.cfg, self.run_dir = cfg, Path(self.world.from_main(lambda: str(run_dir)))
         self.console = (console or Console()) if main else Console(quiet=True)
         self.progress = progress and main
-        if main:
-            for message in config_warnings(cfg):
-                warn(message)
         self.device = self.world.device
         check_attention(cfg.model, self.device)
         self.eval_tasks = EvalTasks.of(cfg)  # train.eval_tasks' questions (None: none); a bad name stops here
@@ -86,6 +83,8 @@ class Trainer:
         try:
             checkpoint = self.world.from_main(lambda: self.folder.latest_checkpoint(cfg, self.policy.name) if resume
                                               else self.folder.check_new())
+            for message in config_warnings(cfg) if main else ():  # the config's, once it is known to be the run's
+                warn(message)
             self.data, self.base_state, self.base_identity = prepare_run_data(
                 cfg, self.world, resume, log=lambda msg: self.console.print(msg, soft_wrap=True),
                 warn=lambda msg: self.console.print(f"warning: {msg}"), progress=self.progress)
