@@ -52,7 +52,6 @@ def data_folder(started: Path) -> Path:
 
 def test_a_run_records_its_data_and_a_resume_from_elsewhere_uses_it(started, tmp_path):
     run, data = started / "runs" / "tiny", data_folder(started)
-    assert load_config(run / "config.yaml").data.dir == str(data)  # absolute: where it was prepared
     prepared = tree(data)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -60,7 +59,8 @@ def test_a_run_records_its_data_and_a_resume_from_elsewhere_uses_it(started, tmp
     assert result.returncode == 0, result.stderr
     assert list(elsewhere.iterdir()) == []  # no data prepared again here
     assert "preparing" not in result.stdout and f"resuming {run} at step 2" in result.stdout
-    assert tree(data) == prepared and load_config(run / "config.yaml").data.dir == str(data)
+    assert tree(data) == prepared
+    assert load_config(run / "config.yaml").data.dir == str(data)  # recorded absolute: where it was prepared
 
     # the recorded folder gone: one line says what happens (prepared again where it was), and it is
     shutil.rmtree(data)
