@@ -77,6 +77,7 @@ def finetune_config(args):
         key, _ = parse_override(item)
         if key.startswith(("model.", "finetune.base")):
             raise LmforgeError(f"cannot set {key}: a fine-tuning run keeps its base's model (use --base)")
+    from lmforge.data.corpus import absolute_source
     from lmforge.runs.load import base_settings, model_folder
     from lmforge.train.finetune import fitting_seq_len
 
@@ -102,6 +103,7 @@ def finetune_config(args):
     for item in [*FINETUNE_DEFAULTS, f"finetune.base={base}", *flags, *args.overrides]:
         set_value(cfg, *parse_override(item), origin="command line")
     cfg.data.end_token = end_token  # the base's own end-of-document token
+    cfg.data.source = absolute_source(cfg.data.source)  # read again on resume, from wherever it is run
     if cfg.train.seq_len is None:  # examples: as long as the longest, not the model's maximum
         fitted = fitting_seq_len(cfg, tokenizer)
         if fitted is not None:
