@@ -100,3 +100,15 @@ def test_a_damaged_config_is_refused_in_one_line_before_anything_is_written(star
     assert len(lines) == 1 and lines[0].startswith("lmforge: error: ") and says in lines[0], result.stderr
     assert tree(tmp_path) == before and tree(data) == prepared  # no data folder made, no run file changed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+def test_a_new_run_into_a_run_folder_is_refused_before_its_data_is_prepared(started, tmp_path, corpus_dir):
+    run = tmp_path / "runs" / "tiny"
+    shutil.copytree(started / "runs" / "tiny", run)
+    before = tree(tmp_path)
+    result = lmforge("train", "--model", "tiny", "--out", "runs/tiny", "--no-progress", f"data.source={corpus_dir}",
+                     cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip() == ("lmforge: error: run folder runs/tiny already exists: continue it with --resume "
+                                     "runs/tiny, or pick another --name")
+    assert tree(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no data/ here
