@@ -98,7 +98,7 @@ class RunFolder:
 
     def write_start(self, config_yaml: str, tokenizer_json: str) -> None:
         """The first writes of a session: the folder, and the config and tokenizer it runs with (on
-        resume the config may carry new train.* settings, and a damaged copy is repaired); the
+        resume the config may carry new train.* settings, and a damaged tokenizer.json is repaired); the
         leftovers of a save killed half way are removed."""
         self.path.mkdir(parents=True, exist_ok=True)
         remove_partials(self.path)
