@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from lmforge.cli import build_parser, main, parse_args
+from lmforge.config import load_config
 from tests.conftest import tiny_overrides
 
 
@@ -90,8 +91,14 @@ def test_a_run_named_as_a_new_user_would(tmp_path, corpus_dir, data_dir, capsys,
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": f"def f{n}(x):\n    return x +", "response": f" {n}\n"}) + "\n"
                              for n in range(40)))
-    assert main(["finetune", f"data.source={pairs}", "r", "--lora-rank", "4", "--out", "ft", "--no-progress",
+    assert main(["finetune", "data.source=pairs.jsonl", "r", "--lora-rank", "4", "--out", "ft", "--no-progress",
                  "train.max_steps=2", "train.batch_size=4", "train.seq_len=24", "train.eval_interval=2",
                  "train.eval_batches=1", "train.checkpoint_interval=2", "train.sample_tokens=0",
                  "optim.warmup_steps=1"]) == 0
     assert (tmp_path / "ft" / "summary.json").is_file()
+    # the run records its examples' absolute path: a resume from another folder reads the same file
+    assert load_config(tmp_path / "ft" / "config.yaml").data.source == str(pairs)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["finetune", "--resume", str(tmp_path / "ft"), "--no-progress", "train.max_steps=3"]) == 0
+    assert list((tmp_path / "elsewhere").iterdir()) == []

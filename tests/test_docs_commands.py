@@ -23,7 +23,7 @@ import pytest
 
 from lmforge.cli import build_parser, parse_args
 from lmforge.common.errors import LmforgeError
-from lmforge.config import DEFAULT_PRESET, make_config, parse_override
+from lmforge.config import DEFAULT_PRESET, make_config, parse_override, resume_may_change
 from lmforge.config.validate import config_warnings
 from lmforge.modes.attention import BACKENDS
 from lmforge.modes.precision import ALIASES, POLICIES
@@ -82,12 +82,12 @@ def config_file(args) -> str | None:
 
 
 def check_resumed(args) -> None:
-    """cli's _resumed_config: the run's own config, only train.*, optim.* and parallel.* may change."""
+    """cli's resumed_config: the run's own config, only what config.resume_may_change allows may change."""
     assert not (args.config or getattr(args, "model", None) or args.name or args.out), \
         "--resume takes its config from the run"
     for item in args.overrides:
         key, _ = parse_override(item)
-        assert key.startswith(("train.", "optim.", "parallel.")), f"cannot change {key} when resuming"
+        assert resume_may_change(key), f"cannot change {key} when resuming"
     make_config(DEFAULT_PRESET, None, args.overrides)  # the keys exist and their values are valid
 
 

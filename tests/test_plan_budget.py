@@ -51,3 +51,28 @@ def test_the_budget_defaults_to_chinchilla_and_costs_flops_over_throughput(capsy
                  "--tokens", "1e12", "--price-per-hour", "2"]) == 0
     out = capsys.readouterr().out
     assert "time for 1.00 T tokens" in out and "Chinchilla" not in out and "cost at 2 per device-hour" in out
+
+
+def test_a_runs_plan_gives_its_own_steps_time_before_the_budgets(tiny_config, tmp_path, capsys):
+    from rich.console import Console
+
+    from lmforge.train.loop import Trainer
+
+    # lmforge train's start-up plan: the run's own 8 steps (minutes for a real run), then Chinchilla's reference
+    console = Console(record=True, width=200)
+    Trainer(tiny_config(max_steps=8), tmp_path / "run", console=console, progress=False).close()
+    printed = console.export_text()
+    capsys.readouterr()  # the console printed it too
+    tokens_per_step = 4 * 64  # tiny_overrides' batch of 4, the tiny model's 64 positions
+    own = f"time for the run's 8 steps ({8 * tokens_per_step / 1e3:.2f} k tokens)"
+    assert own in printed and "Chinchilla" in printed
+    assert printed.index(own) < printed.index("Chinchilla")
+    plan = make_plan(tiny_config(max_steps=8), Costing(hardware="a100", own_steps=True))
+    run, t = plan["time"]["run"], plan["time"]
+    assert run == {"steps": 8, "tokens": 8 * tokens_per_step, "seconds": pytest.approx(8 * t["seconds_per_step"])}
+    # lmforge plan: where it knows the run's steps (given here; a run folder's config.yaml holds them)
+    assert main(["plan", "--model", "tiny", "--hardware", "a100", "train.max_steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("time for the run's 7 steps") < out.index("Chinchilla")
+    assert main(["plan", "--model", "tiny", "--hardware", "a100"]) == 0
+    assert "the run's" not in capsys.readouterr().out  # a preset alone: no run's steps to time

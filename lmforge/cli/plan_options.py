@@ -7,6 +7,7 @@ LmforgeError line, before anything is written.
 """
 
 import copy
+from pathlib import Path
 
 from lmforge.accounting.plan.costing import Costing, degrees, policy, zero_stage
 from lmforge.accounting.plan.inference import InferenceSetup, make_inference_plan
@@ -111,6 +112,9 @@ class Planner:
 
     def __init__(self, base: Config, args, trace=None):
         self.base, self.args, self.machines = base, args, Machines(args.remeasure, trace)
+        # the steps of a run are known: a run folder's (its config.yaml), or train.max_steps given
+        self.own_steps = (args.run is not None and (Path(args.run) / "config.yaml").is_file()
+                          or any(parse_override(item)[0] == "train.max_steps" for item in args.overrides))
 
     def plan(self, chosen: dict) -> dict:
         args = self.args
@@ -123,7 +127,7 @@ class Planner:
             cfg = configure(self.base, changes)
             costing = Costing(dp=chosen.get("dp"), hardware=chosen.get("hardware", "this"), mfu=args.mfu,
                               tokens=args.tokens, price_per_hour=args.price_per_hour,
-                              reserve_bytes=args.reserve * 2**30)
+                              reserve_bytes=args.reserve * 2**30, own_steps=self.own_steps)
             machine = None
             if costing.hardware == "this":
                 name, peak, memory = self.machines.training(policy(cfg).matmul_dtype)

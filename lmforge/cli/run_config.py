@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
 from lmforge.config import (DEFAULT_PRESET, Config, apply_dict, load_config, make_config, parse_override, read_yaml,
-                            set_value, validate)
+                            resume_may_change, set_value, validate)
 
 # Fine-tuning starts from a trained model: fewer steps, a short warmup and a lower peak rate than
 # training from scratch (each can be overridden).
@@ -31,9 +31,11 @@ def train_config(args):
 
 
 def resumed_config(args):
-    """The config of the run named by --resume, with train.* and optim.* overrides applied."""
+    """The config of the run named by --resume, with the overrides a resume may make applied
+    (config.resume_may_change: train.*, optim.* but optim.name, parallel.*, data.dir)."""
     if args.config or getattr(args, "model", None) or getattr(args, "base", None) or args.name or args.out:
-        raise LmforgeError("--resume takes its config from the run; only train.* and optim.* overrides may be added")
+        raise LmforgeError("--resume takes its config from the run; only train.*, optim.*, parallel.* and data.dir "
+                           "overrides may be added")
     run_dir = Path(args.resume)
     if not (run_dir / "config.yaml").is_file():
         raise LmforgeError(f"{run_dir} is not a run folder (no config.yaml)")
@@ -43,13 +45,12 @@ def resumed_config(args):
     cfg = load_config(run_dir / "config.yaml")
     for item in args.overrides:
         key, value = parse_override(item)
-        if not key.startswith(("train.", "optim.", "parallel.")):  # parallel.*: how the ranks split the work
-            raise LmforgeError(f"cannot change {key} when resuming: only train.*, optim.* and parallel.* settings "
-                               f"may change")
-        # the checkpoint holds the run's optimizer's states (and, for Muon, its split of the parameters)
         if key == "optim.name" and value != cfg.optim.name:
             raise LmforgeError(f"cannot change optim.name when resuming: {run_dir} holds the states of "
                                f"optim.name={cfg.optim.name}; start a new run (or finetune {run_dir}) for {value}")
+        if not resume_may_change(key):
+            raise LmforgeError(f"cannot change {key} when resuming: only train.*, optim.*, parallel.* and data.dir "
+                               f"settings may change")
         set_value(cfg, key, value, origin="command line")
     validate(cfg)
     return cfg, run_dir
@@ -76,6 +77,7 @@ def finetune_config(args):
         key, _ = parse_override(item)
         if key.startswith(("model.", "finetune.base")):
             raise LmforgeError(f"cannot set {key}: a fine-tuning run keeps its base's model (use --base)")
+    from lmforge.data.corpus import absolute_source
     from lmforge.runs.load import base_settings, model_folder
     from lmforge.train.finetune import fitting_seq_len
 
@@ -101,6 +103,7 @@ def finetune_config(args):
     for item in [*FINETUNE_DEFAULTS, f"finetune.base={base}", *flags, *args.overrides]:
         set_value(cfg, *parse_override(item), origin="command line")
     cfg.data.end_token = end_token  # the base's own end-of-document token
+    cfg.data.source = absolute_source(cfg.data.source)  # read again on resume, from wherever it is run
     if cfg.train.seq_len is None:  # examples: as long as the longest, not the model's maximum
         fitted = fitting_seq_len(cfg, tokenizer)
         if fitted is not None:

@@ -15,8 +15,8 @@ This file presents the package's names; config/ imports only lmforge.modes and l
 torch (the CLI parses its arguments before torch is loaded).
 """
 
-from lmforge.config.load import (apply_dict, config_from_dict, load_config, make_config, parse_override, read_yaml,
-                                 save_config, set_value)
+from lmforge.config.load import (apply_dict, config_from_dict, lacking_key, load_config, make_config, parse_override,
+                                 read_yaml, resume_change, resume_may_change, save_config, set_value)
 from lmforge.config.presets import DEFAULT_PRESET, LLAMA3_ROPE_SCALING, MODEL_PRESETS
 from lmforge.config.schema import (FAMILIES, FAMILY_MLPS, INIT_SCHEMES, LR_SCHEDULES, MLPS, ROPE_SCALING_KEYS,
                                    SECTIONS, Config, DataConfig, FinetuneConfig, ModelConfig, OptimConfig,

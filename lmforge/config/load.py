@@ -152,3 +152,35 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 def load_config(path: str | Path) -> Config:
     return config_from_dict(read_yaml(path), origin=str(path))
+
+
+def resume_may_change(key: str) -> bool:
+    """Whether a resume may change setting `key` (a command-line override, or the run's config.yaml
+    against its checkpoint's): how the run trains and splits the work, and where its prepared data
+    lies; never the model or the data, whose weights and tokens the checkpoint was trained with, nor
+    optim.name, whose states it holds (for Muon, its split of the parameters)."""
+    return key == "data.dir" or key.startswith(("train.", "optim.", "parallel.")) and key != "optim.name"
+
+
+def resume_change(saved: Config, cfg: Config) -> tuple[str, object, object] | None:
+    """(key, value in `cfg`, value in `saved`) of the first setting a resume may not change that
+    differs between a checkpoint's config (`saved`) and the one it is resumed with, or None."""
+    ours, theirs = config_to_dict(cfg), config_to_dict(saved)
+    for section, values in ours.items():
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            if not resume_may_change(key) and theirs[section][name] != value:
+                return key, value, theirs[section][name]
+    return None
+
+
+def lacking_key(path: str | Path, reference: str | Path) -> str | None:
+    """The first setting config file `reference` holds that config file `path` lacks (older names
+    read as today's), or None. lmforge writes every setting into a run's config.yaml, so one that
+    lacks a setting its checkpoint's copy holds was cut short or edited: its defaults are not the run's."""
+    def keys(data: dict) -> list[str]:
+        return [ALIASES.get(f"{section}.{key}", f"{section}.{key}") for section, values in data.items()
+                if isinstance(values, dict) for key in values]
+
+    ours = set(keys(read_yaml(path)))
+    return next((key for key in keys(read_yaml(reference)) if key not in ours), None)

@@ -75,6 +75,15 @@ def _source_paths(source: str) -> list[str]:
     return [p.strip() for p in source.split(",") if p.strip()]
 
 
+def absolute_source(source: str) -> str:
+    """`source` with each file or folder as an absolute path ('stdlib' as it is): what a fine-tuning
+    run records, so that a resume from another directory reads the same files. (A run from scratch
+    records its prepared folder instead: its source names that folder, data.prepare's default_data_dir.)"""
+    if source == "stdlib":
+        return source
+    return ",".join(os.path.abspath(Path(path).expanduser()) for path in _source_paths(source))
+
+
 def file_documents(paths: list[str]) -> list[Document]:
     """Documents from .txt/.jsonl files and folders: a text file is one document, a .jsonl file
     holds one document per line as {"text": ...}. A document is named by its path from the folder

@@ -136,7 +136,7 @@ def prepare_data(cfg: Config, log: Callable[[str], None] = print, progress: bool
     the corpus; otherwise the corpus is read and its sha256 compared with the one the folder records."""
     data_dir = data_dir_of(cfg)
     stamp = source_stamp(cfg.data.source)
-    settings = {"source": cfg.data.source, "vocab_size": cfg.model.vocab_size, "val_fraction": cfg.data.val_fraction}
+    settings = _settings(cfg)
     if data_dir.exists() and read_meta(data_dir).get("source_stamp") == stamp:
         return _reuse(data_dir, settings)  # no file of the source changed since: its source_sha256 still holds
     docs = load_documents(cfg.data.source)
@@ -158,6 +158,18 @@ def prepare_data(cfg: Config, log: Callable[[str], None] = print, progress: bool
             data_dir.parent.rmdir()
         raise
     return open_prepared(data_dir)
+
+
+def open_run_data(cfg: Config) -> PreparedData:
+    """A resumed run's data: its folder opened as it was prepared, checked against cfg's settings;
+    the source is not read again (a relative data.source names files relative to where the run
+    started, which a resume from elsewhere would not find)."""
+    return _reuse(data_dir_of(cfg), _settings(cfg))
+
+
+def _settings(cfg: Config) -> dict:
+    """What a prepared folder must have been prepared with to serve cfg (its meta.json records them)."""
+    return {"source": cfg.data.source, "vocab_size": cfg.model.vocab_size, "val_fraction": cfg.data.val_fraction}
 
 
 def _reuse(data_dir: Path, settings: dict) -> PreparedData:

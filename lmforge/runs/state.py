@@ -18,6 +18,7 @@ from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
 from lmforge.common.folders import FolderLock
+from lmforge.config import Config, lacking_key, load_config, resume_change
 from lmforge.parallel.world import World
 from lmforge.runs.checkpoint.find import check_format, find_checkpoint, read_state
 from lmforge.runs.checkpoint.read import load_engine_weights, load_optimizer_state, load_rng_states
@@ -48,6 +49,8 @@ class RunFolder:
         for path in (self.path, *self.path.parents):
             if path.exists() and not path.is_dir():
                 raise LmforgeError(f"{path} is a file, not a folder: pick another --out or --name")
+        # the lock file lies beside the folder: a parent made for it goes again if the run never writes
+        self.made_parent = not self.path.parent.exists()
         self.lock = FolderLock(self.path, "training") if world.is_main else None
 
     def check_new(self) -> None:
@@ -55,21 +58,20 @@ class RunFolder:
             raise LmforgeError(f"run folder {self.path} already exists: continue it with "
                                f"--resume {self.path}, or pick another --name")
 
-    def latest_checkpoint(self) -> tuple[Path, dict]:
-        """The newest good checkpoint and its state.json; a checkpoint of an older format stops here."""
-        remove_partials(self.path)  # a save killed half way: ours to clean now that we hold the lock
+    def latest_checkpoint(self, cfg: Config, policy: str) -> tuple[Path, dict]:
+        """The newest good checkpoint and its state.json, checked against the config `cfg` and its
+        precision `policy` before any data is prepared or model built: a checkpoint of an older
+        format, of another model or data (the run's config.yaml edited, emptied or cut short),
+        precision or length stops here. Reads only."""
         path = find_checkpoint(self.path, warn=self.warn)
         state = read_state(path)
         check_format(path, state)
-        return path, state
-
-    def restore(self, path: Path, state: dict, engine, cfg, policy: str, data) -> tuple[RunState, list[str]]:
-        """Check that checkpoint `path` belongs to this run's tokenizer, precision policy and length,
-        then load weights, optimizer state and RNG; returns the run state and the metrics lines to
-        keep. Reads only."""
-        if state["tokenizer_sha256"] != data.meta["tokenizer_sha256"]:
-            raise LmforgeError(f"checkpoint {path} was trained with another tokenizer than the one in "
-                               f"{data.dir}: point data.dir at the run's original data")
+        ours, theirs = self.path / "config.yaml", path / "config.yaml"
+        lacking, change = lacking_key(ours, theirs), resume_change(load_config(theirs), cfg)
+        if lacking is not None or change is not None:
+            problem = (f"lacks {lacking} (cut short or edited)" if lacking is not None else
+                       f"does not match: {change[0]} is {change[1]!r} there, {change[2]!r} in the checkpoint")
+            raise LmforgeError(f"{ours} {problem}; copy checkpoint {path}'s config.yaml over it to resume")
         if state["precision"]["policy"] != policy:
             raise LmforgeError(f"checkpoint {path} was trained with train.precision={state['precision']['policy']}, "
                                f"not {policy}: resume with the same precision (its optimizer state, loss scale and "
@@ -78,6 +80,15 @@ class RunFolder:
         if step > max_steps or (step == max_steps and (self.path / "summary.json").is_file()):
             raise LmforgeError(f"{self.path} already reached step {step} of train.max_steps={max_steps}: "
                                f"pass a larger train.max_steps to continue")
+        return path, state
+
+    def restore(self, path: Path, state: dict, engine, data) -> tuple[RunState, list[str]]:
+        """Check that checkpoint `path` (found by latest_checkpoint) was trained with the tokenizer
+        of `data`, then load weights, optimizer state and RNG; returns the run state and the metrics
+        lines to keep. Reads only."""
+        if state["tokenizer_sha256"] != data.meta["tokenizer_sha256"]:
+            raise LmforgeError(f"checkpoint {path} was trained with another tokenizer than the one in "
+                               f"{data.dir}: pass data.dir=FOLDER, the run's original data")
         metrics_kept = MetricsLog.lines_to_keep(self.path / "metrics.jsonl", state["step"], warn=self.warn)
         load_engine_weights(engine, path)
         load_optimizer_state(engine, path, state["param_groups"])
@@ -87,8 +98,10 @@ class RunFolder:
 
     def write_start(self, config_yaml: str, tokenizer_json: str) -> None:
         """The first writes of a session: the folder, and the config and tokenizer it runs with (on
-        resume the config may carry new train.* settings, and a damaged copy is repaired)."""
+        resume the config may carry new train.* settings, and a damaged tokenizer.json is repaired); the
+        leftovers of a save killed half way are removed."""
         self.path.mkdir(parents=True, exist_ok=True)
+        remove_partials(self.path)
         for name, text in (("config.yaml", config_yaml), ("tokenizer.json", tokenizer_json)):  # whole or not at all
             write_file_staged(self.path / name, lambda path, text=text: path.write_text(text))
 
@@ -99,3 +112,5 @@ class RunFolder:
     def release(self) -> None:
         if self.lock is not None:
             self.lock.release()
+            if self.made_parent and not any(self.path.parent.iterdir()):  # a refused new run leaves no runs/
+                self.path.parent.rmdir()

@@ -39,7 +39,7 @@ class Checkpoints:
         """Load checkpoint `path` once it is checked to fit this run; reads only. Returns its run
         state and the metrics lines to keep."""
         check_same_base(state.get("base"), self.base_identity, path)
-        run, metrics_kept = self.folder.restore(path, state, self.engine, self.cfg, self.policy.name, self.data)
+        run, metrics_kept = self.folder.restore(path, state, self.engine, self.data)
         self.check_target(run, console)
         precision = state["precision"]
         if "loss_scaler" in precision:

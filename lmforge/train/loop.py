@@ -65,27 +65,29 @@ class Trainer:
 
     def _start(self, cfg: Config, run_dir: Path, resume: bool, console: Console | None, progress: bool,
                machine) -> None:
-        """Prepare the data, lock the folder, build, restore and measure (see the class docstring)."""
+        """Lock and check the folder, prepare the data, build, restore and measure (see the class docstring)."""
         main = self.world.is_main
         # rank 0's folder for all (a default name holds the time, which the ranks may read a second apart)
         self.cfg, self.run_dir = cfg, Path(self.world.from_main(lambda: str(run_dir)))
         self.console = (console or Console()) if main else Console(quiet=True)
         self.progress = progress and main
-        if main:
-            for message in config_warnings(cfg):
-                warn(message)
         self.device = self.world.device
         check_attention(cfg.model, self.device)
         self.eval_tasks = EvalTasks(cfg) if cfg.train.eval_tasks.strip(" ,") else None  # a bad name stops here
         torch.manual_seed(cfg.train.seed)  # the same on every rank: the same initial model
-        self.data, self.base_state, self.base_identity = prepare_run_data(
-            cfg, self.world, log=self.console.print, warn=lambda msg: self.console.print(f"warning: {msg}"),
-            progress=self.progress)
-        # the run folder is locked (by rank 0) from here on: a second writer is refused before the model is built
+        self.policy = get_policy(cfg.train.precision)
+        # locked by rank 0 from here on; the folder and a resume's checkpoint are checked before the data is prepared
         self.folder = self.world.main_first(
             lambda: RunFolder(self.run_dir, warn=lambda msg: self.console.print(f"warning: {msg}"), world=self.world))
         try:
-            self._setup(resume, machine)
+            checkpoint = self.world.from_main(lambda: self.folder.latest_checkpoint(cfg, self.policy.name) if resume
+                                              else self.folder.check_new())
+            for message in config_warnings(cfg) if main else ():  # the config's, once it is known to be the run's
+                warn(message)
+            self.data, self.base_state, self.base_identity = prepare_run_data(
+                cfg, self.world, resume, log=lambda msg: self.console.print(msg, soft_wrap=True),
+                warn=lambda msg: self.console.print(f"warning: {msg}"), progress=self.progress)
+            self._setup(checkpoint, machine)
         except BaseException:
             self.close()
             raise
@@ -95,10 +97,9 @@ class Trainer:
     def _estimate(self, what: str, fn):  # an estimator's or report's failure: one line (rank 0's), and None
         return estimate(what, fn, warn if self.world.is_main else lambda message: None)
 
-    def _setup(self, resume: bool, machine) -> None:
-        """Build, restore and measure, checking as it goes; then the run folder's first files."""
-        cfg = self.cfg
-        checkpoint = self.world.from_main(self.folder.latest_checkpoint if resume else self.folder.check_new)
+    def _setup(self, checkpoint: tuple | None, machine) -> None:
+        """Build, restore a resume's checkpoint (path, state) and measure, checking as it goes; then the first files."""
+        cfg, resume = self.cfg, checkpoint is not None
         engine = self._build()
         self.checkpoints = Checkpoints(self.folder, cfg, self.data, engine, self.policy, self.scaler,
                                        self.base_identity, self.global_batch)
@@ -125,7 +126,6 @@ class Trainer:
         """The model and everything that wraps it (precision, recomputation, LoRA, parallelism),
         the optimizer, and the loss scaler of the precision policy."""
         cfg = self.cfg
-        self.policy = get_policy(cfg.train.precision)
         for note in device_notes(self.policy, self.device):
             self.console.print(f"note: {note}")
         self.timeline = Timeline() if cfg.parallel.pp > 1 else None  # what each pipeline step did, when

@@ -95,7 +95,8 @@ def run_plan(cfg: Config, replicas: int, machine: tuple, global_batch: int, esti
     accounting on `machine` (name, peak FLOP/s, memory bytes), with train.scaling_fit the loss the fit
     predicts for the run's tokens (a bad file stops here, before any write). `estimate(what, fn)`
     runs each estimator (its failure one warning line and None)."""
-    plan = estimate("the plan", lambda: make_plan(cfg, Costing(dp=replicas, mfu=1.0), machine))  # at 100% MFU
+    costing = Costing(dp=replicas, mfu=1.0, own_steps=True)  # at 100% MFU, the run's own steps timed first
+    plan = estimate("the plan", lambda: make_plan(cfg, costing, machine))
     if cfg.train.scaling_fit:
         fit = read_fit(cfg.train.scaling_fit, option="train.scaling_fit")
         tokens = cfg.train.max_steps * global_batch * cfg.seq_len

@@ -58,12 +58,15 @@ LoRA comes after precision and recomputation, not before:
     the final set of trainable parameters (it reduces the gradients of those alone).
 """
 
+import os
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 
 from lmforge.config import Config
 from lmforge.data.loader import check_windows
-from lmforge.data.prepare import data_dir_of, prepare_data
+from lmforge.data.prepare import data_dir_of, open_run_data, prepare_data
 from lmforge.common.errors import LmforgeError
 from lmforge.kernels import flash_triton
 from lmforge.modes.attention import FLASH_BACKENDS
@@ -184,16 +187,29 @@ def check_attention(model_cfg, device: torch.device) -> None:
             raise LmforgeError(reason)
 
 
-def prepare_run_data(cfg: Config, world: World, log, warn, progress: bool) -> tuple:
+def prepare_run_data(cfg: Config, world: World, resume: bool, log, warn, progress: bool) -> tuple:
     """(data, base weights, base identity): the data of any run (data/prepare.py's PreparedData, or
     train/finetune.py's FinetuneData), made by rank 0 first (once, under the data folder's lock), then opened
     by the others, who wait for it however long it takes (World.main_first); with the weights and
     identity of a fine-tuning run's base (None for a run from scratch, whose prepared data is
-    checked against its model here)."""
+    checked against its model here).
+
+    A run from scratch records where its data is: cfg.data.dir is set to the folder's absolute
+    path, which the run's config.yaml keeps, so that a resume from any directory opens the same
+    folder as it is (open_run_data); a resume whose folder is gone says so in one line and
+    prepares it again."""
     if cfg.finetune.base is None:
-        data = world.main_first(lambda: prepare_data(cfg, log=log, progress=progress),
-                                doing=f"prepare {data_dir_of(cfg)}")
+        data_dir = data_dir_of(cfg)
+        if resume and data_dir.is_dir():
+            data = world.main_first(lambda: open_run_data(cfg), doing=f"open {data_dir}")
+        else:
+            if resume:
+                where = "" if data_dir.is_absolute() else f" in {Path.cwd()}"
+                log(f"note: the run's data folder {data_dir} is not there{where}: preparing it again from "
+                    f"data.source={cfg.data.source} (pass data.dir=FOLDER if it lies elsewhere)")
+            data = world.main_first(lambda: prepare_data(cfg, log=log, progress=progress), doing=f"prepare {data_dir}")
         check_data(cfg, data, warn=warn)
+        cfg.data.dir = os.path.abspath(data.dir)
         return data, None, None
     # rank 0 reads the base while the others wait: a local file read on each rank (runs/checkpoint/
     # read.py), never a collective that would wait for them

@@ -35,6 +35,9 @@ class Costing:
     mfu: float = 0.5  # the model FLOPs utilisation assumed for time estimates
     tokens: float | None = None  # the token budget for total time and cost (None: Chinchilla's 20 per parameter)
     price_per_hour: float | None = None  # per device-hour, for the cost of the token budget
+    # the plan of a run (lmforge train's; lmforge plan RUN or train.max_steps=N): the time of its own
+    # train.max_steps too, shown before the budget's (a tiny run's minutes, not Chinchilla's hours)
+    own_steps: bool = False
     reserve_bytes: float = DEFAULT_RESERVE_BYTES  # kept free per device: CUDA context, fragmentation
 
     def check(self) -> None:

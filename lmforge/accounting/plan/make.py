@@ -71,6 +71,10 @@ def _budget(cfg: Config, plan: dict, costing: Costing, n_params: int) -> dict:
     time.update(tokens=budget, seconds_for_tokens=seconds_for_budget,
                 tokens_source="given" if costing.tokens else f"Chinchilla: {CHINCHILLA_TOKENS_PER_PARAMETER} "
                                                              "tokens per parameter (Hoffmann et al. 2022)")
+    if costing.own_steps:
+        steps = cfg.train.max_steps
+        time["run"] = {"steps": steps, "tokens": steps * setup["tokens_per_step"],
+                       "seconds": steps * time["seconds_per_step"]}
     return {
         "training_flops": budget * plan["flops"]["training_per_token"],
         "device_hours": device_hours,

@@ -113,7 +113,7 @@ def head_table(plan: dict, title: str) -> Table:
 
 
 def time_table(plan: dict) -> Table:
-    """A step's time at the assumed MFU (and a pipeline's bubble), and the token budget's."""
+    """A step's time at the assumed MFU (and a pipeline's bubble), a run's own steps' and the token budget's."""
     st, t, budget = plan["setup"], plan["time"], plan["budget"]
     timing = facts_table(f"time on {t['hardware']} at {t['assumed_mfu']:.0%} MFU", [
         ("peak per device", f"{human_count(t['peak_flops_per_device'])}FLOP/s ({t['matmul_dtype']})"),
@@ -122,6 +122,10 @@ def time_table(plan: dict) -> Table:
     if "pipeline" in plan:
         add_bubble_rows(timing, plan["pipeline"], t["assumed_mfu"])
     timing.add_row("throughput", f"{t['tokens_per_second']:,.0f} tokens/s")
+    if "run" in t:  # the run's own steps first: what it takes, before the budget's reference
+        run = t["run"]
+        timing.add_row(f"time for the run's {run['steps']:,} steps ({human_count(run['tokens'])} tokens)",
+                       f"{human_seconds(run['seconds'])} on {st['devices']} device(s)")
     source = "" if t["tokens_source"] == "given" else " (Chinchilla's 20 per parameter: no --tokens)"
     timing.add_row(f"time for {human_count(t['tokens'])} tokens{source}",
                    f"{human_seconds(t['seconds_for_tokens'])} on {st['devices']} device(s)")
