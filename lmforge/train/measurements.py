@@ -141,7 +141,7 @@ class TrafficMeter:
 
     def __init__(self, engine):
         self.engine, self.tp = engine, getattr(engine, "tp_comm", None)
-        self.ring = ring_traffic(engine.model)  # None: no ring (cp 1)
+        self.ring = ring_traffic(engine.model) if getattr(engine, "cp", 1) > 1 else None
 
     def data_parallel(self) -> float | None:
         """The bytes the strategy's own collectives sent (None: not counted, e.g. FSDP2's)."""
