@@ -39,15 +39,26 @@ def trained(tmp_path_factory, corpus_dir, data_dir):
     return run_dir
 
 
-def report_of(run_dir) -> str:
-    done = lmforge("report", str(run_dir))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == f"wrote {run_dir / 'report.md'}"
+def report(run_dir, capsys) -> tuple[int, str, str]:
+    """`lmforge report RUN_DIR` in this process (main(), as the console script calls it): (status,
+    stdout, stderr); training and `lmforge eval` above run as real subprocesses."""
+    from lmforge.cli import main
+
+    capsys.readouterr()
+    status = main(["report", str(run_dir)])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def report_of(run_dir, capsys) -> str:
+    status, out, err = report(run_dir, capsys)
+    assert status == 0, err[-3000:]
+    assert out.strip() == f"wrote {run_dir / 'report.md'}"
     return (run_dir / "report.md").read_text()
 
 
-def test_the_report_holds_config_data_cost_curves_scores_and_sample(trained, data_dir):
-    page = report_of(trained)
+def test_the_report_holds_config_data_cost_curves_scores_and_sample(trained, data_dir, capsys):
+    page = report_of(trained, capsys)
     summary = json.loads((trained / "summary.json").read_text())
     assert (trained / "config.yaml").read_text().strip() in page
     splits = json.loads((data_dir / "meta.json").read_text())["splits"]  # the data, as prepared
@@ -82,14 +93,14 @@ def test_the_report_holds_config_data_cost_curves_scores_and_sample(trained, dat
     assert "## Sample" in page and (trained / "sample.txt").read_text().rstrip("\n") in page
 
 
-def test_a_run_without_a_summary_gets_a_report_of_what_it_logged(trained, tmp_path):
+def test_a_run_without_a_summary_gets_a_report_of_what_it_logged(trained, tmp_path, capsys):
     """A run that crashed before its end: no summary.json, loss.png or sample.txt. Its report says
     so, shows the last record and the evaluations, and draws the loss picture from metrics.jsonl."""
     run_dir = tmp_path / "crashed"
     shutil.copytree(trained, run_dir)
     for name in ("summary.json", "loss.png", "sample.txt", "eval.json", "eval.png", "report.md"):
         (run_dir / name).unlink()
-    page = report_of(run_dir)
+    page = report_of(run_dir, capsys)
     assert "It has no summary.json: the run did not end normally" in page
     last = [r for r in read_metrics(run_dir / "metrics.jsonl") if "train_loss" in r][-1]
     assert f"The last record logged (step {last['step']:,}, {last['tokens_seen']:,} tokens" in page
@@ -121,7 +132,7 @@ def damage(run_dir, case: str) -> None:
     ("metrics damaged", "metrics.jsonl line 2 is not JSON: the file is damaged"),
     ("eval.json damaged", "eval.json is damaged (not the eval.json lmforge eval writes)"),
 ])
-def test_bad_input_is_one_line_and_nothing_is_written(trained, tmp_path, case, message):
+def test_bad_input_is_one_line_and_nothing_is_written(trained, tmp_path, case, message, capsys):
     run_dir = tmp_path / "run"
     if case == "not a run":
         run_dir.mkdir()
@@ -131,8 +142,8 @@ def test_bad_input_is_one_line_and_nothing_is_written(trained, tmp_path, case, m
         (run_dir / "report.md").unlink(missing_ok=True)
         damage(run_dir, case)
     before = {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()}
-    done = lmforge("report", str(run_dir))
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith("lmforge: error: ") and message in done.stderr
+    status, _, err = report(run_dir, capsys)
+    assert status == 2, err[-3000:]
+    assert err.count("\n") == 1 and err.startswith("lmforge: error: ") and message in err
     assert {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()} == before
     assert not (run_dir / "report.md").exists()
