@@ -262,10 +262,9 @@ def big_corpus(tmp_path_factory) -> Path:
     return stdlib_corpus(tmp_path_factory.mktemp("big_corpus"), 20_000_000, recursive=True)
 
 
-def test_rank_0_killed_during_setup_is_reported_by_the_rank_that_survives(tmp_path, big_corpus):
-    """Rank 0 dies while it prepares the data (rank 1 waits for it through the store, outside any
-    collective): torchrun's agent SIGTERMs rank 1, which takes the roll call and says who is gone.
-    Before the fix rank 1 died on that SIGTERM without a word."""
+def start_in_setup(tmp_path, big_corpus) -> tuple[subprocess.Popen, Path, float]:
+    """A 2-rank tiny ddp run under torchrun, stderr to a file, once rank 1 waits for rank 0 to
+    prepare the data (the setup the tests below interrupt): (torchrun, the file, the deadline)."""
     from tests.conftest import tiny_overrides
 
     overrides = tiny_overrides(big_corpus, tmp_path / "data", max_steps=2, batch_size=2)
@@ -274,13 +273,26 @@ def test_rank_0_killed_during_setup_is_reported_by_the_rank_that_survives(tmp_pa
         proc = subprocess.Popen(torchrun(2, "--model", "tiny", *overrides, "train.parallel=ddp", "--out", "run"),
                                 cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr, env=env(),
                                 start_new_session=True)
-    pids = []
     try:
         deadline = time.monotonic() + TIMEOUT
         while "rank 1: waiting for rank 0 to prepare" not in stderr_file.read_text():
             assert proc.poll() is None, stderr_file.read_text()[-3000:]
             assert time.monotonic() < deadline, "rank 1 never waited for rank 0"
             time.sleep(0.1)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return proc, stderr_file, deadline
+
+
+def test_rank_0_killed_during_setup_is_reported_by_the_rank_that_survives(tmp_path, big_corpus):
+    """Rank 0 dies while it prepares the data (rank 1 waits for it through the store, outside any
+    collective): torchrun's agent SIGTERMs rank 1, which takes the roll call and says who is gone.
+    Before the fix rank 1 died on that SIGTERM without a word."""
+    proc, stderr_file, _ = start_in_setup(tmp_path, big_corpus)
+    pids = []
+    try:
         pids = [rank_pid(proc.pid, rank) for rank in (0, 1)]
         os.kill(pids[0], signal.SIGKILL)
         proc.wait(timeout=TIMEOUT)
@@ -297,20 +309,8 @@ def test_rank_0_killed_during_setup_is_reported_by_the_rank_that_survives(tmp_pa
 def test_sigterm_to_torchrun_during_setup_ends_on_lmforge_s_line(tmp_path, big_corpus):
     """torchrun stopped (SIGTERM) while rank 0 prepares the data: every rank answers the roll call,
     so it is a plain stop; rank 0's line comes after torchrun's own SignalException traceback."""
-    from tests.conftest import tiny_overrides
-
-    overrides = tiny_overrides(big_corpus, tmp_path / "data", max_steps=2, batch_size=2)
-    stderr_file = tmp_path / "stderr"
-    with open(stderr_file, "w") as stderr:
-        proc = subprocess.Popen(torchrun(2, "--model", "tiny", *overrides, "train.parallel=ddp", "--out", "run"),
-                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr, env=env(),
-                                start_new_session=True)
+    proc, stderr_file, deadline = start_in_setup(tmp_path, big_corpus)
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while "rank 1: waiting for rank 0 to prepare" not in stderr_file.read_text():
-            assert proc.poll() is None, stderr_file.read_text()[-3000:]
-            assert time.monotonic() < deadline, "rank 1 never waited for rank 0"
-            time.sleep(0.1)
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=TIMEOUT)
         line = "lmforge: stopped by SIGTERM during setup, before the first step: nothing to save"
