@@ -135,8 +135,8 @@ def choose_next(logits: torch.Tensor, constraints: list, temperature: float, top
     which is told the choice. A constraint's mask of None allows every token."""
     masks = [c.allowed(logits.shape[-1]) if c is not None else None for c in constraints]
     if any(mask is not None for mask in masks):
-        every = torch.ones(logits.shape[-1], dtype=torch.bool)
-        allowed = torch.stack([every if mask is None else mask.cpu() for mask in masks]).to(logits.device)
+        every = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        allowed = torch.stack([every if mask is None else mask.to(logits.device) for mask in masks])
         logits = logits.masked_fill(~allowed, float("-inf"))
     chosen = sample_next(logits, temperature, top_k, top_p, generator).tolist()
     for constraint, token in zip(constraints, chosen):
