@@ -186,6 +186,7 @@ def test_the_nproc_launcher_stops_as_one_process_does(tmp_path, settings, signum
     finally:
         stderr = finish(proc)
     assert proc.returncode == 128 + signum and "Traceback" not in stderr, (proc.returncode, stderr[-3000:])
+    assert RESUME.fullmatch(stderr.rstrip("\n").splitlines()[-1]), stderr[-3000:]  # after torch's agent's log
     step, resume = resume_line(stderr)
     assert resume == ["lmforge", "train", "--nproc", "2", "--resume", str(run_dir)]
     if signum == signal.SIGTERM:  # the command works (once is enough)
@@ -203,6 +204,9 @@ def test_the_nproc_launcher_refuses_as_one_process_does(tmp_path, settings):
                             cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=env())
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert len(errors(result.stderr)) == 1 and "already exists" in result.stderr, result.stderr[-3000:]
+    # lmforge's line last, after the "failed (exitcode: 2)" that torch's agent logs inside the launcher
+    assert "exitcode: 2" in result.stderr, result.stderr[-3000:]
+    assert result.stderr.rstrip("\n").splitlines()[-1] == errors(result.stderr)[0], result.stderr[-3000:]
 
 
 def test_a_rank_stuck_in_a_collective_when_sigterm_comes_says_who_is_missing(tmp_path):

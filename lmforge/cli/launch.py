@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
+from lmforge.common.last_word import said_by_launcher
 from lmforge.common.errors import LmforgeError
 from lmforge.config.rules import check_composition
 
@@ -43,7 +44,8 @@ def launch(nproc: int, argv: list[str]) -> int:
     # late signal would then raise out of lmforge's own code (a traceback, status 1)
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
-        run(options)
+        with said_by_launcher():  # the ranks' last lines come after torch's agent's log of their exits
+            run(options)
     except ChildFailedError as err:
         code = err.get_first_failure()[1].exitcode
         return 128 - code if code < 0 else code  # killed by signal S: 128 + S, as a shell says

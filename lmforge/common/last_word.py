@@ -12,8 +12,10 @@ its own (this module, run with `python -m`), which waits for the agent to exit a
 line in one write: the last thing on that stderr, whole. A log file or a pipe ends with it; in a
 terminal the shell's prompt may come just before it.
 
-Printed at once instead (as without torchrun): not under torchrun's agent (one process, or
-`lmforge train --nproc N`, whose launcher is lmforge's own and prints no traceback), under an agent
+Under `lmforge train --nproc N` the agent runs inside lmforge's own launcher, which logs each
+rank's exit ("failed (exitcode: 2) local_rank: 1 ...") after the rank's line: there the rank appends
+its line to a file the launcher names (HANDED_TO_LAUNCHER) and the launcher says it once its agent is
+done (`said_by_launcher`). Printed at once instead (as without torchrun): one process, under an agent
 that will start the ranks again (--max-restarts left), and where no process can be started.
 """
 
@@ -28,6 +30,7 @@ import time
 # its SIGKILL, then tears down its rendezvous (seconds). Past it the line is said anyway: never lost.
 AGENT_WAIT_SECONDS = 60
 POLL_SECONDS = 0.05  # where the kernel has no pidfd (Linux before 5.3): how often the helper looks
+HANDED_TO_LAUNCHER = "LMFORGE_LAST_WORD_FILE"  # set by `lmforge train --nproc`'s launcher for its ranks
 
 
 def say_error(message: str) -> None:
@@ -37,6 +40,14 @@ def say_error(message: str) -> None:
 
 def say_last(line: str) -> None:
     """Print `line` on stderr: at once, or under torchrun's agent after the agent's own output."""
+    handed = os.environ.get(HANDED_TO_LAUNCHER)
+    if handed:
+        try:  # one short append: whole even when ranks write at the same time
+            with open(handed, "a", encoding="utf-8") as lines:
+                lines.write(line + "\n")
+            return
+        except OSError:  # the launcher's file is gone: say it now
+            pass
     agent = torchrun_agent()
     if agent is not None:
         try:
@@ -72,8 +83,8 @@ def torchrun_agent() -> int | None:
             words = f.read().split(b"\0")
     except (OSError, ValueError):  # no /proc (not Linux): the line at once
         return None
-    # torchrun itself (`torchrun`, `python -m torch.distributed.run`), not `lmforge train --nproc`, whose
-    # launcher runs torch's agent inside lmforge's own process and prints no traceback after the line
+    # torchrun itself (`torchrun`, `python -m torch.distributed.run`); `lmforge train --nproc` hands its
+    # ranks' lines to its launcher instead (said_by_launcher)
     launched = any(word in (b"torch.distributed.run", b"torch.distributed.launch")
                    or os.path.basename(word) == b"torchrun" for word in words)
     return parent if launched else None
@@ -104,6 +115,27 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def said_by_launcher():
+    """For `lmforge train --nproc`: the ranks started inside hand their last lines to a file, said
+    here (each once, in order) when the block ends, after everything torch's agent wrote."""
+    import tempfile
+    fd, path = tempfile.mkstemp(prefix="lmforge-last-word-")
+    os.close(fd)
+    os.environ[HANDED_TO_LAUNCHER] = path
+    try:
+        yield
+    finally:
+        os.environ.pop(HANDED_TO_LAUNCHER, None)
+        with contextlib.suppress(OSError):
+            with open(path, encoding="utf-8") as f:
+                said = list(dict.fromkeys(line.rstrip("\n") for line in f if line.strip()))
+            os.unlink(path)
+            if said:
+                sys.stderr.flush()
+                print(*said, sep="\n", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
