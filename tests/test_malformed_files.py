@@ -25,6 +25,7 @@ RUNS = ["runs", "runs"]
 FINETUNE = ["finetune", "runs/x", "data.source=bad.jsonl", "train.max_steps=1", "optim.warmup_steps=0",
             "--out", "runs/ft"]
 TRAIN = ["train", "--model", "tiny", "--config", "bad.yaml", "--out", "runs/t"]
+ADAPTER = [*GENERATE, "--adapter", "adapter"]
 
 
 def variants(base: dict, missing: str, wrong: tuple[str, object]) -> list[tuple[str, str]]:
@@ -48,7 +49,17 @@ def world(tokenizer, tmp_path_factory) -> Path:
     (run / "summary.json").write_text(json.dumps(SUMMARY))
     shutil.copytree(run, root / "sweep" / "C1e12-L3")
     (root / "runs" / "x" / "metrics.jsonl").write_text(json.dumps({"step": 0, "val_loss": 4.0}) + "\n")
+    peft_adapter(root / "hf", root / "adapter")
+    assert run_cli(*ADAPTER, cwd=root).returncode == 0  # as saved by peft, it loads
     return root
+
+
+def peft_adapter(base: Path, folder: Path) -> None:
+    """A LoRA adapter of the model in `base` (rank 2 on q_proj and v_proj), saved by peft itself."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    model.save_pretrained(folder)
 
 
 def cases(world_files: dict) -> list:
@@ -72,6 +83,10 @@ FILES = {
     "hf/tokenizer.json": (IMPORT, [("empty", ""), ("truncated", '{"version": "1.0", "mod'), ("a list", "[]")]),
     "hf/tokenizer_config.json": (IMPORT, variants({"eos_token": "<|eot_id|>"}, "-", ("chat_template", 5))[:3]
                                  + [("chat_template wrong-typed", '{"chat_template": 5}')]),
+    "adapter/adapter_config.json": (ADAPTER, variants({"peft_type": "LORA", "r": 2, "lora_alpha": 8,
+                                                       "target_modules": ["q_proj", "v_proj"]}, "r", ("r", "two"))
+                                     + [("rank_pattern wrong-typed",
+                                         '{"peft_type": "LORA", "r": 2, "lora_alpha": 8, "rank_pattern": [4]}')]),
     "sweep/C1e12-L2/summary.json": (FIT, variants(SUMMARY, "tokens_trained", ("val_loss", "low"))),
     "runs/x/metrics.jsonl": (RUNS, [("a list line", "[1]\n{}\n"), ("step wrong-typed", '{"step": "ten"}\n{}\n'),
                                     ("truncated line", '{"step": 1\n{"step": 2}\n'),

@@ -141,6 +141,12 @@ def read_peft_adapter(folder: str | Path,
         raise LmforgeError(f"{folder} is not a PEFT adapter folder: {Path(err.filename).name} is missing") from None
     except (OSError, json.JSONDecodeError, SafetensorError) as err:
         raise LmforgeError(f"{folder} is not a readable PEFT adapter ({err})") from None
+    where = f"{folder}/adapter_config.json"
+    if not isinstance(config, dict) or "r" not in config:
+        raise LmforgeError(f"{where} is not a PEFT LoRA config: a JSON object with the rank r was expected")
+    patterns = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    if not all(isinstance(p, dict) for p in patterns) or not isinstance(config.get("lora_dropout") or 0, (int, float)):
+        raise LmforgeError(f"{where}: rank_pattern and alpha_pattern must be objects and lora_dropout a number")
     if config.get("peft_type") != "LORA":
         raise LmforgeError(f"{folder} is a {config.get('peft_type')} adapter; lmforge reads LoRA adapters")
     unsupported = [key for key in ("use_dora", "use_rslora", "modules_to_save") if config.get(key)]
@@ -150,9 +156,9 @@ def read_peft_adapter(folder: str | Path,
         raise LmforgeError(f"{folder} uses {', '.join(unsupported)}, which lmforge's LoRA does not have")
     rank, alpha = config["r"], config.get("lora_alpha")
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)) or alpha <= 0:
-        raise LmforgeError(f"{folder}/adapter_config.json has r {rank!r} and lora_alpha {alpha!r}: both must be "
+        raise LmforgeError(f"{where} has r {rank!r} and lora_alpha {alpha!r}: both must be "
                            f"positive numbers")
-    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    ranks, alphas = patterns
     fused_rank = ranks.get("attn.c_attn", ranks.get("c_attn", rank))
     if set(ranks) - {"attn.c_attn", "c_attn"} or set(alphas) - {"attn.c_attn", "c_attn"} \
             or fused_rank not in (rank, 3 * rank) or fused_rank == 3 * rank and not (
