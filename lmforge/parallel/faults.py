@@ -114,18 +114,15 @@ class Faults:
         os._exit(2)  # the main thread is stuck in C++; the kernel drops the run folder's lock
 
     @contextlib.contextmanager
-    def setup_faults(self):
-        """Around a run's setup (data, folder, model, plan: before the first step, where the
-        trainer's StopRequests is not yet in place), a rank lost is said in the same one line as
-        during training. Two ways to find out: a collective that fails (the main thread: the line
+    def watching_setup(self):
+        """World.setup_faults with more than one rank: around a run's setup (data, folder, model,
+        plan: before the first step, where the trainer's StopRequests is not yet in place), a rank
+        lost is said in the same one line as during training. Two ways to find out: a collective that fails (the main thread: the line
         is `failure`'s, raised), or torchrun's agent, which SIGTERMs the survivors the moment a rank
         dies, while this one may be waiting for rank 0 through the store (`main_first`) or working
         inside a long call: a watch thread reading Python's signal wakeup fd takes that SIGTERM,
         answers the roll call and takes it. A rank missing: the line, exit 2 (`report_stuck`);
         none: a plain stop (a scheduler's SIGTERM to every rank), exit 143 as before, said once."""
-        if self.world_size == 1:
-            yield
-            return
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the watch decides
         reader, writer = socket.socketpair()
         writer.setblocking(False)

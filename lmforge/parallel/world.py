@@ -20,6 +20,7 @@ stands for.
 """
 
 import atexit
+import contextlib
 import datetime
 import itertools
 import os
@@ -59,6 +60,11 @@ class World(Faults):
     def distributed(self) -> bool:
         """Whether a process group is up (collectives needed), even of one process."""
         return dist.is_available() and dist.is_initialized()
+
+    def setup_faults(self):
+        """Around a run's setup, a rank lost is said in the same one line as during training
+        (parallel/faults.py's `watching_setup`); one process has no rank to lose."""
+        return self.watching_setup() if self.world_size > 1 else contextlib.nullcontext()
 
     # -- collectives; each is a no-op in one process -------------------------------------------
 
