@@ -14,7 +14,7 @@ A module swap from outside, like the other wrappers (the model file does not cha
                    ranks: each CP rank is then a data-parallel replica of its shard (torchtitan's
                    dp_cp), and an engine that averages over dp x cp ranks reduces it unchanged.
                    On a tensor-parallel model (parallel/tp.py, applied first) the summed
-                   cross-entropy is the vocabulary-parallel one (parallel/tp_loss.py): it works
+                   cross-entropy is the vocabulary-parallel one (parallel/tp_ops.py): it works
                    token by token over the tp group, so it sums this cp rank's tokens as the plain
                    one does, and the ring runs over the cp group on each tp rank's own heads
 
@@ -51,7 +51,7 @@ from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.cp import RingTraffic, ring_attention, shard_batch, zigzag_positions
 from lmforge.parallel.tp import SequenceShardRope
-from lmforge.parallel.tp_loss import VocabParallelHeadLoss
+from lmforge.parallel.tp_ops import VocabParallelHeadLoss
 
 
 class RingAttentionCore(nn.Module):

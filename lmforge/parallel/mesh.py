@@ -78,22 +78,6 @@ class ParallelGroups:
             return DeviceMesh.from_group(self.dp_cp_group, self.mesh.device_type)
         return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp"]
 
-    @property
-    def pp_group(self) -> dist.ProcessGroup:
-        return self.mesh["pp"].get_group()
-
-    @property
-    def tp_group(self) -> dist.ProcessGroup:
-        return self.mesh["tp"].get_group()
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh["dp"].get_group()
-
-    @property
-    def pp_rank(self) -> int:
-        return self.mesh.get_local_rank("pp") if self.pp > 1 else 0
-
 
 ONE_PROCESS = ParallelGroups()
 
