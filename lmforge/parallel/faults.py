@@ -69,20 +69,16 @@ class Faults:
         flags = torch.tensor([float(stop_signal == signal.SIGTERM), float(stop_signal == signal.SIGINT),
                               float(launcher_gone)], device=self.device)
         dist.all_reduce(flags)
-        if flags[2] > 0:  # some rank saw it (each checks at its own moment): its node's first process says so
-            self._say_launcher_gone()
+        # some rank saw it (each checks at its own moment): its node's first process says so, once
+        if flags[2] > 0 and self.local_rank == 0 and not _LAUNCHER_GONE_SAID:
+            _LAUNCHER_GONE_SAID.append(True)
+            print(f"rank {self.rank}: the launcher (process {self.launcher_pid}) is gone; stopping as on SIGTERM",
+                  file=sys.stderr, flush=True)
         return signal.SIGTERM if flags[0] > 0 else signal.SIGINT if flags[1] > 0 else None
 
     def _launcher_gone(self) -> bool:
         """Whether the launcher died (the kernel said so, or this rank's parent changed)."""
         return self.launcher_pid is not None and (bool(_LAUNCHER_DEATH_RECEIVED) or os.getppid() != self.launcher_pid)
-
-    def _say_launcher_gone(self) -> None:
-        """The one line, once, from the first process of each node."""
-        if self.local_rank == 0 and not _LAUNCHER_GONE_SAID:
-            _LAUNCHER_GONE_SAID.append(True)
-            print(f"rank {self.rank}: the launcher (process {self.launcher_pid}) is gone; stopping as on SIGTERM",
-                  file=sys.stderr, flush=True)
 
     # -- failure ---------------------------------------------------------------------------------
 
