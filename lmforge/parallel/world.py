@@ -217,15 +217,13 @@ def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> to
     """The device this rank trains on, once the launch fits the config; LmforgeError otherwise.
     The one check of a launch: `init_world` runs it before any process group exists. What combines
     with what (strategy, degrees, pipeline, tp, cp, optimizer ...) is config/rules.py's table, asked
-    with the world torchrun started; the device each rank takes is checked here."""
+    with the world torchrun started; the device each rank takes is checked here: under torchrun,
+    cuda:LOCAL_RANK."""
     check_composition(cfg, None if env is None else env[1])
+    name = cfg.train.device
     if env is None:
-        return resolve_device(cfg.train.device)
-    return _rank_device(cfg.train.device, env[2], cuda_devices)
-
-
-def _rank_device(name: str, local_rank: int, cuda_devices: int) -> torch.device:
-    """The device of train.device=`name` for the rank LOCAL_RANK=`local_rank` under torchrun."""
+        return resolve_device(name)
+    local_rank = env[2]
     if name == "auto":
         name = "cuda" if cuda_devices else "cpu"
     if not name.startswith("cuda"):
