@@ -20,7 +20,7 @@ STAGE_REPLICA_ENGINES: ddp (or none: one replica) DDPEngine without buckets, eac
 all-reduced once after the schedule; zero1 ZeroEngine(stage=1), the stage's optimizer states
 sharded over its replicas.
 
-Why not ZeRO-2, ZeRO-3 or FSDP on a stage's replicas (parallel/world.py refuses them before
+Why not ZeRO-2, ZeRO-3 or FSDP on a stage's replicas (config/rules.py refuses them before
 launch): a pipeline step runs a backward per micro-batch, so each parameter's gradient is
 produced m times. ZeRO-2 saves its memory by reduce-scattering a gradient as soon as backward
 produces it and dropping it; here it would either reduce-scatter m times per step (m x ZeRO-1's

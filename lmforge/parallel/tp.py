@@ -252,7 +252,7 @@ def apply_tensor_parallel(model: Transformer, comm: Collectives, sequence_parall
         for param in [*outside, *model.norm.parameters()]:
             if sharded_dim(param) is None:
                 _sum_gradient(param, comm)
-        if model.pos_embeddings is not None:  # parallel/world.py refuses it first
+        if model.pos_embeddings is not None:  # config/rules.py refuses it first
             raise LmforgeError("sequence parallelism with learned positions (model.family=gpt) is not written")
         model.rope = SequenceShardRope(model.rope, comm.world)
     if model.cfg.dropout > 0:  # the masks inside the regions drawn per rank (tp_rng.py)

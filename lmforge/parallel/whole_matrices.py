@@ -15,7 +15,7 @@ result. The gathered update is the one-process update of the same gradients, so 
 the one-process step up to the order of the gradients' sums.
 
 Adafactor, whose state is factored by rows and columns, is refused under ZeRO and FSDP before
-launch (parallel/world.py), and so is Muon under FSDP (its DTensor shards are not flat pieces).
+launch (config/rules.py), and so is Muon under FSDP (its DTensor shards are not flat pieces).
 """
 
 import torch
