@@ -52,6 +52,21 @@ def attention_case(batch, heads, kv_heads, seq, d_head, group, dtype=torch.float
             "predicted": predicted}
 
 
+def all_reduce_gradients(cp_state, model) -> None:
+    """Average each gradient over the CP group: the ranks' losses average to the whole loss."""
+    for p in model.parameters():
+        if p.grad is not None:
+            cp_state.collectives.all_reduce(p.grad)
+            p.grad.div_(cp_state.cp)
+
+
+def global_loss(cp_state, loss: torch.Tensor) -> float:
+    """The batch's mean loss (the ranks' losses averaged), for reporting."""
+    total = loss.detach().clone()
+    cp_state.collectives.all_reduce(total, kind="scalar")
+    return total.item() / cp_state.cp
+
+
 def model_case(overrides, seq, group) -> dict:
     cp = dist.get_world_size(group)
     cfg = make_config("tiny", overrides=["model.dropout=0", *overrides]).model
@@ -66,10 +81,10 @@ def model_case(overrides, seq, group) -> dict:
     cp_state = apply_context_parallel(model, group)
     loss = model(*cp_state.shard(inputs, targets))
     loss.backward()
-    cp_state.all_reduce_gradients(model)
+    all_reduce_gradients(cp_state, model)
     ref_grads = dict(reference.named_parameters())
     grad_errors = {name: max_diff(p.grad, ref_grads[name].grad) for name, p in model.named_parameters()}
-    return {"loss": cp_state.global_loss(loss), "ref_loss": ref_loss.item(),
+    return {"loss": global_loss(cp_state, loss), "ref_loss": ref_loss.item(),
             "grad_error": max(grad_errors.values()), "worst": max(grad_errors, key=grad_errors.get),
             "grad_scale": max(p.grad.abs().max().item() for p in reference.parameters()),
             "measured": {**cp_state.traffic.bytes, **{f"sends_{k}": n for k, n in cp_state.traffic.sends.items()}},

@@ -17,10 +17,17 @@ from lmforge.config import make_config
 from lmforge.model.attention import naive_attention
 from lmforge.model.transformer import IGNORE_INDEX, Transformer
 from lmforge.parallel.cp import (attend_step, block_of, grad_step, merge_step, padded_length, shard_batch,
-                                 zigzag_positions, zigzag_split, zigzag_unsplit)
+                                 zigzag_positions, zigzag_split)
 from lmforge.parallel.cp_model import ContextParallel, apply_context_parallel
 
 TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def zigzag_unsplit(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence back from every rank's shard, in rank order (inverse of zigzag_split)."""
+    cp = len(shards)
+    chunks = [shard.chunk(2, dim=dim) for shard in shards]
+    return torch.cat([chunks[r][0] for r in range(cp)] + [chunks[r][1] for r in reversed(range(cp))], dim=dim)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])

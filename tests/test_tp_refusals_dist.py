@@ -2,7 +2,7 @@
 2 ranks, gloo, the `tiny` model, fp32; one launch runs every cell: tests/tp_refusals_worker.py):
 
     model.logit_softcap     each rank caps its own logits before the vocabulary-parallel loss's
-                            sums (parallel/tp_loss.py): trains as one process; saves as planned
+                            sums (parallel/tp_ops.py): trains as one process; saves as planned
     model.dropout           Megatron-LM's model-parallel RNG (parallel/tp_rng.py): see below
     finetune.lora_dropout   a row-parallel adapter's input mask is one process's whole-width mask,
                             sliced (parallel/tp_lora.py): trains as one process, same seed

@@ -27,7 +27,7 @@ from lmforge.parallel.comm import Collectives  # noqa: E402
 from lmforge.parallel.mesh import build_groups  # noqa: E402
 from lmforge.parallel.tp import shard_copies, sharded_dim  # noqa: E402
 from lmforge.parallel.tp_engine import gather_full  # noqa: E402
-from lmforge.parallel.tp_loss import vocab_parallel_cross_entropy  # noqa: E402
+from lmforge.parallel.tp_ops import vocab_parallel_cross_entropy  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
 STEPS, ACCUM = 3, 2
@@ -116,7 +116,7 @@ def main(out: str, tp: int, parts: str, extra: list[str]):
         if part == "train":
             results[part] = run_train(tp, extra)
         elif part == "ce":
-            results[part] = run_ce(Collectives(build_groups(tp).tp_group))
+            results[part] = run_ce(Collectives(build_groups(tp).mesh["tp"].get_group()))
         elif part == "dtensor":
             results[part] = run_dtensor(tp)
         dist.barrier()

@@ -227,7 +227,7 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
         layer, head_input, head_weights = kept_shards(layer, bsd, p.residual), p.residual, 0
         row_parallel = shapes.linear_weights["attn.o_proj"] + shapes.linear_weights["mlp.down_proj"]
         block_weights = row_parallel // cfg.n_layers * layers  # only F.linear's casts are kept
-    if tp > 1:  # the vocabulary-parallel head and loss (parallel/tp_loss.py) instead
+    if tp > 1:  # the vocabulary-parallel head and loss (parallel/tp_ops.py) instead
         head_and_loss = (vocab_parallel_head_and_loss(cfg, family.final_norm, b, s, head_input, tp, sequence_parallel)
                          # a soft-capped head: tanh keeps its output, this rank's V/tp logits of every token
                          + (bs * (cfg.vocab_size // tp) * p.compute if cfg.logit_softcap else 0))
@@ -265,7 +265,7 @@ def kept_shards(layer: dict[str, int], bsd: int, residual: int) -> dict[str, int
 
 def vocab_parallel_head_and_loss(cfg: ModelConfig, final_norm: int, b: int, s: int, head_input: int, tp: int,
                                  sequence_parallel: bool) -> float:
-    """What the final norm, the vocabulary-parallel LM head and its loss (parallel/tp_loss.py) save
+    """What the final norm, the vocabulary-parallel LM head and its loss (parallel/tp_ops.py) save
     on one of tp ranks: the norm and the head's input on this rank's tokens (sequence parallelism:
     tp_ops.linear_on_gathered keeps the shard) or all of them; of the fp32 logits of its V/tp
     vocabulary, the shifted ones (the target's gather keeps them) and their exponentials; the int64

@@ -183,7 +183,7 @@ def tensor_parallel_communication(cfg: ModelConfig, b: int, s: int, tp: int, seq
       LoRA adapters                 (`lora`: rank, targets) `_lora_parts`; without sequence
                                     parallelism only (with it: not counted)
       the vocabulary-parallel loss  3 all-reduces of one fp32 number per token (max, sum of
-                                    exponentials, target logit: parallel/tp_loss.py)
+                                    exponentials, target logit: parallel/tp_ops.py)
       the parameters' parts         `_parameter_parts`
 
     Ring bytes count S per all-gather or reduce-scatter and 2S per all-reduce (parallel/comm.py);

@@ -60,13 +60,6 @@ def zigzag_split(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Ten
     return x.index_select(dim, zigzag_positions(x.shape[dim], cp, rank, device=x.device))
 
 
-def zigzag_unsplit(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The whole sequence back from every rank's shard, in rank order (inverse of zigzag_split)."""
-    cp = len(shards)
-    chunks = [shard.chunk(2, dim=dim) for shard in shards]
-    return torch.cat([chunks[r][0] for r in range(cp)] + [chunks[r][1] for r in reversed(range(cp))], dim=dim)
-
-
 def shard_batch(tokens: torch.Tensor, targets: torch.Tensor | None, cp: int, rank: int, sequence_shards: int = 1):
     """(tokens, targets, positions) of rank's shard of a (batch, seq) batch, padded at the end to a
     multiple of 2 cp (and of cp tp under sequence parallelism over `sequence_shards` = tp ranks:

@@ -14,7 +14,7 @@ A module swap from outside, like the other wrappers (the model file does not cha
                    ranks: each CP rank is then a data-parallel replica of its shard (torchtitan's
                    dp_cp), and an engine that averages over dp x cp ranks reduces it unchanged.
                    On a tensor-parallel model (parallel/tp.py, applied first) the summed
-                   cross-entropy is the vocabulary-parallel one (parallel/tp_loss.py): it works
+                   cross-entropy is the vocabulary-parallel one (parallel/tp_ops.py): it works
                    token by token over the tp group, so it sums this cp rank's tokens as the plain
                    one does, and the ring runs over the cp group on each tp rank's own heads
 
@@ -27,13 +27,12 @@ normalised shard before the vocabulary-parallel head, as tensor parallelism alon
 
 Everything else (embeddings, norms, MLPs, the head) works token by token and needs no change.
 Every CP rank holds the whole model; each computes the gradient of its loss, the ring having
-carried dK/dV home, so the model's gradient is the mean over the group (`all_reduce_gradients`).
+carried dK/dV home, so the model's gradient is the mean over the group (the engine's all-reduce
+over the dp x cp ranks).
 
     cp = apply_context_parallel(model, group)         # before other wrappers (recompute, fp32 attn)
     tokens, targets = cp.shard(tokens, targets)       # the full (batch, seq) batch on every rank
-    loss = model(tokens, targets); loss.backward()
-    cp.all_reduce_gradients(model)                    # now every rank holds the one-process gradient
-    cp.global_loss(loss)                              # the one-process loss
+    loss = model(tokens, targets); loss.backward()    # then average gradients and losses over the group
 
 Training only: whole sequences from position 0, no KV cache; no dropout (the ring has none, and
 per-rank dropout masks would not match one process's) and no sliding window.
@@ -52,7 +51,7 @@ from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.parallel.comm import Collectives
 from lmforge.parallel.cp import RingTraffic, ring_attention, shard_batch, zigzag_positions
 from lmforge.parallel.tp import SequenceShardRope
-from lmforge.parallel.tp_loss import VocabParallelHeadLoss
+from lmforge.parallel.tp_ops import VocabParallelHeadLoss
 
 
 class RingAttentionCore(nn.Module):
@@ -143,7 +142,7 @@ class ContextParallel:
     rank: int
     max_seq_len: int
     traffic: RingTraffic = field(default_factory=RingTraffic)  # ring bytes (accounting/cp.py predicts them)
-    collectives: Collectives | None = None  # the loss count and the gradient all-reduce
+    collectives: Collectives | None = None  # the loss count
     sequence_shards: int = 1  # tp under sequence parallelism: each shard is cut again over the tp ranks
 
     def shard(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
@@ -153,19 +152,6 @@ class ContextParallel:
             raise LmforgeError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len {self.max_seq_len}")
         tokens, targets, _ = shard_batch(tokens, targets, self.cp, self.rank, self.sequence_shards)
         return tokens, targets
-
-    def all_reduce_gradients(self, model: nn.Module) -> None:
-        """Average each gradient over the CP group: the ranks' losses average to the whole loss."""
-        for p in model.parameters():
-            if p.grad is not None:
-                self.collectives.all_reduce(p.grad)
-                p.grad.div_(self.cp)
-
-    def global_loss(self, loss: torch.Tensor) -> float:
-        """The batch's mean loss (the ranks' losses averaged), for reporting."""
-        total = loss.detach().clone()
-        self.collectives.all_reduce(total, kind="scalar")
-        return total.item() / self.cp
 
     def shard_every_forward(self, model: nn.Module) -> None:
         """Cut each forward's whole (batch, seq) tokens and targets to this rank's shard (a forward

@@ -48,7 +48,7 @@ from lmforge.optim.clip import clip_grad_norm, scale_to_norm
 from lmforge.parallel.mesh import ONE_PROCESS, ParallelGroups
 from lmforge.parallel.tp import shard_copies, sharded_dim
 from lmforge.parallel.tp_engine import (found_inf_anywhere, tp_square_sum, whole_matrices_over_tp,
-                                        whole_optimizer_state, whole_state)
+                                        whole_over_tp)
 from lmforge.precision.policy import autocast
 
 
@@ -137,9 +137,6 @@ class Engine:
         return [(p.grad, p) for p in dict.fromkeys(self.model.parameters())
                 if p.grad is not None and p is not leave_out]
 
-    def local_grads(self) -> list[torch.Tensor]:
-        return [g for g, _ in self.local_pieces()]
-
     @torch.no_grad()
     def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
         """Unscale (fp16), then clip to the global norm; (found inf/NaN, norm before clipping). Every
@@ -184,17 +181,17 @@ class Engine:
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Every entry of the unwrapped model's state_dict (tied names both present), full tensors."""
-        return whole_state(self.model, self._local_model_state(), self.tp_comm, gather=True)
+        return whole_over_tp(self.model, self._local_model_state(), self.tp_comm, gather=True)
 
     def optimizer_state_dict(self) -> dict:
         """{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [{..., "params": [names]}]}."""
-        return whole_optimizer_state(self.model, self._local_optimizer_state(), self.tp_comm, gather=True)
+        return whole_over_tp(self.model, self._local_optimizer_state(), self.tp_comm, gather=True, optimizer=True)
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._load_local_model_state(whole_state(self.model, state, self.tp_comm, gather=False))
+        self._load_local_model_state(whole_over_tp(self.model, state, self.tp_comm, gather=False))
 
     def load_optimizer_state_dict(self, state: dict) -> None:
-        self._load_local_optimizer_state(whole_optimizer_state(self.model, state, self.tp_comm, gather=False))
+        self._load_local_optimizer_state(whole_over_tp(self.model, state, self.tp_comm, gather=False, optimizer=True))
 
     def _local_model_state(self) -> dict[str, torch.Tensor]:
         # the model's own state_dict: its wrappers (recomputation, compile) already give canonical

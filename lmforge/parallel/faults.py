@@ -69,20 +69,16 @@ class Faults:
         flags = torch.tensor([float(stop_signal == signal.SIGTERM), float(stop_signal == signal.SIGINT),
                               float(launcher_gone)], device=self.device)
         dist.all_reduce(flags)
-        if flags[2] > 0:  # some rank saw it (each checks at its own moment): its node's first process says so
-            self._say_launcher_gone()
+        # some rank saw it (each checks at its own moment): its node's first process says so, once
+        if flags[2] > 0 and self.local_rank == 0 and not _LAUNCHER_GONE_SAID:
+            _LAUNCHER_GONE_SAID.append(True)
+            print(f"rank {self.rank}: the launcher (process {self.launcher_pid}) is gone; stopping as on SIGTERM",
+                  file=sys.stderr, flush=True)
         return signal.SIGTERM if flags[0] > 0 else signal.SIGINT if flags[1] > 0 else None
 
     def _launcher_gone(self) -> bool:
         """Whether the launcher died (the kernel said so, or this rank's parent changed)."""
         return self.launcher_pid is not None and (bool(_LAUNCHER_DEATH_RECEIVED) or os.getppid() != self.launcher_pid)
-
-    def _say_launcher_gone(self) -> None:
-        """The one line, once, from the first process of each node."""
-        if self.local_rank == 0 and not _LAUNCHER_GONE_SAID:
-            _LAUNCHER_GONE_SAID.append(True)
-            print(f"rank {self.rank}: the launcher (process {self.launcher_pid}) is gone; stopping as on SIGTERM",
-                  file=sys.stderr, flush=True)
 
     # -- failure ---------------------------------------------------------------------------------
 
@@ -114,18 +110,15 @@ class Faults:
         os._exit(2)  # the main thread is stuck in C++; the kernel drops the run folder's lock
 
     @contextlib.contextmanager
-    def setup_faults(self):
-        """Around a run's setup (data, folder, model, plan: before the first step, where the
-        trainer's StopRequests is not yet in place), a rank lost is said in the same one line as
-        during training. Two ways to find out: a collective that fails (the main thread: the line
+    def watching_setup(self):
+        """World.setup_faults with more than one rank: around a run's setup (data, folder, model,
+        plan: before the first step, where the trainer's StopRequests is not yet in place), a rank
+        lost is said in the same one line as during training. Two ways to find out: a collective that fails (the main thread: the line
         is `failure`'s, raised), or torchrun's agent, which SIGTERMs the survivors the moment a rank
         dies, while this one may be waiting for rank 0 through the store (`main_first`) or working
         inside a long call: a watch thread reading Python's signal wakeup fd takes that SIGTERM,
         answers the roll call and takes it. A rank missing: the line, exit 2 (`report_stuck`);
         none: a plain stop (a scheduler's SIGTERM to every rank), exit 143 as before, said once."""
-        if self.world_size == 1:
-            yield
-            return
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the watch decides
         reader, writer = socket.socketpair()
         writer.setblocking(False)

@@ -32,13 +32,11 @@ sub-mesh (`fsdp_mesh`).
 """
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lmforge.common.errors import LmforgeError
 from lmforge.config.degrees import mesh_degrees
 from lmforge.parallel.comm import Collectives
 
@@ -54,31 +52,25 @@ DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """The mesh of a run and what every engine reads of it (`comm`, `tp_comm`, `cp`, `replicas`,
-    `replica`); `mesh` None: one process, nothing to communicate (`ONE_PROCESS`)."""
+    """The mesh of a run and what every engine reads of it (`comm`, `tp_comm`, `cp`, `dp`,
+    `dp_rank`), set once by `build_groups`; `mesh` None: one process, nothing to communicate
+    (`ONE_PROCESS`: plain fields, so that a one-process run runs no code of this module)."""
 
-    mesh: DeviceMesh | None
+    mesh: DeviceMesh | None = None
     tp: int = 1  # ranks in each tensor-parallel group
     dp: int = 1  # ranks in each data-parallel group (replicas of the model)
     cp: int = 1  # ranks in each context-parallel group (shards of each sequence)
     dp_cp_group: dist.ProcessGroup | None = None  # this rank's dp x cp ranks (same tp index); with cp > 1
     pp: int = 1  # pipeline stages
     dp_replicate: int = 1  # > 1: hybrid sharding, the dp ranks split into dp_replicate x dp_shard
+    # the data-parallel engines' ranks, over which gradients are reduced (or states sharded): the
+    # dp group, or with cp > 1 the dp x cp group (each cp rank one more replica of its shard)
+    comm: Collectives | None = None
+    tp_comm: Collectives | None = None  # the tp group's (the model's split layers and the engine share it)
+    cp_group: dist.ProcessGroup | None = None  # with cp > 1
+    dp_rank: int = 0  # this rank's index in its dp group (which rows the loader gives it)
 
-    @cached_property
-    def comm(self) -> Collectives | None:
-        """The data-parallel engines' ranks, over which gradients are reduced (or states sharded):
-        the dp group, or with cp > 1 the dp x cp group (each cp rank one more replica of its shard)."""
-        if self.mesh is None:
-            return None
-        return Collectives(self.dp_cp_group if self.cp > 1 else self.dp_group)
-
-    @cached_property
-    def tp_comm(self) -> Collectives | None:
-        """The tensor-parallel group's collectives (the model's split layers and the engine share it)."""
-        return Collectives(self.tp_group) if self.tp > 1 else None
-
-    @cached_property
+    @property
     def fsdp_mesh(self) -> DeviceMesh:
         """FSDP2's mesh: the dp dimension, (dp_replicate, dp_shard) for hybrid sharding, or with
         cp > 1 a 1-D mesh of the dp x cp ranks (torchtitan's "dp_shard_cp")."""
@@ -86,32 +78,8 @@ class ParallelGroups:
             return DeviceMesh.from_group(self.dp_cp_group, self.mesh.device_type)
         return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp"]
 
-    @property
-    def pp_group(self) -> dist.ProcessGroup:
-        return self.mesh["pp"].get_group()
 
-    @property
-    def tp_group(self) -> dist.ProcessGroup:
-        return self.mesh["tp"].get_group()
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh["dp"].get_group()
-
-    @property
-    def cp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh["cp"].get_group() if self.cp > 1 else None
-
-    @property
-    def pp_rank(self) -> int:
-        return self.mesh.get_local_rank("pp") if self.pp > 1 else 0
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
-
-
-ONE_PROCESS = ParallelGroups(mesh=None)
+ONE_PROCESS = ParallelGroups()
 
 
 def dp_cp_ranks(dp: int, cp: int, tp: int) -> list[list[int]]:
@@ -135,21 +103,10 @@ def build_groups(tp: int = 1, device: torch.device | str = "cpu", cp: int = 1, p
     dp_cp_group = None
     if cp > 1:  # every rank creates every group, in the same order (torch.distributed's rule)
         dp_cp_group, _ = dist.new_subgroups_by_enumeration(dp_cp_ranks(dp, cp, tp))
-    return ParallelGroups(mesh=mesh, tp=tp, dp=dp, cp=cp, dp_cp_group=dp_cp_group, pp=pp, dp_replicate=replicate)
-
-
-def run_groups(cfg, device: torch.device | str = "cpu") -> ParallelGroups:
-    """The mesh of `cfg`'s run (parallel.tp, parallel.cp, the pipeline's stages, hybrid sharding),
-    or ONE_PROCESS where nothing is distributed (strategy none, every degree 1)."""
-    p, pp = cfg.parallel, cfg.parallel.pp
-    if cfg.train.parallel == "none" and p.tp == p.cp == pp == 1:
-        return ONE_PROCESS
-    if not dist.is_initialized():  # library callers that skipped `init_world`
-        setting = (f"parallel.pp={pp}" if pp > 1 else f"parallel.tp={p.tp} parallel.cp={p.cp}"
-                   if p.tp > 1 or p.cp > 1 else f"train.parallel={cfg.train.parallel}")
-        raise LmforgeError(f"{setting} needs torch.distributed: launch with "
-                           f"torchrun --nproc_per_node=N -m lmforge train ...")
-    return build_groups(p.tp, device, p.cp, pp, hybrid_replicate(cfg))
+    return ParallelGroups(mesh=mesh, tp=tp, dp=dp, cp=cp, dp_cp_group=dp_cp_group, pp=pp, dp_replicate=replicate,
+                          comm=Collectives(dp_cp_group if cp > 1 else mesh["dp"].get_group()),
+                          tp_comm=Collectives(mesh["tp"].get_group()) if tp > 1 else None,
+                          cp_group=mesh["cp"].get_group() if cp > 1 else None, dp_rank=mesh["dp"].get_local_rank())
 
 
 def hybrid_replicate(cfg) -> int:

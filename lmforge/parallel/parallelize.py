@@ -20,7 +20,7 @@ STAGE_REPLICA_ENGINES: ddp (or none: one replica) DDPEngine without buckets, eac
 all-reduced once after the schedule; zero1 ZeroEngine(stage=1), the stage's optimizer states
 sharded over its replicas.
 
-Why not ZeRO-2, ZeRO-3 or FSDP on a stage's replicas (parallel/world.py refuses them before
+Why not ZeRO-2, ZeRO-3 or FSDP on a stage's replicas (config/rules.py refuses them before
 launch): a pipeline step runs a backward per micro-batch, so each parameter's gradient is
 produced m times. ZeRO-2 saves its memory by reduce-scattering a gradient as soon as backward
 produces it and dropping it; here it would either reduce-scatter m times per step (m x ZeRO-1's
@@ -36,13 +36,15 @@ already refused what cannot run: the engines do not check the launch again).
 """
 
 import torch
+import torch.distributed as dist
 
+from lmforge.common.errors import LmforgeError
 from lmforge.modes.parallel import PARALLEL_STRATEGIES, get_strategy
 from lmforge.modes.precision import Policy
 from lmforge.parallel.ddp import DDPEngine
 from lmforge.parallel.engine import Engine
 from lmforge.parallel.fsdp import FSDPEngine
-from lmforge.parallel.mesh import ParallelGroups, run_groups
+from lmforge.parallel.mesh import ONE_PROCESS, ParallelGroups, build_groups, hybrid_replicate
 from lmforge.parallel.pipeline.engine import PipelineEngine
 from lmforge.parallel.zero import ZeroEngine
 from lmforge.precision.policy import torch_dtype
@@ -53,6 +55,20 @@ def working_dtype(policy: Policy) -> torch.dtype:
     paper's layout: 16-bit weights and gradients, fp32 master weights sharded with the moments),
     else the parameters' own."""
     return torch_dtype(policy.compute_dtype if policy.autocast else policy.param_dtype)
+
+
+def run_groups(cfg, device: torch.device | str = "cpu") -> ParallelGroups:
+    """The mesh of `cfg`'s run (parallel.tp, parallel.cp, the pipeline's stages, hybrid sharding),
+    or ONE_PROCESS where nothing is distributed (strategy none, every degree 1)."""
+    p, pp = cfg.parallel, cfg.parallel.pp
+    if cfg.train.parallel == "none" and p.tp == p.cp == pp == 1:
+        return ONE_PROCESS
+    if not dist.is_initialized():  # library callers that skipped `init_world`
+        setting = (f"parallel.pp={pp}" if pp > 1 else f"parallel.tp={p.tp} parallel.cp={p.cp}"
+                   if p.tp > 1 or p.cp > 1 else f"train.parallel={cfg.train.parallel}")
+        raise LmforgeError(f"{setting} needs torch.distributed: launch with "
+                           f"torchrun --nproc_per_node=N -m lmforge train ...")
+    return build_groups(p.tp, device, p.cp, pp, hybrid_replicate(cfg))
 
 
 # -- the engine of each strategy: builder(model, cfg, policy, make_optimizer, weight_decay_groups, groups) ---------
@@ -81,7 +97,7 @@ assert set(DATA_PARALLEL_ENGINES) == set(PARALLEL_STRATEGIES)
 def parallelize(model: torch.nn.Module, cfg, policy: Policy, make_optimizer, weight_decay_groups,
                 groups: ParallelGroups | None = None) -> Engine:
     """The engine of `cfg.train.parallel` around `model`, over the mesh's `groups` (None: the mesh
-    of `cfg`, parallel/mesh.py's `run_groups`). `make_optimizer(param_groups)` builds the optimizer
+    of `cfg`, `run_groups`). `make_optimizer(param_groups)` builds the optimizer
     as the config says; `weight_decay_groups(model)` gives the model's param groups (which
     parameters decay): the engines that shard turn them into groups of their shards."""
     if groups is None:

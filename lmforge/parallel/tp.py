@@ -21,7 +21,7 @@ all-reduces in forward (the two g) and two in backward (the two f).
     embedding   rows split by vocabulary; a rank looks up the tokens in its range, zeros the rest,
                 and g sums (section 3, "input embedding")
     LM head     rows split by vocabulary (tied: the embedding's own slice); the loss is taken over
-                the split logits without gathering them (tp_loss.py); a soft-capped head caps
+                the split logits without gathering them (tp_ops.py); a soft-capped head caps
                 each rank's logits (model.logit_softcap acts on each logit alone)
 
 Norms, biases of row-parallel layers and position tables stay whole on every rank: the activations
@@ -61,9 +61,8 @@ from lmforge.model.recipe import ReLU2MLP, SoftcapHead, softcap
 from lmforge.model.transformer import Attention, GeluMLP, SwiGLU, Transformer
 from lmforge.parallel.comm import Collectives
 from lmforge.config.rules import tp_divisibility
-from lmforge.parallel.tp_loss import VocabParallelHeadLoss
-from lmforge.parallel.tp_ops import (TP_KIND, copy_to_region, gather_from_region, gather_sequence, linear_on_gathered,
-                                     reduce_from_region, scatter_sequence)
+from lmforge.parallel.tp_ops import (TP_KIND, VocabParallelHeadLoss, copy_to_region, gather_from_region,
+                                     gather_sequence, linear_on_gathered, reduce_from_region, scatter_sequence)
 from lmforge.parallel.tp_rng import apply_tensor_rank_rng
 
 def shard(tensor: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
@@ -90,11 +89,6 @@ def leave_region(y: torch.Tensor, comm: Collectives, sequence_parallel: bool) ->
     """g: the ranks' partial outputs summed, whole on every rank, or (sequence parallelism) summed
     and split along the sequence, each rank keeping its tokens."""
     return scatter_sequence(y, comm) if sequence_parallel else reduce_from_region(y, comm)
-
-
-def enter_region(x: torch.Tensor, comm: Collectives, sequence_parallel: bool) -> torch.Tensor:
-    """f: the whole input on every rank (gathered along the sequence under sequence parallelism)."""
-    return gather_sequence(x, comm) if sequence_parallel else copy_to_region(x, comm)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -168,9 +162,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def _entering(comm: Collectives, sequence_parallel: bool):
-    """A forward pre-hook that applies f to a region's first input (the residual stream's x)."""
+    """A forward pre-hook that applies f to a region's first input (the residual stream's x): the
+    whole input on every rank (gathered along the sequence under sequence parallelism)."""
+    enter = gather_sequence if sequence_parallel else copy_to_region
+
     def hook(module, args):
-        return (enter_region(args[0], comm, sequence_parallel), *args[1:])
+        return (enter(args[0], comm), *args[1:])
     return hook
 
 
@@ -255,7 +252,7 @@ def apply_tensor_parallel(model: Transformer, comm: Collectives, sequence_parall
         for param in [*outside, *model.norm.parameters()]:
             if sharded_dim(param) is None:
                 _sum_gradient(param, comm)
-        if model.pos_embeddings is not None:  # parallel/world.py refuses it first
+        if model.pos_embeddings is not None:  # config/rules.py refuses it first
             raise LmforgeError("sequence parallelism with learned positions (model.family=gpt) is not written")
         model.rope = SequenceShardRope(model.rope, comm.world)
     if model.cfg.dropout > 0:  # the masks inside the regions drawn per rank (tp_rng.py)

@@ -5,7 +5,7 @@ these when the mesh's `tp_comm` is set; no engine class of its own):
     (norms, row-parallel biases: the same gradient on every tp rank) counted once (`tp_square_sum`);
   - fp16's found-inf: a max over the tp group and the data-parallel one (`found_inf_anywhere`);
   - state by parameter name with full tensors (engine.py's contract): the shards are all-gathered
-    along their `tp_dim` to save and sliced again to load (`whole_state`, `whole_optimizer_state`),
+    along their `tp_dim` to save and sliced again to load (`whole_over_tp`),
     so a checkpoint of a tp=2 run loads in one process, and the other way round;
   - Muon's matrices gathered whole over the tp group (`TensorParallelMatrices`);
   - the parameter count of the whole model.
@@ -116,10 +116,14 @@ def whole_matrices_over_tp(optimizer, tp_comm: Collectives) -> None:
         optimizer.whole_matrices = TensorParallelMatrices(tp_comm)
 
 
-def _made_whole(model, tp_comm: Collectives, gather: bool):
-    """(tensor, state name) -> gather=True, this tp rank's slice made whole along the dimension its
-    tensor is split along (to save); False, a whole tensor cut to this rank's slice (to load).
-    Unsplit tensors, counts (0-dim: the same on every tp rank) and other values as they are."""
+def whole_over_tp(model, state: dict, tp_comm: Collectives | None, gather: bool, optimizer: bool = False) -> dict:
+    """A model state by name ({name: tensor}), or with `optimizer` an optimizer's ({"state": {name:
+    {key: tensor}}, "param_groups"}): gather=True, this tp rank's slices made whole along the
+    dimension each tensor is split along (to save); False, whole tensors cut to this rank's slices
+    (to load). Unsplit tensors, counts (0-dim: the same on every tp rank) and other values as they
+    are, and everything without tensor parallelism."""
+    if tp_comm is None:
+        return state
     layout = {name: (sharded_dim(t), shard_copies(t)) for name, t in model.state_dict(keep_vars=True).items()}
 
     def change(t, name):
@@ -127,22 +131,7 @@ def _made_whole(model, tp_comm: Collectives, gather: bool):
         if not isinstance(t, torch.Tensor) or t.ndim == 0 or dim is None:
             return t
         return gather_full(t, dim, tp_comm, copies) if gather else slice_full(t, dim, tp_comm, copies).clone()
-    return change
-
-
-def whole_state(model, state: dict[str, torch.Tensor], tp_comm: Collectives | None, gather: bool) -> dict:
-    """A model state by name, made whole (gather) or cut to this rank's slices (_made_whole). As it
-    is without tensor parallelism."""
-    if tp_comm is None:
-        return state
-    change = _made_whole(model, tp_comm, gather)
-    return {name: change(t, name) for name, t in state.items()}
-
-
-def whole_optimizer_state(model, state: dict, tp_comm: Collectives | None, gather: bool) -> dict:
-    """whole_state for an optimizer state by name ({"state": {name: {key: tensor}}, "param_groups"})."""
-    if tp_comm is None:
-        return state
-    change = _made_whole(model, tp_comm, gather)
+    if not optimizer:
+        return {name: change(t, name) for name, t in state.items()}
     per_param = {name: {key: change(v, name) for key, v in entry.items()} for name, entry in state["state"].items()}
     return {**state, "state": per_param}

@@ -38,7 +38,7 @@ With fewer KV heads than ranks (a KV head replicated on tp / n_kv_heads ranks) t
 projections' output gradient on a rank covers its own query heads only, so the max over tp is the
 max of partial gradients, not of one process's sum: those layers match within fp8 rounding only.
 Sequence parallelism (the column-parallel input gathered, its shard kept for backward) is refused
-with fp8 by parallel/world.py: the fp8 function would keep the gathered input, not the shard.
+with fp8 by config/rules.py: the fp8 function would keep the gathered input, not the shard.
 """
 
 import torch.distributed as dist

@@ -15,7 +15,7 @@ result. The gathered update is the one-process update of the same gradients, so 
 the one-process step up to the order of the gradients' sums.
 
 Adafactor, whose state is factored by rows and columns, is refused under ZeRO and FSDP before
-launch (parallel/world.py), and so is Muon under FSDP (its DTensor shards are not flat pieces).
+launch (config/rules.py), and so is Muon under FSDP (its DTensor shards are not flat pieces).
 """
 
 import torch
@@ -29,14 +29,14 @@ class GatheredMatrices:
     def __init__(self, units, muon_params: list[torch.Tensor], comm):
         self.comm = comm
         muon = {id(p) for p in muon_params}
-        self.piece_of = {}  # piece tensor -> (unit, parameter index, start, end)
+        self.shape_of = {}  # piece tensor -> its whole parameter's shape
         self.units = []  # those with a Muon matrix, in the same order on every rank
         for unit in units:
             indices = [i for i, p in enumerate(unit.params) if id(p) in muon]
             if indices:
                 self.units.append((unit, indices))
-            for i, start, end in unit.piece_list:
-                self.piece_of[id(unit.piece_tensors[i])] = (unit, i, start, end)
+            for i, piece in unit.piece_tensors.items():
+                self.shape_of[id(piece)] = unit.params[i].shape
 
     def orthogonalize(self, pieces: list[torch.Tensor], updates: list[torch.Tensor], group: dict):
         """(each piece's part of its orthogonalised matrix, each piece's whole matrix shape)."""
@@ -56,5 +56,4 @@ class GatheredMatrices:
                 ortho = orthogonalize(whole, group["ns_coefficients"], group["ns_steps"])
                 begin = start - unit.offsets[i]
                 result[id(unit.piece_tensors[i])] = ortho.reshape(-1)[begin:begin + end - start]
-        shapes = [unit.params[i].shape for unit, i, _, _ in (self.piece_of[id(p)] for p in pieces)]
-        return [result[id(p)] for p in pieces], shapes
+        return [result[id(p)] for p in pieces], [self.shape_of[id(p)] for p in pieces]

@@ -20,6 +20,7 @@ stands for.
 """
 
 import atexit
+import contextlib
 import datetime
 import itertools
 import os
@@ -59,6 +60,11 @@ class World(Faults):
     def distributed(self) -> bool:
         """Whether a process group is up (collectives needed), even of one process."""
         return dist.is_available() and dist.is_initialized()
+
+    def setup_faults(self):
+        """Around a run's setup, a rank lost is said in the same one line as during training
+        (parallel/faults.py's `watching_setup`); one process has no rank to lose."""
+        return self.watching_setup() if self.world_size > 1 else contextlib.nullcontext()
 
     # -- collectives; each is a no-op in one process -------------------------------------------
 
@@ -211,15 +217,13 @@ def check_launch(cfg, env: tuple[int, int, int] | None, cuda_devices: int) -> to
     """The device this rank trains on, once the launch fits the config; LmforgeError otherwise.
     The one check of a launch: `init_world` runs it before any process group exists. What combines
     with what (strategy, degrees, pipeline, tp, cp, optimizer ...) is config/rules.py's table, asked
-    with the world torchrun started; the device each rank takes is checked here."""
+    with the world torchrun started; the device each rank takes is checked here: under torchrun,
+    cuda:LOCAL_RANK."""
     check_composition(cfg, None if env is None else env[1])
+    name = cfg.train.device
     if env is None:
-        return resolve_device(cfg.train.device)
-    return _rank_device(cfg.train.device, env[2], cuda_devices)
-
-
-def _rank_device(name: str, local_rank: int, cuda_devices: int) -> torch.device:
-    """The device of train.device=`name` for the rank LOCAL_RANK=`local_rank` under torchrun."""
+        return resolve_device(name)
+    local_rank = env[2]
     if name == "auto":
         name = "cuda" if cuda_devices else "cpu"
     if not name.startswith("cuda"):

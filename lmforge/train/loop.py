@@ -27,8 +27,7 @@ from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.modes.precision import get_policy
 from lmforge.optim.schedule import Schedule
 from lmforge.parallel.parallelize import Engine
-from lmforge.parallel.pipeline.report import pipeline_report
-from lmforge.parallel.pipeline.timeline import Timeline
+from lmforge.parallel.pipeline.timeline import Timeline, pipeline_report
 from lmforge.parallel.faults import is_collective_failure
 from lmforge.parallel.world import World, init_world
 from lmforge.precision.policy import LossScaler, device_notes

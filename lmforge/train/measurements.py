@@ -1,7 +1,7 @@
 """What a run measures, as its reports read it.
 
 `RunMeasurements` is the one record the reports get: train/report.py (each metrics record),
-train/summary.py (the end of the run) and, as plain values, parallel/pipeline/report.py. The
+train/summary.py (the end of the run) and, as plain values, parallel/pipeline/timeline.py. The
 Trainer makes it once the model is built (the rates fixed for the run) and fills in the rest as it
 trains; `WindowClock` times its steps.
 
@@ -57,7 +57,7 @@ class RunMeasurements:
     tp_sent_bytes: float | None = None  # by the tensor-parallel group's, in training steps (None: no tp)
     cp_sent_bytes: float | None = None  # by the context-parallel ring, in training steps (None: no cp)
     first_step: dict = field(default_factory=dict)  # FirstStepMeasurement's bytes
-    pipeline: dict | None = None  # a pipeline run's report, measured_by_stage included (parallel/pipeline/report.py)
+    pipeline: dict | None = None  # a pipeline run's report, measured_by_stage included (parallel/pipeline/timeline.py)
 
     @property
     def timed_steps(self) -> int:

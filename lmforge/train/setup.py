@@ -76,8 +76,7 @@ from lmforge.model.transformer import Transformer, meta_model
 from lmforge.optim.build import make_optimizer, param_groups
 from lmforge.modes.precision import Policy, get_policy
 from lmforge.parallel.cp_model import apply_context_parallel
-from lmforge.parallel.mesh import run_groups
-from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine
+from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine, run_groups
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place
 from lmforge.parallel.tp import apply_tensor_parallel
 from lmforge.parallel.tp_fp8 import apply_tensor_parallel_fp8

@@ -19,7 +19,7 @@ gathered over the stages here.
 Pipelines of tensor-parallel stages (parallel.tp > 1; Narayanan et al. 2021, section 3): each
 stage's piece is split over its tp ranks (parallel/tp.py, before the cut), and tensor rank t of
 stage s exchanges with tensor rank t of stages s +- 1 (layout.py) the activations, whole on every
-tensor rank. The last stage's loss is the vocabulary-parallel one (tp_loss.py); the norm sums a
+tensor rank. The last stage's loss is the vocabulary-parallel one (tp_ops.py); the norm sums a
 split matrix's squares over the tp group, a whole one's once (tp_engine.py), then over the stages;
 the stage engine gathers whole tensors by name over the tp group (parallel/engine.py).
 
@@ -56,7 +56,7 @@ class PipelineEngine(Engine):
                  tied: bool, groups, timeline=None):
         """`stage_engine`: the data-parallel engine of this stage over its replicas (the mesh's dp
         group; parallelize.py builds it); `groups`: the (pp, dp, tp) mesh's (parallel/mesh.py)."""
-        assert groups.pp_rank == layout.stage, "the layout and the mesh order the ranks alike"
+        assert groups.mesh.get_local_rank("pp") == layout.stage, "the layout and the mesh order the ranks alike"
         self.pipeline_group, self.data_group, self.tied_group = new_groups(layout, groups)
         super().__init__(model, None, groups)
         self.stage_engine, self.optimizer = stage_engine, stage_engine.optimizer
@@ -206,7 +206,7 @@ class PipelineEngine(Engine):
         self.stage_engine.finish_gradients()
 
     def unscale_and_clip(self, scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
-        grads = self.stage_engine.local_grads()
+        grads = [g for g, _ in self.stage_engine.local_pieces()]
         holders = [SimpleNamespace(grad=g) for g in grads]  # what the scaler and clip read
         if scaler.enabled:
             found = torch.tensor(float(scaler.unscale_(holders)), device=self.device)

@@ -89,13 +89,14 @@ def new_groups(layout: PipelineLayout, groups):
     process groups: the first two are the mesh's pp and dp lines through this rank (`groups`:
     parallel/mesh.py's ParallelGroups), the third the pp line itself with two stages. Every rank must
     create every group, in the same order (torch.distributed's rule)."""
+    pipeline = groups.mesh["pp"].get_group()
     if layout.stages == 2:
-        tied = groups.pp_group
+        tied = pipeline
     else:  # one group per (replica, tensor rank): its first and last stage
         ends = [[PipelineLayout(layout.stages, layout.replicas, 0, r, layout.chunks, layout.tp, t).rank_of(s)
                  for s in (0, layout.stages - 1)] for r in range(layout.replicas) for t in range(layout.tp)]
         tied, _ = dist.new_subgroups_by_enumeration(ends)
-    return groups.pp_group, groups.dp_group, tied
+    return pipeline, groups.mesh["dp"].get_group(), tied
 
 
 def cut_stage(model: nn.Module, layers, first: bool, last: bool) -> nn.Module:
