@@ -164,15 +164,12 @@ def import_hf(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor],
 
 
 def export_hf(model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer: Tokenizer,
-              out_dir: str | Path, family: str | None = None, end_token: str = END_OF_TEXT,
-              special: SpecialTokens | None = None) -> None:
+              out_dir: str | Path, end_token: str = END_OF_TEXT, special: SpecialTokens | None = None) -> None:
     """Write an HF folder that transformers' Auto classes load: config.json, generation_config.json,
     model.safetensors and the tokenizer as a PreTrainedTokenizerFast, with the model's own token
     files (`special`: its chat template, eos list, bos, generation defaults) as they came in.
-    `out_dir` is written into as given (runs/folders.py stages it). `family` defaults to, and must
-    equal, model_cfg.family."""
-    if family is not None and family != model_cfg.family:
-        raise LmforgeError(f"cannot export a {model_cfg.family} model as the {family} family")
+    `out_dir` is written into as given (runs/folders.py stages it); the architecture is model_cfg's
+    (hf_config.py's hf_architecture)."""
     check_state(model_cfg, state_dict, where="the model to export")
     if tokenizer.token_to_id(end_token) is None:
         raise LmforgeError(f"the tokenizer has no {end_token} token to end documents with (data.end_token)")
