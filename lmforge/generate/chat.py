@@ -53,7 +53,7 @@ class ChatSession:
         self.tokens: list[int] = []  # the conversation as the cache holds it: the last prompt and reply
         self.prompt: list[int] = []
         self.cache.start = self.cache.length = 0
-        self.turns, self.fed = 0, 0
+        self.turns = 0
 
     def prompt_ids(self) -> list[int]:
         """The conversation's token ids, ending with the template's generation prompt."""
@@ -73,7 +73,6 @@ class ChatSession:
         # at least the last token is run, for the next token's logits
         usable = min(len(os.path.commonprefix([self.tokens, target])), self.cache.length, len(target) - 1)
         usable = usable if self.cache.start == 0 else 0
-        self.fed = len(target) - usable
         reply: list[int] = []
         shown = ""
 
