@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from lmforge.common.errors import LmforgeError
@@ -42,15 +42,20 @@ def weight_files(folder: Path) -> list[Path]:
     return [folder / name for name in names]
 
 
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's weight files, in the dtype stored."""
-    state: dict[str, torch.Tensor] = {}
+def _open_weights(folder: Path):
+    """Each of the folder's weight files, opened (safe_open reads the header, the tensors on demand);
+    one line for a corrupt one (a damaged header or a file shorter than it says)."""
     for file in weight_files(folder):
         try:
-            state.update(load_file(str(file)))
+            with safe_open(str(file), framework="pt") as weights:
+                yield weights
         except SafetensorError as err:
             raise LmforgeError(f"{file} is corrupt: {err}") from None
-    return state
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's weight files, in the dtype stored."""
+    return {name: weights.get_tensor(name) for weights in _open_weights(folder) for name in weights.keys()}
 
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
@@ -60,15 +65,11 @@ def hf_weights_dtype(folder: str | Path) -> torch.dtype:
     """The floating dtype most of the folder's weights are stored in, from the safetensors headers
     alone (no tensor is read)."""
     elements: dict[str, int] = {}
-    for file in weight_files(Path(folder)):
-        try:
-            with safe_open(str(file), framework="pt") as weights:
-                for name in weights.keys():
-                    tensor = weights.get_slice(name)
-                    dtype = tensor.get_dtype()
-                    elements[dtype] = elements.get(dtype, 0) + math.prod(tensor.get_shape())
-        except SafetensorError as err:
-            raise LmforgeError(f"{file} is corrupt: {err}") from None
+    for weights in _open_weights(Path(folder)):
+        for name in weights.keys():
+            tensor = weights.get_slice(name)
+            dtype = tensor.get_dtype()
+            elements[dtype] = elements.get(dtype, 0) + math.prod(tensor.get_shape())
     floating = {name: count for name, count in elements.items() if name in SAFETENSORS_DTYPES}
     if not floating:
         raise LmforgeError(f"{folder} holds no floating-point weights")
