@@ -258,13 +258,11 @@ def run_study(model_path: str, tasks: list[Task], conds: list[Condition], out: P
             for cond in conds:
                 if cond.mode == "free":
                     text, complete = free
-                elif cond.mode == "instructed":
-                    text, complete = answerer.answer(prompt(task, cond.fmt, cond.order))
-                elif cond.mode == "constrained":
-                    text, complete = answerer.answer(prompt(task, cond.fmt, cond.order),
-                                                     grammar=(task.answer_type, cond.fmt, cond.order))
-                else:
+                elif cond.mode == "converted":
                     text, complete = answerer.answer(conversion_prompt(task, free[0], cond.fmt))
+                else:  # instructed; constrained: the same prompt, decoded under the format's grammar
+                    grammar = (task.answer_type, cond.fmt, cond.order) if cond.mode == "constrained" else None
+                    text, complete = answerer.answer(prompt(task, cond.fmt, cond.order), grammar)
                 outcome = score(task, cond.fmt, text, complete or cond.mode != "constrained")
                 records.append({"kind": task.kind, "condition": cond.label, "mode": cond.mode, "format": cond.fmt,
                                 "order": cond.order, "question": task.question, "expected": task.answer,
