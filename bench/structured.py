@@ -9,7 +9,7 @@ run generates as many tokens per seed as the constrained answer had (no stop tok
 decode at the same positions. Without --run the model is an
 untrained preset (its random logits make the grammar work hard: long strings, many keys) and the
 tokenizer is trained here on the first ~600 KB of the standard library, at the preset's vocabulary.
-`--format yaml` or `xml` times eval-format's fixed-key Lark grammars (lmforge/structured/answering.py)
+`--format yaml` or `xml` times eval-format's fixed-key Lark grammars (lmforge/structured/constrain.py)
 instead of JSON (rows still say json: the constrained mode). The grammar part is also timed alone:
 computing each mask (llguidance bitmask to a boolean tensor) and advancing the matcher by the
 chosen token.
@@ -29,7 +29,7 @@ from lmforge.config import load_config, make_config  # noqa: E402
 from lmforge.data.tokenizer import END_OF_TEXT, load_tokenizer, train_tokenizer  # noqa: E402
 from lmforge.generate.sampling import generate  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
-from lmforge.structured.answering import format_grammar  # noqa: E402
+from lmforge.structured.constrain import format_grammar  # noqa: E402
 from lmforge.structured.constrain import GrammarConstraint, JsonMode, load_schema  # noqa: E402
 
 

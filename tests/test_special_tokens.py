@@ -13,7 +13,7 @@ peft = pytest.importorskip("peft")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from lmforge.data.sft import load_examples  # noqa: E402
-from lmforge.interop.hf_tokenizer import read_hf_special_tokens  # noqa: E402
+from lmforge.interop.hf import read_hf_special_tokens  # noqa: E402
 from lmforge.interop.hf import import_hf  # noqa: E402
 from test_interop import hf_model, run_cli, tokenizer  # noqa: E402,F401  (tokenizer: the fixture)
 

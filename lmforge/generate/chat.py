@@ -11,6 +11,7 @@ compute it on, at the cost of the new turn's tokens. A model without a template 
 trained) is asked in lmforge's plain one (data/sft.py's headers), as it was fine-tuned.
 """
 
+import os
 import sys
 
 import torch
@@ -33,15 +34,6 @@ def sampling_options(special: SpecialTokens, temperature: float | None, top_k: i
             "top_p": top_p if top_p is not None else defaults.get("top_p", 0.95)}
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class ChatSession:
     """One conversation: its messages, its tokens and the KV cache holding them. `sampling`:
     generate()'s temperature, top_k, top_p. `constrained`: a structured/constrain.py JsonMode, to
@@ -61,7 +53,7 @@ class ChatSession:
         self.tokens: list[int] = []  # the conversation as the cache holds it: the last prompt and reply
         self.prompt: list[int] = []
         self.cache.start = self.cache.length = 0
-        self.turns, self.fed = 0, 0
+        self.turns = 0
 
     def prompt_ids(self) -> list[int]:
         """The conversation's token ids, ending with the template's generation prompt."""
@@ -79,9 +71,8 @@ class ChatSession:
         target = self.prompt_ids()
         # keep what the cache holds of the shared prefix (a window moved past the start: recompute);
         # at least the last token is run, for the next token's logits
-        usable = min(common_prefix(self.tokens, target), self.cache.length, len(target) - 1)
+        usable = min(len(os.path.commonprefix([self.tokens, target])), self.cache.length, len(target) - 1)
         usable = usable if self.cache.start == 0 else 0
-        self.fed = len(target) - usable
         reply: list[int] = []
         shown = ""
 

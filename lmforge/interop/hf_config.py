@@ -11,7 +11,7 @@ import torch
 
 from lmforge.common.errors import LmforgeError
 from lmforge.config import FAMILY_MLPS, ROPE_SCALING_KEYS, Config, ModelConfig, validate
-from lmforge.interop.hf_names import ARCHITECTURES, LAYOUTS, LLAMA_ARCHITECTURES, MODEL_TYPES
+from lmforge.interop.hf_names import ARCHITECTURES, MODEL_TYPES
 
 
 # config.json's numbers, by the type lmforge reads them as (bool is no number here)
@@ -65,7 +65,7 @@ def hf_architecture(cfg: ModelConfig) -> str:
     refused, not dropped (the exported model would compute something else)."""
     _refuse_recipe_switches(cfg)
     if cfg.family == "gpt":
-        return LAYOUTS["gpt"].architecture
+        return "GPT2LMHeadModel"
     if cfg.qk_norm and cfg.qkv_bias:
         raise LmforgeError("no Hugging Face architecture has both model.qk_norm and model.qkv_bias (Qwen3's "
                            "attention_bias biases the output projection too): this model cannot be exported")
@@ -86,7 +86,7 @@ def _refuse_recipe_switches(cfg: ModelConfig) -> None:
 def hf_config(cfg: ModelConfig, end_id: int, dtype: torch.dtype) -> dict:
     """config.json for `cfg`. The end-of-text token serves as BOS and EOS (lmforge adds no BOS)."""
     arch = hf_architecture(cfg)
-    common = {"architectures": [arch], "model_type": LLAMA_ARCHITECTURES.get(arch, LAYOUTS["gpt"].model_type),
+    common = {"architectures": [arch], "model_type": ARCHITECTURES[arch][1],
               "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "bos_token_id": end_id, "eos_token_id": end_id, "torch_dtype": str(dtype).removeprefix("torch.")}
     if cfg.family == "gpt":
@@ -119,7 +119,7 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     if arch not in ARCHITECTURES:
         raise LmforgeError(f"{where}: architecture {arch} is not supported; lmforge reads "
                            f"{', '.join(ARCHITECTURES)}")
-    family = ARCHITECTURES[arch]
+    family = ARCHITECTURES[arch][0]
     check_hf_fields(config, family, where)
 
     def require(ok: bool, what: str) -> None:

@@ -26,8 +26,6 @@ from lmforge.model.transformer import meta_model
 @dataclass(frozen=True)
 class Layout:
     """Where a family's modules live in its HF model."""
-    architecture: str  # config.json "architectures"
-    model_type: str
     top: dict[str, str]  # lmforge module outside the blocks -> HF module
     layer: str  # HF prefix of block i
     block: dict[str, str]  # lmforge module inside a block -> HF module
@@ -37,7 +35,6 @@ class Layout:
 
 LAYOUTS = {
     "llama": Layout(
-        "LlamaForCausalLM", "llama",
         top={"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"},
         layer="model.layers.{}",
         block={"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
@@ -45,7 +42,6 @@ LAYOUTS = {
                **{f"mlp.{p}": f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}},
         fused={}, conv1d=False),
     "gpt": Layout(
-        "GPT2LMHeadModel", "gpt2",
         top={"tok_embeddings": "transformer.wte", "pos_embeddings": "transformer.wpe", "norm": "transformer.ln_f",
              "lm_head": "lm_head"},
         layer="transformer.h.{}",
@@ -53,12 +49,13 @@ LAYOUTS = {
                "mlp.down_proj": "mlp.c_proj"},
         fused={"attn.c_attn": ("attn.q_proj", "attn.k_proj", "attn.v_proj")}, conv1d=True),
 }
-# The llama family's HF architectures, by config.json "architectures" -> "model_type": the layout
-# above, each with its own build-time choices (hf_config.py reads and writes them).
-LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                       "Qwen3ForCausalLM": "qwen3"}
-ARCHITECTURES = {**{arch: "llama" for arch in LLAMA_ARCHITECTURES}, LAYOUTS["gpt"].architecture: "gpt"}
-MODEL_TYPES = {**{kind: arch for arch, kind in LLAMA_ARCHITECTURES.items()}, "gpt2": LAYOUTS["gpt"].architecture}
+# The HF architectures, config.json "architectures" -> (lmforge family, "model_type"): the llama
+# family's four share its layout above, each with its own build-time choices (hf_config.py reads and
+# writes them).
+ARCHITECTURES = {"LlamaForCausalLM": ("llama", "llama"), "MistralForCausalLM": ("llama", "mistral"),
+                 "Qwen2ForCausalLM": ("llama", "qwen2"), "Qwen3ForCausalLM": ("llama", "qwen3"),
+                 "GPT2LMHeadModel": ("gpt", "gpt2")}
+MODEL_TYPES = {model_type: arch for arch, (_, model_type) in ARCHITECTURES.items()}
 # buffers some checkpoints hold besides weights: older GPT-2's causal mask, older Llama's rotary
 # frequencies (lmforge computes its own from config.json)
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")

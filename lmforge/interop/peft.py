@@ -87,32 +87,29 @@ def write_peft_adapter(adapter_state: dict[str, torch.Tensor], model_cfg: ModelC
     if family == "gpt" and "lm_head" in wanted:
         raise LmforgeError("a GPT-2 adapter cannot include lm_head: PEFT takes one fan_in_fan_out for all "
                            "layers, and GPT-2's head is an nn.Linear among Conv1D layers")
-    tensors, pattern = {}, {}
-    fused = sorted({hf for hf, part in map(lambda m: hf_module(family, m), adapted) if part is not None})
-    parts = {hf: [adapted.get(module) for module in lmforge_modules(family, hf)] for hf in fused}
-    if any(part is None for hf in fused for part in parts[hf]):
+    # the HF modules adapted, each with the (A, B) of the lmforge modules it holds (three for GPT-2's c_attn)
+    groups = {hf: [adapted.get(module) for module in lmforge_modules(family, hf)]
+              for hf in sorted({hf_module(family, module)[0] for module in adapted})}
+    if any(pair is None for pairs in groups.values() for pair in pairs):
         raise LmforgeError(f"GPT-2 fuses q, k and v into one c_attn: adapt q_proj, k_proj and v_proj "
                            f"together or none of them (targets {', '.join(targets)})")
     # one decision for all layers, so that PEFT's rank_pattern can name c_attn once
-    shared = all(torch.equal(a, parts[hf][0][0]) for hf in fused for a, _ in parts[hf])
-    for hf in fused:
-        (a_q, b_q), (a_k, b_k), (a_v, b_v) = parts[hf]
-        if shared:
-            a, b = a_q, torch.cat([b_q, b_k, b_v])
+    shared = all(torch.equal(a, pairs[0][0]) for pairs in groups.values() if len(pairs) > 1 for a, _ in pairs)
+    tensors, pattern = {}, {}
+    for hf, pairs in groups.items():
+        if len(pairs) == 1:
+            (a, b), = pairs
+        elif shared:
+            a, b = pairs[0][0], torch.cat([b for _, b in pairs])
         else:
-            a, b = torch.cat([a_q, a_k, a_v]), torch.block_diag(b_q, b_k, b_v)
+            a, b = torch.cat([a for a, _ in pairs]), torch.block_diag(*[b for _, b in pairs])
             pattern = {"attn.c_attn": 3}
         tensors[f"{PREFIX}{hf}.lora_A.weight"] = a.contiguous()
         tensors[f"{PREFIX}{hf}.lora_B.weight"] = b.contiguous()
-    for module, (a, b) in adapted.items():
-        hf, part = hf_module(family, module)
-        if part is None:
-            tensors[f"{PREFIX}{hf}.lora_A.weight"] = a.contiguous()
-            tensors[f"{PREFIX}{hf}.lora_B.weight"] = b.contiguous()
     layout = LAYOUTS[family]
     block_prefix = layout.layer.split("{}")[0]  # "model.layers." -> a target is the path after the index
     hf_targets = sorted({hf.removeprefix(block_prefix).split(".", 1)[-1] if hf.startswith(block_prefix) else hf
-                         for hf, _ in map(lambda m: hf_module(family, m), adapted)})
+                         for hf in groups})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
         "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "bias": "none",

@@ -87,16 +87,19 @@ def visible_row_end(key_end: int, q_len: int, kv_len: int, window: int | None) -
     return q_len if window is None else min(q_len, key_end - 1 + window - (kv_len - q_len))
 
 
-def tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, device, window=None):
-    """Boolean (rows, keys) mask of one tile, True where the query may attend, or None if all may."""
+def tile_scores(q_tile, k_tile, scale, row_start, row_end, key_start, key_end, q_len, kv_len, causal, window):
+    """The tile's scaled scores S = Q_i K_j^T, -inf where the query may not attend (the causal mask,
+    and the sliding window's band); no mask at all on a tile whose every key every row sees."""
+    scores = (q_tile @ k_tile.transpose(-1, -2)) * scale
     offset = kv_len - q_len  # query i sits at absolute position i + offset
     before_all = key_end - 1 <= row_start + offset  # the tile's last key is visible to its first row
     in_all_windows = window is None or key_start > row_end - 1 + offset - window  # its first key, to its last row
-    if before_all and in_all_windows:
-        return None
-    rows = torch.arange(row_start, row_end, device=device)[:, None] + offset
-    keys = torch.arange(key_start, key_end, device=device)[None, :]
-    return (keys <= rows) if window is None else (keys <= rows) & (keys > rows - window)
+    if not causal or before_all and in_all_windows:
+        return scores
+    rows = torch.arange(row_start, row_end, device=scores.device)[:, None] + offset
+    keys = torch.arange(key_start, key_end, device=scores.device)[None, :]
+    visible = (keys <= rows) if window is None else (keys <= rows) & (keys > rows - window)
+    return scores.masked_fill(~visible, float("-inf"))
 
 
 def grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -133,11 +136,9 @@ def flash_forward(q, k, v, *, causal, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_B
         for key_start in range(first_key, visible_key_end(row_end, q_len, kv_len, causal), block_k):
             key_end = min(key_start + block_k, kv_len)
             k_tile, v_tile = k5[..., key_start:key_end, :], v5[..., key_start:key_end, :]  # line 7
-            scores = (q_tile @ k_tile.transpose(-1, -2)) * scale  # line 8: S_i^(j) = Q_i K_j^T
-            mask = (tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, q.device, window)
-                    if causal else None)
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
+            # Line 8: S_i^(j) = Q_i K_j^T, masked
+            scores = tile_scores(q_tile, k_tile, scale, row_start, row_end, key_start, key_end, q_len, kv_len,
+                                 causal, window)
             # Line 9: new running max; exp(S - m_new) is at most 1, so it cannot overflow. A row
             # that has seen no key yet (a sliding window's) exponentiates against 0: all zeros.
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
@@ -188,11 +189,8 @@ def flash_backward(q, k, v, out, lse, grad_out, *, causal, block_q=DEFAULT_BLOCK
             rows = slice(row_start, row_end)
             q_tile, do_tile = q5[:, :, :, rows], do5[:, :, :, rows]  # line 9
             # Lines 10-11: recompute the probabilities from L, already normalised.
-            scores = (q_tile @ k_tile.transpose(-1, -2)) * scale
-            mask = (tile_mask(row_start, row_end, key_start, key_end, q_len, kv_len, q.device, window)
-                    if causal else None)
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
+            scores = tile_scores(q_tile, k_tile, scale, row_start, row_end, key_start, key_end, q_len, kv_len,
+                                 causal, window)
             probs = torch.exp(scores - lse5[:, :, :, rows, None])
             # Line 12: dV_j += P^T dO_i, summed over the query heads sharing this kv head.
             grad_v_tile += (probs.transpose(-1, -2) @ do_tile).sum(dim=2)

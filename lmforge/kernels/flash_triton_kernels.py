@@ -38,6 +38,17 @@ def _load_tile(base, row_start, length, d_head, BLOCK_ROWS: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _load_pair(a_ptr, b_ptr, base, row_start, length, d_head, UPCAST_TILES: tl.constexpr,
+               BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The same rows of two matrices laid out alike (K and V, or Q and dO), both in fp32 when UPCAST_TILES."""
+    a = _load_tile(a_ptr + base, row_start, length, d_head, BLOCK_ROWS, BLOCK_D)
+    b = _load_tile(b_ptr + base, row_start, length, d_head, BLOCK_ROWS, BLOCK_D)
+    if UPCAST_TILES:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return a, b
+
+
+@triton.jit
 def _store_tile(base, tile, row_start, length, d_head, row_stride,
                 BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = row_start + tl.arange(0, BLOCK_ROWS)
@@ -86,10 +97,8 @@ def flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale,
         key_begin = tl.maximum(row_start + kv_len - q_len - window + 1, 0) // BLOCK_N * BLOCK_N
         key_end = tl.minimum(kv_len, row_start + BLOCK_M + kv_len - q_len)
     for key_start in range(key_begin, key_end, BLOCK_N):
-        k_tile = _load_tile(k_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)  # line 7
-        v_tile = _load_tile(v_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)
-        if UPCAST_TILES:
-            k_tile, v_tile = k_tile.to(tl.float32), v_tile.to(tl.float32)
+        # Line 7: K_j and V_j
+        k_tile, v_tile = _load_pair(k_ptr, v_ptr, kv_base, key_start, kv_len, d_head, UPCAST_TILES, BLOCK_N, BLOCK_D)
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale  # line 8
         visible = _visible(row_start, key_start, q_len, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
         scores = tl.where(visible, scores, float("-inf"))
@@ -125,10 +134,8 @@ def flash_backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta
     batch, kv_head = batch_kv_head // kv_heads, batch_kv_head % kv_heads
     group = heads // kv_heads
     kv_base = batch_kv_head.to(tl.int64) * kv_len * d_head
-    k_tile = _load_tile(k_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)  # line 6
-    v_tile = _load_tile(v_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)
-    if UPCAST_TILES:
-        k_tile, v_tile = k_tile.to(tl.float32), v_tile.to(tl.float32)
+    # Line 6: K_j and V_j
+    k_tile, v_tile = _load_pair(k_ptr, v_ptr, kv_base, key_start, kv_len, d_head, UPCAST_TILES, BLOCK_N, BLOCK_D)
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # line 7
     grad_v = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # Causal: query rows before key_start - (kv_len - q_len) see none of these keys.
@@ -142,10 +149,8 @@ def flash_backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta
         batch_head = batch * heads + kv_head * group + member
         q_base = batch_head.to(tl.int64) * q_len * d_head
         for row_start in range(first_row, row_end, BLOCK_M):  # line 8
-            q_tile = _load_tile(q_ptr + q_base, row_start, q_len, d_head, BLOCK_M, BLOCK_D)  # line 9
-            grad_out = _load_tile(grad_out_ptr + q_base, row_start, q_len, d_head, BLOCK_M, BLOCK_D)
-            if UPCAST_TILES:
-                q_tile, grad_out = q_tile.to(tl.float32), grad_out.to(tl.float32)
+            q_tile, grad_out = _load_pair(q_ptr, grad_out_ptr, q_base, row_start, q_len, d_head, UPCAST_TILES,
+                                          BLOCK_M, BLOCK_D)  # line 9
             rows = row_start + tl.arange(0, BLOCK_M)
             lse = tl.load(lse_ptr + batch_head.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
             delta = tl.load(delta_ptr + batch_head.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
@@ -175,10 +180,7 @@ def flash_backward_dq_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_p
     kv_head = head // (heads // kv_heads)
     q_base = batch_head.to(tl.int64) * q_len * d_head
     kv_base = (batch * kv_heads + kv_head).to(tl.int64) * kv_len * d_head
-    q_tile = _load_tile(q_ptr + q_base, row_start, q_len, d_head, BLOCK_M, BLOCK_D)
-    grad_out = _load_tile(grad_out_ptr + q_base, row_start, q_len, d_head, BLOCK_M, BLOCK_D)
-    if UPCAST_TILES:
-        q_tile, grad_out = q_tile.to(tl.float32), grad_out.to(tl.float32)
+    q_tile, grad_out = _load_pair(q_ptr, grad_out_ptr, q_base, row_start, q_len, d_head, UPCAST_TILES, BLOCK_M, BLOCK_D)
     rows = row_start + tl.arange(0, BLOCK_M)
     lse = tl.load(lse_ptr + batch_head.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
     delta = tl.load(delta_ptr + batch_head.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
@@ -188,10 +190,7 @@ def flash_backward_dq_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_p
         key_begin = tl.maximum(row_start + kv_len - q_len - window + 1, 0) // BLOCK_N * BLOCK_N
         key_end = tl.minimum(kv_len, row_start + BLOCK_M + kv_len - q_len)
     for key_start in range(key_begin, key_end, BLOCK_N):
-        k_tile = _load_tile(k_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)
-        v_tile = _load_tile(v_ptr + kv_base, key_start, kv_len, d_head, BLOCK_N, BLOCK_D)
-        if UPCAST_TILES:
-            k_tile, v_tile = k_tile.to(tl.float32), v_tile.to(tl.float32)
+        k_tile, v_tile = _load_pair(k_ptr, v_ptr, kv_base, key_start, kv_len, d_head, UPCAST_TILES, BLOCK_N, BLOCK_D)
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale
         visible = _visible(row_start, key_start, q_len, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
         probs = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)

@@ -19,7 +19,7 @@ from lmforge.common.folders import FolderLock
 from lmforge.config import Config, DataConfig, config_to_dict, load_config
 from lmforge.data.tokenizer import load_special_tokens, load_tokenizer
 from lmforge.interop.hf import export_hf, import_hf
-from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens
+from lmforge.interop.hf import read_end_token, read_hf_special_tokens
 from lmforge.interop.peft import lora_target, write_peft_adapter
 from lmforge.model.lora import adapter_state_dict, lora_layers
 from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, list_checkpoints, read_state

@@ -27,7 +27,7 @@ from lmforge.data.special_tokens import SpecialTokens
 from lmforge.data.tokenizer import load_special_tokens, load_tokenizer
 from lmforge.interop.hf import hf_weights_dtype, import_hf
 from lmforge.interop.hf_config import read_model_config
-from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens, read_hf_tokenizer
+from lmforge.interop.hf import read_end_token, read_hf_special_tokens, read_hf_tokenizer
 from lmforge.model.lora import apply_lora, has_lora, merge_lora
 from lmforge.model.transformer import Transformer, meta_model
 from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, read_manifest, read_state, verify_checkpoint

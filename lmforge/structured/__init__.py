@@ -1,2 +1,2 @@
 """Structured answers: parsing JSON/YAML/XML (parse.py), grammar-constrained decoding (constrain.py), and the
-format-restriction study: its task set (tasks.py) and `lmforge eval-format` (evaluate.py, answering.py)."""
+format-restriction study: its task set (tasks.py) and `lmforge eval-format` (evaluate.py; its replies: constrain.py)."""

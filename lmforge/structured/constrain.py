@@ -15,6 +15,8 @@ The grammar engine is llguidance (guidance-ai, MIT, Rust with Python bindings). 
 So llguidance. It has built-in grammars for JSON and JSON Schema only: YAML and XML would need
 grammars written by hand (and XML's matching end tags are not context-free for free tag names),
 so constrained decoding is offered for JSON; YAML and XML answers are parsed (parse.py) instead.
+Only `lmforge eval-format` decodes YAML and XML under a grammar: fixed-key Lark grammars of its
+two keys (format_grammar), in its greedy replies (Answerer).
 
 The mask concerns the tokens generated, not the prompt, so it composes with lmforge's sampler
 (temperature, top-k, top-p are applied to the surviving logits) and its KV cache. What it cannot
@@ -23,6 +25,7 @@ cut (ConstrainedOutput.complete is False) rather than closed by force, since a f
 half-written value (`{"answer": "12`) into a different answer that parses and validates.
 """
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -35,6 +38,7 @@ from tokenizers import Tokenizer
 from lmforge.common.errors import LmforgeError
 from lmforge.generate.sampling import generate
 from lmforge.model.transformer import Transformer
+from lmforge.runs.load import LoadedModel
 from lmforge.structured.parse import check_schema, parse_answer
 
 CONSTRAINED_FORMATS = ("json",)
@@ -146,3 +150,54 @@ class JsonMode:
         if self.schema is not None:
             check_schema(value, self.schema)
         return ConstrainedOutput(text, tokens, complete=True, value=value)
+
+
+# Fixed-key YAML and XML as Lark grammars (llguidance has no general YAML or XML grammar). A YAML
+# value is one line that starts with a letter or digit and holds no `:` or `#` (either could end a
+# plain scalar early), or a single-quoted string; XML text has no `<` or `&`. Neither may hold the
+# control characters their parsers refuse, nor (YAML) a tab or the other line breaks, \r, NEL, LS, PS.
+# Both therefore always parse.
+_YAML_CHAR = r"[^\n\r\t:#'\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029\ufffe\uffff]"
+_YAML_VALUE = rf"""VALUE: /[A-Za-z0-9]{_YAML_CHAR}*/ | /'{_YAML_CHAR.replace(":#", "")}*'/"""
+_XML_TEXT = r"""TEXT: /[^<&\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]*/"""
+
+
+@functools.cache
+def format_grammar(answer_type: str, fmt: str, order: str) -> str:
+    """The llguidance grammar of a reply in `fmt` with the keys reasoning and answer in `order`
+    (JSON: a schema with the answer's type, `integer` or `string`)."""
+    keys = ("reasoning", "answer") if order == "reasoning-first" else ("answer", "reasoning")
+    if fmt == "json":
+        types = {"reasoning": "string", "answer": answer_type}
+        return json_grammar({"type": "object", "properties": {key: {"type": types[key]} for key in keys},
+                             "required": list(keys), "additionalProperties": False})
+    if fmt == "yaml":
+        lark = f'start: "{keys[0]}: " VALUE "\\n{keys[1]}: " VALUE\n{_YAML_VALUE}\n'
+    elif fmt == "xml":
+        lark = (f'start: "<response><{keys[0]}>" TEXT "</{keys[0]}><{keys[1]}>" TEXT "</{keys[1]}></response>"\n'
+                f"{_XML_TEXT}\n")
+    else:
+        raise LmforgeError(f"no grammar for format {fmt!r}")
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+class Answerer:
+    """eval-format's replies: greedy, each at most `max_new_tokens` long, from one model (runs/load.py's)."""
+
+    def __init__(self, loaded: LoadedModel, max_new_tokens: int):
+        self.loaded, self.max_new_tokens = loaded, max_new_tokens
+        # The vocabulary is read once (~20 ms at 4096 tokens); format_grammar compiles each grammar once.
+        self.ll_tokenizer = llguidance.LLTokenizer(loaded.tokenizer.to_str(), eos_token=loaded.end_id)
+
+    def answer(self, prompt: str, grammar: tuple[str, str, str] | None = None) -> tuple[str, bool]:
+        """The reply to `prompt` and whether it ended by itself (False: cut by max_new_tokens, or, under
+        `grammar` = (answer_type, fmt, order), stopped before the grammar closed)."""
+        loaded = self.loaded
+        constraint = None
+        if grammar is not None:
+            constraint = GrammarConstraint(llguidance.LLMatcher(self.ll_tokenizer, format_grammar(*grammar)))
+        tokens = generate(loaded.model, loaded.tokenizer.encode(prompt).ids, self.max_new_tokens, temperature=0,
+                          stop_token=loaded.end_id, constraint=constraint)
+        text = loaded.tokenizer.decode(tokens)
+        complete = constraint.complete() if constraint is not None else len(tokens) < self.max_new_tokens
+        return text, complete

@@ -4,7 +4,7 @@ Each test task of lmforge/structured/tasks.py is answered under every condition 
 - free: the free-text prompt; the answer is what follows the last "the answer is";
 - instructed: the prompt asks for JSON, YAML or XML, keys reasoning-first or answer-first, and
   nothing else enforces it;
-- constrained: the same prompt, decoded under a grammar (constrain.py's engine, llguidance): JSON
+- constrained: the same prompt, decoded under a grammar (constrain.py: format_grammar, llguidance): JSON
   matching a schema with the keys in the asked order (the answer typed: integer or string); YAML
   and XML through Lark grammars of the same two keys (llguidance has no general YAML or XML
   grammar; these fixed-key ones are context-free, and exclude what would not parse);
@@ -18,7 +18,6 @@ constrained mode): it counts as wrong too. Rates come with 95% Wilson score inte
 
 import json
 import math
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -123,21 +122,17 @@ class Row:
 def summarize(records: list[dict]) -> list[Row]:
     """Rows per kind and condition, then per condition over the reasoning kinds and over the others.
     `records`: dicts with kind, condition (its label), correct, parse_error."""
-    cells = defaultdict(lambda: [0, 0, 0])
-    order = []
+    cells: dict[tuple[str, str], list[int]] = {}  # (kinds, condition) -> [n, correct, parse errors]
     for record in records:
         group = "reasoning" if record["kind"] in REASONING_KINDS else "other"
         for kinds in (record["kind"], f"all {group}"):
-            key = (kinds, record["condition"])
-            if key not in cells:
-                order.append(key)
-            cell = cells[key]
+            cell = cells.setdefault((kinds, record["condition"]), [0, 0, 0])
             cell[0] += 1
             cell[1] += bool(record["correct"])
             cell[2] += bool(record["parse_error"])
     rank = {kind: index for index, kind in enumerate([*KINDS, "all reasoning", "all other"])}
-    conditions_seen = list(dict.fromkeys(condition for _, condition in order))
-    order.sort(key=lambda key: (rank[key[0]], conditions_seen.index(key[1])))
+    conditions_seen = list(dict.fromkeys(record["condition"] for record in records))
+    order = sorted(cells, key=lambda key: (rank[key[0]], conditions_seen.index(key[1])))
     return [Row(kinds, condition, *cells[(kinds, condition)]) for kinds, condition in order]
 
 
@@ -245,9 +240,14 @@ def run_study(model_path: str, tasks: list[Task], conds: list[Condition], out: P
     results.png into `out`; return the rows."""
     from tqdm import tqdm
 
-    from lmforge.structured.answering import Answerer, load_model
+    from lmforge.parallel.world import resolve_device
+    from lmforge.runs.load import load_model
+    from lmforge.structured.constrain import Answerer
 
-    loaded = load_model(model_path, device)
+    # an lmforge run folder (its latest good checkpoint; a LoRA run as its base plus adapters) or a
+    # Hugging Face folder, in fp32; its end_id (end-of-text, or an imported model's end-of-sequence) ends a reply
+    loaded = load_model(model_path, "fp32", resolve_device(device, setting="--device"),
+                        warn=lambda message: print(f"warning: {message}"))
     answerer = Answerer(loaded, max_new_tokens)
     records = []
     with tqdm(total=len(tasks) * len(conds), desc="eval-format", unit="reply", disable=not progress,
@@ -258,13 +258,11 @@ def run_study(model_path: str, tasks: list[Task], conds: list[Condition], out: P
             for cond in conds:
                 if cond.mode == "free":
                     text, complete = free
-                elif cond.mode == "instructed":
-                    text, complete = answerer.answer(prompt(task, cond.fmt, cond.order))
-                elif cond.mode == "constrained":
-                    text, complete = answerer.answer(prompt(task, cond.fmt, cond.order),
-                                                     grammar=(task.answer_type, cond.fmt, cond.order))
-                else:
+                elif cond.mode == "converted":
                     text, complete = answerer.answer(conversion_prompt(task, free[0], cond.fmt))
+                else:  # instructed; constrained: the same prompt, decoded under the format's grammar
+                    grammar = (task.answer_type, cond.fmt, cond.order) if cond.mode == "constrained" else None
+                    text, complete = answerer.answer(prompt(task, cond.fmt, cond.order), grammar)
                 outcome = score(task, cond.fmt, text, complete or cond.mode != "constrained")
                 records.append({"kind": task.kind, "condition": cond.label, "mode": cond.mode, "format": cond.fmt,
                                 "order": cond.order, "question": task.question, "expected": task.answer,

@@ -65,11 +65,15 @@ def _line_col(text: str, index: int) -> str:
     return f"line {line} column {index - (text.rfind(chr(10), 0, index) + 1) + 1}"
 
 
-def _no_duplicates(pairs):
-    keys = [key for key, _ in pairs]
+def _check_unique(keys: list) -> None:
+    """ParseError for a key given twice (json and PyYAML would silently keep the last)."""
     for key in keys:
         if keys.count(key) > 1:
             raise ParseError(f"duplicate key {key!r}")
+
+
+def _no_duplicates(pairs):
+    _check_unique([key for key, _ in pairs])
     return dict(pairs)
 
 
@@ -106,10 +110,7 @@ class _StrictLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing duplicate keys (which it would silently overwrite)."""
 
     def construct_mapping(self, node, deep=False):
-        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
-        for key in keys:
-            if keys.count(key) > 1:
-                raise ParseError(f"duplicate key {key!r}")
+        _check_unique([self.construct_object(key, deep=deep) for key, _ in node.value])
         return super().construct_mapping(node, deep=deep)
 
 

@@ -18,6 +18,7 @@ test split, the rest into the train split, whatever the seed.
 """
 
 import hashlib
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -39,7 +40,6 @@ CATEGORIES = {
     "tool": "hammer saw drill wrench shovel ladder chisel rake axe knife brush spade".split(),
 }
 _ARTICLE = {"fruit": "a fruit", "animal": "an animal", "color": "a color", "tool": "a tool"}
-_PLURAL = {"fruit": "fruits", "animal": "animals", "color": "colors", "tool": "tools"}
 _SUBJECTS = ("the soup|the hotel|the film|the service|the trip|the concert|the book|the room|the staff|"
              "the bread").split("|")
 _POSITIVE = "great lovely superb wonderful excellent pleasant delightful charming tasty friendly".split()
@@ -78,10 +78,7 @@ def _addition(rng: random.Random) -> Task:
         if any(int(x) + int(y) >= 10 for x, y in zip(str(a)[::-1], str(b)[::-1])):
             break  # at least one carry: the step the reasoning is for
     steps, carry = [], 0
-    da, db = str(a)[::-1], str(b)[::-1]
-    for column in range(max(len(da), len(db))):
-        x = int(da[column]) if column < len(da) else 0
-        y = int(db[column]) if column < len(db) else 0
+    for x, y in itertools.zip_longest(map(int, str(a)[::-1]), map(int, str(b)[::-1]), fillvalue=0):  # from the right
         total = x + y + carry
         terms = " + ".join(str(t) for t in (x, y, *([carry] if carry else [])))
         steps.append(f"{terms} = {total}, write {total % 10}" + (" carry 1." if total >= 10 else "."))
@@ -105,7 +102,7 @@ def _counting(rng: random.Random) -> Task:
             steps.append(f"{word} is {_ARTICLE[category]}, {count}.")
         else:
             steps.append(f"{word} is not.")
-    return Task("counting", f"How many {_PLURAL[category]} are in this list? {', '.join(words)}",
+    return Task("counting", f"How many {category}s are in this list? {', '.join(words)}",
                 f"{' '.join(steps)} That makes {count}.", count)
 
 
