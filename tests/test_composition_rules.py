@@ -11,7 +11,7 @@ import pytest
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config, validate
 from lmforge.config.rules import PIPELINE_REFUSED, check_composition, refusal
-from lmforge.modes.parallel import PARALLEL_STRATEGIES, STAGE_REPLICAS
+from lmforge.modes import PARALLEL_STRATEGIES, STAGE_REPLICAS
 from lmforge.parallel.world import check_launch
 
 sys.path.insert(0, str(Path(__file__).parent))

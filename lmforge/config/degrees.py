@@ -22,7 +22,7 @@ sharding's strategy) is config/rules.py's.
 from dataclasses import dataclass
 
 from lmforge.common.errors import LmforgeError
-from lmforge.modes.parallel import REPLICATING, SHARDING
+from lmforge.modes import REPLICATING, SHARDING
 
 
 @dataclass(frozen=True)

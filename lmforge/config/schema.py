@@ -88,7 +88,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    # adamw | adam | sgd | sgd-momentum | adagrad | rmsprop | lion (modes/optimizers.py; docs/optimizers.md).
+    # adamw | adam | sgd | sgd-momentum | adagrad | rmsprop | lion (modes/; docs/optimizers.md).
     # Their hyper-parameters below: lr, weight_decay and grad_clip apply to all; beta1 to adam(w) and
     # lion; beta2 to adam(w), lion and rmsprop (its alpha: the decay of the average of g^2); eps to
     # adam(w), adagrad and rmsprop; momentum and nesterov to sgd-momentum

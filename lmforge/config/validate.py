@@ -17,11 +17,8 @@ from lmforge.config.rules import check_config
 from lmforge.config.schema import (FAMILIES, INIT_SCHEMES, LR_SCHEDULES, MLPS, MUON_ADJUST_LR, ROPE_SCALING_KEYS,
                                    SECTIONS, Config, DataConfig, FinetuneConfig, ModelConfig, OptimConfig, TrainConfig)
 # The names a setting can take, each from its one registry (light modules: no torch)
-from lmforge.modes.attention import BACKENDS
-from lmforge.modes.optimizers import OPTIMIZER_MODES
-from lmforge.modes.parallel import PARALLEL_STRATEGIES, PIPELINE_ENGINES, PIPELINE_SCHEDULES
-from lmforge.modes.precision import FP8_SCALINGS, POLICIES
-from lmforge.modes.recompute import RECOMPUTE_MODES
+from lmforge.modes import (BACKENDS, FP8_SCALINGS, OPTIMIZER_MODES, PARALLEL_STRATEGIES, PIPELINE_ENGINES,
+                           PIPELINE_SCHEDULES, POLICIES, RECOMPUTE_MODES)
 
 # The model and optimizer compute in fp32 (or narrower): a setting beyond its range would become
 # inf in the first step.

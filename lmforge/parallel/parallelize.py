@@ -37,8 +37,7 @@ already refused what cannot run: the engines do not check the launch again).
 
 import torch
 
-from lmforge.modes.parallel import PARALLEL_STRATEGIES, get_strategy
-from lmforge.modes.precision import Policy
+from lmforge.modes import PARALLEL_STRATEGIES, Policy, get_strategy
 from lmforge.parallel.ddp import DDPEngine
 from lmforge.parallel.engine import Engine
 from lmforge.parallel.fsdp import FSDPEngine

@@ -13,7 +13,7 @@ from lmforge.accounting.cp import context_parallel_bytes, padded_length, ring_ac
 from lmforge.accounting.plan.costing import devices, lora
 from lmforge.config import Config
 from lmforge.config.degrees import Degrees
-from lmforge.modes.precision import Policy
+from lmforge.modes import Policy
 
 
 def sequence_shards(cfg: Config) -> int:

@@ -23,8 +23,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.config import Config
 from lmforge.config.degrees import Degrees, mesh_degrees
 from lmforge.config.rules import check_composition
-from lmforge.modes.parallel import get_strategy
-from lmforge.modes.precision import Policy, get_policy
+from lmforge.modes import Policy, get_policy, get_strategy
 
 
 @dataclass
