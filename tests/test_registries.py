@@ -127,7 +127,7 @@ def test_plan_hardware_help_names_every_accelerator_of_the_table():
     """`lmforge plan --hardware`'s help lists the datasheet table's names (accounting/hardware.py's
     ACCELERATORS; the parser imports no torch, so it spells them out): the two must say the same."""
     from lmforge.accounting.hardware import ACCELERATORS
-    from lmforge.cli.parser import build_parser
+    from lmforge.cli import build_parser
 
     plan = build_parser(["plan"]).subcommands["plan"]
     help_text = next(action.help for action in plan._actions if "--hardware" in action.option_strings)
