@@ -12,7 +12,7 @@ like the rest of config/.
 """
 
 from lmforge.common.errors import LmforgeError
-from lmforge.config.degrees import Degrees, mesh_degrees
+from lmforge.config.schema import Degrees, mesh_degrees
 from lmforge.modes import (DATA_PARALLEL, REPLICATING, SHARDING, STAGE_REPLICAS, PARAMETER_SHARDING, names,
                                    parse_split)
 

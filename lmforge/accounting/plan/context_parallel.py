@@ -12,7 +12,7 @@ from lmforge.accounting import flops, memory
 from lmforge.accounting.cp import context_parallel_bytes, padded_length, ring_activation_breakdown
 from lmforge.accounting.plan.costing import devices, lora
 from lmforge.config import Config
-from lmforge.config.degrees import Degrees
+from lmforge.config.schema import Degrees
 from lmforge.modes import Policy
 
 

@@ -33,7 +33,7 @@ from lmforge.accounting.pipeline import (StageParameters, bubble_fraction, chunk
                                          virtual_split)
 from lmforge.accounting.plan.costing import lora, zero_stage
 from lmforge.config import Config
-from lmforge.config.degrees import Degrees
+from lmforge.config.schema import Degrees
 from lmforge.modes import Policy
 
 
