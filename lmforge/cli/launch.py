@@ -6,17 +6,13 @@ import signal
 from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
-from lmforge.config.rules import check_composition
+from lmforge.config.rules import check_nproc
 
 
 def launch_train(args, cfg, run_dir: Path) -> int:
     """Check that `cfg` can share its work over --nproc processes, then start them, each running
     the command line typed less --nproc (and, for a new run, with the run folder named here)."""
-    if cfg.train.parallel == "none" and cfg.parallel.pp == 1 and cfg.parallel.tp == 1:
-        raise LmforgeError(f"--nproc {args.nproc} needs a way to share the work: add train.parallel=ddp "
-                           f"(or zero1, zero2, zero3, fsdp), or parallel.tp={args.nproc}")
-    # every refusal the command line and config alone decide (config/rules.py), before any rank starts
-    check_composition(cfg, args.nproc)
+    check_nproc(cfg, args.nproc)  # every refusal the command line and config decide, before any rank starts
     if "WORLD_SIZE" in os.environ:
         raise LmforgeError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
     words = _without_nproc(args.argv)

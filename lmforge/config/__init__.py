@@ -17,7 +17,7 @@ torch (the CLI parses its arguments before torch is loaded).
 """
 
 from lmforge.config.load import (apply_dict, config_from_dict, lacking_key, load_config, make_config, parse_override,
-                                 read_yaml, resume_change, resume_may_change, save_config, set_value)
+                                 read_yaml, resume_change, resume_may_change, set_value)
 from lmforge.config.presets import DEFAULT_PRESET, LLAMA3_ROPE_SCALING, MODEL_PRESETS
 from lmforge.config.schema import (FAMILIES, FAMILY_MLPS, INIT_SCHEMES, LR_SCHEDULES, MLPS, ROPE_SCALING_KEYS,
                                    SECTIONS, Config, DataConfig, FinetuneConfig, ModelConfig, OptimConfig,

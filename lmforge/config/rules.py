@@ -7,7 +7,7 @@ whatever the launch), the launch (parallel/world.py's `check_launch` runs `check
 with the world torchrun started, before any process group or file exists), `lmforge plan`, and the
 composition page (tests/composition_matrix.py writes docs/composition.md from these verdicts).
 What is refused is what the engines cannot build or have never been shown to train; each entry
-says why: `check_composition` raises the first refusal's line, `refusal` returns it. Torch-free,
+says why: `check_composition` raises the first refusal's line (`check_nproc` for `--nproc N`). Torch-free,
 like the rest of config/.
 """
 
@@ -49,13 +49,12 @@ def check_composition(cfg, world: int | None) -> None:
                 f"e.g. train.parallel=ddp (or {', '.join(SHARDING)})")
 
 
-def refusal(cfg, world: int | None) -> str | None:
-    """The line check_composition stops with, or None when everything combines."""
-    try:
-        check_composition(cfg, world)
-    except LmforgeError as err:
-        return str(err)
-    return None
+def check_nproc(cfg, nproc: int) -> None:
+    """`lmforge train --nproc N`: a way to share the work over N processes, then check_composition."""
+    if cfg.train.parallel == "none" and cfg.parallel.pp == 1 and cfg.parallel.tp == 1:
+        _refuse(f"--nproc {nproc} needs a way to share the work: add train.parallel=ddp "
+                f"(or {', '.join(SHARDING)}), or parallel.tp={nproc}")
+    check_composition(cfg, nproc)
 
 
 def _refuse(line: str) -> None:
