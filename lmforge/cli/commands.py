@@ -14,10 +14,9 @@ from lmforge.cli.arguments import EXAMPLES, RAW, Parser, add_finetune, add_prepa
 from lmforge.cli.eval_command import cmd_eval
 from lmforge.cli.launch import quiet_rank
 from lmforge.cli.options import (add_chat, add_eval, add_eval_format, add_export, add_generate, add_import_hf,
-                                 add_runs, add_tasks)
+                                 add_report, add_runs, add_tasks)
 from lmforge.cli.plan_command import cmd_plan
 from lmforge.cli.plan_parser import add_plan
-from lmforge.cli.report_command import add_report, cmd_report
 from lmforge.cli.scaling import add_scaling, cmd_scaling
 from lmforge.cli.training import cmd_finetune, cmd_train
 from lmforge.common.errors import LmforgeError, memory_error_message, os_error_message, warn
@@ -172,6 +171,13 @@ def cmd_eval_format(args) -> int:
                            f"use a new folder")
     run_study(args.run, tasks, conds, out, args.max_new_tokens, args.device, progress=not args.no_progress)
     print(f"results: {out}/table.md, {out}/results.png, {out}/results.jsonl")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from lmforge.train.run_report import write_report
+
+    print(f"wrote {write_report(args.run)}")
     return 0
 
 

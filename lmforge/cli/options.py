@@ -1,5 +1,5 @@
 """The options of the subcommands that sample, list, move and score models (generate, chat, runs, export,
-import-hf, tasks, eval-format, eval); training's are in arguments.py, plan's in plan_parser.py. No
+import-hf, tasks, eval-format, eval, report); training's are in arguments.py, plan's in plan_parser.py. No
 torch is imported, so that `lmforge --help` answers at once."""
 
 from lmforge.cli.arguments import COUNT, SEED, add_run, describe, number
@@ -163,3 +163,12 @@ def add_eval(evaluate) -> None:
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     evaluate.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the weights")
     evaluate.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder to put on the model")
+
+
+def add_report(report) -> None:
+    describe(
+        report, "Write RUN/report.md, the page to share about a run: its config, the data, the cost (tokens, FLOPs, "
+        "time, MFU, the plan's predictions beside what was measured), the loss curves, the evaluation scores "
+        "over training and at the end, and the sample. See docs/evaluation.md.",
+        "examples:\n  lmforge report runs/<name>")
+    add_run(report, "run folder")
