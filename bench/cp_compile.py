@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.config import make_config
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.precision.policy import LossScaler
 from lmforge.train.loop import train_step
 from lmforge.train.setup import build_engine

@@ -58,7 +58,7 @@ from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.config import make_config
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.precision.policy import autocast
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.wrap.compile import apply_compile
 from lmforge.train.setup import build
 

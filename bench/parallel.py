@@ -32,7 +32,7 @@ def rank_main(args) -> None:
     from lmforge.accounting.measure import measure_saved_bytes
     from lmforge.config import make_config
     from lmforge.precision.policy import LossScaler
-    from lmforge.modes.precision import get_policy
+    from lmforge.modes import get_policy
     from lmforge.train.loop import train_step
     from lmforge.train.setup import build_engine
 

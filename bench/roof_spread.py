@@ -115,7 +115,7 @@ def main() -> None:
     from lmforge.accounting.roofline.measure import _roof, measure_roof
     from lmforge.accounting.roofline.ops import step_matmul_shapes, step_writes
     from lmforge.accounting.roofline.shapes import at_writes, timed_rates, writes_before
-    from lmforge.cli.launch import retain_freed_memory
+    from lmforge.cli.training import retain_freed_memory
     from lmforge.train.roofline import one_process_engine
 
     retain_freed_memory()  # as `lmforge train` runs

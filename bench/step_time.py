@@ -48,7 +48,7 @@ def build_parts(model: str, precision: str, batch: int, seq_len: int | None, ext
     random tokens (`extra`: more overrides, e.g. train.parallel=ddp under torchrun:
     bench/step_time_dist.py)."""
     from lmforge.config import make_config
-    from lmforge.modes.precision import get_policy
+    from lmforge.modes import get_policy
     from lmforge.precision.policy import LossScaler
     from lmforge.train.setup import build_engine
 
@@ -138,7 +138,7 @@ def main() -> None:
 
     from lmforge.accounting.roofline.ops import predict_step
     from lmforge.accounting.roofline.shapes import this_step_roof
-    from lmforge.cli.launch import retain_freed_memory
+    from lmforge.cli.training import retain_freed_memory
     from lmforge.train.roofline import one_process_engine
 
     retain_freed_memory()  # as `lmforge train` (and `lmforge plan`) run

@@ -158,7 +158,7 @@ def main() -> None:
     from lmforge.accounting.roofline.ops import predict_step
     from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.config import make_config
-    from lmforge.cli.launch import retain_freed_memory
+    from lmforge.cli.training import retain_freed_memory
     from lmforge.train.roofline import one_process_engine
 
     retain_freed_memory()

@@ -67,7 +67,7 @@ def main() -> None:
 
     from step_time import build  # bench/step_time.py, beside this file (on the path: the script's folder)
     from lmforge.accounting.roofline.shapes import this_step_roof
-    from lmforge.cli.launch import retain_freed_memory
+    from lmforge.cli.training import retain_freed_memory
     from lmforge.train.roofline import one_process_engine
 
     retain_freed_memory()

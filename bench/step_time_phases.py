@@ -58,7 +58,7 @@ def main() -> None:
 
     from step_time import build_parts  # bench/step_time.py, beside this file
     from lmforge.accounting.roofline.shapes import this_step_roof
-    from lmforge.cli.launch import retain_freed_memory
+    from lmforge.cli.training import retain_freed_memory
     from lmforge.train.roofline import one_process_engine
     from lmforge.train.step import train_step
 

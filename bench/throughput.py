@@ -9,7 +9,7 @@ d_model 768, 12 heads, vocabulary 50257, context 1024, in the llama family that 
 implements, batch 1) in each precision (fp32, bf16-mixed), and in each row four sides, each in a
 process of its own, as a user would run it:
   ours              `lmforge train`'s Trainer: Transformer, hand-written AdamW, clipping, schedule,
-                    prefetching loader, glibc malloc told to keep freed memory (cli/launch.py)
+                    prefetching loader, glibc malloc told to keep freed memory (cli/training.py)
   ours compiled     the same with train.compile=true
   reference         bench/reference_llama.py (torch.nn layers, nn.RMSNorm, SDPA), torch.optim.AdamW
                     (foreach), batches drawn in the loop, torch.autocast for bf16-mixed
@@ -64,7 +64,7 @@ def build_step(side: str, args):
     cfg = make_config("small", overrides=args.overrides + ["train.sample_tokens=0", "train.max_steps=100000"]
                       + (["train.compile=true"] if compiled and side.startswith("ours") else []))
     if side.startswith("ours"):
-        from lmforge.cli.launch import retain_freed_memory
+        from lmforge.cli.training import retain_freed_memory
         from lmforge.train.loop import Trainer
 
         retain_freed_memory()  # as `lmforge train` does; each side runs in a process of its own
@@ -176,7 +176,7 @@ def optimizer_step_seconds(args) -> tuple[dict[str, float], list]:
     from lmforge.config import make_config
     from lmforge.model.transformer import Transformer
     from lmforge.optim.adamw import AdamW
-    from lmforge.cli.launch import retain_freed_memory
+    from lmforge.cli.training import retain_freed_memory
     from lmforge.parallel.world import resolve_device
     from lmforge.optim.build import weight_decay_groups
 

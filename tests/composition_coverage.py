@@ -4,9 +4,7 @@ that every test named here exists and that every cell it covers passes the check
 
 from dataclasses import dataclass
 
-from lmforge.modes.parallel import DATA_PARALLEL, SHARDING
-from lmforge.modes.precision import POLICIES
-from lmforge.modes.recompute import RECOMPUTE_MODES
+from lmforge.modes import DATA_PARALLEL, POLICIES, RECOMPUTE_MODES, SHARDING
 
 PRECISIONS = tuple(POLICIES)
 ALL_KINDS = ("pretraining", "full fine-tuning", "LoRA")  # the matrix's KINDS

@@ -26,9 +26,7 @@ from composition_coverage import CELLS, COVERAGE, DIST, TPCELLS, tests_of  # noq
 from lmforge.common.errors import LmforgeError  # noqa: E402
 from lmforge.config import make_config  # noqa: E402
 from lmforge.config.rules import check_composition  # noqa: E402
-from lmforge.modes.parallel import DATA_PARALLEL, SHARDING  # noqa: E402
-from lmforge.modes.precision import POLICIES  # noqa: E402
-from lmforge.modes.recompute import RECOMPUTE_MODES  # noqa: E402
+from lmforge.modes import DATA_PARALLEL, POLICIES, RECOMPUTE_MODES, SHARDING
 
 PRESET = "tiny"  # the model every cell is checked (and tested) on: 2 layers, so at most 2 stages
 STAGES = 2
@@ -65,7 +63,7 @@ HSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=2")  # hybrid sharding: FS
 
 def layouts() -> list[Layout]:
     """One process, each strategy on 2 ranks, a 2-stage pipeline, and the pipeline with 2 replicas
-    under each strategy (4 ranks): every strategy modes/parallel.py names, with and without stages;
+    under each strategy (4 ranks): every strategy modes/ names, with and without stages;
     tensor parallelism on 2 ranks, and 2 of them as replicas under each strategy (4 ranks); context
     parallelism on 2 ranks, 2 of them as ddp replicas, and tp=2 x cp=2 (4 ranks each), and the
     sharding strategies over dp=2 x cp=2 and over tp=2 x cp=2's cp ranks (4 ranks each); tp=4 over

@@ -13,7 +13,7 @@ import torch
 
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
 from lmforge.config import make_config
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.parallel.cp_model import RingAttentionCore
 from lmforge.precision.policy import LossScaler, autocast
 from lmforge.train.loop import train_step

@@ -19,7 +19,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from parallel_worker import ROWS, global_batches  # noqa: E402
 
 from lmforge.config import make_config  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.parallel.cp_model import RingAttentionCore  # noqa: E402
 from lmforge.precision.policy import LossScaler  # noqa: E402
 from lmforge.train.loop import train_step  # noqa: E402

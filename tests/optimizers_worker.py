@@ -16,7 +16,7 @@ import torch.distributed as dist
 from parallel_worker import config, train
 from pipeline_compose_worker import train_and_measure
 
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.train.setup import build_engine
 
 STEPS, ACCUM = 3, 2

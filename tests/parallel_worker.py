@@ -20,7 +20,7 @@ from lmforge.model.transformer import IGNORE_INDEX, Transformer
 from lmforge.parallel.engine import Engine
 from lmforge.parallel.parallelize import parallelize
 from lmforge.precision.policy import LossScaler
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.train.loop import train_step
 from lmforge.optim.build import weight_decay_groups
 from lmforge.train.setup import build_engine, build_model, build_optimizer

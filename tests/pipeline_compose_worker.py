@@ -17,7 +17,7 @@ import torch.distributed as dist
 from parallel_worker import make_engine
 from pipeline_worker import config, micro_batches, train
 
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.precision.policy import LossScaler
 from lmforge.train.loop import train_step
 from lmforge.train.setup import build_engine

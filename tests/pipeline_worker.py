@@ -14,7 +14,7 @@ from parallel_worker import SEQ, global_batches
 
 from lmforge.config import make_config
 from lmforge.precision.policy import LossScaler
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.train.loop import train_step
 from lmforge.train.setup import build_engine
 

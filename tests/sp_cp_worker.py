@@ -25,7 +25,7 @@ from tp_worker import gathered_grads  # noqa: E402
 from tp_zero_worker import run as run_mesh  # noqa: E402
 
 from lmforge.config import make_config  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.precision.policy import LossScaler  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 

@@ -208,7 +208,7 @@ def test_a_70b_plan_reads_a_model_that_holds_no_memory():
 def test_six_n_is_six_times_the_n_the_plan_prints(preset, capsys):
     """The 6N beside the per-component count is 6 x the N printed with it, and the row says which
     parameters N leaves out (it is not the parameter count printed above it)."""
-    from lmforge.common.formatting import human_count
+    from lmforge.common.errors import human_count
 
     assert main(["plan", "--model", preset, "--hardware", "a100", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)

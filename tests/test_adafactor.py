@@ -7,7 +7,7 @@ from lmforge.accounting.measure import model_state_bytes_measured
 from lmforge.accounting.optimizers import optimizer_state_bytes
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.optim.adafactor import Adafactor
 
 # a matrix, a batch of matrices (factored over the last two dims) and a vector (unfactored)

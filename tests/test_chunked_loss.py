@@ -17,7 +17,7 @@ from lmforge.accounting.activations import activation_breakdown
 from lmforge.config import make_config
 from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import IGNORE_INDEX, Transformer, cross_entropy_loss
-from lmforge.modes.precision import POLICIES, get_policy
+from lmforge.modes import POLICIES, get_policy
 from lmforge.precision.policy import autocast, prepare_model
 from lmforge.wrap.chunked_loss import ChunkedHeadLoss, _ChunkedCrossEntropy, apply_chunked_loss
 from lmforge.wrap.recompute import apply_recompute

@@ -1,6 +1,5 @@
 """Each composition refusal is written once (lmforge/config/rules.py): the launch check, config
-validation and the generated page (docs/composition.md) give the same line for the same cells.
-(`lmforge plan` asks the same `refusal`.)"""
+validation and the generated page (docs/composition.md) give the same line for the same cells."""
 
 import re
 import sys
@@ -10,8 +9,8 @@ import pytest
 
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config, validate
-from lmforge.config.rules import PIPELINE_REFUSED, check_composition, refusal
-from lmforge.modes.parallel import PARALLEL_STRATEGIES, STAGE_REPLICAS
+from lmforge.config.rules import PIPELINE_REFUSED, check_composition
+from lmforge.modes import PARALLEL_STRATEGIES, STAGE_REPLICAS
 from lmforge.parallel.world import check_launch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -33,6 +32,15 @@ def page_line(layout: str, precision: str, kind: str) -> str | None:
             mark = cells[columns.index(f"{precision} {SHORT_KINDS[kind]}")]
             return lines[mark.split()[1]] if mark.startswith("✗") else None
     raise AssertionError(f"no row {layout}")
+
+
+def refusal(cfg, world: int | None) -> str | None:
+    """The line check_composition stops with, or None when everything combines."""
+    try:
+        check_composition(cfg, world)
+    except LmforgeError as err:
+        return str(err)
+    return None
 
 
 def launch_line(cfg, ranks: int) -> str | None:

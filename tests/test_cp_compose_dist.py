@@ -46,7 +46,7 @@ from test_pipeline import run_worker  # noqa: E402
 from lmforge.accounting.cp import context_parallel_bytes  # noqa: E402
 from lmforge.accounting.memory import lora_parameters, model_state_bytes  # noqa: E402
 from lmforge.config import make_config  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

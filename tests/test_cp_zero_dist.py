@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_pipeline import run_worker  # noqa: E402
 
 from lmforge.cli import main  # noqa: E402
-from lmforge.modes.parallel import get_strategy  # noqa: E402
+from lmforge.modes import get_strategy  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

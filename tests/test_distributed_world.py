@@ -15,7 +15,7 @@ from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.common.errors import LmforgeError
-from lmforge.modes.parallel import PARALLEL_STRATEGIES, PIPELINE_ENGINES
+from lmforge.modes import PARALLEL_STRATEGIES, PIPELINE_ENGINES
 from lmforge.parallel.parallelize import DATA_PARALLEL_ENGINES, PIPELINE_STAGE_ENGINES
 from lmforge.parallel.world import check_launch
 from lmforge.parallel.world import env_world

@@ -25,9 +25,7 @@ from lmforge.cli import build_parser, parse_args
 from lmforge.common.errors import LmforgeError
 from lmforge.config import DEFAULT_PRESET, make_config, parse_override, resume_may_change
 from lmforge.config.validate import config_warnings
-from lmforge.modes.attention import BACKENDS
-from lmforge.modes.precision import ALIASES, POLICIES
-from lmforge.modes.recompute import RECOMPUTE_MODES
+from lmforge.modes import BACKENDS, POLICIES, PRECISION_ALIASES, RECOMPUTE_MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -120,7 +118,7 @@ def check_plan(args) -> None:
     if args.pp is not None:  # lmforge/cli/plan_options.py: --pp is an alias of parallel.pp
         overrides.append(f"parallel.pp={max(int(value) for value in args.pp.split(','))}")
     make_config(args.model or DEFAULT_PRESET, config_file(args), overrides)
-    for option, names in (("precision", [*POLICIES, *ALIASES]), ("recompute", RECOMPUTE_MODES),
+    for option, names in (("precision", [*POLICIES, *PRECISION_ALIASES]), ("recompute", RECOMPUTE_MODES),
                           ("attention", BACKENDS)):
         for value in (getattr(args, option) or "").split(","):
             assert not value or value.strip() in names, f"--{option} {value}: not one of {', '.join(names)}"

@@ -76,7 +76,7 @@ def test_an_evaluation_a_sigterm_cut_short_during_training_is_done_on_resuming(t
 
 
 def test_the_sample_on_the_terminal_has_its_control_characters_escaped():
-    from lmforge.common.formatting import for_terminal
+    from lmforge.common.errors import for_terminal
 
     # ESC [2J clears the screen, NUL and BEL are invisible or ring: shown as escapes; newline and tab kept
     assert for_terminal("a\x1b[2Jb\x00c\x07\nd\te") == "a\\x1b[2Jb\\x00c\\x07\nd\te"

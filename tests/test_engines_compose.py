@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_worker import make_engine, variant_config  # noqa: E402
 from lmforge.accounting.comm import step_communication  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from test_parallel_engines import ACCUM, assert_same_training, run_worker, single_process, state_equal  # noqa: E402
 
 pytestmark = pytest.mark.dist

@@ -158,7 +158,7 @@ def test_a_changed_model_is_counted_without_touching_the_accounting(monkeypatch)
 def test_lora_training_flops_match_flop_counter(overrides, targets):
     """Issue 26, part 3: a frozen linear layer computes no weight gradient, an adapter adds its own
     matmuls, and autograd skips the gradients nothing trainable needs; counted exactly."""
-    from lmforge.modes.precision import get_policy
+    from lmforge.modes import get_policy
     from lmforge.train.setup import build_model
 
     cfg = make_config("tiny", overrides=[*overrides, "model.attention=naive", "finetune.lora_rank=4",

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from lmforge.cli.launch import retain_freed_memory
+from lmforge.cli.training import retain_freed_memory
 
 # A training step's pattern of host allocations (float32 elements per block, argv[2]), all touched,
 # then all freed, round after round. Prints minor page faults per round and the number of 4 KiB
@@ -17,7 +17,7 @@ import numpy as np
 PR_SET_THP_DISABLE = 41
 assert ctypes.CDLL(None).prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) == 0
 if sys.argv[1] == "retain":
-    from lmforge.cli.launch import retain_freed_memory
+    from lmforge.cli.training import retain_freed_memory
     assert retain_freed_memory()
 sizes = json.loads(sys.argv[2])
 def one_round():

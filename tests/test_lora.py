@@ -22,7 +22,7 @@ from lmforge.runs.checkpoint.read import read_tensors
 from lmforge.runs.checkpoint.tensors import stored_tensors
 from lmforge.runs.load import load_run_model
 from lmforge.train.loop import Trainer
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.train.setup import build_model
 from tests.conftest import tiny_overrides
 

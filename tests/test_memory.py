@@ -11,7 +11,7 @@ from lmforge.config import make_config
 from lmforge.generate.sampling import KVCache
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.modes.precision import POLICIES, get_policy
+from lmforge.modes import POLICIES, get_policy
 from lmforge.precision.policy import autocast, prepare_model
 from lmforge.wrap.recompute import apply_recompute
 

@@ -19,7 +19,7 @@ from lmforge.accounting.plan.make import make_plan
 from tests.plan_configs import config_of
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.precision.policy import autocast
 from lmforge.train.setup import build_engine
 

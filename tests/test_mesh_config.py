@@ -1,4 +1,5 @@
-"""The `parallel` section's degrees (config/degrees.py): pp x dp_replicate x dp_shard x cp x tp,
+"""The `parallel` section's degrees (config/schema.py's Degrees, config/validate.py's resolve_degrees):
+pp x dp_replicate x dp_shard x cp x tp,
 parallel.pp the pipeline's stages (train.pipeline_stages its older name), dp_* resolved into
 train.parallel, the product checked against the world by
 the one launch check, each refusal one line before anything is written; and `lmforge plan
@@ -16,7 +17,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.config.load import config_from_dict, load_config
 from lmforge.config.schema import config_to_dict
-from lmforge.config.degrees import Degrees, mesh_degrees
+from lmforge.config.schema import Degrees, mesh_degrees
 from lmforge.parallel.world import check_launch
 
 

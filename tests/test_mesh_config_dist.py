@@ -1,6 +1,6 @@
 """The `parallel` section's degrees under real launches (gloo, 4 processes, the tiny model, real
 prepared data): the issue's command, `lmforge train --nproc 4 --model tiny parallel.tp=2
-parallel.dp_shard=2 ...` (tp 2 x FSDP2 over dp_shard 2: config/degrees.py turns train.parallel=none
+parallel.dp_shard=2 ...` (tp 2 x FSDP2 over dp_shard 2: config/validate.py (resolve_degrees) turns train.parallel=none
 into fsdp), trains, checkpoints, and resumes to step 6 as one process trains 6 steps on the same
 global batch; and hybrid sharding (parallel.dp_replicate=2 parallel.dp_shard=2: FSDP2 over a 2-D
 (dp_replicate, dp_shard) mesh, parallel/mesh.py) trains 3 steps as one process, each rank holding

@@ -181,7 +181,7 @@ def test_tensor_parallelism_takes_muon_under_none_and_ddp_and_refuses_adafactor(
 def lora_run(name: str, steps: int = 4):
     """The tiny model with LoRA adapters (rank 4), `steps` steps of optim.name=`name` on real
     gradients: (the model, its optimizer, its config, its policy)."""
-    from lmforge.modes.precision import get_policy
+    from lmforge.modes import get_policy
     from lmforge.train.setup import build_model, build_optimizer
 
     cfg = make_config("tiny", overrides=[f"optim.name={name}", "finetune.lora_rank=4"])
@@ -261,7 +261,7 @@ def test_the_plan_counts_muons_zero_gather_where_the_engine_runs_it():
     dtype, once a step, under ZeRO only (DDP keeps whole matrices; LoRA's adapters are AdamW's).
     Measured equal to the engine's count in tests/test_optimizers_dist.py."""
     from lmforge.accounting.comm import step_communication, unit_sizes
-    from lmforge.modes.precision import get_policy
+    from lmforge.modes import get_policy
 
     cfg = make_config("tiny").model
     blocks = sum(-(-n // 3) * 3 for unit, n in unit_sizes(cfg).items() if unit.startswith("blocks."))

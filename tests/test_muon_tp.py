@@ -5,7 +5,7 @@ measures it equal on real ranks."""
 from lmforge.accounting.comm import tensor_parallel_communication
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
-from lmforge.modes.precision import POLICIES
+from lmforge.modes import POLICIES
 
 
 def test_muon_gathers_each_split_block_matrix_once_a_step():

@@ -31,7 +31,7 @@ from lmforge.accounting.comm import tensor_parallel_communication  # noqa: E402
 from lmforge.accounting.memory import model_state_bytes  # noqa: E402
 from lmforge.config import make_config  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

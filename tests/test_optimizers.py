@@ -19,8 +19,7 @@ from lmforge.accounting.measure import model_state_bytes_measured
 from lmforge.accounting.optimizers import OPTIMIZERS, optimizer_state_bytes
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
-from lmforge.modes.optimizers import OPTIMIZER_MODES, TRAINED_OPTIMIZERS
-from lmforge.modes.precision import get_policy
+from lmforge.modes import OPTIMIZER_MODES, TRAINED_OPTIMIZERS, get_policy
 from lmforge.optim.adagrad import Adagrad
 from lmforge.optim.adam import Adam
 from lmforge.optim.build import BUILDERS

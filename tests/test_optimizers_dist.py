@@ -48,7 +48,7 @@ from pipeline_worker import config as pipeline_config  # noqa: E402
 
 from lmforge.accounting.comm import step_communication  # noqa: E402
 from lmforge.accounting.plan.make import Costing, make_plan  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
 pytestmark = pytest.mark.dist

@@ -29,8 +29,7 @@ from parallel_worker import ROWS, config, make_engine, train, variant_config  # 
 
 from lmforge.accounting.comm import step_collectives, step_communication  # noqa: E402
 from lmforge.accounting.memory import model_state_bytes  # noqa: E402
-from lmforge.modes.parallel import get_strategy  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy, get_strategy
 
 pytestmark = pytest.mark.dist
 

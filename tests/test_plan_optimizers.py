@@ -11,7 +11,7 @@ from lmforge.accounting.optimizers import optimizer_state_bytes
 from lmforge.accounting.shapes import model_shapes
 from lmforge.cli import main
 from lmforge.config import make_config
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.model.transformer import Transformer
 
 

@@ -7,7 +7,7 @@ import pytest
 from lmforge.accounting.activations import activation_breakdown, korthikanti_activation_bytes
 from lmforge.cli import main
 from lmforge.config import make_config
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 
 # GPT-3 175B as the paper plans it (section 6: s=2048, h=12288, a=96, L=96, t=8), b=1
 S, B, H, A, L, T = 2048, 1, 12288, 96, 96, 8

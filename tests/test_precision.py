@@ -9,7 +9,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.precision.policy import LossScaler, device_notes, prepare_model
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.precision.fp8 import (E4M3, E5M2, AmaxHistory, Fp8Linear, dequantize, fp8_matmul, fp8_max,
                                    quantize, scale_for)
 from lmforge.runs.checkpoint.find import find_checkpoint, list_checkpoints

@@ -17,9 +17,8 @@ from lmforge.cli import main
 from lmforge.config import FAMILIES
 from lmforge.common.errors import LmforgeError
 from lmforge.model import transformer
-from lmforge.modes.parallel import (DATA_PARALLEL, PARALLEL_STRATEGIES, PARAMETER_SHARDING, PIPELINE_SCHEDULES,
-                                    REPLICATING, SHARDING, STAGE_REPLICAS)
-from lmforge.modes.precision import ALIASES, POLICIES, get_policy
+from lmforge.modes import (DATA_PARALLEL, PARALLEL_STRATEGIES, PARAMETER_SHARDING, PIPELINE_SCHEDULES, POLICIES,
+                           PRECISION_ALIASES, REPLICATING, SHARDING, STAGE_REPLICAS, get_policy)
 
 
 def test_config_imports_no_torch():
@@ -45,7 +44,7 @@ def test_each_policy_says_its_dtypes_and_bytes_consistently(name):
 
 
 def test_aliases_resolve_and_unknown_names_are_one_line(capsys):
-    for alias, full in ALIASES.items():
+    for alias, full in PRECISION_ALIASES.items():
         assert get_policy(alias) is POLICIES[full]
     with pytest.raises(LmforgeError) as caught:
         get_policy("fp4")
@@ -128,7 +127,7 @@ def test_plan_hardware_help_names_every_accelerator_of_the_table():
     """`lmforge plan --hardware`'s help lists the datasheet table's names (accounting/hardware.py's
     ACCELERATORS; the parser imports no torch, so it spells them out): the two must say the same."""
     from lmforge.accounting.hardware import ACCELERATORS
-    from lmforge.cli.parser import build_parser
+    from lmforge.cli import build_parser
 
     plan = build_parser(["plan"]).subcommands["plan"]
     help_text = next(action.help for action in plan._actions if "--hardware" in action.option_strings)

@@ -10,7 +10,7 @@ from lmforge.accounting.plan.make import Costing
 from lmforge.accounting.roofline import Roof
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from test_roofline import datasheet_plan  # bare: roofline_dist_worker.py imports this module from tests/
 
 # seconds per call and bytes/s of each operator, all different: a term priced at another's shows

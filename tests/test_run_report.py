@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from lmforge.common.formatting import human_bytes, human_count
+from lmforge.common.errors import human_bytes, human_count
 from lmforge.runs.metrics import read_metrics
 from tests.conftest import tiny_overrides
 

@@ -10,11 +10,9 @@ from lmforge.config import make_config
 from lmforge.model.attention import AttentionCore
 from lmforge.model.transformer import Block, Transformer, cross_entropy_loss
 from lmforge.precision.fp8 import Fp8Linear
-from lmforge.modes.precision import get_policy
+from lmforge.modes import POLICIES, RECOMPUTE_MODES, get_policy
 from lmforge.precision.policy import prepare_model
-from lmforge.modes.precision import POLICIES
 from lmforge.precision.policy import Fp32Attention
-from lmforge.modes.recompute import RECOMPUTE_MODES
 from lmforge.model.names import canonical_name
 from lmforge.wrap.recompute import Recompute, apply_recompute
 from lmforge.train.setup import build, build_model

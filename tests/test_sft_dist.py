@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lmforge.config import make_config
 from lmforge.data.sft import ExampleSet, example_batch, pad_examples
 from lmforge.model.transformer import IGNORE_INDEX
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.precision.policy import LossScaler
 from lmforge.train.setup import build_engine
 

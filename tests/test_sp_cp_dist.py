@@ -45,8 +45,7 @@ from tp_worker import tp_config  # noqa: E402
 
 from lmforge.accounting.memory import model_state_bytes  # noqa: E402
 from lmforge.accounting.plan.make import Costing, make_plan  # noqa: E402
-from lmforge.modes.parallel import get_strategy  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy, get_strategy
 
 pytestmark = pytest.mark.dist
 

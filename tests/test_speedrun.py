@@ -12,7 +12,7 @@ import pytest
 
 from lmforge.config import make_config
 from lmforge.config.schema import SECTIONS, Config
-from lmforge.modes.optimizers import OPTIMIZER_MODES
+from lmforge.modes import OPTIMIZER_MODES
 from tests.conftest import tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.runs.checkpoint.find import find_checkpoint
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.train.evaluate import evaluate
 from lmforge.train.loop import Trainer
 from tests.conftest import tiny_overrides

@@ -25,7 +25,7 @@ from tp_worker import tp_config  # noqa: E402
 from lmforge.accounting.comm import step_communication, tensor_parallel_communication  # noqa: E402
 from lmforge.accounting.memory import model_state_bytes  # noqa: E402
 from lmforge.accounting.activations import activation_breakdown
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

@@ -69,8 +69,7 @@ from tp_cells_worker import STEPS, cell_config  # noqa: E402
 
 from lmforge.accounting.memory import lora_parameters, model_state_bytes  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
-from lmforge.modes.parallel import get_strategy  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy, get_strategy
 from composition_matrix import COVERAGE, LAYOUTS, TPCELLS, cell_overrides  # noqa: E402
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place  # noqa: E402
 

@@ -32,7 +32,7 @@ from tp_compose_worker import STEPS, trainable_grads  # noqa: E402
 from tp_worker import ACCUM  # noqa: E402
 
 from lmforge.config import make_config  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
 pytestmark = pytest.mark.dist

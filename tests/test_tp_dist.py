@@ -29,7 +29,7 @@ from tp_worker import ACCUM, STEPS  # noqa: E402
 
 from lmforge.accounting.memory import model_state_bytes  # noqa: E402
 from lmforge.config import make_config  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
 pytestmark = pytest.mark.dist

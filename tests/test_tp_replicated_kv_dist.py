@@ -27,7 +27,7 @@ from test_tp_compose_dist import one_process as one_process_cell  # noqa: E402
 from test_tp_dist import assert_same_training, one_process, run_worker  # noqa: E402
 
 from lmforge.config import make_config  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
 pytestmark = pytest.mark.dist

@@ -26,8 +26,7 @@ from tp_worker import tp_config  # noqa: E402
 from lmforge.accounting.comm import step_communication, tensor_parallel_communication  # noqa: E402
 from lmforge.accounting.memory import model_state_bytes, sharded_layout  # noqa: E402
 from lmforge.accounting.activations import activation_breakdown
-from lmforge.modes.parallel import get_strategy  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy, get_strategy
 
 pytestmark = pytest.mark.dist
 

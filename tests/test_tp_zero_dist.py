@@ -40,8 +40,7 @@ from tp_worker import tp_config  # noqa: E402
 from lmforge.accounting.comm import step_communication  # noqa: E402
 from lmforge.accounting.memory import lora_parameters, model_state_bytes  # noqa: E402
 from lmforge.cli import main  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
-from lmforge.modes.parallel import get_strategy  # noqa: E402
+from lmforge.modes import get_policy, get_strategy
 
 pytestmark = pytest.mark.dist
 

@@ -10,7 +10,7 @@ import pytest
 from lmforge.cli import main
 from lmforge.data.prepare import prepare_data
 from lmforge.config import make_config
-from lmforge.modes.optimizers import TRAINED_OPTIMIZERS
+from lmforge.modes import TRAINED_OPTIMIZERS
 from tests.conftest import tiny_overrides
 
 

@@ -18,7 +18,7 @@ from gather_runs import gather_runs  # noqa: E402
 from tp_worker import tp_config  # noqa: E402
 
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.precision.policy import LossScaler, autocast  # noqa: E402
 from lmforge.train.loop import train_step  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402

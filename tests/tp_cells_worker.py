@@ -23,7 +23,7 @@ from parallel_worker import ROWS, global_batches, make_engine, train  # noqa: E4
 from pipeline_compose_worker import train_and_measure  # noqa: E402
 
 from lmforge.config import make_config  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.precision.policy import LossScaler  # noqa: E402
 from lmforge.train.loop import train_step  # noqa: E402
 

@@ -17,7 +17,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from parallel_worker import train  # noqa: E402
 from tp_worker import STEPS, tp_config  # noqa: E402
 
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.parallel.tp import shard_copies, sharded_dim  # noqa: E402
 from lmforge.parallel.tp_engine import gather_full  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402

@@ -23,7 +23,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from parallel_worker import ROWS, global_batches  # noqa: E402
 from tp_worker import STEPS, tp_config  # noqa: E402
 
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.parallel.fsdp import local  # noqa: E402
 from lmforge.parallel.tp import sharded_dim  # noqa: E402
 from lmforge.precision.policy import LossScaler, fp8_scale_state  # noqa: E402

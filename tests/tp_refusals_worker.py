@@ -25,7 +25,7 @@ from tp_worker import tp_config  # noqa: E402
 
 from lmforge.config import make_config  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402
 
 DRAWS, FIT_STEPS, ROWS = 32, 40, 4  # the mean cell: dropout draws, steps fitting the batch, its rows

@@ -22,7 +22,7 @@ from parallel_worker import ROWS, SEQ, global_batches, train  # noqa: E402
 
 from lmforge.config import make_config  # noqa: E402
 from lmforge.model.transformer import IGNORE_INDEX, Transformer  # noqa: E402
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.parallel.comm import Collectives  # noqa: E402
 from lmforge.parallel.mesh import build_groups  # noqa: E402
 from lmforge.parallel.tp import shard_copies, sharded_dim  # noqa: E402

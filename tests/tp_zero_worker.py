@@ -20,7 +20,7 @@ from gather_runs import gather_runs  # noqa: E402
 from parallel_worker import ROWS, global_batches, train  # noqa: E402
 from tp_worker import tp_config  # noqa: E402
 
-from lmforge.modes.precision import get_policy  # noqa: E402
+from lmforge.modes import get_policy  # noqa: E402
 from lmforge.precision.policy import LossScaler  # noqa: E402
 from lmforge.train.loop import train_step  # noqa: E402
 from lmforge.train.setup import build_engine  # noqa: E402

@@ -4,7 +4,7 @@ Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 4) count s*b*h*(34 + 5*a*s/h) bytes per layer for GPT-3 in 16-bit with dropout;
 `korthikanti_activation_bytes` is that count with its variants. `activation_breakdown` counts,
 tensor by tensor, what lmforge's model saves, in the dtypes each precision policy gives those
-tensors (the bytes per element: modes/precision.py): first each model family's own modules
+tensors (the bytes per element: modes/): first each model family's own modules
 (`FAMILY_ACTIVATIONS`), then the terms every family shares (linear-layer inputs, the attention
 core, weight casts, head and loss). tests/test_memory.py checks it to the byte against the bytes
 autograd really saves (accounting/measure.py).
@@ -21,9 +21,7 @@ from dataclasses import dataclass
 from lmforge.accounting.shapes import model_shapes, tensor_rank_model
 from lmforge.common.errors import lookup
 from lmforge.config import ModelConfig
-from lmforge.modes.attention import BACKENDS
-from lmforge.modes.precision import POLICIES, Policy
-from lmforge.modes.recompute import get_recompute
+from lmforge.modes import BACKENDS, POLICIES, Policy, get_recompute
 
 
 @dataclass(frozen=True)

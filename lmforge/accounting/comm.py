@@ -32,10 +32,8 @@ import torch.nn as nn
 from lmforge.accounting.shapes import model_shapes, tensor_parallel_dim, tensor_parallel_slices
 from lmforge.config import ModelConfig
 from lmforge.model.transformer import meta_model
-from lmforge.modes.parallel import get_strategy, shard_unit
-from lmforge.modes.precision import POLICIES, Policy
+from lmforge.modes import POLICIES, Policy, get_recompute, get_strategy, shard_unit
 from lmforge.optim.muon import is_hidden_matrix
-from lmforge.modes.recompute import get_recompute
 
 
 def unit_sizes(cfg: ModelConfig, lora: tuple[int, str] | None = None,

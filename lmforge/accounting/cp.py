@@ -24,8 +24,7 @@ import math
 
 from lmforge.accounting.activations import activation_breakdown
 from lmforge.config import ModelConfig
-from lmforge.modes.precision import POLICIES, Policy
-from lmforge.modes.recompute import get_recompute
+from lmforge.modes import POLICIES, Policy, get_recompute
 
 ACCUMULATOR_BYTES = 4  # dK/dV accumulate in fp32 whatever the activations' dtype
 

@@ -25,8 +25,7 @@ counted: it is not matmul work and is small beside it.
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.common.errors import lookup
-from lmforge.modes.attention import BACKENDS
-from lmforge.modes.recompute import get_recompute
+from lmforge.modes import BACKENDS, get_recompute
 
 
 def forward_flops_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = False) -> dict[str, float]:

@@ -16,7 +16,7 @@ from lmforge.accounting.optimizers import OPTIMIZERS, optimizer_state_bytes
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.common.errors import lookup
-from lmforge.modes.precision import POLICIES, Policy
+from lmforge.modes import POLICIES, Policy
 
 
 def parameter_count(cfg: ModelConfig) -> int:

@@ -4,7 +4,7 @@ EleutherAI's "Transformer Math 101" (Anthony, Biderman and Schoelkopf 2023, "Opt
 counts, per parameter in mixed precision, an fp32 copy of the weights (4 bytes) plus the states:
 AdamW 4 + 8 = 12 bytes (momentum and variance, fp32), 8-bit AdamW 4 + 2 = 6 (bitsandbytes),
 SGD with momentum 4 + 4 = 8. lmforge's mixed-precision policies keep fp32 parameters that are
-their own master copy (modes/precision.py), so the states alone are counted here and the copy
+their own master copy (modes/), so the states alone are counted here and the copy
 is the policy's parameter bytes. The others:
 
 - Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", algorithm 2) keeps only
@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.common.errors import lookup
-from lmforge.modes.optimizers import OPTIMIZER_MODES
-from lmforge.modes.precision import POLICIES, Policy
+from lmforge.modes import OPTIMIZER_MODES, POLICIES, Policy
 
 QUANTIZATION_BLOCK = 2048  # values per fp32 absmax in 8-bit states (Dettmers et al. 2022)
 MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 states (bitsandbytes' default)
@@ -55,7 +54,7 @@ _STATES: dict[str, Optimizer] = {
     # Muon's momentum for the blocks' matrices, AdamW's two moments for the rest (optim/muon.py)
     "muon": Optimizer(states=2, hidden_matrix_states=1),
 }
-# keyed by modes/optimizers.py's names, in its order: a name added there without its states here
+# keyed by modes/'s names, in its order: a name added there without its states here
 # fails at import, not in the middle of a plan
 OPTIMIZERS: dict[str, Optimizer] = {name: _STATES[name] for name in OPTIMIZER_MODES}
 

@@ -49,8 +49,7 @@ from lmforge.accounting.flops import forward_flops_breakdown
 from lmforge.accounting.shapes import tensor_rank_shape
 from lmforge.config import ModelConfig
 from lmforge.model.transformer import meta_model
-from lmforge.modes.parallel import parse_split
-from lmforge.modes.precision import Policy
+from lmforge.modes import Policy, parse_split
 from lmforge.optim.muon import is_hidden_matrix
 
 

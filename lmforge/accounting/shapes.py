@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from lmforge.config import ModelConfig
-from lmforge.modes.parallel import shard_unit
+from lmforge.modes import shard_unit
 
 # The FLOP component of each linear layer, by its name inside a block ("lm_head" outside them).
 # A linear layer not named here is refused: a new layer must be given its component on purpose.

@@ -1,8 +1,9 @@
-"""The `lmforge` command. parser.py builds the parser (one function per subcommand; plan's options
-in plan_parser.py, the shared ones in arguments.py) and reads the command line; commands.py runs
-each subcommand; run_config.py assembles a training's config; launch.py starts `train --nproc N`."""
+"""The `lmforge` command. commands.py holds every subcommand's table entry, builds the parser and runs
+each subcommand (`main`); arguments.py reads the command line (the shared arguments, training's
+options, `parse_args`); options.py, plan_parser.py and scaling.py add the other subcommands'
+options; training.py runs train and finetune in this process, launch.py starts `train --nproc N`."""
 
-from lmforge.cli.commands import main
-from lmforge.cli.parser import build_parser, parse_args
+from lmforge.cli.arguments import parse_args
+from lmforge.cli.commands import build_parser, main
 
 __all__ = ["build_parser", "main", "parse_args"]

@@ -1,15 +1,37 @@
-"""Arguments several subcommands share: the config and its overrides, the run folder (RUN), a
-training's outputs; the parser class, which reports a mistake in one line; and `number`, the type
-of every numeric option, which checks it (finite, in range) as it is read."""
+"""Reading the `lmforge` command line: the arguments several subcommands share (the config and its
+overrides, the run folder RUN, a training's outputs), the options of the training subcommands (prepare,
+train, finetune), and `parse_args`. The parser reports a mistake in one line; `number`, the type of
+every numeric option, checks it (finite, in range) as it is read.
+
+Every subcommand that takes a config accepts `--config FILE.yaml`, `--model PRESET` and
+`section.key=value` overrides, in any order. Every subcommand that reads a run takes it as its
+first positional argument, RUN (the older flags, `--run` and `finetune --base`, still work).
+Building the parser imports no torch, so that `lmforge --help` answers at once.
+"""
 
 import argparse
 import math
 from pathlib import Path
 
-from lmforge.config import DEFAULT_PRESET, MODEL_PRESETS
+from lmforge.config import DEFAULT_PRESET, MODEL_PRESETS, _did_you_mean
 
 RAW = argparse.RawDescriptionHelpFormatter
 INT64_MAX = 2**63 - 1  # torch's and numpy's integers: a larger count or seed overflows in them
+
+
+EXAMPLES = """\
+examples:
+  lmforge train                                      # default model on the embedded corpus, ~10 min on CPU
+  lmforge train --model tiny train.max_steps=50      # presets: {presets}
+  lmforge train --config my.yaml model.n_layers=8 train.max_steps=2000
+  lmforge train --resume runs/<name>                 # continue where the run stopped
+  lmforge generate runs/<name> --prompt "def fib(" --max-new-tokens 100
+  lmforge chat runs/<name>                           # a conversation on the model's chat template
+  lmforge plan --model llama3-8b --batch-size 1 --seq-len 8192 --precision bf16-mixed --hardware h100-sxm
+  lmforge runs                                       # the runs in runs/ side by side
+  lmforge export runs/<name> --format hf             # a Hugging Face folder (transformers loads it)
+  lmforge import-hf path/to/hf-model --out runs/x    # a Hugging Face Llama or GPT-2 as a run folder
+""".format(presets=", ".join(MODEL_PRESETS))
 
 
 class Parser(argparse.ArgumentParser):
@@ -112,3 +134,72 @@ def one_folder(subcommand: argparse.ArgumentParser, args: argparse.Namespace) ->
     if name is not None and out is not None and Path(out) != Path("runs") / name:
         subcommand.exit(2, f"{subcommand.prog}: error: --name {name} (runs/{name}) and --out {out} name "
                            f"different run folders: give one of them\n")
+
+
+def add_prepare(prepare) -> None:
+    prepare.description = ("Gather the corpus, split it by document, train a byte-level BPE tokenizer and write "
+                           "token files to data.dir.")
+    add_config_args(prepare)
+
+
+def add_train(train) -> None:
+    describe(train, "Train a model; writes checkpoints, metrics.jsonl, loss.png, summary.json and sample.txt "
+        "into the run folder.", EXAMPLES)
+    add_config_args(train)
+    add_training_outputs(train, "continue the run in folder RUN from its latest checkpoint; "
+                                "only train.* and optim.* may be overridden")
+    train.add_argument("--nproc", type=COUNT, metavar="N",
+                       help="start N processes on this machine through torchrun's launcher (with train.parallel=ddp, "
+                            "zero1, zero2, zero3 or fsdp); the same as torchrun --standalone --nproc_per_node=N "
+                            "-m lmforge train ...")
+
+
+def add_finetune(finetune) -> None:
+    describe(
+        finetune, "Fine-tune the model of run folder RUN on data.source: plain text, or .jsonl examples "
+        "{\"prompt\", \"response\"} / {\"messages\": [...]} with the loss on the responses only. "
+        "With --lora-rank only low-rank adapters train and checkpoints hold only them; without, "
+        "every weight trains. Same trainer, checkpoints, resume, summary and plan as train. "
+        "RUN is the first word without '='; the words with one are overrides.",
+        "examples:\n"
+        "  lmforge finetune runs/small data.source=pairs.jsonl --lora-rank 16 --lora-alpha 32\n"
+        "  lmforge finetune runs/small data.source=pairs.jsonl train.seq_len=128   # full fine-tuning\n"
+        "  lmforge finetune --resume runs/<name>\n"
+        "  lmforge generate runs/<name> --prompt '...'   # base + adapter (--merge: folded in)")
+    add_run(finetune, "the model to fine-tune: an lmforge run folder (or a Hugging Face folder)",
+            dest="base", flag="--base", required=False)  # --resume names no base
+    finetune.add_argument("--lora-rank", type=number(int),
+                          help="train LoRA adapters of this rank (default: full fine-tuning)")
+    finetune.add_argument("--lora-alpha", type=number(float), help="LoRA scale alpha: the update is alpha/rank * B A "
+                                                           "(default 2 * rank)")
+    finetune.add_argument("--lora-targets", help="linear layers to adapt, comma-separated name patterns "
+                                                 "(default q_proj,k_proj,v_proj,o_proj; e.g. 'attn.*,mlp.*')")
+    finetune.add_argument("--lora-dropout", type=number(float), help="dropout on the adapters' input (default 0)")
+    finetune.add_argument("--adapter", metavar="DIR", help="continue training the PEFT LoRA adapter in folder DIR "
+                                                           "(its rank, alpha and targets)")
+    finetune.add_argument("--config", metavar="FILE", help="YAML file with data/optim/train/finetune sections")
+    add_overrides(finetune, "data.source=pairs.jsonl train.max_steps=300 optim.lr=1e-3")
+    add_training_outputs(finetune, "continue the fine-tuning run in folder RUN")
+    finetune.add_argument("--nproc", type=COUNT, metavar="N",
+                          help="start N processes on this machine through torchrun's launcher, as train --nproc")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse options and `section.key=value` overrides given in any order.
+
+    argparse fills a nargs="*" positional from one run of bare words only, so in
+    `train a.b=1 --model tiny c.d=2` it hands `c.d=2` back as unknown; those words join the overrides
+    here, in the order typed (a later override wins). An unknown --option is still an error."""
+    args, extras = parser.parse_known_args(argv)
+    subcommand = parser.subcommands.get(args.command, parser)
+    unknown = [word for word in extras if word.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        options = [option for action in subcommand._actions for option in action.option_strings]
+        hint = _did_you_mean(unknown[0], options) if unknown[0].startswith("-") else ""
+        subcommand.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if extras:
+        args.overrides = [*args.overrides, *extras]
+    if hasattr(subcommand, "run_arg"):
+        one_run(subcommand, args)
+    one_folder(subcommand, args)
+    return args

@@ -1,22 +1,26 @@
 """The `lmforge` subcommands, one cmd_* each: glue from the parsed command line to the packages
-that do the work, and `main`. User errors print one line and exit with status 2, as do a failed
+that do the work (train and finetune: training.py), the table of every subcommand, its parser and
+`main`. User errors print one line and exit with status 2, as do a failed
 write (OSError) and memory that cannot be allocated; numeric options were checked as they were
 read (arguments.number), a config by config/validate.py."""
 
+import argparse
 import os
 import signal
 import sys
 from pathlib import Path
 
-from lmforge.cli.launch import launch_train, quiet_rank, resume_command, retain_freed_memory
-from lmforge.cli.parser import build_parser, parse_args
+from lmforge.cli.arguments import EXAMPLES, RAW, Parser, add_finetune, add_prepare, add_train, parse_args
 from lmforge.cli.eval_command import cmd_eval
+from lmforge.cli.launch import quiet_rank
+from lmforge.cli.options import (add_chat, add_eval, add_eval_format, add_export, add_generate, add_import_hf,
+                                 add_report, add_runs, add_tasks)
 from lmforge.cli.plan_command import cmd_plan
-from lmforge.cli.report_command import cmd_report
-from lmforge.cli.run_config import finetune_config, resumed_config, resumed_finetune_config, train_config
-from lmforge.cli.scaling import cmd_scaling
+from lmforge.cli.plan_parser import add_plan
+from lmforge.cli.scaling import add_scaling, cmd_scaling
+from lmforge.cli.training import cmd_finetune, cmd_train
 from lmforge.common.errors import LmforgeError, memory_error_message, os_error_message, warn
-from lmforge.common.last_word import say_error, say_last
+from lmforge.common.last_word import say_error
 from lmforge.config import DEFAULT_PRESET, make_config
 
 
@@ -29,55 +33,6 @@ def cmd_prepare(args) -> int:
     splits = meta["splits"]
     print(f"{data.dir}: tokenizer.json ({meta['tokenizer_vocab_size']} tokens), "
           f"train.bin ({splits['train']['tokens']:,} tokens), val.bin ({splits['val']['tokens']:,} tokens)")
-    return 0
-
-
-def cmd_train(args) -> int:
-    cfg, run_dir = resumed_config(args) if args.resume else train_config(args)
-    if args.nproc is not None:
-        return launch_train(args, cfg, run_dir)
-    return _run_trainer(cfg, run_dir, args, "train")
-
-
-def cmd_finetune(args) -> int:
-    from lmforge.accounting.hardware import this_device
-    from lmforge.train.finetune import check_step_fits
-
-    cfg, run_dir = resumed_finetune_config(args) if args.resume else finetune_config(args)
-    check_step_fits(cfg, this_device)  # before the base or the data is read: a step that cannot fit stops here
-    if args.nproc is not None:
-        return launch_train(args, cfg, run_dir)
-    return _run_trainer(cfg, run_dir, args, "finetune")
-
-
-def _run_trainer(cfg, run_dir: Path, args, command: str) -> int:
-    from lmforge.accounting.hardware import this_device
-    from lmforge.parallel.world import resolve_device
-    from lmforge.runs.checkpoint.find import list_checkpoints
-    from lmforge.train.loop import Trainer
-    from lmforge.train.signals import Stopped
-
-    if resolve_device(cfg.train.device).type == "cpu":
-        retain_freed_memory()  # process-wide malloc tuning, chosen here (cli/launch.py says why)
-    # the measured matmul peak behind MFU, cached per machine (lmforge plan --hardware this --remeasure)
-    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, machine=this_device)
-    resume = resume_command(command, run_dir)  # as this run was launched (one process, --nproc, torchrun)
-    try:
-        trainer.run()
-    except Stopped as stop:  # SIGTERM or a first Ctrl-C: the step finished and was saved (by all ranks)
-        if trainer.world.is_main:
-            print(file=sys.stderr)  # the progress bar's line ends; under torchrun the line comes after its traceback
-            say_last(f"lmforge: {stop}; saved {stop.checkpoint}; continue with: {resume}")
-        return stop.exit_status
-    except KeyboardInterrupt:  # a second Ctrl-C: no save
-        if trainer.world.is_main:
-            print(file=sys.stderr)
-            say_last(f"lmforge: interrupted at step {trainer.step}; continue from the last checkpoint with: {resume}")
-        return 130
-    except OSError as err:
-        if not list_checkpoints(run_dir):
-            raise
-        raise LmforgeError(f"{os_error_message(err)}; then continue from the last checkpoint with: {resume}") from None
     return 0
 
 
@@ -219,10 +174,48 @@ def cmd_eval_format(args) -> int:
     return 0
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "finetune": cmd_finetune, "generate": cmd_generate,
-            "chat": cmd_chat,
-            "plan": cmd_plan, "runs": cmd_runs, "export": cmd_export, "import-hf": cmd_import_hf, "tasks": cmd_tasks,
-            "eval-format": cmd_eval_format, "scaling": cmd_scaling, "eval": cmd_eval, "report": cmd_report}
+def cmd_report(args) -> int:
+    from lmforge.train.run_report import write_report
+
+    print(f"wrote {write_report(args.run)}")
+    return 0
+
+
+# Each subcommand: its one-line help (all that `lmforge --help` lists), the function that adds its
+# options and the one that runs it
+SUBCOMMANDS = {
+    "prepare": ("train the tokenizer and write train.bin/val.bin", add_prepare, cmd_prepare),
+    "train": ("train a model (prepares the data first if needed)", add_train, cmd_train),
+    "finetune": ("fine-tune a trained model on your data, fully or with LoRA adapters", add_finetune, cmd_finetune),
+    "generate": ("sample text from a trained run or a Hugging Face model", add_generate, cmd_generate),
+    "chat": ("talk to a model on its chat template, replies streamed", add_chat, cmd_chat),
+    "plan": ("predict FLOPs, memory per device and time for a setup, before running it", add_plan, cmd_plan),
+    "runs": ("compare the runs in a folder: settings, progress, loss, speed, status", add_runs, cmd_runs),
+    "export": ("write a run's model in another format: a Hugging Face folder", add_export, cmd_export),
+    "import-hf": ("read a Hugging Face Llama or GPT-2 folder into a run folder", add_import_hf, cmd_import_hf),
+    "tasks": ("write training documents of the structured-output task set (.jsonl)", add_tasks, cmd_tasks),
+    "eval-format": ("accuracy of a model's answers in free text, JSON, YAML, XML, constrained or converted",
+                    add_eval_format, cmd_eval_format),
+    "scaling": ("train an IsoFLOP sweep and fit a scaling law to it", add_scaling, cmd_scaling),
+    "eval": ("score a model on standard benchmarks (ARC, HellaSwag, GSM8K, HumanEval, ...)", add_eval, cmd_eval),
+    "report": ("write report.md about a run: config, data, cost, loss curves, scores, sample", add_report, cmd_report),
+}
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or with `argv` of the one it names only (the others listed by
+    their help line): a command line is read by one subcommand's options."""
+    parser = Parser(
+        prog="lmforge", description="Build language models from scratch and know what every step costs.",
+        epilog=EXAMPLES, formatter_class=RAW)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help, add, _) in SUBCOMMANDS.items():
+        subcommand = commands.add_parser(name, help=help)
+        if argv is None or argv[:1] == [name]:
+            add(subcommand)
+    # parse_args looks up the subcommand's parser: its RUN argument, and which of its options a misspelt one resembles
+    parser.subcommands = commands.choices
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        status = COMMANDS[args.command](args)
+        status = SUBCOMMANDS[args.command][2](args)
         sys.stdout.flush()  # here, where a closed pipe can still be handled below
         return status
     except LmforgeError as err:

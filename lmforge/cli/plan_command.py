@@ -12,7 +12,7 @@ def cmd_plan(args) -> int:
     from rich.console import Console
 
     from lmforge.accounting.plan.show import print_dtypes
-    from lmforge.cli.launch import retain_freed_memory
+    from lmforge.cli.training import retain_freed_memory
 
     console = Console()
     if args.dtypes:

@@ -17,9 +17,7 @@ from lmforge.accounting.optimizers import OPTIMIZERS
 from lmforge.common.errors import LmforgeError, lookup
 from lmforge.config import Config, parse_override, set_value, validate
 from lmforge.config.load import ALIASES as OLDER_NAMES
-from lmforge.modes.optimizers import OPTIMIZER_MODES
-from lmforge.modes.parallel import PARALLEL_STRATEGIES, get_strategy
-from lmforge.modes.precision import ALIASES as PRECISION_ALIASES
+from lmforge.modes import OPTIMIZER_MODES, PARALLEL_STRATEGIES, PRECISION_ALIASES, get_strategy
 
 # each setup flag and the config key it stands for (the flag's value applied as `key=value`)
 ALIASES = {"batch_size": "train.batch_size", "seq_len": "train.seq_len", "grad_accum": "train.grad_accum",
@@ -96,7 +94,7 @@ def alias_changes(args, chosen: dict) -> dict:
 def configure(base: Config, changes: dict) -> Config:
     """`base` with `changes` ({config key: value}) applied and validated, as `lmforge train` validates."""
     cfg, optimizer = copy.deepcopy(base), changes.get("optim.name")
-    if optimizer is not None:  # the plan costs optimizers lmforge does not train (modes/optimizers.py)
+    if optimizer is not None:  # the plan costs optimizers lmforge does not train (modes/)
         lookup(OPTIMIZERS, optimizer, "optimizer")
     for key, value in changes.items():
         if key != "optim.name" or OPTIMIZER_MODES[value].trained:

@@ -4,10 +4,7 @@ the setup flags are aliases of config keys, the others the world and the machine
 import argparse
 
 from lmforge.cli.arguments import COUNT, add_config_args, add_run, describe, number
-from lmforge.modes.attention import BACKENDS
-from lmforge.modes.optimizers import OPTIMIZER_MODES
-from lmforge.modes.precision import ALIASES, POLICIES
-from lmforge.modes.recompute import RECOMPUTE_MODES
+from lmforge.modes import BACKENDS, OPTIMIZER_MODES, POLICIES, PRECISION_ALIASES, RECOMPUTE_MODES
 
 
 def add_plan(plan) -> None:
@@ -50,7 +47,7 @@ def _add_plan_setup(plan: argparse.ArgumentParser) -> None:
                                                            "(--inference: sequences decoded together)")
     plan.add_argument("--seq-len", metavar="LIST", help="tokens per sequence (--inference: the context)")
     plan.add_argument("--grad-accum", type=COUNT, help="micro-batches per optimizer step")
-    aliases = ", ".join(f"{alias} = {name}" for alias, name in ALIASES.items())
+    aliases = ", ".join(f"{alias} = {name}" for alias, name in PRECISION_ALIASES.items())
     plan.add_argument("--precision", metavar="LIST", help=f"{', '.join(POLICIES)} (or {aliases})")
     plan.add_argument("--optimizer", metavar="LIST", help=f"{', '.join(OPTIMIZER_MODES)} (default: "
                                                            f"the config's optim.name, adamw)")

@@ -146,10 +146,6 @@ def config_from_dict(data: dict, origin: str) -> Config:
     return cfg
 
 
-def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-
-
 def load_config(path: str | Path) -> Config:
     return config_from_dict(read_yaml(path), origin=str(path))
 

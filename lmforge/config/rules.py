@@ -7,14 +7,13 @@ whatever the launch), the launch (parallel/world.py's `check_launch` runs `check
 with the world torchrun started, before any process group or file exists), `lmforge plan`, and the
 composition page (tests/composition_matrix.py writes docs/composition.md from these verdicts).
 What is refused is what the engines cannot build or have never been shown to train; each entry
-says why: `check_composition` raises the first refusal's line, `refusal` returns it. Torch-free,
-like the rest of config/.
+says why: `check_composition` raises the first refusal's line (`check_nproc` first for `--nproc N`).
+Torch-free, like the rest of config/.
 """
 
 from lmforge.common.errors import LmforgeError
-from lmforge.config.degrees import Degrees, mesh_degrees
-from lmforge.modes.parallel import (DATA_PARALLEL, REPLICATING, SHARDING, STAGE_REPLICAS, PARAMETER_SHARDING, names,
-                                   parse_split)
+from lmforge.config.schema import Degrees, mesh_degrees
+from lmforge.modes import DATA_PARALLEL, PARAMETER_SHARDING, REPLICATING, SHARDING, STAGE_REPLICAS, names, parse_split
 
 
 def check_composition(cfg, world: int | None) -> None:
@@ -34,11 +33,9 @@ def check_composition(cfg, world: int | None) -> None:
         return _check_pipeline(cfg, world) if stages > 1 else None  # pipelines of tensor-parallel stages
     if world is None:
         if stages > 1:
-            _refuse(f"parallel.pp={stages} needs one process per stage: launch with torchrun "
-                    f"--nproc_per_node={stages} -m lmforge train ... or lmforge train --nproc {stages} ...")
+            _refuse(f"parallel.pp={stages} needs one process per stage: {_launch(stages)}")
         if parallel != "none":
-            _refuse(f"train.parallel={parallel} needs one process per device: launch with torchrun "
-                    f"--nproc_per_node=N -m lmforge train ... or lmforge train --nproc N ... (or set "
+            _refuse(f"train.parallel={parallel} needs one process per device: {_launch('N')} (or set "
                     f"train.parallel=none for one process)")
     elif stages > 1:
         _check_pipeline(cfg, world)
@@ -49,17 +46,22 @@ def check_composition(cfg, world: int | None) -> None:
                 f"e.g. train.parallel=ddp (or {', '.join(SHARDING)})")
 
 
-def refusal(cfg, world: int | None) -> str | None:
-    """The line check_composition stops with, or None when everything combines."""
-    try:
-        check_composition(cfg, world)
-    except LmforgeError as err:
-        return str(err)
-    return None
+def check_nproc(cfg, nproc: int) -> None:
+    """`lmforge train --nproc N`: a way to share the work over N processes, then check_composition."""
+    if cfg.train.parallel == "none" and cfg.parallel.pp == 1 and cfg.parallel.tp == 1:
+        _refuse(f"--nproc {nproc} needs a way to share the work: add train.parallel=ddp "
+                f"(or {', '.join(SHARDING)}), or parallel.tp={nproc}")
+    check_composition(cfg, nproc)
 
 
 def _refuse(line: str) -> None:
     raise LmforgeError(line)
+
+
+def _launch(processes) -> str:
+    """How to start a run of `processes` (a number, or N) processes per node."""
+    return (f"launch with torchrun --nproc_per_node={processes} -m lmforge train ... or lmforge train "
+            f"--nproc {processes} ...")
 
 
 # -- whatever the launch (config/validate.py runs these on every config it makes) ------------------
@@ -238,8 +240,7 @@ def _check_tensor_parallel(cfg, world: int | None) -> None:
     and a model the ranks can split."""
     tp, parallel, stages = cfg.parallel.tp, cfg.train.parallel, cfg.parallel.pp
     if world is None:
-        _refuse(f"parallel.tp={tp} needs {tp} processes per model replica: launch with torchrun "
-                f"--nproc_per_node={tp} -m lmforge train ... or lmforge train --nproc {tp} ...")
+        _refuse(f"parallel.tp={tp} needs {tp} processes per model replica: {_launch(tp)}")
     if world % (tp * stages):
         _refuse(f"parallel.tp={tp} on {world} processes: the world must be (replicas x tp), a multiple of {tp}"
                 if stages == 1 else f"parallel.pp={stages} x parallel.tp={tp} on {world} processes: "
@@ -282,8 +283,7 @@ def _check_context_parallel(cfg, world: int | None) -> None:
     them by a data-parallel strategy (parallel/engine.py, over the dp x cp group), sequences long enough to shard."""
     cp = cfg.parallel.cp
     if world is None:
-        _refuse(f"parallel.cp={cp} needs {cp} processes per model replica: launch with torchrun "
-                f"--nproc_per_node={cp} -m lmforge train ... or lmforge train --nproc {cp} ...")
+        _refuse(f"parallel.cp={cp} needs {cp} processes per model replica: {_launch(cp)}")
     if world % (cp * cfg.parallel.tp):
         _refuse(f"parallel.cp={cp} on {world} processes: the world must be (replicas x cp x tp), a multiple of "
                 f"{cp * cfg.parallel.tp}")

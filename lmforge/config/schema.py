@@ -6,6 +6,8 @@ Which values a field may take is checked in validate.py; presets.py gives whole 
 import dataclasses
 from dataclasses import dataclass, field
 
+from lmforge.modes import SHARDING
+
 FAMILIES = ("llama", "gpt")  # model/transformer.py builds each (its FAMILIES table has these keys)
 # model.rope_scaling's keys, as Hugging Face's config.json spells them (e.g. presets.LLAMA3_ROPE_SCALING)
 ROPE_SCALING_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -88,7 +90,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    # adamw | adam | sgd | sgd-momentum | adagrad | rmsprop | lion (modes/optimizers.py; docs/optimizers.md).
+    # adamw | adam | sgd | sgd-momentum | adagrad | rmsprop | lion (modes/; docs/optimizers.md).
     # Their hyper-parameters below: lr, weight_decay and grad_clip apply to all; beta1 to adam(w) and
     # lion; beta2 to adam(w), lion and rmsprop (its alpha: the decay of the average of g^2); eps to
     # adam(w), adagrad and rmsprop; momentum and nesterov to sgd-momentum
@@ -209,7 +211,7 @@ class ParallelConfig:
     # stages, one per rank; with more ranks than stages, the pipelines are replicated (data parallel).
     # train.pipeline_stages, its older name, is read as an alias (config/load.py); 0 (older configs): 1
     pp: int = 1
-    # the mesh's data-parallel degrees, torchtitan's names (config/degrees.py; 0: not set, inferred):
+    # the mesh's data-parallel degrees, torchtitan's names (Degrees below; 0: not set, inferred):
     # ranks that replicate the model and ranks that shard its states (> 1: train.parallel fsdp; both > 1:
     # hybrid sharding, HSDP); the world is then pp x dp_replicate x dp_shard x cp x tp (parallel/mesh.py)
     dp_replicate: int = 0
@@ -235,3 +237,43 @@ SECTIONS = ("model", "data", "optim", "train", "finetune", "parallel")  # Config
 
 def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+# -- the parallel section's degrees: pp x dp_replicate x dp_shard x cp x tp (torchtitan's ParallelDims,
+# torchtitan/distributed/parallel_dims.py, is the model: the same names and order, and a degree left
+# unset inferred from the world size). validate.py's resolve_degrees turns the data-parallel degrees into
+# the strategy the engines read; mesh_degrees gives the five degrees of a launch on a world of ranks
+# (parallel/mesh.py builds the mesh from them). What the degrees do not combine with is config/rules.py's.
+
+@dataclass(frozen=True)
+class Degrees:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def hybrid(self) -> bool:
+        """Hybrid sharding: the mesh gets separate dp_replicate and dp_shard dimensions."""
+        return self.dp_replicate > 1 and self.dp_shard > 1
+
+
+def mesh_degrees(cfg, world: int) -> Degrees:
+    """The launch's five degrees on `world` ranks, those not given inferred (config/rules.py has
+    already refused degrees that do not multiply to the world)."""
+    p = cfg.parallel
+    pp, cp, tp = p.pp, p.cp, p.tp
+    if p.dp_replicate and p.dp_shard:
+        return Degrees(pp, p.dp_replicate, p.dp_shard, cp, tp)
+    dp = world // (pp * cp * tp)
+    if p.dp_replicate:
+        return Degrees(pp, p.dp_replicate, dp // p.dp_replicate, cp, tp)
+    if p.dp_shard:
+        return Degrees(pp, dp // p.dp_shard, p.dp_shard, cp, tp)
+    sharding = cfg.train.parallel in SHARDING  # as before the degrees: a sharding strategy shards over every dp rank
+    return Degrees(pp, 1 if sharding else dp, dp if sharding else 1, cp, tp)

@@ -12,16 +12,12 @@ import math
 import os
 
 from lmforge.common.errors import LmforgeError, warn
-from lmforge.config.degrees import resolve_degrees
 from lmforge.config.rules import check_config
 from lmforge.config.schema import (FAMILIES, INIT_SCHEMES, LR_SCHEDULES, MLPS, MUON_ADJUST_LR, ROPE_SCALING_KEYS,
                                    SECTIONS, Config, DataConfig, FinetuneConfig, ModelConfig, OptimConfig, TrainConfig)
 # The names a setting can take, each from its one registry (light modules: no torch)
-from lmforge.modes.attention import BACKENDS
-from lmforge.modes.optimizers import OPTIMIZER_MODES
-from lmforge.modes.parallel import PARALLEL_STRATEGIES, PIPELINE_ENGINES, PIPELINE_SCHEDULES
-from lmforge.modes.precision import FP8_SCALINGS, POLICIES
-from lmforge.modes.recompute import RECOMPUTE_MODES
+from lmforge.modes import (BACKENDS, FP8_SCALINGS, OPTIMIZER_MODES, PARALLEL_STRATEGIES, PIPELINE_ENGINES,
+                           PIPELINE_SCHEDULES, POLICIES, RECOMPUTE_MODES, REPLICATING)
 
 # The model and optimizer compute in fp32 (or narrower): a setting beyond its range would become
 # inf in the first step.
@@ -40,27 +36,67 @@ MODEL_SIZE_LIMITS = {"n_layers": 256, "d_model": 2**17, "d_ff": 2**19, "max_seq_
                      "vocab_size": 2**24}
 
 
+# The settings whose range is theirs alone, checked before the rest (which divide by some of them):
+# unset (None) passes. Each message names the key, the range and the value.
+POSITIVE = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.d_ff",
+            "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.d_head", "model.sliding_window",
+            "model.logit_softcap", "data.prefetch", "optim.lr", "optim.decay_steps", "optim.eps", "optim.muon_lr",
+            "optim.muon_ns_steps", "train.batch_size", "train.grad_accum", "train.seq_len", "train.max_steps",
+            "train.eval_batches", "train.eval_items", "train.keep_checkpoints", "train.log_interval",
+            "train.max_bad_steps", "train.bucket_mb", "train.dist_timeout", "train.micro_batches",
+            "train.pipeline_virtual_stages", "train.target_loss", "finetune.lora_alpha", "parallel.pp", "parallel.tp",
+            "parallel.cp")
+# numpy's generators take no negative seed (data/loader.py seeds one with train.seed)
+AT_LEAST_ZERO = ("optim.warmup_steps", "optim.weight_decay", "train.seed", "train.eval_seed", "train.eval_interval",
+                 "train.checkpoint_interval", "train.sample_tokens", "train.loss_chunk_tokens")
+BELOW_ONE = ("model.dropout", "optim.momentum", "optim.beta1", "optim.beta2", "optim.muon_momentum",
+             "finetune.lora_dropout")  # in [0, 1)
+UP_TO_ONE = ("optim.min_lr_ratio", "optim.decay_fraction")  # in [0, 1]
+BOOLEANS = ("model.qkv_bias", "model.qk_norm", "model.zero_init_proj", "optim.nesterov")  # YAML may give other types
+
+
 def validate(cfg: Config) -> None:
     """Raise LmforgeError for the first setting that cannot work (see config_warnings for the
     ones that can but are probably not meant). First the parallel section's degrees are resolved
-    (config/degrees.py: they may set train.parallel, said in a warning by
-    one process of a launch)."""
+    (resolve_degrees: they may set train.parallel, said in a warning by one process of a launch)."""
     for note in resolve_degrees(cfg):
         if os.environ.get("RANK", "0") == "0":
             warn(note)
     _check_numbers(cfg)
+    _check_ranges(cfg)
+    _check_choices(cfg)
     _check_model(cfg.model)
-    _check_architecture_choices(cfg.model)
-    _check_recipe(cfg.model, cfg.optim)
     _check_data(cfg.data)
     _check_optim(cfg.optim)
     _check_train(cfg)
     _check_finetune(cfg.finetune)
-    _positive("parallel.pp", cfg.parallel.pp)
-    _positive("parallel.tp", cfg.parallel.tp)
-    _positive("parallel.cp", cfg.parallel.cp)
-    _check_device(cfg.train)
+    _require(cfg.train.device in ("auto", "cpu") or cfg.train.device.startswith("cuda"),  # the spelling only
+             f"train.device must be auto, cpu, cuda or cuda:N, got {cfg.train.device!r}")
     check_config(cfg)  # settings fine one by one that do not combine, whatever the launch (config/rules.py)
+
+
+# parallel.dp_shard=N > 1: the data-parallel ranks shard the model states: train.parallel none or ddp
+# becomes fsdp (zero1-3 and fsdp stay); parallel.dp_replicate=N alone (> 1): they replicate: none becomes
+# ddp; both > 1: hybrid sharding (HSDP; Zhao et al. 2023, "PyTorch FSDP", section 3.2.2): FSDP2 over a
+# (dp_replicate, dp_shard) mesh, shards within a shard group, gradients all-reduced across the replicate groups
+def resolve_degrees(cfg) -> list[str]:
+    """Set train.parallel from parallel.dp_replicate and dp_shard; the changes made, one line each (for
+    a warning); LmforgeError for a degree that is no whole number."""
+    p, t = cfg.parallel, cfg.train
+    for key in ("dp_replicate", "dp_shard"):
+        value = getattr(p, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise LmforgeError(f"parallel.{key} must be a whole number >= 1 (0: inferred), got {value!r}")
+    notes = []
+    if p.dp_shard > 1 and t.parallel in REPLICATING:
+        notes.append(f"parallel.dp_shard={p.dp_shard} shards the model states over the data-parallel ranks: "
+                     f"train.parallel={t.parallel} becomes fsdp")
+        t.parallel = "fsdp"
+    elif p.dp_replicate > 1 and p.dp_shard <= 1 and t.parallel == "none":
+        notes.append(f"parallel.dp_replicate={p.dp_replicate} replicates the model: train.parallel=none "
+                     f"becomes ddp")
+        t.parallel = "ddp"
+    return notes
 
 
 def _did_you_mean(word: str, choices) -> str:
@@ -74,18 +110,14 @@ def _require(ok: bool, message: str) -> None:
         raise LmforgeError(message)
 
 
-def _choose(key: str, value, choices) -> None:
-    _require(value in choices, f"{key} must be one of {', '.join(choices)}, got {value!r}"
-                               f"{_did_you_mean(str(value), choices)}")
-
-
-def _positive(key: str, value) -> None:
-    _require(value is None or value > 0, f"{key} must be positive, got {value}")
+def _get(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def _check_numbers(cfg: Config) -> None:
     """Every number of every section: nan and inf parse as floats, and no setting means them; an
-    integer must fit in int64. The per-setting ranges follow in the _check_* below."""
+    integer must fit in int64. The per-setting ranges follow."""
     for section in SECTIONS:
         for f in dataclasses.fields(getattr(cfg, section)):
             value = getattr(getattr(cfg, section), f.name)
@@ -98,12 +130,35 @@ def _check_numbers(cfg: Config) -> None:
                                                   f"got {value}")
 
 
+def _check_ranges(cfg: Config) -> None:
+    for keys, ok, allowed in ((POSITIVE, lambda v: v > 0, "positive"), (AT_LEAST_ZERO, lambda v: v >= 0, ">= 0"),
+                              (BELOW_ONE, lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+                              (UP_TO_ONE, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")):
+        for key in keys:
+            value = _get(cfg, key)
+            _require(value is None or ok(value), f"{key} must be {allowed}, got {value}")
+    for key in BOOLEANS:
+        _require(isinstance(_get(cfg, key), bool), f"{key} must be true or false, got {_get(cfg, key)!r}")
+
+
+def _check_choices(cfg: Config) -> None:
+    """The settings that name one of a registry's entries."""
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    for key, value, choices in (
+            ("model.family", m.family, FAMILIES), ("model.attention", m.attention, BACKENDS),
+            ("model.init", m.init, INIT_SCHEMES), ("model.mlp", m.mlp, MLPS),
+            ("optim.name", o.name, OPTIMIZER_MODES), ("optim.schedule", o.schedule, LR_SCHEDULES),
+            ("train.precision", t.precision, POLICIES), ("train.fp8_scaling", t.fp8_scaling, FP8_SCALINGS),
+            ("train.recompute", t.recompute, RECOMPUTE_MODES), ("train.parallel", t.parallel, PARALLEL_STRATEGIES),
+            ("train.schedule", t.schedule, PIPELINE_SCHEDULES),
+            ("train.pipeline_engine", t.pipeline_engine, PIPELINE_ENGINES)):
+        if value is None:  # model.mlp unset: the family's
+            continue
+        _require(value in choices, f"{key} must be one of {', '.join(choices)}, got {value!r}"
+                                   f"{_did_you_mean(str(value), choices)}")
+
+
 def _check_model(m: ModelConfig) -> None:
-    _choose("model.family", m.family, FAMILIES)
-    _choose("model.attention", m.attention, BACKENDS)
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
-                "rope_theta", "norm_eps"):
-        _positive(f"model.{key}", getattr(m, key))
     _require(m.vocab_size >= 257, f"model.vocab_size must be between 257 (256 bytes + end token) "
                                   f"and 2**24, got {m.vocab_size}")
     for key, limit in MODEL_SIZE_LIMITS.items():
@@ -119,32 +174,11 @@ def _check_model(m: ModelConfig) -> None:
     _require(m.family != "gpt" or m.kv_heads == m.n_heads, "model.n_kv_heads applies to the llama family only")
     if m.rope_scaling is not None:
         _check_rope_scaling(m)
-    _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
-
-
-def _check_architecture_choices(m: ModelConfig) -> None:
-    """The llama family's build-time choices (Qwen2's q/k/v biases, Qwen3's QK-norm, a head width of
-    its own, Mistral's sliding window) and the backends that can run them."""
-    _positive("model.d_head", m.d_head)
-    _positive("model.sliding_window", m.sliding_window)
-    for key in ("qkv_bias", "qk_norm"):
-        _require(isinstance(getattr(m, key), bool), f"model.{key} must be true or false, got {getattr(m, key)!r}")
+    # the llama family's build-time choices (Qwen2's q/k/v biases, Qwen3's QK-norm, a head width of its
+    # own, Mistral's sliding window: every attention backend implements the window, model/attention.py)
     _require(m.family == "llama" or not (m.qkv_bias or m.qk_norm or m.d_head or m.sliding_window),
              "model.qkv_bias, qk_norm, d_head and sliding_window apply to the llama family only "
              "(gpt has biases everywhere and d_model / n_heads wide heads)")
-    # (every attention backend implements the window, model/attention.py: none is refused for it)
-
-
-def _check_recipe(m: ModelConfig, o: OptimConfig) -> None:
-    """The recipe switches (docs/recipe.md): initialisation, MLP, logit cap, schedule shape."""
-    _choose("model.init", m.init, INIT_SCHEMES)
-    _require(isinstance(m.zero_init_proj, bool),
-             f"model.zero_init_proj must be true or false, got {m.zero_init_proj!r}")
-    if m.mlp is not None:
-        _choose("model.mlp", m.mlp, MLPS)
-    _positive("model.logit_softcap", m.logit_softcap)
-    _choose("optim.schedule", o.schedule, LR_SCHEDULES)
-    _require(0.0 <= o.decay_fraction <= 1.0, f"optim.decay_fraction must be in [0, 1], got {o.decay_fraction}")
 
 
 def _check_rope_scaling(m: ModelConfig) -> None:
@@ -169,33 +203,18 @@ def _check_data(d: DataConfig) -> None:
     _require(d.source.strip() != "", "data.source is empty: use 'stdlib' or paths to .txt/.jsonl files")
     _require(d.end_token != "", "data.end_token is empty: name the tokenizer's end-of-text token")
     _require(0.0 < d.val_fraction <= 0.5, f"data.val_fraction must be in (0, 0.5], got {d.val_fraction}")
-    _positive("data.prefetch", d.prefetch)
 
 
 def _check_optim(o: OptimConfig) -> None:
-    _choose("optim.name", o.name, OPTIMIZER_MODES)
     _require(OPTIMIZER_MODES[o.name].trained, f"optim.name={o.name} is costed by the plan but not trained: "
                                               f"{OPTIMIZER_MODES[o.name].why}")
-    _require(0.0 <= o.momentum < 1.0, f"optim.momentum must be in [0, 1), got {o.momentum}")
-    _require(isinstance(o.nesterov, bool), f"optim.nesterov must be true or false, got {o.nesterov!r}")
     _require(not o.nesterov or (o.name == "sgd-momentum" and o.momentum > 0),
              f"optim.nesterov=true applies to optim.name=sgd-momentum with optim.momentum > 0, "
              f"got optim.name={o.name}, optim.momentum={o.momentum:g}")
-    _positive("optim.lr", o.lr)
-    _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
-    _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
-    _positive("optim.decay_steps", o.decay_steps)
-    _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
-    for key in ("beta1", "beta2"):
-        _require(0.0 <= getattr(o, key) < 1.0, f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
     # AdamW scales its first update by lr / (1 - beta1) (bias correction), a number it holds in fp32
     _require(o.lr / (1.0 - o.beta1) <= FP32_MAX, f"optim.lr={o.lr:g} overflows fp32 in AdamW's first step "
                                                  f"(lr / (1 - beta1) > 3.4e38): use a learning rate below 1")
-    _positive("optim.eps", o.eps)
     _require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
-    _positive("optim.muon_lr", o.muon_lr)
-    _require(0.0 <= o.muon_momentum < 1.0, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
-    _positive("optim.muon_ns_steps", o.muon_ns_steps)
     _require(o.muon_adjust_lr in MUON_ADJUST_LR,
              f"optim.muon_adjust_lr={o.muon_adjust_lr}: use {' or '.join(MUON_ADJUST_LR)}")
     _require(o.adafactor_beta2_decay <= 0, f"optim.adafactor_beta2_decay must be <= 0, got {o.adafactor_beta2_decay}")
@@ -205,42 +224,19 @@ def _check_optim(o: OptimConfig) -> None:
 
 def _check_train(cfg: Config) -> None:
     t = cfg.train
-    for key in ("batch_size", "grad_accum", "seq_len", "max_steps", "eval_batches", "eval_items", "keep_checkpoints",
-                "log_interval", "max_bad_steps", "bucket_mb", "dist_timeout", "micro_batches",
-                "pipeline_virtual_stages"):
-        _positive(f"train.{key}", getattr(t, key))
-    # numpy's generators take no negative seed (data/loader.py seeds one with it); a timeout is a timedelta
-    _require(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
-    _positive("train.target_loss", t.target_loss)
-    _require(t.eval_seed is None or t.eval_seed >= 0, f"train.eval_seed must be >= 0, got {t.eval_seed}")
+    # a timeout is a timedelta
     _require(t.dist_timeout <= MAX_TIMEOUT_SECONDS, f"train.dist_timeout must be at most {MAX_TIMEOUT_SECONDS:,} "
                                                     f"seconds (a year), got {t.dist_timeout}")
-    for key in ("eval_interval", "checkpoint_interval", "sample_tokens", "loss_chunk_tokens"):
-        _require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
     _require(cfg.seq_len <= cfg.model.max_seq_len, f"train.seq_len ({cfg.seq_len}) must not exceed "
                                                    f"model.max_seq_len ({cfg.model.max_seq_len})")
-    _choose("train.precision", t.precision, POLICIES)
-    _choose("train.fp8_scaling", t.fp8_scaling, FP8_SCALINGS)
-    _choose("train.recompute", t.recompute, RECOMPUTE_MODES)
-    _choose("train.parallel", t.parallel, PARALLEL_STRATEGIES)
-    _choose("train.schedule", t.schedule, PIPELINE_SCHEDULES)
-    _choose("train.pipeline_engine", t.pipeline_engine, PIPELINE_ENGINES)
 
 
 def _check_finetune(f: FinetuneConfig) -> None:
     _require(f.lora_rank is None or f.lora_rank >= 1, f"finetune.lora_rank must be >= 1, got {f.lora_rank} "
                                                       f"(leave it out for full fine-tuning)")
-    _positive("finetune.lora_alpha", f.lora_alpha)
-    _require(0.0 <= f.lora_dropout < 1.0, f"finetune.lora_dropout must be in [0, 1), got {f.lora_dropout}")
     _require(f.lora_targets.strip(" ,") != "", "finetune.lora_targets is empty: name linear layers, e.g. q_proj,v_proj")
     _require(f.adapter is None or f.lora_rank is not None, "finetune.adapter continues a LoRA adapter: it needs "
                                                            "finetune.lora_rank (lmforge finetune --adapter sets it)")
-
-
-def _check_device(t: TrainConfig) -> None:
-    """The spelling only: whether this machine has that device is resolve_device's (parallel/world.py)."""
-    _require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
-             f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
 
 
 def config_warnings(cfg: Config) -> list[str]:

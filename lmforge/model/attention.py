@@ -36,7 +36,7 @@ from einops import einsum, repeat
 from lmforge.common.errors import LmforgeError, lookup
 from lmforge.kernels import flash_triton
 from lmforge.kernels.flash_torch import flash_attention_torch
-from lmforge.modes.attention import BACKENDS
+from lmforge.modes import BACKENDS
 
 
 def attention(

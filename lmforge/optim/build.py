@@ -1,11 +1,11 @@
 """The optimizer of `optim.name`, built over param groups: BUILDERS maps each name that
-`lmforge train` trains (modes/optimizers.py, trained=True) to a function (cfg, policy, param_groups).
+`lmforge train` trains (modes/, trained=True) to a function (cfg, policy, param_groups).
 
 The param groups are `param_groups(cfg, model)`'s: weight_decay_groups for every optimizer but
 Muon, which also needs to know its matrices (optim/muon.py, muon_param_groups). Each group carries
 its own `weight_decay` (the config's for matrices and embeddings, 0 for gains and biases), which
 overrides the optimizer's default. To add an optimizer: write its builder below, add it to
-BUILDERS, mark its name trained in modes/optimizers.py and give its states in
+BUILDERS, mark its name trained in modes/ and give its states in
 accounting/optimizers.py (tests/test_optimizers.py checks the three agree and that the plan's
 state bytes are measured).
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from lmforge.config import Config
-from lmforge.modes.precision import Policy
+from lmforge.modes import Policy
 from lmforge.optim.adafactor import build_adafactor
 from lmforge.optim.adagrad import Adagrad
 from lmforge.optim.adam import Adam
@@ -82,7 +82,7 @@ BUILDERS: dict[str, Builder] = {
     "lion": lion,
     "adafactor": build_adafactor,
     "muon": build_muon,
-    # add an optimizer here (and in modes/optimizers.py, accounting/optimizers.py)
+    # add an optimizer here (and in modes/, accounting/optimizers.py)
 }
 
 

@@ -22,7 +22,7 @@ every engine reads these, parallel/engine.py); a pipeline (pp > 1) takes the pp 
 pipeline and the dp group as each stage's replicas (parallel/pipeline/engine.py).
 parallel/world.py's `check_launch` has already refused a world size that is not pp x dp x cp x tp.
 
-Hybrid sharding (parallel.dp_replicate and parallel.dp_shard both > 1: config/degrees.py) splits
+Hybrid sharding (parallel.dp_replicate and parallel.dp_shard both > 1: config/schema.py, Degrees) splits
 the dp dimension in two, as torchtitan names them: (pp, dp_replicate, dp_shard, cp, tp), the
 same rank order (dp_index = replicate_index * dp_shard + shard_index), with the two flattened
 back into "dp" for the loader and the loss average; FSDP2 takes the 2-D (dp_replicate, dp_shard)
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lmforge.config.degrees import mesh_degrees
+from lmforge.config.schema import mesh_degrees
 from lmforge.parallel.comm import Collectives
 
 # The mesh's dimensions, outermost first (rank = the row-major index over them), written once.
@@ -110,7 +110,7 @@ def build_groups(tp: int = 1, device: torch.device | str = "cpu", cp: int = 1, p
 
 
 def hybrid_replicate(cfg) -> int:
-    """parallel.dp_replicate of a hybrid-sharded launch (config/degrees.py), else 1."""
+    """parallel.dp_replicate of a hybrid-sharded launch (config/schema.py, Degrees), else 1."""
     if not (cfg.parallel.dp_replicate or cfg.parallel.dp_shard) or not dist.is_initialized():
         return 1
     degrees = mesh_degrees(cfg, dist.get_world_size())

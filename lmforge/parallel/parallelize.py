@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.common.errors import LmforgeError
-from lmforge.modes.parallel import PARALLEL_STRATEGIES, get_strategy
-from lmforge.modes.precision import Policy
+from lmforge.modes import PARALLEL_STRATEGIES, Policy, get_strategy
 from lmforge.parallel.ddp import DDPEngine
 from lmforge.parallel.engine import Engine
 from lmforge.parallel.fsdp import FSDPEngine

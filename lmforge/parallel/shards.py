@@ -91,7 +91,7 @@ class Unit:
 
 def unit_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The modules gathered, sharded and freed one at a time: lmforge's blocks ("blocks.3", the
-    names modes/parallel.py's `shard_unit` gives, which accounting/ counts by), or for any other
+    names modes/'s `shard_unit` gives, which accounting/ counts by), or for any other
     model its direct children that hold parameters. The model's other parameters form "rest"."""
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleDict):

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from lmforge.common.errors import lookup
-from lmforge.modes.precision import FP8_SCALINGS
+from lmforge.modes import FP8_SCALINGS
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

@@ -29,7 +29,7 @@ import torch.nn as nn
 from lmforge.common.errors import LmforgeError, lookup
 from lmforge.model.transformer import Attention
 from lmforge.precision.fp8 import Fp8Linear, Fp8Scales, hardware_fp8, swap_linears
-from lmforge.modes.precision import FP8_SCALINGS, Policy
+from lmforge.modes import FP8_SCALINGS, Policy
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:

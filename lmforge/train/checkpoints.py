@@ -13,7 +13,7 @@ from rich.console import Console
 
 from lmforge.common.errors import LmforgeError
 from lmforge.config import Config, config_to_dict, load_config
-from lmforge.modes.precision import Policy
+from lmforge.modes import Policy
 from lmforge.optim.schedule import Schedule, resume_note
 from lmforge.precision.policy import LossScaler, fp8_scale_state, load_fp8_scale_state
 from lmforge.runs.load import check_same_base

@@ -13,7 +13,7 @@ from lmforge.eval.metrics import aggregate, question_row, summarise
 from lmforge.eval.score import score_questions
 from lmforge.eval.tasks import GENERATION, TITLES, expand_tasks, load_questions
 from lmforge.model.transformer import Transformer
-from lmforge.modes.precision import Policy
+from lmforge.modes import Policy
 from lmforge.parallel.parallelize import Engine
 from lmforge.parallel.world import World
 from lmforge.precision.policy import autocast

@@ -37,7 +37,7 @@ from tokenizers import Tokenizer
 
 from lmforge.accounting.plan.costing import Costing, data_parallel
 from lmforge.accounting.plan.make import make_plan, matmul_dtype
-from lmforge.common.formatting import human_bytes
+from lmforge.common.errors import LmforgeError, human_bytes, warn
 from lmforge.config import Config
 from lmforge.data.corpus import load_documents, split_documents
 from lmforge.data.loader import check_windows, window_batch
@@ -46,7 +46,6 @@ from lmforge.data.sft import encode_record, example_batch, is_example_source, lo
 from lmforge.model.transformer import IGNORE_INDEX
 from lmforge.data.tokenizer import encode_documents, tokenizer_hash
 from lmforge.data.prepare import unigram_entropy
-from lmforge.common.errors import LmforgeError, warn
 from lmforge.parallel.world import resolve_device
 from lmforge.runs.load import base_identity, load_base, model_special_tokens
 from lmforge.train.measurements import estimate, rank_share

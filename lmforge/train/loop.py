@@ -24,7 +24,7 @@ from lmforge.accounting.plan.show import print_plan
 from lmforge.common.errors import warn
 from lmforge.config import Config, config_warnings
 from lmforge.data.loader import BatchLoader, window_batch
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.optim.schedule import Schedule
 from lmforge.parallel.parallelize import Engine
 from lmforge.parallel.pipeline.timeline import Timeline, pipeline_report

@@ -13,8 +13,7 @@ from rich.console import Console
 from tqdm import tqdm
 
 from lmforge.config import Config, config_to_dict
-from lmforge.common.errors import LmforgeError
-from lmforge.common.formatting import format_duration, human_bytes
+from lmforge.common.errors import LmforgeError, format_duration, human_bytes
 from lmforge.accounting.measure import peak_memory_bytes
 from lmforge.runs.metrics import MetricsLog
 from lmforge.train.measurements import RunMeasurements

@@ -69,12 +69,11 @@ from lmforge.data.loader import check_windows
 from lmforge.data.prepare import data_dir_of, open_run_data, prepare_data
 from lmforge.common.errors import LmforgeError
 from lmforge.kernels import flash_triton
-from lmforge.modes.attention import FLASH_BACKENDS
+from lmforge.modes import FLASH_BACKENDS, Policy, get_policy
 from lmforge.interop.peft import load_peft_weights
 from lmforge.model.lora import apply_lora
 from lmforge.model.transformer import Transformer, meta_model
 from lmforge.optim.build import make_optimizer, param_groups
-from lmforge.modes.precision import Policy, get_policy
 from lmforge.parallel.cp_model import apply_context_parallel
 from lmforge.parallel.parallelize import Engine, parallelize, pipeline_engine, run_groups
 from lmforge.parallel.pipeline.layout import cut_stage, pipeline_place

@@ -10,7 +10,7 @@ set the scheduled learning rate, AdamW step.
 
 import torch
 
-from lmforge.modes.precision import Policy
+from lmforge.modes import Policy
 from lmforge.parallel.parallelize import Engine
 from lmforge.precision.policy import LossScaler
 

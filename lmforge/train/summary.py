@@ -11,7 +11,7 @@ from rich.table import Table
 
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name
 from lmforge.accounting.plan.predicted_vs_measured import print_comparison
-from lmforge.common.formatting import for_terminal, human_count
+from lmforge.common.errors import for_terminal, human_count
 from lmforge.config import Config
 from lmforge.generate.sampling import generate
 from lmforge.runs.plots import plot_losses, run_title

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.model.names import keep_canonical_names
-from lmforge.modes.recompute import get_recompute
+from lmforge.modes import get_recompute
 
 # The wrapped module's attribute name: the one torch's own checkpoint wrapper uses, which
 # torch.distributed.checkpoint and FSDP remove from parameter names. State dicts here drop it too,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from lmforge.accounting.plan.compare import compare_label
 from lmforge.accounting.plan.show import labelled_parts
-from lmforge.common.formatting import human_bytes, human_count
+from lmforge.common.errors import human_bytes, human_count
 
 
 def memory_parts(plan: dict) -> list[tuple[str, float]]:

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmforge.accounting.plan.show import wide
-from lmforge.common.formatting import human_bytes, human_seconds
+from lmforge.common.errors import human_bytes, human_seconds
 
 # The columns of `--compare`: (label, how to show it) for each kind of plan
 TRAINING_COLUMNS = [

@@ -12,8 +12,8 @@ from lmforge.accounting import flops, memory
 from lmforge.accounting.cp import context_parallel_bytes, padded_length, ring_activation_breakdown
 from lmforge.accounting.plan.costing import devices, lora
 from lmforge.config import Config
-from lmforge.config.degrees import Degrees
-from lmforge.modes.precision import Policy
+from lmforge.config.schema import Degrees
+from lmforge.modes import Policy
 
 
 def sequence_shards(cfg: Config) -> int:

@@ -5,7 +5,7 @@ what `lmforge plan` shows besides: the papers' figures, the token budget, LoRA's
 A Config says what each replica trains and how it is split (tensor, context and pipeline degrees,
 the data-parallel strategy); it does not hold the world it runs on: how many data-parallel
 replicas, on what hardware, at what assumed MFU, for how many tokens at what price. `Costing`
-holds those. The mesh's degrees come from config/degrees.py's mesh_degrees, the rule a launch
+holds those. The mesh's degrees come from config/schema.py's mesh_degrees, the rule a launch
 checks itself with, so the plan, the trainer and fine-tuning count the data-parallel degree one way.
 Everything here is arithmetic on the two (the model's shapes read from it built on the meta device:
 accounting/shapes.py); it imports no training code. The precision name is resolved once (`policy`)
@@ -21,10 +21,9 @@ from lmforge.accounting.hardware import DEFAULT_RESERVE_BYTES, check_hardware, h
 from lmforge.accounting.shapes import model_shapes
 from lmforge.common.errors import LmforgeError
 from lmforge.config import Config
-from lmforge.config.degrees import Degrees, mesh_degrees
+from lmforge.config.schema import Degrees, mesh_degrees
 from lmforge.config.rules import check_composition
-from lmforge.modes.parallel import get_strategy
-from lmforge.modes.precision import Policy, get_policy
+from lmforge.modes import Policy, get_policy, get_strategy
 
 
 @dataclass

@@ -13,8 +13,8 @@ from lmforge.accounting.plan.costing import (Cost, Costing, degrees, lora, matmu
                                              step_plan, strategy, zero_stage)
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import Config
-from lmforge.config.degrees import Degrees
-from lmforge.modes.precision import Policy
+from lmforge.config.schema import Degrees
+from lmforge.modes import Policy
 
 __all__ = ["Costing", "make_plan", "matmul_dtype"]
 

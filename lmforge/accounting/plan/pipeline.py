@@ -33,8 +33,8 @@ from lmforge.accounting.pipeline import (StageParameters, bubble_fraction, chunk
                                          virtual_split)
 from lmforge.accounting.plan.costing import lora, zero_stage
 from lmforge.config import Config
-from lmforge.config.degrees import Degrees
-from lmforge.modes.precision import Policy
+from lmforge.config.schema import Degrees
+from lmforge.modes import Policy
 
 
 def pipeline_plan(cfg: Config, d: Degrees, policy: Policy, flops_per_second: float, mfu: float) -> dict:

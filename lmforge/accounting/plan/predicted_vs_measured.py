@@ -4,7 +4,7 @@
 from rich.console import Console
 from rich.table import Table
 
-from lmforge.common.formatting import human_bytes, human_seconds
+from lmforge.common.errors import human_bytes, human_seconds
 
 
 def print_comparison(console: Console, comparison: dict) -> None:

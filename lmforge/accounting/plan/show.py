@@ -9,8 +9,8 @@ from rich.table import Table
 
 from lmforge.accounting.dtypes import dtype_table
 from lmforge.accounting.roofline.show import roofline_table
-from lmforge.common.formatting import human_bytes, human_count, human_seconds
-from lmforge.modes.parallel import get_strategy
+from lmforge.common.errors import human_bytes, human_count, human_seconds
+from lmforge.modes import get_strategy
 
 
 def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> None:

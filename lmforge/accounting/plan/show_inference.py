@@ -5,7 +5,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmforge.accounting.plan.show import facts_table, memory_table
-from lmforge.common.formatting import human_bytes, human_count, human_seconds
+from lmforge.common.errors import human_bytes, human_count, human_seconds
 
 
 def print_inference_plan(console: Console, plan: dict, title: str) -> None:

@@ -24,7 +24,7 @@ from lmforge.accounting.roofline.elementwise import (cache_bytes, cold_writes, m
 from lmforge.accounting.roofline.trace import dispatched_calls
 from lmforge.config import Config, ModelConfig
 from lmforge.model.transformer import Transformer
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.optim.build import make_optimizer, param_groups
 from lmforge.optim.clip import clip_grad_norm
 

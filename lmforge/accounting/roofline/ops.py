@@ -23,8 +23,7 @@ from lmforge.accounting.roofline import ITEMSIZE, predict, rate_dtype, rates_aft
 from lmforge.accounting.roofline.trace import Record, trace_step
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import Config, ModelConfig
-from lmforge.modes.parallel import get_strategy
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy, get_strategy
 
 MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 ATTENTION_FORWARD = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",

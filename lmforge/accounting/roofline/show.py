@@ -4,7 +4,7 @@ the picture of the roof with each class as a point (`lmforge plan --roofline out
 
 from rich.table import Table
 
-from lmforge.common.formatting import human_bytes, human_count, human_seconds
+from lmforge.common.errors import human_bytes, human_count, human_seconds
 
 
 def roofline_table(plan: dict) -> Table:

@@ -25,7 +25,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._pytree import tree_flatten
 
 from lmforge.config import Config, ModelConfig
-from lmforge.modes.precision import get_policy
+from lmforge.modes import get_policy
 from lmforge.precision.policy import LossScaler, autocast
 
 

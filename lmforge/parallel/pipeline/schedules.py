@@ -78,7 +78,7 @@ def interleaved_1f1b(stages: int, micro_batches: int, stage: int, chunks: int = 
     return actions + [nth("B", k) for k in range(total - warmup, total)]
 
 
-# the names of modes/parallel.py's PIPELINE_SCHEDULES
+# the names of modes/'s PIPELINE_SCHEDULES
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b}
 
 

@@ -1,81 +1,8 @@
-"""The `lmforge` command line: one function per subcommand adds its parser; `parse_args` reads it.
+"""The options of the subcommands that sample, list, move and score models (generate, chat, runs, export,
+import-hf, tasks, eval-format, eval, report); training's are in arguments.py, plan's in plan_parser.py. No
+torch is imported, so that `lmforge --help` answers at once."""
 
-Every subcommand that takes a config accepts `--config FILE.yaml`, `--model PRESET` and
-`section.key=value` overrides, in any order. Every subcommand that reads a run takes it as its
-first positional argument, RUN (the older flags, `--run` and `finetune --base`, still work).
-Building the parser imports no torch, so that `lmforge --help` answers at once.
-"""
-
-import argparse
-
-from lmforge.cli.arguments import (COUNT, RAW, SEED, Parser, add_config_args, add_overrides, add_run,
-                                   add_training_outputs, describe, number, one_folder, one_run)
-from lmforge.cli.plan_parser import add_plan
-from lmforge.cli.report_command import add_report
-from lmforge.cli.scaling import add_scaling
-from lmforge.config import MODEL_PRESETS, _did_you_mean
-
-EXAMPLES = """\
-examples:
-  lmforge train                                      # default model on the embedded corpus, ~10 min on CPU
-  lmforge train --model tiny train.max_steps=50      # presets: {presets}
-  lmforge train --config my.yaml model.n_layers=8 train.max_steps=2000
-  lmforge train --resume runs/<name>                 # continue where the run stopped
-  lmforge generate runs/<name> --prompt "def fib(" --max-new-tokens 100
-  lmforge chat runs/<name>                           # a conversation on the model's chat template
-  lmforge plan --model llama3-8b --batch-size 1 --seq-len 8192 --precision bf16-mixed --hardware h100-sxm
-  lmforge runs                                       # the runs in runs/ side by side
-  lmforge export runs/<name> --format hf             # a Hugging Face folder (transformers loads it)
-  lmforge import-hf path/to/hf-model --out runs/x    # a Hugging Face Llama or GPT-2 as a run folder
-""".format(presets=", ".join(MODEL_PRESETS))
-
-
-def add_prepare(prepare) -> None:
-    prepare.description = ("Gather the corpus, split it by document, train a byte-level BPE tokenizer and write "
-                           "token files to data.dir.")
-    add_config_args(prepare)
-
-
-def add_train(train) -> None:
-    describe(train, "Train a model; writes checkpoints, metrics.jsonl, loss.png, summary.json and sample.txt "
-        "into the run folder.", EXAMPLES)
-    add_config_args(train)
-    add_training_outputs(train, "continue the run in folder RUN from its latest checkpoint; "
-                                "only train.* and optim.* may be overridden")
-    train.add_argument("--nproc", type=COUNT, metavar="N",
-                       help="start N processes on this machine through torchrun's launcher (with train.parallel=ddp, "
-                            "zero1, zero2, zero3 or fsdp); the same as torchrun --standalone --nproc_per_node=N "
-                            "-m lmforge train ...")
-
-
-def add_finetune(finetune) -> None:
-    describe(
-        finetune, "Fine-tune the model of run folder RUN on data.source: plain text, or .jsonl examples "
-        "{\"prompt\", \"response\"} / {\"messages\": [...]} with the loss on the responses only. "
-        "With --lora-rank only low-rank adapters train and checkpoints hold only them; without, "
-        "every weight trains. Same trainer, checkpoints, resume, summary and plan as train. "
-        "RUN is the first word without '='; the words with one are overrides.",
-        "examples:\n"
-        "  lmforge finetune runs/small data.source=pairs.jsonl --lora-rank 16 --lora-alpha 32\n"
-        "  lmforge finetune runs/small data.source=pairs.jsonl train.seq_len=128   # full fine-tuning\n"
-        "  lmforge finetune --resume runs/<name>\n"
-        "  lmforge generate runs/<name> --prompt '...'   # base + adapter (--merge: folded in)")
-    add_run(finetune, "the model to fine-tune: an lmforge run folder (or a Hugging Face folder)",
-            dest="base", flag="--base", required=False)  # --resume names no base
-    finetune.add_argument("--lora-rank", type=number(int),
-                          help="train LoRA adapters of this rank (default: full fine-tuning)")
-    finetune.add_argument("--lora-alpha", type=number(float), help="LoRA scale alpha: the update is alpha/rank * B A "
-                                                           "(default 2 * rank)")
-    finetune.add_argument("--lora-targets", help="linear layers to adapt, comma-separated name patterns "
-                                                 "(default q_proj,k_proj,v_proj,o_proj; e.g. 'attn.*,mlp.*')")
-    finetune.add_argument("--lora-dropout", type=number(float), help="dropout on the adapters' input (default 0)")
-    finetune.add_argument("--adapter", metavar="DIR", help="continue training the PEFT LoRA adapter in folder DIR "
-                                                           "(its rank, alpha and targets)")
-    finetune.add_argument("--config", metavar="FILE", help="YAML file with data/optim/train/finetune sections")
-    add_overrides(finetune, "data.source=pairs.jsonl train.max_steps=300 optim.lr=1e-3")
-    add_training_outputs(finetune, "continue the fine-tuning run in folder RUN")
-    finetune.add_argument("--nproc", type=COUNT, metavar="N",
-                          help="start N processes on this machine through torchrun's launcher, as train --nproc")
+from lmforge.cli.arguments import COUNT, SEED, add_run, describe, number
 
 
 def add_generate(gen) -> None:
@@ -238,58 +165,10 @@ def add_eval(evaluate) -> None:
     evaluate.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder to put on the model")
 
 
-# Each subcommand: its one-line help (all that `lmforge --help` lists) and the function that adds its options
-SUBCOMMANDS = {
-    "prepare": ("train the tokenizer and write train.bin/val.bin", add_prepare),
-    "train": ("train a model (prepares the data first if needed)", add_train),
-    "finetune": ("fine-tune a trained model on your data, fully or with LoRA adapters", add_finetune),
-    "generate": ("sample text from a trained run or a Hugging Face model", add_generate),
-    "chat": ("talk to a model on its chat template, replies streamed", add_chat),
-    "plan": ("predict FLOPs, memory per device and time for a setup, before running it", add_plan),
-    "runs": ("compare the runs in a folder: settings, progress, loss, speed, status", add_runs),
-    "export": ("write a run's model in another format: a Hugging Face folder", add_export),
-    "import-hf": ("read a Hugging Face Llama or GPT-2 folder into a run folder", add_import_hf),
-    "tasks": ("write training documents of the structured-output task set (.jsonl)", add_tasks),
-    "eval-format": ("accuracy of a model's answers in free text, JSON, YAML, XML, constrained or converted",
-                    add_eval_format),
-    "scaling": ("train an IsoFLOP sweep and fit a scaling law to it", add_scaling),
-    "eval": ("score a model on standard benchmarks (ARC, HellaSwag, GSM8K, HumanEval, ...)", add_eval),
-    "report": ("write report.md about a run: config, data, cost, loss curves, scores, sample", add_report),
-}
-
-
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The parser of every subcommand, or with `argv` of the one it names only (the others listed by
-    their help line): a command line is read by one subcommand's options."""
-    parser = Parser(
-        prog="lmforge", description="Build language models from scratch and know what every step costs.",
-        epilog=EXAMPLES, formatter_class=RAW)
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (help, add) in SUBCOMMANDS.items():
-        subcommand = commands.add_parser(name, help=help)
-        if argv is None or argv[:1] == [name]:
-            add(subcommand)
-    # parse_args looks up the subcommand's parser: its RUN argument, and which of its options a misspelt one resembles
-    parser.subcommands = commands.choices
-    return parser
-
-
-def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse options and `section.key=value` overrides given in any order.
-
-    argparse fills a nargs="*" positional from one run of bare words only, so in
-    `train a.b=1 --model tiny c.d=2` it hands `c.d=2` back as unknown; those words join the overrides
-    here, in the order typed (a later override wins). An unknown --option is still an error."""
-    args, extras = parser.parse_known_args(argv)
-    subcommand = parser.subcommands.get(args.command, parser)
-    unknown = [word for word in extras if word.startswith("-") or not hasattr(args, "overrides")]
-    if unknown:
-        options = [option for action in subcommand._actions for option in action.option_strings]
-        hint = _did_you_mean(unknown[0], options) if unknown[0].startswith("-") else ""
-        subcommand.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
-    if extras:
-        args.overrides = [*args.overrides, *extras]
-    if hasattr(subcommand, "run_arg"):
-        one_run(subcommand, args)
-    one_folder(subcommand, args)
-    return args
+def add_report(report) -> None:
+    describe(
+        report, "Write RUN/report.md, the page to share about a run: its config, the data, the cost (tokens, FLOPs, "
+        "time, MFU, the plan's predictions beside what was measured), the loss curves, the evaluation scores "
+        "over training and at the end, and the sample. See docs/evaluation.md.",
+        "examples:\n  lmforge report runs/<name>")
+    add_run(report, "run folder")
