@@ -113,8 +113,9 @@ class Faults:
     def watching_setup(self):
         """World.setup_faults with more than one rank: around a run's setup (data, folder, model,
         plan: before the first step, where the trainer's StopRequests is not yet in place), a rank
-        lost is said in the same one line as during training. Two ways to find out: a collective that fails (the main thread: the line
-        is `failure`'s, raised), or torchrun's agent, which SIGTERMs the survivors the moment a rank
+        lost is said in the same one line as during training. Two ways to find out: a collective
+        that fails (the main thread: the line is `failure`'s, raised), or torchrun's agent, which
+        SIGTERMs the survivors the moment a rank
         dies, while this one may be waiting for rank 0 through the store (`main_first`) or working
         inside a long call: a watch thread reading Python's signal wakeup fd takes that SIGTERM,
         answers the roll call and takes it. A rank missing: the line, exit 2 (`report_stuck`);
