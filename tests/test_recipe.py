@@ -24,7 +24,7 @@ from lmforge.interop.hf import export_hf
 from lmforge.model.recipe import ReLU2MLP, SoftcapHead
 from lmforge.model.transformer import IGNORE_INDEX, RMSNorm, Transformer, cross_entropy_loss
 from lmforge.optim.schedule import Schedule, resume_note
-from lmforge.wrap.chunked_loss import _ChunkedCrossEntropy, apply_chunked_loss
+from lmforge.wrap import _ChunkedCrossEntropy, apply_chunked_loss
 from tests.conftest import tiny_overrides
 
 

@@ -16,7 +16,7 @@ from lmforge.modes.precision import POLICIES
 from lmforge.precision.policy import Fp32Attention
 from lmforge.modes.recompute import RECOMPUTE_MODES
 from lmforge.model.names import canonical_name
-from lmforge.wrap.recompute import Recompute, apply_recompute
+from lmforge.wrap import Recompute, apply_recompute
 from lmforge.train.setup import build, build_model
 
 

@@ -15,7 +15,7 @@ instead of d^2. The activations of the frozen layers are still kept wherever the
 earlier adapter has to flow back through them (accounting/plan/make.py counts this).
 
 Names: `LoRALinear` holds the base layer as its child `base`, but its state dict drops that
-segment (as wrap/recompute.py drops its wrapper's), so the wrapped weight keeps its canonical
+segment (as wrap.py drops its wrapper's), so the wrapped weight keeps its canonical
 name (`blocks.0.attn.q_proj.weight`) and the adapters are `blocks.0.attn.q_proj.lora_A` / `lora_B`.
 A checkpoint of the base loads into the wrapped model and the merged model saves as a plain one.
 """
@@ -104,7 +104,7 @@ class LoRALinear(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha:g}"
 
 
-# wrap/recompute.py's wrapper segment (torch's checkpoint wrapper's name), spelt out here so that
+# wrap.py's wrapper segment (torch's checkpoint wrapper's name), spelt out here so that
 # the model package (and accounting/, which counts adapters) imports nothing of train/
 RECOMPUTE_SEGMENT = "_checkpoint_wrapped_module."
 

@@ -17,7 +17,7 @@ does); no forward pass asks which family it is in. Every block computes (pre-nor
 and the model is the composition of four pieces,
     x = embed(tokens);   x = blocks(x);   logits = head(x) = Norm(x) @ W_head;   loss(logits, targets)
 The loss is a child module (`HeadLoss`: it holds no weights, it is handed the norm and the head)
-so that a version that never materialises the logits (wrap/chunked_loss.py) or a compiled one
+so that a version that never materialises the logits (wrap.py) or a compiled one
 can replace it from outside.
 A pipeline stage is the same model with pieces removed (torchtitan's convention): set
 `tok_embeddings`, `norm` or `lm_head` to None, or delete blocks, and forward skips what is missing.
@@ -179,7 +179,7 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 class HeadLoss(nn.Module):
     """The last piece of a training forward: the final norm, the LM head and the mean cross-entropy
-    of its logits. Parameter-free, so that replacing it (wrap/chunked_loss.py) renames nothing."""
+    of its logits. Parameter-free, so that replacing it (wrap.py) renames nothing."""
 
     def forward(self, x: torch.Tensor, norm: nn.Module, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy_loss(lm_head(norm(x)), targets)
