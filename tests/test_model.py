@@ -6,7 +6,7 @@ import torch
 from lmforge.config import make_config
 from lmforge.model.attention import attention, causal_mask
 from lmforge.model.init import expected_std
-from lmforge.model.rope import apply_rope, rope_tables
+from lmforge.model.attention import apply_rope, rope_tables
 from lmforge.model.transformer import RMSNorm, Transformer, rms_norm_reference
 
 

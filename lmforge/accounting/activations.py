@@ -51,7 +51,7 @@ MLP_ACTIVATIONS = {
 
 
 def llama_activations(cfg: ModelConfig, b: int, s: int, policy: Policy) -> FamilyActivations:
-    """RMSNorm, the MLP of model.mlp (SwiGLU by default) and RotaryTables (model/rope.py); biases
+    """RMSNorm, the MLP of model.mlp (SwiGLU by default) and RotaryTables (model/attention.py); biases
     (model.qkv_bias) keep nothing."""
     p, bsd, bs = policy.bytes, b * s * cfg.d_model, b * s
     mlp_bytes, mlp_readers = MLP_ACTIVATIONS[cfg.mlp_kind](b * s * cfg.ffn_dim, p)

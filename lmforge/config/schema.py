@@ -32,7 +32,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # None, or Llama 3.1's long-context rescaling of the rotary frequencies: {rope_type: llama3, factor,
     # low_freq_factor, high_freq_factor, original_max_position_embeddings} (ROPE_SCALING_KEYS;
-    # model/rope.py, rope_frequencies)
+    # model/attention.py, rope_frequencies)
     rope_scaling: dict | None = None
     norm_eps: float = 1e-5
     dropout: float = 0.0

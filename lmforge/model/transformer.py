@@ -35,10 +35,9 @@ from einops import rearrange
 from torch.overrides import TorchFunctionMode
 
 from lmforge.config import ModelConfig
-from lmforge.model.attention import AttentionCore, padded_mask
+from lmforge.model.attention import AttentionCore, RotaryTables, apply_rope, padded_mask
 from lmforge.model.init import init_weights
 from lmforge.model.recipe import ReLU2MLP, SoftcapHead
-from lmforge.model.rope import RotaryTables, apply_rope
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
