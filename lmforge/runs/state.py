@@ -13,6 +13,7 @@ Under torchrun every rank has a `RunFolder`, but rank 0 alone holds the lock and
 others read checkpoints, and write their part of each one through `torch.distributed.checkpoint`).
 """
 
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,11 +21,11 @@ from lmforge.common.errors import LmforgeError
 from lmforge.common.folders import FolderLock
 from lmforge.config import Config, lacking_key, load_config, resume_change
 from lmforge.parallel.world import World
-from lmforge.runs.checkpoint.find import check_format, find_checkpoint, read_state
+from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, check_format, find_checkpoint, read_state
 from lmforge.runs.checkpoint.read import load_engine_weights, load_optimizer_state, load_rng_states
-from lmforge.runs.checkpoint.write import remove_partials, save_checkpoint
+from lmforge.runs.checkpoint.write import save_checkpoint
 from lmforge.common.folders import write_file_staged
-from lmforge.runs.metrics import MetricsLog
+from lmforge.runs.metrics import lines_to_keep
 
 
 @dataclass
@@ -89,7 +90,7 @@ class RunFolder:
         if state["tokenizer_sha256"] != data.meta["tokenizer_sha256"]:
             raise LmforgeError(f"checkpoint {path} was trained with another tokenizer than the one in "
                                f"{data.dir}: pass data.dir=FOLDER, the run's original data")
-        metrics_kept = MetricsLog.lines_to_keep(self.path / "metrics.jsonl", state["step"], warn=self.warn)
+        metrics_kept = lines_to_keep(self.path / "metrics.jsonl", state["step"], warn=self.warn)
         load_engine_weights(engine, path)
         load_optimizer_state(engine, path, state["param_groups"])
         load_rng_states(path, self.world.device)
@@ -101,11 +102,19 @@ class RunFolder:
         resume the config may carry new train.* settings, and a damaged tokenizer.json is repaired); the
         leftovers of a save killed half way are removed."""
         self.path.mkdir(parents=True, exist_ok=True)
-        remove_partials(self.path)
+        self.remove_partials()
         for name, text in (("config.yaml", config_yaml), ("tokenizer.json", tokenizer_json)):  # whole or not at all
             write_file_staged(self.path / name, lambda path, text=text: path.write_text(text))
 
+    def remove_partials(self) -> None:
+        """Remove the staging folders of saves that were killed or failed half way (rank 0's task)."""
+        root = self.path / CHECKPOINT_DIR
+        if self.world.is_main and root.is_dir():
+            for leftover in [*root.glob(".step_*.partial"), *root.glob(".step_*.stale")]:
+                shutil.rmtree(leftover, ignore_errors=True)
+
     def save(self, run: RunState, engine, extra_state: dict, files: dict[str, bytes], keep: int) -> Path:
+        self.remove_partials()  # before the save, as well: one a failed save of this session left
         state = {"run": asdict(run), **extra_state}
         return save_checkpoint(self.path, run.step, engine, state, files, keep=keep, world=self.world)
 
