@@ -13,7 +13,7 @@ from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.data.sft import encode_example, example_parts, pad_examples
 from lmforge.model.transformer import IGNORE_INDEX
-from lmforge.data.tokenizer import END_OF_TEXT
+from lmforge.data.corpus import END_OF_TEXT
 from lmforge.common.errors import LmforgeError
 from lmforge.model.lora import (LoRALinear, adapter_state_dict, apply_lora, load_adapter_state_dict, merge_lora,
                                 unmerge_lora)
@@ -106,7 +106,7 @@ def test_lora_composes_with_bf16_pure_and_fp8():
 
 
 def test_masked_sft_loss_equals_a_hand_computation(tmp_path, corpus_dir):
-    from lmforge.data.tokenizer import train_tokenizer
+    from lmforge.data.corpus import train_tokenizer
 
     tokenizer = train_tokenizer([p.read_text() for p in sorted(corpus_dir.glob("*.py"))[:5]], 300)
     end = tokenizer.token_to_id(END_OF_TEXT)

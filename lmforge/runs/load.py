@@ -23,8 +23,8 @@ from tokenizers import Tokenizer
 
 from lmforge.common.errors import LmforgeError, lookup
 from lmforge.config import Config, DataConfig, ModelConfig, load_config
-from lmforge.data.special_tokens import SpecialTokens
-from lmforge.data.tokenizer import load_special_tokens, load_tokenizer
+from lmforge.data.corpus import load_tokenizer
+from lmforge.data.special_tokens import SpecialTokens, load_special_tokens
 from lmforge.interop.hf import hf_weights_dtype, import_hf
 from lmforge.interop.hf_config import read_model_config
 from lmforge.interop.hf_tokenizer import read_end_token, read_hf_special_tokens, read_hf_tokenizer
