@@ -15,7 +15,8 @@ from lmforge.common.formatting import for_terminal, human_count
 from lmforge.config import Config
 from lmforge.generate.sampling import generate
 from lmforge.runs.plots import plot_losses, run_title
-from lmforge.train.evaluate import TARGET_REACHED, task_rows
+from lmforge.runs.state import TARGET_REACHED
+from lmforge.train.evaluate import task_rows
 from lmforge.train.measurements import RunMeasurements
 
 # train.sample_prompt="" starts the end-of-run sample with this many tokens of a validation document.
