@@ -32,7 +32,6 @@ from lmforge.model.names import keep_canonical_names
 # The attention projections: the paper's choice (section 7.1: W_q and W_v already do well; all four
 # do better at the same parameter budget in its table 5).
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")  # llama; the gpt family's MLP has up_proj, down_proj
 DEFAULT_TARGETS = ",".join(ATTENTION_TARGETS)
 BASE = "base"
 
@@ -208,9 +207,4 @@ def load_adapter_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor], 
 def merge_lora(model: nn.Module) -> None:
     for layer in lora_layers(model).values():
         layer.merge()
-
-
-def unmerge_lora(model: nn.Module) -> None:
-    for layer in lora_layers(model).values():
-        layer.unmerge()
 

@@ -126,11 +126,6 @@ def check_same_base(saved: dict | None, current: dict | None, where: Path) -> No
                            f"finetune.base at the original base")
 
 
-def load_run_model(path: str | Path, merge: bool = False) -> tuple[Config, torch.nn.Module, Tokenizer]:
-    """The model of a run's newest good checkpoint (see `model_from_checkpoint`)."""
-    return model_from_checkpoint(base_checkpoint(Path(path)), merge)
-
-
 def model_from_checkpoint(checkpoint: Path, merge: bool = False) -> tuple[Config, torch.nn.Module, Tokenizer]:
     """The model of a checkpoint, on the CPU in fp32: a pretrained or fully fine-tuned run as
     saved; a LoRA run as its base plus its adapters (folded into the weights with `merge`)."""
