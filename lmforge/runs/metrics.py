@@ -1,5 +1,5 @@
 """metrics.jsonl: one JSON record per log or eval event, each with its `step`; written while a run
-trains (train/report.py's MetricsLog), read here (no torch) by `lmforge runs`, the plots and resume."""
+trains (train/report.py's StepLog), read here (no torch) by `lmforge runs`, the plots and resume."""
 
 import json
 from pathlib import Path
