@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lmforge.config import make_config  # noqa: E402
-from lmforge.data.tokenizer import END_OF_TEXT, train_tokenizer  # noqa: E402
+from lmforge.data.corpus import END_OF_TEXT, train_tokenizer  # noqa: E402
 from lmforge.eval.run import CHUNK  # noqa: E402
 from lmforge.eval.score import score_questions  # noqa: E402
 from lmforge.eval.tasks import load_questions  # noqa: E402

@@ -59,7 +59,7 @@ from lmforge.config import make_config
 from lmforge.optim.clip import clip_grad_norm
 from lmforge.precision.policy import autocast
 from lmforge.modes import get_policy
-from lmforge.wrap.compile import apply_compile
+from lmforge.wrap import apply_compile
 from lmforge.train.setup import build
 
 TARGET_MFU = 0.50  # issue 15: bf16 MFU >= 50% of the datasheet peak on the 1B shape
@@ -413,7 +413,7 @@ def run_training(ctx, batch: int, results: dict, checks: list) -> None:
     for mode in ("eager", "compiled"):
         ctx.check_time(f"train {mode}")
         if mode == "compiled":
-            # what train.compile=true does (wrap/compile.py): each block and the loss piece
+            # what train.compile=true does (wrap.py): each block and the loss piece
             # compiled in place of itself (torchtitan's way); the 16 identical blocks share a graph
             apply_compile(model, backend=s.compile_backend)
         say(f"  train {mode}: {s.train_warmup} warm-up + {s.train_steps} timed steps")

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lmforge.config import load_config, make_config  # noqa: E402
-from lmforge.data.tokenizer import END_OF_TEXT, load_tokenizer, train_tokenizer  # noqa: E402
+from lmforge.data.corpus import END_OF_TEXT, load_tokenizer, train_tokenizer  # noqa: E402
 from lmforge.generate.sampling import generate  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
 from lmforge.structured.constrain import format_grammar  # noqa: E402

@@ -27,7 +27,7 @@ from test_peft import ALPHA, RANK, TARGETS, logits, merged, random_adapter  # no
 from lmforge.accounting.shapes import model_shapes  # noqa: E402
 from lmforge.common.errors import LmforgeError  # noqa: E402
 from lmforge.config import ModelConfig, make_config  # noqa: E402
-from lmforge.data.tokenizer import END_OF_TEXT  # noqa: E402
+from lmforge.data.corpus import END_OF_TEXT  # noqa: E402
 from lmforge.generate.sampling import generate  # noqa: E402
 from lmforge.interop.hf import export_hf, import_hf  # noqa: E402
 from lmforge.interop.peft import read_peft_adapter, write_peft_adapter  # noqa: E402

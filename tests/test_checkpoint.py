@@ -380,7 +380,7 @@ def test_a_torn_last_metrics_line_is_dropped_and_a_damaged_one_stops_before_any_
 
 def test_checkpoints_take_config_and_tokenizer_from_memory_not_the_run_folder(tiny_config, tmp_path):
     from lmforge.config import load_config
-    from lmforge.data.tokenizer import load_tokenizer, tokenizer_hash
+    from lmforge.data.corpus import load_tokenizer, tokenizer_hash
 
     cfg = tiny_config(max_steps=2, checkpoint_interval=2)
     trainer = quiet_trainer(cfg, tmp_path / "run")

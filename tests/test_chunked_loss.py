@@ -1,4 +1,4 @@
-"""The chunked head + loss (wrap/chunked_loss.py) against the plain loss, and its memory in the plan.
+"""The chunked head + loss (wrap.py) against the plain loss, and its memory in the plan.
 
 Tolerances: in fp32 the two compute the same sums in another grouping (chunks of rows, dW summed
 chunk by chunk), so they agree to a few fp32 roundings (rel 1e-5, where fp32's eps is 1.2e-7 and
@@ -19,8 +19,7 @@ from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import IGNORE_INDEX, Transformer, cross_entropy_loss
 from lmforge.modes import POLICIES, get_policy
 from lmforge.precision.policy import autocast, prepare_model
-from lmforge.wrap.chunked_loss import ChunkedHeadLoss, _ChunkedCrossEntropy, apply_chunked_loss
-from lmforge.wrap.recompute import apply_recompute
+from lmforge.wrap import ChunkedHeadLoss, _ChunkedCrossEntropy, apply_chunked_loss, apply_recompute
 from lmforge.accounting.measure import measure_saved_bytes
 
 N, D, V = 150, 32, 700

@@ -1,4 +1,4 @@
-"""train.compile (wrap/compile.py): compiled blocks and loss give the eager model's numbers under
+"""train.compile (wrap.py): compiled blocks and loss give the eager model's numbers under
 canonical names; a compiled run resumes bit for bit. A cold compile costs 12-17 s on an idle
 2-core CPU, so one test runs by default and the rest are `slow`."""
 

@@ -66,7 +66,7 @@ def test_layers_apply_in_order(tmp_path):
 
 def test_config_round_trips_through_yaml(tmp_path):
     cfg = make_config("llama3-8b", overrides=["train.max_steps=5", "optim.lr=1e-4"])
-    # as a run's config.yaml is written (train/checkpoints.py, runs/folders.py)
+    # as a run's config.yaml is written (runs/state.py, runs/folders.py)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     assert load_config(tmp_path / "c.yaml") == cfg
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from lmforge.config import make_config
-from lmforge.data.corpus import Document, file_documents, load_documents, split_documents, stdlib_documents
+from lmforge.data.corpus import (END_OF_TEXT, Document, encode_documents, file_documents, load_documents,
+                                 load_tokenizer, split_documents, stdlib_documents, train_tokenizer)
 from lmforge.data.loader import BatchLoader, window_batch
 from lmforge.data.prepare import open_prepared, prepare_data
-from lmforge.data.tokenizer import END_OF_TEXT, encode_documents, load_tokenizer, train_tokenizer
 from lmforge.data.prepare import open_tokens, token_dtype, unigram_entropy, write_tokens
 from lmforge.common.errors import LmforgeError
 from tests.conftest import tiny_overrides

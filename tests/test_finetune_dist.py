@@ -121,7 +121,7 @@ def test_a_full_finetune_under_torchrun_equals_one_process(base, corpus_dir, tmp
 
 def test_a_hugging_face_folder_is_a_base_under_torchrun(base, tmp_path):
     pytest.importorskip("transformers")
-    from lmforge.data.tokenizer import train_tokenizer
+    from lmforge.data.corpus import train_tokenizer
     from test_interop import TEXT, VOCAB, hf_model
 
     tokenizer = train_tokenizer([TEXT * 3, "import os\nclass A(object):\n    pass\n"] * 5, VOCAB)

@@ -7,7 +7,7 @@ from lmforge.accounting.flops import (forward_flops_breakdown, forward_flops_per
                                       palm_flops_per_token, six_n_flops_per_token, training_flops_per_token)
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
-from lmforge.wrap.recompute import apply_recompute
+from lmforge.wrap import apply_recompute
 
 
 def count_flops(fn) -> int:

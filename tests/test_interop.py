@@ -18,11 +18,11 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
                           LlamaForCausalLM, PreTrainedTokenizerFast)
 
 from lmforge.config import LLAMA3_ROPE_SCALING, MODEL_PRESETS, ModelConfig, make_config  # noqa: E402
-from lmforge.data.tokenizer import END_OF_TEXT, train_tokenizer  # noqa: E402
+from lmforge.data.corpus import END_OF_TEXT, train_tokenizer  # noqa: E402
 from lmforge.common.errors import LmforgeError  # noqa: E402
 from lmforge.runs.folders import export_run, import_run  # noqa: E402
 from lmforge.interop.hf import export_hf, import_hf  # noqa: E402
-from lmforge.model.rope import rope_frequencies  # noqa: E402
+from lmforge.model.attention import rope_frequencies  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
 
 TEXT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"

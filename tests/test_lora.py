@@ -13,14 +13,14 @@ from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.data.sft import encode_example, example_parts, pad_examples
 from lmforge.model.transformer import IGNORE_INDEX
-from lmforge.data.tokenizer import END_OF_TEXT
+from lmforge.data.corpus import END_OF_TEXT
 from lmforge.common.errors import LmforgeError
-from lmforge.model.lora import (LoRALinear, adapter_state_dict, apply_lora, load_adapter_state_dict, merge_lora,
-                                unmerge_lora)
+from lmforge.model.lora import (LoRALinear, adapter_state_dict, apply_lora, load_adapter_state_dict, lora_layers,
+                                merge_lora)
 from lmforge.precision.fp8 import Fp8Linear
 from lmforge.runs.checkpoint.read import read_tensors
 from lmforge.runs.checkpoint.tensors import stored_tensors
-from lmforge.runs.load import load_run_model
+from lmforge.runs.load import base_checkpoint, model_from_checkpoint
 from lmforge.train.loop import Trainer
 from lmforge.modes import get_policy
 from lmforge.train.setup import build_model
@@ -68,7 +68,8 @@ def test_merged_equals_unmerged_and_unmerge_restores_the_weight_exactly():
     layer = model.blocks["1"].mlp.down_proj
     assert torch.equal(layer.base.weight, before["blocks.1.mlp.down_proj.weight"] + 2.0 * layer.lora_B @ layer.lora_A)
     torch.testing.assert_close(model(tokens), unmerged, rtol=1e-5, atol=1e-5)  # fp32 rounding only
-    unmerge_lora(model)
+    for merged in lora_layers(model).values():
+        merged.unmerge()
     for name, value in before.items():
         assert torch.equal(model.state_dict()[name], value), name  # bit for bit: restored, not subtracted
     assert torch.equal(model(tokens), unmerged)
@@ -106,7 +107,7 @@ def test_lora_composes_with_bf16_pure_and_fp8():
 
 
 def test_masked_sft_loss_equals_a_hand_computation(tmp_path, corpus_dir):
-    from lmforge.data.tokenizer import train_tokenizer
+    from lmforge.data.corpus import train_tokenizer
 
     tokenizer = train_tokenizer([p.read_text() for p in sorted(corpus_dir.glob("*.py"))[:5]], 300)
     end = tokenizer.token_to_id(END_OF_TEXT)
@@ -159,7 +160,7 @@ def finetune_config(base_run, pairs, *extra, **train):
                 "checkpoint_interval": 3, "log_interval": 2, "sample_tokens": 0, **train}
     cfg = make_config(None, overrides=[f"finetune.base={base_run}", f"data.source={pairs}", "optim.warmup_steps=2",
                                        *(f"train.{k}={v}" for k, v in settings.items()), *extra])
-    cfg.model = load_run_model(base_run)[0].model
+    cfg.model = model_from_checkpoint(base_checkpoint(base_run))[0].model
     return cfg
 
 
@@ -169,7 +170,7 @@ def test_a_lora_run_changes_only_the_adapters_and_its_bytes_match_the_plan(base_
     cfg = finetune_config(base_run, pairs, "finetune.lora_rank=4", "finetune.lora_targets=attn.*,mlp.up_proj",
                           f"train.precision={precision}")
     trainer = Trainer(cfg, tmp_path / "ft", console=Console(quiet=True), progress=False)
-    _, base, _ = load_run_model(base_run)
+    _, base, _ = model_from_checkpoint(base_checkpoint(base_run))
     before = {name: value.clone() for name, value in trainer.model.state_dict().items()}
     for name, value in base.state_dict().items():  # it starts from the base's weights
         assert torch.equal(before[name], value.to(before[name].dtype)), name

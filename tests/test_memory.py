@@ -13,7 +13,7 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.modes import POLICIES, get_policy
 from lmforge.precision.policy import autocast, prepare_model
-from lmforge.wrap.recompute import apply_recompute
+from lmforge.wrap import apply_recompute
 
 CONFIGS = {
     "tiny-gqa": [],

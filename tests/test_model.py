@@ -4,10 +4,14 @@ import pytest
 import torch
 
 from lmforge.config import make_config
-from lmforge.model.attention import attention, causal_mask
+from lmforge.model.attention import apply_rope, attention, causal_mask, rope_tables
 from lmforge.model.init import expected_std
-from lmforge.model.rope import apply_rope, rope_tables
-from lmforge.model.transformer import RMSNorm, Transformer, rms_norm_reference
+from lmforge.model.transformer import RMSNorm, Transformer
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * g   (Zhang & Sennrich 2019, eq. 4; no mean subtraction)."""
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
 
 
 def test_rmsnorm_matches_the_formula_and_torch():

@@ -27,7 +27,7 @@ from lmforge.optim.adamw import AdamW
 from lmforge.accounting.plan.predicted_vs_measured import print_comparison
 from lmforge.modes import get_policy
 from lmforge.precision.policy import autocast, prepare_model
-from lmforge.wrap.recompute import apply_recompute
+from lmforge.wrap import apply_recompute
 from lmforge.runs.state import RunState
 from lmforge.train.measurements import RunMeasurements
 from lmforge.train.summary import predicted_vs_measured

@@ -10,11 +10,17 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
 from lmforge.precision.policy import LossScaler, device_notes, prepare_model
 from lmforge.modes import get_policy
-from lmforge.precision.fp8 import (E4M3, E5M2, AmaxHistory, Fp8Linear, dequantize, fp8_matmul, fp8_max,
+from lmforge.precision.fp8 import (E4M3, E5M2, AmaxHistory, Fp8Linear, fp8_matmul, fp8_max,
                                    quantize, scale_for)
 from lmforge.runs.checkpoint.find import find_checkpoint, list_checkpoints
 from tests.conftest import tiny_overrides
 from tests.test_checkpoint import quiet_trainer
+
+
+def dequantize(x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """fp8 values back to `dtype`: the inverse of quantize (the reference the tests compare with)."""
+    return (x_fp8.float() / scale).to(dtype)
+
 
 # -- fp8: quantise / dequantise ------------------------------------------------------------------
 

@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from lmforge.accounting.flops import forward_flops_breakdown
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
-from lmforge.data.tokenizer import END_OF_TEXT, train_tokenizer
+from lmforge.data.corpus import END_OF_TEXT, train_tokenizer
 from lmforge.interop.hf import export_hf
 from lmforge.model.recipe import ReLU2MLP, SoftcapHead
 from lmforge.model.transformer import IGNORE_INDEX, RMSNorm, Transformer, cross_entropy_loss
 from lmforge.optim.schedule import Schedule, resume_note
-from lmforge.wrap.chunked_loss import _ChunkedCrossEntropy, apply_chunked_loss
+from lmforge.wrap import _ChunkedCrossEntropy, apply_chunked_loss
 from tests.conftest import tiny_overrides
 
 

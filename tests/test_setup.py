@@ -14,7 +14,7 @@ from lmforge.modes import POLICIES, RECOMPUTE_MODES, get_policy
 from lmforge.precision.policy import prepare_model
 from lmforge.precision.policy import Fp32Attention
 from lmforge.model.names import canonical_name
-from lmforge.wrap.recompute import Recompute, apply_recompute
+from lmforge.wrap import Recompute, apply_recompute
 from lmforge.train.setup import build, build_model
 
 

@@ -6,7 +6,7 @@ import torch
 
 from lmforge.cli import main
 from lmforge.config import make_config
-from lmforge.data.tokenizer import END_OF_TEXT, train_tokenizer
+from lmforge.data.corpus import END_OF_TEXT, train_tokenizer
 from lmforge.model.transformer import Transformer
 from lmforge.structured.constrain import JsonMode
 from lmforge.structured.parse import ParseError, check_schema, parse_answer

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from lmforge.data.tokenizer import END_OF_TEXT, train_tokenizer
+from lmforge.data.corpus import END_OF_TEXT, train_tokenizer
 from lmforge.structured.constrain import format_grammar
 from lmforge.structured.constrain import GrammarConstraint
 from lmforge.structured.evaluate import Condition, conditions, score, summarize, table_markdown, wilson

@@ -32,7 +32,7 @@ import torch
 
 from lmforge.runs.checkpoint.find import find_checkpoint, list_checkpoints
 from lmforge.runs.checkpoint.read import read_tensors
-from lmforge.runs.load import load_run_model, model_from_checkpoint
+from lmforge.runs.load import base_checkpoint, model_from_checkpoint
 from tests.conftest import tiny_overrides
 from tests.test_distributed_train import losses, torchrun
 from tests.test_tp_train_dist import run
@@ -66,7 +66,7 @@ def uninterrupted(tmp_path_factory, settings):
 
 def weights(path) -> dict[str, torch.Tensor]:
     """The whole model of a run folder's newest checkpoint (or of checkpoint `path`), one process."""
-    _, model, _ = model_from_checkpoint(path) if (path / "state.json").is_file() else load_run_model(path)
+    _, model, _ = model_from_checkpoint(path if (path / "state.json").is_file() else base_checkpoint(path))
     return model.state_dict()
 
 
@@ -142,7 +142,7 @@ def test_a_one_process_checkpoint_resumes_at_tp2_and_samples_with_a_split_kv_cac
     # is one process's sample from the same weights: the tp logits differ from one process's in
     # the last bits, and a sampled token changes only if the draw falls within that of a boundary
     # of the cumulative distribution (probability ~1e-6 per token)
-    cfg, model, tokenizer = load_run_model(folder)
+    cfg, model, tokenizer = model_from_checkpoint(base_checkpoint(folder))
     text = (folder / "sample.txt").read_text()
     prompt = json.loads((folder / "summary.json").read_text())["sample_prompt"]
     end = tokenizer.token_to_id(cfg.data.end_token)

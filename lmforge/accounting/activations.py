@@ -49,7 +49,7 @@ MLP_ACTIVATIONS = {
 
 
 def llama_activations(cfg: ModelConfig, b: int, s: int, policy: Policy) -> FamilyActivations:
-    """RMSNorm, the MLP of model.mlp (SwiGLU by default) and RotaryTables (model/rope.py); biases
+    """RMSNorm, the MLP of model.mlp (SwiGLU by default) and RotaryTables (model/attention.py); biases
     (model.qkv_bias) keep nothing."""
     p, bsd, bs = policy.bytes, b * s * cfg.d_model, b * s
     mlp_bytes, mlp_readers = MLP_ACTIVATIONS[cfg.mlp_kind](b * s * cfg.ffn_dim, p)
@@ -199,7 +199,7 @@ def activation_breakdown(cfg: ModelConfig, b: int, s: int, policy: Policy = POLI
                          first: bool = True, last: bool = True) -> dict[str, float]:
     """Bytes saved for backward over one micro-batch of b sequences of s tokens, per device.
 
-    With `loss_chunk_tokens` (wrap/chunked_loss.py) the head and loss keep their finished
+    With `loss_chunk_tokens` (wrap.py) the head and loss keep their finished
     gradients instead: dh in the residual stream's dtype and dW in fp32, no logits, no head cast.
 
     Layers: tensor parallelism with sequence parallelism divides each layer's activations by tp

@@ -9,7 +9,7 @@ K/V message is K and V of the local shard: M = 2 b kv_heads n d_head elements. P
              + cp of M in fp32: the dK/dV accumulator travels with its K/V and hops home at the end
 
 cp = 1 sends nothing. Grouped-query attention shrinks M by heads / kv_heads: the ring carries
-KV heads, not query heads. Recomputation (wrap/recompute, selective or full) reruns attention's
+KV heads, not query heads. Recomputation (wrap.py, selective or full) reruns attention's
 forward in backward, and with it the ring's forward: `recompute` counts those messages twice (the
 backward's own are unchanged: the rerun forward keeps no state the backward ring would skip).
 The loss count and the

@@ -34,7 +34,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # None, or Llama 3.1's long-context rescaling of the rotary frequencies: {rope_type: llama3, factor,
     # low_freq_factor, high_freq_factor, original_max_position_embeddings} (ROPE_SCALING_KEYS;
-    # model/rope.py, rope_frequencies)
+    # model/attention.py, rope_frequencies)
     rope_scaling: dict | None = None
     norm_eps: float = 1e-5
     dropout: float = 0.0
@@ -156,9 +156,9 @@ class TrainConfig:
     fp8_scaling: str = "current"  # fp8 per-tensor scales: current (this tensor's amax) | delayed (amax history)
     max_bad_steps: int = 1  # stop after this many non-finite steps in a row (all policies but fp16-mixed)
     recompute: str = "none"  # none | selective | full: activation recomputation in backward
-    compile: bool = False  # torch.compile each block and the head + loss (wrap/compile.py)
+    compile: bool = False  # torch.compile each block and the head + loss (wrap.py)
     # LM head + cross-entropy in chunks of this many tokens, never materialising the whole
-    # (tokens x vocab) logits (wrap/chunked_loss.py); 0: the plain loss
+    # (tokens x vocab) logits (wrap.py); 0: the plain loss
     loss_chunk_tokens: int = 0
     sample_tokens: int = 200  # tokens generated at the end of training; 0 disables
     sample_prompt: str = ""  # "": the start of a validation document (a prompt in the corpus's language)

@@ -4,6 +4,11 @@ The default corpus is the standard library of the running Python: about 30 MB of
 docstrings on every machine, with no download. `site-packages` (which differs per machine),
 caches and the few files that are not valid UTF-8 are left out; files are read in sorted order so
 that the corpus, and everything derived from it, is the same on every run.
+
+The tokenizer trained on a corpus (at the end of this file) is a byte-level BPE (Sennrich et al.
+2016; byte-level as in GPT-2) with Hugging Face `tokenizers`: its base alphabet is the 256 byte
+values, so any UTF-8 text encodes without an unknown token; merges are learned from the training
+split only. One special token, END_OF_TEXT, separates documents in the token stream.
 """
 
 import hashlib
@@ -11,11 +16,16 @@ import json
 import os
 import sys
 import sysconfig
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from lmforge.common.errors import LmforgeError
 
+END_OF_TEXT = "<|endoftext|>"
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")  # read from folders; explicit files may be any text
 
 
@@ -168,3 +178,62 @@ def source_stamp(source: str) -> str:
         except OSError:  # a broken link the standard library holds: read as missing
             digest.update(f"{name}\0missing\0".encode())
     return digest.hexdigest()
+
+
+# The tokenizer (the module docstring's last paragraph)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path, end_token: str = END_OF_TEXT) -> Tokenizer:
+    """The tokenizer saved at `path`, which must have `end_token` (data.end_token: lmforge's own, or
+    the one of a model imported from Hugging Face)."""
+    path = Path(path)
+    if not path.is_file():
+        raise LmforgeError(f"tokenizer {path} not found: run `lmforge prepare` (or train) to build it")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
+        first_line = str(err).splitlines()[0]
+        raise LmforgeError(f"tokenizer {path} is unreadable ({first_line}): prepare the data again") from None
+    if tokenizer.token_to_id(end_token) is None:
+        raise LmforgeError(f"tokenizer {path} has no {end_token} token: it was not made by lmforge "
+                           f"(or data.end_token names the wrong token)")
+    return tokenizer
+
+
+def tokenizer_hash(tokenizer: Tokenizer) -> str:
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+def encode_documents(tokenizer: Tokenizer, texts: Iterable[str], batch_size: int = 512,
+                     end_token: str = END_OF_TEXT) -> Iterator[np.ndarray]:
+    """Token ids of each document followed by `end_token`, yielded one batch of documents at a
+    time. `encode_batch` runs each batch on all cores in Rust; batching bounds the memory held."""
+    end = tokenizer.token_to_id(end_token)
+    batch: list[str] = []
+
+    def flush() -> np.ndarray:
+        encodings = tokenizer.encode_batch(batch)
+        ids = [np.asarray(e.ids + [end], dtype=np.int64) for e in encodings]
+        batch.clear()
+        return np.concatenate(ids)
+
+    for text in texts:
+        batch.append(text)
+        if len(batch) == batch_size:
+            yield flush()
+    if batch:
+        yield flush()

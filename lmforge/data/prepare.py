@@ -22,9 +22,9 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from lmforge.config import Config
-from lmforge.data.corpus import fingerprint, load_documents, source_stamp, split_documents, stdlib_name
+from lmforge.data.corpus import (encode_documents, fingerprint, load_documents, load_tokenizer, source_stamp,
+                                 split_documents, stdlib_name, tokenizer_hash, train_tokenizer)
 from lmforge.data.loader import check_windows
-from lmforge.data.tokenizer import encode_documents, load_tokenizer, tokenizer_hash, train_tokenizer
 from lmforge.common.errors import LmforgeError, as_os_error
 from lmforge.common.folders import FolderLock
 

@@ -41,9 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmforge.data.corpus import Document, split_documents
+from lmforge.data.corpus import END_OF_TEXT, Document, split_documents
 from lmforge.data.special_tokens import SpecialTokens, encode_plain, special_tokens
-from lmforge.data.tokenizer import END_OF_TEXT
 from lmforge.data.prepare import unigram_entropy
 from lmforge.common.errors import LmforgeError
 from lmforge.model.transformer import IGNORE_INDEX

@@ -18,12 +18,14 @@ A tokenizer's post-processor may put tokens around every text it encodes (Llama 
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from lmforge.common.errors import LmforgeError
+from lmforge.data.corpus import END_OF_TEXT
 
 # beside tokenizer.json, copied as they are (the sampling defaults, the template, the token names)
 HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -145,3 +147,11 @@ def _render(template: str, messages: list[dict], add_generation_prompt: bool, na
                                                 **names)
     except TemplateError as err:
         raise LmforgeError(f"the model's chat template failed: {err}") from None
+
+
+def load_special_tokens(folder: str | Path, tokenizer: Tokenizer, end_token: str = END_OF_TEXT) -> SpecialTokens:
+    """The special tokens of the model whose tokenizer.json is in `folder` (a checkpoint): the
+    Hugging Face files kept beside it, if any (above)."""
+    folder = Path(folder)
+    files = {name: (folder / name).read_bytes() for name in HF_TOKENIZER_FILES if (folder / name).is_file()}
+    return special_tokens(tokenizer, end_token, files)

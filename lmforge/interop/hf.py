@@ -21,8 +21,8 @@ from tokenizers import Tokenizer
 
 from lmforge.common.errors import LmforgeError
 from lmforge.config import ModelConfig
+from lmforge.data.corpus import END_OF_TEXT
 from lmforge.data.special_tokens import HF_TOKENIZER_FILES, SpecialTokens, json_object, special_tokens
-from lmforge.data.tokenizer import END_OF_TEXT
 from lmforge.interop.hf_config import hf_config, read_json, read_model_config
 from lmforge.interop.hf_names import check_state, from_hf_state, to_hf_state
 

@@ -8,7 +8,7 @@ The two models correspond module for module, renamed (`LAYOUTS`), with two diffe
     nn.Linear's (out, in);
   - it fuses the query, key and value projections into one `c_attn` of width 3d (q, k, v in that
     order), which lmforge keeps as three linears.
-Rotary layout: lmforge rotates the pairs (x_j, x_{j+d/2}) ("rotate half", model/rope.py),
+Rotary layout: lmforge rotates the pairs (x_j, x_{j+d/2}) ("rotate half", model/attention.py),
 the layout of HF Llama checkpoints (HF's conversion script permutes the rows of Meta's
 interleaved-pair q and k weights into it), so q_proj and k_proj are copied unpermuted; the tests
 show it by the logits, which a wrong layout would change from the first position on.

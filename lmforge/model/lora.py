@@ -15,7 +15,7 @@ instead of d^2. The activations of the frozen layers are still kept wherever the
 earlier adapter has to flow back through them (accounting/plan/make.py counts this).
 
 Names: `LoRALinear` holds the base layer as its child `base`, but its state dict drops that
-segment (as wrap/recompute.py drops its wrapper's), so the wrapped weight keeps its canonical
+segment (as wrap.py drops its wrapper's), so the wrapped weight keeps its canonical
 name (`blocks.0.attn.q_proj.weight`) and the adapters are `blocks.0.attn.q_proj.lora_A` / `lora_B`.
 A checkpoint of the base loads into the wrapped model and the merged model saves as a plain one.
 """
@@ -32,7 +32,6 @@ from lmforge.model.names import keep_canonical_names
 # The attention projections: the paper's choice (section 7.1: W_q and W_v already do well; all four
 # do better at the same parameter budget in its table 5).
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")  # llama; the gpt family's MLP has up_proj, down_proj
 DEFAULT_TARGETS = ",".join(ATTENTION_TARGETS)
 BASE = "base"
 
@@ -104,7 +103,7 @@ class LoRALinear(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha:g}"
 
 
-# wrap/recompute.py's wrapper segment (torch's checkpoint wrapper's name), spelt out here so that
+# wrap.py's wrapper segment (torch's checkpoint wrapper's name), spelt out here so that
 # the model package (and accounting/, which counts adapters) imports nothing of train/
 RECOMPUTE_SEGMENT = "_checkpoint_wrapped_module."
 
@@ -208,9 +207,4 @@ def load_adapter_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor], 
 def merge_lora(model: nn.Module) -> None:
     for layer in lora_layers(model).values():
         layer.merge()
-
-
-def unmerge_lora(model: nn.Module) -> None:
-    for layer in lora_layers(model).values():
-        layer.unmerge()
 

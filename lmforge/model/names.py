@@ -1,6 +1,6 @@
 """Canonical parameter names: those of the unwrapped model, which checkpoints store.
 
-The wrappers applied from outside (lmforge/wrap/: recomputation, torch.compile) hold the wrapped
+The wrappers applied from outside (lmforge/wrap.py: recomputation, torch.compile) hold the wrapped
 module under a segment of their own; torch.distributed.checkpoint and FSDP drop those segments
 from the names they see, and so do the state dicts here, so a parameter has one name whether or
 not its block is wrapped.
@@ -10,7 +10,7 @@ import functools
 
 import torch.nn as nn
 
-# torch's checkpoint wrapper's attribute (wrap/recompute.py uses the same) and torch.compile's
+# torch's checkpoint wrapper's attribute (wrap.py uses the same) and torch.compile's
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
 
 

@@ -26,7 +26,7 @@ class ReLU2MLP(nn.Module):
 class SoftcapHead(nn.Linear):
     """The LM head with logit soft-capping, cap * tanh(x W^T / cap) (Gemma 2, Team et al. 2024; modded-nanogpt):
     logits stay in (-cap, cap), nearly unchanged while |logit| << cap. Built for model.logit_softcap;
-    its weight is named, tied and stored as the plain head's (wrap/chunked_loss.py reads `cap`)."""
+    its weight is named, tied and stored as the plain head's (wrap.py reads `cap`)."""
 
     def __init__(self, d_model: int, vocab_size: int, cap: float):
         super().__init__(d_model, vocab_size, bias=False)

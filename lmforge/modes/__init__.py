@@ -5,7 +5,7 @@ rest of lmforge asks of it.
 The one list of each (tests/test_registries.py checks that every other list of them is one of these
 objects): config/validate.py validates the settings against them, accounting/ costs them, and the
 torch side applies them (model/attention.py, optim/build.py, parallel/, precision/policy.py,
-wrap/recompute.py). No torch here, so that parsing a config, `lmforge plan` and `lmforge --help`
+wrap.py). No torch here, so that parsing a config, `lmforge plan` and `lmforge --help`
 do not load it (seconds on a busy machine).
 """
 

@@ -79,12 +79,8 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def _group_step(self, group: dict, counts: list) -> None:
-        """One param group's step: AdamW's here; Muon (optim/muon.py) routes its matrices elsewhere."""
-        self._step_group(group, counts)
-
-    def _step_group(self, group: dict, counts: list) -> None:
-        """One param group's AdamW step, by the loop or the foreach path (optim/muon.py reuses it
-        for the parameters it leaves to AdamW)."""
+        """One param group's AdamW step, by the loop or the foreach path (Muon, optim/muon.py,
+        overrides it for its matrices and calls it for the parameters it leaves to AdamW)."""
         params = [p for p in group["params"] if p.grad is not None]
         if not self.foreach:
             for param in params:

@@ -40,46 +40,24 @@ def param_groups(cfg: Config, model: torch.nn.Module) -> list[dict]:
     return groups_of(model, cfg.optim.weight_decay)
 
 
-def adamw(cfg: Config, policy: Policy, param_groups: list[dict]) -> AdamW:
-    o = cfg.optim
-    return AdamW(param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, count_lost_updates=policy.lossy_updates)
-
-
-def adam(cfg: Config, policy: Policy, param_groups: list[dict]) -> Adam:
-    o = cfg.optim
-    return Adam(param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, count_lost_updates=policy.lossy_updates)
-
-
-def sgd(cfg: Config, policy: Policy, param_groups: list[dict]) -> SGD:
-    return SGD(param_groups, lr=cfg.optim.lr)
-
-
-def sgd_momentum(cfg: Config, policy: Policy, param_groups: list[dict]) -> SGD:
-    return SGD(param_groups, lr=cfg.optim.lr, momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov)
-
-
-def adagrad(cfg: Config, policy: Policy, param_groups: list[dict]) -> Adagrad:
-    return Adagrad(param_groups, lr=cfg.optim.lr, eps=cfg.optim.eps)
-
-
-def rmsprop(cfg: Config, policy: Policy, param_groups: list[dict]) -> RMSprop:
-    return RMSprop(param_groups, lr=cfg.optim.lr, alpha=cfg.optim.beta2, eps=cfg.optim.eps)
-
-
-def lion(cfg: Config, policy: Policy, param_groups: list[dict]) -> Lion:
-    return Lion(param_groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2))
+def _adam(cls):
+    """AdamW's or Adam's builder: the config's betas and eps; lost updates counted where the policy loses them."""
+    return lambda cfg, policy, groups: cls(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                           eps=cfg.optim.eps, count_lost_updates=policy.lossy_updates)
 
 
 Builder = Callable[[Config, Policy, list[dict]], torch.optim.Optimizer]
 
+# each a function (cfg, policy, param_groups); the plain ones take optim.lr and the settings they name
 BUILDERS: dict[str, Builder] = {
-    "adamw": adamw,
-    "adam": adam,
-    "sgd": sgd,
-    "sgd-momentum": sgd_momentum,
-    "adagrad": adagrad,
-    "rmsprop": rmsprop,
-    "lion": lion,
+    "adamw": _adam(AdamW),
+    "adam": _adam(Adam),
+    "sgd": lambda cfg, policy, groups: SGD(groups, lr=cfg.optim.lr),
+    "sgd-momentum": lambda cfg, policy, groups: SGD(groups, lr=cfg.optim.lr, momentum=cfg.optim.momentum,
+                                                    nesterov=cfg.optim.nesterov),
+    "adagrad": lambda cfg, policy, groups: Adagrad(groups, lr=cfg.optim.lr, eps=cfg.optim.eps),
+    "rmsprop": lambda cfg, policy, groups: RMSprop(groups, lr=cfg.optim.lr, alpha=cfg.optim.beta2, eps=cfg.optim.eps),
+    "lion": lambda cfg, policy, groups: Lion(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2)),
     "adafactor": build_adafactor,
     "muon": build_muon,
     # add an optimizer here (and in modes/, accounting/optimizers.py)

@@ -160,7 +160,7 @@ class Muon(AdamW):
     def _group_step(self, group: dict, counts: list) -> None:
         """AdamW.step's loop calls this per group: Newton-Schulz for the matrices, AdamW for the rest."""
         if not group["use_muon"]:
-            return self._step_group(group, counts)  # AdamW's
+            return super()._group_step(group, counts)  # AdamW's
         if self.whole_matrices is None and any(p.ndim != 2 for p in group["params"]):
             raise ValueError("Muon updates 2-D matrices only: put other parameters in a group "
                              "without use_muon (AdamW)")

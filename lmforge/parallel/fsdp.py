@@ -40,7 +40,7 @@ FULL = StateDictOptions(full_state_dict=True)
 
 
 def compiled(model) -> bool:
-    """train.compile wrapped the blocks (wrap/compile.py)."""
+    """train.compile wrapped the blocks (wrap.py)."""
     return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())
 
 

@@ -13,7 +13,7 @@ A dropout inside a region acts on this rank's slice of the heads, and must draw 
 `TensorRankRng` runs such a module under a generator seeded, for that one call, with a number drawn
 from the default generator (alike on every rank) plus the tp rank: the ranks' masks differ, and the
 default generator advances alike on every rank. Unlike Megatron's tracker it keeps no state of its
-own: recomputation (wrap/recompute.py: torch.utils.checkpoint restores the default generator before
+own: recomputation (wrap.py: torch.utils.checkpoint restores the default generator before
 rerunning a forward) redraws the same seed and the same masks, and a resumed run needs nothing saved.
 The model's dropout sites are separate modules (model/transformer.py: `embed_dropout`,
 `blocks.N.residual_dropout`, `blocks.N.attn.core`), so they are wrapped from outside, at build time.

@@ -68,10 +68,6 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return (x.to(wide) * scale.to(wide)).clamp_(-limit, limit).to(dtype)
 
 
-def dequantize(x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (x_fp8.float() / scale).to(dtype)
-
-
 def hardware_fp8(device: torch.device) -> bool:
     """True where `torch._scaled_mm` runs on fp8 tensor cores (CUDA, compute capability >= 8.9)."""
     return (device.type == "cuda" and torch.cuda.is_available()

@@ -17,7 +17,8 @@ import yaml
 from lmforge.common.errors import LmforgeError
 from lmforge.common.folders import FolderLock
 from lmforge.config import Config, DataConfig, config_to_dict, load_config
-from lmforge.data.tokenizer import load_special_tokens, load_tokenizer
+from lmforge.data.corpus import load_tokenizer
+from lmforge.data.special_tokens import load_special_tokens
 from lmforge.interop.hf import export_hf, import_hf
 from lmforge.interop.hf import read_end_token, read_hf_special_tokens
 from lmforge.interop.peft import lora_target, write_peft_adapter

@@ -23,8 +23,8 @@ from tokenizers import Tokenizer
 
 from lmforge.common.errors import LmforgeError, lookup
 from lmforge.config import Config, DataConfig, ModelConfig, load_config
-from lmforge.data.special_tokens import SpecialTokens
-from lmforge.data.tokenizer import load_special_tokens, load_tokenizer
+from lmforge.data.corpus import load_tokenizer
+from lmforge.data.special_tokens import SpecialTokens, load_special_tokens
 from lmforge.interop.hf import hf_weights_dtype, import_hf
 from lmforge.interop.hf_config import read_model_config
 from lmforge.interop.hf import read_end_token, read_hf_special_tokens, read_hf_tokenizer
@@ -124,11 +124,6 @@ def check_same_base(saved: dict | None, current: dict | None, where: Path) -> No
                            f"({saved['checkpoint']}, weights sha256 {saved['sha256'][:12]}), but {current['path']} "
                            f"now holds {current['checkpoint']} (sha256 {current['sha256'][:12]}): point "
                            f"finetune.base at the original base")
-
-
-def load_run_model(path: str | Path, merge: bool = False) -> tuple[Config, torch.nn.Module, Tokenizer]:
-    """The model of a run's newest good checkpoint (see `model_from_checkpoint`)."""
-    return model_from_checkpoint(base_checkpoint(Path(path)), merge)
 
 
 def model_from_checkpoint(checkpoint: Path, merge: bool = False) -> tuple[Config, torch.nn.Module, Tokenizer]:

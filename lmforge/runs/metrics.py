@@ -1,52 +1,22 @@
 """metrics.jsonl: one JSON record per log or eval event, each with its `step`; written while a run
-trains (train/report.py), read by `lmforge runs`, the plots and resume."""
+trains (train/report.py's StepLog), read here (no torch) by `lmforge runs`, the plots and resume."""
 
 import json
-import os
 from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
 
 
-class MetricsLog:
-    """Append-only JSON lines, one record per log or eval event, each with its `step`.
-
-    On resume the file is first rewritten to the lines `lines_to_keep` chose (the records up to
-    the checkpoint's step: later ones belong to the part of the interrupted run that is being
-    redone), so that it reads as one uninterrupted run.
-    """
-
-    def __init__(self, path: Path, keep: list[str] | None = None):
-        self.path = path
-        if keep is not None and path.exists():
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, path)
-        self._file = open(path, "a")
-
-    @staticmethod
-    def lines_to_keep(path: Path, step: int, warn) -> list[str]:
-        """The lines of `path` with records up to `step`; reads only. A cut-off last line (what a
-        full disk or a kill mid-write leaves) is dropped with a warning; damage elsewhere stops."""
-        if not path.exists():
-            return []
-        records, cut = _read_lines(path, advice="; delete that line (or the file) and resume again")
-        if cut:
-            warn(f"{path} ends in a cut-off line (a full disk or a kill while writing it): dropped it")
-        return [line for line, record in records if record.get("step", 0) <= step]
-
-    def write(self, record: dict) -> None:
-        try:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-        except OSError as err:  # a write to an open file does not name it: add the path
-            raise OSError(err.errno, err.strerror, str(self.path)) from err
-
-    def close(self) -> None:
-        try:
-            self._file.close()
-        except OSError:
-            pass  # the buffered rest could not be flushed (full disk): the write that failed said so
+def lines_to_keep(path: Path, step: int, warn) -> list[str]:
+    """The lines of metrics.jsonl `path` with records up to `step` (what a resume keeps: later ones
+    belong to the part of the interrupted run that is being redone); reads only. A cut-off last
+    line (what a full disk or a kill mid-write leaves) is dropped with a warning; damage elsewhere stops."""
+    if not path.exists():
+        return []
+    records, cut = _read_lines(path, advice="; delete that line (or the file) and resume again")
+    if cut:
+        warn(f"{path} ends in a cut-off line (a full disk or a kill while writing it): dropped it")
+    return [line for line, record in records if record.get("step", 0) <= step]
 
 
 def read_metrics(path: Path) -> list[dict]:

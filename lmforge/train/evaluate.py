@@ -17,10 +17,7 @@ from lmforge.modes import Policy
 from lmforge.parallel.parallelize import Engine
 from lmforge.parallel.world import World
 from lmforge.precision.policy import autocast
-
-# the history's key of a run that reached train.target_loss: it ends (train/checkpoints.py lets it
-# resume only to write its summary)
-TARGET_REACHED = "target_reached"
+from lmforge.runs.state import TARGET_REACHED
 
 
 @torch.no_grad()

@@ -39,12 +39,11 @@ from lmforge.accounting.plan.costing import Costing, data_parallel
 from lmforge.accounting.plan.make import make_plan, matmul_dtype
 from lmforge.common.errors import LmforgeError, human_bytes, warn
 from lmforge.config import Config
-from lmforge.data.corpus import load_documents, split_documents
+from lmforge.data.corpus import encode_documents, load_documents, split_documents, tokenizer_hash
 from lmforge.data.loader import check_windows, window_batch
 from lmforge.data.special_tokens import SpecialTokens
 from lmforge.data.sft import encode_record, example_batch, is_example_source, load_examples, read_records
 from lmforge.model.transformer import IGNORE_INDEX
-from lmforge.data.tokenizer import encode_documents, tokenizer_hash
 from lmforge.data.prepare import unigram_entropy
 from lmforge.parallel.world import resolve_device
 from lmforge.runs.load import base_identity, load_base, model_special_tokens

@@ -31,9 +31,8 @@ from lmforge.parallel.pipeline.timeline import Timeline, pipeline_report
 from lmforge.parallel.faults import is_collective_failure
 from lmforge.parallel.world import World, init_world
 from lmforge.precision.policy import LossScaler, device_notes
-from lmforge.runs.state import RunFolder, RunState
-from lmforge.train.checkpoints import Checkpoints
-from lmforge.train.evaluate import TARGET_REACHED, EvalTasks, run_evaluation
+from lmforge.runs.state import TARGET_REACHED, Checkpoints, RunFolder, RunState
+from lmforge.train.evaluate import EvalTasks, run_evaluation
 from lmforge.train.guard import check_bad_steps
 from lmforge.train.measurements import (FirstStepMeasurement, TrafficMeter, WindowClock, estimate, rank_share,
                                         run_plan, start_measurements)
@@ -241,7 +240,7 @@ class Trainer:
         self.measurements.started = time.time()
         clock = WindowClock(self.measurements, compiling=t.compile)
         window_loss = torch.tensor(window["loss_sum"], dtype=torch.float64, device=self.device)
-        # a run that reached train.target_loss (train/checkpoints.py lets one resume only to write its summary)
+        # a run that reached train.target_loss (runs/state.py's Checkpoints lets one resume only to write its summary)
         while state.step < t.max_steps and TARGET_REACHED not in state.history:
             loss_sum, grad_norm = self.train_step()
             compiled = clock.count_step()

@@ -6,6 +6,7 @@ MFU, memory, then tqdm's ETA; with --no-progress (batch jobs, CI logs) the same 
 as one plain line per record instead.
 """
 
+import json
 import time
 from pathlib import Path
 
@@ -14,8 +15,8 @@ from tqdm import tqdm
 
 from lmforge.config import Config, config_to_dict
 from lmforge.common.errors import LmforgeError, format_duration, human_bytes
+from lmforge.common.folders import write_file_staged
 from lmforge.accounting.measure import peak_memory_bytes
-from lmforge.runs.metrics import MetricsLog
 from lmforge.train.measurements import RunMeasurements
 
 
@@ -41,13 +42,17 @@ def metrics_line(record: dict) -> str:
 
 
 class StepLog:
-    """Where the loop's records go. `keep` (on resume): the metrics.jsonl lines to keep; the
-    trackers drop what an interrupted session logged after `start_step` too."""
+    """Where the loop's records go. `keep` (on resume): the metrics.jsonl lines to keep (the records
+    up to the checkpoint's step, runs/metrics.py lines_to_keep); the trackers drop what an
+    interrupted session logged after `start_step` too."""
 
     def __init__(self, run_dir: Path, cfg: Config, console: Console, progress: bool, start_step: int,
                  keep: list[str] | None):
         self.console, self.progress, self.max_steps = console, progress, cfg.train.max_steps
-        self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep=keep)
+        self.metrics_path = run_dir / "metrics.jsonl"  # append-only JSON lines, one record per log or evaluation
+        if keep is not None and self.metrics_path.exists():  # rewritten first: it reads as one uninterrupted run
+            write_file_staged(self.metrics_path, lambda path: path.write_text("".join(line + "\n" for line in keep)))
+        self.metrics = open(self.metrics_path, "a")
         self.trackers = Trackers(run_dir, tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb,
                                  config=config_to_dict(cfg), resume_step=start_step if keep is not None else None)
         self.bar = tqdm(total=self.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
@@ -59,7 +64,11 @@ class StepLog:
 
     def record(self, record: dict, steps_per_second: float | None = None) -> None:
         """Log a record everywhere; a training record also updates the bar (or prints its line)."""
-        self.metrics.write(record)
+        try:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        except OSError as err:  # a write to an open file does not name it: add the path
+            raise OSError(err.errno, err.strerror, str(self.metrics_path)) from err
         self.trackers.write(record)
         if "train_loss" not in record:
             return
@@ -81,7 +90,10 @@ class StepLog:
 
     def close(self) -> None:
         self.bar.close()
-        self.metrics.close()
+        try:
+            self.metrics.close()
+        except OSError:
+            pass  # the buffered rest could not be flushed (full disk): the write that failed said so
         self.trackers.close()
 
 
@@ -138,7 +150,7 @@ class Trackers:
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb: bool = False,
                  config: dict | None = None, resume_step: int | None = None):
         """`resume_step`: the checkpoint's step when a run resumes. What an interrupted session logged
-        after it is redone, so TensorBoard is told to drop those points (as MetricsLog drops its lines)."""
+        after it is redone, so TensorBoard is told to drop those points (as StepLog drops its metrics.jsonl lines)."""
         self.run_dir = Path(run_dir)
         self._wandb = None
         if wandb:  # checked first, so that a missing package stops the run before anything is written

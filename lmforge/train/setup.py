@@ -19,14 +19,14 @@ it from outside, in a fixed order, then the optimizer over what is trainable.
                   (precision/policy.py); on a tensor-parallel model fp8 swaps the split linears for
                   their fp8 forms, each scale the whole tensor's amax (parallel/tp_fp8.py)
     3. recompute  selective: each attention core in a Recompute wrapper; full: each block
-                  (wrap/recompute.py)
-    4. loss       the chunked head + loss in place of the plain one (wrap/chunked_loss.py)
+                  (wrap.py)
+    4. loss       the chunked head + loss in place of the plain one (wrap.py)
     5. LoRA       with finetune.lora_rank: freeze everything, wrap the targeted linears in
                   LoRALinear (model/lora.py); tensor-parallel ones in its split forms, adapters
                   drawn whole as one process draws them, then sliced (parallel/tp_lora.py)
     5b. cut       a pipeline stage keeps its blocks (and the embedding, or the head) of the model
                   built whole on the CPU, then moves to its device (parallel/pipeline/layout.py)
-    6. compile    each block and the loss piece in a torch.compile wrapper (wrap/compile.py)
+    6. compile    each block and the loss piece in a torch.compile wrapper (wrap.py)
     7. parallel   pipeline parallelism: the stage's engine (its schedule, point-to-point sends);
                   data parallelism: `parallelize` wraps the model in the engine of train.parallel
                   (lmforge/parallel/): none and ddp keep the model whole; zero1-3 flatten each
@@ -82,9 +82,7 @@ from lmforge.parallel.tp_fp8 import apply_tensor_parallel_fp8
 from lmforge.parallel.tp_lora import apply_tensor_parallel_lora
 from lmforge.parallel.world import World
 from lmforge.precision.policy import prepare_model
-from lmforge.wrap.chunked_loss import apply_chunked_loss
-from lmforge.wrap.compile import apply_compile
-from lmforge.wrap.recompute import apply_recompute
+from lmforge.wrap import apply_chunked_loss, apply_compile, apply_recompute
 
 
 def build_model(cfg: Config, policy: Policy, device: torch.device | str = "cpu",

@@ -15,7 +15,8 @@ from lmforge.common.errors import for_terminal, human_count
 from lmforge.config import Config
 from lmforge.generate.sampling import generate
 from lmforge.runs.plots import plot_losses, run_title
-from lmforge.train.evaluate import TARGET_REACHED, task_rows
+from lmforge.runs.state import TARGET_REACHED
+from lmforge.train.evaluate import task_rows
 from lmforge.train.measurements import RunMeasurements
 
 # train.sample_prompt="" starts the end-of-run sample with this many tokens of a validation document.
@@ -211,16 +212,14 @@ def predicted_vs_measured(plan: dict, run: RunMeasurements, tokens_per_s: float)
         rows["activations_bytes"] = (sum(activations.values()) - activations.get("recomputed_layer", 0)
                                      + breakdown["weight_copies"], measured.get("activations"))
     # counted by the engine's collectives; None where they are not its own (FSDP2's): "not measured"
-    if run.sent_bytes is not None or plan["communication"]["sent_bytes"]:
-        steps = max(run.state.step - run.start_step, 1)
-        rows["sent_bytes_per_step"] = (plan["communication"]["sent_bytes"],
+    comm, steps = plan["communication"], max(run.state.step - run.start_step, 1)
+    if run.sent_bytes is not None or comm["sent_bytes"]:
+        rows["sent_bytes_per_step"] = (comm["sent_bytes"],
                                        run.sent_bytes / steps if run.sent_bytes is not None else None)
-    if run.tp_sent_bytes is not None and "tensor_parallel" in plan["communication"]:
-        rows["tp_sent_bytes_per_step"] = (plan["communication"]["tensor_parallel"]["sent_bytes"],
-                                          run.tp_sent_bytes / max(run.state.step - run.start_step, 1))
-    if run.cp_sent_bytes is not None and "context_parallel" in plan["communication"]:
-        rows["cp_sent_bytes_per_step"] = (plan["communication"]["context_parallel"]["sent_bytes"],
-                                          run.cp_sent_bytes / max(run.state.step - run.start_step, 1))
+    for group, sent, part in (("tp", run.tp_sent_bytes, "tensor_parallel"),
+                              ("cp", run.cp_sent_bytes, "context_parallel")):
+        if sent is not None and part in comm:
+            rows[f"{group}_sent_bytes_per_step"] = (comm[part]["sent_bytes"], sent / steps)
     if "peak_allocated" in measured:  # rank 0's: in a pipeline, stage 0's
         rows["peak_memory_bytes"] = (stages[0]["total_bytes"] if stages else plan["memory"]["per_device_bytes"],
                                      measured["peak_allocated"])

@@ -78,7 +78,6 @@ def save_checkpoint(run_dir: Path, step: int, engine, state: dict, extra_files: 
     try:
         if world.is_main:
             root.mkdir(parents=True, exist_ok=True)
-            remove_partials(run_dir)  # from a save that was killed half way
             partial.mkdir()
         world.barrier()  # the folder exists before any rank writes into it
         parameters = engine.total_over_stages(sum(t.numel() for t in model_state.values()), model_state)
@@ -150,11 +149,3 @@ def seal(partial: Path) -> None:
         os.fsync(f.fileno())
     for folder in [*(p for p in partial.iterdir() if p.is_dir()), partial]:
         fsync_dir(folder)
-
-
-def remove_partials(run_dir: Path) -> None:
-    """Remove the staging folders of saves that were killed or failed half way."""
-    root = run_dir / CHECKPOINT_DIR
-    if root.is_dir():
-        for leftover in [*root.glob(".step_*.partial"), *root.glob(".step_*.stale")]:
-            shutil.rmtree(leftover, ignore_errors=True)

@@ -1,5 +1,22 @@
-"""The LM head and the cross-entropy in chunks of tokens, so that the (tokens x vocab) logits and
-their gradient never exist whole (`train.loss_chunk_tokens`; 0 keeps the plain loss).
+"""What wraps a built model from outside (train/setup.py applies them in its documented order;
+the model file knows nothing of them): activation recomputation, the chunked head + loss, and
+torch.compile. Each refuses to run twice.
+
+Recomputation (`train.recompute`) trades FLOPs in backward for activation memory (Chen et al.
+2016; Korthikanti et al. 2022).
+
+  full       each block keeps only its input; backward reruns the block's forward first.
+  selective  only the attention core (q, k, v -> softmax(QK^T)V) is rerun: it holds the
+             s x s terms that dominate memory at long sequence length, for a small share of
+             the FLOPs (Korthikanti et al. 2022, section 4.2).
+
+Both wrap a module in `Recompute`, which runs it under torch.utils.checkpoint in its non-reentrant
+form (works with keyword arguments and with inputs that do not require grad). accounting/memory.py
+counts what each mode keeps and accounting/flops.py the FLOPs it adds (HFU).
+
+The chunked loss computes the LM head and the cross-entropy in chunks of tokens, so that the
+(tokens x vocab) logits and their gradient never exist whole (`train.loss_chunk_tokens`; 0 keeps
+the plain loss).
 
 For N tokens, hidden states h (N, d) after the final norm and the head's weight W (V, d):
 
@@ -23,14 +40,81 @@ rerun the head matmul. The Liger-Kernel "fused linear cross-entropy" computes th
 Numerics follow the plain path (model/transformer.py): the matmuls run in the autocast dtype
 (or the weights' dtype), the logits are rounded to it and then widened to fp32 for the softmax,
 dz is rounded back to it before its two matmuls; dW is summed over chunks in fp32.
+
+Compile (`train.compile=true`) applies torch.compile as torchtitan does it: each block, and the
+loss piece (final norm, LM head, cross-entropy: model.loss), is replaced by
+`torch.compile(module)`, a wrapper module holding the original under `_orig_mod`.
+
+- Names stay canonical: torch.distributed.checkpoint drops `_orig_mod` from the names it gives
+  optimizer state, and the wrapper's state dict drops it too (as Recompute's,
+  keep_canonical_names), so a checkpoint of a compiled run has the names of an uncompiled one.
+- One compile for all blocks: they run the same code and torch.compile passes parameters as graph
+  inputs, so the graph of block 0 serves every layer (and one more for the loss piece).
+- Training forwards only: a forward of the model with gradients off (evaluation, and generation,
+  whose KV-cache shapes change every token and would recompile again and again) runs the same
+  modules eagerly, by torch.compiler.set_stance("force_eager") from hooks on the model.
+- Inductor's kernels compute the same functions in another order of operations (fused,
+  vectorised), so a compiled run is not bit-identical to an eager one; tests/test_compile.py
+  checks it to a tolerance, and that a compiled run resumes bit for bit.
+
+Combinations: every precision policy, recomputation mode and attention backend compiles
+(recomputation's torch.utils.checkpoint is traced as one region) except flash_triton, whose
+kernels torch.compile would have to trace on a GPU, untried (config/validate.py refuses it with one line).
 """
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from lmforge.common.errors import LmforgeError
+from lmforge.model.names import keep_canonical_names
 from lmforge.model.recipe import SoftcapHead, softcap
 from lmforge.model.transformer import IGNORE_INDEX
+from lmforge.modes import get_recompute
+
+# The wrapped module's attribute name: the one torch's own checkpoint wrapper uses, which
+# torch.distributed.checkpoint and FSDP remove from parameter names. State dicts here drop it too,
+# so a block's parameters have the same names with and without recomputation.
+WRAPPED = "_checkpoint_wrapped_module"
+COMPILED = "_orig_mod"  # where torch.compile's wrapper holds the module
+
+
+class Recompute(nn.Module):
+    """Runs the wrapped module without keeping its intermediate activations; backward reruns it."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.add_module(WRAPPED, module)
+        keep_canonical_names(self, WRAPPED)
+
+    @property
+    def wrapped(self) -> nn.Module:
+        return getattr(self, WRAPPED)
+
+    def __getattr__(self, name: str):
+        """Attributes of the wrapped module read through the wrapper (`blocks["0"].attn`), as
+        parameter names without the wrapper's segment require."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__(WRAPPED), name)
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.wrapped, *args, use_reentrant=False, **kwargs)
+
+
+def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+    """Wrap the blocks (full) or their attention cores (selective) of `model` in `Recompute`."""
+    chosen = get_recompute(mode)
+    if any(isinstance(m, Recompute) for m in model.modules()):
+        raise ValueError("recomputation is already applied to this model")
+    if chosen.blocks:
+        for name, block in model.blocks.items():
+            model.blocks[name] = Recompute(block)
+    elif chosen.attention_cores:
+        for block in model.blocks.values():
+            block.attn.core = Recompute(block.attn.core)
+    return model
 
 
 def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -121,3 +205,39 @@ def apply_chunked_loss(model: nn.Module, chunk_tokens: int) -> nn.Module:
             raise ValueError("the chunked loss is already applied to this model")
         model.loss = ChunkedHeadLoss(chunk_tokens)
     return model
+
+
+def _compiled(module: nn.Module, backend: str) -> nn.Module:
+    wrapper = torch.compile(module, backend=backend)
+    keep_canonical_names(wrapper, COMPILED)
+    return wrapper
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
+    """Replace each block of `model` and its loss piece by a compiled wrapper, in place. `backend`
+    is torch.compile's ("eager" traces without generating code: the GPU check's CPU dry run)."""
+    if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules()):
+        raise ValueError("torch.compile is already applied to this model")
+    for name, block in model.blocks.items():
+        model.blocks[name] = _compiled(block, backend)
+    if getattr(model, "lm_head", None) is not None:
+        model.loss = _compiled(model.loss, backend)
+    model.register_forward_pre_hook(_eager_without_grad)
+    model.register_forward_hook(_end_eager, always_call=True)
+    return model
+
+
+_stances: list = []  # the eager stances entered by _eager_without_grad, innermost last
+
+
+def _eager_without_grad(module, args):
+    stance = torch.compiler.set_stance("force_eager") if not torch.is_grad_enabled() else None
+    if stance is not None:
+        stance.__enter__()
+    _stances.append(stance)
+
+
+def _end_eager(module, args, output):
+    stance = _stances.pop() if _stances else None
+    if stance is not None:
+        stance.__exit__(None, None, None)
