@@ -16,8 +16,7 @@ from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_me
 from lmforge.accounting.activations import activation_breakdown
 from lmforge.accounting.pipeline import (balanced_split, bubble_fraction, micro_batches_in_flight, stage_costs,
                                          stage_layers)
-from lmforge.accounting.plan.costing import Costing
-from lmforge.accounting.plan.make import make_plan
+from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.common.errors import LmforgeError
 from tests.plan_configs import config_of
 from lmforge.cli import main

@@ -2,7 +2,7 @@
 measured on the machine at hand.
 
 MFU = achieved model FLOP/s / peak FLOP/s (Chowdhery et al. 2022, appendix B), where model FLOP/s
-counts the analytical training FLOPs (accounting/flops.py) and not recomputation; HFU counts the
+counts the analytical training FLOPs (accounting/shapes.py) and not recomputation; HFU counts the
 FLOPs the hardware really ran, recomputation included.
 
 Datasheet peaks are dense (no 2:4 sparsity), in FLOP/s, for the dtype of the matmul inputs with

@@ -6,7 +6,7 @@ section 2; the same split as vLLM's and TensorRT-LLM's sizing guides):
 
 - prefill: the prompt's b*s tokens go through the model at once. Matmuls with b*s rows: compute-
   bound, so its time is forward FLOPs / (peak * utilisation), counted with the causal half of the
-  attention matrix (flops.py, causal=True: a prefill kernel skips the masked blocks).
+  attention matrix (shapes.py, causal=True: a prefill kernel skips the masked blocks).
 - decode: one new token per sequence per step. Each step reads every weight once and every cached
   key and value of the b sequences, and does 2 FLOPs per weight per token: far too few FLOPs per
   byte to keep the matmul units busy, so a step takes (weight bytes + KV bytes) / memory bandwidth,

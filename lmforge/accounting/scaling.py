@@ -15,7 +15,7 @@ with L-BFGS from a grid of starting points, keeping the best. Approach 2 (sectio
 one: at each compute budget C, runs of several sizes; a parabola in log N through their losses puts
 the budget's best size at its vertex; log N_opt against log C is then a line, N_opt ~ C^a.
 
-Counting, as in lmforge's 6N (accounting/flops.py): N is the weights that multiply activations
+Counting, as in lmforge's 6N (accounting/shapes.py): N is the weights that multiply activations
 (accounting/shapes.Shapes.matmul_weights: the LM head in, embedding lookups out; Kaplan et al.
 2020 found small models follow one law only once the embedding is left out) and C = 6 N D.
 """

@@ -1,12 +1,12 @@
 """The optimizers by name: the one list that `optim.name` (config/validate.py), the plan's
-`--optimizer` (accounting/optimizers.py, keyed by these names) and the trainer's builders
+`--optimizer` (accounting/memory.py, keyed by these names) and the trainer's builders
 (optim/build.py, BUILDERS) share.
 
 A module without torch, so that config validation and `lmforge plan` can name them without
 importing the training code. `trained` says whether optim/build.py builds it: a name the plan can
 cost but training cannot run is refused by config validation with `why`.
 
-To add an optimizer: an entry here (trained=True), its state count in accounting/optimizers.py,
+To add an optimizer: an entry here (trained=True), its state count in accounting/memory.py,
 its builder in optim/build.py (tests/test_optimizers.py checks that the three agree).
 """
 

@@ -3,7 +3,7 @@ what each reruns in backward.
 
 wrap/recompute.py applies a mode to a model (the torch side); config/validate.py validates
 `train.recompute` against these names; accounting/ counts what each keeps (memory.py) and the
-FLOPs it adds (flops.py). A module without torch, so that config/ and accounting/ can
+FLOPs it adds (shapes.py). A module without torch, so that config/ and accounting/ can
 read it without importing the training code.
 """
 

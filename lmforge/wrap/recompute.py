@@ -8,7 +8,7 @@ of it): trade FLOPs in backward for activation memory (Chen et al. 2016; Korthik
 
 Both wrap a module in `Recompute`, which runs it under torch.utils.checkpoint in its non-reentrant
 form (works with keyword arguments and with inputs that do not require grad). accounting/memory.py
-counts what each mode keeps and accounting/flops.py the FLOPs it adds (HFU).
+counts what each mode keeps and accounting/shapes.py the FLOPs it adds (HFU).
 """
 
 import torch.nn as nn

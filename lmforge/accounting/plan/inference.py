@@ -3,7 +3,7 @@ one serving setup. The formulas and the reasoning behind them: accounting/infere
 
 from dataclasses import asdict, dataclass
 
-from lmforge.accounting import flops, memory
+from lmforge.accounting import memory, shapes
 from lmforge.accounting.hardware import DEFAULT_RESERVE_BYTES, check_hardware, hardware_figures
 from lmforge.accounting.inference import KV_FORMATS, PREFILL_DTYPE, WEIGHT_FORMATS, decode_step_bytes, weight_bytes
 from lmforge.accounting.shapes import model_shapes, tensor_parallel_degrees
@@ -78,7 +78,7 @@ def _prefill(cfg: ModelConfig, setup: InferenceSetup, peak: float, weight_second
     """plan["prefill"]: the prompt's forward FLOPs at the assumed MFU, or reading the weights once
     (`weight_seconds`) if that takes longer."""
     b, s = setup.batch_size, setup.seq_len
-    prefill_flops = b * s * flops.forward_flops_per_token(cfg, s, causal=True)
+    prefill_flops = b * s * shapes.forward_flops_per_token(cfg, s, causal=True)
     compute_seconds = prefill_flops / (setup.tp * peak * setup.mfu)
     seconds = max(compute_seconds, weight_seconds)
     return {"flops": prefill_flops, "seconds": seconds,
@@ -90,7 +90,7 @@ def _decode(cfg: ModelConfig, setup: InferenceSetup, peak: float, bandwidth: flo
     """plan["decode"]: one new token per sequence, attending to all s positions before it; the
     step takes the longer of reading its bytes and doing its FLOPs (the roofline)."""
     b, s, tp = setup.batch_size, setup.seq_len, setup.tp
-    step_flops = b * flops.forward_flops_per_token(cfg, s)
+    step_flops = b * shapes.forward_flops_per_token(cfg, s)
     step_bytes = decode_step_bytes(cfg, b, s, setup.weights, setup.group_size, setup.kv_dtype, tp)
     memory_seconds, compute_seconds = step_bytes / bandwidth, step_flops / (tp * peak)
     step_seconds = max(memory_seconds, compute_seconds)

@@ -23,7 +23,7 @@ ITEMSIZE = {"float64": 8, "float32": 4, "int64": 8, "int32": 4, "bfloat16": 2, "
 class Roof:
     """What the prediction needs of a machine. Grids are {dtype: [[dims..., value], ...]} on a
     regular grid: matmul (M, N, K, FLOP/s); sdpa forward and backward (T, head_dim,
-    FLOP/s, counted as flops.py counts attention: the full T x T, causal or not; backward 2x forward); elementwise
+    FLOP/s, counted as shapes.py counts attention: the full T x T, causal or not; backward 2x forward); elementwise
     (bytes moved by one call, bytes/s)."""
     name: str
     bandwidth: float  # bytes/s of a large copy: the memory roof

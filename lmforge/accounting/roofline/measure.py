@@ -88,7 +88,7 @@ def _sdpa_seconds(heads: int, t: int, d: int, dtype: torch.dtype, device: torch.
 
 def measure_sdpa(device: torch.device) -> tuple[dict, dict, dict]:
     """({dtype: [[T, head_dim, FLOP/s]]} forward, the same backward, {kind: {dtype: seconds}} the
-    fixed cost of one call), causal, FLOPs counted as flops.py does (4 * T^2 * head_dim per
+    fixed cost of one call), causal, FLOPs counted as shapes.py does (4 * T^2 * head_dim per
     batch-head forward, the full T x T; 2x that backward). The fixed cost is fitted through
     batch x heads SDPA_BATCH_HEADS and 4x that at the grid's smallest shape (t = c + heads * w, as
     measure_collective fits latency): a model calls SDPA with 32-96 batch-heads where the grid
