@@ -23,7 +23,7 @@ from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.accounting.plan.predicted_vs_measured import print_comparison
+from lmforge.accounting.plan.tables import print_comparison
 from lmforge.modes.precision import get_policy
 from lmforge.precision.policy import autocast, prepare_model
 from lmforge.wrap.recompute import apply_recompute

@@ -12,7 +12,7 @@ moment when other work shares the machine lowers some timings but not the best o
 measured once per machine, torch version and thread count and cached in the user's cache dir
 with when it was measured and the load average then (os.getloadavg); measured on a busy
 machine it is too low in every later MFU: `lmforge plan --hardware this --remeasure` replaces it.
-Memory bandwidth (what bounds decoding: accounting/inference.py) is measured and cached the same
+Memory bandwidth (what bounds decoding: accounting/plan/inference.py) is measured and cached the same
 way, as the best bytes/s of a large matrix-vector product.
 """
 

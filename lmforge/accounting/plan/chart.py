@@ -3,7 +3,7 @@ beside the device's capacity (`lmforge plan --plot`), or one bar per setup of a 
 
 from pathlib import Path
 
-from lmforge.accounting.plan.compare import compare_label
+from lmforge.accounting.plan.tables import compare_label
 from lmforge.accounting.plan.show import labelled_parts
 from lmforge.common.formatting import human_bytes, human_count
 

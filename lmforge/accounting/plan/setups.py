@@ -5,7 +5,7 @@ out: the command's options are read in lmforge/cli/plan_options.py.
 
 from typing import Callable
 
-from lmforge.accounting.inference import PREFILL_DTYPE
+from lmforge.accounting.plan.inference import PREFILL_DTYPE
 from lmforge.accounting.shapes import tensor_parallel_degrees
 from lmforge.config import Config, ModelConfig
 from lmforge.config.rules import tp_divisibility

@@ -1,7 +1,7 @@
 """Showing a training plan (plan/make.py) in the terminal: what it is, its memory per device (and
 each pipeline stage's), its time, and the pieces every plan's tables share (facts_table,
-memory_table); an inference plan is shown by show_inference.py. The --compare table: compare.py;
-the bar charts: chart.py; the trainer's predicted-vs-measured table: predicted_vs_measured.py."""
+memory_table). An inference plan's tables, the --compare table and the trainer's
+predicted-vs-measured table: tables.py; the bar charts: chart.py."""
 
 from rich import box
 from rich.console import Console
@@ -16,7 +16,7 @@ from lmforge.modes.parallel import get_strategy
 def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> None:
     """The plan's tables, training or inference (a plan with "decode" is one)."""
     if "decode" in plan:
-        from lmforge.accounting.plan.show_inference import print_inference_plan  # which imports this module
+        from lmforge.accounting.plan.tables import print_inference_plan  # which imports this module
 
         print_inference_plan(console, plan, title)
         return
