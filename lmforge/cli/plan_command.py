@@ -108,7 +108,7 @@ def _show(console, plans: list[dict], varying: list, name: str, note: str, args)
     elif args.plot:
         charts["memory chart"] = (args.plot, lambda path: plot_memory(plans[0], path, name=name))
     if args.roofline:
-        from lmforge.accounting.roofline.show import plot_roofline
+        from lmforge.accounting.plan.chart import plot_roofline
 
         charts["roofline chart"] = (args.roofline, lambda path: plot_roofline(plans[0], path, name=name))
     for path, draw in charts.values():
