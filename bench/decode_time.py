@@ -2,7 +2,7 @@
 
 For each model and batch: the roofline's decode step (accounting/roofline/decode.py: one step of
 generate()'s loop traced on fake tensors, priced at this machine's measured roof with its GEMV
-rates and no-grad launch costs: accounting/roofline/decode_roof.py), then the real thing with random
+rates and no-grad launch costs: accounting/roofline/decode.py), then the real thing with random
 weights (decode time does not depend on their values) and a KV cache filled with random keys
 and values up to the context (a prefill changes nothing in a decode step's work):
 
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lmforge.accounting.roofline.decode_roof import decode_roof, this_decode_measurements  # noqa: E402
+from lmforge.accounting.roofline.decode import decode_roof, this_decode_measurements  # noqa: E402
 from lmforge.accounting.roofline.measure import this_roof  # noqa: E402
 from lmforge.config import make_config  # noqa: E402
 from lmforge.accounting.roofline.decode import predict_decode  # noqa: E402

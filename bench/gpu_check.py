@@ -52,7 +52,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # reference_llama, beside this file
 
-from lmforge.accounting.flops import training_flops_per_token
+from lmforge.accounting.shapes import training_flops_per_token
 from lmforge.accounting.hardware import ACCELERATORS, mfu
 from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.config import make_config

@@ -6,7 +6,7 @@ tokens, as bench/step_time.py), timed after warm-up steps (median); then the sam
 the same ranks at the same time with no communication (train.parallel=none: each rank steps alone,
 as busy as in the real run), so that the measured difference is the communication the step did not
 hide. The prediction is the trainer's: the plan's roofline on this machine's roof with all-reduce
-measured on the launched group (measure.measure_collective), its communication added in
+measured on the launched group (bench/collectives.py), its communication added in
 full (no overlap assumed). Printed by rank 0: predicted and measured step, their ratio, and the
 communication predicted beside the measured exposed part (1 - exposed / predicted: the share of the
 collectives' time that overlapped compute), and the ratio with every matmul read off the roof's grid
@@ -154,7 +154,7 @@ def main() -> None:
     args = parse()
     import torch.distributed as dist
 
-    from lmforge.accounting.roofline.measure import measure_collective
+    from collectives import measure_collective
     from lmforge.accounting.roofline.ops import predict_step
     from lmforge.accounting.roofline.shapes import this_step_roof
     from lmforge.config import make_config

@@ -21,7 +21,7 @@ alike; on a shared machine that is what keeps the ratio meaningful when the abso
 not. Each side reports the median of its `--steps` timed steps after `--warmup` untimed ones (the
 compile happens in the warm-up). Printed: tokens/s, the fraction of this machine's measured
 matmul peak of the dtype the matmuls run in (accounting/hardware.py; analytic FLOPs per token from
-lmforge.accounting.flops), peak resident memory, minor page faults per step, the loader wait, and
+lmforge.accounting.shapes), peak resident memory, minor page faults per step, the loader wait, and
 the ratios ours / reference, eager against eager and compiled against compiled.
 
 Then, in the same run (or alone with `--optimizer-only`), the time of one optimizer step on the
@@ -242,7 +242,7 @@ def main() -> None:
 
     import torch
 
-    from lmforge.accounting.flops import training_flops_per_token
+    from lmforge.accounting.shapes import training_flops_per_token
     from lmforge.accounting.hardware import device_name, matmul_peak
     from lmforge.accounting.plan.make import matmul_dtype
     from lmforge.config import make_config

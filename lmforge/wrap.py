@@ -12,7 +12,7 @@ Recomputation (`train.recompute`) trades FLOPs in backward for activation memory
 
 Both wrap a module in `Recompute`, which runs it under torch.utils.checkpoint in its non-reentrant
 form (works with keyword arguments and with inputs that do not require grad). accounting/memory.py
-counts what each mode keeps and accounting/flops.py the FLOPs it adds (HFU).
+counts what each mode keeps and accounting/shapes.py the FLOPs it adds (HFU).
 
 The chunked loss computes the LM head and the cross-entropy in chunks of tokens, so that the
 (tokens x vocab) logits and their gradient never exist whole (`train.loss_chunk_tokens`; 0 keeps

@@ -9,8 +9,7 @@ import torch
 
 from lmforge.accounting.dtypes import DTYPES, dtype_info
 from lmforge.accounting.hardware import ACCELERATORS, accelerator_peak, mfu
-from lmforge.accounting.plan.costing import Costing
-from lmforge.accounting.plan.make import make_plan
+from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.common.errors import LmforgeError
 from lmforge.cli import main
 from lmforge.config import make_config

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lmforge.accounting.measure import model_state_bytes_measured
-from lmforge.accounting.optimizers import optimizer_state_bytes
+from lmforge.accounting.memory import optimizer_state_bytes
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
 from lmforge.modes import get_policy
@@ -44,7 +44,7 @@ def test_200_steps_are_torchs_adafactor_bit_for_bit(options):
 
 
 def test_measured_state_bytes_are_the_plans():
-    """accounting/optimizers.py costs Adafactor's state as n + m row and column averages per matrix
+    """accounting/memory.py costs Adafactor's state as n + m row and column averages per matrix
     (its `row_var` (n, 1) over the last dim and `col_var` (1, m)) and a full second moment per
     vector: the live optimizer's state tensors on the tiny model hold exactly those bytes."""
     cfg = make_config("tiny").model

@@ -38,8 +38,9 @@ from parallel_worker import make_engine, parse_key, variant_config  # noqa: E402
 from test_engines_compose import ADAPTER_ATOL  # noqa: E402
 from test_parallel_engines import ACCUM, assert_same_training, run_worker, single_process, state_equal  # noqa: E402
 
-from lmforge.accounting.memory import lora_parameters, model_state_bytes  # noqa: E402
-from lmforge.modes import get_policy, get_strategy
+from lmforge.accounting.lora import lora_parameters  # noqa: E402
+from lmforge.accounting.memory import model_state_bytes  # noqa: E402
+from lmforge.modes import get_policy, get_strategy  # noqa: E402
 from composition_matrix import COVERAGE, DIST  # noqa: E402
 
 pytestmark = pytest.mark.dist

@@ -1,4 +1,4 @@
-"""The plan of a context-parallel run (`lmforge plan --cp`, accounting/plan/context_parallel.py)
+"""The plan of a context-parallel run (`lmforge plan --cp`, accounting/cp.py)
 against what its ranks really save, hold and send: real processes under torchrun, gloo, the `tiny`
 model (2 layers, d_model 64, vocabulary 512), batch 4 x 64 tokens (32 per rank at cp = 2), two
 micro-batches a step (tests/cp_accounting_worker.py measures).
@@ -19,8 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cp_accounting_worker import cp_config  # noqa: E402
 from test_pipeline import run_worker  # noqa: E402
 
-from lmforge.accounting.plan.costing import data_parallel  # noqa: E402
-from lmforge.accounting.plan.make import Costing, make_plan  # noqa: E402
+from lmforge.accounting.plan.make import Costing, data_parallel, make_plan  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

@@ -44,7 +44,8 @@ from test_cp_train_dist import assert_as_one_process, settings  # noqa: E402,F40
 from test_pipeline import run_worker  # noqa: E402
 
 from lmforge.accounting.cp import context_parallel_bytes  # noqa: E402
-from lmforge.accounting.memory import lora_parameters, model_state_bytes  # noqa: E402
+from lmforge.accounting.lora import lora_parameters  # noqa: E402
+from lmforge.accounting.memory import model_state_bytes  # noqa: E402
 from lmforge.config import make_config  # noqa: E402
 from lmforge.modes import get_policy  # noqa: E402
 

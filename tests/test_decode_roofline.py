@@ -1,4 +1,4 @@
-"""The decode step's roofline (accounting/roofline/decode.py, accounting/roofline/decode_roof.py) without a
+"""The decode step's roofline (accounting/roofline/decode.py) without a
 clock: the traced operators against a real step's, their bytes against the tensors' sizes (the KV
 cache read per step, every weight read once), the GEMV grid joined to the training grid, and what
 `lmforge plan --inference` prints. Nothing here asserts a time."""
@@ -12,9 +12,13 @@ from lmforge.accounting.roofline import Roof, interpolate, op_time
 from lmforge.accounting.shapes import model_shapes
 from lmforge.cli import main
 from lmforge.config import make_config
-from lmforge.accounting.roofline.decode_roof import decode_roof
-from lmforge.accounting.roofline.decode import decode_ops, plan_decode, predict_decode, record_decode
+from lmforge.accounting.roofline.decode import decode_op, decode_roof, plan_decode, predict_decode, record_decode
 from lmforge.train.roofline import decode_step
+
+
+def decode_ops(decoder, cfg, batch: int, context: int, dtype: torch.dtype = torch.float32) -> list:
+    """The roofline's ops (decode.decode_op) of one decode step's records."""
+    return [decode_op(r) for r in record_decode(decoder, cfg, batch, context, dtype)]
 
 
 def test_the_fake_decode_trace_is_what_a_real_step_dispatches():

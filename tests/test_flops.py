@@ -3,7 +3,7 @@ import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
-from lmforge.accounting.flops import (forward_flops_breakdown, forward_flops_per_token, hardware_flops_per_token,
+from lmforge.accounting.shapes import (forward_flops_breakdown, forward_flops_per_token, hardware_flops_per_token,
                                       palm_flops_per_token, six_n_flops_per_token, training_flops_per_token)
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
@@ -124,7 +124,7 @@ def test_breakdown_components_and_the_causal_option():
 
 def test_a_changed_model_is_counted_without_touching_the_accounting(monkeypatch):
     """The matmul shapes are read from the model: a llama with a GELU MLP (two matrices instead of
-    SwiGLU's three) is counted exactly, with no change to flops.py."""
+    SwiGLU's three) is counted exactly, with no change to shapes.py."""
     import dataclasses
 
     from lmforge.accounting import shapes

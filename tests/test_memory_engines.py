@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.accounting.measure import measure_saved_bytes
-from lmforge.accounting.plan.costing import Costing
-from lmforge.accounting.plan.make import make_plan
+from lmforge.accounting.plan.make import Costing, make_plan
 from tests.plan_configs import config_of
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer

@@ -10,8 +10,7 @@ import pytest
 import yaml
 
 from lmforge.accounting.comm import step_communication, unit_sizes
-from lmforge.accounting.plan.costing import Costing
-from lmforge.accounting.plan.make import make_plan
+from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config

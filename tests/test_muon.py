@@ -225,7 +225,7 @@ def test_a_pipeline_stages_muon_states_are_its_share_of_the_models(tied):
     pipeline.py): the stages' sum is the whole model's, plus (tied) the embedding's AdamW states
     once more (the last stage holds its copy), and each stage's are its own parameters' measured
     in one process (a momentum per block matrix element, AdamW's two for the rest)."""
-    from lmforge.accounting.optimizers import optimizer_state_bytes
+    from lmforge.accounting.memory import optimizer_state_bytes
     from lmforge.accounting.pipeline import stage_parameters
 
     cfg = make_config("tiny", overrides=[f"model.tie_embeddings={str(tied).lower()}"]).model

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lmforge.accounting.measure import model_state_bytes_measured
-from lmforge.accounting.optimizers import OPTIMIZERS, optimizer_state_bytes
+from lmforge.accounting.memory import OPTIMIZERS, optimizer_state_bytes
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.modes import OPTIMIZER_MODES, TRAINED_OPTIMIZERS, get_policy

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmforge.accounting.plan.costing import data_parallel
-from lmforge.accounting.plan.make import Costing, make_plan
+from lmforge.accounting.plan.make import Costing, data_parallel, make_plan
 from lmforge.config import make_config
 from lmforge.parallel.world import check_launch
 

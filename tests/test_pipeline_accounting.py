@@ -16,15 +16,14 @@ from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_me
 from lmforge.accounting.activations import activation_breakdown
 from lmforge.accounting.pipeline import (balanced_split, bubble_fraction, micro_batches_in_flight, stage_costs,
                                          stage_layers)
-from lmforge.accounting.plan.costing import Costing
-from lmforge.accounting.plan.make import make_plan
+from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.common.errors import LmforgeError
 from tests.plan_configs import config_of
 from lmforge.cli import main
 from lmforge.config import make_config
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw import AdamW
-from lmforge.accounting.plan.predicted_vs_measured import print_comparison
+from lmforge.accounting.plan.tables import print_comparison
 from lmforge.modes import get_policy
 from lmforge.precision.policy import autocast, prepare_model
 from lmforge.wrap import apply_recompute

@@ -7,8 +7,7 @@ import re
 import pytest
 import torch
 
-from lmforge.accounting.plan.costing import Costing
-from lmforge.accounting.plan.make import make_plan
+from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.cli import main
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config

@@ -12,8 +12,7 @@ import torch
 from lmforge.accounting.pipeline import (bubble_fraction, chunks_in_flight, micro_batches_in_flight, rank_chunks,
                                          virtual_split)
 from lmforge.accounting.measure import measure_saved_bytes, model_state_bytes_measured
-from lmforge.accounting.plan.costing import Costing
-from lmforge.accounting.plan.make import make_plan
+from lmforge.accounting.plan.make import Costing, make_plan
 from tests.plan_configs import config_of
 from lmforge.cli import main
 from lmforge.common.errors import LmforgeError

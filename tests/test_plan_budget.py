@@ -6,8 +6,7 @@ import pytest
 
 from lmforge.accounting.hardware import ACCELERATORS
 from lmforge.accounting.memory import parameter_count
-from lmforge.accounting.plan.costing import Costing
-from lmforge.accounting.plan.make import make_plan
+from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.cli import main
 from lmforge.config import make_config
 

@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from lmforge.accounting.plan.costing import Costing
-from lmforge.accounting.plan.make import make_plan
+from lmforge.accounting.plan.make import Costing, make_plan
 from lmforge.common.errors import LmforgeError
 from lmforge.cli import main
 from lmforge.config import make_config

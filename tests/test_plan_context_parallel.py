@@ -1,4 +1,4 @@
-"""`lmforge plan --cp N` (accounting/plan/context_parallel.py): the plan of a context-parallel setup,
+"""`lmforge plan --cp N` (accounting/cp.py): the plan of a context-parallel setup,
 in one process. That its figures equal what cp ranks really save, hold and send is checked under
 torchrun in tests/test_cp_accounting_dist.py; here: what the command prints and refuses, and that
 its parts are the formulas they say they are."""

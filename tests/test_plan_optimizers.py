@@ -1,4 +1,4 @@
-"""Optimizer state bytes (accounting/optimizers.py) against Transformer Math 101 and live optimizers."""
+"""Optimizer state bytes (accounting/memory.py) against Transformer Math 101 and live optimizers."""
 
 import json
 
@@ -7,7 +7,7 @@ import torch
 
 from lmforge.accounting.measure import model_state_bytes_measured
 from lmforge.accounting.memory import model_state_bytes, parameter_count
-from lmforge.accounting.optimizers import optimizer_state_bytes
+from lmforge.accounting.memory import optimizer_state_bytes
 from lmforge.accounting.shapes import model_shapes
 from lmforge.cli import main
 from lmforge.config import make_config

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmforge.accounting.flops import forward_flops_breakdown
+from lmforge.accounting.shapes import forward_flops_breakdown
 from lmforge.common.errors import LmforgeError
 from lmforge.config import make_config
 from lmforge.data.corpus import END_OF_TEXT, train_tokenizer

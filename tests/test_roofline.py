@@ -1,5 +1,5 @@
 """The roofline's pieces that can be checked without a clock: the FLOPs of each operation class
-(against flops.py and torch's FlopCounterMode on a real step), the bytes of each operation
+(against shapes.py and torch's FlopCounterMode on a real step), the bytes of each operation
 (against the tensors' own sizes), the arithmetic of max(compute, memory) on synthetic roofs, and
 what the plan prints and draws. No test here times anything."""
 
@@ -10,9 +10,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lmforge.accounting import flops
-from lmforge.accounting.plan.costing import degrees, strategy
-from lmforge.accounting.plan.make import Costing, make_plan
+from lmforge.accounting import shapes as flops
+from lmforge.accounting.plan.make import Costing, degrees, make_plan, strategy
 from lmforge.accounting.hardware import ACCELERATORS
 from lmforge.accounting.roofline import Roof, datasheet_roof, interpolate, op_time, predict
 from lmforge.accounting.roofline.ops import Op, micro_batch_ops, optimizer_ops, predict_step
@@ -38,7 +37,7 @@ def _by_class(ops) -> dict:
     (["model.family=gpt", "model.n_kv_heads=null", "model.mlp=swiglu"], 48),     # gpt with one
 ])
 def test_flops_by_class_sum_to_flops_py_and_to_flop_counter(overrides, seq_len):
-    """Matmuls + attention FLOPs equal flops.py's training count exactly, and FlopCounterMode's on a
+    """Matmuls + attention FLOPs equal shapes.py's training count exactly, and FlopCounterMode's on a
     real forward + backward: mm/addmm (the linear layers) = the matmul class, bmm (the naive
     backend's attention einsums) = the attention class. Other classes count no FLOPs."""
     cfg = make_config("tiny", overrides=overrides + ["model.attention=naive"]).model

@@ -67,7 +67,8 @@ from test_tp_pipeline_dist import SPLIT  # noqa: E402
 from pipeline_worker import config as pipeline_config  # noqa: E402
 from tp_cells_worker import STEPS, cell_config  # noqa: E402
 
-from lmforge.accounting.memory import lora_parameters, model_state_bytes  # noqa: E402
+from lmforge.accounting.lora import lora_parameters  # noqa: E402
+from lmforge.accounting.memory import model_state_bytes  # noqa: E402
 from lmforge.model.transformer import Transformer  # noqa: E402
 from lmforge.modes import get_policy, get_strategy
 from composition_matrix import COVERAGE, LAYOUTS, TPCELLS, cell_overrides  # noqa: E402

@@ -53,7 +53,8 @@ from tp_precision_worker import INF_STEP, STEPS, run  # noqa: E402
 from tp_worker import ACCUM  # noqa: E402
 
 from lmforge.accounting.comm import tensor_parallel_communication  # noqa: E402
-from lmforge.accounting.memory import lora_parameters, model_state_bytes, sharded_layout  # noqa: E402
+from lmforge.accounting.lora import lora_parameters  # noqa: E402
+from lmforge.accounting.memory import model_state_bytes, sharded_layout  # noqa: E402
 from lmforge.config import make_config  # noqa: E402
 from lmforge.modes import get_policy, get_strategy
 from lmforge.train.setup import build_engine  # noqa: E402

@@ -20,7 +20,7 @@ losses and norms 1e-6 relative, weights 1e-6 absolute, the same margins.
 Bytes: each rank's parameters, gradients, master weights and optimizer states after the last
 backward equal `lmforge plan --tp 2 --dp 2 --zero-stage S`'s exactly (==: both count the same
 tensors; nothing is rounded), and the data-parallel bytes one step sends equal accounting/comm.py's.
-With LoRA too: the plan counts the adapters one tensor rank holds (accounting/memory.py's
+With LoRA too: the plan counts the adapters one tensor rank holds (accounting/lora.py's
 lora_parameters with tp), A whole on column-parallel layers and B whole on row-parallel ones, as
 tp_lora.py splits them (an even split by tp, as the plan once assumed, was 4,096 bytes short).
 """
@@ -38,7 +38,8 @@ from test_pipeline import run_worker  # noqa: E402
 from tp_worker import tp_config  # noqa: E402
 
 from lmforge.accounting.comm import step_communication  # noqa: E402
-from lmforge.accounting.memory import lora_parameters, model_state_bytes  # noqa: E402
+from lmforge.accounting.lora import lora_parameters  # noqa: E402
+from lmforge.accounting.memory import model_state_bytes  # noqa: E402
 from lmforge.cli import main  # noqa: E402
 from lmforge.modes import get_policy, get_strategy
 

@@ -260,7 +260,7 @@ def _lora_parts(cfg: ModelConfig, tokens: int, compute_bytes: int, entry: float,
     blocks rerun each row-parallel adapter's g: B's gradient needs its output, so recomputation runs
     as far as it, and for an adapter on the MLP's exit (down_proj) through that exit's own g too
     (2S more: without the adapter the rerun stops before it)."""
-    from lmforge.model.lora import apply_lora  # here, as memory.lora_parameters: torch when first asked
+    from lmforge.model.lora import apply_lora  # here, as lora.lora_parameters: torch when first asked
 
     rank, targets = lora
     parts = {"lora_gradient_sums": 0, "lora_row_parallel": 0, "lora_recomputed": 0}

@@ -18,12 +18,23 @@ gradient all-reduce across the CP group are collectives of parallel/comm.py, cou
 What a rank saves for backward (`ring_activation_breakdown`): every layer at its n tokens, as one
 process saves for a sequence of n (memory.activation_breakdown), but for what the ring does
 differently from a fused kernel; tests/test_cp_accounting_dist.py measures it to the byte.
+
+The plan of a context-parallel setup (parallel.cp = cp > 1; the second half of this module): each
+of the cp ranks of a replica holds n = padded / cp tokens of every row (two zig-zag chunks of
+padded / 2cp; parallel/cp.py), so what it saves for backward is its shard's
+(ring_activation_breakdown), its logits are its tokens', and it sends the ring's K/V and dK/dV
+(context_parallel_bytes) besides the data-parallel engine's gradient traffic over the dp x cp ranks (parallel/engine.py).
+Every cp rank is one more replica to that engine, so the model states are those of the strategy over
+dp x cp ranks (plan/make.py's data_ranks): DDP's whole on every rank, ZeRO's and FSDP's sharded 1/(dp cp)
+(split tp ways first under tp x cp).
 """
 
 import math
 
+from lmforge.accounting import memory
 from lmforge.accounting.activations import activation_breakdown
-from lmforge.config import ModelConfig
+from lmforge.config import Config, ModelConfig
+from lmforge.config.schema import Degrees
 from lmforge.modes import POLICIES, Policy, get_recompute
 
 ACCUMULATOR_BYTES = 4  # dK/dV accumulate in fp32 whatever the activations' dtype
@@ -108,3 +119,51 @@ def ring_activation_breakdown(cfg: ModelConfig, batch: int, seq_len: int, cp: in
         parts["rope_tables"] = 2 * n * cfg.head_dim * 4
     parts["head_and_loss"] += GROUP_COUNT_BYTES + (-MEAN_COUNT_BYTES if tp > 1 else CROSS_ENTROPY_WEIGHT_BYTES)
     return parts
+
+
+# -- the plan's context-parallel figures ---------------------------------------------------------
+def sequence_shards(cfg: Config) -> int:
+    """tp under sequence parallelism (each cp shard cut again over the tp ranks: parallel/cp_model.py), else 1."""
+    tp = cfg.parallel.tp
+    return tp if tp > 1 and cfg.parallel.sequence_parallel else 1
+
+
+def local_tokens(seq_len: int, cp: int, sequence_shards: int = 1) -> int:
+    """Tokens of each row one of cp ranks holds: the length padded to a multiple of 2 cp (and of cp
+    tp under sequence parallelism over `sequence_shards` = tp ranks), over cp."""
+    return padded_length(seq_len, cp, sequence_shards) // cp
+
+
+def ring_bytes_per_step(cfg: Config, d: Degrees, layout: Policy) -> dict:
+    """What one rank sends around the ring in an optimizer step: grad_accum micro-batches of K/V in
+    the attention core's dtype (fp32 under train.fp32_attention) and of the fp32 dK/dV accumulators."""
+    t = cfg.train
+    element = 4 if t.fp32_attention else layout.bytes.compute
+    micro = context_parallel_bytes(cfg.model, t.batch_size, cfg.seq_len, d.cp, element, t.recompute, d.tp,
+                                   sequence_shards(cfg) > 1)
+    step = {key: t.grad_accum * value for key, value in micro.items()}
+    return {**step, "sent_bytes": step["forward"] + step["backward"]}
+
+
+def shard_activations(cfg: Config, d: Degrees, layout: Policy) -> tuple[dict, float]:
+    """(saved for backward by part, logits bytes) of one rank's shard of a micro-batch."""
+    t, shards = cfg.train, sequence_shards(cfg)
+    b, n = t.batch_size, local_tokens(cfg.seq_len, d.cp, shards)
+    saved = ring_activation_breakdown(cfg.model, b, cfg.seq_len, d.cp, layout, t.recompute, d.tp, t.fp32_attention,
+                                      shards > 1)
+    return saved, memory.logits_bytes(cfg.model, b, n, layout) / d.tp
+
+
+def context_parallel_section(cfg: Config, d: Degrees, rank_step_flops: float, flops_per_token: float) -> dict:
+    """plan["context_parallel"]: the split, the tokens and model FLOPs of each rank (`rank_step_flops`: the
+    zig-zag gives every rank the same causal work: docs/context-parallel.md), and the mesh."""
+    shards, s, cp = sequence_shards(cfg), cfg.seq_len, d.cp
+    padded, n = padded_length(s, cp, shards), local_tokens(s, cp, shards)
+    return {
+        "cp": cp, "mesh": f"dp {d.dp} x cp {cp} x tp {d.tp}",
+        "padded_seq_len": padded, "chunks": 2 * cp, "chunk_tokens": padded // (2 * cp),
+        "tokens_per_rank_per_sequence": n,
+        "tokens_per_rank_per_step": cfg.train.batch_size * n * cfg.train.grad_accum,
+        "training_flops_per_rank_per_step": rank_step_flops,
+        "training_flops_per_token": flops_per_token,
+    }

@@ -2,7 +2,7 @@
 measured on the machine at hand.
 
 MFU = achieved model FLOP/s / peak FLOP/s (Chowdhery et al. 2022, appendix B), where model FLOP/s
-counts the analytical training FLOPs (accounting/flops.py) and not recomputation; HFU counts the
+counts the analytical training FLOPs (accounting/shapes.py) and not recomputation; HFU counts the
 FLOPs the hardware really ran, recomputation included.
 
 Datasheet peaks are dense (no 2:4 sparsity), in FLOP/s, for the dtype of the matmul inputs with
@@ -12,7 +12,7 @@ moment when other work shares the machine lowers some timings but not the best o
 measured once per machine, torch version and thread count and cached in the user's cache dir
 with when it was measured and the load average then (os.getloadavg); measured on a busy
 machine it is too low in every later MFU: `lmforge plan --hardware this --remeasure` replaces it.
-Memory bandwidth (what bounds decoding: accounting/inference.py) is measured and cached the same
+Memory bandwidth (what bounds decoding: accounting/plan/inference.py) is measured and cached the same
 way, as the best bytes/s of a large matrix-vector product.
 """
 

@@ -21,7 +21,6 @@ class SavedBytes:
     activations: int = 0  # bytes of distinct non-parameter storages saved for backward
     parameters: int = 0  # bytes of parameter storages saved for backward (not activations)
     by_dtype: dict[str, int] = field(default_factory=dict)  # activations split by dtype
-    storages: int = 0  # number of distinct activation storages
 
 
 def _storage_key(tensor: torch.Tensor):
@@ -59,7 +58,6 @@ def measure_saved_bytes(parameters=()):
                     result.parameters += nbytes
                 else:
                     result.activations += nbytes
-                    result.storages += 1
                     name = str(tensor.dtype).removeprefix("torch.")
                     result.by_dtype[name] = result.by_dtype.get(name, 0) + nbytes
         return tensor

@@ -7,16 +7,37 @@ gradient, K = 12 bytes of fp32 master weight, momentum and variance); ZeRO stage
 bytes over the N_d data-parallel ranks, stage 2 also the gradients, stage 3 also the weights
 (section 5.1-5.3). `zero_paper_model_state_bytes` is that formula; `model_state_bytes` is what
 lmforge's own precision policies store (lmforge/precision/), each split the same way.
+
+Optimizer states (`optimizer_state_bytes`), by optimizer: what `lmforge plan --optimizer` chooses.
+
+EleutherAI's "Transformer Math 101" (Anthony, Biderman and Schoelkopf 2023, "Optimizer States")
+counts, per parameter in mixed precision, an fp32 copy of the weights (4 bytes) plus the states:
+AdamW 4 + 8 = 12 bytes (momentum and variance, fp32), 8-bit AdamW 4 + 2 = 6 (bitsandbytes),
+SGD with momentum 4 + 4 = 8. lmforge's mixed-precision policies keep fp32 parameters that are
+their own master copy (modes/precision.py), so the states alone are counted here and the copy
+is the policy's parameter bytes. The others:
+
+- Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", algorithm 2) keeps only
+  the momentum: one state, as SGD with momentum.
+- Adam keeps AdamW's two; AdaGrad its sum of squared gradients, RMSProp its moving average of them
+  (as trained: no momentum, not centered; optim/rmsprop.py): one each.
+- Adafactor (Shazeer and Stern 2018, section 3) without momentum (beta1 = 0, the paper's and
+  Hugging Face's default) factors the second moment of an n x m matrix into n row and m column
+  averages: 4(n + m) bytes instead of 4nm; a vector keeps its full second moment.
+- 8-bit AdamW (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", section 2):
+  each state in one byte, with one fp32 absolute maximum per block of 2048 values; bitsandbytes
+  keeps the states of tensors under 4096 elements (`min_8bit_size`) in fp32.
+
+Factored and 8-bit states depend on each parameter's shape, read from the model (shapes.py).
 """
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from lmforge.accounting.optimizers import OPTIMIZERS, optimizer_state_bytes
 from lmforge.accounting.shapes import model_shapes
 from lmforge.config import ModelConfig
 from lmforge.common.errors import lookup
-from lmforge.modes import POLICIES, Policy
+from lmforge.modes import OPTIMIZER_MODES, POLICIES, Policy
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -38,6 +59,69 @@ def sharded_layout(policy: Policy, zero_stage: int) -> Policy:
                                          weight_copy=p.weight_copy if policy.fp8 else 0, head_weight_copy=0))
 
 
+# -- optimizer states ----------------------------------------------------------------------------
+QUANTIZATION_BLOCK = 2048  # values per fp32 absmax in 8-bit states (Dettmers et al. 2022)
+MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 states (bitsandbytes' default)
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    states: int  # state tensors of each parameter's shape (Adafactor: 0, its states are factored)
+    eight_bit: bool = False  # states quantised to one byte, block-wise
+    factored: bool = False  # Adafactor's row and column second moments
+    hidden_matrix_states: int | None = None  # Muon: states of a block's 2-D weights (the rest: `states`)
+
+
+_STATES: dict[str, Optimizer] = {
+    "adamw": Optimizer(states=2),
+    "adam": Optimizer(states=2),
+    "adamw-8bit": Optimizer(states=2, eight_bit=True),
+    "adafactor": Optimizer(states=0, factored=True),
+    "lion": Optimizer(states=1),
+    "sgd-momentum": Optimizer(states=1),
+    "sgd": Optimizer(states=0),
+    "adagrad": Optimizer(states=1),
+    "rmsprop": Optimizer(states=1),
+    # Muon's momentum for the blocks' matrices, AdamW's two moments for the rest (optim/muon.py)
+    "muon": Optimizer(states=2, hidden_matrix_states=1),
+}
+# keyed by modes/optimizers.py's names, in its order: a name added there without its states here
+# fails at import, not in the middle of a plan
+OPTIMIZERS: dict[str, Optimizer] = {name: _STATES[name] for name in OPTIMIZER_MODES}
+
+
+def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw", policy: Policy = POLICIES["fp32"],
+                          parameter_shapes: tuple | None = None, hidden_matrices: int | None = None) -> float:
+    """Bytes of every optimizer state of the whole model (unsharded), or of the parameters of
+    `parameter_shapes` (a pipeline stage's: accounting/pipeline.py, with `hidden_matrices`, the
+    elements of its blocks' 2-D weights, for Muon); `policy` gives the bytes of a full-precision
+    state element (fp32, or bf16 under bf16-pure)."""
+    opt = lookup(OPTIMIZERS, optimizer, "optimizer")
+    element = policy.bytes.optimizer_state
+    if opt.hidden_matrix_states is not None:
+        if parameter_shapes is None:
+            shapes = model_shapes(cfg)
+            # a block's 2-D parameters are its linear layers' weights (optim/muon.py's is_hidden_matrix)
+            parameters, hidden_matrices = shapes.parameters, shapes.block_matmul_weights
+        elif hidden_matrices is None:  # shapes alone do not say which are the blocks' matrices
+            raise ValueError(f"{optimizer}'s states of a pipeline stage need its hidden_matrices "
+                             f"(accounting/pipeline.py's StageParameters)")
+        else:
+            parameters = sum(math.prod(shape) for shape in parameter_shapes)
+        return element * (opt.states * parameters - (opt.states - opt.hidden_matrix_states) * hidden_matrices)
+    total = 0.0
+    for shape in parameter_shapes if parameter_shapes is not None else model_shapes(cfg).parameter_shapes:
+        n = math.prod(shape)
+        if opt.factored:
+            # Hugging Face's layout: row averages over the last dim, column averages over the second to last
+            total += element * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1] if len(shape) >= 2 else n)
+        elif opt.eight_bit and n >= MIN_8BIT_SIZE:
+            total += opt.states * (n + 4 * math.ceil(n / QUANTIZATION_BLOCK))
+        else:
+            total += opt.states * n * element
+    return total
+
+
 # -- model states --------------------------------------------------------------------------------
 
 def zero_paper_model_state_bytes(n_params: int, stage: int, dp: int, k: int = 12) -> float:
@@ -48,19 +132,6 @@ def zero_paper_model_state_bytes(n_params: int, stage: int, dp: int, k: int = 12
     weights, grads, optimizer = 2 * n_params, 2 * n_params, k * n_params
     return (weights / (dp if stage >= 3 else 1) + grads / (dp if stage >= 2 else 1)
             + optimizer / (dp if stage >= 1 else 1))
-
-
-def lora_parameters(cfg: ModelConfig, rank: int, targets: str, tp: int = 1) -> int:
-    """Trainable parameters of LoRA (model/lora.py): r * (in + out) per targeted linear layer, read
-    from the meta-device model with the adapters applied. With tp > 1, those one tensor rank holds
-    (parallel/tp_lora.py): a column-parallel layer's B is split by its output rows and its A whole,
-    a row-parallel layer's A is split by its input columns and its B whole (shapes.tensor_rank_shape)."""
-    from lmforge.accounting.shapes import tensor_rank_shape
-    from lmforge.model.transformer import meta_model
-    from lmforge.model.lora import apply_lora
-
-    return sum(math.prod(tensor_rank_shape(name, tuple(param.shape), cfg, tp))
-               for name, param in apply_lora(meta_model(cfg), targets, rank).named_parameters() if param.requires_grad)
 
 
 def model_state_bytes(cfg: ModelConfig, policy: Policy = POLICIES["fp32"], optimizer: str = "adamw",

@@ -45,7 +45,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from lmforge.accounting.comm import communication, element_bytes, with_optimizer_gather
-from lmforge.accounting.flops import forward_flops_breakdown
+from lmforge.accounting.shapes import forward_flops_breakdown
 from lmforge.accounting.shapes import tensor_rank_shape
 from lmforge.config import ModelConfig
 from lmforge.model.transformer import meta_model

@@ -1,5 +1,6 @@
 """The model's shapes, read from the model itself: its parameter count and the weight of every
-linear layer, from which flops.py counts matmul FLOPs and memory.py the bytes of weight casts.
+linear layer, from which this module counts matmul FLOPs (its second half) and memory.py the bytes
+of weight casts.
 
 The model is built on the meta device: tensors with shapes and no storage, so building even a 70B
 model allocates nothing and takes milliseconds; no formula here repeats what model/transformer.py
@@ -8,6 +9,29 @@ the same config, so each config's shapes are read once (a cache keyed by its val
 
 torch is imported when shapes are first asked for, not with this module: `lmforge runs` and
 config-only callers import accounting without loading torch until a number is needed.
+
+Matmul FLOPs of the lmforge transformer, counted from those shapes (the second half of this module).
+
+A matmul of (m x k) by (k x n) costs 2*m*k*n FLOPs (one multiply and one add per term), so a
+linear layer costs 2 FLOPs per weight per token: this module adds them up over the model's own linear
+layers, and counts only the attention matmuls, which have no weights, by formula. Per token, in
+the forward pass, that comes to (d model width, h query heads, g key/value heads, q head dim,
+f MLP width, T sequence length, V vocabulary):
+    QKV projections         2*d*(h*q) for Q, 2*d*(g*q) each for K and V
+    output projection       2*(h*q)*d
+    attention scores QK^T   2*T*(h*q)
+    attention-weighted AV   2*T*(h*q)
+    MLP                     2*d*f per matrix: 3 matrices for SwiGLU, 2 for the GELU MLP
+    LM head                 2*d*V
+Backward costs twice the forward (one matmul for the input gradient, one for the weight
+gradient; Kaplan et al. 2020, section 2.1), so training costs 3x the forward.
+
+Causal masking. By default attention is counted over the full T x T score matrix even though
+causal masking leaves half of it unused, as PaLM's MFU does (Chowdhery et al. 2022, appendix B:
+6N + 12*L*H*Q*T per token), so that MFU is comparable with published numbers. `causal=True`
+halves the two attention matmuls instead: the work a kernel that skips masked blocks really
+does (FlashAttention, Dao 2023). Elementwise work (norms, softmax, RoPE, activations) is not
+counted: it is not matmul work and is small beside it.
 """
 
 import dataclasses
@@ -18,7 +42,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from lmforge.config import ModelConfig
-from lmforge.modes import shard_unit
+from lmforge.common.errors import lookup
+from lmforge.modes import BACKENDS, get_recompute, shard_unit
 
 # The FLOP component of each linear layer, by its name inside a block ("lm_head" outside them).
 # A linear layer not named here is refused: a new layer must be given its component on purpose.
@@ -36,7 +61,7 @@ class Shapes:
     # in_features * out_features of each linear layer, by its name inside a block (summed over
     # the blocks) or outside them ("lm_head"): a token costs 2 FLOPs per weight in forward.
     linear_weights: MappingProxyType
-    parameter_shapes: tuple = ()  # the shape of every parameter, a tied one once (optimizers.py)
+    parameter_shapes: tuple = ()  # the shape of every parameter, a tied one once (memory.py's optimizer states)
     # parameters per ZeRO unit ("rest", "blocks.0", ...), a tied one once (comm.py)
     unit_sizes: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     # beside parameter_shapes: the dimension tensor parallelism splits each along, None if whole
@@ -179,3 +204,66 @@ def _shapes(values: str) -> Shapes:
                   unit_sizes=MappingProxyType(units), tp_dims=tuple(tensor_parallel_dim(n) for n, _ in named),
                   parameter_units=tuple(shard_unit(n) for n, _ in named),
                   tp_slices=tuple(model.cfg.kv_heads if _in_block(n) in KV_SPLIT else None for n, _ in named))
+
+
+# -- matmul FLOPs -------------------------------------------------------------------------------
+def forward_flops_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = False) -> dict[str, float]:
+    """Forward matmul FLOPs per token, by component, summed over layers: 2 per weight of each
+    linear layer, read from the model (shapes.py); the attention matmuls from their formula."""
+    weights = model_shapes(cfg).components()
+    attention = cfg.n_layers * 2 * seq_len * cfg.n_heads * cfg.head_dim * (0.5 if causal else 1.0)
+    return {
+        "qkv_projections": 2 * weights["qkv_projections"],
+        "output_projection": 2 * weights["output_projection"],
+        "attention_scores_qk": attention,
+        "attention_values_av": attention,
+        "mlp": 2 * weights["mlp"],
+        "lm_head": 2 * weights["lm_head"],
+    }
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
+    return sum(forward_flops_breakdown(cfg, seq_len, causal).values())
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False,
+                             lora: tuple[int, str] | None = None) -> float:
+    """Forward + backward matmul FLOPs per trained token: the model FLOPs of MFU. `lora` = (rank,
+    targets): adapters on a frozen base (model/lora.py), counted by lora.py's lora_training_flops_per_token."""
+    if lora is not None:
+        from lmforge.accounting.lora import lora_training_flops_per_token  # lora.py reads shapes: not at import
+
+        return lora_training_flops_per_token(cfg, seq_len, *lora, causal=causal)
+    return 3 * forward_flops_per_token(cfg, seq_len, causal)
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none",
+                             lora: tuple[int, str] | None = None) -> float:
+    """FLOPs the hardware executes per token, counting recomputation (the numerator of HFU,
+    Chowdhery et al. 2022, appendix B). Full recomputation runs each block's forward twice, except
+    its last matmul: torch.utils.checkpoint stops recomputing once every tensor backward needs is
+    back, and the MLP's down projection output is needed by no one. Selective recomputation
+    (Korthikanti et al. 2022, section 4.2) reruns the attention core: QK^T and AV where it is one
+    fused op (sdpa, flash_*), QK^T alone with `naive`, whose AV output backward does not need.
+    With `lora` the training FLOPs are LoRA's; the recomputed forward is still the base's alone."""
+    parts, mode = forward_flops_breakdown(cfg, seq_len), get_recompute(recompute)
+    extra = 0.0
+    if mode.blocks:
+        down_projection = 2 * model_shapes(cfg).linear_weights["mlp.down_proj"]
+        extra = sum(v for k, v in parts.items() if k != "lm_head") - down_projection
+    elif mode.attention_cores:
+        fused = lookup(BACKENDS, cfg.attention, "attention backend").fused
+        extra = parts["attention_scores_qk"] + (parts["attention_values_av"] if fused else 0)
+    return training_flops_per_token(cfg, seq_len, lora=lora) + extra
+
+
+def six_n_flops_per_token(cfg: ModelConfig) -> float:
+    """The 6N approximation (Kaplan et al. 2020, eq. 2.1), attention over the context ignored, with
+    N the weights that multiply activations (shapes.Shapes.matmul_weights: the LM head in,
+    embedding lookups, norm gains and biases out: they do no matmul work)."""
+    return 6 * model_shapes(cfg).matmul_weights
+
+
+def palm_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """6N + 12*L*H*Q*T (Chowdhery et al. 2022, appendix B): 6N plus the attention matmuls."""
+    return six_n_flops_per_token(cfg) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len

@@ -81,7 +81,7 @@ def _add_decode_roofline(cfg, plans: list[dict], args) -> None:
 
     mine, roof = [plan for plan in plans if plan["setup"]["hardware"] == "this"], None
     if any(untraced(plan) is None for plan in mine):
-        from lmforge.accounting.roofline.decode_roof import decode_roof, this_decode_measurements
+        from lmforge.accounting.roofline.decode import decode_roof, this_decode_measurements
         from lmforge.accounting.roofline.measure import this_roof
         from lmforge.parallel.world import resolve_device
 
@@ -98,7 +98,7 @@ def _show(console, plans: list[dict], varying: list, name: str, note: str, args)
     import json
 
     from lmforge.accounting.plan.chart import plot_comparison, plot_memory
-    from lmforge.accounting.plan.compare import print_comparison_table
+    from lmforge.accounting.plan.tables import print_comparison_table
     from lmforge.accounting.plan.show import print_plan
     from lmforge.common.folders import write_file_staged
 
@@ -108,7 +108,7 @@ def _show(console, plans: list[dict], varying: list, name: str, note: str, args)
     elif args.plot:
         charts["memory chart"] = (args.plot, lambda path: plot_memory(plans[0], path, name=name))
     if args.roofline:
-        from lmforge.accounting.roofline.show import plot_roofline
+        from lmforge.accounting.plan.chart import plot_roofline
 
         charts["roofline chart"] = (args.roofline, lambda path: plot_roofline(plans[0], path, name=name))
     for path, draw in charts.values():
@@ -148,7 +148,7 @@ def _plan_config(args, overrides: list[str]):
 def _stored_dtypes(args) -> None:
     """With --inference a folder's stored dtype is the default --weights and --kv-dtype: what
     `lmforge generate` holds."""
-    from lmforge.accounting.inference import KV_FORMATS
+    from lmforge.accounting.plan.inference import KV_FORMATS
     from lmforge.runs.load import DTYPES, folder_dtype
 
     stored = {dtype: name for name, dtype in DTYPES.items()}.get(folder_dtype(args.run), "fp32")

@@ -9,11 +9,11 @@ LmforgeError line, before anything is written.
 import copy
 from pathlib import Path
 
-from lmforge.accounting.plan.costing import Costing, degrees, policy, zero_stage
+from lmforge.accounting.plan.make import Costing, degrees, policy, zero_stage
 from lmforge.accounting.plan.inference import InferenceSetup, make_inference_plan
 from lmforge.accounting.plan.make import make_plan
 from lmforge.accounting.plan.setups import Machines, device_candidates, largest_batch
-from lmforge.accounting.optimizers import OPTIMIZERS
+from lmforge.accounting.memory import OPTIMIZERS
 from lmforge.common.errors import LmforgeError, lookup
 from lmforge.config import Config, parse_override, set_value, validate
 from lmforge.config.load import ALIASES as OLDER_NAMES

@@ -126,7 +126,7 @@ def fit(args) -> int:
     from rich.console import Console
 
     from lmforge.accounting import scaling
-    from lmforge.accounting.scaling_chart import plot_scaling
+    from lmforge.accounting.scaling import plot_scaling
 
     console = Console()
     points, repeated = [], []

@@ -40,9 +40,9 @@ FLASH_BACKENDS = tuple(name for name, backend in BACKENDS.items() if not backend
 
 
 # -- optimizers: the one list that `optim.name` (config/validate.py), the plan's `--optimizer`
-# (accounting/optimizers.py, keyed by these names) and the trainer's builders (optim/build.py) share.
+# (accounting/memory.py, keyed by these names) and the trainer's builders (optim/build.py) share.
 # A name the plan can cost but training cannot run (trained=False) is refused by validation with `why`.
-# To add one: an entry here, its state count in accounting/optimizers.py and its builder in
+# To add one: an entry here, its state count in accounting/memory.py and its builder in
 # optim/build.py (tests/test_optimizers.py checks that the three agree).
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ For a parameter X of n x m (any leading dims are batch dims) with gradient G at 
 
 A vector keeps its full second moment V <- beta2_t V + (1 - beta2_t) G^2. So a matrix keeps n + m
 numbers instead of nm: the state layout is torch's (and Hugging Face's), `row_var` of shape
-(..., n, 1) and `col_var` of shape (..., 1, m), which accounting/optimizers.py costs. eps1 None
+(..., n, 1) and `col_var` of shape (..., 1, m), which accounting/memory.py costs. eps1 None
 is the parameter dtype's machine epsilon. The squared means are computed as squared norms divided
 by the length, as torch computes them, so that no G^2 temporary the size of G is made and the two
 agree bit for bit (tested).

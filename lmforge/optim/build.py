@@ -6,7 +6,7 @@ Muon, which also needs to know its matrices (optim/muon.py, muon_param_groups). 
 its own `weight_decay` (the config's for matrices and embeddings, 0 for gains and biases), which
 overrides the optimizer's default. To add an optimizer: write its builder below, add it to
 BUILDERS, mark its name trained in modes/ and give its states in
-accounting/optimizers.py (tests/test_optimizers.py checks the three agree and that the plan's
+accounting/memory.py (tests/test_optimizers.py checks the three agree and that the plan's
 state bytes are measured).
 """
 
@@ -60,7 +60,7 @@ BUILDERS: dict[str, Builder] = {
     "lion": lambda cfg, policy, groups: Lion(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2)),
     "adafactor": build_adafactor,
     "muon": build_muon,
-    # add an optimizer here (and in modes/, accounting/optimizers.py)
+    # add an optimizer here (and in modes/, accounting/memory.py)
 }
 
 

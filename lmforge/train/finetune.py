@@ -35,8 +35,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from lmforge.accounting.plan.costing import Costing, data_parallel
-from lmforge.accounting.plan.make import make_plan, matmul_dtype
+from lmforge.accounting.plan.make import Costing, data_parallel, make_plan, matmul_dtype
 from lmforge.common.errors import LmforgeError, human_bytes, warn
 from lmforge.config import Config
 from lmforge.data.corpus import encode_documents, load_documents, split_documents, tokenizer_hash

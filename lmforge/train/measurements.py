@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmforge.accounting.flops import hardware_flops_per_token, training_flops_per_token
+from lmforge.accounting.shapes import hardware_flops_per_token, training_flops_per_token
 from lmforge.accounting.measure import measure_saved_bytes
-from lmforge.accounting.plan.costing import Costing
-from lmforge.accounting.plan.make import make_plan, matmul_dtype
+from lmforge.accounting.plan.make import Costing, make_plan, matmul_dtype
 from lmforge.accounting.scaling import predicted_loss, read_fit
 from lmforge.accounting.shapes import model_shapes
 from lmforge.common.errors import LmforgeError
@@ -40,7 +39,7 @@ class RunMeasurements:
     precision: str  # the policy's name (aliases resolved)
     parameters: int  # of the whole model, all stages
     tokens_per_step: int  # every replica's micro-batches
-    flops_per_token: float  # the model's (accounting/flops.py): what MFU counts
+    flops_per_token: float  # the model's (accounting/shapes.py): what MFU counts
     hardware_flops_per_token: float | None  # the recomputed forward included (HFU); None without recomputation
     peak_dtype: str  # the matmul dtype whose peak was measured
     peak_flops: float  # one rank's device

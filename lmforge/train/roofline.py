@@ -11,7 +11,7 @@ roof already cached by `lmforge plan --roofline X.png` (nothing is measured insi
 
 import torch
 
-from lmforge.accounting.plan.costing import degrees, strategy
+from lmforge.accounting.plan.make import degrees, strategy
 from lmforge.accounting.roofline.ops import predict_step
 from lmforge.accounting.roofline.shapes import cached_step_roof
 from lmforge.common.errors import warn

@@ -13,8 +13,8 @@ metrics.jsonl or eval.json, is refused in one line before anything is written.
 import json
 from pathlib import Path
 
-from lmforge.accounting.plan.costing import matmul_dtype
-from lmforge.accounting.plan.predicted_vs_measured import COLUMNS, comparison_rows
+from lmforge.accounting.plan.make import matmul_dtype
+from lmforge.accounting.plan.tables import COLUMNS, comparison_rows
 from lmforge.common.errors import LmforgeError
 from lmforge.common.folders import write_file_staged
 from lmforge.config import Config

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmforge.accounting.hardware import TIMED_DTYPE, device_name
-from lmforge.accounting.plan.predicted_vs_measured import print_comparison
+from lmforge.accounting.plan.tables import print_comparison
 from lmforge.common.errors import for_terminal, human_count
 from lmforge.config import Config
 from lmforge.generate.sampling import generate

@@ -1,9 +1,12 @@
-"""The plan's memory as bar charts (matplotlib, imported when a chart is drawn): one setup's parts
-beside the device's capacity (`lmforge plan --plot`), or one bar per setup of a --compare."""
+"""The plan's charts (matplotlib, imported when a chart is drawn): its memory as bar charts, one
+setup's parts beside the device's capacity (`lmforge plan --plot`) or one bar per setup of a
+--compare; and the roofline's picture, the roof with each operation class as a point (`lmforge plan
+--roofline out.png`)."""
 
 from pathlib import Path
 
-from lmforge.accounting.plan.compare import compare_label
+from lmforge.accounting.plan.tables import compare_label
+from lmforge.accounting.roofline import rate_dtype
 from lmforge.accounting.plan.show import labelled_parts
 from lmforge.common.errors import human_bytes, human_count
 
@@ -100,3 +103,35 @@ def save(plt, fig, png_path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(png_path)
     plt.close(fig)
+
+
+def plot_roofline(plan: dict, path, name: str = "", measured: dict | None = None) -> None:
+    """Log-log arithmetic intensity (FLOP/byte) against FLOP/s: the roof min(peak, intensity x
+    bandwidth) at the best measured matmul rate, and each predicted class as a point; `measured`
+    ({class: seconds}, from bench/step_time.py's profile) adds the measured points beside them."""
+    plt = pyplot()
+    r = plan["roofline"]
+    dtype, bandwidth = rate_dtype(plan["time"]["matmul_dtype"]), r["bandwidth_bytes_per_second"]
+    peak = r["best_matmul_flops_per_second"][dtype]
+    knee = peak / bandwidth
+    classes = {k: v for k, v in plan["roofline"]["classes"].items() if v["flops"]}
+    low = min([knee / 100] + [v["intensity_flops_per_byte"] / 3 for v in classes.values()])
+    high = max([knee * 100] + [v["intensity_flops_per_byte"] * 3 for v in classes.values()])
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    xs = [low, knee, high]
+    ax.plot(xs, [min(peak, x * bandwidth) for x in xs], color="black",
+            label=f"roof: {human_count(peak)}FLOP/s ({dtype} matmul), {human_bytes(bandwidth)}/s")
+    for i, (label, row) in enumerate(classes.items()):
+        color = f"C{i}"
+        ax.scatter([row["intensity_flops_per_byte"]], [row["achieved_flops_per_second"]], color=color,
+                   label=f"{label} (predicted)")
+        if measured and measured.get(label):
+            ax.scatter([row["intensity_flops_per_byte"]], [row["flops"] / measured[label]], color=color,
+                       marker="x", label=f"{label} (measured)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
+    ax.set_ylabel("FLOP/s")
+    ax.set_title(f"roofline: {name}" if name else "roofline")
+    ax.legend(fontsize=7, loc="lower right")
+    save(plt, fig, path)

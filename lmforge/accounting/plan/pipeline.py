@@ -31,7 +31,7 @@ from lmforge.accounting.activations import activation_breakdown
 from lmforge.accounting.pipeline import (StageParameters, bubble_fraction, chunks_in_flight, micro_batches_in_flight,
                                          rank_chunks, stage_communication, stage_costs, stage_parameters,
                                          virtual_split)
-from lmforge.accounting.plan.costing import lora, zero_stage
+from lmforge.accounting.plan.make import Cost, lora, zero_stage
 from lmforge.config import Config
 from lmforge.config.schema import Degrees
 from lmforge.modes import Policy
@@ -86,7 +86,7 @@ def stage_details(cfg: Config, d: Degrees, policy: Policy, split: list[int], flo
                         "parameter_count": params.count,
                         **stage_memory(cfg, d, policy, stage, params, parts),
                         "forward_flops_per_token": cost,
-                        # forward + backward, 3x the forward (flops.py); tensor ranks share it
+                        # forward + backward, 3x the forward (shapes.py); tensor ranks share it
                         "seconds_per_micro_batch": 3 * cost * b * s / d.tp / flops_per_second,
                         "sent_bytes_per_step": stage_sends(cfg, d, layout, stage, params, sum(map(len, chunks)))})
     return details
@@ -162,3 +162,18 @@ def stage_tensor_parallel(cfg: Config, d: Degrees, policy: Policy, stage: int, l
                                               cfg.parallel.sequence_parallel, policy, t.micro_batches, cfg.optim.name,
                                               stage=(layers, stage == 0, stage == d.pp - 1),
                                               recompute=t.recompute, lora=lora(cfg))
+
+
+def pipelined_cost(cfg: Config, d: Degrees, pol: Policy, peak: float, mfu: float) -> Cost:
+    """Every stage counted on its own (plan/pipeline.py); a device holds the largest."""
+    piped = pipeline_plan(cfg, d, pol, peak * mfu, mfu)
+    largest = piped["stages_detail"][piped["largest_stage"]]
+    first, held = (rank_parameters(cfg, d, piped["split"], s) for s in (0, piped["largest_stage"]))
+    layout = memory.sharded_layout(pol, zero_stage(cfg))
+    # rank 0's, as the trainer counts
+    communication = stage_communication(first, d.dp, layout, zero_stage(cfg), cfg.optim.name)
+    if d.tp > 1:
+        layers = sum(map(len, rank_chunks(piped["split"], d.pp, 0)))
+        communication["tensor_parallel"] = stage_tensor_parallel(cfg, d, layout, 0, layers)
+    return Cost(largest["breakdown_bytes"], largest["activation_breakdown_bytes"], communication,
+                piped["seconds_per_step"], piped, held.shapes)

@@ -5,7 +5,7 @@ out: the command's options are read in lmforge/cli/plan_options.py.
 
 from typing import Callable
 
-from lmforge.accounting.inference import PREFILL_DTYPE
+from lmforge.accounting.plan.inference import PREFILL_DTYPE
 from lmforge.accounting.shapes import tensor_parallel_degrees
 from lmforge.config import Config, ModelConfig
 from lmforge.config.rules import tp_divisibility
@@ -37,12 +37,12 @@ class Machines:
         return self.seen["inference", weights]
 
     def roofline(self, cfg: Config, costing, plan: dict) -> dict | None:
-        """The plan's step time by the roofline (`costing`: plan/costing.py's): on this machine's measured
+        """The plan's step time by the roofline (`costing`: plan/make.py's Costing): on this machine's measured
         roof (roofline/measure.py) with the rates of the step's own matmul shapes (roofline/shapes.py),
         or a named accelerator's datasheet roof; --remeasure: the roof measured again once a plan, its
         step's shapes with it."""
         from lmforge.accounting.hardware import ACCELERATORS
-        from lmforge.accounting.plan.costing import degrees, strategy
+        from lmforge.accounting.plan.make import degrees, strategy
         from lmforge.accounting.roofline import datasheet_roof
         from lmforge.accounting.roofline.ops import predict_step
         from lmforge.accounting.roofline.shapes import this_step_roof

@@ -1,14 +1,15 @@
 """Showing a training plan (plan/make.py) in the terminal: what it is, its memory per device (and
-each pipeline stage's), its time, and the pieces every plan's tables share (facts_table,
-memory_table); an inference plan is shown by show_inference.py. The --compare table: compare.py;
-the bar charts: chart.py; the trainer's predicted-vs-measured table: predicted_vs_measured.py."""
+each pipeline stage's), its time, its step by the roofline where predicted (accounting/roofline/:
+one row per operation class with its time, share, FLOPs, bytes, arithmetic intensity, achieved
+FLOP/s and the bound it hits), and the pieces every plan's tables share (facts_table,
+memory_table). An inference plan's tables, the --compare table and the trainer's
+predicted-vs-measured table: tables.py; the bar charts: chart.py."""
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from lmforge.accounting.dtypes import dtype_table
-from lmforge.accounting.roofline.show import roofline_table
 from lmforge.common.errors import human_bytes, human_count, human_seconds
 from lmforge.modes import get_strategy
 
@@ -16,7 +17,7 @@ from lmforge.modes import get_strategy
 def print_plan(console: Console, plan: dict, title: str = "lmforge plan") -> None:
     """The plan's tables, training or inference (a plan with "decode" is one)."""
     if "decode" in plan:
-        from lmforge.accounting.plan.show_inference import print_inference_plan  # which imports this module
+        from lmforge.accounting.plan.tables import print_inference_plan  # which imports this module
 
         print_inference_plan(console, plan, title)
         return
@@ -249,4 +250,25 @@ def memory_table(title: str, parts: list[tuple[str, float]], mem: dict, hardware
     table.add_row(f"device memory ({hardware}, as the device reports it)", human_bytes(mem["device_memory_bytes"]),
                   f"{verdict} ({(total + reserve) / mem['device_memory_bytes']:.0%})",
                   style="green" if mem["fits"] else "red")
+    return table
+
+
+def roofline_table(plan: dict) -> Table:
+    """plan["roofline"] as a table: each class, then the step and its tokens/s."""
+    r = plan["roofline"]
+    table = Table(title=f"predicted step time from the {r['roof_source']} roofline of {r['roof']}",
+                  title_justify="left")
+    for column in ("", "time", "share", "FLOPs", "bytes", "FLOP/byte", "achieved FLOP/s", "launches", "bound"):
+        table.add_column(column, justify="right" if column else "left", no_wrap=True)
+    step = r["seconds_per_step"]
+    for name, row in r["classes"].items():
+        table.add_row(name, human_seconds(row["seconds"]), f"{row['seconds'] / step:.1%}" if step else "-",
+                      human_count(row["flops"]) if row["flops"] else "-", human_bytes(row["bytes"]),
+                      f"{row['intensity_flops_per_byte']:.1f}" if row["flops"] else "-",
+                      human_count(row["achieved_flops_per_second"]) if row["flops"] else "-",
+                      human_seconds(row["launch_s"]) if row["launch_s"] else "-", row["bound"])
+    table.add_row("step (roofline)", human_seconds(step), "", "", "", "", "", "", "", style="bold")
+    table.add_row("throughput (roofline)", f"{r['tokens_per_second']:,.0f} tokens/s", "", "", "", "", "", "", "",
+                  style="bold")
+    table.caption = f"time = max(FLOPs / rate at the op's shape, bytes / bandwidth) + launches; overlap: {r['overlap']}"
     return table

@@ -23,7 +23,7 @@ ITEMSIZE = {"float64": 8, "float32": 4, "int64": 8, "int32": 4, "bfloat16": 2, "
 class Roof:
     """What the prediction needs of a machine. Grids are {dtype: [[dims..., value], ...]} on a
     regular grid: matmul (M, N, K, FLOP/s); sdpa forward and backward (T, head_dim,
-    FLOP/s, counted as flops.py counts attention: the full T x T, causal or not; backward 2x forward); elementwise
+    FLOP/s, counted as shapes.py counts attention: the full T x T, causal or not; backward 2x forward); elementwise
     (bytes moved by one call, bytes/s)."""
     name: str
     bandwidth: float  # bytes/s of a large copy: the memory roof
@@ -36,7 +36,7 @@ class Roof:
     view_call_seconds: float | None = None  # one view (no kernel, just dispatch); None: call_seconds
     foreach_call_seconds: float = 0.0  # one tensor of a torch._foreach_* op (the C++ loop on CPU)
     # {"latency_s", "bytes_per_second"} of all-reduce, and "operators": {operator: the same} of
-    # all_reduce, reduce_scatter and all_gather, if measured (under torchrun: measure_collective)
+    # all_reduce, reduce_scatter and all_gather, if measured (under torchrun: bench/collectives.py)
     collective: dict = field(default_factory=dict)
     # the cache operands stay in between operators (a CPU's last level, a GPU's L2; 0: unknown), and whether
     # every rank on the machine writes into it (a CPU's last level; a GPU's L2 is its own)

@@ -2,7 +2,7 @@
 one step of generate()'s loop dispatches (the model's cached forward on the newest token of each
 of `batch` sequences, attending to `context` cached positions, then the greedy choice of the next
 token), recorded on fake tensors with roofline/trace.py's recorder, each priced at the decode roof
-(accounting/roofline/decode_roof.py: matmul rates at GEMV shapes, no-grad launch costs) and summed.
+(decode_roof below: matmul rates at GEMV shapes, no-grad launch costs) and summed.
 
 What a step reads: every weight matrix once (its matmul's bytes), the rows of the embedding it
 gathers, and of every layer the keys and values of context + 1 positions (the cached ones and the
@@ -10,6 +10,26 @@ new token's, stored first: KVCache.update), 2 x layers x kv_heads x head_dim x (
 itemsize x batch bytes. Attention FLOPs are counted for the query length against those keys
 (4 x batch x heads x 1 x (context + 1) x head_dim): ops counts a training step's
 attention as s x s, which a single query is not.
+
+The roof a decode step runs on (`decode_roof`: accounting/roofline/__init__.py's Roof, adjusted): a decode step
+multiplies `batch` rows (1 to a few) by each weight matrix, far below the training grid's smallest
+M of 64, and runs under torch.no_grad through the model's modules, one small kernel after another.
+
+Two more things are measured (about two seconds, cached as the roof is: accounting/hardware.py's
+cache, `--remeasure` replaces it):
+- matmul FLOP/s at GEMV-like shapes: M in GEMV_ROWS by every (N, K) of the training grid's
+  (measure.MATMUL_DIMS), so that with the training grid they form one regular grid in M
+  (interpolated in log2 M as any other dimension: roofline.interpolate), each call reading its
+  weights from memory (measure.measure_matmuls with cold_megabytes);
+- the fixed cost of one operator of a decode step: the step of a model so small that none of its
+  operators does measurable work (one layer, width 16, vocabulary 32, 16 cached positions), timed
+  and divided by the aten operators it dispatches as roofline/trace.py counts them. This is what a
+  call costs in this code's decode path: the module calls, the Python between operators and the
+  composite operators above the recorded ones (F.linear above t, mm, view) are paid per operator,
+  which a chain of adds (the training roof's launch cost) does not pay. Views are counted alike.
+
+`decode_roof(roof, measured)` is `roof` with the grid extended downward and that launch cost;
+everything else (bandwidth, elementwise rates) is the same machine's.
 """
 
 import contextlib
@@ -18,9 +38,11 @@ import dataclasses
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lmforge.accounting.roofline import predict
+from lmforge.accounting.hardware import _measured, device_name
+from lmforge.accounting.roofline import Roof, predict
+from lmforge.accounting.roofline.measure import MINIMAL, _best_rate, measure_matmuls
 from lmforge.accounting.roofline.ops import ATTENTION_FORWARD, Op, op_of, records_written, roof_after_writes
-from lmforge.accounting.roofline.trace import recorded
+from lmforge.accounting.roofline.trace import dispatched_calls, recorded
 from lmforge.config import ModelConfig
 from lmforge.model.transformer import Transformer
 
@@ -72,12 +94,8 @@ def decode_op(record) -> Op:
     return op
 
 
-def decode_ops(decoder, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype = torch.float32) -> list[Op]:
-    return [decode_op(r) for r in record_decode(decoder, cfg, batch, context, dtype)]
-
-
 def predict_decode(decoder, cfg: ModelConfig, batch: int, context: int, roof, weights: str = "fp32") -> dict | None:
-    """roofline.predict of one decode step (tokens: `batch`), on `roof` (decode_roof.decode_roof's)
+    """roofline.predict of one decode step (tokens: `batch`), on `roof` (decode_roof's)
     with its elementwise rates those after the step's own writes, as a training step's are
     (ops.step_roof: a decode step writes a few hundred kB, so its activations stay in a
     core's caches), or None for a weight format lmforge does not run (int8, int4: no quantised kernels)."""
@@ -110,3 +128,45 @@ def plan_decode(decoder, cfg: ModelConfig, plan: dict, roof) -> dict:
         return {"none": why}
     st = plan["setup"]
     return predict_decode(decoder, cfg, st["batch_size"], st["seq_len"] - 1, roof, st["weights"])
+
+
+# -- the decode roof ------------------------------------------------------------------------------
+GEMV_ROWS = (1, 8)  # rows of a decode step's matmuls: batch 1 and batch 8
+MINIMAL_CONTEXT = 16
+
+
+@torch.no_grad()
+def measure_decode_call(decoder, device: torch.device) -> float:
+    """Seconds per dispatched operator of MINIMAL's decode step (model forward and greedy choice:
+    `decoder`, as record_decode takes it)."""
+    step = decoder(Transformer(MINIMAL).to(device).eval(), 1, MINIMAL_CONTEXT)
+    return 1 / _best_rate(step, dispatched_calls(step), device, runs=3, seconds=0.05)
+
+
+def measure_decode(decoder, device: torch.device) -> dict:
+    """The decode roof's measurements as a JSON-ready dict, the global RNG left as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return {"gemv": measure_matmuls(device, GEMV_ROWS, cold_megabytes=128),
+                "call_seconds": measure_decode_call(decoder, device)}
+
+
+def this_decode_measurements(decoder, device: torch.device, remeasure: bool = False, store: bool = True) -> dict:
+    """measure_decode's result for this machine, from the cache unless `remeasure`."""
+    key = f"roofline decode v2|{device_name(device)}|torch {torch.__version__}"
+    return _measured(key, "decode", lambda: measure_decode(decoder, device), remeasure, store)
+
+
+def decode_roof(roof: Roof, measured: dict | None) -> Roof:
+    """`roof` for a decode step: the GEMV rows added to each dtype's matmul grid (where their N and
+    K are the grid's), the decode path's cost per operator for calls and views alike; `measured`
+    None (a datasheet roof): `roof` itself."""
+    if not measured:
+        return roof
+    matmul = {}
+    for dtype, rows in roof.matmul.items():
+        extra = measured["gemv"].get(dtype, [])
+        same_axes = {tuple(r[1:3]) for r in extra} == {tuple(r[1:3]) for r in rows}
+        smallest = min(r[0] for r in rows)
+        matmul[dtype] = rows + [r for r in extra if r[0] < smallest] if same_axes else rows
+    return dataclasses.replace(roof, matmul=matmul, call_seconds=measured["call_seconds"],
+                               view_call_seconds=measured["call_seconds"], name=f"{roof.name} (decode)")

@@ -46,7 +46,7 @@ def _best_rate(op, work: float, device: torch.device, runs: int = 2, seconds: fl
 
 def measure_matmuls(device: torch.device, rows: tuple[int, ...] = MATMUL_DIMS, cold_megabytes: int = 0) -> dict:
     """{dtype: [[M, N, K, FLOP/s], ...]} over M in `rows`, N and K in MATMUL_DIMS. With
-    `cold_megabytes` (decode_roof.py's GEMV rows), each call's weight matrix is the next of the (K, N)
+    `cold_megabytes` (decode.py's GEMV rows), each call's weight matrix is the next of the (K, N)
     matrices laid end to end in that many MiB (more than a CPU's last-level cache): a decode step
     reads each weight once per step, after every other layer's, so from memory, not from the cache
     a timing loop on one matrix would keep it in."""
@@ -88,10 +88,10 @@ def _sdpa_seconds(heads: int, t: int, d: int, dtype: torch.dtype, device: torch.
 
 def measure_sdpa(device: torch.device) -> tuple[dict, dict, dict]:
     """({dtype: [[T, head_dim, FLOP/s]]} forward, the same backward, {kind: {dtype: seconds}} the
-    fixed cost of one call), causal, FLOPs counted as flops.py does (4 * T^2 * head_dim per
+    fixed cost of one call), causal, FLOPs counted as shapes.py does (4 * T^2 * head_dim per
     batch-head forward, the full T x T; 2x that backward). The fixed cost is fitted through
     batch x heads SDPA_BATCH_HEADS and 4x that at the grid's smallest shape (t = c + heads * w, as
-    measure_collective fits latency): a model calls SDPA with 32-96 batch-heads where the grid
+    bench/collectives.py fits latency): a model calls SDPA with 32-96 batch-heads where the grid
     times 8 (bf16's CPU backward paid ~0.7 ms a call on tiny's shapes whatever the heads), and the
     grid's rates are of the work alone, flops / (t - c)."""
     forward, backward, fixed = {}, {}, {"sdpa_forward": {}, "sdpa_backward": {}}
@@ -224,7 +224,7 @@ def _key(device: torch.device) -> str:
 
 def this_roof(device: torch.device, remeasure: bool = False, store: bool = True) -> Roof:
     """This machine's roof, from the cache unless `remeasure` (hardware.py's cache and its rules); the
-    collectives are measured on a launched group apart (measure_collective: bench/step_time_dist.py)."""
+    collectives are measured on a launched group apart (bench/collectives.py)."""
     return _roof(device, _measured(_key(device), "roof", lambda: measure_roof(device), remeasure, store))
 
 
@@ -238,46 +238,3 @@ def cached_roof(device: torch.device) -> Roof | None:
 def _roof(device: torch.device, fields: dict) -> Roof:
     fields = {k: v for k, v in fields.items() if k != "measure_seconds"}
     return Roof(name=f"this machine: {device_name(device)}", **fields)
-
-
-def measure_collective(group=None, sizes: tuple[int, ...] = (2**2, 2**19), repeats: int = 21) -> dict:
-    """Latency and bandwidth of all-reduce, reduce-scatter and all-gather on the launched process
-    group (every rank calls it), fitted t = latency + bytes / bandwidth through the median time of
-    `repeats` calls at the smallest and the largest of `sizes` (fp32 elements of the full tensor),
-    bytes counted as parallel/comm.py counts them (a ring sends 2 (N-1)/N of an all-reduced
-    tensor per rank, (N-1)/N of a reduce-scattered or all-gathered one). The median, not the best:
-    in a step the ranks do not reach a collective together, and one started during backward on a
-    core that computes pays about its median (2 CPU ranks, gloo: a 16-byte all-reduce's best 127 us,
-    median 254 us, 291 us during a matmul loop). The top level keeps all-reduce's figures."""
-    import torch.distributed as dist
-
-    ranks = dist.get_world_size(group)
-    nccl = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    calls = {
-        "all_reduce": (2, lambda full, shard: dist.all_reduce(full, group=group)),
-        "reduce_scatter": (1, lambda full, shard: dist.reduce_scatter_single(shard, full, group=group)),
-        "all_gather": (1, lambda full, shard: dist.all_gather_single(full, shard, group=group)),
-    }
-    operators = {}
-    for operator, (passes, call) in calls.items():
-        points = []
-        for n in sizes:
-            full = torch.ones(n * ranks, device=device)  # a multiple of the ranks: the shards are whole
-            shard = torch.ones(n, device=device)
-            # warm-up: connection set-up (with one, a 16 B all-reduce's median of 9 once read 3.2 ms, 10x its usual)
-            for _ in range(3):
-                call(full, shard)
-            times = []
-            for _ in range(repeats):
-                dist.barrier(group=group)
-                started = time.perf_counter()
-                call(full, shard)
-                _sync(device)
-                times.append(time.perf_counter() - started)
-            points.append((passes * (ranks - 1) / ranks * full.nbytes, sorted(times)[repeats // 2]))
-        (b0, t0), (b1, t1) = points[0], points[-1]
-        bandwidth = (b1 - b0) / (t1 - t0) if t1 > t0 else b1 / t1
-        operators[operator] = {"latency_s": max(t0 - b0 / bandwidth, 0.0), "bytes_per_second": bandwidth}
-    return {**operators["all_reduce"], "operators": operators, "ranks": ranks,
-            "backend": str(dist.get_backend(group))}

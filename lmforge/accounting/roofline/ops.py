@@ -5,7 +5,7 @@ model run on fake tensors of the real shapes), one Op per operator call.
 - class: mm/addmm are the matmuls; the fused attention kernels (and the naive backend's bmm) the
   attention; log-softmax, NLL and whatever the loss module runs itself the loss; everything run by
   clipping and the optimizer step the optimizer; the rest norms/elementwise.
-- FLOPs: 2*M*N*K per matmul (bmm: per batch); attention as flops.py counts it (4*b*h*s^2*d
+- FLOPs: 2*M*N*K per matmul (bmm: per batch); attention as shapes.py counts it (4*b*h*s^2*d
   forward, the full s x s, twice that backward); other operators' few FLOPs are not counted (they
   are memory-bound: their bytes decide their time).
 - bytes: every tensor argument and result once (an in-place op reads and writes its tensor),
