@@ -23,8 +23,8 @@ The plan of a context-parallel setup (parallel.cp = cp > 1; the second half of t
 of the cp ranks of a replica holds n = padded / cp tokens of every row (two zig-zag chunks of
 padded / 2cp; parallel/cp.py), so what it saves for backward is its shard's
 (ring_activation_breakdown), its logits are its tokens', and it sends the ring's K/V and dK/dV
-(context_parallel_bytes) besides the data-parallel engine's gradient traffic over the dp x cp ranks (parallel/engine.py).
-Every cp rank is one more replica to that engine, so the model states are those of the strategy over
+(context_parallel_bytes) besides the data-parallel engine's gradient traffic over the dp x cp
+ranks (parallel/engine.py). Every cp rank is one more replica to that engine, so the model states are those of the strategy over
 dp x cp ranks (plan/make.py's data_ranks): DDP's whole on every rank, ZeRO's and FSDP's sharded 1/(dp cp)
 (split tp ways first under tp x cp).
 """
