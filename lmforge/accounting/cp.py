@@ -24,9 +24,9 @@ of the cp ranks of a replica holds n = padded / cp tokens of every row (two zig-
 padded / 2cp; parallel/cp.py), so what it saves for backward is its shard's
 (ring_activation_breakdown), its logits are its tokens', and it sends the ring's K/V and dK/dV
 (context_parallel_bytes) besides the data-parallel engine's gradient traffic over the dp x cp
-ranks (parallel/engine.py). Every cp rank is one more replica to that engine, so the model states are those of the strategy over
-dp x cp ranks (plan/make.py's data_ranks): DDP's whole on every rank, ZeRO's and FSDP's sharded 1/(dp cp)
-(split tp ways first under tp x cp).
+ranks (parallel/engine.py). Every cp rank is one more replica to that engine, so the model states
+are those of the strategy over dp x cp ranks (plan/make.py's data_ranks): DDP's whole on every
+rank, ZeRO's and FSDP's sharded 1/(dp cp) (split tp ways first under tp x cp).
 """
 
 import math

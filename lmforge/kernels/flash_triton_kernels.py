@@ -72,6 +72,17 @@ def _visible(row_start, key_start, q_len, kv_len, window, CAUSAL: tl.constexpr,
 
 
 @triton.jit
+def _key_range(row_start, q_len, kv_len, window, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[begin, end) of the keys a query block starting at row_start sees, begin a multiple of BLOCK_N:
+    all of them, or if causal, from the first its window reaches to its last row's own position."""
+    key_begin, key_end = 0, kv_len
+    if CAUSAL:
+        key_begin = tl.maximum(row_start + kv_len - q_len - window + 1, 0) // BLOCK_N * BLOCK_N
+        key_end = tl.minimum(kv_len, row_start + BLOCK_M + kv_len - q_len)
+    return key_begin, key_end
+
+
+@triton.jit
 def flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale,
                          heads, kv_heads, q_len, kv_len, d_head, window,
                          CAUSAL: tl.constexpr, UPCAST_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -92,10 +103,7 @@ def flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale,
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     # Line 6: key blocks up to the last one this query block can see (causal: skip the rest), from
     # the first one its window reaches.
-    key_begin, key_end = 0, kv_len
-    if CAUSAL:
-        key_begin = tl.maximum(row_start + kv_len - q_len - window + 1, 0) // BLOCK_N * BLOCK_N
-        key_end = tl.minimum(kv_len, row_start + BLOCK_M + kv_len - q_len)
+    key_begin, key_end = _key_range(row_start, q_len, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     for key_start in range(key_begin, key_end, BLOCK_N):
         # Line 7: K_j and V_j
         k_tile, v_tile = _load_pair(k_ptr, v_ptr, kv_base, key_start, kv_len, d_head, UPCAST_TILES, BLOCK_N, BLOCK_D)
@@ -185,10 +193,7 @@ def flash_backward_dq_kernel(q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_p
     lse = tl.load(lse_ptr + batch_head.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
     delta = tl.load(delta_ptr + batch_head.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    key_begin, key_end = 0, kv_len
-    if CAUSAL:
-        key_begin = tl.maximum(row_start + kv_len - q_len - window + 1, 0) // BLOCK_N * BLOCK_N
-        key_end = tl.minimum(kv_len, row_start + BLOCK_M + kv_len - q_len)
+    key_begin, key_end = _key_range(row_start, q_len, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     for key_start in range(key_begin, key_end, BLOCK_N):
         k_tile, v_tile = _load_pair(k_ptr, v_ptr, kv_base, key_start, kv_len, d_head, UPCAST_TILES, BLOCK_N, BLOCK_D)
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale
