@@ -86,7 +86,6 @@ VARIANTS = {
     "elementwise -> copy bandwidth": (
         lambda r: dataclasses.replace(r, elementwise_ops={}, elementwise_ops_after={},
                                       elementwise=[[1, r.bandwidth]]), contextlib.nullcontext),
-    "optimizer phase -> per call": (lambda r: dataclasses.replace(r, optimizer_phase={}), contextlib.nullcontext),
     "sdpa fixed cost -> none": (_no_sdpa_fixed, contextlib.nullcontext),
     "nll bytes -> generic": (lambda r: r, _generic_nll),
 }

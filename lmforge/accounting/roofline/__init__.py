@@ -45,9 +45,6 @@ class Roof:
     # {"sdpa_forward" | "sdpa_backward": {dtype: seconds}}: one SDPA call's fixed cost, its
     # launch included, whatever its batch x heads (the sdpa grids then hold the work's rate)
     sdpa_call_seconds: dict = field(default_factory=dict)
-    # {"fixed_s", "per_tensor_s"}: AdamW's optimizer phase (clip, step, zero_grad) on a model that does
-    # no work, by parameter tensor: its operators' launches and the Python between them
-    optimizer_phase: dict = field(default_factory=dict)
     # {family: [[bytes per call, bytes written since its operands were touched, bytes/s], ...]}: the
     # families timed after W bytes of other writes, W from a sixteenth of the cache to past it
     # (the top row: elementwise_ops). A step is priced at its own writes (rates_after)
@@ -177,10 +174,6 @@ def rates_after(roof: Roof, written: float) -> dict:
 def op_time(roof: Roof, op) -> dict:
     """One operation's predicted seconds and the bound it hits: max(FLOPs / rate, bytes / bandwidth)
     (whichever is larger is the bound), plus its kernel launches."""
-    if op.kind == "phase":  # one optimizer phase's fixed cost over `calls` parameter tensors
-        p = roof.optimizer_phase
-        seconds = (p["fixed_s"] + op.calls * p["per_tensor_s"]) if p else 0.0
-        return {"seconds": seconds, "compute_s": 0.0, "memory_s": 0.0, "launch_s": seconds, "bound": "launch"}
     if op.kind == "collective":  # at its operator's measured latency and bandwidth, else all-reduce's
         c = roof.collective.get("operators", {}).get(op.op, roof.collective)
         seconds = op.calls * c["latency_s"] + op.bytes / c["bytes_per_second"] if c else 0.0
@@ -193,8 +186,7 @@ def op_time(roof: Roof, op) -> dict:
                 }.get(op.kind, roof.call_seconds)
     if op.kind in roof.sdpa_call_seconds:
         per_call = roof.sdpa_call_seconds[op.kind].get(rate_dtype(op.dtype), per_call)
-    # an op of a phase measured whole pays no launch of its own, where the roof has that measure
-    launch_s = 0.0 if not op.launched and roof.optimizer_phase else op.calls * per_call
+    launch_s = op.calls * per_call
     return {"seconds": max(compute_s, memory_s) + launch_s, "compute_s": compute_s, "memory_s": memory_s,
             "launch_s": launch_s, "bound": "compute" if compute_s >= memory_s else "memory"}
 

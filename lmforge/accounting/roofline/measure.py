@@ -22,11 +22,8 @@ from lmforge.accounting.roofline import Roof
 from lmforge.accounting.roofline.elementwise import (cache_bytes, cold_writes, measure_elementwise_after,
                                                    measure_elementwise_ops)
 from lmforge.accounting.roofline.trace import dispatched_calls
-from lmforge.config import Config, ModelConfig
+from lmforge.config import ModelConfig
 from lmforge.model.transformer import Transformer
-from lmforge.modes import get_policy
-from lmforge.optim.build import make_optimizer, param_groups
-from lmforge.optim.clip import clip_grad_norm
 
 # The grid: every (M, N, K) with each dimension from MATMUL_DIMS. 64..1024 brackets the small
 # models' widths; larger shapes are read at the grid's edge (their rate has saturated by then).
@@ -142,51 +139,6 @@ def measure_launch(device: torch.device) -> tuple[float, float]:
     return per_call, per_tensor
 
 
-def _optimizer_phase(layers: int, device: torch.device) -> tuple[int, float]:
-    """(parameter tensors, seconds) of MINIMAL's whole optimizer phase at `layers` layers:
-    clip_grad_norm, lmforge's AdamW step (the default optimizer, made as the trainer makes it) and
-    zero_grad(set_to_none=True), on gradients put back each time (that loop timed alone and taken
-    off). Its tensors are a few hundred bytes: the time is all fixed cost, the operators' launches
-    and the Python between them (torch.optim.Optimizer.step's wrapper and hooks, the foreach path's
-    per-parameter state lookups and lists, zero_grad's loop over the parameters)."""
-    cfg = Config(model=dataclasses.replace(MINIMAL, n_layers=layers))
-    model = Transformer(cfg.model).to(device)
-    optimizer = make_optimizer(cfg, get_policy("fp32"), param_groups(cfg, model))
-    params = list(model.parameters())
-    grads = [torch.full_like(p, 1e-3) for p in params]
-
-    def put_back():
-        for p, g in zip(params, grads):
-            p.grad = g
-
-    def phase():
-        clip_grad_norm(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        put_back()
-
-    put_back()
-    phase()  # the first step makes AdamW's state
-    seconds = 1 / _best_rate(phase, 1, device, runs=3, seconds=0.05) - 1 / _best_rate(put_back, 1, device, runs=3)
-    return len(params), seconds
-
-
-def measure_optimizer_phase(device: torch.device) -> dict:
-    """{"fixed_s", "per_tensor_s"}: the fixed cost of the optimizer phase (_optimizer_phase), fitted
-    t = fixed + tensors x per_tensor through MINIMAL at 1 and 3 layers (11 and 29 parameter
-    tensors). It stands for the launches of the phase's operators too (ops.step_ops):
-    priced one by one at the model's cost per operator, clipping's bare operators came out above
-    what they take, and the Python between them was not counted at all."""
-    return line_through(_optimizer_phase(1, device), _optimizer_phase(3, device))
-
-
-def line_through(a: tuple[float, float], b: tuple[float, float]) -> dict:
-    """{"fixed_s", "per_tensor_s"} of the line t = fixed + n x per_tensor through two points (n, t)."""
-    (n0, t0), (n1, t1) = a, b
-    slope = (t1 - t0) / (n1 - n0)
-    return {"fixed_s": t0 - slope * n0, "per_tensor_s": slope}
-
-
 def measure_roof(device: torch.device) -> dict:
     """This machine's roof as a JSON-ready dict (Roof's fields but its name and source). The global
     RNG is left as it was: a run that measures its roof first draws the dropout masks and batches
@@ -197,7 +149,7 @@ def measure_roof(device: torch.device) -> dict:
         call, foreach = measure_launch(device)
         cache = cache_bytes(device)
         cold = measure_elementwise_ops(device, cold_writes(cache))
-        return {"optimizer_phase": measure_optimizer_phase(device), "bandwidth": measure_copy_bandwidth(device),
+        return {"bandwidth": measure_copy_bandwidth(device),
                 "matmul": measure_matmuls(device),
                 "sdpa_forward": forward, "sdpa_backward": backward,
                 "sdpa_call_seconds": sdpa_call, "elementwise": cold["binary"],
@@ -236,5 +188,7 @@ def cached_roof(device: torch.device) -> Roof | None:
 
 
 def _roof(device: torch.device, fields: dict) -> Roof:
-    fields = {k: v for k, v in fields.items() if k != "measure_seconds"}
+    # a roof cached by an older lmforge may hold measures since dropped (optimizer_phase): ignored
+    known = {f.name for f in dataclasses.fields(Roof)}
+    fields = {k: v for k, v in fields.items() if k in known}
     return Roof(name=f"this machine: {device_name(device)}", **fields)

@@ -42,7 +42,6 @@ class Op:
     calls: int = 1
     dtype: str = "float32"
     op: str = ""  # the aten operator: which measured elementwise rate applies (roofline.memory_rate)
-    launched: bool = True  # False: its launch is in a phase measured whole (optimizer_phase_op)
     layout: str = ""  # an mm/addmm's operands: "n" as stored, "t" transposed (roofline.shape_key)
 
 
@@ -189,9 +188,6 @@ def step_ops(build, run: Config, dp: int, strategy: str) -> list[Op]:
                       len(shapes) * (t.grad_accum - 1), p.param_dtype, "add_"))
     shards = dp if get_strategy(strategy).zero_stage >= 1 else 1
     ops += optimizer_ops(build, cfg, t.batch_size, run.seq_len, p.name, run.optim.name, shards)
-    if run.optim.name == "adamw":  # the optimizer its fixed cost is measured with (optimizer_phase_op)
-        ops = [dataclasses.replace(op, launched=False) if op.cls == "optimizer" else op for op in ops]
-        ops.append(optimizer_phase_op(cfg))
     return ops + collective_ops(run, dp, strategy)
 
 
@@ -211,18 +207,6 @@ def collective_ops(run: Config, dp: int, strategy: str) -> list[Op]:
         ops.append(Op(f"{strategy} {name.replace('_', ' ')}", "communication", "collective", 0.0, float(nbytes), (),
                       calls, op=operator))
     return ops
-
-
-def optimizer_phase_op(cfg: ModelConfig) -> Op:
-    """The fixed cost of AdamW's optimizer phase (clipping, the step, zero_grad) over the model's
-    parameter tensors (a tied one once), as measure.measure_optimizer_phase measures it on
-    a model that does no work: its operators' launches and the Python between them (torch.optim's
-    wrapper, the per-parameter state lookups, zero_grad's loop). The phase's operators then pay
-    their bytes only (launched=False): measured one by one, their launches were priced at the
-    model's cost per operator and the Python between them not at all."""
-    tensors = len(model_shapes(cfg).parameter_shapes)
-    return Op("optimizer phase's fixed cost (launches, wrapper, state lookups, zero_grad)", "optimizer", "phase",
-              0.0, 0.0, (), tensors)
 
 
 def traced(run: Config) -> bool:
