@@ -46,21 +46,6 @@ def _replace_family(roof, families: tuple, by: str = "binary"):
                                elementwise_ops_after=one(roof.elementwise_ops_after))
 
 
-def _no_sdpa_fixed(roof):
-    """The SDPA grids as plain rates (work / whole call), no fixed cost per call apart."""
-    from lmforge.accounting.roofline.measure import SDPA_BATCH_HEADS
-
-    grids = {}
-    for kind, grid in (("sdpa_forward", roof.sdpa_forward), ("sdpa_backward", roof.sdpa_backward)):
-        grids[kind] = {}
-        for dtype, rows in grid.items():
-            c = roof.sdpa_call_seconds.get(kind, {}).get(dtype, 0.0)
-            scale = 2 if kind == "sdpa_backward" else 1
-            grids[kind][dtype] = [[t, d, 1 / (1 / rate + c / (scale * 4 * SDPA_BATCH_HEADS * t * t * d))]
-                                  for t, d, rate in rows]
-    return dataclasses.replace(roof, sdpa_call_seconds={}, **grids)
-
-
 @contextlib.contextmanager
 def _generic_nll():
     """NLL's bytes counted as any operator's (every tensor argument and result once)."""
@@ -86,7 +71,6 @@ VARIANTS = {
     "elementwise -> copy bandwidth": (
         lambda r: dataclasses.replace(r, elementwise_ops={}, elementwise_ops_after={},
                                       elementwise=[[1, r.bandwidth]]), contextlib.nullcontext),
-    "sdpa fixed cost -> none": (_no_sdpa_fixed, contextlib.nullcontext),
     "nll bytes -> generic": (lambda r: r, _generic_nll),
 }
 

@@ -156,15 +156,3 @@ def test_the_profiler_gives_a_kernels_inner_operators_its_class():
     assert classes["aten::zero_"] == {"loss"} and classes["aten::nll_loss_backward"] == {"loss"}
     assert classes["aten::fill_"] == {"norms/elementwise"}
     assert classes["aten::mul"] == {"norms/elementwise"}
-
-
-def test_an_sdpa_call_pays_its_measured_fixed_cost_in_place_of_a_launch():
-    """t = c + FLOPs / rate of the work (measure.measure_sdpa's fit): a call's launch term
-    is SDPA's fixed cost for its kind and dtype; another op keeps the plain launch cost."""
-    roof = dataclasses.replace(_roof(1e9, 1e11), call_seconds=3e-6,
-                               sdpa_call_seconds={"sdpa_backward": {"bfloat16": 2e-4}})
-    back = Op("attn", "attention", "sdpa_backward", 2e9, 0.0, (64, 16), 2, "bfloat16", "x_backward")
-    t = op_time(roof, back)
-    assert t["launch_s"] == pytest.approx(2 * 2e-4, rel=1e-12)
-    assert t["seconds"] == pytest.approx(2e9 / 1e12 + 4e-4, rel=1e-12)
-    assert op_time(roof, dataclasses.replace(back, kind="sdpa_forward"))["launch_s"] == pytest.approx(6e-6)

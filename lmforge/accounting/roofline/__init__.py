@@ -42,9 +42,6 @@ class Roof:
     # every rank on the machine writes into it (a CPU's last level; a GPU's L2 is its own)
     cache_bytes: float = 0.0
     cache_shared: bool = False
-    # {"sdpa_forward" | "sdpa_backward": {dtype: seconds}}: one SDPA call's fixed cost, its
-    # launch included, whatever its batch x heads (the sdpa grids then hold the work's rate)
-    sdpa_call_seconds: dict = field(default_factory=dict)
     # {family: [[bytes per call, bytes written since its operands were touched, bytes/s], ...]}: the
     # families timed after W bytes of other writes, W from a sixteenth of the cache to past it
     # (the top row: elementwise_ops). A step is priced at its own writes (rates_after)
@@ -184,8 +181,6 @@ def op_time(roof: Roof, op) -> dict:
     per_call = {"foreach": roof.foreach_call_seconds,
                 "view": roof.call_seconds if roof.view_call_seconds is None else roof.view_call_seconds
                 }.get(op.kind, roof.call_seconds)
-    if op.kind in roof.sdpa_call_seconds:
-        per_call = roof.sdpa_call_seconds[op.kind].get(rate_dtype(op.dtype), per_call)
     launch_s = op.calls * per_call
     return {"seconds": max(compute_s, memory_s) + launch_s, "compute_s": compute_s, "memory_s": memory_s,
             "launch_s": launch_s, "bound": "compute" if compute_s >= memory_s else "memory"}

@@ -83,29 +83,20 @@ def _sdpa_seconds(heads: int, t: int, d: int, dtype: torch.dtype, device: torch.
     return forward, backward
 
 
-def measure_sdpa(device: torch.device) -> tuple[dict, dict, dict]:
-    """({dtype: [[T, head_dim, FLOP/s]]} forward, the same backward, {kind: {dtype: seconds}} the
-    fixed cost of one call), causal, FLOPs counted as shapes.py does (4 * T^2 * head_dim per
-    batch-head forward, the full T x T; 2x that backward). The fixed cost is fitted through
-    batch x heads SDPA_BATCH_HEADS and 4x that at the grid's smallest shape (t = c + heads * w, as
-    bench/collectives.py fits latency): a model calls SDPA with 32-96 batch-heads where the grid
-    times 8 (bf16's CPU backward paid ~0.7 ms a call on tiny's shapes whatever the heads), and the
-    grid's rates are of the work alone, flops / (t - c)."""
-    forward, backward, fixed = {}, {}, {"sdpa_forward": {}, "sdpa_backward": {}}
-    t0, d0 = SDPA_SEQ[0], SDPA_HEAD_DIMS[0]
+def measure_sdpa(device: torch.device) -> tuple[dict, dict]:
+    """({dtype: [[T, head_dim, FLOP/s]]} forward, the same backward), causal, of whole calls of
+    SDPA_BATCH_HEADS batch x heads, FLOPs counted as shapes.py does (4 * T^2 * head_dim per
+    batch-head forward, the full T x T; 2x that backward)."""
+    forward, backward = {}, {}
     for name, dtype in DTYPES.items():
-        few, many = (_sdpa_seconds(heads, t0, d0, dtype, device) for heads in (SDPA_BATCH_HEADS, 4 * SDPA_BATCH_HEADS))
-        costs = [max((4 * a - b) / 3, 0.0) for a, b in zip(few, many)]
-        fixed["sdpa_forward"][name], fixed["sdpa_backward"][name] = costs
         forward[name], backward[name] = [], []
         for t in SDPA_SEQ:
             for d in SDPA_HEAD_DIMS:
                 flops = 4 * SDPA_BATCH_HEADS * t * t * d
                 seconds = _sdpa_seconds(SDPA_BATCH_HEADS, t, d, dtype, device)
-                for grid, work, s, c in ((forward, flops, seconds[0], costs[0]),
-                                         (backward, 2 * flops, seconds[1], costs[1])):
-                    grid[name].append([t, d, work / max(s - c, s / 2)])  # the work at least half of a call
-    return forward, backward, fixed
+                forward[name].append([t, d, flops / seconds[0]])
+                backward[name].append([t, d, 2 * flops / seconds[1]])
+    return forward, backward
 
 
 def measure_copy_bandwidth(device: torch.device, megabytes: int = 128) -> float:
@@ -145,14 +136,14 @@ def measure_roof(device: torch.device) -> dict:
     of one that found it cached (tests/test_lora.py resumes such a pair bit for bit)."""
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        forward, backward, sdpa_call = measure_sdpa(device)
+        forward, backward = measure_sdpa(device)
         call, foreach = measure_launch(device)
         cache = cache_bytes(device)
         cold = measure_elementwise_ops(device, cold_writes(cache))
         return {"bandwidth": measure_copy_bandwidth(device),
                 "matmul": measure_matmuls(device),
                 "sdpa_forward": forward, "sdpa_backward": backward,
-                "sdpa_call_seconds": sdpa_call, "elementwise": cold["binary"],
+                "elementwise": cold["binary"],
                 "elementwise_ops": cold, "cache_bytes": cache, "cache_shared": device.type == "cpu",
                 "elementwise_ops_after": measure_elementwise_after(device, cold, cache),
                 "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": call,
@@ -170,8 +161,9 @@ def _key(device: torch.device) -> str:
     # v8: elementwise_ops_after also after 64 KiB and 2 MiB of writes (a decode step's, in a core's own caches);
     # the gelu and gelu_backward families; v9: the elementwise rates the best of 9 calls, not 3;
     # the collectives the median of 21 calls after 3 warm-up ones; v10: the cold rates after the last
-    # level's size of writes, at least 128 MiB (cold_writes), and the after-W grid up to it
-    return f"roofline v10|{device_name(device)}|torch {torch.__version__}"
+    # level's size of writes, at least 128 MiB (cold_writes), and the after-W grid up to it; v11: the SDPA
+    # grids the rate of whole calls (no fixed cost per call apart: a v10 grid held the work's rate alone)
+    return f"roofline v11|{device_name(device)}|torch {torch.__version__}"
 
 
 def this_roof(device: torch.device, remeasure: bool = False, store: bool = True) -> Roof:
@@ -188,7 +180,7 @@ def cached_roof(device: torch.device) -> Roof | None:
 
 
 def _roof(device: torch.device, fields: dict) -> Roof:
-    # a roof cached by an older lmforge may hold measures since dropped (optimizer_phase): ignored
+    # a roof cached by an older lmforge may hold measures since dropped (optimizer_phase, sdpa_call_seconds): ignored
     known = {f.name for f in dataclasses.fields(Roof)}
     fields = {k: v for k, v in fields.items() if k in known}
     return Roof(name=f"this machine: {device_name(device)}", **fields)
