@@ -46,19 +46,6 @@ def _replace_family(roof, families: tuple, by: str = "binary"):
                                elementwise_ops_after=one(roof.elementwise_ops_after))
 
 
-@contextlib.contextmanager
-def _generic_nll():
-    """NLL's bytes counted as any operator's (every tensor argument and result once)."""
-    import lmforge.accounting.roofline.ops as ops
-
-    saved = ops._nll_bytes
-    ops._nll_bytes = lambda r: float(sum(ops._touched(t) for t in r.inputs + r.outputs))
-    try:
-        yield
-    finally:
-        ops._nll_bytes = saved
-
-
 # name: (roof -> roof, context for the pricing). "full" is the model as it stands.
 VARIANTS = {
     "full": (lambda r: r, contextlib.nullcontext),
@@ -71,7 +58,6 @@ VARIANTS = {
     "elementwise -> copy bandwidth": (
         lambda r: dataclasses.replace(r, elementwise_ops={}, elementwise_ops_after={},
                                       elementwise=[[1, r.bandwidth]]), contextlib.nullcontext),
-    "nll bytes -> generic": (lambda r: r, _generic_nll),
 }
 
 

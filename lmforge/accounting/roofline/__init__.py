@@ -109,7 +109,7 @@ def compute_rate(roof: Roof, op) -> float:
 FAMILIES = {
     "binary": ("add", "sub", "mul", "div", "where", "lerp", "addcmul", "addcdiv", "maximum", "clamp",
                "threshold_backward", "silu_backward", "embedding_dense_backward"),
-    # NLL's backward is a zero-fill of its gradient (its bytes), its forward a gather (ops)
+    # NLL's backward is a zero-fill of its gradient, its forward a gather
     "unary": ("neg", "rsqrt", "sqrt", "pow", "exp", "reciprocal", "silu", "tanh", "sigmoid", "fill",
               "zero", "ones_like", "zeros_like", "nll_loss_backward"),
     "copy": ("_to_copy", "copy", "clone", "cat", "stack", "embedding", "index_select", "_unsafe_view",

@@ -71,19 +71,6 @@ def _layout(r: Record) -> str:
     return "".join("n" if stride[-1] == 1 else "t" for _, stride, _ in r.inputs[-2:])
 
 
-def _nll_bytes(r: Record) -> float:
-    """NLL touches one log-probability per target, not the (N, V) rows: the forward reads the
-    targets and the N values they pick and writes two scalars; the backward zero-fills its (N, V)
-    gradient, reads the targets and writes N values into it (ATen's nll_loss kernels). Counting
-    every (N, V) argument instead over-predicted both 5-10x (bench/step_time.py's table, tiny)."""
-    forward = r.op == "nll_loss_forward"  # (self, target, ...) forward; (grad, self, target, ...) backward
-    log_probs, target = r.inputs[0 if forward else 1], r.inputs[1 if forward else 2]
-    picked = _touched(target) // ITEMSIZE.get(target[2], 8) * ITEMSIZE.get(log_probs[2], 4)
-    if forward:
-        return float(_touched(target) + picked + sum(_touched(t) for t in r.outputs))
-    return float(_touched(r.outputs[0]) + _touched(target) + picked)
-
-
 def op_of(r: Record) -> Op:
     """The roofline's Op for one traced operator call."""
     dtype = r.inputs[0][2] if r.inputs else "float32"
@@ -96,8 +83,6 @@ def op_of(r: Record) -> Op:
         nbytes += sum(_touched(t) for t in r.inputs[:r.calls])
     if r.op == "embedding":  # reads the gathered rows (as many bytes as it writes) and the indices
         nbytes = float(2 * _touched(r.outputs[0]) + _touched(r.inputs[1]))
-    if r.op.startswith("nll_loss"):
-        nbytes = _nll_bytes(r)
     if r.phase == "optimizer":
         return Op(name, "optimizer", "foreach" if r.op.startswith("_foreach") else "elementwise", 0.0, nbytes,
                   (), r.calls, dtype, r.op)
