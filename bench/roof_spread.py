@@ -53,7 +53,6 @@ VARIANTS = {
     "rates after writes -> cold": (lambda r: dataclasses.replace(r, elementwise_ops_after={}),
                                    contextlib.nullcontext),
     "families -> add's rate": (lambda r: _same_family(r, "binary"), contextlib.nullcontext),
-    "gelu per element -> add's": (lambda r: _replace_family(r, ("gelu", "gelu_backward")), contextlib.nullcontext),
     "inplace -> binary": (lambda r: _replace_family(r, ("binary_inplace",)), contextlib.nullcontext),
     "elementwise -> copy bandwidth": (
         lambda r: dataclasses.replace(r, elementwise_ops={}, elementwise_ops_after={},

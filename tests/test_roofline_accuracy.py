@@ -41,27 +41,10 @@ def test_an_inplace_op_falls_back_to_its_familys_rate_on_an_older_roof():
     assert memory_rate(fast, op) == pytest.approx(5e10, rel=1e-12)
 
 
-def test_gelu_is_priced_by_elements_whatever_its_dtype_and_a_binary_op_by_bytes():
-    """tanh GELU and its backward are their own families, read per element: a bf16 call of n
-    elements takes what an fp32 call of n takes (half the bytes, half the bytes/s, read at the fp32
-    call's size), where a bf16 multiply of n elements takes half an fp32 one's time."""
-    assert family_of("gelu") == "gelu" and family_of("gelu_backward") == "gelu_backward"
-    gelu_grid = [[8e3, 1e9], [8e6, 1e10]]  # bytes/s rising with the call's size
-    roof = dataclasses.replace(_roof(cold=1e9, warm=1e11), elementwise_ops={
-        **_roof(cold=1e9, warm=1e11).elementwise_ops, "gelu": gelu_grid, "gelu_backward": gelu_grid})
-    n = 1e6
-    for name, operands in (("gelu", 2), ("gelu_backward", 3)):
-        fp32 = Op("mlp", "norms/elementwise", "elementwise", 0.0, operands * 4 * n, (), 1, "float32", name)
-        bf16 = dataclasses.replace(fp32, bytes=operands * 2 * n, dtype="bfloat16")
-        assert op_time(roof, bf16)["memory_s"] == pytest.approx(op_time(roof, fp32)["memory_s"], rel=1e-12)
-        assert memory_rate(roof, bf16) == pytest.approx(memory_rate(roof, fp32) / 2, rel=1e-12)
-    mul32 = Op("mlp", "norms/elementwise", "elementwise", 0.0, 3 * 4 * 1e3, (), 1, "float32", "mul")
-    mul16 = dataclasses.replace(mul32, bytes=3 * 2 * 1e3, dtype="bfloat16")
-    assert op_time(roof, mul16)["memory_s"] < op_time(roof, mul32)["memory_s"]
-    # a roof measured before the family: GELU at the add's rate, by bytes
-    older = _roof(cold=1e9, warm=1e11)
-    gelu16 = Op("mlp", "norms/elementwise", "elementwise", 0.0, 2 * 2 * n, (), 1, "bfloat16", "gelu")
-    assert memory_rate(older, gelu16) == pytest.approx(1e9, rel=1e-12)
+def test_gelu_is_priced_at_the_adds_rate():
+    """tanh GELU and its backward are binary ops by bytes (their own per-element families moved
+    predicted/measured by less than the run-to-run spread: docs/roofline.md)."""
+    assert family_of("gelu") == family_of("gelu_backward") == "binary"
 
 
 def _roof(cold: float, warm: float, cache: float = 0.0) -> Roof:

@@ -108,7 +108,7 @@ def compute_rate(roof: Roof, op) -> float:
 # the aten name's stem: each family's rate at a call's size stands for its members'.
 FAMILIES = {
     "binary": ("add", "sub", "mul", "div", "where", "lerp", "addcmul", "addcdiv", "maximum", "clamp",
-               "threshold_backward", "silu_backward", "embedding_dense_backward"),
+               "threshold_backward", "silu_backward", "embedding_dense_backward", "gelu", "gelu_backward"),
     # NLL's backward is a zero-fill of its gradient, its forward a gather
     "unary": ("neg", "rsqrt", "sqrt", "pow", "exp", "reciprocal", "silu", "tanh", "sigmoid", "fill",
               "zero", "ones_like", "zeros_like", "nll_loss_backward"),
@@ -117,14 +117,7 @@ FAMILIES = {
     "reduce": ("mean", "sum", "amax"),  # along rows: RMSNorm's mean, a broadcast gradient's sum
     "vector_norm": ("linalg_vector_norm", "norm"),  # a whole tensor to one number: clipping's norms
     "softmax": ("_log_softmax", "_softmax", "_log_softmax_backward_data", "_softmax_backward_data"),
-    # GPT-2's tanh GELU and its backward: a tanh and a handful of multiplies per element, compute-bound
-    "gelu": ("gelu",),
-    "gelu_backward": ("gelu_backward",),
 }
-# Families whose time goes by elements, not bytes: a CPU computes a bf16 element in fp32, so a bf16
-# call takes as long as an fp32 call of as many elements (tanh GELU at 4M elements on the Intel VM:
-# 1.2 G elements/s either way). Measured in fp32, they are read per element (memory_rate).
-PER_ELEMENT = ("gelu", "gelu_backward")
 _FAMILY_OF = {stem: family for family, stems in FAMILIES.items() for stem in stems}
 
 
@@ -150,9 +143,7 @@ def memory_rate(roof: Roof, op) -> float:
         grids = roof.elementwise_ops
         grid = grids.get(family) or grids.get(family.removesuffix("_inplace")) or roof.elementwise
         size = op.bytes if op.kind == "foreach" else op.bytes / op.calls
-        # a per-element family's call of n elements in a narrower dtype runs as an fp32 call of n
-        scale = ITEMSIZE.get(op.dtype, 4) / 4 if family in PER_ELEMENT and family in grids else 1.0
-        return interpolate(grid, (max(size / scale, 1.0),)) * scale
+        return interpolate(grid, (max(size, 1.0),))
     return roof.bandwidth
 
 
