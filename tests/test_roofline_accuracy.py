@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from tests.plan_configs import config_of
 from lmforge.accounting.roofline import Roof, family_of, memory_rate, op_time
 from lmforge.accounting.roofline.elementwise import cache_bytes
-from lmforge.accounting.roofline.ops import Op, op_of, predict_step, written_bytes
+from lmforge.accounting.roofline.ops import Op, predict_step, written_bytes
 from lmforge.accounting.roofline.trace import trace_step
 from lmforge.config import make_config
 from lmforge.train.roofline import one_process_engine
