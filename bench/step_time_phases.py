@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 
 from lmforge.accounting.roofline import op_time
-from lmforge.accounting.roofline.ops import op_of, optimizer_phase_op, step_ops, step_roof
+from lmforge.accounting.roofline.ops import op_of, step_ops, step_roof
 from lmforge.accounting.roofline.trace import recorded
 
 
@@ -92,9 +92,7 @@ def main() -> None:
     predicted = sum(op_time(roof, op)["seconds"] for op in step_ops(one_process_engine, cfg, 1, "none"))
     print(f"{args.model} {args.precision}: train_step {sorted(whole)[len(whole) // 2] * 1e3:.3f} ms CPU time "
           f"(median of {args.steps}), its phases sum to {sum(median.values()) * 1e3:.3f} ms; the roofline "
-          f"predicts {predicted * 1e3:.3f} ms; below, each operator priced with its launch (as without "
-          f"the optimizer phase measured whole: {op_time(roof, optimizer_phase_op(cfg.model))['seconds'] * 1e3:.3f} ms "
-          f"for clip, step and zero_grad together)")
+          f"predicts {predicted * 1e3:.3f} ms; below, each operator priced with its launch")
     print(f"  {'phase':<18}{'aten ops':>9}{'priced ms':>11}{'measured ms':>13}{'unpriced ms':>13}")
     for name, _ in steps:
         print(f"  {name:<18}{ops[name]:>9}{priced[name] * 1e3:>11.3f}{median[name] * 1e3:>13.3f}"

@@ -1,5 +1,5 @@
-"""The pieces of the roofline that issue 24's accuracy work added, checked without a clock: NLL's
-bytes against the tensors it really touches, the families of clipping's norms and of NLL, a
+"""The pieces of the roofline that issue 24's accuracy work added, checked without a clock: the
+families of clipping's norms and of NLL, a
 foreach op priced at its whole list's size, the warm/cold choice by what a step writes against
 the cache, and the profiler's attribution of a kernel's inner operators (bench/step_time.py)."""
 
@@ -15,22 +15,10 @@ from torch.profiler import ProfilerActivity, profile
 from tests.plan_configs import config_of
 from lmforge.accounting.roofline import Roof, family_of, memory_rate, op_time
 from lmforge.accounting.roofline.elementwise import cache_bytes
-from lmforge.accounting.roofline.ops import Op, op_of, predict_step, written_bytes
+from lmforge.accounting.roofline.ops import Op, predict_step, written_bytes
 from lmforge.accounting.roofline.trace import trace_step
 from lmforge.config import make_config
 from lmforge.train.roofline import one_process_engine
-
-
-def test_nll_moves_the_targets_and_the_values_they_pick_not_the_rows():
-    """Forward: int64 targets (8 bytes each), one fp32 log-probability per target, two fp32
-    scalars out. Backward: the (N, V) gradient written once (the zero-fill), the targets read,
-    one value written per target."""
-    cfg = make_config("tiny").model
-    n, v = 2 * 16, cfg.vocab_size
-    records = {r.op: r for r in trace_step(one_process_engine, cfg, 2, 16, "fp32") if r.op.startswith("nll_loss")}
-    assert records["nll_loss_forward"].inputs[0][0] == (n, v)  # what the old count charged in full
-    assert op_of(records["nll_loss_forward"]).bytes == n * 8 + n * 4 + 2 * 4
-    assert op_of(records["nll_loss_backward"]).bytes == n * v * 4 + n * 8 + n * 4
 
 
 def test_families_of_norms_and_nll():
@@ -53,27 +41,10 @@ def test_an_inplace_op_falls_back_to_its_familys_rate_on_an_older_roof():
     assert memory_rate(fast, op) == pytest.approx(5e10, rel=1e-12)
 
 
-def test_gelu_is_priced_by_elements_whatever_its_dtype_and_a_binary_op_by_bytes():
-    """tanh GELU and its backward are their own families, read per element: a bf16 call of n
-    elements takes what an fp32 call of n takes (half the bytes, half the bytes/s, read at the fp32
-    call's size), where a bf16 multiply of n elements takes half an fp32 one's time."""
-    assert family_of("gelu") == "gelu" and family_of("gelu_backward") == "gelu_backward"
-    gelu_grid = [[8e3, 1e9], [8e6, 1e10]]  # bytes/s rising with the call's size
-    roof = dataclasses.replace(_roof(cold=1e9, warm=1e11), elementwise_ops={
-        **_roof(cold=1e9, warm=1e11).elementwise_ops, "gelu": gelu_grid, "gelu_backward": gelu_grid})
-    n = 1e6
-    for name, operands in (("gelu", 2), ("gelu_backward", 3)):
-        fp32 = Op("mlp", "norms/elementwise", "elementwise", 0.0, operands * 4 * n, (), 1, "float32", name)
-        bf16 = dataclasses.replace(fp32, bytes=operands * 2 * n, dtype="bfloat16")
-        assert op_time(roof, bf16)["memory_s"] == pytest.approx(op_time(roof, fp32)["memory_s"], rel=1e-12)
-        assert memory_rate(roof, bf16) == pytest.approx(memory_rate(roof, fp32) / 2, rel=1e-12)
-    mul32 = Op("mlp", "norms/elementwise", "elementwise", 0.0, 3 * 4 * 1e3, (), 1, "float32", "mul")
-    mul16 = dataclasses.replace(mul32, bytes=3 * 2 * 1e3, dtype="bfloat16")
-    assert op_time(roof, mul16)["memory_s"] < op_time(roof, mul32)["memory_s"]
-    # a roof measured before the family: GELU at the add's rate, by bytes
-    older = _roof(cold=1e9, warm=1e11)
-    gelu16 = Op("mlp", "norms/elementwise", "elementwise", 0.0, 2 * 2 * n, (), 1, "bfloat16", "gelu")
-    assert memory_rate(older, gelu16) == pytest.approx(1e9, rel=1e-12)
+def test_gelu_is_priced_at_the_adds_rate():
+    """tanh GELU and its backward are binary ops by bytes (their own per-element families moved
+    predicted/measured by less than the run-to-run spread: docs/roofline.md)."""
+    assert family_of("gelu") == family_of("gelu_backward") == "binary"
 
 
 def _roof(cold: float, warm: float, cache: float = 0.0) -> Roof:
@@ -156,15 +127,3 @@ def test_the_profiler_gives_a_kernels_inner_operators_its_class():
     assert classes["aten::zero_"] == {"loss"} and classes["aten::nll_loss_backward"] == {"loss"}
     assert classes["aten::fill_"] == {"norms/elementwise"}
     assert classes["aten::mul"] == {"norms/elementwise"}
-
-
-def test_an_sdpa_call_pays_its_measured_fixed_cost_in_place_of_a_launch():
-    """t = c + FLOPs / rate of the work (measure.measure_sdpa's fit): a call's launch term
-    is SDPA's fixed cost for its kind and dtype; another op keeps the plain launch cost."""
-    roof = dataclasses.replace(_roof(1e9, 1e11), call_seconds=3e-6,
-                               sdpa_call_seconds={"sdpa_backward": {"bfloat16": 2e-4}})
-    back = Op("attn", "attention", "sdpa_backward", 2e9, 0.0, (64, 16), 2, "bfloat16", "x_backward")
-    t = op_time(roof, back)
-    assert t["launch_s"] == pytest.approx(2 * 2e-4, rel=1e-12)
-    assert t["seconds"] == pytest.approx(2e9 / 1e12 + 4e-4, rel=1e-12)
-    assert op_time(roof, dataclasses.replace(back, kind="sdpa_forward"))["launch_s"] == pytest.approx(6e-6)

@@ -42,12 +42,6 @@ class Roof:
     # every rank on the machine writes into it (a CPU's last level; a GPU's L2 is its own)
     cache_bytes: float = 0.0
     cache_shared: bool = False
-    # {"sdpa_forward" | "sdpa_backward": {dtype: seconds}}: one SDPA call's fixed cost, its
-    # launch included, whatever its batch x heads (the sdpa grids then hold the work's rate)
-    sdpa_call_seconds: dict = field(default_factory=dict)
-    # {"fixed_s", "per_tensor_s"}: AdamW's optimizer phase (clip, step, zero_grad) on a model that does
-    # no work, by parameter tensor: its operators' launches and the Python between them
-    optimizer_phase: dict = field(default_factory=dict)
     # {family: [[bytes per call, bytes written since its operands were touched, bytes/s], ...]}: the
     # families timed after W bytes of other writes, W from a sixteenth of the cache to past it
     # (the top row: elementwise_ops). A step is priced at its own writes (rates_after)
@@ -114,8 +108,8 @@ def compute_rate(roof: Roof, op) -> float:
 # the aten name's stem: each family's rate at a call's size stands for its members'.
 FAMILIES = {
     "binary": ("add", "sub", "mul", "div", "where", "lerp", "addcmul", "addcdiv", "maximum", "clamp",
-               "threshold_backward", "silu_backward", "embedding_dense_backward"),
-    # NLL's backward is a zero-fill of its gradient (its bytes), its forward a gather (ops)
+               "threshold_backward", "silu_backward", "embedding_dense_backward", "gelu", "gelu_backward"),
+    # NLL's backward is a zero-fill of its gradient, its forward a gather
     "unary": ("neg", "rsqrt", "sqrt", "pow", "exp", "reciprocal", "silu", "tanh", "sigmoid", "fill",
               "zero", "ones_like", "zeros_like", "nll_loss_backward"),
     "copy": ("_to_copy", "copy", "clone", "cat", "stack", "embedding", "index_select", "_unsafe_view",
@@ -123,14 +117,7 @@ FAMILIES = {
     "reduce": ("mean", "sum", "amax"),  # along rows: RMSNorm's mean, a broadcast gradient's sum
     "vector_norm": ("linalg_vector_norm", "norm"),  # a whole tensor to one number: clipping's norms
     "softmax": ("_log_softmax", "_softmax", "_log_softmax_backward_data", "_softmax_backward_data"),
-    # GPT-2's tanh GELU and its backward: a tanh and a handful of multiplies per element, compute-bound
-    "gelu": ("gelu",),
-    "gelu_backward": ("gelu_backward",),
 }
-# Families whose time goes by elements, not bytes: a CPU computes a bf16 element in fp32, so a bf16
-# call takes as long as an fp32 call of as many elements (tanh GELU at 4M elements on the Intel VM:
-# 1.2 G elements/s either way). Measured in fp32, they are read per element (memory_rate).
-PER_ELEMENT = ("gelu", "gelu_backward")
 _FAMILY_OF = {stem: family for family, stems in FAMILIES.items() for stem in stems}
 
 
@@ -156,9 +143,7 @@ def memory_rate(roof: Roof, op) -> float:
         grids = roof.elementwise_ops
         grid = grids.get(family) or grids.get(family.removesuffix("_inplace")) or roof.elementwise
         size = op.bytes if op.kind == "foreach" else op.bytes / op.calls
-        # a per-element family's call of n elements in a narrower dtype runs as an fp32 call of n
-        scale = ITEMSIZE.get(op.dtype, 4) / 4 if family in PER_ELEMENT and family in grids else 1.0
-        return interpolate(grid, (max(size / scale, 1.0),)) * scale
+        return interpolate(grid, (max(size, 1.0),))
     return roof.bandwidth
 
 
@@ -177,10 +162,6 @@ def rates_after(roof: Roof, written: float) -> dict:
 def op_time(roof: Roof, op) -> dict:
     """One operation's predicted seconds and the bound it hits: max(FLOPs / rate, bytes / bandwidth)
     (whichever is larger is the bound), plus its kernel launches."""
-    if op.kind == "phase":  # one optimizer phase's fixed cost over `calls` parameter tensors
-        p = roof.optimizer_phase
-        seconds = (p["fixed_s"] + op.calls * p["per_tensor_s"]) if p else 0.0
-        return {"seconds": seconds, "compute_s": 0.0, "memory_s": 0.0, "launch_s": seconds, "bound": "launch"}
     if op.kind == "collective":  # at its operator's measured latency and bandwidth, else all-reduce's
         c = roof.collective.get("operators", {}).get(op.op, roof.collective)
         seconds = op.calls * c["latency_s"] + op.bytes / c["bytes_per_second"] if c else 0.0
@@ -191,10 +172,7 @@ def op_time(roof: Roof, op) -> dict:
     per_call = {"foreach": roof.foreach_call_seconds,
                 "view": roof.call_seconds if roof.view_call_seconds is None else roof.view_call_seconds
                 }.get(op.kind, roof.call_seconds)
-    if op.kind in roof.sdpa_call_seconds:
-        per_call = roof.sdpa_call_seconds[op.kind].get(rate_dtype(op.dtype), per_call)
-    # an op of a phase measured whole pays no launch of its own, where the roof has that measure
-    launch_s = 0.0 if not op.launched and roof.optimizer_phase else op.calls * per_call
+    launch_s = op.calls * per_call
     return {"seconds": max(compute_s, memory_s) + launch_s, "compute_s": compute_s, "memory_s": memory_s,
             "launch_s": launch_s, "bound": "compute" if compute_s >= memory_s else "memory"}
 

@@ -49,7 +49,6 @@ def _family_calls(n: int, device: torch.device) -> dict:
     roofline.FAMILIES on n fp32 elements, bytes counted as ops counts them."""
     x, y = torch.ones(n, device=device), torch.ones(n, device=device)
     rows = x.view(-1, 64)
-    gelu_backward = torch.ops.aten.gelu_backward
     return {
         "binary": (lambda: x * y, 3 * 4 * n),
         "binary_inplace": (lambda: x.mul_(y), 3 * 4 * n),  # ones times ones: x stays ones
@@ -58,8 +57,6 @@ def _family_calls(n: int, device: torch.device) -> dict:
         "reduce": (lambda: rows.mean(-1, keepdim=True), 4 * n + 4 * n // 64),
         "vector_norm": (lambda: torch.linalg.vector_norm(x), 4 * n + 4),
         "softmax": (lambda: torch.log_softmax(rows, -1), 2 * 4 * n),
-        "gelu": (lambda: torch.nn.functional.gelu(x, approximate="tanh"), 2 * 4 * n),  # as GeluMLP calls it
-        "gelu_backward": (lambda: gelu_backward(y, x, approximate="tanh"), 3 * 4 * n),
     }
 
 

@@ -22,11 +22,8 @@ from lmforge.accounting.roofline import Roof
 from lmforge.accounting.roofline.elementwise import (cache_bytes, cold_writes, measure_elementwise_after,
                                                    measure_elementwise_ops)
 from lmforge.accounting.roofline.trace import dispatched_calls
-from lmforge.config import Config, ModelConfig
+from lmforge.config import ModelConfig
 from lmforge.model.transformer import Transformer
-from lmforge.modes import get_policy
-from lmforge.optim.build import make_optimizer, param_groups
-from lmforge.optim.clip import clip_grad_norm
 
 # The grid: every (M, N, K) with each dimension from MATMUL_DIMS. 64..1024 brackets the small
 # models' widths; larger shapes are read at the grid's edge (their rate has saturated by then).
@@ -86,29 +83,20 @@ def _sdpa_seconds(heads: int, t: int, d: int, dtype: torch.dtype, device: torch.
     return forward, backward
 
 
-def measure_sdpa(device: torch.device) -> tuple[dict, dict, dict]:
-    """({dtype: [[T, head_dim, FLOP/s]]} forward, the same backward, {kind: {dtype: seconds}} the
-    fixed cost of one call), causal, FLOPs counted as shapes.py does (4 * T^2 * head_dim per
-    batch-head forward, the full T x T; 2x that backward). The fixed cost is fitted through
-    batch x heads SDPA_BATCH_HEADS and 4x that at the grid's smallest shape (t = c + heads * w, as
-    bench/collectives.py fits latency): a model calls SDPA with 32-96 batch-heads where the grid
-    times 8 (bf16's CPU backward paid ~0.7 ms a call on tiny's shapes whatever the heads), and the
-    grid's rates are of the work alone, flops / (t - c)."""
-    forward, backward, fixed = {}, {}, {"sdpa_forward": {}, "sdpa_backward": {}}
-    t0, d0 = SDPA_SEQ[0], SDPA_HEAD_DIMS[0]
+def measure_sdpa(device: torch.device) -> tuple[dict, dict]:
+    """({dtype: [[T, head_dim, FLOP/s]]} forward, the same backward), causal, of whole calls of
+    SDPA_BATCH_HEADS batch x heads, FLOPs counted as shapes.py does (4 * T^2 * head_dim per
+    batch-head forward, the full T x T; 2x that backward)."""
+    forward, backward = {}, {}
     for name, dtype in DTYPES.items():
-        few, many = (_sdpa_seconds(heads, t0, d0, dtype, device) for heads in (SDPA_BATCH_HEADS, 4 * SDPA_BATCH_HEADS))
-        costs = [max((4 * a - b) / 3, 0.0) for a, b in zip(few, many)]
-        fixed["sdpa_forward"][name], fixed["sdpa_backward"][name] = costs
         forward[name], backward[name] = [], []
         for t in SDPA_SEQ:
             for d in SDPA_HEAD_DIMS:
                 flops = 4 * SDPA_BATCH_HEADS * t * t * d
                 seconds = _sdpa_seconds(SDPA_BATCH_HEADS, t, d, dtype, device)
-                for grid, work, s, c in ((forward, flops, seconds[0], costs[0]),
-                                         (backward, 2 * flops, seconds[1], costs[1])):
-                    grid[name].append([t, d, work / max(s - c, s / 2)])  # the work at least half of a call
-    return forward, backward, fixed
+                forward[name].append([t, d, flops / seconds[0]])
+                backward[name].append([t, d, 2 * flops / seconds[1]])
+    return forward, backward
 
 
 def measure_copy_bandwidth(device: torch.device, megabytes: int = 128) -> float:
@@ -142,65 +130,20 @@ def measure_launch(device: torch.device) -> tuple[float, float]:
     return per_call, per_tensor
 
 
-def _optimizer_phase(layers: int, device: torch.device) -> tuple[int, float]:
-    """(parameter tensors, seconds) of MINIMAL's whole optimizer phase at `layers` layers:
-    clip_grad_norm, lmforge's AdamW step (the default optimizer, made as the trainer makes it) and
-    zero_grad(set_to_none=True), on gradients put back each time (that loop timed alone and taken
-    off). Its tensors are a few hundred bytes: the time is all fixed cost, the operators' launches
-    and the Python between them (torch.optim.Optimizer.step's wrapper and hooks, the foreach path's
-    per-parameter state lookups and lists, zero_grad's loop over the parameters)."""
-    cfg = Config(model=dataclasses.replace(MINIMAL, n_layers=layers))
-    model = Transformer(cfg.model).to(device)
-    optimizer = make_optimizer(cfg, get_policy("fp32"), param_groups(cfg, model))
-    params = list(model.parameters())
-    grads = [torch.full_like(p, 1e-3) for p in params]
-
-    def put_back():
-        for p, g in zip(params, grads):
-            p.grad = g
-
-    def phase():
-        clip_grad_norm(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        put_back()
-
-    put_back()
-    phase()  # the first step makes AdamW's state
-    seconds = 1 / _best_rate(phase, 1, device, runs=3, seconds=0.05) - 1 / _best_rate(put_back, 1, device, runs=3)
-    return len(params), seconds
-
-
-def measure_optimizer_phase(device: torch.device) -> dict:
-    """{"fixed_s", "per_tensor_s"}: the fixed cost of the optimizer phase (_optimizer_phase), fitted
-    t = fixed + tensors x per_tensor through MINIMAL at 1 and 3 layers (11 and 29 parameter
-    tensors). It stands for the launches of the phase's operators too (ops.step_ops):
-    priced one by one at the model's cost per operator, clipping's bare operators came out above
-    what they take, and the Python between them was not counted at all."""
-    return line_through(_optimizer_phase(1, device), _optimizer_phase(3, device))
-
-
-def line_through(a: tuple[float, float], b: tuple[float, float]) -> dict:
-    """{"fixed_s", "per_tensor_s"} of the line t = fixed + n x per_tensor through two points (n, t)."""
-    (n0, t0), (n1, t1) = a, b
-    slope = (t1 - t0) / (n1 - n0)
-    return {"fixed_s": t0 - slope * n0, "per_tensor_s": slope}
-
-
 def measure_roof(device: torch.device) -> dict:
     """This machine's roof as a JSON-ready dict (Roof's fields but its name and source). The global
     RNG is left as it was: a run that measures its roof first draws the dropout masks and batches
     of one that found it cached (tests/test_lora.py resumes such a pair bit for bit)."""
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        forward, backward, sdpa_call = measure_sdpa(device)
+        forward, backward = measure_sdpa(device)
         call, foreach = measure_launch(device)
         cache = cache_bytes(device)
         cold = measure_elementwise_ops(device, cold_writes(cache))
-        return {"optimizer_phase": measure_optimizer_phase(device), "bandwidth": measure_copy_bandwidth(device),
+        return {"bandwidth": measure_copy_bandwidth(device),
                 "matmul": measure_matmuls(device),
                 "sdpa_forward": forward, "sdpa_backward": backward,
-                "sdpa_call_seconds": sdpa_call, "elementwise": cold["binary"],
+                "elementwise": cold["binary"],
                 "elementwise_ops": cold, "cache_bytes": cache, "cache_shared": device.type == "cpu",
                 "elementwise_ops_after": measure_elementwise_after(device, cold, cache),
                 "call_seconds": call, "foreach_call_seconds": foreach, "view_call_seconds": call,
@@ -218,8 +161,9 @@ def _key(device: torch.device) -> str:
     # v8: elementwise_ops_after also after 64 KiB and 2 MiB of writes (a decode step's, in a core's own caches);
     # the gelu and gelu_backward families; v9: the elementwise rates the best of 9 calls, not 3;
     # the collectives the median of 21 calls after 3 warm-up ones; v10: the cold rates after the last
-    # level's size of writes, at least 128 MiB (cold_writes), and the after-W grid up to it
-    return f"roofline v10|{device_name(device)}|torch {torch.__version__}"
+    # level's size of writes, at least 128 MiB (cold_writes), and the after-W grid up to it; v11: the SDPA
+    # grids the rate of whole calls (no fixed cost per call apart: a v10 grid held the work's rate alone)
+    return f"roofline v11|{device_name(device)}|torch {torch.__version__}"
 
 
 def this_roof(device: torch.device, remeasure: bool = False, store: bool = True) -> Roof:
@@ -236,5 +180,7 @@ def cached_roof(device: torch.device) -> Roof | None:
 
 
 def _roof(device: torch.device, fields: dict) -> Roof:
-    fields = {k: v for k, v in fields.items() if k != "measure_seconds"}
+    # a roof cached by an older lmforge may hold measures since dropped (optimizer_phase, sdpa_call_seconds): ignored
+    known = {f.name for f in dataclasses.fields(Roof)}
+    fields = {k: v for k, v in fields.items() if k in known}
     return Roof(name=f"this machine: {device_name(device)}", **fields)

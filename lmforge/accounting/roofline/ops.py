@@ -42,7 +42,6 @@ class Op:
     calls: int = 1
     dtype: str = "float32"
     op: str = ""  # the aten operator: which measured elementwise rate applies (roofline.memory_rate)
-    launched: bool = True  # False: its launch is in a phase measured whole (optimizer_phase_op)
     layout: str = ""  # an mm/addmm's operands: "n" as stored, "t" transposed (roofline.shape_key)
 
 
@@ -72,19 +71,6 @@ def _layout(r: Record) -> str:
     return "".join("n" if stride[-1] == 1 else "t" for _, stride, _ in r.inputs[-2:])
 
 
-def _nll_bytes(r: Record) -> float:
-    """NLL touches one log-probability per target, not the (N, V) rows: the forward reads the
-    targets and the N values they pick and writes two scalars; the backward zero-fills its (N, V)
-    gradient, reads the targets and writes N values into it (ATen's nll_loss kernels). Counting
-    every (N, V) argument instead over-predicted both 5-10x (bench/step_time.py's table, tiny)."""
-    forward = r.op == "nll_loss_forward"  # (self, target, ...) forward; (grad, self, target, ...) backward
-    log_probs, target = r.inputs[0 if forward else 1], r.inputs[1 if forward else 2]
-    picked = _touched(target) // ITEMSIZE.get(target[2], 8) * ITEMSIZE.get(log_probs[2], 4)
-    if forward:
-        return float(_touched(target) + picked + sum(_touched(t) for t in r.outputs))
-    return float(_touched(r.outputs[0]) + _touched(target) + picked)
-
-
 def op_of(r: Record) -> Op:
     """The roofline's Op for one traced operator call."""
     dtype = r.inputs[0][2] if r.inputs else "float32"
@@ -97,8 +83,6 @@ def op_of(r: Record) -> Op:
         nbytes += sum(_touched(t) for t in r.inputs[:r.calls])
     if r.op == "embedding":  # reads the gathered rows (as many bytes as it writes) and the indices
         nbytes = float(2 * _touched(r.outputs[0]) + _touched(r.inputs[1]))
-    if r.op.startswith("nll_loss"):
-        nbytes = _nll_bytes(r)
     if r.phase == "optimizer":
         return Op(name, "optimizer", "foreach" if r.op.startswith("_foreach") else "elementwise", 0.0, nbytes,
                   (), r.calls, dtype, r.op)
@@ -189,9 +173,6 @@ def step_ops(build, run: Config, dp: int, strategy: str) -> list[Op]:
                       len(shapes) * (t.grad_accum - 1), p.param_dtype, "add_"))
     shards = dp if get_strategy(strategy).zero_stage >= 1 else 1
     ops += optimizer_ops(build, cfg, t.batch_size, run.seq_len, p.name, run.optim.name, shards)
-    if run.optim.name == "adamw":  # the optimizer its fixed cost is measured with (optimizer_phase_op)
-        ops = [dataclasses.replace(op, launched=False) if op.cls == "optimizer" else op for op in ops]
-        ops.append(optimizer_phase_op(cfg))
     return ops + collective_ops(run, dp, strategy)
 
 
@@ -211,18 +192,6 @@ def collective_ops(run: Config, dp: int, strategy: str) -> list[Op]:
         ops.append(Op(f"{strategy} {name.replace('_', ' ')}", "communication", "collective", 0.0, float(nbytes), (),
                       calls, op=operator))
     return ops
-
-
-def optimizer_phase_op(cfg: ModelConfig) -> Op:
-    """The fixed cost of AdamW's optimizer phase (clipping, the step, zero_grad) over the model's
-    parameter tensors (a tied one once), as measure.measure_optimizer_phase measures it on
-    a model that does no work: its operators' launches and the Python between them (torch.optim's
-    wrapper, the per-parameter state lookups, zero_grad's loop). The phase's operators then pay
-    their bytes only (launched=False): measured one by one, their launches were priced at the
-    model's cost per operator and the Python between them not at all."""
-    tensors = len(model_shapes(cfg).parameter_shapes)
-    return Op("optimizer phase's fixed cost (launches, wrapper, state lookups, zero_grad)", "optimizer", "phase",
-              0.0, 0.0, (), tensors)
 
 
 def traced(run: Config) -> bool:
