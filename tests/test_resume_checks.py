@@ -112,3 +112,24 @@ def test_a_new_run_into_a_run_folder_is_refused_before_its_data_is_prepared(star
     assert result.stderr.strip() == ("lmforge: error: run folder runs/tiny already exists: continue it with --resume "
                                      "runs/tiny, or pick another --name")
     assert tree(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no data/ here
+
+
+def test_a_resume_whose_data_is_gone_and_whose_corpus_changed_is_refused_before_preparing(tmp_path, corpus_dir):
+    """The recorded data folder gone and the corpus edited since: preparing it again would train
+    another tokenizer than the checkpoint's. That is found once the tokenizer is trained, before
+    the token files or the folder are written: one line, exit 2, the run folder as it was."""
+    corpus, data = tmp_path / "corpus", tmp_path / "data" / "tiny"
+    shutil.copytree(corpus_dir, corpus)
+    overrides = tiny_overrides(corpus, data, max_steps=2, checkpoint_interval=2, eval_interval=2)
+    run = tmp_path / "run"
+    assert lmforge("train", "--model", "tiny", "--out", str(run), "--no-progress", *overrides,
+                   cwd=tmp_path).returncode == 0
+    shutil.rmtree(data)
+    first = sorted(corpus.iterdir())[0]
+    first.write_text(first.read_text().replace("def ", "define_a_function ").replace("self", "this_object"))
+    before = tree(run)
+    result = lmforge("train", "--resume", str(run), "--no-progress", "train.max_steps=4", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lmforge: error:")]
+    assert len(errors) == 1 and "no longer gives the tokenizer" in errors[0], result.stderr
+    assert not data.exists() and not list(data.parent.glob(".tiny.partial-*")) and tree(run) == before

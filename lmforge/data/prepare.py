@@ -130,10 +130,13 @@ def data_dir_of(cfg: Config) -> Path:
     return Path(cfg.data.dir) if cfg.data.dir else default_data_dir(cfg)
 
 
-def prepare_data(cfg: Config, log: Callable[[str], None] = print, progress: bool = True) -> PreparedData:
+def prepare_data(cfg: Config, log: Callable[[str], None] = print, progress: bool = True,
+                 tokenizer_sha256: str | None = None) -> PreparedData:
     """Prepared data for cfg, reused when it exists with the same settings, else built. A folder whose
     meta records the same stamp of the source's files (names, sizes, times) is reused without reading
-    the corpus; otherwise the corpus is read and its sha256 compared with the one the folder records."""
+    the corpus; otherwise the corpus is read and its sha256 compared with the one the folder records.
+    `tokenizer_sha256`: the tokenizer a resumed run's checkpoint was trained with; a corpus that now
+    trains another is refused before anything is written."""
     data_dir = data_dir_of(cfg)
     stamp = source_stamp(cfg.data.source)
     settings = _settings(cfg)
@@ -152,7 +155,7 @@ def prepare_data(cfg: Config, log: Callable[[str], None] = print, progress: bool
             settings["source_stamp"] = stamp
             for leftover in data_dir.parent.glob(f".{data_dir.name}.partial-*"):  # from a killed prepare
                 shutil.rmtree(leftover, ignore_errors=True)
-            _build(data_dir, docs, settings, cfg, log, progress)
+            _build(data_dir, docs, settings, cfg, log, progress, tokenizer_sha256)
     except BaseException:
         if new_parent and not any(data_dir.parent.iterdir()):  # a refusal or failure leaves no empty data/
             data_dir.parent.rmdir()
@@ -182,17 +185,20 @@ def _reuse(data_dir: Path, settings: dict) -> PreparedData:
 
 
 def _build(data_dir: Path, docs: list, settings: dict, cfg: Config, log: Callable[[str], None],
-           progress: bool) -> None:
-    """Split, train the tokenizer and write the token files in a staging folder, renamed into
-    place when complete."""
+           progress: bool, tokenizer_sha256: str | None) -> None:
+    """Split, train the tokenizer (checked against `tokenizer_sha256` first, if given) and write the
+    token files in a staging folder, renamed into place when complete."""
     started = time.perf_counter()
     train_docs, val_docs = split_documents(docs, cfg.data.val_fraction)
     log(f"preparing {data_dir}: {len(docs)} documents ({sum(len(d.text) for d in docs) / 1e6:.1f} MB), "
         f"{len(train_docs)} train / {len(val_docs)} val")
+    tokenizer = train_tokenizer((d.text for d in train_docs), cfg.model.vocab_size)
+    if tokenizer_sha256 is not None and tokenizer_hash(tokenizer) != tokenizer_sha256:
+        raise LmforgeError(f"data.source={cfg.data.source} no longer gives the tokenizer the run's checkpoint was "
+                           f"trained with (the corpus changed): pass data.dir=FOLDER, the run's original data")
     staging = data_dir.parent / f".{data_dir.name}.partial-{os.getpid()}"
     staging.mkdir()
     try:
-        tokenizer = train_tokenizer((d.text for d in train_docs), cfg.model.vocab_size)
         tokenizer.save(str(staging / "tokenizer.json"))
         log(f"  tokenizer: byte-level BPE, {tokenizer.get_vocab_size()} tokens "
             f"({time.perf_counter() - started:.1f}s)")

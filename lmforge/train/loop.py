@@ -83,7 +83,7 @@ class Trainer:
             for message in config_warnings(cfg) if main else ():  # the config's, once it is known to be the run's
                 warn(message)
             self.data, self.base_state, self.base_identity = prepare_run_data(
-                cfg, self.world, resume, log=lambda msg: self.console.print(msg, soft_wrap=True),
+                cfg, self.world, checkpoint and checkpoint[1], log=lambda msg: self.console.print(msg, soft_wrap=True),
                 warn=lambda msg: self.console.print(f"warning: {msg}"), progress=self.progress)
             self._setup(checkpoint, machine)
         except BaseException:

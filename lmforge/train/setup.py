@@ -183,7 +183,7 @@ def check_attention(model_cfg, device: torch.device) -> None:
             raise LmforgeError(reason)
 
 
-def prepare_run_data(cfg: Config, world: World, resume: bool, log, warn, progress: bool) -> tuple:
+def prepare_run_data(cfg: Config, world: World, resume: dict | None, log, warn, progress: bool) -> tuple:
     """(data, base weights, base identity): the data of any run (data/prepare.py's PreparedData, or
     train/finetune.py's FinetuneData), made by rank 0 first (once, under the data folder's lock), then opened
     by the others, who wait for it however long it takes (World.main_first); with the weights and
@@ -193,7 +193,8 @@ def prepare_run_data(cfg: Config, world: World, resume: bool, log, warn, progres
     A run from scratch records where its data is: cfg.data.dir is set to the folder's absolute
     path, which the run's config.yaml keeps, so that a resume from any directory opens the same
     folder as it is (open_run_data); a resume whose folder is gone says so in one line and
-    prepares it again."""
+    prepares it again, refused before writing if the corpus now trains another tokenizer than the
+    one of `resume`, the checkpoint's state (None: a new run)."""
     if cfg.finetune.base is None:
         data_dir = data_dir_of(cfg)
         if resume and data_dir.is_dir():
@@ -203,7 +204,9 @@ def prepare_run_data(cfg: Config, world: World, resume: bool, log, warn, progres
                 where = "" if data_dir.is_absolute() else f" in {Path.cwd()}"
                 log(f"note: the run's data folder {data_dir} is not there{where}: preparing it again from "
                     f"data.source={cfg.data.source} (pass data.dir=FOLDER if it lies elsewhere)")
-            data = world.main_first(lambda: prepare_data(cfg, log=log, progress=progress), doing=f"prepare {data_dir}")
+            expected = resume["tokenizer_sha256"] if resume else None
+            data = world.main_first(lambda: prepare_data(cfg, log=log, progress=progress, tokenizer_sha256=expected),
+                                    doing=f"prepare {data_dir}")
         check_data(cfg, data, warn=warn)
         cfg.data.dir = os.path.abspath(data.dir)
         return data, None, None
