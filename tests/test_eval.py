@@ -144,3 +144,22 @@ def test_ctrl_c_during_generation_keeps_the_chunks_decoded(llama_folder, tmp_pat
     report = json.loads((tmp_path / "eval.json").read_text())
     assert list(report["tasks"]) == ["gsm8k"] and report["tasks"]["gsm8k"]["items"] == 4
     assert len(report["items"]["gsm8k"]) == 4
+
+
+def test_batches_pad_contexts_and_choices_by_little():
+    """A short choice is not padded to the batch's longest (PIQA's solutions run 2-100+ tokens): each
+    run of choices pads a row by at most a quarter of its longest, each batch a context by a third."""
+    from lmforge.eval.score import _longest_first_parts, batches
+    lengths = [101, 97, 3, 80, 61, 2, 40, 31, 77, 5]
+    continuations = [[0] * n for n in lengths]
+    parts = _longest_first_parts(list(range(len(lengths))), continuations)
+    assert sorted(r for part in parts for r in part) == list(range(len(lengths)))
+    for part in parts:
+        longest = lengths[part[0]] - 1
+        assert all(4 * (lengths[r] - 1) >= 3 * longest for r in part), part
+    groups = [([0] * n, [[0, 0]]) for n in (10, 11, 12, 30, 35, 13, 100)]
+    found = batches(groups, max_len=1024)
+    assert sorted(i for b in found for i in b) == list(range(len(groups)))
+    for b in found:
+        widths = [len(groups[i][0]) for i in b]
+        assert 3 * max(widths) <= 4 * min(widths), widths

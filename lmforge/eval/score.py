@@ -14,8 +14,10 @@ before the padding cannot see it), into one KV cache (generate/sampling.py's KVC
 context's row is copied to one row per choice, and all the choices' tokens run in one batch from
 position P, the longest context's length. A row whose context is shorter holds padding between
 its context and P: the model is told which positions hold tokens (Transformer.forward's `valid`),
-so that padding is never attended to and the choice's tokens keep their true positions. Questions
-are sorted by context length and batched up to TOKENS padded positions. Where context and the
+so that padding is never attended to and the choice's tokens keep their true positions. The
+choices run longest first, in parts of up to TOKENS padded positions, each padded to its own
+longest. Questions are sorted by context length and batched up to TOKENS positions of contexts
+(padded) and choices. Where context and the
 longest choice exceed the model's positions, each choice is instead scored alone on the window
 lm-eval uses, (context + continuation)[-(max_seq_len + 1):][:-1] (the context truncated from the
 left), and the question is counted as truncated.
@@ -75,6 +77,18 @@ def score_alone(model, context: list[int], continuation: list[int]) -> float:
 TOKENS = 4096  # padded positions (contexts, then choices) per batch: large enough that a forward's fixed cost is shared
 
 
+def _longest_first_parts(rows: list[int], continuations: list[list[int]], tokens: int = TOKENS) -> list[list[int]]:
+    """`rows` longest continuation first, in runs of at most `tokens` padded positions that pad each row
+    by at most a quarter of the run's first (longest) length."""
+    parts = []
+    for row in sorted(rows, key=lambda r: -len(continuations[r])):
+        first = len(continuations[parts[-1][0]]) - 1 if parts else 0
+        if not parts or (len(parts[-1]) + 1) * first > tokens or 4 * (len(continuations[row]) - 1) < 3 * first:
+            parts.append([])
+        parts[-1].append(row)
+    return parts
+
+
 @torch.no_grad()
 def score_shared(model, groups: list[tuple[list[int], list[list[int]]]]) -> list[list[float]]:
     """log p(continuation | context) of each group's continuations, every context run once, in one batch,
@@ -91,20 +105,22 @@ def score_shared(model, groups: list[tuple[list[int], list[list[int]]]]) -> list
     owner = torch.tensor([g for g, (_, conts) in enumerate(groups) for _ in conts], device=device)
     continuations = [c for _, conts in groups for c in conts]
     scores = token_logprobs(last[owner], torch.tensor([c[0] for c in continuations], device=device))
-    if longest > 1:  # the rest: every choice's tokens but its last, one row each, from position `width`
-        feed = torch.zeros(len(continuations), longest - 1, dtype=torch.long, device=device)
-        targets = torch.zeros_like(feed)
+    # the rest: every choice's tokens but its last, from position `width`, longest first in parts of up
+    # to TOKENS padded positions (one batch padded PIQA's 2- to 100-token solutions to 3x their tokens)
+    for part in _longest_first_parts([r for r, c in enumerate(continuations) if len(c) > 1], continuations):
+        rows, n = torch.tensor(part, device=device), len(continuations[part[0]]) - 1
+        feed, targets = (torch.zeros(len(part), n, dtype=torch.long, device=device) for _ in range(2))
         counted = torch.zeros(feed.shape, dtype=torch.bool, device=device)
-        for row, tokens in enumerate(continuations):
+        for row, tokens in enumerate(continuations[r] for r in part):
             feed[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
             targets[row, :len(tokens) - 1] = torch.tensor(tokens[1:])
             counted[row, :len(tokens) - 1] = True
         valid = None  # every context as long as the longest: no padding between context and choice
-        if bool((lengths < width).any()):
-            valid = torch.arange(width + longest - 1, device=device)[None, :] < lengths[owner, None]
+        if bool((lengths[owner[rows]] < width).any()):
+            valid = torch.arange(width + n, device=device)[None, :] < lengths[owner[rows], None]
             valid[:, width:] = True
-        logits = model(feed, kv_cache=cache.rows(owner), start_pos=width, valid=valid)
-        scores = scores + (token_logprobs(logits, targets) * counted).sum(dim=1)
+        logits = model(feed, kv_cache=cache.rows(owner[rows]), start_pos=width, valid=valid)
+        scores[rows] += (token_logprobs(logits, targets) * counted).sum(dim=1)
     per_group, at = [], 0
     for _, conts in groups:
         per_group.append(scores[at:at + len(conts)].tolist())
@@ -115,17 +131,19 @@ def score_shared(model, groups: list[tuple[list[int], list[list[int]]]]) -> list
 def batches(groups: list[tuple[list[int], list[list[int]]]], max_len: int, tokens: int = TOKENS) -> list[list[int]]:
     """The groups' indices in batches: sorted by context length (less padding), each batch as many as
     fit in `tokens` padded positions and in the model's max_len positions."""
-    out, width, longest, rows = [], 0, 0, 0
+    out, shortest, width, longest, chosen = [], 0, 0, 0, 0
     for index in sorted(range(len(groups)), key=lambda i: len(groups[i][0])):
         context, conts = groups[index]
+        choice_tokens = sum(len(c) - 1 for c in conts)  # run in parts padded to little more than their tokens
         if out:  # into the current batch if it still fits there
-            w, n, r = max(width, len(context)), max(longest, max(map(len, conts))), rows + len(conts)
-            if w * (len(out[-1]) + 1) + r * (n - 1) <= tokens and w + n - 1 <= max_len:
+            w, n, c = max(width, len(context)), max(longest, max(map(len, conts))), chosen + choice_tokens
+            if w * (len(out[-1]) + 1) + c <= tokens and w + n - 1 <= max_len and 3 * w <= 4 * shortest:
                 out[-1].append(index)
-                width, longest, rows = w, n, r
+                width, longest, chosen = w, n, c
                 continue
-        out.append([index])
-        width, longest, rows = len(context), max(map(len, conts)), len(conts)
+        out.append([index])  # a new batch: its contexts padded by at most a third of the shortest
+        shortest = width = len(context)
+        longest, chosen = max(map(len, conts)), choice_tokens
     return out
 
 
