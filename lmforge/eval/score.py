@@ -55,13 +55,6 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def tail_logits(model, tokens: torch.Tensor, last: int, kv_cache=None) -> torch.Tensor:
-    """The logits of the last `last` positions only: the LM head is not run over a whole context
-    (at a 128k vocabulary, 2,000 positions of fp32 logits would be 1 GB)."""
-    hidden = model.run_blocks(model.embed(tokens), kv_cache)
-    return model.head(hidden[:, -last:])
-
-
 @torch.no_grad()
 def score_alone(model, context: list[int], continuation: list[int]) -> float:
     """log p(continuation | context) on lm-eval's window: the last max_seq_len + 1 tokens, less the last.
@@ -70,7 +63,7 @@ def score_alone(model, context: list[int], continuation: list[int]) -> float:
     window = (context + continuation)[-(model.cfg.max_seq_len + 1):]
     scored = continuation[-(len(window) - 1):]
     device = next(model.parameters()).device
-    logits = tail_logits(model, torch.tensor([window[:-1]], device=device), len(scored))[0]
+    logits = model(torch.tensor([window[:-1]], device=device), last=len(scored))[0]
     return float(token_logprobs(logits, torch.tensor(scored, device=device)).sum())
 
 

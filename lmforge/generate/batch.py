@@ -70,10 +70,10 @@ def decode_step(model: Transformer, feeds: list[list[int]], pads: list[int], wid
     if cache is not None:
         cache.reserve(width)
         if cached == 0:
-            return torch.cat([model(torch.tensor([row], device=device), kv_cache=cache.row_from(i, pad))[:, -1]
+            return torch.cat([model(torch.tensor([row], device=device), kv_cache=cache.row_from(i, pad), last=1)[:, -1]
                               for i, (row, pad) in enumerate(zip(feeds, pads))])
     feed = torch.tensor([[0] * (width - cached - len(row)) + row for row in feeds], device=device)
     valid = None  # no padding: every column holds a token
     if any(pads):
         valid = torch.arange(width, device=device)[None, :] >= torch.tensor(pads, device=device)[:, None]
-    return model(feed, kv_cache=cache, start_pos=cached, valid=valid)[:, -1]
+    return model(feed, kv_cache=cache, start_pos=cached, valid=valid, last=1)[:, -1]

@@ -228,8 +228,12 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                kv_cache=None, start_pos: int = 0, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (batch, seq, vocab) for `tokens`; with `targets`, the mean cross-entropy instead.
+                kv_cache=None, start_pos: int = 0, valid: torch.Tensor | None = None,
+                last: int | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab) for `tokens`; with `targets`, the mean cross-entropy instead;
+        with `last`, the logits of the last `last` positions only (a prompt's next token, a scored
+        continuation: the head over a whole context would be wasted, 1 GB of fp32 logits at 2,000
+        positions of a 128k vocabulary).
 
         With a `kv_cache`, `tokens` continue a sequence whose first `start_pos` positions are cached.
         `valid`, for a batch of rows padded where they differ in length (batched decoding and
@@ -248,7 +252,9 @@ class Transformer(nn.Module):
         x = self.run_blocks(x, kv_cache, start_pos, valid)
         if self.lm_head is None:
             return x
-        return self.head(x) if targets is None else self.loss(x, self.norm, self.lm_head, targets)
+        if targets is not None:
+            return self.loss(x, self.norm, self.lm_head, targets)
+        return self.head(x if last is None else x[:, -last:])
 
     def num_params(self, embeddings: bool = True) -> int:
         """Parameter count (shared tensors once); embeddings=False leaves out the token and
