@@ -163,3 +163,52 @@ def test_batches_pad_contexts_and_choices_by_little():
     for b in found:
         widths = [len(groups[i][0]) for i in b]
         assert 3 * max(widths) <= 4 * min(widths), widths
+
+
+def test_sampled_completions_give_pass_at_k_from_the_sandbox(llama_folder, monkeypatch):
+    """n completions per prompt, each run in the sandbox: HumanEval's canonical body passes, `pass` fails;
+    acc and pass@k are Chen et al.'s estimates from the count that passed."""
+    from lmforge.eval import run
+    from lmforge.eval.generation import Sampling
+    from lmforge.eval.sandbox import pass_at_k
+    from lmforge.runs.load import load_model
+
+    loaded = load_model(llama_folder, "fp32")
+    prompts = tasks.load_prompts("codex_humaneval", None, 2)
+    right = {0: 3, 1: 10}  # of 12 completions each: the first 3 (prompt 0) or 10 (prompt 1) canonical
+    calls = []
+
+    def canned(model, tokenizer, wanted, stop_ids, max_new_tokens, sampling):
+        calls.append((len(wanted), sampling.seed, sampling.temperature))
+        done = sum(n for n, _, _ in calls[:-1])
+        out = []
+        for i, p in enumerate(wanted, start=done):
+            prompt, sample = divmod(i, 12)
+            out.append((p.gold if sample < right[prompt] else "    pass\n", False))
+        return out
+
+    monkeypatch.setattr(run, "complete", canned)
+    rows = []
+    run.generation(loaded.model, loaded.tokenizer, loaded.end_id, (loaded.end_id,), "codex_humaneval", prompts, 8,
+                   rows, Sampling(samples=12, temperature=0.8, top_p=0.95, seed=5))
+    # 12 completions per prompt, one prompt per call (16 rows at most), one seed per call
+    assert [n for n, _, _ in calls] == [12, 12] and len({seed for _, seed, _ in calls}) == 2
+    for prompt, row in enumerate(rows):
+        c = right[prompt]
+        assert row["passed"] == [True] * c + [False] * (12 - c)
+        assert row["acc"] == pytest.approx(c / 12) and row["pass@1"] == pytest.approx(c / 12)
+        assert row["pass@10"] == pytest.approx(pass_at_k(12, c, 10)) and "pass@100" not in row
+    summary = run.summarise(rows, 0)
+    assert summary["pass@10"] == pytest.approx((pass_at_k(12, 3, 10) + 1.0) / 2)
+
+
+def test_sampled_eval_writes_pass_at_k_and_greedy_samples_are_refused(llama_folder, tmp_path, capsys):
+    line = one_line(capsys, "eval", llama_folder, "--tasks", "codex_humaneval", "--samples", 3, "--temperature", 0,
+                    "--out", tmp_path)
+    assert "--temperature 0: greedy completions are all the same one" in line and not any(tmp_path.iterdir())
+    assert main(["eval", str(llama_folder), "--tasks", "codex_humaneval", "--limit", "2", "--samples", "3",
+                 "--max-new-tokens", "4", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["settings"]["sampling"] == {"samples": 3, "temperature": 0.8, "top_p": 0.95, "seed": 0}
+    rows = report["items"]["codex_humaneval"]
+    assert [len(r["completions"]) for r in rows] == [3, 3] and "pass@1" in report["tasks"]["codex_humaneval"]

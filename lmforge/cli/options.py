@@ -158,6 +158,13 @@ def add_eval(evaluate) -> None:
     evaluate.add_argument("--limit", type=COUNT, default=None, help="the first N items of each task")
     evaluate.add_argument("--max-new-tokens", type=COUNT, default=None,
                           help="generation tasks: at most N new tokens (default: the task's, 512)")
+    evaluate.add_argument("--samples", type=COUNT, default=1, metavar="N", help="generation tasks: completions per prompt, for "
+                                                                   "pass@k (k = 1, 10, 100 up to N; default 1)")
+    evaluate.add_argument("--temperature", type=number(float, at_least=0), default=None,
+                          help="generation tasks: 0 is greedy (the default with --samples 1; 0.8 with more)")
+    evaluate.add_argument("--top-p", type=number(float, above=0, at_most=1), default=0.95,
+                          help="sampled generation: draw from the smallest set of tokens holding this mass (0.95)")
+    evaluate.add_argument("--seed", type=number(int, at_least=0), default=0, help="sampled generation's seed")
     evaluate.add_argument("--out", metavar="DIR", help="where eval.json and eval.png go (default: the run folder)")
     evaluate.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

@@ -1,4 +1,4 @@
-"""Generation tasks: greedy decoding until a stop sequence, then the answer checked.
+"""Generation tasks: greedy or sampled decoding until a stop sequence, then the answer checked.
 
 Decoding is generate/sampling.py's `generate_batch` (the loop `generate` and `chat` run; temperature
 0: greedy), many prompts at once, each row stopped at its task's stop sequences through its own
@@ -8,12 +8,12 @@ a stop sequence (or its token budget is spent); the text is then cut before it.
 GSM8K (Cobbe et al. 2021): the number after "the answer is" (the few-shot examples' format), else
 the last number of the text, compared by exact match with the reference after OLMES's normalisation
 (commas, "$", a trailing "." removed). HumanEval (Chen et al. 2021) and MBPP (Austin et al. 2021):
-the program (prompt + completion + the task's tests) runs in sandbox.py; pass@1 from one greedy sample.
+the program (prompt + completion + the task's tests) runs in sandbox.py; pass@1 from one greedy sample,
+or pass@k by Chen et al.'s unbiased estimator from n sampled ones (`Sampling`).
 """
 
 import re
-
-import torch
+from dataclasses import dataclass
 
 from lmforge.eval.sandbox import run_program
 from lmforge.eval.tasks import Prompt
@@ -42,14 +42,26 @@ class StopAt:
         return any(stop in text for stop in self.stops)
 
 
-def complete(model, tokenizer, prompts: list[Prompt], stop_ids, max_new_tokens: int | None = None) -> list[
-        tuple[str, bool]]:
-    """Each prompt's greedy continuation, decoded in one batch, cut at its first stop sequence (or a
-    stop token of the model's, `stop_ids`), and whether the prompt had to be truncated (it filled the
-    model's positions: generation keeps the latest of them)."""
+@dataclass(frozen=True)
+class Sampling:
+    """How a generation task decodes: `samples` completions per prompt, greedy (temperature 0) or drawn
+    at `temperature` from the top-p nucleus (Chen et al. 2021 drew HumanEval's at 0.2 for pass@1 and
+    0.8 for pass@100, top-p 0.95); the draws are seeded, so a run repeats."""
+    samples: int = 1
+    temperature: float = 0.0
+    top_p: float | None = None
+    seed: int = 0
+
+
+def complete(model, tokenizer, prompts: list[Prompt], stop_ids, max_new_tokens: int | None = None,
+             sampling: Sampling = Sampling()) -> list[tuple[str, bool]]:
+    """Each prompt's continuation, decoded in one batch (greedy unless `sampling` says otherwise), cut
+    at its first stop sequence (or a stop token of the model's, `stop_ids`), and whether the prompt
+    had to be truncated (it filled the model's positions: generation keeps the latest of them)."""
     ids = [tokenizer.encode(p.context).ids for p in prompts]
     limits = [max_new_tokens or p.max_new_tokens for p in prompts]
-    new = generate_batch(model, ids, max(limits), temperature=0.0, stop_token=stop_ids,
+    new = generate_batch(model, ids, max(limits), temperature=sampling.temperature, top_p=sampling.top_p,
+                         seed=sampling.seed, stop_token=stop_ids,
                          constraints=[StopAt(tokenizer, p.stops, n) for p, n in zip(prompts, limits)])
     out = []
     for p, prompt_ids, tokens in zip(prompts, ids, new):

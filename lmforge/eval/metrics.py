@@ -11,6 +11,8 @@
 - centered: (acc - chance) / (1 - chance), chance the mean of 1 / number of choices; 0 is guessing
   and 1 is perfect. The aggregate is its mean over tasks (DCLM's CORE, Li et al. 2024, section 3.5,
   centers its tasks the same way); a generation task's chance is 0.
+- pass@k (generation tasks): the unbiased estimate of Chen et al. 2021 from each prompt's n
+  completions, averaged over prompts; a generation task's acc is its pass@1.
 """
 
 import math
@@ -40,8 +42,8 @@ def question_row(scored: list[Scored], continuations: list[str], gold: int) -> d
 def summarise(rows: list[dict], truncated: int) -> dict:
     """A task's means over its questions (see the module docstring)."""
     n = len(rows)
-    out = {key: sum(float(r[key]) for r in rows) / n for key in ("acc", "acc_norm", "acc_token", "bpb", "chance")
-           if all(key in r for r in rows)}
+    keys = ("acc", "acc_norm", "acc_token", "bpb", "chance", *(k for k in rows[0] if k.startswith("pass@")))
+    out = {key: sum(float(r[key]) for r in rows) / n for key in keys if all(key in r for r in rows)}
     chance = out.get("chance", 0.0)
     out["centered"] = (out["acc"] - chance) / (1 - chance)
     out.update(items=n, truncated=truncated)
@@ -61,5 +63,9 @@ def table(results: dict[str, dict], titles: dict[str, str]) -> str:
         cells = [f"{r[k]:.4f}" if k in r else "-" for k in ("acc", "acc_norm", "acc_token", "bpb", "centered")]
         lines.append(f"{titles.get(task, task):<16}{r['items']:>6}{cells[0]:>8}{cells[1]:>10}{cells[2]:>9}"
                      f"{cells[3]:>8}{cells[4]:>10}{r['truncated']:>11}")
+    for task, r in results.items():  # sampled generations: pass@k beside acc (= pass@1)
+        passes = [f"{k} {v:.4f}" for k, v in r.items() if k.startswith("pass@") and k != "pass@1"]
+        if passes:
+            lines.append(f"{titles.get(task, task)}: {', '.join(passes)}")
     lines.append(f"CORE-style centered aggregate over {len(results)} task(s): {aggregate(results):.4f}")
     return "\n".join(lines)

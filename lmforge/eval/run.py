@@ -1,13 +1,14 @@
 """`lmforge eval`: the tasks asked for, scored on one loaded model; results as a table, eval.json
 and eval.png. A Ctrl-C keeps the tasks finished so far (and the items of the one under way)."""
 
+import dataclasses
 import json
 import math
 import sys
 import time
 from pathlib import Path
 
-from lmforge.eval.generation import complete, judge
+from lmforge.eval.generation import Sampling, complete, judge
 from lmforge.eval.metrics import aggregate, question_row, summarise
 from lmforge.eval.score import score_questions
 from lmforge.eval.tasks import GENERATION, TITLES, load_prompts, load_questions
@@ -15,9 +16,10 @@ from lmforge.eval.sandbox import pass_at_k
 
 
 CHUNK = 64  # questions scored in one call (batched inside it); a Ctrl-C keeps the chunks finished
-# prompts decoded in one batch (generate_batch), likewise; its KV cache holds GENERATION_CHUNK rows of
+# completions decoded in one batch (generate_batch), likewise; its KV cache holds GENERATION_CHUNK rows of
 # the longest prompt plus --max-new-tokens positions
 GENERATION_CHUNK = 16
+PASS_K = (1, 10, 100)  # the k of Chen et al. 2021's table 1
 
 
 def multiple_choice(model, tokenizer, end_id: int, questions, rows: list[dict]) -> int:
@@ -32,25 +34,36 @@ def multiple_choice(model, tokenizer, end_id: int, questions, rows: list[dict]) 
     return truncated
 
 
-def generation(model, tokenizer, end_id: int, stop_ids, task: str, prompts, max_new_tokens, rows: list[dict]) -> int:
-    """Each prompt's greedy completion judged, and the gold continuation's bits per byte, appended to `rows`,
-    GENERATION_CHUNK prompts decoded together at a time; the number truncated."""
-    truncated = 0
-    for at in range(0, len(prompts), GENERATION_CHUNK):
-        chunk = prompts[at:at + GENERATION_CHUNK]
-        completions = complete(model, tokenizer, chunk, stop_ids, max_new_tokens)
+def generation(model, tokenizer, end_id: int, stop_ids, task: str, prompts, max_new_tokens, rows: list[dict],
+               sampling: Sampling = Sampling()) -> int:
+    """Each prompt's completions judged, and the gold continuation's bits per byte, appended to `rows`;
+    GENERATION_CHUNK completions decoded together at a time; the number truncated. acc is the fraction of a prompt's completions that are right, and
+    pass@k Chen et al.'s unbiased estimate for each k in PASS_K up to the samples."""
+    truncated, n = 0, sampling.samples
+    per_call = max(1, GENERATION_CHUNK // n)
+    for at in range(0, len(prompts), per_call):
+        chunk = prompts[at:at + per_call]
+        wanted, completions = [p for p in chunk for _ in range(n)], []
+        for start in range(0, len(wanted), GENERATION_CHUNK):  # each call its own seed: repeatable draws
+            drawn = dataclasses.replace(sampling, seed=sampling.seed + at * n + start)
+            completions += complete(model, tokenizer, wanted[start:start + GENERATION_CHUNK], stop_ids,
+                                    max_new_tokens, drawn)
         golds = score_questions(model, tokenizer, [([p.context], [p.gold]) for p in chunk], end_id)
-        for p, (text, cut), ([gold], _) in zip(chunk, completions, golds):
-            correct = judge(task, text, p.doc)
-            rows.append({"acc": correct, "pass@1": pass_at_k(1, int(correct), 1), "chance": 0.0,
-                         "bpb": -gold.logprob / (math.log(2) * max(1, len(p.gold.encode("utf-8")))),
-                         "completion": text})
-            truncated += cut
+        for i, (p, ([gold], _)) in enumerate(zip(chunk, golds)):
+            texts = [text for text, _ in completions[i * n:(i + 1) * n]]
+            passed = [judge(task, text, p.doc) for text in texts]
+            row = {"acc": sum(passed) / n, "chance": 0.0, "completion": texts[0],
+                   "bpb": -gold.logprob / (math.log(2) * max(1, len(p.gold.encode("utf-8"))))}
+            row.update({f"pass@{k}": pass_at_k(n, sum(passed), k) for k in PASS_K if k <= n})
+            if n > 1:
+                row.update(completions=texts, passed=passed)
+            rows.append(row)
+            truncated += completions[i * n][1]
     return truncated
 
 
 def evaluate(loaded, tasks: list[str], fmt: str = "rc", shots: int | None = None, limit: int | None = None,
-             max_new_tokens: int | None = None, stop_ids=None, log=print) -> dict:
+             max_new_tokens: int | None = None, stop_ids=None, log=print, sampling: Sampling = Sampling()) -> dict:
     """Every task's summary (metrics.summarise) and per-item rows, in task order. `stop_ids`: the
     tokens that end a generation (the model's, data/special_tokens.py; default its end of text)."""
     model, tokenizer, end_id = loaded.model, loaded.tokenizer, loaded.end_id
@@ -60,7 +73,7 @@ def evaluate(loaded, tasks: list[str], fmt: str = "rc", shots: int | None = None
         try:
             if task in GENERATION:
                 truncated = generation(model, tokenizer, end_id, stop_ids or (end_id,), task,
-                                       load_prompts(task, shots, limit), max_new_tokens, rows)
+                                       load_prompts(task, shots, limit), max_new_tokens, rows, sampling)
             else:
                 questions = load_questions(task, fmt, shots, limit)
                 truncated = multiple_choice(model, tokenizer, end_id, questions, rows)
