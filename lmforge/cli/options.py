@@ -158,8 +158,9 @@ def add_eval(evaluate) -> None:
     evaluate.add_argument("--limit", type=COUNT, default=None, help="the first N items of each task")
     evaluate.add_argument("--max-new-tokens", type=COUNT, default=None,
                           help="generation tasks: at most N new tokens (default: the task's, 512)")
-    evaluate.add_argument("--samples", type=COUNT, default=1, metavar="N", help="generation tasks: completions per prompt, for "
-                                                                   "pass@k (k = 1, 10, 100 up to N; default 1)")
+    evaluate.add_argument("--samples", type=COUNT, default=1, metavar="N",
+                          help="generation tasks: completions per prompt, for pass@k (k = 1, 10, 100 up to N; "
+                               "default 1)")
     evaluate.add_argument("--temperature", type=number(float, at_least=0), default=None,
                           help="generation tasks: 0 is greedy (the default with --samples 1; 0.8 with more)")
     evaluate.add_argument("--top-p", type=number(float, above=0, at_most=1), default=0.95,

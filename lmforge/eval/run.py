@@ -36,9 +36,10 @@ def multiple_choice(model, tokenizer, end_id: int, questions, rows: list[dict]) 
 
 def generation(model, tokenizer, end_id: int, stop_ids, task: str, prompts, max_new_tokens, rows: list[dict],
                sampling: Sampling = Sampling()) -> int:
-    """Each prompt's completions judged, and the gold continuation's bits per byte, appended to `rows`;
-    GENERATION_CHUNK completions decoded together at a time; the number truncated. acc is the fraction of a prompt's completions that are right, and
-    pass@k Chen et al.'s unbiased estimate for each k in PASS_K up to the samples."""
+    """Each prompt's `sampling.samples` completions judged, and the gold continuation's bits per byte,
+    appended to `rows`, GENERATION_CHUNK completions decoded together at a time; the number truncated.
+    acc is the fraction of a prompt's completions that are right, pass@k Chen et al.'s unbiased
+    estimate for each k in PASS_K up to the samples."""
     truncated, n = 0, sampling.samples
     per_call = max(1, GENERATION_CHUNK // n)
     for at in range(0, len(prompts), per_call):
