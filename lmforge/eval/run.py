@@ -15,7 +15,7 @@ from lmforge.eval.tasks import GENERATION, TITLES, load_prompts, load_questions
 from lmforge.eval.sandbox import pass_at_k
 
 
-CHUNK = 64  # questions scored in one call (batched inside it); a Ctrl-C keeps the chunks finished
+CHUNK = 256  # questions scored in one call (sorted and batched inside it); a Ctrl-C keeps the chunks finished
 # completions decoded in one batch (generate_batch), likewise; its KV cache holds GENERATION_CHUNK rows of
 # the longest prompt plus --max-new-tokens positions
 GENERATION_CHUNK = 16
