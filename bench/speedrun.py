@@ -46,19 +46,21 @@ HERE = Path(__file__).resolve().parent
 # `lmforge train`'s default run (`small`, 900 steps) ends at 3.86 nats/token (README; bench/RESULTS.md:
 # 3.8584 fp32, 3.8574 bf16-mixed, on the 8 default evaluation batches)
 TARGETS = {"small": 3.86}
-# Every run evaluates the same validation batches, whatever its train.seed: those the target was measured
-# on (the default run's, train.seed 1337 + 1, 8 batches of 8 x 256 = 16,384 tokens). Fixed batches give
+# Every run evaluates the same validation batches, whatever its train.seed and batch size: those the target
+# was measured on (the default run's, train.seed 1337 + 1, 8 batches of 8 x 256 = 16,384 tokens; a recipe
+# of batch 16 draws those 8 windows and 8 more per batch unless train.eval_batch_size=8: until 2026-12-07
+# they did, see bench/RESULTS.md, "Validation windows of a batch-16 recipe"). Fixed batches give
 # each model one deterministic estimate; the per-batch spread (0.30 nats at loss 5.6, `small`) puts the
 # 8-batch mean within about 0.1 nats of the whole split's loss, an offset shared by every run compared.
 # Evaluated every 40,960 training tokens (20 steps of the baseline's 8 x 256): a recipe with a larger
 # batch is evaluated at the same token counts, so that its tokens to target are resolved as finely.
-EVAL_TOKENS, EVAL_SEED, EVAL_BATCHES = 40_960, 1338, 8
+EVAL_TOKENS, EVAL_SEED, EVAL_BATCHES, EVAL_ROWS = 40_960, 1338, 8, 8
 FIRST_SEED = 1337  # seed 1 trains with train.seed 1337: the default run itself; seed k with 1336 + k
 # The baseline: today's default recipe at its fastest existing settings; its cosine keeps its 900-step
 # length even when --max-steps lets a run go on past it (at the floor learning rate) to reach the target.
 BASELINE = ["train.precision=bf16-mixed", "optim.decay_steps=900"]
 MEASURE = ["train.checkpoint_interval=0", "train.sample_tokens=0", "train.tensorboard=false",
-           f"train.eval_seed={EVAL_SEED}", f"train.eval_batches={EVAL_BATCHES}"]
+           f"train.eval_seed={EVAL_SEED}", f"train.eval_batches={EVAL_BATCHES}", f"train.eval_batch_size={EVAL_ROWS}"]
 TECHNIQUES = {  # the literature's small-scale speedups (modded-nanogpt, nanochat; docs/recipe.md)
     "compile": ["train.compile=true"],
     "wsd": ["optim.schedule=wsd", "optim.decay_fraction=0.3"],  # Hägele et al. 2024

@@ -101,3 +101,19 @@ def test_eval_seed_picks_the_validation_batches_whatever_the_training_seed(tiny_
                         trainer.device, get_policy(t.precision))
 
     assert val_loss(1338) == logged != val_loss(t.seed + 1)  # the default's batches are others
+
+
+def test_eval_batch_size_validates_runs_of_different_batch_sizes_on_the_same_windows(tiny_config, tmp_path):
+    """A batch of 4 draws the 2 windows of a batch of 2 and 2 more: without train.eval_batch_size a run of
+    batch 4 is validated on other windows than one of batch 2; with train.eval_batch_size=2, on the same."""
+    cfg = tiny_config("train.eval_seed=1338", "train.eval_batch_size=2", max_steps=2, checkpoint_interval=0)
+    trainer = quiet_trainer(cfg, tmp_path / "run")
+    logged = trainer.run()["val_loss"]
+    t = cfg.train
+
+    def val_loss(rows):
+        return evaluate(trainer.model, trainer.data.val, rows, cfg.seq_len, 1338, t.eval_batches, trainer.device,
+                        get_policy(t.precision))
+
+    assert (t.batch_size, t.eval_batch_size) == (4, 2)
+    assert logged == val_loss(2) != val_loss(t.batch_size)

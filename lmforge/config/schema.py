@@ -137,6 +137,10 @@ class TrainConfig:
     max_steps: int = 900
     eval_interval: int = 100  # 0: evaluate only at the end
     eval_batches: int = 8
+    # rows per validation batch, per data-parallel replica; None: batch_size. A batch's windows are the first
+    # rows of a larger batch's: runs of different batch sizes are validated on the same windows only when
+    # this is the same (bench/speedrun.py sets 8)
+    eval_batch_size: int | None = None
     # the validation batches evaluated are drawn from this seed; None: train.seed + 1 (a fixed set across
     # seeds: bench/speedrun.py compares runs of several train.seed on the same batches)
     eval_seed: int | None = None

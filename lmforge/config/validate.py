@@ -42,8 +42,8 @@ POSITIVE = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_head
             "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.d_head", "model.sliding_window",
             "model.logit_softcap", "data.prefetch", "optim.lr", "optim.decay_steps", "optim.eps", "optim.muon_lr",
             "optim.muon_ns_steps", "train.batch_size", "train.grad_accum", "train.seq_len", "train.max_steps",
-            "train.eval_batches", "train.eval_items", "train.keep_checkpoints", "train.log_interval",
-            "train.max_bad_steps", "train.bucket_mb", "train.dist_timeout", "train.micro_batches",
+            "train.eval_batches", "train.eval_batch_size", "train.eval_items", "train.keep_checkpoints",
+            "train.log_interval", "train.max_bad_steps", "train.bucket_mb", "train.dist_timeout", "train.micro_batches",
             "train.pipeline_virtual_stages", "train.target_loss", "finetune.lora_alpha", "parallel.pp", "parallel.tp",
             "parallel.cp")
 # numpy's generators take no negative seed (data/loader.py seeds one with train.seed)

@@ -118,9 +118,9 @@ def run_evaluation(trainer, stopping) -> bool:
     request (`stopping`, see evaluate) ends it between two batches, with no validation loss kept."""
     t, state, log = trainer.cfg.train, trainer.state, trainer.log
     seed = t.seed + 1 if t.eval_seed is None else t.eval_seed
-    val_loss = evaluate(trainer.model, trainer.data.val, t.batch_size, trainer.cfg.seq_len, seed, t.eval_batches,
-                        trainer.device, trainer.policy, trainer.world, trainer.make_batch, engine=trainer.engine,
-                        stopping=stopping)
+    val_loss = evaluate(trainer.model, trainer.data.val, t.eval_batch_size or t.batch_size, trainer.cfg.seq_len,
+                        seed, t.eval_batches, trainer.device, trainer.policy, trainer.world, trainer.make_batch,
+                        engine=trainer.engine, stopping=stopping)
     if val_loss is None:
         state.history.pop("val_loss", None)
         return False
