@@ -9,18 +9,19 @@ what follows the context's own encoding (so a token spanning the boundary belong
 continuation). An empty context is the end-of-text token.
 
 Speed: the choices of a question share their context, and questions are scored many at a time.
-A batch's contexts run through the model once, together, right-padded (a causal model's positions
-before the padding cannot see it), into one KV cache (generate/sampling.py's KVCache); each
-context's row is copied to one row per choice, and all the choices' tokens run in one batch from
-position P, the longest context's length. A row whose context is shorter holds padding between
-its context and P: the model is told which positions hold tokens (Transformer.forward's `valid`),
-so that padding is never attended to and the choice's tokens keep their true positions. The
-choices run longest first, in parts of up to TOKENS padded positions, each padded to its own
-longest. Questions are sorted by context length and batched up to TOKENS positions of contexts
-(padded) and choices. Where context and the
-longest choice exceed the model's positions, each choice is instead scored alone on the window
-lm-eval uses, (context + continuation)[-(max_seq_len + 1):][:-1] (the context truncated from the
-left), and the question is counted as truncated.
+Questions are sorted by context length and batched (contexts at most a third longer than the
+batch's shortest, up to TOKENS positions of padded contexts and choices' tokens). A batch's
+contexts run through the model once, together, right-padded (a causal model's positions before the
+padding cannot see it), into one KV cache (generate/sampling.py's KVCache). Each context's row is
+copied to one row per choice, and the choices' tokens run from position P, the batch's longest
+context length: longest first, in parts that pad a row by at most a quarter of the part's longest
+(padded to the batch's longest instead, PIQA's 2- to 100-token solutions ran 3x their tokens). A
+row whose context is shorter holds padding between its context and P: the model is told which
+positions hold tokens (Transformer.forward's `valid`), so that padding is never attended to and the
+choice's tokens keep their true positions. Where context and the longest choice exceed the model's
+positions, each choice is instead scored alone on the window lm-eval uses,
+(context + continuation)[-(max_seq_len + 1):][:-1] (the context truncated from the left), and the
+question is counted as truncated.
 """
 
 from dataclasses import dataclass
@@ -98,8 +99,7 @@ def score_shared(model, groups: list[tuple[list[int], list[list[int]]]]) -> list
     owner = torch.tensor([g for g, (_, conts) in enumerate(groups) for _ in conts], device=device)
     continuations = [c for _, conts in groups for c in conts]
     scores = token_logprobs(last[owner], torch.tensor([c[0] for c in continuations], device=device))
-    # the rest: every choice's tokens but its last, from position `width`, longest first in parts of up
-    # to TOKENS padded positions (one batch padded PIQA's 2- to 100-token solutions to 3x their tokens)
+    # the rest: every choice's tokens but its last, from position `width`, longest first in parts
     for part in _longest_first_parts([r for r, c in enumerate(continuations) if len(c) > 1], continuations):
         rows, n = torch.tensor(part, device=device), len(continuations[part[0]]) - 1
         feed, targets = (torch.zeros(len(part), n, dtype=torch.long, device=device) for _ in range(2))
@@ -123,7 +123,8 @@ def score_shared(model, groups: list[tuple[list[int], list[list[int]]]]) -> list
 
 def batches(groups: list[tuple[list[int], list[list[int]]]], max_len: int, tokens: int = TOKENS) -> list[list[int]]:
     """The groups' indices in batches: sorted by context length (less padding), each batch as many as
-    fit in `tokens` padded positions and in the model's max_len positions."""
+    fit in `tokens` positions (contexts padded, choices counted as their tokens) and in the model's
+    max_len positions, with contexts at most a third longer than its shortest."""
     out, shortest, width, longest, chosen = [], 0, 0, 0, 0
     for index in sorted(range(len(groups)), key=lambda i: len(groups[i][0])):
         context, conts = groups[index]
