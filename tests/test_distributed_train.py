@@ -119,6 +119,21 @@ def test_two_ranks_train_as_one_process_with_their_global_batch_and_rank_0_alone
     assert json.loads((path / "state.json").read_text())["world_size"] == 2
 
 
+def test_eval_batch_size_is_rows_per_replica_as_batch_size_is(tmp_path, settings, one_process):
+    """train.eval_batch_size under 2 ranks validates on the windows one process of twice the rows does."""
+    def val_losses(run_dir):
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+
+    run([sys.executable, "-m", "lmforge", "train", "--no-progress", "--model", "tiny", *settings(6, max_steps=3),
+         "train.eval_batch_size=4", "--out", "one"], tmp_path)
+    run(torchrun(2, "--model", "tiny", *settings(3, max_steps=3), "train.parallel=ddp", "train.eval_batch_size=2",
+                 "--out", "two"), tmp_path)
+    [(step, one)], [(_, two)] = val_losses(tmp_path / "one"), val_losses(tmp_path / "two")
+    assert step == 3 and abs(one - two) <= 1e-5
+    assert abs(one - dict(val_losses(one_process))[3]) > 1e-4  # 4 rows, not the batch's 6: other windows
+
+
 def test_a_checkpoint_of_2_ranks_resumes_on_2_bit_for_bit_and_on_1_and_3_to_the_same_numbers(
         tmp_path, settings, one_process):
     import shutil
