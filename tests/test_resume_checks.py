@@ -102,6 +102,27 @@ def test_a_damaged_config_is_refused_in_one_line_before_anything_is_written(star
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
 
 
+@pytest.mark.parametrize("command", [["runs", "runs"], ["report", "runs/tiny"], ["plan", "runs/tiny"]])
+@pytest.mark.parametrize("checkpoints", ["kept", "none"])
+def test_a_run_whose_config_was_cut_short_is_not_read_as_defaults(started, tmp_path, command, checkpoints):
+    """`lmforge runs`, `report` and `plan RUN` read a run's config.yaml, as a resume does: emptied or cut
+    short, its defaults are not the run's (they listed the default model and 900 steps for a 2-step
+    tiny run, and planned the default model), so they refuse it in resume's line, writing nothing."""
+    run = tmp_path / "runs" / "tiny"
+    shutil.copytree(started / "runs" / "tiny", run)
+    if checkpoints == "none":  # a run that stopped before its first checkpoint: its sections are checked
+        shutil.rmtree(run / "checkpoints")
+    config = run / "config.yaml"
+    config.write_text(config.read_text()[:config.read_text().index("optim:")])
+    before = tree(tmp_path)
+    result = lmforge(*command, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    says = ("config.yaml lacks optim." if checkpoints == "kept" else "config.yaml lacks optim (cut short or edited)")
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], result.stderr
+    assert tree(tmp_path) == before
+
+
 def test_a_new_run_into_a_run_folder_is_refused_before_its_data_is_prepared(started, tmp_path, corpus_dir):
     run = tmp_path / "runs" / "tiny"
     shutil.copytree(started / "runs" / "tiny", run)

@@ -170,13 +170,21 @@ def resume_change(saved: Config, cfg: Config) -> tuple[str, object, object] | No
     return None
 
 
-def lacking_key(path: str | Path, reference: str | Path) -> str | None:
+# the sections every lmforge version has written into a run's config.yaml
+WRITTEN_SECTIONS = ("model", "data", "optim", "train")
+
+
+def lacking_key(path: str | Path, reference: str | Path | None) -> str | None:
     """The first setting config file `reference` holds that config file `path` lacks (older names
-    read as today's), or None. lmforge writes every setting into a run's config.yaml, so one that
-    lacks a setting its checkpoint's copy holds was cut short or edited: its defaults are not the run's."""
+    read as today's), or None; without a reference, the first of WRITTEN_SECTIONS it lacks or holds
+    empty. lmforge writes every setting into a run's config.yaml, so one that lacks a setting its
+    checkpoint's copy holds was cut short or edited: its defaults are not the run's."""
     def keys(data: dict) -> list[str]:
         return [ALIASES.get(f"{section}.{key}", f"{section}.{key}") for section, values in data.items()
                 if isinstance(values, dict) for key in values]
 
-    ours = set(keys(read_yaml(path)))
+    data = read_yaml(path)
+    if reference is None:
+        return next((section for section in WRITTEN_SECTIONS if not data.get(section)), None)
+    ours = set(keys(data))
     return next((key for key in keys(read_yaml(reference)) if key not in ours), None)

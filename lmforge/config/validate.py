@@ -14,7 +14,7 @@ import os
 from lmforge.common.errors import LmforgeError, warn
 from lmforge.config.rules import check_config
 from lmforge.config.schema import (FAMILIES, INIT_SCHEMES, LR_SCHEDULES, MLPS, MUON_ADJUST_LR, ROPE_SCALING_KEYS,
-                                   SECTIONS, Config, DataConfig, FinetuneConfig, ModelConfig, OptimConfig, TrainConfig)
+                                   SECTIONS, Config, DataConfig, FinetuneConfig, ModelConfig, OptimConfig)
 # The names a setting can take, each from its one registry (light modules: no torch)
 from lmforge.modes import (BACKENDS, FP8_SCALINGS, OPTIMIZER_MODES, PARALLEL_STRATEGIES, PIPELINE_ENGINES,
                            PIPELINE_SCHEDULES, POLICIES, RECOMPUTE_MODES, REPLICATING)

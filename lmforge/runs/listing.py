@@ -27,7 +27,7 @@ from lmforge.accounting.memory import parameter_count
 from lmforge.common.errors import LmforgeError
 from lmforge.common.folders import is_locked
 from lmforge.config import SECTIONS, Config, set_value
-from lmforge.runs.checkpoint.find import list_checkpoints, read_state
+from lmforge.runs.checkpoint.find import check_whole_config, list_checkpoints, read_state
 from lmforge.runs.metrics import read_metrics
 from lmforge.runs.plots import batch_label, model_label
 
@@ -77,6 +77,7 @@ def read_config(path: Path) -> Config:
         raise LmforgeError(f"{file} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise LmforgeError(f"{file} must hold a mapping of sections (model, data, optim, train)")
+    check_whole_config(path)  # else its defaults would be listed as the run's model and steps
     cfg = Config()
     for section in SECTIONS:
         values = data.get(section) or {}

@@ -30,7 +30,8 @@ from lmforge.interop.hf_config import read_model_config
 from lmforge.interop.hf import read_end_token, read_hf_special_tokens, read_hf_tokenizer
 from lmforge.model.lora import apply_lora, has_lora, merge_lora
 from lmforge.model.transformer import Transformer, meta_model
-from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, read_manifest, read_state, verify_checkpoint
+from lmforge.runs.checkpoint.find import (check_whole_config, file_sha256, find_checkpoint, read_manifest, read_state,
+                                          verify_checkpoint)
 from lmforge.runs.checkpoint.read import load_model_weights, read_tensors
 from lmforge.runs.checkpoint.tensors import stored_tensors
 
@@ -255,6 +256,8 @@ def folder_config(path: str | Path) -> Config:
         model_cfg = read_model_config(folder)
         end_token = read_end_token(folder, read_hf_tokenizer(folder, model_cfg.vocab_size))
         return Config(model=model_cfg, data=DataConfig(end_token=end_token))
+    if kind == "run":  # a run's own config.yaml, whole (a checkpoint's is read as sealed)
+        check_whole_config(folder)
     return load_config(folder / "config.yaml")
 
 

@@ -23,12 +23,12 @@ from rich.console import Console
 
 from lmforge.common.errors import LmforgeError
 from lmforge.common.folders import FolderLock, write_file_staged
-from lmforge.config import Config, config_to_dict, lacking_key, load_config, resume_change
+from lmforge.config import Config, config_to_dict, load_config, resume_change
 from lmforge.modes import Policy
 from lmforge.optim.schedule import Schedule, resume_note
 from lmforge.parallel.world import World
 from lmforge.precision.policy import LossScaler, fp8_scale_state, load_fp8_scale_state
-from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, check_format, find_checkpoint, read_state
+from lmforge.runs.checkpoint.find import CHECKPOINT_DIR, check_format, cut_short, find_checkpoint, read_state
 from lmforge.runs.checkpoint.read import load_engine_weights, load_optimizer_state, load_rng_states
 from lmforge.runs.checkpoint.write import save_checkpoint
 from lmforge.runs.load import check_same_base
@@ -78,12 +78,12 @@ class RunFolder:
         path = find_checkpoint(self.path, warn=self.warn)
         state = read_state(path)
         check_format(path, state)
-        ours, theirs = self.path / "config.yaml", path / "config.yaml"
-        lacking, change = lacking_key(ours, theirs), resume_change(load_config(theirs), cfg)
-        if lacking is not None or change is not None:
-            problem = (f"lacks {lacking} (cut short or edited)" if lacking is not None else
-                       f"does not match: {change[0]} is {change[1]!r} there, {change[2]!r} in the checkpoint")
-            raise LmforgeError(f"{ours} {problem}; copy checkpoint {path}'s config.yaml over it to resume")
+        problem, change = cut_short(self.path, path), resume_change(load_config(path / "config.yaml"), cfg)
+        if problem is None and change is not None:
+            problem = (f"{self.path / 'config.yaml'} does not match: {change[0]} is {change[1]!r} there, "
+                       f"{change[2]!r} in the checkpoint; copy checkpoint {path}'s config.yaml over it")
+        if problem is not None:
+            raise LmforgeError(f"{problem} to resume")
         if state["precision"]["policy"] != policy:
             raise LmforgeError(f"checkpoint {path} was trained with train.precision={state['precision']['policy']}, "
                                f"not {policy}: resume with the same precision (its optimizer state, loss scale and "

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
+from lmforge.config import lacking_key
 
 CHECKPOINT_DIR = "checkpoints"
 # 3: torch.distributed.checkpoint folders. 2 (safetensors files, by parameter name) and 1 (no
@@ -57,6 +58,26 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if STEP_PATTERN.match(p.name) and (p / "manifest.json").is_file()]
     return sorted(found, key=lambda p: int(STEP_PATTERN.match(p.name).group(1)))
+
+
+def cut_short(run_dir: Path, checkpoint: Path | None) -> str | None:
+    """The line that says run folder `run_dir`'s config.yaml is not the run's whole config, or None:
+    it lacks a setting `checkpoint`'s copy holds (without a checkpoint: a section; config/load.py's
+    lacking_key). Read as it is, its defaults would stand in for the run's settings."""
+    ours = run_dir / "config.yaml"
+    lacking = lacking_key(ours, checkpoint / "config.yaml" if checkpoint is not None else None)
+    if lacking is None:
+        return None
+    fix = f"; copy checkpoint {checkpoint}'s config.yaml over it" if checkpoint is not None else ""
+    return f"{ours} lacks {lacking} (cut short or edited){fix}"
+
+
+def check_whole_config(run_dir: Path) -> None:
+    """cut_short's line, against the run's newest checkpoint (or none yet), as an LmforgeError."""
+    found = list_checkpoints(run_dir)
+    problem = cut_short(run_dir, found[-1] if found else None)
+    if problem is not None:
+        raise LmforgeError(problem)
 
 
 def find_checkpoint(run_dir: str | Path, warn: Callable[[str], None] | None = None) -> Path:
