@@ -123,6 +123,18 @@ def test_a_run_whose_config_was_cut_short_is_not_read_as_defaults(started, tmp_p
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("command", [["runs", "runs"], ["report", "runs/tiny"], ["plan", "runs/tiny"]])
+def test_a_damaged_checkpoint_config_does_not_stop_reading_a_whole_run(started, tmp_path, command):
+    """The newest checkpoint's config.yaml gone: the run's whole config.yaml still reads (an earlier
+    checkpoint's copy, or the sections, is what it is checked against)."""
+    run = tmp_path / "runs" / "tiny"
+    shutil.copytree(started / "runs" / "tiny", run)
+    (newest,) = (run / "checkpoints").iterdir()
+    (newest / "config.yaml").unlink()
+    result = lmforge(*command, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_a_new_run_into_a_run_folder_is_refused_before_its_data_is_prepared(started, tmp_path, corpus_dir):
     run = tmp_path / "runs" / "tiny"
     shutil.copytree(started / "runs" / "tiny", run)

@@ -73,11 +73,18 @@ def cut_short(run_dir: Path, checkpoint: Path | None) -> str | None:
 
 
 def check_whole_config(run_dir: Path) -> None:
-    """cut_short's line, against the run's newest checkpoint (or none yet), as an LmforgeError."""
-    found = list_checkpoints(run_dir)
-    problem = cut_short(run_dir, found[-1] if found else None)
-    if problem is not None:
-        raise LmforgeError(problem)
+    """cut_short's line as an LmforgeError, against the run's newest checkpoint whose config.yaml
+    reads (a damaged one is for a resume or a load to skip and say), or its sections without one."""
+    for checkpoint in [*reversed(list_checkpoints(run_dir)), None]:
+        try:
+            problem = cut_short(run_dir, checkpoint)
+        except LmforgeError:
+            if checkpoint is None:  # the run's own config.yaml is unreadable
+                raise
+            continue
+        if problem is not None:
+            raise LmforgeError(problem)
+        return
 
 
 def find_checkpoint(run_dir: str | Path, warn: Callable[[str], None] | None = None) -> Path:
