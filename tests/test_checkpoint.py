@@ -11,6 +11,7 @@ from lmforge.runs.checkpoint import write as checkpoint_write
 from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, list_checkpoints, verify_checkpoint
 from lmforge.runs.checkpoint.read import load_model_weights, load_optimizer_state
 from lmforge.runs.checkpoint.tensors import stored_tensors
+from lmforge.runs.folders import export_run
 from lmforge.train.loop import Trainer
 
 
@@ -140,7 +141,7 @@ def test_corrupt_checkpoint_is_refused(tiny_config, tmp_path):
         verify_checkpoint(path)
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tiny_config, tmp_path):
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tiny_config, tmp_path, capsys):
     cfg = tiny_config(max_steps=8, checkpoint_interval=4)
     quiet_trainer(cfg, tmp_path / "run").run()
     newest = find_checkpoint(tmp_path / "run")
@@ -150,6 +151,9 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tiny_config,
     warnings = []
     assert find_checkpoint(tmp_path / "run", warn=warnings.append).name == "step_0000004"
     assert len(warnings) == 1 and "step_0000008 is corrupt: optimizer/__0_0.distcp" in warnings[0]
+    capsys.readouterr()
+    assert export_run(tmp_path / "run").name == "hf-step_0000004"  # exported from the earlier one, and said
+    assert capsys.readouterr().err.count("warning: skipping checkpoint") == 1
 
 
 def test_truncated_weights_are_reported_not_crashed(tiny_config, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from lmforge.common.errors import LmforgeError
+from lmforge.common.errors import LmforgeError, warn
 from lmforge.common.folders import FolderLock
 from lmforge.config import Config, DataConfig, config_to_dict, load_config
 from lmforge.data.corpus import load_tokenizer
@@ -43,7 +43,7 @@ def export_run(run: str | Path, out: str | Path | None = None, fmt: str = "hf") 
     kind, folder = model_folder(run)
     if kind == "hf":
         return _export_hf_folder(folder, out, fmt)
-    path = checkpoint_of(kind, folder)
+    path = checkpoint_of(kind, folder, warn)  # a newer damaged checkpoint skipped is said, as generate says it
     cfg = load_config(path / "config.yaml")
     lora = cfg.finetune.lora_rank is not None
     if fmt == "peft" and not lora:
