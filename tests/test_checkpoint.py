@@ -12,6 +12,7 @@ from lmforge.runs.checkpoint.find import file_sha256, find_checkpoint, list_chec
 from lmforge.runs.checkpoint.read import load_model_weights, load_optimizer_state
 from lmforge.runs.checkpoint.tensors import stored_tensors
 from lmforge.runs.folders import export_run
+from lmforge.runs.load import base_identity, base_settings, load_base
 from lmforge.train.loop import Trainer
 
 
@@ -153,6 +154,10 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tiny_config,
     assert len(warnings) == 1 and "step_0000008 is corrupt: optimizer/__0_0.distcp" in warnings[0]
     capsys.readouterr()
     assert export_run(tmp_path / "run").name == "hf-step_0000004"  # exported from the earlier one, and said
+    assert capsys.readouterr().err.count("warning: skipping checkpoint") == 1
+    # as a fine-tuning base: every reader of the base takes the earlier one, said once per process
+    assert base_identity(tmp_path / "run")["checkpoint"] == "step_0000004"
+    base_settings(tmp_path / "run"), load_base(tmp_path / "run")
     assert capsys.readouterr().err.count("warning: skipping checkpoint") == 1
 
 

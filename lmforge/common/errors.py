@@ -103,6 +103,18 @@ def warn(message: str) -> None:
     print(f"lmforge: warning: {message}", file=sys.stderr, flush=True)
 
 
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """`warn`, said once per process and by one process of a launch (RANK 0, or no torchrun):
+    for what each rank, and several readers in one process, find alike (a fine-tuning base's
+    damaged checkpoint)."""
+    if message not in _WARNED and os.environ.get("RANK", "0") == "0":
+        warn(message)
+    _WARNED.add(message)
+
+
 # -- numbers and text as people read them ------------------------------------------------------------
 
 def human_bytes(n: float) -> str:

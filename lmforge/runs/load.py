@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from lmforge.common.errors import LmforgeError, lookup
+from lmforge.common.errors import LmforgeError, lookup, warn_once
 from lmforge.config import Config, DataConfig, ModelConfig, load_config
 from lmforge.data.corpus import load_tokenizer
 from lmforge.data.special_tokens import SpecialTokens, load_special_tokens
@@ -63,13 +63,14 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def base_checkpoint(path: Path) -> Path:
-    """The newest good checkpoint of lmforge run folder `path` (a fine-tuning base, or a run to load)."""
+    """The newest good checkpoint of lmforge run folder `path` (a fine-tuning base, or a run to load);
+    a newer damaged one skipped is said once, however many readers look the base up."""
     if not path.is_dir():
         raise LmforgeError(f"base {path} does not exist: give an lmforge run folder")
     if not (path / "config.yaml").is_file():
         raise LmforgeError(f"base {path} is not an lmforge run folder (no config.yaml) nor a Hugging Face "
                            f"folder (no config.json)")
-    return find_checkpoint(path)
+    return find_checkpoint(path, warn=warn_once)
 
 
 def base_settings(path: str | Path) -> tuple[ModelConfig, str, Tokenizer]:
