@@ -19,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from lmforge.data.special_tokens import special_tokens  # noqa: E402
 from lmforge.generate.chat import ChatSession  # noqa: E402
 from lmforge.generate.load import load_for_sampling  # noqa: E402
 from test_interop import hf_model, tokenizer  # noqa: E402,F401  (tokenizer: the fixture)
@@ -154,6 +155,10 @@ def test_a_model_without_a_template_is_asked_as_lmforge_fine_tunes_it(tokenizer)
 def test_chat_samples_with_the_model_defaults_unless_told(instruct):
     from lmforge.generate.chat import sampling_options
 
-    _, special = load_for_sampling(instruct)
+    loaded, special = load_for_sampling(instruct)
     assert sampling_options(special, None, None, None) == {"temperature": 0.6, "top_k": None, "top_p": 0.9}
     assert sampling_options(special, 0.0, 5, None) == {"temperature": 0.0, "top_k": 5, "top_p": 0.9}
+    # transformers' spellings of "unset" in generation_config.json: top_k 0 (no top-k) and null
+    files = {**special.files, "generation_config.json": b'{"top_k": 0, "temperature": null, "top_p": 1}'}
+    unset = special_tokens(loaded.tokenizer, special.end, files)
+    assert sampling_options(unset, None, None, None) == {"temperature": 0.8, "top_k": None, "top_p": 1}

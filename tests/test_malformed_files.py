@@ -79,7 +79,9 @@ def hf_config_variants() -> list[tuple[str, str]]:
 FILES = {
     "hf/config.json": (IMPORT, hf_config_variants()),
     "hf/generation_config.json": (IMPORT, variants({"eos_token_id": [309, 312]}, "-", ("eos_token_id", "end"))[:3]
-                                  + [("eos_token_id wrong-typed", '{"eos_token_id": ["<|eot_id|>"]}')]),
+                                  + [("eos_token_id wrong-typed", '{"eos_token_id": ["<|eot_id|>"]}'),
+                                     ("top_k wrong-typed", '{"top_k": "a"}'), ("temperature negative", '{"temperature": -1}'),
+                                     ("top_p above one", '{"top_p": 5}')]),
     "hf/tokenizer.json": (IMPORT, [("empty", ""), ("truncated", '{"version": "1.0", "mod'), ("a list", "[]")]),
     "hf/tokenizer_config.json": (IMPORT, variants({"eos_token": "<|eot_id|>"}, "-", ("chat_template", 5))[:3]
                                  + [("chat_template wrong-typed", '{"chat_template": 5}')]),
@@ -119,3 +121,18 @@ def test_a_malformed_file_stops_in_one_line_naming_it(world, tmp_path, capsys, f
     assert "Traceback" not in done.stderr + done.stdout and len(lines) == 1, done.stderr
     assert Path(file).name in lines[0] or Path(file).parent.name in lines[0], lines[0]
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before  # nothing written
+
+
+@pytest.mark.parametrize("key, value", [("rope_theta", None), ("rope_theta", "1e4"), ("tie_word_embeddings", "false"),
+                                        ("num_hidden_layers", 2.0)])
+def test_a_wrong_typed_field_of_a_real_config_json_is_named(world, tmp_path, capsys, key, value):
+    """The model's own config.json with one field changed (the variants above start from a minimal
+    one, which any check may stop): the line names that field, and sampling from the folder stops there."""
+    root = tmp_path / "w"
+    shutil.copytree(world, root)
+    path = root / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    done = run_cli("generate", "hf", "--prompt", "def", "--max-new-tokens", "1", "--device", "cpu", cwd=root,
+                   capsys=capsys)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"config.json: {key} is {value!r}, expected" in done.stderr.strip().splitlines()[0], done.stderr

@@ -16,6 +16,7 @@ A tokenizer's post-processor may put tokens around every text it encodes (Llama 
 """
 
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -51,6 +52,32 @@ def _stop_ids(eos) -> list[int]:
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise LmforgeError(f"generation_config.json: eos_token_id is {eos!r}, expected a token id or a list of them")
     return ids
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+SAMPLING = {  # generation_config.json's sampling settings that chat takes as its defaults, and what each must be
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    "top_k": (lambda v: _is_number(v) and v == int(v) >= 0, "an integer >= 0"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "do_sample": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _sampling_defaults(generation: dict) -> dict:
+    """The sampling settings of generation_config.json, checked as the CLI checks its options; a null
+    one is unset, and top_k 0 is transformers' "no top-k" (None here)."""
+    defaults = {}
+    for key, (ok, what) in SAMPLING.items():
+        value = generation.get(key)
+        if value is None:
+            continue
+        if not ok(value):
+            raise LmforgeError(f"generation_config.json: {key} is {value!r}, expected {what}")
+        defaults[key] = (int(value) or None) if key == "top_k" else value
+    return defaults
 
 
 def _template(files: dict[str, bytes], config: dict) -> str | None:
@@ -127,7 +154,7 @@ def special_tokens(tokenizer: Tokenizer, end_token: str, files: dict[str, bytes]
              if key.endswith("_token") and token_name(value) is not None}
     stops = [end_id, *_stop_ids(generation.get("eos_token_id"))]
     template = _template(files, config)
-    defaults = {key: generation[key] for key in ("temperature", "top_k", "top_p", "do_sample") if key in generation}
+    defaults = _sampling_defaults(generation)
     return SpecialTokens(end_token, end_id, tuple(dict.fromkeys(stops)), leading_special_ids(tokenizer),
                          template, names, defaults, files)
 

@@ -19,6 +19,8 @@ HF_INTS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner"
            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "head_dim",
            "sliding_window", "max_window_layers")
 HF_FLOATS = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon")
+HF_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "scale_attn_weights",
+            "scale_attn_by_inverse_layer_idx")
 HF_REQUIRED = {"gpt": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
                "llama": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                          "num_attention_heads", "max_position_embeddings")}
@@ -41,10 +43,13 @@ def check_hf_fields(config: dict, family: str, where: str) -> None:
     for key in HF_REQUIRED[family]:
         if config.get(key) is None:
             raise LmforgeError(f"{where}/config.json has no {key} (expected an integer)")
-    for keys, kinds, what in ((HF_INTS, int, "an integer"), (HF_FLOATS, (int, float), "a number")):
+    for keys, kinds, what in ((HF_INTS, int, "an integer"), (HF_FLOATS, (int, float), "a number"),
+                              (HF_BOOLS, bool, "true or false")):
         for key in keys:
             value = config.get(key)
-            if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+            if value is None and (key not in config or keys is not HF_FLOATS):
+                continue  # a null count or switch is its default (GPT-2's n_inner, head_dim); a null theta is none
+            if not isinstance(value, kinds) or (isinstance(value, bool) and kinds is not bool):
                 raise LmforgeError(f"{where}/config.json: {key} is {value!r}, expected {what}")
     for key in ("rope_parameters", "rope_scaling"):
         if config.get(key) is not None and not isinstance(config[key], dict):
@@ -121,6 +126,7 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
                            f"{', '.join(ARCHITECTURES)}")
     family = ARCHITECTURES[arch][0]
     check_hf_fields(config, family, where)
+    config = {key: value for key, value in config.items() if value is not None}  # null: the default, as absent
 
     def require(ok: bool, what: str) -> None:
         if not ok:
@@ -179,6 +185,8 @@ def _rope(config: dict, where: str) -> tuple[float, dict | None]:
     """rope_theta and rope_scaling, from transformers 5's "rope_parameters" or the older separate keys."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
+        raise LmforgeError(f"{where}/config.json: rope_theta is {theta!r}, expected a number")
     kind = params.pop("rope_type", params.pop("type", "default"))
     if kind == "default":
         return theta, None
