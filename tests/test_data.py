@@ -44,6 +44,21 @@ def test_bad_jsonl_names_the_line(tmp_path, content, message):
         file_documents([str(tmp_path / "b.jsonl")])
 
 
+def test_a_byte_order_mark_is_not_text_and_one_example_is_too_few(tmp_path):
+    """A file saved with a UTF-8 byte-order mark (Windows editors) reads as without one, corpus and
+    examples alike; a lone example is refused in one line, not cut in two and called invalid JSON."""
+    from lmforge.data.sft import is_example_source, read_records
+
+    (tmp_path / "b.jsonl").write_bytes('\ufeff{"text": "one"}\n'.encode())
+    assert [d.text for d in file_documents([str(tmp_path / "b.jsonl")])] == ["one"]
+    examples = tmp_path / "sft.jsonl"
+    examples.write_bytes('\ufeff{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n'.encode())
+    assert is_example_source(str(examples)) and json.loads(read_records(str(examples))[0].text)["prompt"] == "a"
+    examples.write_text('{"prompt": "a", "response": "b"}\n')
+    with pytest.raises(LmforgeError, match="holds 1 example: fine-tuning needs at least two"):
+        read_records(str(examples))
+
+
 def test_missing_empty_and_binary_sources(tmp_path):
     with pytest.raises(LmforgeError, match="does not exist"):
         load_documents(str(tmp_path / "nothing.txt"))

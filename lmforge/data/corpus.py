@@ -102,11 +102,17 @@ def file_documents(paths: list[str]) -> list[Document]:
     return [doc for file, name in _named_files(paths) for doc in _read_file(file, name)]
 
 
-def _read_file(path: Path, name: str) -> list[Document]:
+def read_text(path: Path) -> str:
+    """A corpus or examples file as text: UTF-8, a leading byte-order mark (as Windows editors write
+    one) dropped, or one line saying it is not UTF-8."""
     try:
-        text = path.read_bytes().decode("utf-8")
+        return path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError:
         raise LmforgeError(f"{path} is not UTF-8 text") from None
+
+
+def _read_file(path: Path, name: str) -> list[Document]:
+    text = read_text(path)
     if path.suffix != ".jsonl":
         return [Document(name, text)] if text.strip() else []
     docs = []

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmforge.data.corpus import END_OF_TEXT, Document, split_documents
+from lmforge.data.corpus import END_OF_TEXT, Document, read_text, split_documents
 from lmforge.data.special_tokens import SpecialTokens, encode_plain, special_tokens
 from lmforge.data.prepare import unigram_entropy
 from lmforge.common.errors import LmforgeError
@@ -198,7 +198,7 @@ def is_example_source(source: str) -> bool:
     if source == "stdlib":
         return False
     for file in jsonl_files(source):
-        for line in file.read_text(encoding="utf-8", errors="replace").splitlines():
+        for line in read_text(file).splitlines():
             if line.strip():
                 try:
                     record = json.loads(line)
@@ -220,14 +220,11 @@ def read_records(source: str) -> list[Document]:
             raise LmforgeError(f"{raw}: fine-tuning examples are read from .jsonl files; plain text "
                                f"cannot be mixed with them in one data.source")
     for file in jsonl_files(source):
-        try:
-            text = file.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            raise LmforgeError(f"{file} is not UTF-8 text") from None
         records += [Document(f"{file.name}:{number}", line)
-                    for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
-    if not records:
-        raise LmforgeError(f"data source {source!r} holds no examples")
+                    for number, line in enumerate(read_text(file).splitlines(), start=1) if line.strip()]
+    if len(records) < 2:  # split_documents would cut a lone example's line in two
+        raise LmforgeError(f"data source {source!r} holds {len(records) or 'no'} example{'s' * (not records)}: "
+                           f"fine-tuning needs at least two, one held out for validation (data.val_fraction)")
     return records
 
 
