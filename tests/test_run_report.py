@@ -93,6 +93,14 @@ def test_the_report_holds_config_data_cost_curves_scores_and_sample(trained, dat
     assert "## Sample" in page and (trained / "sample.txt").read_text().rstrip("\n") in page
 
 
+def test_a_moved_run_is_reported_where_it_lies(trained, tmp_path, capsys):
+    """summary.json names the folder the run trained in; the report of a copy names the copy."""
+    run_dir = tmp_path / "moved"
+    shutil.copytree(trained, run_dir)
+    page = report_of(run_dir, capsys)
+    assert f"| run folder | {run_dir.resolve()} |" in page and f"| run folder | {trained} |" not in page
+
+
 def test_a_run_without_a_summary_gets_a_report_of_what_it_logged(trained, tmp_path, capsys):
     """A run that crashed before its end: no summary.json, loss.png or sample.txt. Its report says
     so, shows the last record and the evaluations, and draws the loss picture from metrics.jsonl."""

@@ -38,6 +38,8 @@ def write_report(run_dir: str | Path) -> Path:
         raise LmforgeError(f"{run_dir} is not a run folder (a run folder holds config.yaml): name one, "
                            f"e.g. lmforge report runs/<name>")
     summary = read_summary(run_dir, cut_off_ok=False)  # a damaged one: one line
+    if summary:  # the folder where the run lies now: a moved or copied run's summary names where it trained
+        summary = {**summary, "run_dir": str(run_dir.resolve())}
     run = read_run(run_dir)  # config.yaml and metrics.jsonl, checked; the run's status
     evaluated = read_eval(run_dir / "eval.json")
     meta = prepared_meta(run.cfg)
