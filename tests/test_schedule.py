@@ -47,6 +47,17 @@ def test_resume_notes_say_what_the_rate_will_do():
     assert resume_note(8, before, lower, 10) == ("the learning rate jumps from 0.0001 to 5e-05 (optim.lr 0.001 -> "
                                                  "0.0005, floor (optim.lr * optim.min_lr_ratio) 0.0001 -> 5e-05), "
                                                  "then stays at its floor 5e-05 to step 10")
+    # a warmup longer than the run: the rate rises to the run's end, it never holds the peak
+    long_warmup = Schedule(peak=3e-3, floor=3e-4, warmup_steps=50, decay_steps=8)
+    assert resume_note(4, long_warmup, long_warmup, 8) == ("the learning rate continues its schedule from 0.0003: "
+                                                           "rises to 0.00048 at step 8, still warming up "
+                                                           "(optim.warmup_steps=50)")
+    assert resume_note(4, long_warmup, long_warmup, 60) == ("the learning rate continues its schedule from 0.0003: "
+                                                            "rises to 0.003 at step 50, then stays at 0.003 to step "
+                                                            "60 (no room to decay)")
+    stretched = Schedule(peak=3e-3, floor=3e-4, warmup_steps=50, decay_steps=100)
+    assert resume_note(4, stretched, stretched, 20).endswith("rises to 0.0012 at step 20, still warming up "
+                                                             "(optim.warmup_steps=50)")
 
 
 def train(*args, cwd):

@@ -96,14 +96,14 @@ def _shown(value) -> str:
 
 
 def _remaining(step: int, schedule: Schedule, max_steps: int) -> str:
+    if max_steps <= schedule.peak_step:  # the run ends inside the warmup
+        return (f"rises to {schedule(max_steps - 1):.3g} at step {max_steps}, still warming up "
+                f"(optim.warmup_steps={schedule.warmup_steps})")
+    start = f"rises to {schedule.peak:.3g} at step {schedule.peak_step + 1}, " if step < schedule.peak_step else ""
     if schedule.decay_steps <= schedule.peak_step + 1:
-        return f"stays at {schedule.peak:.3g} to step {max_steps} (no room to decay)"
+        return f"{start}{'then ' * bool(start)}stays at {schedule.peak:.3g} to step {max_steps} (no room to decay)"
     if step >= schedule.decay_steps:
         return f"stays at its floor {schedule.floor:.3g} to step {max_steps}"
-    if step < schedule.peak_step:
-        start = f"rises to {schedule.peak:.3g} at step {schedule.peak_step + 1}, "
-    else:
-        start = ""
     if schedule.decay_steps >= max_steps:
         return f"{start}decays to {schedule(max_steps - 1):.3g} at step {max_steps}"
     return (f"{start}decays to its floor {schedule.floor:.3g} at step {schedule.decay_steps} and stays there "
