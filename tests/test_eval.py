@@ -75,7 +75,8 @@ def test_results_go_to_a_folder_never_into_a_models_own(llama_folder, tmp_path, 
                                                                "--limit", 2)
     assert sorted(p.name for p in llama_folder.iterdir()) == before
     (tmp_path / "file").write_text("mine")
-    assert "--out" in one_line(capsys, "eval", llama_folder, "--tasks", "piqa", "--limit", 2, "--out", tmp_path / "file")
+    line = one_line(capsys, "eval", llama_folder, "--tasks", "piqa", "--limit", 2, "--out", tmp_path / "file")
+    assert "is a file: give a folder" in line
     assert (tmp_path / "file").read_text() == "mine"
 
 
