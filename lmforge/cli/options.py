@@ -167,7 +167,8 @@ def add_eval(evaluate) -> None:
                           help="sampled generation: draw from the smallest set of tokens holding this mass (0.95)")
     evaluate.add_argument("--seed", type=number(int, at_least=0), default=0, help="sampled generation's seed")
     evaluate.add_argument("--out", metavar="DIR",
-                          help="where eval.json and eval.png go (default: the run folder; needed for a Hugging Face folder)")
+                          help="where eval.json and eval.png go (default: the run folder; a Hugging Face "
+                               "folder needs one)")
     evaluate.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     evaluate.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the weights")
