@@ -68,6 +68,19 @@ print("torch loaded:", "torch" in sys.modules)
     assert result.stdout.strip().endswith("torch loaded: False")
 
 
+def test_every_help_prints_as_written(capsys):
+    """Each subcommand's --help: argparse formats only an option's help with %, so a description
+    written with %% prints it doubled."""
+    from lmforge.cli import main
+    from lmforge.cli.commands import SUBCOMMANDS
+
+    for argv in [[], *([name] for name in SUBCOMMANDS), ["scaling", "sweep"], ["scaling", "fit"]]:
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        shown = capsys.readouterr().out
+        assert "usage: lmforge" in shown and "%%" not in shown, argv
+
+
 def test_plan_tp_must_divide_the_heads(tmp_path):
     result = lmforge("plan", "--model", "llama3-8b", "--tp", "12", "--hardware", "h100-sxm", cwd=tmp_path)
     assert result.returncode == 2

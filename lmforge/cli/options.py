@@ -109,8 +109,8 @@ def add_import_hf(import_hf) -> None:
 def add_tasks(tasks) -> None:
     tasks.description = (
         "Write N training documents of lmforge's task set (lmforge/structured/tasks.py: last letters, "
-        "addition, counting, sentiment, extraction; train split only) as {\"text\": ...} lines: 40%% "
-        "free-text replies, 40%% JSON/YAML/XML replies (both key orders), 20%% free replies converted "
+        "addition, counting, sentiment, extraction; train split only) as {\"text\": ...} lines: 40% "
+        "free-text replies, 40% JSON/YAML/XML replies (both key orders), 20% free replies converted "
         "to a format. Train on them with: lmforge train data.source=FILE ...")
     tasks.add_argument("--out", required=True, metavar="FILE", help="the .jsonl file to write")
     tasks.add_argument("-n", type=COUNT, default=20000, help="number of documents (default 20000)")
@@ -121,7 +121,7 @@ def add_eval_format(evalf) -> None:
     describe(
         evalf, "Run the test split of the task set on a model under free text, format instructions "
         "(JSON, YAML, XML; reasoning-first and answer-first), constrained decoding and "
-        "answer-then-convert; print accuracy and parse-error rate per task and condition with 95%% "
+        "answer-then-convert; print accuracy and parse-error rate per task and condition with 95% "
         "Wilson intervals, and write results.jsonl, table.md, summary.json and results.png to --out.",
         "examples:\n"
         "  lmforge eval-format runs/tasks --tasks 20 --seed 0\n"
