@@ -89,6 +89,11 @@ CASES = [
     Case("finetune", "RUN --lora-dropout 2", "finetune.lora_dropout must be in [0, 1)"),
     Case("export", "RUN --format hf --out RUN", "already exists: pick another --out"),
     Case("report", "DATA", "is not a run folder (a run folder holds config.yaml)"),
+    Case("plan", "--model tiny --plot plan.txt", "argument --plot: plan.txt is not a picture file: end it with .png"),
+    Case("plan", "--model tiny --roofline DATA", "tiny-bpe512 is not a picture file"),
+    Case("runs", "--plot --out cmp.jpeg", "argument --out: cmp.jpeg is not a picture file"),
+    Case("scaling", "fit runs --plot fit", "argument --plot: fit is not a picture file"),
+    Case("tasks", "--out DATA -n 5", "/tiny-bpe512: Is a directory (a folder stands where a file is needed"),
 ]
 
 # No file may grow past a limit (RLIMIT_FSIZE, in bytes): each write past it fails with EFBIG, as a

@@ -69,6 +69,17 @@ def number(kind: type, at_least=None, above=None, at_most=None):
 
 SEED = number(int, at_least=0)
 COUNT = number(int, at_least=1)
+PICTURE_SUFFIXES = (".png", ".svg", ".pdf")  # what a picture option writes; matplotlib reads the format from it
+
+
+def picture(word: str) -> str:
+    """The argparse type of an option naming a picture to write (--plot, --roofline, runs --out):
+    checked before any work, where matplotlib would refuse only at the end, with a traceback."""
+    if Path(word).suffix.lower() not in PICTURE_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"{word} is not a picture file: end it with {', '.join(PICTURE_SUFFIXES)}")
+    if Path(word).is_dir():
+        raise argparse.ArgumentTypeError(f"{word} is a folder: name the picture file to write")
+    return word
 
 
 def describe(parser: argparse.ArgumentParser, description: str, epilog: str | None = None) -> None:

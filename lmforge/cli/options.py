@@ -2,7 +2,7 @@
 import-hf, tasks, eval-format, eval, report); training's are in arguments.py, plan's in plan_parser.py. No
 torch is imported, so that `lmforge --help` answers at once."""
 
-from lmforge.cli.arguments import COUNT, SEED, add_run, describe, number
+from lmforge.cli.arguments import COUNT, SEED, add_run, describe, number, picture
 
 
 def add_generate(gen) -> None:
@@ -76,7 +76,7 @@ def add_runs(runs) -> None:
     runs.add_argument("dir", nargs="?", default="runs", metavar="DIR", help="folder holding run folders (default runs)")
     runs.add_argument("--plot", nargs="*", metavar="RUN",
                       help="draw the loss curves of these runs (names in DIR or paths; none: all of DIR)")
-    runs.add_argument("--out", metavar="PNG", default="runs.png",
+    runs.add_argument("--out", metavar="PNG", default="runs.png", type=picture,
                       help="where --plot saves its figure (default runs.png)")
 
 

@@ -3,7 +3,7 @@ the setup flags are aliases of config keys, the others the world and the machine
 
 import argparse
 
-from lmforge.cli.arguments import COUNT, add_config_args, add_run, describe, number
+from lmforge.cli.arguments import COUNT, add_config_args, add_run, describe, number, picture
 from lmforge.modes import BACKENDS, OPTIMIZER_MODES, POLICIES, PRECISION_ALIASES, RECOMPUTE_MODES
 
 
@@ -104,9 +104,10 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--lora-targets", help="linear layers LoRA wraps, comma-separated name patterns "
                                              "(default q_proj,k_proj,v_proj,o_proj)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.add_argument("--plot", metavar="PNG", help="save a bar chart of the memory breakdown")
-    plan.add_argument("--roofline", metavar="PNG", help="save the roofline: the machine's roof and each operation "
-                                                      "class of the step as a point (FLOP/byte against FLOP/s)")
+    plan.add_argument("--plot", metavar="PNG", type=picture, help="save a bar chart of the memory breakdown")
+    plan.add_argument("--roofline", metavar="PNG", type=picture,
+                      help="save the roofline: the machine's roof and each operation "
+                           "class of the step as a point (FLOP/byte against FLOP/s)")
     plan.add_argument("--dtypes", action="store_true", help="print the table of floating-point formats and exit")
     plan.add_argument("--remeasure", action="store_true",
                       help="with --hardware this: measure the matmul peak and memory bandwidth again")

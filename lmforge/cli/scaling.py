@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lmforge.cli.arguments import COUNT, RAW, add_overrides, describe, number
+from lmforge.cli.arguments import COUNT, RAW, add_overrides, describe, number, picture
 from lmforge.common.errors import LmforgeError
 
 EXAMPLES = """\
@@ -38,7 +38,7 @@ def add_scaling(scaling) -> None:
                              epilog=EXAMPLES, formatter_class=RAW)
     fit.add_argument("runs", nargs="+", metavar="RUNS", help="run folders, or folders that hold them")
     fit.add_argument("--out", metavar="FIT.json", help="write the fit here (for lmforge plan --scaling)")
-    fit.add_argument("--plot", metavar="PNG", help="draw the IsoFLOP curves and the fit")
+    fit.add_argument("--plot", metavar="PNG", type=picture, help="draw the IsoFLOP curves and the fit")
     fit.add_argument("--grid", choices=("coarse", "paper"), default="coarse",
                      help="L-BFGS starts: coarse (108) or the paper's 4,500 (default coarse)")
     fit.add_argument("--bootstrap", type=number(int, at_least=0), default=100,

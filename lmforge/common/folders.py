@@ -148,7 +148,10 @@ def write_file_staged(out: Path, write: Callable[[Path], None]) -> None:
         os.replace(staging, out)
         fsync_dir(out.parent)
     except Exception as err:
-        raise as_os_error(err, out)
+        err = as_os_error(err, out)
+        if isinstance(err, OSError):  # named as the file asked for, not its hidden staging name
+            err.filename, err.filename2 = str(out), None
+        raise err
     finally:
         staging.unlink(missing_ok=True)
 
