@@ -93,6 +93,8 @@ CASES = [
     Case("plan", "--model tiny --roofline DATA", "tiny-bpe512 is not a picture file"),
     Case("runs", "--plot --out cmp.jpeg", "argument --out: cmp.jpeg is not a picture file"),
     Case("scaling", "fit runs --plot fit", "argument --plot: fit is not a picture file"),
+    Case("import-hf", "RUN --name ../elsewhere", "argument --name: '../elsewhere' is not a run name (runs/NAME)"),
+    Case("train", "--model tiny --name a/b", "argument --name: 'a/b' is not a run name"),
     Case("tasks", "--out DATA -n 5", "/tiny-bpe512: Is a directory (a folder stands where a file is needed"),
 ]
 

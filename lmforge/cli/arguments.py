@@ -72,6 +72,13 @@ COUNT = number(int, at_least=1)
 PICTURE_SUFFIXES = (".png", ".svg", ".pdf")  # what a picture option writes; matplotlib reads the format from it
 
 
+def run_name(word: str) -> str:
+    """The argparse type of --name: one folder's name under runs/ (a path goes to --out)."""
+    if word in ("", ".", "..") or "/" in word or "\\" in word:
+        raise argparse.ArgumentTypeError(f"{word!r} is not a run name (runs/NAME): give a path with --out instead")
+    return word
+
+
 def picture(word: str) -> str:
     """The argparse type of an option naming a picture to write (--plot, --roofline, runs --out):
     checked before any work, where matplotlib would refuse only at the end, with a traceback."""
@@ -109,7 +116,8 @@ def add_run(parser: argparse.ArgumentParser, help: str, dest: str = "run", flag:
 
 def add_training_outputs(parser: argparse.ArgumentParser, resume_help: str) -> None:
     """The run folder a training writes, --resume, and --no-progress (train and finetune)."""
-    parser.add_argument("--name", help="run name: the run folder is runs/NAME (default: the model and the time)")
+    parser.add_argument("--name", type=run_name,
+                        help="run name: the run folder is runs/NAME (default: the model and the time)")
     parser.add_argument("--out", metavar="DIR", help="run folder (instead of runs/NAME)")
     parser.add_argument("--resume", metavar="RUN", help=resume_help)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")

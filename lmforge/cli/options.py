@@ -2,7 +2,7 @@
 import-hf, tasks, eval-format, eval, report); training's are in arguments.py, plan's in plan_parser.py. No
 torch is imported, so that `lmforge --help` answers at once."""
 
-from lmforge.cli.arguments import COUNT, SEED, add_run, describe, number, picture
+from lmforge.cli.arguments import COUNT, SEED, add_run, describe, number, picture, run_name
 
 
 def add_generate(gen) -> None:
@@ -102,7 +102,8 @@ def add_import_hf(import_hf) -> None:
         "LlamaForCausalLM (Llama 3.1/3.2 rope scaling included) or GPT2LMHeadModel and write it as a "
         "run folder, with its own tokenizer, that lmforge generate and export take.")
     import_hf.add_argument("folder", metavar="FOLDER", help="the Hugging Face model folder")
-    import_hf.add_argument("--name", help="run name: the run folder is runs/NAME (default: FOLDER's name)")
+    import_hf.add_argument("--name", type=run_name,
+                           help="run name: the run folder is runs/NAME (default: FOLDER's name)")
     import_hf.add_argument("--out", metavar="DIR", help="run folder (instead of runs/NAME)")
 
 
