@@ -162,3 +162,22 @@ def test_chat_samples_with_the_model_defaults_unless_told(instruct):
     files = {**special.files, "generation_config.json": b'{"top_k": 0, "temperature": null, "top_p": 1}'}
     unset = special_tokens(loaded.tokenizer, special.end, files)
     assert sampling_options(unset, None, None, None) == {"temperature": 0.8, "top_k": None, "top_p": 1}
+
+
+def test_a_conversation_past_the_models_positions_is_said_once(tokenizer):
+    """generate() keeps the latest positions when a conversation outgrows the model (32 here): chat
+    says so once, and again after /reset only when it happens again."""
+    import io
+
+    from lmforge.data.special_tokens import special_tokens
+    from lmforge.generate.chat import run_chat
+    from lmforge.model.transformer import Transformer
+    from test_interop import tiny_model_config
+
+    special = special_tokens(tokenizer, "<|endoftext|>")
+    session = ChatSession(Transformer(tiny_model_config("llama")).eval(), tokenizer, special, 4, temperature=0.0)
+    lines, out = iter(["hi", "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)", "and", "/reset", "hi",
+                       "/exit"]), io.StringIO()
+    assert run_chat(session, "tiny", out=out, read=lambda prompt: next(lines)) == 0
+    said = out.getvalue().split("(new conversation)")
+    assert [part.count("past the model's 32 positions") for part in said] == [1, 0]

@@ -103,6 +103,7 @@ def run_chat(session: ChatSession, name: str, out=sys.stdout, read=input) -> int
     """The interactive loop: a line from the user, the reply streamed; /reset and /exit."""
     template = "its chat template" if session.special.chat_template else "lmforge's plain chat template"
     print(f"chat with {name} ({template}); /reset starts over, /exit ends", file=out, flush=True)
+    positions, told = session.model.cfg.max_seq_len, False  # said once a conversation: its start is out of view
     while True:
         try:
             line = read("> ")
@@ -115,6 +116,7 @@ def run_chat(session: ChatSession, name: str, out=sys.stdout, read=input) -> int
         if command == "/reset":
             session.reset()
             print("(new conversation)", file=out, flush=True)
+            told = False
             continue
         if command.startswith("/"):
             print(f"unknown command {command}: /reset starts over, /exit ends", file=out, flush=True)
@@ -127,3 +129,7 @@ def run_chat(session: ChatSession, name: str, out=sys.stdout, read=input) -> int
         if not session.complete:
             print(f"(the answer was cut at --max-new-tokens {session.max_new_tokens} before its JSON closed)",
                   file=out, flush=True)
+        if len(session.tokens) > positions and not told:  # generate() slid its window: the start is gone
+            print(f"(the conversation is past the model's {positions:,} positions: it reads the latest ones only; "
+                  f"/reset starts over)", file=out, flush=True)
+            told = True
