@@ -59,6 +59,21 @@ def test_a_byte_order_mark_is_not_text_and_one_example_is_too_few(tmp_path):
         read_records(str(examples))
 
 
+def test_a_file_listed_twice_is_refused(tmp_path):
+    """Twice the same file (or a folder and a file in it) is one line, not "every document fell into
+    the validation split" (both copies share a name, so a split)."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("first document\n")
+    for paths in ([tmp_path / "notes" / "a.txt"] * 2, [tmp_path / "notes", tmp_path / "notes" / "a.txt"]):
+        with pytest.raises(LmforgeError, match="a.txt twice: list each file or folder once"):
+            file_documents([str(p) for p in paths])
+    from lmforge.data.sft import read_records  # fine-tuning examples alike
+
+    (tmp_path / "notes" / "b.jsonl").write_text('{"prompt": "a", "response": "b"}\n' * 2)
+    with pytest.raises(LmforgeError, match="b.jsonl twice"):
+        read_records(f"{tmp_path / 'notes'},{tmp_path / 'notes' / 'b.jsonl'}")
+
+
 def test_missing_empty_and_binary_sources(tmp_path):
     with pytest.raises(LmforgeError, match="does not exist"):
         load_documents(str(tmp_path / "nothing.txt"))

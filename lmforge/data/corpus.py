@@ -78,7 +78,18 @@ def _named_files(paths: list[str]) -> list[tuple[Path, str]]:
             named.extend((file, file.relative_to(path).as_posix()) for file in files)
         else:
             named.append((path, path.name))
+    check_listed_once([file for file, _ in named])
     return named
+
+
+def check_listed_once(files: list[Path]) -> None:
+    """A data.source's files, each at most once: one listed twice (or a folder and a file in it)
+    would be trained on twice, and its two copies, named alike, fall in the same split."""
+    seen = set()
+    for file in files:
+        if file.resolve() in seen:
+            raise LmforgeError(f"data.source names {file} twice: list each file or folder once")
+        seen.add(file.resolve())
 
 
 def _source_paths(source: str) -> list[str]:

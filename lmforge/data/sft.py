@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmforge.data.corpus import END_OF_TEXT, Document, read_text, split_documents
+from lmforge.data.corpus import END_OF_TEXT, Document, check_listed_once, read_text, split_documents
 from lmforge.data.special_tokens import SpecialTokens, encode_plain, special_tokens
 from lmforge.data.prepare import unigram_entropy
 from lmforge.common.errors import LmforgeError
@@ -189,6 +189,7 @@ def jsonl_files(source: str) -> list[Path]:
             files += sorted(p for p in path.rglob("*.jsonl") if p.is_file())
         elif path.suffix == ".jsonl" and path.is_file():
             files.append(path)
+    check_listed_once(files)
     return files
 
 
